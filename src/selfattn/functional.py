@@ -1,0 +1,227 @@
+"""``attention()`` and ``attention_weights()``: validate, normalise, dispatch to a backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from selfattn import backends as _backends
+from selfattn.backends import AttentionCall
+from selfattn.masks import as_mask
+from selfattn.scores import as_score_mod
+
+__all__ = ["attention", "attention_weights"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensors(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; attention needs float16, bfloat16, float32 or "
+                f"float64 (cast with {name}.float())"
+            )
+    names = ("q (B, Hq, Sq, D)", "k (B, Hkv, Sk, D)", "v (B, Hkv, Sk, Dv)")
+    for name, t in zip(names, (q, k, v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D, got shape {tuple(t.shape)}; add a batch or head dim with "
+                "unsqueeze, or move heads before the sequence with transpose(1, 2)"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}; "
+            "move them with .to(device)"
+        )
+    (B, Hq, _, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Sv, _) = q.shape, k.shape, v.shape
+    if not (B == Bk == Bv):
+        raise ValueError(f"batch sizes differ: q has B={B}, k has {Bk}, v has {Bv}")
+    if D != Dk:
+        raise ValueError(
+            f"q and k head dims differ: q {tuple(q.shape)} has D={D}, k {tuple(k.shape)} has {Dk}"
+        )
+    if Hkv != Hv or Sk != Sv:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, Sk)")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"Hq ({Hq}) must be a multiple of Hkv ({Hkv}) for grouped-query attention; "
+            f"query head h reads kv head h // (Hq // Hkv)"
+        )
+
+
+def _prepare(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    dropout_p=0.0,
+    generator=None,
+    q_offset=None,
+    return_lse=False,
+):
+    """Validate and normalise the arguments of :func:`attention` into ``(q, k, v, AttentionCall)``."""
+    _check_tensors(q, k, v)
+    B, Hq, Sq, D = q.shape
+    Sk = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if isinstance(scale, torch.Tensor):
+        scale = float(scale)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if q_offset is None:
+        q_offset = Sk - Sq
+    if (
+        isinstance(q_offset, torch.Tensor)
+        and q_offset.numel() == 1
+        and not q_offset.is_floating_point()
+    ):
+        q_offset = int(q_offset)
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+        raise TypeError(f"q_offset must be an int (position of query row 0), got {q_offset!r}")
+
+    mask_obj = None if mask is None else as_mask(mask)
+    if mask_obj is not None:
+        mask_obj.validate(B, Hq, Sq, Sk, q_offset)
+    mod_obj = None if score_mod is None else as_score_mod(score_mod)
+    if mod_obj is not None:
+        mod_obj.validate(B, Hq, Sq, Sk, q_offset)
+
+    seed = 0
+    if dropout_p > 0:
+        dev = generator.device if generator is not None else "cpu"
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev))
+    call = AttentionCall(
+        mask=mask_obj,
+        score_mod=mod_obj,
+        scale=float(scale),
+        dropout_p=float(dropout_p),
+        dropout_seed=seed,
+        q_offset=q_offset,
+        return_lse=bool(return_lse),
+    )
+    return q, k, v, call
+
+
+def _empty(q, k, v, call):
+    """A call with no queries or no keys: output 0, lse -inf, gradients 0 (never NaN)."""
+    B, Hq, Sq, _ = q.shape
+    Dv = v.shape[3]
+    # keep the graph connected so that backward yields zero gradients rather than None
+    zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
+    out = q.new_zeros(B, Hq, Sq, Dv) + zero
+    lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=_lse_dtype(q))
+    return out, (lse if call.return_lse else None)
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask=None,
+    score_mod=None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    q_offset: int | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Scaled dot-product attention ``softmax(score_mod(Q Kᵀ · scale) + M) V``.
+
+    Args:
+        q: ``(B, Hq, Sq, D)`` queries.
+        k: ``(B, Hkv, Sk, D)`` keys; ``Hkv`` divides ``Hq`` (GQA / MQA): query head ``h`` reads
+            kv head ``h // (Hq // Hkv)``. K/V are never repeated in memory.
+        v: ``(B, Hkv, Sk, Dv)`` values; ``Dv`` may differ from ``D``.
+        mask: a :class:`selfattn.masks.Mask`, a FlexAttention-style
+            ``mask_mod(b, h, q_idx, kv_idx) -> bool`` or a bool tensor broadcastable to
+            ``(B, Hq, Sq, Sk)`` (True = attend).
+        score_mod: a :class:`selfattn.scores.ScoreMod`, a FlexAttention-style
+            ``score_mod(score, b, h, q_idx, kv_idx)`` or a float tensor broadcastable to
+            ``(B, Hq, Sq, Sk)``, added to the scaled scores.
+        scale: multiplies ``Q Kᵀ``; default ``1/sqrt(D)``. Zero and negative values are allowed.
+        dropout_p: attention-weight dropout probability in ``[0, 1)``; ``0`` is bitwise the same
+            as no dropout.
+        generator: draws the dropout seed (same generator state -> same output and gradients).
+        q_offset: absolute position of query row 0; key ``j`` sits at position ``j``. Default
+            ``Sk - Sq`` (bottom-right alignment, what a KV cache needs). Masks and score mods see
+            absolute positions. For ``Sq=2, Sk=5`` with ``causal()``::
+
+                key position     0 1 2 3 4
+                query 0 (pos 3)  █ █ █ █ ·
+                query 1 (pos 4)  █ █ █ █ █
+
+            ``q_offset=0`` gives top-left alignment (query 0 sees key 0 only).
+        backend: ``"auto"`` or one of ``selfattn.backends.names()``; see
+            :func:`selfattn.backends.explain` for what ``auto`` picks and why.
+        return_lse: also return the log-sum-exp of each row's (masked) scores.
+
+    Returns:
+        ``out (B, Hq, Sq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` in
+        float32 (float64 for float64 inputs). A query row with no allowed key gives output 0,
+        lse ``-inf`` and zero gradients, never NaN. fp16/bf16 inputs accumulate in float32.
+    """
+    q, k, v, call = _prepare(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        dropout_p=dropout_p,
+        generator=generator,
+        q_offset=q_offset,
+        return_lse=return_lse,
+    )
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+        out, lse = _empty(q, k, v, call)
+    else:
+        chosen, _ = _backends.select(q, k, v, call, backend)
+        out, lse = chosen.run(q, k, v, call)
+    return (out, lse) if return_lse else out
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask=None,
+    score_mod=None,
+    scale: float | None = None,
+    q_offset: int | None = None,
+) -> torch.Tensor:
+    """The attention weights ``softmax(...)`` ``(B, Hq, Sq, Sk)`` of :func:`attention` (no dropout).
+
+    Same arguments and semantics as :func:`attention`; each row sums to 1, or is all 0 when the
+    mask allows no key. Computed by the reference backend (the weights are quadratic anyway).
+    """
+    from selfattn.backends import reference
+
+    q, k, v, call = _prepare(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset
+    )
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return reference.weights(q, k, v, call)

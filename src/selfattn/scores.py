@@ -1,0 +1,359 @@
+"""Score mods: functions of the scaled score ``s = q·k · scale`` applied before the mask and softmax.
+
+A :class:`ScoreMod` maps ``(score, b, h, q_idx, kv_idx) -> new score`` elementwise, with the same
+broadcastable index tensors and absolute positions as :mod:`selfattn.masks` (``h`` is the query
+head). Built-ins: :func:`alibi`, :func:`softcap`, :func:`bias` and :class:`RelativePositionBias`
+(T5). Compose with ``>>`` (``alibi(8) >> softcap(30.0)`` adds ALiBi, then caps) or
+:func:`compose`. FlexAttention-style callables and float tensors are accepted wherever a score mod
+is (see :func:`as_score_mod`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "CallableScoreMod",
+    "RelativePositionBias",
+    "ScoreMod",
+    "alibi",
+    "alibi_slopes",
+    "as_score_mod",
+    "bias",
+    "compose",
+    "softcap",
+]
+
+
+class ScoreMod:
+    """Base class. Subclasses implement :meth:`score_mod`; additive ones also :meth:`bias`."""
+
+    #: True when the mod is ``score + bias(b, h, q, kv)`` with a bias independent of the score,
+    #: so that a backend may materialise it as an additive float mask.
+    additive: bool = False
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
+        """The modified score; all arguments broadcast (see module docstring)."""
+        raise NotImplementedError
+
+    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
+        """The additive term of an ``additive`` mod (float, broadcastable)."""
+        raise TypeError(f"{self!r} is not an additive score mod")
+
+    def __call__(self, score, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
+        return self.score_mod(score, b, h, q_idx, kv_idx, q_offset)
+
+    def as_score_mod(self, q_offset: int = 0) -> Callable:
+        """This mod as a 5-argument FlexAttention ``score_mod`` for a call with ``q_offset``."""
+        return functools.partial(self.score_mod, q_offset=q_offset)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Tensors the mod reads that may require gradients (backends route their gradients)."""
+        return ()
+
+    def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
+        """Raise ``ValueError`` naming the values if this mod cannot serve such a call."""
+
+    def __rshift__(self, other) -> ScoreMod:
+        return Compose(self, as_score_mod(other))
+
+    def __rrshift__(self, other) -> ScoreMod:
+        return Compose(as_score_mod(other), self)
+
+
+class Compose(ScoreMod):
+    def __init__(self, *mods: ScoreMod):
+        flat: list[ScoreMod] = []
+        for m in mods:
+            flat.extend(m.mods if isinstance(m, Compose) else [m])
+        self.mods = tuple(flat)
+        self.additive = all(m.additive for m in self.mods)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        for m in self.mods:
+            score = m.score_mod(score, b, h, q_idx, kv_idx, q_offset)
+        return score
+
+    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        if not self.additive:
+            return super().bias(b, h, q_idx, kv_idx, q_offset)
+        out = self.mods[0].bias(b, h, q_idx, kv_idx, q_offset)
+        for m in self.mods[1:]:
+            out = out + m.bias(b, h, q_idx, kv_idx, q_offset)
+        return out
+
+    def tensors(self):
+        return tuple(t for m in self.mods for t in m.tensors())
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        for m in self.mods:
+            m.validate(B, H, Sq, Sk, q_offset)
+
+    def __repr__(self) -> str:
+        return " >> ".join(repr(m) for m in self.mods)
+
+
+def compose(*mods) -> ScoreMod:
+    """Apply score mods left to right: ``compose(a, b)(s) == b(a(s))``."""
+    if not mods:
+        raise ValueError("compose() needs at least one score mod")
+    return Compose(*(as_score_mod(m) for m in mods))
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi head slopes (Press et al., 2021), float32 ``(n_heads,)``, for any head count.
+
+    For a power of two ``n``, slope ``i`` is ``2^(-8(i+1)/n)``. Otherwise the slopes of the closest
+    lower power of two ``m`` are followed by every other slope of ``2m`` (the paper's ``get_slopes``).
+    """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"alibi n_heads must be a positive int, got {n_heads!r}")
+
+    def pow2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    m = 2 ** math.floor(math.log2(n_heads))
+    slopes = pow2(m)
+    if m < n_heads:
+        slopes += pow2(2 * m)[0::2][: n_heads - m]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBi(ScoreMod):
+    additive = True
+
+    def __init__(self, n_heads: int):
+        self.n_heads = n_heads
+        self.slopes = alibi_slopes(n_heads)
+
+    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        slopes = self.slopes.to(h.device)[h]
+        return -slopes * (q_idx - kv_idx).abs()
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        if H != self.n_heads:
+            raise ValueError(
+                f"alibi was built for n_heads={self.n_heads} but the call has Hq={H} query heads"
+            )
+
+    def __repr__(self) -> str:
+        return f"alibi({self.n_heads})"
+
+
+def alibi(n_heads: int) -> ScoreMod:
+    """ALiBi: add ``-slope[h] · |i - j|`` to the score of query position ``i`` and key ``j``.
+
+    Under a causal mask this is Press et al.'s ``slope · (j - i)``; without one it is the symmetric
+    form flash-attention uses. Distances are between absolute positions, so padding and caches keep
+    them right.
+    """
+    return ALiBi(n_heads)
+
+
+class SoftCap(ScoreMod):
+    def __init__(self, cap: float):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            raise ValueError(f"softcap cap must be a positive number, got {cap!r}")
+        self.cap = float(cap)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def __repr__(self) -> str:
+        return f"softcap({self.cap:g})"
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping ``cap · tanh(s / cap)`` (Gemma 2, Grok): scores stay in ``(-cap, cap)``."""
+    return SoftCap(cap)
+
+
+def _row_index(t: torch.Tensor, b, h, q_idx, kv_idx, q_offset: int):
+    """Index a ``(B?, H?, Sq, Sk)`` row-ordered tensor at broadcast index tensors."""
+    idx = [
+        x if n > 1 else torch.zeros_like(x)
+        for x, n in zip((b, h, q_idx - q_offset, kv_idx), t.shape)
+    ]
+    return t[idx[0], idx[1], idx[2], idx[3]]
+
+
+def _check_broadcast(shape, B, H, Sq, Sk, what: str) -> None:
+    ok = len(shape) == 4 and all(n in (1, want) for n, want in zip(shape, (B, H, Sq, Sk)))
+    if not ok:
+        raise ValueError(
+            f"{what} of shape {tuple(shape)} does not broadcast to (B, Hq, Sq, Sk) = "
+            f"({B}, {H}, {Sq}, {Sk})"
+        )
+
+
+class Bias(ScoreMod):
+    additive = True
+
+    def __init__(self, tensor: torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(
+                f"bias must be a floating-point tensor, got {got}; pass bool masks as mask="
+            )
+        if tensor.dim() < 2 or tensor.dim() > 4:
+            raise ValueError(
+                f"bias must broadcast to (B, Hq, Sq, Sk), got shape {tuple(tensor.shape)}"
+            )
+        while tensor.dim() < 4:
+            tensor = tensor.unsqueeze(0)
+        self.tensor = tensor
+
+    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return _row_index(self.tensor, b, h, q_idx, kv_idx, q_offset)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+
+    def tensors(self):
+        return (self.tensor,)
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        _check_broadcast(self.tensor.shape, B, H, Sq, Sk, "bias")
+
+    def __repr__(self) -> str:
+        return f"bias(<{self.tensor.dtype} {tuple(self.tensor.shape)}>)"
+
+
+def bias(tensor: torch.Tensor) -> ScoreMod:
+    """Add a float tensor broadcastable to ``(B, Hq, Sq, Sk)`` (row ``i`` = query row ``i``).
+
+    Gradients flow into ``tensor`` when it requires them. ``-inf`` entries act as a mask.
+    """
+    return Bias(tensor)
+
+
+class RelativePositionBias(torch.nn.Module, ScoreMod):
+    """T5-style learned relative-position bias: a ``(num_buckets, n_heads)`` table indexed by bucket.
+
+    The relative position ``j - i`` is bucketed exactly (one bucket per offset) below
+    ``num_buckets // 2`` (halved again when ``bidirectional``) and logarithmically up to
+    ``max_distance``, beyond which all offsets share the last bucket (Raffel et al., 2020).
+    """
+
+    additive = True
+
+    def __init__(
+        self,
+        n_heads: int,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+    ):
+        torch.nn.Module.__init__(self)
+        for name, value in (("n_heads", n_heads), ("num_buckets", num_buckets)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"RelativePositionBias {name} must be a positive int, got {value!r}"
+                )
+        min_buckets = 4 if bidirectional else 2
+        if num_buckets < min_buckets:
+            raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets}")
+        if max_distance <= num_buckets // (4 if bidirectional else 2):
+            raise ValueError(
+                f"max_distance ({max_distance}) must exceed the exact-bucket range "
+                f"({num_buckets // (4 if bidirectional else 2)})"
+            )
+        self.n_heads, self.num_buckets = n_heads, num_buckets
+        self.max_distance, self.bidirectional = max_distance, bidirectional
+        self.weight = torch.nn.Parameter(torch.randn(num_buckets, n_heads) * 0.02)
+
+    def bucket(self, relative_position: torch.Tensor) -> torch.Tensor:
+        """Bucket id of each relative position ``j - i`` (int64, same shape)."""
+        n_buckets, rel = self.num_buckets, relative_position
+        out = torch.zeros_like(rel)
+        if self.bidirectional:
+            n_buckets //= 2
+            out = out + (rel > 0).long() * n_buckets
+            rel = rel.abs()
+        else:
+            rel = -torch.clamp(rel, max=0)
+        max_exact = n_buckets // 2
+        is_small = rel < max_exact
+        # log-spaced buckets for larger distances; clamp avoids log(0) on the exact branch
+        large = (
+            max_exact
+            + (
+                torch.log(rel.clamp(min=1).float() / max_exact)
+                / math.log(self.max_distance / max_exact)
+                * (n_buckets - max_exact)
+            ).long()
+        )
+        large = large.clamp(max=n_buckets - 1)
+        return out + torch.where(is_small, rel, large)
+
+    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        buckets = self.bucket(kv_idx - q_idx)
+        return self.weight[buckets, h]
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+
+    def tensors(self):
+        return (self.weight,)
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        if H != self.n_heads:
+            raise ValueError(
+                f"RelativePositionBias has n_heads={self.n_heads} but the call has Hq={H} heads"
+            )
+
+    def forward(self, Sq: int, Sk: int | None = None, q_offset: int | None = None) -> torch.Tensor:
+        """The dense bias ``(1, n_heads, Sq, Sk)`` (T5's ``compute_bias``), bottom-right aligned."""
+        Sk = Sq if Sk is None else Sk
+        q_offset = Sk - Sq if q_offset is None else q_offset
+        dev = self.weight.device
+        q = (torch.arange(Sq, device=dev) + q_offset).view(1, 1, -1, 1)
+        kv = torch.arange(Sk, device=dev).view(1, 1, 1, -1)
+        h = torch.arange(self.n_heads, device=dev).view(1, -1, 1, 1)
+        return self.bias(None, h, q, kv)
+
+    def __repr__(self) -> str:
+        return (
+            f"RelativePositionBias(n_heads={self.n_heads}, num_buckets={self.num_buckets}, "
+            f"max_distance={self.max_distance}, bidirectional={self.bidirectional})"
+        )
+
+
+class CallableScoreMod(ScoreMod):
+    """Wraps a FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
+
+    def __init__(self, fn: Callable):
+        if not callable(fn):
+            raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
+        self.fn = fn
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def as_score_mod(self, q_offset: int = 0) -> Callable:
+        return self.fn
+
+    def __repr__(self) -> str:
+        return f"score_mod({getattr(self.fn, '__name__', type(self.fn).__name__)})"
+
+
+def as_score_mod(mod) -> ScoreMod:
+    """Normalise ``score_mod=``: a :class:`ScoreMod`, a float tensor (added), or a 5-arg callable."""
+    if isinstance(mod, ScoreMod):
+        return mod
+    if isinstance(mod, torch.Tensor):
+        return Bias(mod)
+    if callable(mod):
+        return CallableScoreMod(mod)
+    raise TypeError(
+        f"score_mod must be a selfattn.scores.ScoreMod, a float tensor or a "
+        f"score_mod(score, b, h, q_idx, kv_idx) callable, got {type(mod).__name__}"
+    )

@@ -1,0 +1,148 @@
+"""Test helpers shipped with the package: input factories and the ratio tolerance rule.
+
+The rule (TESTING.md): a backend's max error against the float64 reference may be at most
+``2×`` (forward) / ``3×`` (gradients) the max error of the same formula computed naively in the
+test dtype, plus an absolute floor of a few ulps of that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.backends import reference
+from selfattn.functional import _prepare
+
+__all__ = [
+    "assert_close_to_reference",
+    "check_against_reference",
+    "make_qkv",
+    "naive_attention",
+    "reference_attention",
+]
+
+FORWARD_FACTOR = 2.0
+GRAD_FACTOR = 3.0
+ULPS = 8  # the absolute floor, in ulps of the test dtype at the output's magnitude
+
+
+def make_qkv(
+    B: int = 2,
+    Hq: int = 4,
+    Sq: int = 16,
+    D: int = 32,
+    *,
+    Hkv: int | None = None,
+    Sk: int | None = None,
+    Dv: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    requires_grad: bool = False,
+    contiguous: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``.
+
+    ``contiguous=False`` returns non-contiguous views: q/k/v are slices of one fused
+    ``(B, S, H, ·)`` projection transposed to ``(B, H, S, ·)``, and v is additionally a
+    transposed-storage tensor, as produced by real models.
+    """
+    Hkv = Hq if Hkv is None else Hkv
+    Sk = Sq if Sk is None else Sk
+    Dv = D if Dv is None else Dv
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+
+    if contiguous:
+        q, k, v = rnd(B, Hq, Sq, D), rnd(B, Hkv, Sk, D), rnd(B, Hkv, Sk, Dv)
+    else:
+        fused_q = rnd(B, Sq, Hq, D + 3)  # extra columns: the views are strided, not just permuted
+        fused_kv = rnd(B, Sk, Hkv, 2 * D + 1)
+        q = fused_q[..., :D].transpose(1, 2)
+        k = fused_kv[..., 1 : D + 1].transpose(1, 2)
+        v = rnd(B, Hkv, Dv, Sk).transpose(-1, -2)
+    if requires_grad:
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    return q, k, v
+
+
+def _call(q, k, v, kwargs, compute_dtype=None):
+    kwargs = dict(kwargs)
+    kwargs.pop("backend", None)
+    qq, kk, vv, call = _prepare(q, k, v, **{**kwargs, "return_lse": True})
+    return reference.run(qq, kk, vv, call, compute_dtype=compute_dtype)
+
+
+def reference_attention(q, k, v, **kwargs):
+    """The float64 oracle: ``(out, lse)`` of the reference backend on fp64 copies of q, k, v."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v))
+    out, lse = _call(q64, k64, v64, kwargs)
+    return out, lse, (q64, k64, v64)
+
+
+def naive_attention(q, k, v, **kwargs):
+    """The same formula computed entirely in the input dtype (the noise baseline)."""
+    ql, kl, vl = (t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v))
+    out, lse = _call(ql, kl, vl, kwargs, compute_dtype=q.dtype)
+    return out, lse, (ql, kl, vl)
+
+
+def _floor(dtype: torch.dtype, magnitude: float) -> float:
+    return ULPS * torch.finfo(dtype).eps * max(1.0, magnitude)
+
+
+def assert_close_to_reference(
+    actual: torch.Tensor,
+    oracle: torch.Tensor,
+    naive: torch.Tensor,
+    *,
+    factor: float = FORWARD_FACTOR,
+    dtype: torch.dtype | None = None,
+    what: str = "out",
+) -> None:
+    """``max|actual - oracle| <= factor · max|naive - oracle| + floor``; NaN anywhere fails."""
+    dtype = dtype or actual.dtype
+    a, o, n = actual.double(), oracle.double(), naive.double()
+    finite = torch.isfinite(o)
+    if not torch.equal(torch.isfinite(a), finite):
+        bad = (torch.isfinite(a) != finite).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: non-finite pattern differs from the oracle at {bad}")
+    if not bool(finite.any()):
+        return
+    err = (a - o)[finite].abs()
+    base = (n - o)[finite].abs().max().item() if n is not None else 0.0
+    tol = factor * base + _floor(dtype, o[finite].abs().max().item())
+    if err.max().item() > tol:
+        raise AssertionError(
+            f"{what}: max error {err.max().item():.3e} (mean {err.mean().item():.3e}) exceeds "
+            f"{factor}x the naive {dtype} error {base:.3e} + floor = {tol:.3e}"
+        )
+
+
+def check_against_reference(fn, q, k, v, *, grad: bool = True, seed: int = 1, **kwargs) -> None:
+    """Run ``fn(q, k, v, return_lse=True, **kwargs)`` and check out, lse and dq/dk/dv by the rule.
+
+    ``fn`` is typically ``functools.partial(selfattn.attention, backend=...)``. Gradients use a
+    fresh random ``dout``.
+    """
+    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+    out, lse = fn(q, k, v, return_lse=True, **kwargs)
+    o64, lse64, leaves64 = reference_attention(q, k, v, **kwargs)
+    onaive, lsenaive, leavesn = naive_attention(q, k, v, **kwargs)
+    assert out.dtype == q.dtype, f"out dtype {out.dtype} != input dtype {q.dtype}"
+    assert out.shape == o64.shape, f"out shape {tuple(out.shape)} != {tuple(o64.shape)}"
+    assert_close_to_reference(out, o64, onaive, dtype=q.dtype, what="out")
+    assert_close_to_reference(lse, lse64, lsenaive, dtype=torch.float32, what="lse")
+    if not grad:
+        return
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(out.dtype), allow_unused=True)
+    g64 = torch.autograd.grad(o64, leaves64, dout, allow_unused=True)
+    gn = torch.autograd.grad(onaive, leavesn, dout.to(onaive.dtype), allow_unused=True)
+    for name, a, o, n in zip(("dq", "dk", "dv"), grads, g64, gn):
+        a = torch.zeros_like(o) if a is None else a
+        o = torch.zeros_like(a, dtype=torch.float64) if o is None else o
+        n = torch.zeros_like(o) if n is None else n
+        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, dtype=q.dtype, what=name)
