@@ -49,7 +49,10 @@ def _check_tensors(q, k, v) -> None:
             f"q and k head dims differ: q {tuple(q.shape)} has D={D}, k {tuple(k.shape)} has {Dk}"
         )
     if Hkv != Hv or Sk != Sv:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, Sk)")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, Sk): "
+            f"k has Hkv={Hkv}, Sk={Sk} but v has Hkv={Hv}, Sk={Sv}"
+        )
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(
             f"Hq ({Hq}) must be a multiple of Hkv ({Hkv}) for grouped-query attention; "
@@ -70,18 +73,22 @@ def _prepare(
     q_offset=None,
     return_lse=False,
 ):
-    """Validate and normalise the arguments of :func:`attention` into ``(q, k, v, AttentionCall)``."""
+    """Validate and normalise :func:`attention`'s arguments into ``(q, k, v, AttentionCall)``."""
     _check_tensors(q, k, v)
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise TypeError(f"scale must be a number, got a tensor of shape {tuple(scale.shape)}")
         scale = float(scale)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a finite number, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if q_offset is None:
@@ -102,6 +109,8 @@ def _prepare(
     if mod_obj is not None:
         mod_obj.validate(B, Hq, Sq, Sk, q_offset)
 
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     seed = 0
     if dropout_p > 0:
         dev = generator.device if generator is not None else "cpu"
@@ -195,6 +204,8 @@ def attention(
         return_lse=return_lse,
     )
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+        if backend != "auto":
+            _backends.get(backend)  # a misspelt name fails on empty inputs too, not only later
         out, lse = _empty(q, k, v, call)
     else:
         chosen, _ = _backends.select(q, k, v, call, backend)

@@ -1,4 +1,4 @@
-"""Score mods: functions of the scaled score ``s = q·k · scale`` applied before the mask and softmax.
+"""Score mods: functions of the scaled score ``s = q·k · scale``, applied before mask and softmax.
 
 A :class:`ScoreMod` maps ``(score, b, h, q_idx, kv_idx) -> new score`` elementwise, with the same
 broadcastable index tensors and absolute positions as :mod:`selfattn.masks` (``h`` is the query
@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from selfattn.masks import _call_elementwise, _check_arity, _fn_name, _ReturnTypeError
 
 __all__ = [
     "CallableScoreMod",
@@ -108,16 +110,24 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi head slopes (Press et al., 2021), float32 ``(n_heads,)``, for any head count.
 
     For a power of two ``n``, slope ``i`` is ``2^(-8(i+1)/n)``. Otherwise the slopes of the closest
-    lower power of two ``m`` are followed by every other slope of ``2m`` (the paper's ``get_slopes``).
+    lower power of two ``m`` are followed by every other slope of ``2m`` (the paper's
+    ``get_slopes``).
     """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"alibi n_heads must be a positive int, got {n_heads!r}")
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int):
+        raise TypeError(
+            f"alibi n_heads must be an int, got {type(n_heads).__name__} {n_heads!r}; "
+            "pass the number of query heads"
+        )
+    if n_heads < 1:
+        raise ValueError(
+            f"alibi n_heads must be >= 1, got {n_heads}; pass the number of query heads"
+        )
 
     def pow2(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
 
-    m = 2 ** math.floor(math.log2(n_heads))
+    m = 1 << (n_heads.bit_length() - 1)  # the largest power of two <= n_heads, exactly
     slopes = pow2(m)
     if m < n_heads:
         slopes += pow2(2 * m)[0::2][: n_heads - m]
@@ -131,17 +141,24 @@ class ALiBi(ScoreMod):
         self.n_heads = n_heads
         self.slopes = alibi_slopes(n_heads)
 
+    def _bias(self, h, q_idx, kv_idx, dtype: torch.dtype) -> torch.Tensor:
+        slopes = self.slopes.to(device=h.device, dtype=dtype)[h]
+        return -slopes * (q_idx - kv_idx).abs().to(dtype)
+
     def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        slopes = self.slopes.to(h.device)[h]
-        return -slopes * (q_idx - kv_idx).abs()
+        return self._bias(h, q_idx, kv_idx, torch.float32)
 
     def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+        # fp64 scores get the (float32) slopes times the distance in fp64, so the fp64 oracle
+        # computes exactly what a float32 kernel approximates; half scores still add a fp32 bias.
+        dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
+        return score + self._bias(h, q_idx, kv_idx, dtype).to(score.dtype)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         if H != self.n_heads:
             raise ValueError(
-                f"alibi was built for n_heads={self.n_heads} but the call has Hq={H} query heads"
+                f"alibi was built for n_heads={self.n_heads} but the call has Hq={H} query heads; "
+                f"build it with alibi({H})"
             )
 
     def __repr__(self) -> str:
@@ -160,8 +177,16 @@ def alibi(n_heads: int) -> ScoreMod:
 
 class SoftCap(ScoreMod):
     def __init__(self, cap: float):
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-            raise ValueError(f"softcap cap must be a positive number, got {cap!r}")
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+            raise TypeError(
+                f"softcap cap must be a number, got {type(cap).__name__} {cap!r}; "
+                "pass a float such as 30.0"
+            )
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(
+                f"softcap cap must be a positive finite number, got {cap!r}; "
+                "for no capping pass no softcap"
+            )
         self.cap = float(cap)
 
     def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
@@ -172,12 +197,16 @@ class SoftCap(ScoreMod):
 
 
 def softcap(cap: float) -> ScoreMod:
-    """Logit soft-capping ``cap · tanh(s / cap)`` (Gemma 2, Grok): scores stay in ``(-cap, cap)``."""
+    """Logit soft-capping ``cap · tanh(s / cap)`` (Gemma 2, Grok): scores stay in ``[-cap, cap]``.
+
+    (Open interval in exact arithmetic; in floating point ``tanh`` saturates to ±1.)
+    """
     return SoftCap(cap)
 
 
 def _row_index(t: torch.Tensor, b, h, q_idx, kv_idx, q_offset: int):
     """Index a ``(B?, H?, Sq, Sk)`` row-ordered tensor at broadcast index tensors."""
+    t = t.to(q_idx.device)  # differentiable, a no-op on the same device
     idx = [
         x if n > 1 else torch.zeros_like(x)
         for x, n in zip((b, h, q_idx - q_offset, kv_idx), t.shape)
@@ -190,7 +219,7 @@ def _check_broadcast(shape, B, H, Sq, Sk, what: str) -> None:
     if not ok:
         raise ValueError(
             f"{what} of shape {tuple(shape)} does not broadcast to (B, Hq, Sq, Sk) = "
-            f"({B}, {H}, {Sq}, {Sk})"
+            f"({B}, {H}, {Sq}, {Sk}); each dim must be 1 or the call's size"
         )
 
 
@@ -198,18 +227,32 @@ class Bias(ScoreMod):
     additive = True
 
     def __init__(self, tensor: torch.Tensor):
-        if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        if not isinstance(tensor, torch.Tensor):
             raise TypeError(
-                f"bias must be a floating-point tensor, got {got}; pass bool masks as mask="
+                f"bias must be a float torch.Tensor, got {type(tensor).__name__}; "
+                "wrap it with torch.as_tensor(..., dtype=torch.float32)"
             )
-        if tensor.dim() < 2 or tensor.dim() > 4:
+        if tensor.dtype == torch.bool:
+            raise TypeError(
+                "bias must be a floating-point tensor, got torch.bool; pass bool masks as mask="
+            )
+        if tensor.dtype.is_complex:
+            raise TypeError(
+                f"bias must be a real floating-point tensor, got {tensor.dtype}; "
+                "pass its real part (tensor.real) if that is what you mean"
+            )
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(
+                f"bias must be a floating-point tensor, got {tensor.dtype}; "
+                "cast it with .float() (or pass a bool mask as mask=)"
+            )
+        if tensor.dim() > 4:
             raise ValueError(
-                f"bias must broadcast to (B, Hq, Sq, Sk), got shape {tuple(tensor.shape)}"
+                f"bias must broadcast to (B, Hq, Sq, Sk), got {tensor.dim()}-D shape "
+                f"{tuple(tensor.shape)}"
             )
-        while tensor.dim() < 4:
-            tensor = tensor.unsqueeze(0)
-        self.tensor = tensor
+        # (…) -> (B or 1, Hq or 1, Sq or 1, Sk or 1); reshape keeps the autograd link to `tensor`
+        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
 
     def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
         return _row_index(self.tensor, b, h, q_idx, kv_idx, q_offset)
@@ -236,7 +279,7 @@ def bias(tensor: torch.Tensor) -> ScoreMod:
 
 
 class RelativePositionBias(torch.nn.Module, ScoreMod):
-    """T5-style learned relative-position bias: a ``(num_buckets, n_heads)`` table indexed by bucket.
+    """T5-style learned relative-position bias: a ``(num_buckets, n_heads)`` table read by bucket.
 
     The relative position ``j - i`` is bucketed exactly (one bucket per offset) below
     ``num_buckets // 2`` (halved again when ``bidirectional``) and logarithmically up to
@@ -253,18 +296,32 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
         bidirectional: bool = True,
     ):
         torch.nn.Module.__init__(self)
-        for name, value in (("n_heads", n_heads), ("num_buckets", num_buckets)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"RelativePositionBias {name} must be a positive int, got {value!r}"
+        for name, value in (
+            ("n_heads", n_heads),
+            ("num_buckets", num_buckets),
+            ("max_distance", max_distance),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"RelativePositionBias {name} must be an int, got {type(value).__name__} "
+                    f"{value!r}"
                 )
+            if value < 1:
+                raise ValueError(f"RelativePositionBias {name} must be >= 1, got {value}")
+        if not isinstance(bidirectional, bool):
+            raise TypeError(f"bidirectional must be True or False, got {bidirectional!r}")
+        # Half the buckets (per direction when bidirectional) are exact offsets 0..max_exact-1.
         min_buckets = 4 if bidirectional else 2
         if num_buckets < min_buckets:
-            raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets}")
-        if max_distance <= num_buckets // (4 if bidirectional else 2):
             raise ValueError(
-                f"max_distance ({max_distance}) must exceed the exact-bucket range "
-                f"({num_buckets // (4 if bidirectional else 2)})"
+                f"num_buckets must be >= {min_buckets} (bidirectional={bidirectional}), got "
+                f"{num_buckets}; T5 uses 32"
+            )
+        max_exact = num_buckets // (4 if bidirectional else 2)
+        if max_distance <= max_exact:
+            raise ValueError(
+                f"max_distance ({max_distance}) must exceed the exact-bucket range ({max_exact} "
+                f"for num_buckets={num_buckets}, bidirectional={bidirectional}); T5 uses 128"
             )
         self.n_heads, self.num_buckets = n_heads, num_buckets
         self.max_distance, self.bidirectional = max_distance, bidirectional
@@ -272,7 +329,7 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
 
     def bucket(self, relative_position: torch.Tensor) -> torch.Tensor:
         """Bucket id of each relative position ``j - i`` (int64, same shape)."""
-        n_buckets, rel = self.num_buckets, relative_position
+        n_buckets, rel = self.num_buckets, relative_position.long()
         out = torch.zeros_like(rel)
         if self.bidirectional:
             n_buckets //= 2
@@ -296,7 +353,7 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
 
     def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
         buckets = self.bucket(kv_idx - q_idx)
-        return self.weight[buckets, h]
+        return self.weight[buckets.to(self.weight.device), h.to(self.weight.device)]
 
     def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
         return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
@@ -307,7 +364,8 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
     def validate(self, B, H, Sq, Sk, q_offset):
         if H != self.n_heads:
             raise ValueError(
-                f"RelativePositionBias has n_heads={self.n_heads} but the call has Hq={H} heads"
+                f"RelativePositionBias has n_heads={self.n_heads} but the call has Hq={H} heads; "
+                f"build it with RelativePositionBias({H}, ...)"
             )
 
     def forward(self, Sq: int, Sk: int | None = None, q_offset: int | None = None) -> torch.Tensor:
@@ -328,25 +386,46 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
 
 
 class CallableScoreMod(ScoreMod):
-    """Wraps a FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
+    """Wraps a FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
+
+    Called on broadcast tensors when it broadcasts, else under ``torch.vmap`` element by element
+    (FlexAttention calls it on 0-d tensors); it must return a floating-point score per element.
+    """
 
     def __init__(self, fn: Callable):
         if not callable(fn):
             raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
+        _check_arity(
+            fn,
+            5,
+            "score_mod",
+            "score, b, h, q_idx, kv_idx",
+            "a 4-argument mask function goes in mask=",
+        )
         self.fn = fn
 
     def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.fn(score, b, h, q_idx, kv_idx)
+        out = _call_elementwise(self.fn, (score, b, h, q_idx, kv_idx), "score_mod")
+        if not out.dtype.is_floating_point:
+            raise _ReturnTypeError(
+                f"score_mod {_fn_name(self.fn)} must return a floating-point score, got "
+                f"{out.dtype}; masks (bool) belong in mask="
+            )
+        # a mod that ignores `score` may return a smaller, broadcastable tensor. Only touch
+        # `out` when needed: under FlexAttention's compile every shape is 0-d.
+        if out.shape != score.shape:
+            out = out.expand(torch.broadcast_shapes(out.shape, score.shape))
+        return out
 
     def as_score_mod(self, q_offset: int = 0) -> Callable:
         return self.fn
 
     def __repr__(self) -> str:
-        return f"score_mod({getattr(self.fn, '__name__', type(self.fn).__name__)})"
+        return f"score_mod({_fn_name(self.fn)})"
 
 
 def as_score_mod(mod) -> ScoreMod:
-    """Normalise ``score_mod=``: a :class:`ScoreMod`, a float tensor (added), or a 5-arg callable."""
+    """Normalise ``score_mod=``: a :class:`ScoreMod`, a float tensor (added) or a 5-arg callable."""
     if isinstance(mod, ScoreMod):
         return mod
     if isinstance(mod, torch.Tensor):

@@ -23,6 +23,9 @@ __all__ = [
 FORWARD_FACTOR = 2.0
 GRAD_FACTOR = 3.0
 ULPS = 8  # the absolute floor, in ulps of the test dtype at the output's magnitude
+# fp64 inputs have no naive baseline (the naive computation is the oracle itself, error 0), so the
+# floor alone absorbs a tiled or fused kernel's reordering noise: tens of ulps over ~100 keys.
+ULPS_FP64 = 64
 
 
 def make_qkv(
@@ -89,7 +92,8 @@ def naive_attention(q, k, v, **kwargs):
 
 
 def _floor(dtype: torch.dtype, magnitude: float) -> float:
-    return ULPS * torch.finfo(dtype).eps * max(1.0, magnitude)
+    ulps = ULPS_FP64 if dtype == torch.float64 else ULPS
+    return ulps * torch.finfo(dtype).eps * max(1.0, magnitude)
 
 
 def assert_close_to_reference(

@@ -125,7 +125,7 @@ def select(q, k, v, call: AttentionCall, backend: str = "auto") -> tuple[Backend
 
 
 def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:
-    """Which backend ``selfattn.attention(q, k, v, **kwargs)`` with ``backend="auto"`` picks, and why.
+    """Which backend ``selfattn.attention(q, k, v, **kwargs)`` picks under "auto", and why.
 
     Takes exactly the arguments of :func:`selfattn.attention`. Prints the explanation (unless
     ``print_table=False``) and returns it.

@@ -1,4 +1,4 @@
-"""How ``auto`` ranks the backends that can run a case (rules measured on this project's machines)."""
+"""How ``auto`` ranks the backends that can run a case (rules measured on our machines)."""
 
 from __future__ import annotations
 

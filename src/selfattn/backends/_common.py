@@ -56,9 +56,9 @@ def unattended_columns_zeroed(
     """Zero K/V rows that no query of their group attends, so NaN/Inf there cannot leak.
 
     ``allowed`` is a bool mask broadcastable to ``(B, Hq, Sq, Sk)``. A masked key's weight is 0, but
-    ``0 · NaN = NaN`` in ``P @ V``; uninitialised cache slots and padding must not poison the output.
+    ``0 · NaN = NaN`` in ``P @ V``; uninitialised cache slots and padding must not poison it.
     """
-    B, Hkv, Sk, _ = k.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     cols = allowed.any(dim=-2)  # (B', Hq', Sk)
     if cols.shape[1] == Hq and Hq != Hkv:
         cols = cols.view(cols.shape[0], Hkv, Hq // Hkv, Sk).any(dim=2)

@@ -1,14 +1,401 @@
-"""The flex backend (under construction)."""
+"""The flex backend: PyTorch FlexAttention, compiled, with block masks from our tile classification.
 
-from selfattn.backends import Backend, register
+FlexAttention calls ``mask_mod`` / ``score_mod`` with query *row* indices; ours take absolute
+positions, so both are wrapped to add ``q_offset`` (held in a 0-d tensor, so that a new offset,
+e.g. the next decode step, does not recompile). The ``BlockMask`` comes from
+``mask.tile_kinds(...)`` on ``BLOCK × BLOCK`` tiles: EMPTY tiles are skipped, FULL tiles run
+without ``mask_mod``, PARTIAL tiles evaluate it. For the built-in masks that classification is
+analytic, O(tiles) instead of ``create_block_mask``'s O(Sq·Sk) evaluation; block masks are cached
+per (mask object, B, Hq, Sq, Sk, q_offset, device) in a small LRU.
+
+``torch.compile(flex_attention)`` is built on first use, never at import, with automatic dynamic
+shapes: the first call compiles for its shape, a second shape recompiles once with symbolic
+sizes, later sizes reuse that kernel (``Sq = 1``, new head dims, dtypes, masks and score mods
+still compile anew: a few seconds each on CPU). A case whose symbolic-size kernel fails to build
+falls back to static shapes (one kernel per shape) for the rest of the process. Past Dynamo's
+recompile limit (8 kernels per process) torch runs FlexAttention uncompiled: correct, but slow
+and O(Sq·Sk) in memory.
+
+Limits (see :func:`_reject`): CPU needs torch >= 2.6 and an AVX2 x86 CPU, runs float32 / float16 /
+bfloat16, has no backward and no log-sum-exp; CUDA needs head dims >= 16. Dropout is not
+available. Empty rows give output 0 (and lse ``-inf`` where lse is available).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import os
+import sys
+import threading
+
+import torch
+
+from selfattn.backends import AttentionCall, Backend, register
+from selfattn.backends._common import accumulation_dtype
+from selfattn.masks import FULL, PARTIAL, And, Mask, Not, TensorMask, TileGrid, _evaluate
+
+BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
+_CACHE_SIZE = 16  # block masks kept (each holds O(B·Hq·n_q·n_k) int32 indices and its mask)
+_HALF_AND_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+# Elements of mask evaluated at once when looking for attended non-finite K/V columns.
+_GUARD_CHUNK = 1 << 24
 
 
-def _run(q, k, v, call):
-    raise NotImplementedError
+# -- feature detection (what this torch has; nothing here probes hardware) ---------------------
 
 
-def _reject(q, k, v, call):
-    return "not implemented yet"
+@functools.cache
+def _api():
+    """``torch.nn.attention.flex_attention`` if this torch has it (2.5+), else None."""
+    try:
+        from torch.nn.attention import flex_attention as fa
+    except ImportError:
+        return None
+    return fa
 
 
-register(Backend("flex", _run, _reject))
+@functools.cache
+def _features() -> dict[str, bool]:
+    fa = _api()
+    flex = inspect.signature(fa.flex_attention).parameters
+    from_kv = inspect.signature(fa.BlockMask.from_kv_blocks).parameters
+    return {
+        "enable_gqa": "enable_gqa" in flex,
+        "return_aux": "return_aux" in flex and hasattr(fa, "AuxRequest"),
+        "return_lse": "return_lse" in flex,
+        # Without seq_lengths a BlockMask assumes whole blocks; create_block_mask is used then.
+        "seq_lengths": "seq_lengths" in from_kv,
+    }
+
+
+@functools.cache
+def _compiled(dynamic: bool | None = None):
+    """The compiled ``flex_attention``, made on first use.
+
+    ``dynamic=None`` (automatic dynamic shapes) is the default; ``dynamic=False`` (one kernel per
+    shape) is the fallback for cases whose dynamic-shape kernel fails to build (see ``_run``).
+    """
+    return torch.compile(_api().flex_attention, dynamic=dynamic)
+
+
+# Kernel signatures whose automatic-dynamic compile failed in this process; they go straight to
+# static shapes. (torch 2.13's CPU template emits C++ with an undeclared `cur_kvSplitSize<n>` for
+# e.g. a bool-tensor mask with ALiBi once the sequence lengths turn symbolic.)
+_STATIC_ONLY: set = set()
+
+
+def _mod_key(obj) -> tuple:
+    """What a mask / score mod contributes to the compiled kernel: its classes and code."""
+    if obj is None:
+        return ()
+    parts = [type(obj).__qualname__]
+    for name in ("a", "b", "mods", "fn"):
+        child = getattr(obj, name, None)
+        if isinstance(child, (tuple, list)):
+            parts.extend(_mod_key(c) for c in child)
+        elif name == "fn" and child is not None:
+            parts.append(getattr(child, "__code__", type(child)))
+        elif child is not None:
+            parts.append(_mod_key(child))
+    return tuple(parts)
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    return torch.torch_version.TorchVersion(torch.__version__) >= (major, minor)
+
+
+def _cpu_reason() -> str | None:
+    """Why torch.compile cannot run FlexAttention on this CPU, or None.
+
+    Mirrors inductor's own check (x86 with AVX2, not macOS); CPU FlexAttention arrived in 2.6.
+    """
+    if not _torch_at_least(2, 6):
+        return f"FlexAttention on CPU needs torch >= 2.6 (this is {torch.__version__})"
+    if sys.platform == "darwin":
+        return "torch.compile has no FlexAttention kernel for CPUs on macOS"
+    avx2 = getattr(torch.cpu, "_is_avx2_supported", None)
+    if (avx2 is not None and not avx2()) or os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        return "torch.compile's CPU FlexAttention kernel needs an x86 CPU with AVX2"
+    return None
+
+
+def _score_tensors_need_grad(call: AttentionCall) -> bool:
+    tensors = call.score_mod.tensors() if call.score_mod is not None else ()
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _grad_needed(q, k, v, call: AttentionCall) -> bool:
+    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# -- reject ------------------------------------------------------------------------------------
+
+
+def _reject(q, k, v, call: AttentionCall) -> str | None:
+    if _api() is None:
+        return f"this torch ({torch.__version__}) has no FlexAttention (needs torch >= 2.5)"
+    if call.dropout_p > 0:
+        return (
+            "FlexAttention has no dropout that matches selfattn's counter-based pattern (the same "
+            "pairs dropped as the reference for a seed)"
+        )
+    Hq, Hkv, Sq = q.shape[1], k.shape[1], q.shape[2]
+    D, Dv = q.shape[3], v.shape[3]
+    G = Hq // Hkv
+    dev = q.device.type
+    if q.dtype not in _HALF_AND_FLOAT:
+        return f"FlexAttention kernels run float32, float16 and bfloat16, not {q.dtype}"
+    if dev == "cpu":
+        reason = _cpu_reason()
+        if reason is not None:
+            return reason
+        if _grad_needed(q, k, v, call):
+            return (
+                "FlexAttention has no backward on CPU (inference only) and this call needs "
+                "gradients; use chunked or sdpa, or run under torch.no_grad()"
+            )
+        if call.return_lse:
+            return "torch.compile's CPU FlexAttention kernel cannot return the log-sum-exp"
+    elif dev == "cuda":
+        if D < 16 or Dv < 16:
+            return f"FlexAttention's CUDA kernels need head dims >= 16 (got D={D}, Dv={Dv})"
+        if not _torch_at_least(2, 6) and _score_tensors_need_grad(call):
+            return (
+                f"FlexAttention before torch 2.6 (this is {torch.__version__}) cannot "
+                "differentiate tensors a score mod reads (learnable biases)"
+            )
+        if G > 1 and G & (G - 1) and Sq < BLOCK:
+            return (
+                f"FlexAttention's CUDA decoding kernel (Sq < {BLOCK}) needs Hq / Hkv to be a "
+                f"power of two (got Hq={Hq}, Hkv={Hkv})"
+            )
+    else:
+        return f"the flex backend runs on cpu and cuda, not {dev}"
+    feats = _features()
+    if G > 1 and not feats["enable_gqa"]:
+        return f"this torch's FlexAttention has no enable_gqa (Hq={Hq}, Hkv={Hkv})"
+    if call.return_lse and not (feats["return_aux"] or feats["return_lse"]):
+        return "this torch's FlexAttention cannot return the log-sum-exp"
+    return None
+
+
+# -- block masks -------------------------------------------------------------------------------
+
+
+def _wrapped_mask_mod(mask: Mask, off: torch.Tensor):
+    """Our mask (absolute query positions) as FlexAttention's ``mask_mod`` (query rows)."""
+    inner = mask.as_mask_mod(off)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return inner(b, h, q_idx + off, kv_idx)
+
+    return mask_mod
+
+
+def _wrapped_score_mod(mod, off: torch.Tensor):
+    """Our score mod (absolute query positions) as FlexAttention's ``score_mod`` (query rows)."""
+    inner = mod.as_score_mod(off)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return inner(score, b, h, q_idx + off, kv_idx)
+
+    return score_mod
+
+
+def _kv_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block, how many key blocks are selected and their indices (selected first).
+
+    ``sel``: bool ``(B', H', n_q, n_k)`` -> ``num (B', H', n_q)`` and ``idx (B', H', n_q, n_k)``,
+    both int32, the layout ``BlockMask.from_kv_blocks`` takes.
+    """
+    num = sel.sum(dim=-1, dtype=torch.int32)  # (B', H', n_q)
+    # A stable descending sort of 0/1 puts the selected blocks first, in increasing key order.
+    idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return num, idx.to(torch.int32)
+
+
+def build_block_mask(
+    mask: Mask, B: int, Hq: int, Sq: int, Sk: int, q_offset: int, device, block: int = BLOCK
+):
+    """A FlexAttention ``BlockMask`` for ``mask`` from its tile classification (not cached).
+
+    EMPTY tiles are left out, FULL tiles go in the full-block lists (FlexAttention skips
+    ``mask_mod`` there), PARTIAL tiles in the partial lists. Batch and head dims stay 1 where the
+    classification does not vary over them. Torch versions whose ``from_kv_blocks`` has no
+    ``seq_lengths`` get ``create_block_mask`` instead (it evaluates every element).
+    """
+    fa = _api()
+    off = torch.tensor(q_offset, device=device)
+    mask_mod = _wrapped_mask_mod(mask, off)
+    if not _features()["seq_lengths"]:
+        return fa.create_block_mask(mask_mod, B, Hq, Sq, Sk, device=device, BLOCK_SIZE=block)
+    grid = TileGrid(Sq, Sk, block, block, q_offset, device=device)
+    kinds = mask.tile_kinds(grid, B, Hq)
+    kinds = kinds.reshape((1,) * (4 - kinds.dim()) + tuple(kinds.shape))
+    # broadcast dims of size 1 stay 1 (FlexAttention broadcasts them); n_q, n_k are made whole
+    kinds = kinds.expand(kinds.shape[0], kinds.shape[1], grid.n_q, grid.n_k)
+    num, idx = _kv_blocks(kinds == int(PARTIAL))
+    full_num, full_idx = _kv_blocks(kinds == int(FULL))
+    return fa.BlockMask.from_kv_blocks(
+        num,
+        idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(Sq, Sk),
+    )
+
+
+def _holds_tensor_mask(mask: Mask) -> bool:
+    if isinstance(mask, TensorMask):
+        return True
+    if isinstance(mask, And):  # Or is an And
+        return _holds_tensor_mask(mask.a) or _holds_tensor_mask(mask.b)
+    if isinstance(mask, Not):
+        return _holds_tensor_mask(mask.a)
+    return False
+
+
+class _BlockMaskCache:
+    """A small LRU of block masks keyed by mask identity and call geometry.
+
+    Each entry keeps its mask object alive, so an ``id`` in the key cannot be reused by another
+    mask while the entry exists. A mask mutated in place after its first use is not noticed.
+    Masks holding a bool tensor are not cached: a tensor passed as ``mask=`` becomes a new mask
+    object every call (so it would never hit), the entry would keep an ``(B, H, Sq, Sk)`` tensor
+    alive, and its blocks cost one pass over that tensor to rebuild anyway.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, mask: Mask, B, Hq, Sq, Sk, q_offset, device):
+        device = torch.device(device)
+        key = (id(mask), B, Hq, Sq, Sk, q_offset, str(device))
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0] is mask:
+                self._entries.move_to_end(key)
+                return hit[1]
+        block_mask = build_block_mask(mask, B, Hq, Sq, Sk, q_offset, device)
+        if _holds_tensor_mask(mask):
+            return block_mask
+        with self._lock:
+            self._entries[key] = (mask, block_mask)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return block_mask
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_block_masks = _BlockMaskCache(_CACHE_SIZE)
+
+
+# -- NaN guard ---------------------------------------------------------------------------------
+
+
+def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
+    """Zero the non-finite K/V rows that no query attends, without a dense mask.
+
+    FlexAttention computes ``P @ V`` over whole blocks, so NaN/Inf stored at a masked key inside
+    a partial block would leak through ``0 · NaN``. Only keys that actually hold a non-finite
+    value (few, if any) are checked against the mask, by evaluating it on those columns.
+    """
+    bad = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (B, Hkv, Sk)
+    if not bool(bad.any()):
+        return k, v
+    B, Hkv, _ = bad.shape
+    cols = bad.any(dim=1).any(dim=0).nonzero().flatten()  # key positions to check
+    attended = []
+    step = max(1, _GUARD_CHUNK // max(1, B * Hq * Sq))
+    for c in cols.split(step):
+        # evaluate the mask on columns c only: key index j of this sub-grid is position c[j]
+        def sub_mod(b, h, q_idx, kv_idx, q_offset=0, c=c):
+            return call.mask.mask_mod(b, h, q_idx, c[kv_idx], q_offset=q_offset)
+
+        dense = _evaluate(
+            sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device, mask_q_offset=call.q_offset
+        )
+        a = dense.expand(B, Hq, Sq, c.numel()).any(dim=2)  # (B, Hq, n)
+        attended.append(a.view(B, Hkv, Hq // Hkv, c.numel()).any(dim=2))  # (B, Hkv, n)
+    zero = torch.zeros_like(bad)
+    zero[:, :, cols] = bad[:, :, cols] & ~torch.cat(attended, dim=-1)
+    if not bool(zero.any()):
+        return k, v
+    keep = ~zero.unsqueeze(-1)  # (B, Hkv, Sk, 1)
+    return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def _run(q, k, v, call: AttentionCall):
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if not torch.is_grad_enabled():
+        # CPU FlexAttention refuses inputs that merely require grad, even under no_grad.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    block_mask = None
+    if call.mask is not None:
+        block_mask = _block_masks.get(call.mask, B, Hq, Sq, Sk, call.q_offset, q.device)
+        k, v = _unattended_nonfinite_zeroed(k, v, call, Hq, Sq)
+    kwargs = {"block_mask": block_mask, "scale": call.scale}
+    if call.score_mod is not None:
+        off = torch.tensor(call.q_offset, device=q.device)
+        kwargs["score_mod"] = _wrapped_score_mod(call.score_mod, off)
+    if Hq != Hkv:
+        kwargs["enable_gqa"] = True
+    feats = _features()
+    if call.return_lse:
+        if feats["return_aux"]:
+            kwargs["return_aux"] = _api().AuxRequest(lse=True)
+        else:
+            kwargs["return_lse"] = True
+    signature = (
+        q.device.type, q.dtype, q.shape[3], v.shape[3], Hq != Hkv, call.return_lse,
+        _mod_key(call.mask), _mod_key(call.score_mod),
+    )  # fmt: skip
+    modes = (False,) if signature in _STATIC_ONLY else (None, False)
+    for mode in modes:
+        try:
+            result = _compiled(mode)(q, k, v, **kwargs)
+            break
+        except Exception as e:
+            if mode is None:  # retry with static shapes, and remember to start there next time
+                _STATIC_ONLY.add(signature)
+                continue
+            raise RuntimeError(
+                f"the flex backend failed on q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                f"v {tuple(v.shape)} ({q.dtype}, {q.device}) with mask={call.mask!r}, "
+                f"score_mod={call.score_mod!r}, q_offset={call.q_offset}: "
+                f"{type(e).__name__}: {e}. Use backend='chunked' (or 'auto') for this case"
+            ) from e
+    if not call.return_lse:
+        return result, None
+    out, aux = result
+    lse = aux.lse if feats["return_aux"] else aux
+    # FlexAttention gives -inf for rows with no allowed key, like ours.
+    return out, lse.to(accumulation_dtype(q.dtype))
+
+
+register(
+    Backend(
+        "flex",
+        _run,
+        _reject,
+        doc=(
+            "PyTorch FlexAttention (torch.compile): block-sparse over our tile classification, "
+            "any mask and score mod; CPU: inference only, fp32/fp16/bf16, no lse"
+        ),
+    )
+)

@@ -27,7 +27,7 @@ def scores_and_weights(
     call: AttentionCall,
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weights ``P (B, Hq, Sq, Sk)``, lse ``(B, Hq, Sq)`` and the (NaN-guarded) ``v``, in compute dtype.
+    """Weights ``P (B, Hq, Sq, Sk)``, lse ``(B, Hq, Sq)`` and the NaN-guarded ``v`` (compute dtype).
 
     ``compute_dtype`` overrides the accumulation dtype; tests use it to build the naive
     low-precision baseline of the tolerance rule.

@@ -1,0 +1,774 @@
+"""The ``selfattn`` command: ``explain``, ``backends`` and ``info``.
+
+Thin by design: every number it prints comes from a library call (``selfattn.attention``,
+``selfattn.attention_weights``, ``selfattn.backends.explain``); the command only builds inputs and
+lays out results. Tables use ``rich`` when stdout is a terminal and plain text otherwise; ``--json``
+prints the same results as one JSON object.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage (argparse's convention); messages go to
+stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+
+import torch
+
+import selfattn as sa
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+# Beyond this size `backends` leaves its inputs uninitialised rather than filling them with random
+# numbers: backend selection looks at shapes, dtypes and strides, never at values.
+_MAX_INPUT_BYTES = 256 * 2**20
+
+_DTYPES = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Output: rich on a terminal, aligned plain text otherwise
+# ------------------------------------------------------------------------------------------------
+
+
+class _Printer:
+    """Writes headings, lines and tables to stdout; uses rich only when stdout is a terminal."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.console = None
+        if self.stream.isatty():
+            from rich.console import Console
+
+            self.console = Console(file=self.stream, highlight=False)
+
+    def heading(self, text: str) -> None:
+        if self.console is not None:
+            from rich.markup import escape
+
+            self.console.print(f"\n[bold]{escape(text)}[/bold]")
+        else:
+            print(f"\n{text}", file=self.stream)
+
+    def line(self, text: str = "") -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False)
+        else:
+            print(text, file=self.stream)
+
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
+        if self.console is not None:
+            from rich.table import Table
+
+            table = Table(title=title or None, title_justify="left")
+            for c in columns:
+                table.add_column(c)
+            for r in rows:
+                table.add_row(*r)
+            self.console.print(table)
+            return
+        if title:
+            print(title, file=self.stream)
+        widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
+        for r in (columns, ["-" * w for w in widths], *rows):
+            cells = (str(x).ljust(w) for x, w in zip(r, widths))
+            print("  ".join(cells).rstrip(), file=self.stream)
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, allow_nan=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument types: each raises ArgumentTypeError naming the bad value, so argparse exits with 2
+# ------------------------------------------------------------------------------------------------
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def _dtype(text: str) -> torch.dtype:
+    if text.lower() not in _DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; choose one of fp16, bf16, fp32, fp64"
+        )
+    return _DTYPES[text.lower()]
+
+
+# Mask terms that take an integer argument, and the library constructor each maps to. `documents:N`
+# (packed documents of N tokens) and `padding:N` (N valid keys per sequence) need the sequence
+# length, so they are built once the shapes are known.
+_MASK_TERMS = ("none", "causal", "sliding_window:N", "chunked:N", "prefix_lm:N")
+_MASK_TERMS_SHAPED = ("documents:N", "padding:N")
+
+
+def _mask_spec(text: str) -> list[tuple[str, int | None]]:
+    """Parse ``causal&sliding_window:256`` into ``[("causal", None), ("sliding_window", 256)]``."""
+    known = {t.split(":")[0]: t.endswith(":N") for t in _MASK_TERMS + _MASK_TERMS_SHAPED}
+    terms = []
+    for raw in text.split("&"):
+        name, _, arg = raw.strip().partition(":")
+        if name not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown mask term {raw.strip()!r} in {text!r}; use one of "
+                f"{', '.join(_MASK_TERMS + _MASK_TERMS_SHAPED)}, joined with '&'"
+            )
+        if known[name] != bool(arg):
+            need = f"an integer argument ({name}:N)" if known[name] else "no argument"
+            raise argparse.ArgumentTypeError(f"mask term {raw.strip()!r} takes {need}")
+        value = None
+        if arg:
+            try:
+                value = int(arg)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"mask term {raw.strip()!r}: expected an integer after ':', got {arg!r}"
+                ) from None
+            if value < 1:
+                raise argparse.ArgumentTypeError(
+                    f"mask term {raw.strip()!r}: {name} size must be >= 1, got {value}"
+                )
+        terms.append((name, value))
+    if len(terms) > 1 and any(name == "none" for name, _ in terms):
+        raise argparse.ArgumentTypeError(f"'none' cannot be combined with other terms in {text!r}")
+    return terms
+
+
+def _build_mask(terms, Sk: int, B: int):
+    """The library mask for parsed ``terms`` on a call with ``Sk`` keys (None for no mask)."""
+    m = sa.masks
+    parts = []
+    for name, n in terms:
+        if name == "none":
+            return None
+        if name == "causal":
+            parts.append(m.causal())
+        elif name == "documents":
+            parts.append(m.documents(torch.arange(Sk) // n))  # (Sk,) doc id per position
+        elif name == "padding":
+            parts.append(m.padding([n] * B))
+        else:
+            parts.append(getattr(m, name)(n))
+    mask = parts[0]
+    for p in parts[1:]:
+        mask = mask & p
+    return mask
+
+
+def _score_mod_spec(text: str) -> tuple[str, float | None]:
+    name, _, arg = text.partition(":")
+    if name in ("none", "alibi") and not arg:
+        return name, None
+    if name == "softcap" and arg:
+        try:
+            cap = float(arg)
+        except ValueError:
+            cap = float("nan")
+        if not (math.isfinite(cap) and cap > 0):
+            raise argparse.ArgumentTypeError(f"softcap needs a positive number, got {arg!r}")
+        return name, cap
+    raise argparse.ArgumentTypeError(
+        f"unknown score mod {text!r}; use none, alibi or softcap:CAP (e.g. softcap:30)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# explain: the seed's worked numeric example, computed by the library
+# ------------------------------------------------------------------------------------------------
+
+# Seed page 003, section 7: one query (token 1) against three keys, d_k = 2.
+_EXAMPLE_Q = [1.0, 0.0]
+_EXAMPLE_K = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+_EXAMPLE_V = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
+_SATURATION_FACTOR = 10.0  # the seed scales the query up by 10: scores 0.707 -> 7.07
+
+
+def _example_tensors(q_factor: float = 1.0):
+    """q ``(1, 1, 1, 2)``, k ``(1, 1, 3, 2)``, v ``(1, 1, 3, 2)`` in float64 (exact to print)."""
+    f64 = torch.float64
+    q = torch.tensor(_EXAMPLE_Q, dtype=f64).view(1, 1, 1, 2) * q_factor
+    k = torch.tensor(_EXAMPLE_K, dtype=f64).view(1, 1, 3, 2)
+    v = torch.tensor(_EXAMPLE_V, dtype=f64).view(1, 1, 3, 2)
+    return q, k, v
+
+
+def _middle_score_gradients(q, k, v) -> tuple[float, list[float]]:
+    """``∂w₂/∂s₂`` and ``∂out/∂s₂`` by autograd, ``s₂`` being the middle scaled score.
+
+    A zero bias passed as ``score_mod`` is added to the scaled scores, so its gradient is the
+    gradient with respect to the scores themselves.
+    """
+    bias = torch.zeros(1, 1, 1, 3, dtype=q.dtype, requires_grad=True)  # (B, Hq, Sq, Sk)
+    w = sa.attention_weights(q, k, v, score_mod=bias)
+    (dw_ds,) = torch.autograd.grad(w[0, 0, 0, 1], bias)
+    out = sa.attention(q, k, v, score_mod=bias, backend="reference")
+    dout_ds = [
+        torch.autograd.grad(out[0, 0, 0, c], bias, retain_graph=True)[0][0, 0, 0, 1].item()
+        for c in range(out.shape[-1])
+    ]
+    return dw_ds[0, 0, 0, 1].item(), dout_ds
+
+
+def _attend(q, k, v) -> dict:
+    """Scores, softmax and output of the example's one query; every step as a plain list."""
+    d_k = q.shape[-1]
+    scale = 1.0 / math.sqrt(d_k)
+    scores = (q @ k.transpose(-1, -2))[0, 0, 0]  # (1, 1, 1, 2) @ (1, 1, 2, 3) -> (3,)
+    weights = sa.attention_weights(q, k, v)[0, 0, 0]  # (3,)
+    out, lse = sa.attention(q, k, v, return_lse=True)
+    dw_ds, dout_ds = _middle_score_gradients(q, k, v)
+    return {
+        "scores": scores.tolist(),
+        "scale": scale,
+        "scaled_scores": (scores * scale).tolist(),
+        "exp": torch.exp(scores * scale).tolist(),
+        "total": math.exp(lse.item()),
+        "lse": lse.item(),
+        "weights": weights.tolist(),
+        "output": out[0, 0, 0].tolist(),
+        "dw2_ds2": dw_ds,
+        "dout_ds2": dout_ds,
+    }
+
+
+def _worked_example() -> dict:
+    q, k, v = _example_tensors()
+    base = _attend(q, k, v)
+    # Causal, with the query as token 1 at position 0 (q_offset=0): it sees only key 1.
+    causal = sa.masks.causal()
+    w_causal = sa.attention_weights(q, k, v, mask=causal, q_offset=0)[0, 0, 0]  # (3,)
+    out_causal = sa.attention(q, k, v, mask=causal, q_offset=0)[0, 0, 0]  # (2,)
+    saturated = _attend(*_example_tensors(_SATURATION_FACTOR))
+    return {
+        "inputs": {"q": _EXAMPLE_Q, "k": _EXAMPLE_K, "v": _EXAMPLE_V, "d_k": len(_EXAMPLE_Q)},
+        **base,
+        "causal": {
+            "q_offset": 0,
+            "mask": causal.render(1, 3, q_offset=0),
+            "weights": w_causal.tolist(),
+            "output": out_causal.tolist(),
+        },
+        "saturated": {"query_factor": _SATURATION_FACTOR, **saturated},
+    }
+
+
+def _fmt_vec(xs, p: int | None = None, style: str = "f") -> str:
+    """``[0.707, 0.000]`` (``p`` digits of format type ``style``), or ``[1, 0]`` when p is None."""
+    return "[" + ", ".join(f"{x:g}" if p is None else f"{x:.{p}{style}}" for x in xs) + "]"
+
+
+def _cmd_explain(args) -> int:
+    ex = _worked_example()
+    if args.json:
+        _print_json(ex)
+        return EXIT_OK
+    p = args.precision
+    out = _Printer()
+    f = lambda x: f"{x:.{p}f}"  # noqa: E731
+    inp = ex["inputs"]
+    out.heading("Scaled dot-product attention by hand (seed section 7, computed by selfattn)")
+    out.line(
+        f"query of token 1: q = {inp['q']}, d_k = {inp['d_k']}, scale 1/√d_k = {f(ex['scale'])}"
+    )
+    rows = []
+    for j in range(3):
+        rows.append(
+            [
+                f"token {j + 1}",
+                _fmt_vec(inp["k"][j]),
+                _fmt_vec(inp["v"][j]),
+                f(ex["scores"][j]),
+                f(ex["scaled_scores"][j]),
+                f(ex["exp"][j]),
+                f(ex["weights"][j]),
+            ]
+        )
+    rows.append(["total", "", "", "", "", f(ex["total"]), f(sum(ex["weights"]))])
+    out.table(
+        ["key", "k_j", "v_j", "1. q·k_j", "2. ÷ √d_k", "3. exp", "4. weight"],
+        rows,
+    )
+    out.line(
+        f"softmax total = exp(lse) = exp({f(ex['lse'])}) = {f(ex['total'])}; "
+        "weight = exp / total (selfattn.attention_weights)"
+    )
+    out.line(f"5. output = Σ weight_j · v_j = {_fmt_vec(ex['output'], p)} (selfattn.attention)")
+    out.line("Token 1 draws mostly on tokens 1 and 3, whose keys align with its query.")
+
+    c = ex["causal"]
+    out.heading("Causal mask (selfattn.masks.causal(), token 1 at position 0: q_offset=0)")
+    out.line(f"allowed keys: {c['mask']}   weights: {_fmt_vec(c['weights'], p)}")
+    out.line(f"output = v1 = {_fmt_vec(c['output'], p)}: token 1 can only see itself")
+
+    s = ex["saturated"]
+    factor = s["query_factor"]
+    out.heading(f"Saturation: the query scaled by {factor:g}")
+    ratio = ex["dw2_ds2"] / s["dw2_ds2"] if s["dw2_ds2"] else math.inf
+    out.table(
+        ["", f"q = {_fmt_vec(inp['q'])}", f"q × {factor:g}"],
+        [
+            ["scaled scores", _fmt_vec(ex["scaled_scores"], p), _fmt_vec(s["scaled_scores"], p)],
+            ["weights", _fmt_vec(ex["weights"], p), _fmt_vec(s["weights"], p)],
+            ["output", _fmt_vec(ex["output"], p), _fmt_vec(s["output"], p)],
+            ["∂w₂/∂s₂ (autograd)", f"{ex['dw2_ds2']:.{p}g}", f"{s['dw2_ds2']:.{p}g}"],
+            [
+                "∂out/∂s₂ (autograd)",
+                _fmt_vec(ex["dout_ds2"], p, "g"),
+                _fmt_vec(s["dout_ds2"], p, "g"),
+            ],
+        ],
+    )
+    out.line(
+        f"The gradient through the middle weight shrinks {ratio:.0f}×: softmax saturates.\n"
+        "That is what the 1/√d_k factor prevents as d_k grows."
+    )
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# backends: what `auto` picks for a case, and why every other backend was not picked
+# ------------------------------------------------------------------------------------------------
+
+
+def _case_tensors(shape, dtype, device, grad: bool, generator) -> tuple[torch.Tensor, str]:
+    """Random inputs of ``shape``; past ``_MAX_INPUT_BYTES``, uninitialised ones (and a note).
+
+    Backend selection reads shapes, dtypes and strides, never values, and ``torch.empty`` pages
+    that are never written cost no memory. Should even that allocation fail, a stride-0 view of one
+    row stands in.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    note = ""
+    if nbytes <= _MAX_INPUT_BYTES:
+        t = torch.randn(shape, generator=generator, dtype=dtype).to(device)
+    else:
+        try:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            note = "large inputs: uninitialised tensors (selection never reads values)"
+        except RuntimeError:
+            t = torch.empty(shape[-1], dtype=dtype, device=device).expand(shape)
+            note = "inputs too large to allocate: stride-0 views stand in (strides differ)"
+    return t.requires_grad_(grad) if t.is_leaf else t, note
+
+
+# The capability matrix: one small base case (B=1, Hq=4, Sq=Sk=33, D=16, fp32, CPU, causal, no
+# grad), and per feature the one change that asks for it. Each backend's reject() gives the verdict.
+_PROBE = {"B": 1, "Hq": 4, "S": 33, "D": 16}
+
+
+def _probe_cases() -> list[tuple[str, dict]]:
+    B, Hq, S = _PROBE["B"], _PROBE["Hq"], _PROBE["S"]
+    m, s = sa.masks, sa.scores
+    return [
+        ("no mask", {"mask": None}),
+        ("causal", {}),
+        ("sliding_window", {"mask": m.sliding_window(8)}),
+        ("causal & documents", {"mask": m.causal() & m.documents(torch.arange(S) // 10)}),
+        ("padding", {"mask": m.padding([S - 5] * B)}),
+        ("mask_mod callable", {"mask": lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 3 == 0}),
+        ("bool tensor mask", {"mask": torch.rand(S, S, generator=_gen()) > 0.5}),
+        ("score_mod: alibi", {"score_mod": s.alibi(Hq)}),
+        ("score_mod: bias tensor", {"score_mod": torch.randn(1, Hq, S, S, generator=_gen())}),
+        ("score_mod: softcap", {"score_mod": s.softcap(20.0)}),
+        ("score_mod callable", {"score_mod": lambda sc, b, h, q_idx, kv_idx: sc * 0.5}),
+        ("GQA (Hq=4, Hkv=2)", {"Hkv": 2}),
+        ("MQA (Hq=4, Hkv=1)", {"Hkv": 1}),
+        ("decode (Sq=1, Sk=33)", {"Sq": 1}),
+        ("Dv != D", {"Dv": 24}),
+        ("dropout_p=0.1", {"dropout_p": 0.1}),
+        ("grad", {"grad": True}),
+        ("return_lse", {"return_lse": True}),
+        ("return_lse + grad", {"return_lse": True, "grad": True}),
+        ("float16", {"dtype": torch.float16}),
+        ("bfloat16", {"dtype": torch.bfloat16}),
+        ("float64", {"dtype": torch.float64}),
+        ("cuda", {"device": "cuda"}),
+    ]
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _capability_matrix() -> dict:
+    """Per probe feature, each backend's ``reject()`` verdict: None (can run) or its reason."""
+    names = sa.backends.names()
+    features = []
+    for label, change in _probe_cases():
+        c = {"Hkv": _PROBE["Hq"], "Sq": _PROBE["S"], "Dv": _PROBE["D"], "grad": False}
+        c |= {"dtype": torch.float32, "device": "cpu", "mask": sa.masks.causal()} | change
+        if c["device"] == "cuda" and not torch.cuda.is_available():
+            features.append({"feature": label, "skipped": "no CUDA device on this machine"})
+            continue
+        g, (B, Hq, S, D) = _gen(), _PROBE.values()
+        q = torch.randn(B, Hq, c["Sq"], D, generator=g).to(c["device"], c["dtype"])
+        k = torch.randn(B, c["Hkv"], S, D, generator=g).to(c["device"], c["dtype"])
+        v = torch.randn(B, c["Hkv"], S, c["Dv"], generator=g).to(c["device"], c["dtype"])
+        for t in (q, k, v):
+            t.requires_grad_(c["grad"])
+        kwargs = {n: c[n] for n in ("mask", "score_mod", "dropout_p", "return_lse") if n in c}
+        explanation = sa.backends.explain(q, k, v, print_table=False, **kwargs)
+        features.append(
+            {"feature": label, "auto": explanation.chosen, "reasons": explanation.reasons}
+        )
+    return {"probe": _PROBE, "backends": names, "features": features}
+
+
+def _cmd_matrix(args) -> int:
+    matrix = _capability_matrix()
+    if args.json:
+        _print_json(matrix)
+        return EXIT_OK
+    names = matrix["backends"]
+    out = _Printer()
+    p = matrix["probe"]
+    out.line(
+        f"Each backend's verdict on a probe case (B={p['B']}, Hq={p['Hq']}, Sq=Sk={p['S']}, "
+        f"D={p['D']}, fp32, CPU, causal, no grad) changed in one feature; auto's pick marked *."
+    )
+    rows = []
+    for f in matrix["features"]:
+        if "skipped" in f:
+            rows.append([f["feature"], *(["n/a"] * len(names))])
+            continue
+        cells = [
+            ("yes" if f["reasons"].get(n) is None else "no") + ("*" if f.get("auto") == n else "")
+            for n in names
+        ]
+        rows.append([f["feature"], *cells])
+    out.table(["feature", *names], rows)
+    out.line()
+    out.line("why not:")
+    probed = [f for f in matrix["features"] if "skipped" not in f]
+    for f in matrix["features"]:
+        if "skipped" in f:
+            out.line(f"  {f['feature']}: not probed, {f['skipped']}")
+    for n in names:
+        by_reason: dict[str, list[str]] = {}
+        for f in probed:
+            if f["reasons"].get(n) is not None:
+                by_reason.setdefault(f["reasons"][n], []).append(f["feature"])
+        for reason, features in by_reason.items():
+            which = "every feature" if len(features) == len(probed) else ", ".join(features)
+            out.line(f"  {n} [{which}]: {reason}")
+    return EXIT_OK
+
+
+def _cmd_backends(args) -> int:
+    if args.matrix:
+        return _cmd_matrix(args)
+    parser = args.subparser
+    B, Hq, Sq = args.batch, args.heads, args.seq
+    Hkv = args.kv_heads if args.kv_heads is not None else Hq
+    Sk = args.kv_seq if args.kv_seq is not None else Sq
+    D = args.head_dim
+    Dv = args.v_head_dim if args.v_head_dim is not None else D
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            "--device cuda: no CUDA device is available (torch.cuda.is_available() is False)"
+        )
+    g = torch.Generator().manual_seed(0)
+    (q, n1), (k, n2), (v, n3) = (
+        _case_tensors(shape, args.dtype, args.device, args.grad, g)
+        for shape in ((B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv))
+    )
+    note = n1 or n2 or n3
+    mod_name, cap = args.score_mod
+    score_mod = None
+    if mod_name == "alibi":
+        score_mod = sa.scores.alibi(Hq)
+    elif mod_name == "softcap":
+        score_mod = sa.scores.softcap(cap)
+    kwargs = dict(
+        mask=_build_mask(args.mask, Sk, B),
+        score_mod=score_mod,
+        dropout_p=args.dropout,
+        q_offset=args.q_offset,
+        return_lse=args.lse,
+    )
+    try:
+        explanation = sa.backends.explain(q, k, v, print_table=False, **kwargs)
+    except (ValueError, TypeError) as e:  # the library's input validation: a bad combination
+        parser.error(str(e))
+
+    case = {
+        "q": [B, Hq, Sq, D],
+        "k": [B, Hkv, Sk, D],
+        "v": [B, Hkv, Sk, Dv],
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "device": args.device,
+        "mask": repr(kwargs["mask"]),
+        "score_mod": repr(score_mod),
+        "dropout_p": args.dropout,
+        "q_offset": args.q_offset if args.q_offset is not None else Sk - Sq,
+        "grad": args.grad,
+        "return_lse": args.lse,
+        "note": note,
+    }
+    rows = []
+    for name, reason in explanation.reasons.items():
+        verdict = "chosen" if name == explanation.chosen else "can run" if reason is None else "no"
+        why = explanation.why if name == explanation.chosen else reason or "ranked lower"
+        rows.append({"backend": name, "verdict": verdict, "can_run": reason is None, "reason": why})
+    if args.json:
+        _print_json(
+            {"case": case, "chosen": explanation.chosen, "why": explanation.why, "backends": rows}
+        )
+        return EXIT_OK
+    out = _Printer()
+    shapes = f"q {tuple(case['q'])}, k {tuple(case['k'])}, v {tuple(case['v'])}"
+    out.line(f"case: {shapes} {case['dtype']} on {case['device']}")
+    extras = f"mask={case['mask']}, score_mod={case['score_mod']}, q_offset={case['q_offset']}"
+    extras += f", dropout_p={args.dropout:g}, grad={args.grad}, return_lse={args.lse}"
+    out.line(f"      {extras}")
+    if note:
+        out.line(f"      note: {note}")
+    out.line(f"auto -> {explanation.chosen}: {explanation.why}")
+    out.table(
+        ["backend", "verdict", "reason"], [[r["backend"], r["verdict"], r["reason"]] for r in rows]
+    )
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# info: versions, device, backends
+# ------------------------------------------------------------------------------------------------
+
+
+def _version_of(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _info() -> dict:
+    cuda = torch.cuda.is_available()
+    cpu_capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
+    return {
+        "versions": {
+            "selfattn": sa.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "numpy": _version_of("numpy"),
+            "rich": _version_of("rich"),
+            "triton": _version_of("triton"),
+        },
+        "device": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cpu_capability": cpu_capability,
+            "cuda_available": cuda,
+            "cuda_version": torch.version.cuda,
+            "cuda_devices": [
+                torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+            ]
+            if cuda
+            else [],
+        },
+        "backends": [{"name": n, "doc": sa.backends.get(n).doc} for n in sa.backends.names()],
+    }
+
+
+def _cmd_info(args) -> int:
+    info = _info()
+    if args.json:
+        _print_json(info)
+        return EXIT_OK
+    out = _Printer()
+    out.table(
+        ["component", "version"], [[k, v or "not installed"] for k, v in info["versions"].items()]
+    )
+    dev = info["device"]
+    cuda = ", ".join(dev["cuda_devices"]) if dev["cuda_available"] else "not available"
+    out.line()
+    out.table(
+        ["device", ""],
+        [
+            ["platform", dev["platform"]],
+            ["CPU cores", str(dev["cpu_count"])],
+            ["torch threads", str(dev["torch_threads"])],
+            ["CPU capability", str(dev["cpu_capability"])],
+            ["CUDA", cuda],
+        ],
+    )
+    out.line()
+    out.table(["backend", "what it is"], [[b["name"], b["doc"] or "-"] for b in info["backends"]])
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# Parser and entry point
+# ------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfattn",
+        description="Self-attention, explained and inspected with the selfattn library.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"selfattn {sa.__version__} (torch {torch.__version__})",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "explain",
+        help="the textbook worked example, step by step, computed by the library",
+        description=(
+            "Walk through scaled dot-product attention on the seed's three-token example "
+            "(q = [1, 0], d_k = 2): scores, scaling, softmax, output; then the causal mask and "
+            "softmax saturation with autograd gradients."
+        ),
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print every number as JSON (full precision)"
+    )
+    p.add_argument(
+        "--precision", type=_nonnegative_int, default=3, metavar="N", help="digits after the point"
+    )
+    p.set_defaults(run=_cmd_explain)
+
+    p = sub.add_parser(
+        "backends",
+        help="which backend `auto` picks for a case, and why each other one was not picked",
+        description=(
+            "Build random inputs of the given shape and print selfattn.backends.explain(...): the "
+            "backend `auto` picks and each backend's reason. Shapes use the alphabet "
+            "q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D/Dv)."
+        ),
+    )
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="default 1")
+    p.add_argument(
+        "--heads", type=_positive_int, default=8, metavar="Hq", help="query heads (default 8)"
+    )
+    p.add_argument(
+        "--kv-heads", type=_positive_int, metavar="Hkv", help="key/value heads (default Hq)"
+    )
+    p.add_argument(
+        "--seq", type=_positive_int, default=1024, metavar="Sq", help="query length (default 1024)"
+    )
+    p.add_argument("--kv-seq", type=_positive_int, metavar="Sk", help="key length (default Sq)")
+    p.add_argument("--head-dim", type=_positive_int, default=64, metavar="D", help="default 64")
+    p.add_argument("--v-head-dim", type=_positive_int, metavar="Dv", help="default D")
+    p.add_argument(
+        "--dtype", type=_dtype, default=torch.float32, help="fp16, bf16, fp32 (default) or fp64"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
+    p.add_argument(
+        "--mask",
+        type=_mask_spec,
+        default=[("none", None)],
+        metavar="SPEC",
+        help=(
+            "none (default), causal, sliding_window:N, chunked:N, prefix_lm:N, documents:N "
+            "(packed documents of N tokens), padding:N (N valid keys); join terms with '&', "
+            "e.g. causal&documents:2048"
+        ),
+    )
+    p.add_argument(
+        "--score-mod",
+        type=_score_mod_spec,
+        default=("none", None),
+        metavar="SPEC",
+        help="none (default), alibi or softcap:CAP",
+    )
+    p.add_argument(
+        "--dropout", type=_probability, default=0.0, metavar="P", help="dropout_p (default 0)"
+    )
+    p.add_argument(
+        "--q-offset", type=int, metavar="N", help="position of query row 0 (default Sk-Sq)"
+    )
+    p.add_argument("--grad", action="store_true", help="inputs require gradients (training)")
+    p.add_argument("--lse", action="store_true", help="ask for return_lse=True")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="instead of one case, print every backend's verdict on small probe cases that each "
+        "ask for one feature (masks, score mods, GQA, dropout, grad, lse, dtypes, device)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=_cmd_backends, subparser=p)
+
+    p = sub.add_parser(
+        "info",
+        help="versions, device and registered backends",
+        description="Print versions (selfattn, torch, python, triton), device and backends.",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``selfattn`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.run(args)
+    except SystemExit as e:  # argparse: --help / --version (0) and usage errors (2)
+        if e.code is None:
+            return EXIT_OK
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        print("selfattn: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `selfattn ... | head`: the reader left; exit quietly
+        # keep the interpreter's final flush of stdout from raising again
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+    except Exception as e:
+        print(f"selfattn: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

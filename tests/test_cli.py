@@ -1,0 +1,258 @@
+"""The ``selfattn`` command: numbers against hand computation, exit codes, JSON, help."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import selfattn as sa
+from selfattn.cli import main
+
+SCRIPT = Path(sys.executable).parent / "selfattn"
+
+
+def run(capsys, *argv):
+    """``(exit code, stdout, stderr)`` of ``main(argv)`` run in-process."""
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def softmax(xs):
+    e = [math.exp(x) for x in xs]
+    return [x / sum(e) for x in e]
+
+
+# The seed's example (section 7) by hand: q = [1, 0], keys K, values V, d_k = 2.
+K = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+V = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
+
+
+def by_hand(q):
+    scaled = [(q[0] * k[0] + q[1] * k[1]) / math.sqrt(2) for k in K]
+    w = softmax(scaled)
+    out = [sum(wj * v[c] for wj, v in zip(w, V)) for c in range(2)]
+    return scaled, w, out
+
+
+@pytest.fixture(scope="module")
+def example():
+    """``selfattn explain --json`` parsed (run once: it is the same for every test here)."""
+    buf = io.StringIO()
+    old, sys.stdout = sys.stdout, buf
+    try:
+        assert main(["explain", "--json"]) == 0
+    finally:
+        sys.stdout = old
+    return json.loads(buf.getvalue())
+
+
+def test_explain_matches_hand_computation(example):
+    scaled, w, out = by_hand([1.0, 0.0])
+    assert example["scores"] == pytest.approx([1.0, 0.0, 1.0], abs=1e-12)
+    assert example["scaled_scores"] == pytest.approx(scaled, abs=1e-12)
+    assert example["scaled_scores"] == pytest.approx([0.707, 0.0, 0.707], abs=1e-3)  # the seed's
+    assert example["exp"] == pytest.approx([math.exp(s) for s in scaled], rel=1e-12)
+    assert example["total"] == pytest.approx(1 + 2 * math.exp(1 / math.sqrt(2)), rel=1e-12)
+    assert example["total"] == pytest.approx(5.06, abs=5e-3)
+    assert example["weights"] == pytest.approx(w, abs=1e-12)
+    assert example["weights"] == pytest.approx([0.401, 0.198, 0.401], abs=1e-3)
+    assert example["output"] == pytest.approx(out, abs=1e-12)
+    assert example["output"] == pytest.approx([0.80, 0.80], abs=5e-3)
+
+
+def test_explain_causal_sees_only_itself(example):
+    causal = example["causal"]
+    assert causal["q_offset"] == 0
+    assert causal["weights"] == pytest.approx([1.0, 0.0, 0.0], abs=1e-12)
+    assert causal["output"] == pytest.approx(V[0], abs=1e-12)  # output = v1
+    assert causal["mask"] == "█··"
+
+
+def test_explain_saturation_gradient_vanishes(example):
+    sat = example["saturated"]
+    scaled, w, out = by_hand([10.0, 0.0])
+    assert sat["scaled_scores"] == pytest.approx(scaled, abs=1e-12)
+    assert sat["scaled_scores"] == pytest.approx([7.07, 0.0, 7.07], abs=1e-2)
+    assert sat["weights"] == pytest.approx(w, abs=1e-12)
+    assert sat["weights"] == pytest.approx([0.5, 0.0, 0.5], abs=1e-3)
+    assert sat["output"] == pytest.approx(out, abs=1e-12)
+    # softmax Jacobian diagonal: ∂w₂/∂s₂ = w₂(1 - w₂), and ∂out/∂s₂ = w₂ (v₂ - out)
+    w_unscaled = example["weights"][1]
+    assert example["dw2_ds2"] == pytest.approx(w_unscaled * (1 - w_unscaled), rel=1e-9)
+    assert sat["dw2_ds2"] == pytest.approx(w[1] * (1 - w[1]), rel=1e-9)
+    assert sat["dout_ds2"] == pytest.approx([w[1] * (V[1][c] - out[c]) for c in range(2)], rel=1e-9)
+    assert sat["dw2_ds2"] < example["dw2_ds2"] / 100
+
+
+def test_explain_text_honours_precision(capsys):
+    rc, out, err = run(capsys, "explain", "--precision", "5")
+    assert rc == 0 and err == ""
+    _, w, o = by_hand([1.0, 0.0])
+    for x in (*w, *o, 1 + 2 * math.exp(1 / math.sqrt(2))):
+        assert f"{x:.5f}" in out
+    assert "Causal" in out and "Saturation" in out
+
+
+def test_explain_rich_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stdout", term)
+    assert main(["explain"]) == 0
+    text = term.getvalue()
+    _, w, _ = by_hand([1.0, 0.0])
+    assert f"{w[0]:.3f}" in text and "━" in text  # rich's table rules
+
+
+@pytest.mark.parametrize("argv", [[], ["explain"], ["backends"], ["info"]])
+def test_help_exits_zero(capsys, argv):
+    rc, out, _ = run(capsys, *argv, "--help")
+    assert rc == 0
+    assert out.startswith("usage: selfattn")
+
+
+def test_version(capsys):
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and sa.__version__ in out
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["bogus"], ["bogus"]),
+        ([], ["COMMAND"]),
+        (["backends", "--frob"], ["--frob"]),
+        (["explain", "--precision", "-1"], ["--precision", "-1"]),
+        (["backends", "--heads", "0"], ["--heads", "0"]),
+        (["backends", "--seq", "ten"], ["--seq", "ten"]),
+        (["backends", "--mask", "sliding_window:0"], ["--mask", "sliding_window:0"]),
+        (["backends", "--mask", "documents"], ["documents"]),
+        (["backends", "--mask", "causal:3"], ["causal:3"]),
+        (["backends", "--mask", "triangle"], ["triangle"]),
+        (["backends", "--mask", "none&causal"], ["none"]),
+        (["backends", "--dtype", "fp8"], ["fp8"]),
+        (["backends", "--dropout", "1.5"], ["--dropout", "1.5"]),
+        (["backends", "--score-mod", "softcap:-2"], ["softcap", "-2"]),
+        (["backends", "--heads", "8", "--kv-heads", "3"], ["8", "3"]),
+        (["backends", "--seq", "100", "--mask", "padding:200"], ["200", "Sk=100"]),
+    ],
+)
+def test_bad_usage_exits_two_naming_the_value(capsys, argv, names):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2
+    assert out == ""
+    assert "error:" in err
+    for name in names:
+        assert name in err
+
+
+def test_runtime_failure_exits_one(capsys, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("backend registry exploded")
+
+    monkeypatch.setattr(sa.backends, "explain", boom)
+    rc, out, err = run(capsys, "backends", "--seq", "8")
+    assert rc == 1 and out == ""
+    assert "backend registry exploded" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--seq", "37", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--mask", "causal"],
+        ["--seq", "5", "--kv-seq", "13", "--mask", "causal&sliding_window:4", "--grad"],
+        ["--seq", "16", "--mask", "causal&documents:4", "--dtype", "bf16", "--lse"],
+        ["--seq", "9", "--batch", "2", "--mask", "padding:7", "--score-mod", "alibi"],
+        ["--seq", "9", "--mask", "prefix_lm:3&chunked:4", "--score-mod", "softcap:30"],
+        ["--seq", "9", "--dropout", "0.1", "--q-offset", "0", "--v-head-dim", "5"],
+    ],
+)
+def test_backends_json_agrees_with_library(capsys, argv):
+    rc, out, err = run(capsys, "backends", *argv, "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    verdicts = {r["backend"]: r for r in report["backends"]}
+    assert set(verdicts) == set(sa.backends.names())
+    assert verdicts[report["chosen"]]["verdict"] == "chosen"
+    assert [r["verdict"] for r in report["backends"]].count("chosen") == 1
+    for r in report["backends"]:
+        assert r["reason"], r  # every row says why
+        assert r["can_run"] == (r["verdict"] != "no")
+
+
+def test_backends_case_echo_and_text(capsys):
+    argv = ["backends", "--seq", "6", "--kv-seq", "10", "--heads", "6", "--kv-heads", "2"]
+    rc, out, _ = run(capsys, *argv, "--mask", "causal", "--json")
+    report = json.loads(out)
+    assert report["case"]["q"] == [1, 6, 6, 64]
+    assert report["case"]["k"] == [1, 2, 10, 64]
+    assert report["case"]["q_offset"] == 4  # bottom-right: Sk - Sq
+    assert report["case"]["mask"] == "causal()"
+    rc, text, _ = run(capsys, *argv)
+    assert rc == 0
+    assert f"auto -> {report['chosen']}" in text
+    for name in sa.backends.names():
+        assert name in text
+
+
+def test_backends_large_case_does_not_allocate(capsys):
+    # 1M tokens × 64 heads × 64 dims in fp32 is 16 GiB per tensor: selection must not touch it.
+    argv = ["backends", "--seq", "1000000", "--heads", "64", "--mask", "causal", "--json"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert json.loads(out)["case"]["note"]
+
+
+def test_info_json(capsys):
+    rc, out, _ = run(capsys, "info", "--json")
+    assert rc == 0
+    info = json.loads(out)
+    import torch
+
+    assert info["versions"]["selfattn"] == sa.__version__
+    assert info["versions"]["torch"] == torch.__version__
+    assert info["device"]["cuda_available"] == torch.cuda.is_available()
+    assert [b["name"] for b in info["backends"]] == sa.backends.names()
+    rc, text, _ = run(capsys, "info")
+    assert rc == 0 and torch.__version__ in text and "reference" in text
+
+
+def test_installed_script():
+    """The console script the venv installs (one subprocess: importing torch costs seconds)."""
+    assert SCRIPT.exists(), f"{SCRIPT} missing; run `make venv`"
+    done = subprocess.run([SCRIPT, "explain", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    _, w, out = by_hand([1.0, 0.0])
+    result = json.loads(done.stdout)
+    assert result["weights"] == pytest.approx(w, abs=1e-12)
+    assert result["output"] == pytest.approx(out, abs=1e-12)
+
+
+def test_backends_matrix(capsys):
+    import torch
+
+    rc, out, err = run(capsys, "backends", "--matrix", "--json")
+    assert rc == 0, err
+    matrix = json.loads(out)
+    assert matrix["backends"] == sa.backends.names()
+    labels = [f["feature"] for f in matrix["features"]]
+    for want in ("causal", "score_mod: softcap", "GQA (Hq=4, Hkv=2)", "dropout_p=0.1", "float64"):
+        assert want in labels
+    for f in matrix["features"]:
+        if "skipped" in f:
+            assert f["feature"] == "cuda" and not torch.cuda.is_available()
+            continue
+        assert f["reasons"]["reference"] is None, f  # the oracle runs every case
+        assert f["reasons"][f["auto"]] is None, f  # auto only picks a capable backend
+    rc, text, _ = run(capsys, "backends", "--matrix")
+    assert rc == 0
+    assert "why not:" in text and "score_mod: softcap" in text
