@@ -108,10 +108,34 @@ def test_odd_sizes(Sq, Sk, tiles):
 def test_default_tiles_crossed():
     # Larger than the default tiles in both directions; Sq = 300 is not a multiple of block_q.
     q, k, v = make_qkv(1, 2, 300, 64, Hkv=1, Sk=1025, seed=11)
-    bq, bk, kc = chunked.tile_sizes(300, 1025)
-    assert 300 > bq and 1025 > max(bk, kc)
+    bq, bk, _ = chunked.tile_sizes(300, 1025)
+    assert 300 > bq and 1025 > bk
     check_against_reference(fn_for("default"), q, k, v, mask=masks.sliding_window(200))
     check_against_reference(fn_for("default"), q, k, v, mask=masks.causal(), q_offset=0)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "prefix_lm"])
+def test_coarse_tiles_match_reference(mask_name):
+    # masks with few PARTIAL tiles get merged (coarser) query tiles; check that path too
+    B, Hq, S = 2, 2, 1100
+    q, k, v = make_qkv(B, Hq, S, 16, seed=5)
+    mask = {
+        "none": None,
+        "causal": masks.causal(),
+        "prefix_lm": masks.prefix_lm(torch.tensor([300, 0])),
+    }[mask_name]
+    _, _, _, call = _prepare(q, k, v, mask=mask)
+    bq, bk, _ = chunked.tile_sizes(S, S)
+    grid = chunked._grid(call, B, Hq, S, S, bq, bk, q.device)
+    assert chunked._choose_rows(grid, G=1) > 1  # the case really takes the coarse path
+    check_against_reference(fn_for("default"), q, k, v, mask=mask)
+
+
+def test_sliding_window_keeps_fine_tiles():
+    q, k, v = make_qkv(1, 2, 2000, 8, seed=1)
+    _, _, _, call = _prepare(q, k, v, mask=masks.sliding_window(256))
+    bq, bk, _ = chunked.tile_sizes(2000, 2000)
+    assert chunked._choose_rows(chunked._grid(call, 1, 2, 2000, 2000, bq, bk, "cpu"), G=1) == 1
 
 
 @pytest.mark.parametrize("tiles", ["default", "small"])

@@ -95,13 +95,15 @@ class Explanation:
     chosen: str
     why: str
     reasons: dict[str, str | None]
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"auto -> {self.chosen}: {self.why}"]
         for name, reason in self.reasons.items():
             if name == self.chosen:
                 continue
-            lines.append(f"  {name:<10} {'can run; ranked lower' if reason is None else reason}")
+            note = self.notes.get(name, "can run; ranked lower")
+            lines.append(f"  {name:<10} {note if reason is None else reason}")
         return "\n".join(lines)
 
 
@@ -120,8 +122,8 @@ def select(q, k, v, call: AttentionCall, backend: str = "auto") -> tuple[Backend
     from selfattn.backends._auto import rank
 
     reasons = available(q, k, v, call)
-    name, why = rank(q, k, v, call, reasons)
-    return _REGISTRY[name], Explanation(name, why, reasons)
+    name, why, notes = rank(q, k, v, call, reasons)
+    return _REGISTRY[name], Explanation(name, why, reasons, notes)
 
 
 def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:

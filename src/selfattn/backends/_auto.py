@@ -1,13 +1,95 @@
-"""How ``auto`` ranks the backends that can run a case (rules measured on our machines)."""
+"""How ``auto`` ranks the backends that can run a case.
+
+The rules are measured, not guessed (2-thread x86 CPU, torch 2.13, fp32, B=1, H=8, D=64; numbers in
+BENCHMARKS.md, ``benchmarks/attention.py``):
+
+- Dense and causal work: PyTorch's fused CPU flash kernel (``sdpa``) is the fastest we have
+  (S=4096: sdpa 0.22 s, chunked 0.41 s, compiled flex 0.61 s; causal: sdpa ≈0.15 s, chunked
+  ≈0.2 s, flex 0.45 s). It skips tiles only for ``is_causal``.
+- Sparse masks: ``sdpa`` with a dense mask does all ``Sq·Sk`` work, so when a mask leaves most
+  tiles empty the tile-skipping ``chunked`` backend wins by about the inverse density (sliding
+  window 256 at S=16384: chunked ≈0.15–0.3 s, flex ≈0.2–0.45 s, sdpa with a dense mask 5–9 s). The
+  crossover sits near half the tiles empty: ``_SPARSE_DENSITY``.
+- ``flex`` must be compiled per mask/score-mod code and shape (4–10 s cold on CPU) and has no CPU
+  backward, so on CPU it is never picked automatically; ask for it with ``backend="flex"``. On CUDA
+  its fused kernel beats the Python-tiled ``chunked`` for masks and score mods, so it ranks there.
+- ``reference`` is the last resort: it can run every case but materialises ``Sq·Sk`` scores.
+"""
 
 from __future__ import annotations
 
-_ORDER = ("sdpa", "flex", "chunked", "reference")
+from selfattn.masks import EMPTY, Causal, TileGrid
+
+# Fraction of (query, key) pairs in non-empty tiles below which skipping tiles beats the fused
+# dense kernel. Measured: at density 0.5 chunked and sdpa-with-mask take about the same time.
+_SPARSE_DENSITY = 0.5
+# Tile size used to estimate density (chunked's own tile; cheap: (S/64)² classifications).
+_DENSITY_TILE = 64
+# Dense bool masks bigger than this are not worth materialising for sdpa when chunked can run.
+_DENSE_MASK_BYTES = 1 << 30
 
 
-def rank(q, k, v, call, reasons: dict) -> tuple[str, str]:
-    """Return ``(backend name, why)`` for the first capable backend in measured order."""
-    for name in _ORDER:
-        if reasons.get(name, "unregistered") is None:
-            return name, "first capable backend"
-    return "reference", "the oracle runs every case"
+def density(q, k, call) -> float:
+    """Fraction of the ``Sq × Sk`` pairs lying in tiles the mask does not classify as EMPTY."""
+    if call.mask is None:
+        return 1.0
+    B, Hq, Sq, _ = q.shape
+    Sk = k.shape[2]
+    key = ("density", _DENSITY_TILE)
+    if key not in call.tile_kinds_cache:
+        grid = TileGrid(
+            Sq, Sk, _DENSITY_TILE, _DENSITY_TILE, q_offset=call.q_offset, device=q.device
+        )
+        kinds = call.mask.tile_kinds(grid, B, Hq)
+        call.tile_kinds_cache[key] = float((kinds != int(EMPTY)).float().mean())
+    return call.tile_kinds_cache[key]
+
+
+def _dense_mask_bytes(q, k) -> int:
+    B, Hq, Sq, _ = q.shape
+    return B * Hq * Sq * k.shape[2]
+
+
+def rank(q, k, v, call, reasons: dict) -> tuple[str, str, dict[str, str]]:
+    """``(backend name, why, notes)``: the measured-fastest backend that can run this case.
+
+    ``notes`` says, for capable backends that were not picked, why they rank lower.
+    """
+    name, why = _pick(q, k, v, call, reasons)
+    notes = {}
+    if call.mask is not None and not isinstance(call.mask, Causal):
+        notes["sdpa"] = "can run, but does all Sq·Sk work with a dense mask"
+    if q.device.type != "cuda":
+        notes["flex"] = "can run, but auto never picks it on CPU (compiles per shape, 4-10 s cold)"
+    notes["reference"] = "can run, but materialises the Sq·Sk scores (the oracle)"
+    notes["chunked"] = "can run; a fused kernel is faster for this case"
+    notes.pop(name, None)
+    return name, why, notes
+
+
+def _pick(q, k, v, call, reasons: dict) -> tuple[str, str]:
+
+    def ok(name: str) -> bool:
+        return reasons.get(name, "unregistered") is None
+
+    on_cuda = q.device.type == "cuda"
+    if call.mask is None or isinstance(call.mask, Causal):
+        if ok("sdpa"):
+            return "sdpa", "dense or causal work: PyTorch's fused kernel is fastest"
+    else:
+        d = density(q, k, call)
+        if on_cuda and ok("flex"):
+            return "flex", f"mask (density {d:.2f}): compiled FlexAttention skips empty blocks"
+        if d < _SPARSE_DENSITY and ok("chunked"):
+            return "chunked", f"sparse mask (density {d:.2f} < {_SPARSE_DENSITY}): tiles skipped"
+        if ok("sdpa") and (_dense_mask_bytes(q, k) <= _DENSE_MASK_BYTES or not ok("chunked")):
+            return "sdpa", f"dense-ish mask (density {d:.2f}): fused kernel with a dense mask"
+    if call.score_mod is not None and on_cuda and ok("flex"):
+        return "flex", "score mod: compiled FlexAttention fuses it"
+    if ok("chunked"):
+        why = "sdpa cannot run this case" if not ok("sdpa") else "chunked is fastest here"
+        return "chunked", f"{why}; online softmax over tiles, O(S·tile) memory"
+    for name in ("sdpa", "flex"):
+        if ok(name):
+            return name, "the fastest backend able to run this case"
+    return "reference", "only the reference can run this case"

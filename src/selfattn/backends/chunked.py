@@ -11,9 +11,15 @@ with PyTorch ops, so it runs wherever torch does. The ``(Sq, Sk)`` score matrix 
 
 For each query tile, consecutive non-empty key tiles form a *chunk* (at most ``max_chunk`` keys):
 one batched matmul gives the chunk's scores, the running row max ``m``, row sum ``l`` and output
-accumulator are rescaled once per chunk, and nothing of size ``Sq × Sk`` ever exists. Scores are
-kept in base 2 (``q`` is pre-multiplied by ``scale · log2(e)``) because ``exp2`` is ~3× faster than
-``exp`` on CPU; ``lse`` is converted back to natural log.
+accumulator are rescaled once per chunk, and nothing of size ``Sq × Sk`` ever exists. PARTIAL
+tiles get their mask from one vectorised ``mask_mod`` call per group of tiles, as an additive
+0 / -inf bias. Scores are kept in base 2 (``scale · log2(e)`` rides on the matmul) because
+``exp2`` is ~3× faster than ``exp`` on CPU; ``lse`` is converted back to natural log.
+
+Tiles adapt to the mask: 64-row query tiles waste little work on PARTIAL tiles (a sliding
+window), while masks with few PARTIAL tiles (causal, packed documents, none) get 128- or 256-row
+tiles: fewer, larger matmuls. Inputs with NaN/Inf take an exact (slower) path that masks with
+``masked_fill`` and zeroes K/V columns no query of a tile attends.
 
 GQA/MQA without repeating K/V: the ``G = Hq // Hkv`` query heads of a kv head are stacked into one
 ``(G·block_q)``-row operand, so every matmul is batched over ``B·Hkv``. The backward saves ``q, k,
@@ -34,34 +40,43 @@ from selfattn.backends import AttentionCall, Backend, register
 from selfattn.backends._common import accumulation_dtype, dropout_keep, unattended_columns_zeroed
 from selfattn.masks import FULL, TileGrid
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "MAX_CHUNK", "run", "tile_sizes"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log
 
-# Tile defaults, measured on a 2-thread CPU (see tile_sizes). block_q rows per query tile, block_k
-# keys per tile of the mask classification, max_chunk keys per matmul (bounds the score buffer).
+# Tile defaults, measured on a 2-thread CPU (fp32, D = 64, 8 heads, S up to 16384).
+# BLOCK_Q: rows of the fine query tiles; a mask with few PARTIAL tiles gets coarser ones (see
+# _choose_rows). BLOCK_K: keys per tile of the mask classification (granularity of skipping).
+# SCORE_ELEMENTS: rows · keys of one chunk's score buffer per (b, kv head); bounds memory and
+# sets max_chunk (2048 keys for 64-row tiles, 512 for 256-row ones, the whole key range when
+# decoding one query).
 BLOCK_Q = 64
 BLOCK_K = 64
-MAX_CHUNK = 512
+SCORE_ELEMENTS = 1 << 17
+MAX_ROWS = 256  # the coarsest query tile (G·block_q rows)
 # Partial-tile masks are evaluated for many tiles in one vectorised mask_mod call; this caps the
 # elements (tiles · block_q · block_k · mask batch · mask heads) evaluated at once.
 _MASK_BATCH_ELEMENTS = 1 << 19
 
 
 def tile_sizes(Sq: int, Sk: int, G: int = 1) -> tuple[int, int, int]:
-    """``(block_q, block_k, max_chunk)`` for a call with ``G`` query heads per kv head.
+    """The fine ``(block_q, block_k, max_chunk)`` for a call with ``G`` query heads per kv head.
 
     ``block_q`` is balanced so that query tiles have near-equal sizes (``Sq = 97`` gives tiles of
     49 and 48 rows, not 64 and 33: every tile costs a fixed number of ops, and a thin last tile
-    wastes them). ``max_chunk`` keeps the score buffer at ``MAX_CHUNK · BLOCK_Q`` elements per
-    ``(b, kv head)``: when a tile has fewer rows (decoding, ``Sq = 1``) a chunk spans more keys.
+    wastes them). :func:`run` may then merge 2 or 4 fine query tiles into one when the mask has
+    few PARTIAL tiles; ``max_chunk`` here is for the fine tiles.
     """
     n_q = max(1, math.ceil(Sq / BLOCK_Q))
     block_q = max(1, math.ceil(Sq / n_q))
-    rows = G * block_q
-    max_chunk = max(MAX_CHUNK, (MAX_CHUNK * BLOCK_Q // rows) // BLOCK_K * BLOCK_K)
-    return block_q, BLOCK_K, min(max_chunk, max(MAX_CHUNK, Sk))
+    return block_q, BLOCK_K, _max_chunk(G * block_q, Sk)
+
+
+def _max_chunk(rows: int, Sk: int) -> int:
+    """Keys per chunk for tiles of ``rows`` stacked rows: the score buffer stays SCORE_ELEMENTS."""
+    keys = max(BLOCK_K, SCORE_ELEMENTS // max(rows, 1) // BLOCK_K * BLOCK_K)
+    return min(keys, max(BLOCK_K, math.ceil(Sk / BLOCK_K) * BLOCK_K))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,23 +104,67 @@ class _Plan:
     keyed: list
 
 
-def _plan(call: AttentionCall, B, Hq, Sq, Sk, block_q, block_k, max_chunk, device) -> _Plan:
-    n_q, n_k = math.ceil(Sq / block_q), math.ceil(Sk / block_k)
-    mask_b = mask_h = 1
-    if call.mask is None:
-        nonempty = torch.ones(n_q, n_k, dtype=torch.bool)
-        partial = torch.zeros(n_q, n_k, dtype=torch.bool)
-    else:
-        grid = TileGrid(Sq, Sk, block_q, block_k, q_offset=call.q_offset, device=device)
-        kinds = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq))
-        while kinds.dim() < 4:
-            kinds = kinds.unsqueeze(0)
-        mask_b, mask_h = kinds.shape[0], kinds.shape[1]
-        kinds = kinds.expand(mask_b, mask_h, n_q, n_k).cpu()
-        # A tile is skipped only if EMPTY for every (b, h), mask-free only if FULL for every one.
-        nonempty = kinds.amax(dim=(0, 1)) > 0
-        partial = nonempty & (kinds.amin(dim=(0, 1)) < int(FULL))
+@dataclass
+class _Grid:
+    """Tile classification reduced over (b, h): ``nonempty`` and ``full`` bool ``(n_q, n_k)``.
 
+    A tile is skipped only if EMPTY for every (b, h), mask-free only if FULL for every one.
+    ``mask_b`` / ``mask_h``: the batch and head extent of the mask (1 when it does not vary).
+    """
+
+    block_q: int
+    nonempty: torch.Tensor
+    full: torch.Tensor
+    mask_b: int = 1
+    mask_h: int = 1
+
+    def coarsen(self, factor: int) -> _Grid:
+        """Merge ``factor`` consecutive query tiles: EMPTY iff all are, FULL iff all are."""
+        n_q, n_k = self.nonempty.shape
+        pad = -n_q % factor
+        ne = F.pad(self.nonempty, (0, 0, 0, pad), value=False).view(-1, factor, n_k).any(1)
+        fu = F.pad(self.full, (0, 0, 0, pad), value=True).view(-1, factor, n_k).all(1)
+        return _Grid(self.block_q * factor, ne, fu, self.mask_b, self.mask_h)
+
+
+def _grid(call: AttentionCall, B, Hq, Sq, Sk, block_q, block_k, device) -> _Grid:
+    n_q, n_k = math.ceil(Sq / block_q), math.ceil(Sk / block_k)
+    if call.mask is None:
+        ones = torch.ones(n_q, n_k, dtype=torch.bool)
+        return _Grid(block_q, ones, ones.clone())
+    grid = TileGrid(Sq, Sk, block_q, block_k, q_offset=call.q_offset, device=device)
+    kinds = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq))
+    while kinds.dim() < 4:
+        kinds = kinds.unsqueeze(0)
+    mask_b, mask_h = kinds.shape[0], kinds.shape[1]
+    kinds = kinds.expand(mask_b, mask_h, n_q, n_k).cpu()
+    nonempty = kinds.amax(dim=(0, 1)) > 0
+    full = kinds.amin(dim=(0, 1)) == int(FULL)
+    return _Grid(block_q, nonempty, full, mask_b, mask_h)
+
+
+def _choose_rows(grid: _Grid, G: int) -> int:
+    """How many fine query tiles to merge (1, 2 or 4), from the share of PARTIAL tiles.
+
+    Coarser tiles mean fewer ops and bigger matmuls (dense and causal run ~20-30% faster with
+    256-row tiles) but compute the masked part of PARTIAL tiles in bigger blocks: a sliding
+    window of 256 is fastest with 64-row tiles, where 40% of its tiles are PARTIAL.
+    """
+    n_nonempty = int(grid.nonempty.sum())
+    if n_nonempty == 0:
+        return 1
+    share = int((grid.nonempty & ~grid.full).sum()) / n_nonempty
+    factor = 1 if share > 0.25 else (2 if share > 0.05 else 4)
+    n_q = grid.nonempty.shape[0]
+    while factor > 1 and (factor > n_q or G * grid.block_q * factor > MAX_ROWS):
+        factor //= 2
+    return factor
+
+
+def _plan(grid: _Grid, Sq, Sk, block_k, max_chunk) -> _Plan:
+    block_q, nonempty = grid.block_q, grid.nonempty
+    n_q = nonempty.shape[0]
+    partial = nonempty & ~grid.full
     # Runs of consecutive non-empty key tiles per query tile, found with one diff over the grid.
     edges = torch.diff(F.pad(nonempty.to(torch.int8), (1, 1)), dim=1)  # (n_q, n_k + 1)
     starts = (edges == 1).nonzero().tolist()
@@ -131,7 +190,7 @@ def _plan(call: AttentionCall, B, Hq, Sq, Sk, block_q, block_k, max_chunk, devic
 
     # Group query tiles so that each group's partial-tile masks are evaluated in one call.
     per_tile = torch.bincount(partial_tiles[:, 0], minlength=n_q).tolist() if ptiles else [0] * n_q
-    cap = max(1, _MASK_BATCH_ELEMENTS // (block_q * block_k * mask_b * mask_h))
+    cap = max(1, _MASK_BATCH_ELEMENTS // (block_q * block_k * grid.mask_b * grid.mask_h))
     groups, i0, p0, count = [], 0, 0, 0
     for i in range(n_q):
         if count and count + per_tile[i] > cap:
@@ -196,7 +255,7 @@ def _neg_inf_where_false(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     not vectorised): ``allowed - 1`` is 0 or all ones, and ``& bits(-inf)`` picks the pattern.
     """
     int_dtype, bits = _NEG_INF_BITS[dtype]
-    return (allowed.to(int_dtype) - 1).bitwise_and_(bits).view(dtype)
+    return allowed.to(int_dtype).sub_(1).bitwise_and_(bits).view(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +278,7 @@ class _Setup:
         self.bq = plan.block_q
         self.cd = accumulation_dtype(q.dtype)
         self.device = q.device
-        self.q5 = q.reshape(self.B, self.Hkv, self.G, self.Sq, self.D)  # a view when contiguous
+        self.q, self._q_tiles = q, None
         self.k3 = k.to(self.cd).reshape(self.BH, self.Sk, self.D)  # (B·Hkv, Sk, D)
         self.v3 = v.to(self.cd).reshape(self.BH, self.Sk, self.Dv)  # (B·Hkv, Sk, Dv)
         # NaN/Inf anywhere switches to exact masked_fill + zeroing of unattended K/V columns;
@@ -251,21 +310,30 @@ class _Setup:
             view = self._views[name, shape] = self._bufs[name][: math.prod(shape)].view(shape)
         return view
 
-    def tile_rows(self, x5, i, name):
-        """Rows of tile ``i`` of ``x5 (B, Hkv, G, Sq, E)`` as ``(B·Hkv, R, E)`` in the accumulation
-        dtype: a view when the layout allows (G = 1, B and Hkv mergeable), else a copy into the
-        scratch buffer ``name``."""
-        r0, r1 = self.rows(i)
-        E = x5.shape[-1]
-        if self.G == 1 and x5.dtype == self.cd and x5.stride(0) == self.Hkv * x5.stride(1):
-            return x5[:, :, 0, r0:r1].view(self.BH, r1 - r0, E)
-        t = self.buf(name, self.B, self.Hkv, self.G, r1 - r0, E)
-        t.copy_(x5[:, :, :, r0:r1])
-        return self.buf(name, self.BH, self.G * (r1 - r0), E)
+    def row_tiles(self, x, name):
+        """A function ``i -> (rows of tile i of x (B, Hq, Sq, E) as (B·Hkv, R, E), is_view)``.
 
-    def rows(self, i):
-        r0 = i * self.bq
-        return r0, min(r0 + self.bq, self.Sq)
+        Views, all made by one ``split``, when the layout allows (G = 1, the accumulation dtype,
+        B and Hkv mergeable); else each call copies the tile into the scratch buffer ``name``
+        (the caller may scale it on the way, see :meth:`q_tile`).
+        """
+        B, Hkv, G, E = self.B, self.Hkv, self.G, x.shape[-1]
+        x5 = x.reshape(B, Hkv, G, self.Sq, E)
+        if G == 1 and x5.dtype == self.cd and x5.stride(0) == Hkv * x5.stride(1):
+            views = x5[:, :, 0].view(self.BH, self.Sq, E).split(self.bq, dim=1)
+            return lambda i, scale=None: (views[i], True)
+        slabs = x5.split(self.bq, dim=3)  # (B, Hkv, G, tq, E) each
+
+        def copy(i, scale=None):
+            tq = slabs[i].shape[3]
+            t = self.buf(name, B, Hkv, G, tq, E)
+            if scale is None:
+                t.copy_(slabs[i])
+            else:
+                torch.mul(slabs[i], scale, out=t)
+            return self.buf(name, self.BH, G * tq, E), False
+
+        return copy
 
     def q_tile(self, i, c):
         """``(qt, k)``: the ``q`` rows of tile ``i`` as ``(B·Hkv, R, D)``, equal to ``q · k``.
@@ -273,15 +341,16 @@ class _Setup:
         A view with ``k = 1`` when the layout allows (the scale then rides on the matmul's alpha),
         else a copy into a scratch buffer pre-multiplied by ``k = c`` in the same pass.
         """
-        r0, r1 = self.rows(i)
-        q5 = self.q5
-        if self.G == 1 and q5.dtype == self.cd and q5.stride(0) == self.Hkv * q5.stride(1):
-            return q5[:, :, 0, r0:r1].view(self.BH, r1 - r0, self.D), 1.0
-        qt = self.buf("q", self.B, self.Hkv, self.G, r1 - r0, self.D)
+        if self._q_tiles is None:
+            self._q_tiles = self.row_tiles(self.q, "q")
         if self._c is None or self._c[0] != c:  # a 0-d tensor: no per-call scalar wrapping
             self._c = (c, torch.tensor(c, dtype=self.cd, device=self.device))
-        torch.mul(q5[:, :, :, r0:r1], self._c[1], out=qt)  # (B, Hkv, G, tq, D)
-        return self.buf("q", self.BH, self.G * (r1 - r0), self.D), c
+        qt, is_view = self._q_tiles(i, self._c[1])
+        return qt, (1.0 if is_view else c)
+
+    def rows(self, i):
+        r0 = i * self.bq
+        return r0, min(r0 + self.bq, self.Sq)
 
     def positions(self, i, c0, c1):
         r0, r1 = self.rows(i)
@@ -473,7 +542,7 @@ def _backward(dout, dlse, q, k, v, out, lse2, call: AttentionCall, plan: _Plan, 
     B, Hkv, G, BH, cd, D, Dv, Sq = st.B, st.Hkv, st.G, st.BH, st.cd, st.D, st.Dv, st.Sq
     has_mod = call.score_mod is not None
     c = call.scale * (1.0 if has_mod else LOG2E)
-    do5 = dout.reshape(B, Hkv, G, Sq, Dv)
+    do_tiles = st.row_tiles(dout, "do")
     out5 = out.reshape(B, Hkv, G, Sq, Dv)
     # Empty rows get +inf so that P = exp2(s - lse2) is exactly 0 there.
     lse2 = torch.where(lse2 == -math.inf, math.inf, lse2).view(B, Hkv, G, Sq, 1)
@@ -496,7 +565,7 @@ def _backward(dout, dlse, q, k, v, out, lse2, call: AttentionCall, plan: _Plan, 
             qt, qk = st.q_tile(i, c)
             alpha = 1.0 if qk == c else c / qk
             dk_alpha = call.scale / qk if qk != 0 else 0.0  # dK needs q · scale = qt · scale / qk
-            dot = st.tile_rows(do5, i, "do")  # (B·Hkv, R, Dv)
+            dot = do_tiles(i)[0]  # (B·Hkv, R, Dv)
             lt = lse2[:, :, :, r0:r1].reshape(BH, R, 1)
             dlt = None if dlse5 is None else dlse5[:, :, :, r0:r1].reshape(BH, R, 1)
             # Δ = rowsum(dO ∘ O) − dlse. A tile whose keys fit one chunk recomputes rowsum(P ∘ dP)
@@ -590,12 +659,10 @@ class _ChunkedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse2, *mod_inputs = ctx.saved_tensors
-        n_mod = len(mod_inputs)
         mod_inputs = [t if ctx.needs_input_grad[5 + j] else None for j, t in enumerate(mod_inputs)]
         dq, dk, dv, mod_grads = _backward(
             dout, dlse, q, k, v, out, lse2, ctx.call, ctx.plan, mod_inputs
         )
-        assert len(mod_grads) == n_mod
         return dq, dk, dv, None, None, *mod_grads
 
 
@@ -613,17 +680,31 @@ def _mod_inputs(call: AttentionCall) -> tuple[torch.Tensor, ...]:
 def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None):
     """``(out, lse or None)`` by tiles; see the module docstring.
 
-    ``block_q`` / ``block_k`` / ``max_chunk`` override :func:`tile_sizes` (tests use small tiles to
-    cross tile boundaries at small sizes); any positive ints are valid.
+    ``block_q`` / ``block_k`` / ``max_chunk`` override the automatic tiling (:func:`tile_sizes`,
+    then merging of query tiles for masks with few PARTIAL tiles); tests use small tiles to cross
+    tile boundaries at small sizes. Any positive ints are valid.
     """
     B, Hq, Sq, _ = q.shape
-    Sk = k.shape[2]
-    dbq, dbk, dkc = tile_sizes(Sq, Sk, Hq // k.shape[1])
-    bq, bk, kc = block_q or dbq, block_k or dbk, max_chunk or dkc
-    for name, value in (("block_q", bq), ("block_k", bk), ("max_chunk", kc)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    Sk, G = k.shape[2], Hq // k.shape[1]
+    if 0 in (B, Hq, Sq, Sk):  # nothing to tile (attention() handles these before dispatch)
+        zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0  # keeps gradients 0, not None
+        out = q.new_zeros(B, Hq, Sq, v.shape[3]) + zero
+        lse = torch.full((B, Hq, Sq), -math.inf, dtype=accumulation_dtype(q.dtype))
+        return out, (lse.to(q.device) if call.return_lse else None)
+    for name, value in (("block_q", block_q), ("block_k", block_k), ("max_chunk", max_chunk)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    plan = _plan(call, B, Hq, Sq, Sk, min(bq, Sq), bk, max(kc, bk), q.device)
+    fine_q, fine_k, _ = tile_sizes(Sq, Sk, G)
+    bk = block_k or fine_k
+    grid = _grid(call, B, Hq, Sq, Sk, min(block_q or fine_q, Sq), bk, q.device)
+    if block_q is None:
+        factor = _choose_rows(grid, G)
+        if factor > 1:
+            grid = grid.coarsen(factor)
+    kc = max(max_chunk or _max_chunk(G * grid.block_q, Sk), bk)
+    plan = _plan(grid, Sq, Sk, bk, kc)
     mod_inputs = _mod_inputs(call)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_inputs)):
         out, lse = _ChunkedAttention.apply(q, k, v, call, plan, *mod_inputs)
