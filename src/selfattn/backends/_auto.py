@@ -4,12 +4,14 @@ The rules are measured, not guessed (2-thread x86 CPU, torch 2.13, fp32, B=1, H=
 BENCHMARKS.md, ``benchmarks/attention.py``):
 
 - Dense and causal work: PyTorch's fused CPU flash kernel (``sdpa``) is the fastest we have
-  (S=4096: sdpa 0.22 s, chunked 0.41 s, compiled flex 0.61 s; causal: sdpa ≈0.15 s, chunked
-  ≈0.2 s, flex 0.45 s). It skips tiles only for ``is_causal``.
+  (S=4096: sdpa 0.22 s, chunked 0.29 s, compiled flex 0.61 s; causal: sdpa 0.12 s, chunked
+  0.13 s, flex 0.45 s). It skips tiles only for ``is_causal``, so causal goes to sdpa only where
+  ``is_causal`` (or no mask at all) expresses it; other alignments are a mask like any other.
 - Sparse masks: ``sdpa`` with a dense mask does all ``Sq·Sk`` work, so when a mask leaves most
   tiles empty the tile-skipping ``chunked`` backend wins by about the inverse density (sliding
-  window 256 at S=16384: chunked ≈0.15–0.3 s, flex ≈0.2–0.45 s, sdpa with a dense mask 5–9 s). The
-  crossover sits near half the tiles empty: ``_SPARSE_DENSITY``.
+  window 256 at S=16384: chunked 0.12 s, compiled flex 0.14 s, sdpa with a dense mask 4.2 s;
+  8 packed causal documents: chunked 0.29 s, flex 0.36 s). The crossover sits near half the
+  tiles empty: ``_SPARSE_DENSITY``.
 - ``flex`` must be compiled per mask/score-mod code and shape (4–10 s cold on CPU) and has no CPU
   backward, so on CPU it is never picked automatically; ask for it with ``backend="flex"``. On CUDA
   its fused kernel beats the Python-tiled ``chunked`` for masks and score mods, so it ranks there.
@@ -45,6 +47,16 @@ def density(q, k, call) -> float:
     return call.tile_kinds_cache[key]
 
 
+def _causal_as_flag(q, k, call) -> bool:
+    """True when sdpa runs this causal mask without a dense mask (``is_causal`` or no mask)."""
+    if not isinstance(call.mask, Causal):
+        return False
+    Sk = k.shape[2]
+    # sdpa drops the mask when every row sees every key, and uses is_causal for top-left
+    # alignment (which SDPA refuses together with a float mask, i.e. an additive score mod).
+    return call.q_offset >= Sk - 1 or (call.q_offset == 0 and call.score_mod is None)
+
+
 def _dense_mask_bytes(q, k) -> int:
     B, Hq, Sq, _ = q.shape
     return B * Hq * Sq * k.shape[2]
@@ -73,7 +85,7 @@ def _pick(q, k, v, call, reasons: dict) -> tuple[str, str]:
         return reasons.get(name, "unregistered") is None
 
     on_cuda = q.device.type == "cuda"
-    if call.mask is None or isinstance(call.mask, Causal):
+    if call.mask is None or _causal_as_flag(q, k, call):
         if ok("sdpa"):
             return "sdpa", "dense or causal work: PyTorch's fused kernel is fastest"
     else:
