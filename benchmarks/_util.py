@@ -51,6 +51,33 @@ def time_call(fn: Callable[[], object], repeat: int = 5, budget_s: float = 30.0)
     return Timing(statistics.median(times), first, len(times), result)
 
 
+def time_pair(
+    fn_a: Callable[[], object], fn_b: Callable[[], object], repeat: int = 5, budget_s: float = 30.0
+) -> tuple[Timing, Timing]:
+    """Time two calls interleaved (a, b, a, b, ...) so that drifting machine load hits both alike.
+
+    Each side gets one untimed warm-up call first (its compile cost is reported as ``warmup_s``).
+    Rounds stop early, after at least two, once they have used ``2 · budget_s`` seconds.
+    """
+    firsts, results = [], [None, None]
+    for fn in (fn_a, fn_b):
+        t0 = time.perf_counter()
+        fn()
+        firsts.append(time.perf_counter() - t0)
+    times: tuple[list[float], list[float]] = ([], [])
+    while len(times[0]) < repeat:
+        for i, fn in enumerate((fn_a, fn_b)):
+            t0 = time.perf_counter()
+            results[i] = fn()
+            times[i].append(time.perf_counter() - t0)
+        if len(times[0]) >= 2 and sum(times[0]) + sum(times[1]) > 2 * budget_s:
+            break
+    return tuple(
+        Timing(statistics.median(ts), first, len(ts), res)
+        for ts, first, res in zip(times, firsts, results)
+    )
+
+
 def matmul_gflops(n: int, repeat: int = 3, dtype=torch.float32) -> float:
     """Best ``n × n`` matmul throughput in GFLOP/s (``2 n³`` FLOPs per product): the ceiling."""
     g = torch.Generator().manual_seed(0)
