@@ -552,7 +552,11 @@ def _cmd_backends(args) -> int:
     rows = []
     for name, reason in explanation.reasons.items():
         verdict = "chosen" if name == explanation.chosen else "can run" if reason is None else "no"
-        why = explanation.why if name == explanation.chosen else reason or "ranked lower"
+        why = (
+            explanation.why
+            if name == explanation.chosen
+            else reason or explanation.notes.get(name, "ranked lower")
+        )
         rows.append({"backend": name, "verdict": verdict, "can_run": reason is None, "reason": why})
     if args.json:
         _print_json(

@@ -102,7 +102,7 @@ class Explanation:
         for name, reason in self.reasons.items():
             if name == self.chosen:
                 continue
-            note = self.notes.get(name, "can run; ranked lower")
+            note = "can run; " + self.notes.get(name, "ranked lower")
             lines.append(f"  {name:<10} {note if reason is None else reason}")
         return "\n".join(lines)
 

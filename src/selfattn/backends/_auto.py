@@ -70,11 +70,11 @@ def rank(q, k, v, call, reasons: dict) -> tuple[str, str, dict[str, str]]:
     name, why = _pick(q, k, v, call, reasons)
     notes = {}
     if call.mask is not None and not isinstance(call.mask, Causal):
-        notes["sdpa"] = "can run, but does all Sq·Sk work with a dense mask"
+        notes["sdpa"] = "does all Sq·Sk work with a dense mask"
     if q.device.type != "cuda":
-        notes["flex"] = "can run, but auto never picks it on CPU (compiles per shape, 4-10 s cold)"
-    notes["reference"] = "can run, but materialises the Sq·Sk scores (the oracle)"
-    notes["chunked"] = "can run; a fused kernel is faster for this case"
+        notes["flex"] = "auto never picks it on CPU (compiles per shape, 4-10 s cold)"
+    notes["reference"] = "materialises the Sq·Sk scores (the oracle)"
+    notes["chunked"] = "a fused kernel is faster for this case"
     notes.pop(name, None)
     return name, why, notes
 
