@@ -698,3 +698,21 @@ def test_tile_grid_and_to_dense_errors():
         TileGrid(4, 4, 2, 2, q_offset=1.5)
     with pytest.raises(ValueError, match=r"Sq must be >= 0, got -2"):
         M.causal().to_dense(-2, 3)
+
+
+@pytest.mark.parametrize(
+    "Sq,Sk,bq,bk,qo", [(97, 61, 8, 7, 3), (130, 77, 16, 5, -4), (1, 50, 4, 4, 49)]
+)
+def test_elementwise_fallback_in_bands_equals_one_shot(monkeypatch, Sq, Sk, bq, bk, qo):
+    """The fallback evaluates long grids in bands of whole query tiles (bounded memory)."""
+    callable_mask = M.CallableMask(lambda b, h, q, kv: ((q * 7 + kv * 3 + h) % 5 != 0) & (kv <= q))
+    tensor_mask = M.from_tensor(
+        torch.rand(2, 1, Sq, Sk, generator=torch.Generator().manual_seed(Sq)) > 0.5
+    )
+    grid = M.TileGrid(Sq, Sk, bq, bk, q_offset=qo)
+    for mask in (callable_mask, tensor_mask):
+        monkeypatch.setattr(M, "_BAND_ELEMENTS", 1 << 40)
+        one_shot = mask.tile_kinds(grid, 2, 3)
+        monkeypatch.setattr(M, "_BAND_ELEMENTS", 50)  # forces one band per query tile
+        banded = mask.tile_kinds(grid, 2, 3)
+        assert torch.equal(one_shot.expand(2, 3, -1, -1), banded.expand(2, 3, -1, -1))

@@ -281,6 +281,10 @@ def _evaluate(fn, B, H, Sq, Sk, q_offset, device, mask_q_offset=None, kv_offset=
     return out.to(q.device)
 
 
+# Elements the elementwise tile classification evaluates at once (bounds its memory).
+_BAND_ELEMENTS = 1 << 24
+
+
 def _reduce_tiles(dense: torch.Tensor, grid: TileGrid) -> torch.Tensor:
     """Tile kinds of a bool ``(B', H', Sq', Sk')`` matrix (``Sq'`` is ``grid.Sq`` or 1, same for
     keys) by any/all over each tile; the ragged last tiles are padded neutrally."""
@@ -298,13 +302,30 @@ def _reduce_tiles(dense: torch.Tensor, grid: TileGrid) -> torch.Tensor:
 def _tile_kinds_elementwise(mask: Mask, grid: TileGrid, B: int, H: int) -> torch.Tensor:
     """Elementwise fallback: evaluate the mask on the grid and reduce each tile with any/all.
 
-    Exact (tight), but costs one mask evaluation per element.
+    Exact (tight), but costs one mask evaluation per element. The grid is evaluated in bands of
+    whole query tiles of at most ``_BAND_ELEMENTS`` elements, so memory stays bounded at any length.
     """
     row0 = grid.q_offset if grid.row_offset is None else grid.row_offset
-    dense = _evaluate(
-        mask.mask_mod, B, H, grid.Sq, grid.Sk, grid.q_offset, grid.device, row0, grid.kv_offset
-    )
-    return _reduce_tiles(dense, grid)
+    per_row = max(1, B * H * grid.Sk)
+    band = max(1, _BAND_ELEMENTS // (per_row * grid.block_q)) * grid.block_q  # whole tiles
+    if grid.Sq <= band:
+        dense = _evaluate(
+            mask.mask_mod, B, H, grid.Sq, grid.Sk, grid.q_offset, grid.device, row0, grid.kv_offset
+        )
+        return _reduce_tiles(dense, grid)
+    parts = []
+    for r in range(0, grid.Sq, band):
+        n = min(band, grid.Sq - r)
+        sub = TileGrid(
+            n, grid.Sk, grid.block_q, grid.block_k, grid.q_offset + r, grid.kv_offset,
+            grid.device, row0,
+        )  # fmt: skip
+        dense = _evaluate(
+            mask.mask_mod, B, H, n, grid.Sk, sub.q_offset, grid.device, row0, grid.kv_offset
+        )
+        parts.append(_reduce_tiles(dense, sub))
+    lead = (max(t.shape[0] for t in parts), max(t.shape[1] for t in parts))
+    return torch.cat([t.expand(*lead, *t.shape[2:]) for t in parts], dim=-2)
 
 
 def _as_index_tensor(x, name: str, device=None) -> torch.Tensor:
