@@ -20,31 +20,27 @@ BENCHMARKS.md, ``benchmarks/attention.py``):
 
 from __future__ import annotations
 
-from selfattn.masks import EMPTY, Causal, TileGrid
+from selfattn.masks import Causal
 
 # Fraction of (query, key) pairs in non-empty tiles below which skipping tiles beats the fused
 # dense kernel. Measured: at density 0.5 chunked and sdpa-with-mask take about the same time.
 _SPARSE_DENSITY = 0.5
-# Tile size used to estimate density (chunked's own tile; cheap: (S/64)² classifications).
-_DENSITY_TILE = 64
 # Dense bool masks bigger than this are not worth materialising for sdpa when chunked can run.
 _DENSE_MASK_BYTES = 1 << 30
 
 
 def density(q, k, call) -> float:
-    """Fraction of the ``Sq × Sk`` pairs lying in tiles the mask does not classify as EMPTY."""
+    """Fraction of the tiles (chunked's own fine tiling) the mask does not classify as EMPTY.
+
+    The classification is cached on the call, so the chunked backend reuses it when picked.
+    """
     if call.mask is None:
         return 1.0
+    from selfattn.backends.chunked import fine_grid
+
     B, Hq, Sq, _ = q.shape
-    Sk = k.shape[2]
-    key = ("density", _DENSITY_TILE)
-    if key not in call.tile_kinds_cache:
-        grid = TileGrid(
-            Sq, Sk, _DENSITY_TILE, _DENSITY_TILE, q_offset=call.q_offset, device=q.device
-        )
-        kinds = call.mask.tile_kinds(grid, B, Hq)
-        call.tile_kinds_cache[key] = float((kinds != int(EMPTY)).float().mean())
-    return call.tile_kinds_cache[key]
+    Sk, G = k.shape[2], Hq // k.shape[1]
+    return float(fine_grid(call, B, Hq, Sq, Sk, G, q.device).nonempty.float().mean())
 
 
 def _causal_as_flag(q, k, call) -> bool:
@@ -96,6 +92,9 @@ def _pick(q, k, v, call, reasons: dict) -> tuple[str, str]:
             return "chunked", f"sparse mask (density {d:.2f} < {_SPARSE_DENSITY}): tiles skipped"
         if ok("sdpa") and (_dense_mask_bytes(q, k) <= _DENSE_MASK_BYTES or not ok("chunked")):
             return "sdpa", f"dense-ish mask (density {d:.2f}): fused kernel with a dense mask"
+        if ok("sdpa") and ok("chunked"):
+            gib = _dense_mask_bytes(q, k) / 2**30
+            return "chunked", f"a dense mask for sdpa would take {gib:.1f} GiB; tiles instead"
     if call.score_mod is not None and on_cuda and ok("flex"):
         return "flex", "score mod: compiled FlexAttention fuses it"
     if ok("chunked"):

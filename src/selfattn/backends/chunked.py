@@ -143,6 +143,19 @@ def _grid(call: AttentionCall, B, Hq, Sq, Sk, block_q, block_k, device) -> _Grid
     return _Grid(block_q, nonempty, full, mask_b, mask_h)
 
 
+def fine_grid(call: AttentionCall, B, Hq, Sq, Sk, G, device) -> _Grid:
+    """The classification at the automatic fine tiling, computed once per call.
+
+    ``auto`` asks for it to measure the mask's density and ``run`` then reuses it, so a mask whose
+    tiles must be classified elementwise (a user callable) is evaluated once, not twice.
+    """
+    block_q, block_k, _ = tile_sizes(Sq, Sk, G)
+    key = ("chunked-grid", B, Hq, Sq, Sk, block_q, block_k)
+    if key not in call.tile_kinds_cache:
+        call.tile_kinds_cache[key] = _grid(call, B, Hq, Sq, Sk, min(block_q, Sq), block_k, device)
+    return call.tile_kinds_cache[key]
+
+
 def _choose_rows(grid: _Grid, G: int) -> int:
     """How many fine query tiles to merge (1, 2 or 4), from the share of PARTIAL tiles.
 
@@ -698,7 +711,10 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     fine_q, fine_k, _ = tile_sizes(Sq, Sk, G)
     bk = block_k or fine_k
-    grid = _grid(call, B, Hq, Sq, Sk, min(block_q or fine_q, Sq), bk, q.device)
+    if block_q is None and block_k is None:
+        grid = fine_grid(call, B, Hq, Sq, Sk, G, q.device)
+    else:
+        grid = _grid(call, B, Hq, Sq, Sk, min(block_q or fine_q, Sq), bk, q.device)
     if block_q is None:
         factor = _choose_rows(grid, G)
         if factor > 1:
