@@ -457,3 +457,26 @@ def test_bad_tile_sizes_name_the_value():
     q, k, v = make_qkv(1, 1, 5, 4)
     with pytest.raises(ValueError, match="block_k must be a positive int, got -2"):
         chunked_attention(q, k, v, block_k=-2)
+
+
+def test_auto_and_chunked_classify_tiles_once(monkeypatch):
+    """auto's density estimate and chunked's plan share one classification per call."""
+    calls = []
+    original = chunked._grid
+
+    def counting(*args, **kwargs):
+        calls.append(args[1:5])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "_grid", counting)
+    q, k, v = make_qkv(1, 2, 300, 16, seed=5)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 20)
+
+    assert selfattn.backends.explain(q, k, v, mask=window, print_table=False).chosen == "chunked"
+    calls.clear()
+    out = selfattn.attention(q, k, v, mask=window)
+    assert len(calls) == 1, calls
+    ref = selfattn.attention(q, k, v, mask=window, backend="reference")
+    torch.testing.assert_close(out, ref)
