@@ -1,0 +1,19 @@
+"""Modules: ``MultiHeadAttention`` (+ its ``ContiguousCache`` and torch drop-in), norms, MLPs,
+encoder and decoder blocks. Inputs and outputs are ``(B, S, d_model)``."""
+
+from selfattn.nn.attention import ContiguousCache, MultiHeadAttention, TorchMultiheadAttention
+from selfattn.nn.blocks import DecoderBlock, EncoderBlock
+from selfattn.nn.mlp import MLP, SwiGLU
+from selfattn.nn.norms import LayerNorm, RMSNorm
+
+__all__ = [
+    "MLP",
+    "ContiguousCache",
+    "DecoderBlock",
+    "EncoderBlock",
+    "LayerNorm",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "SwiGLU",
+    "TorchMultiheadAttention",
+]

@@ -1,0 +1,470 @@
+"""``MultiHeadAttention`` (self / cross, MHA / GQA / MQA), its ``ContiguousCache``, and the
+``torch.nn.MultiheadAttention`` drop-in built by :meth:`MultiHeadAttention.from_torch`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn import scores as _scores
+from selfattn.functional import attention, attention_weights
+from selfattn.nn.norms import make_norm
+
+__all__ = ["ContiguousCache", "MultiHeadAttention", "TorchMultiheadAttention"]
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class ContiguousCache:
+    """A per-layer KV cache preallocated to ``max_len`` tokens (DESIGN.md's cache contract).
+
+    Memory layout: ``k (B, Hkv, max_len, D)`` and ``v (B, Hkv, max_len, Dv)``, slot ``t`` holding
+    the token at cache position ``t`` of every sequence. :meth:`update` writes new keys/values at
+    the given slots and returns the filled prefix ``[:length]``, which is what attention reads; the
+    queries of that step are its last ``Sq`` rows (bottom-right alignment).
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        *,
+        dtype=torch.float32,
+        device=None,
+    ):
+        for name, x in (
+            ("batch", batch),
+            ("max_len", max_len),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            _positive_int(x, f"ContiguousCache {name}")
+        value_dim = head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch, n_kv_heads, max_len, value_dim, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        """Forget every token (the storage is kept and overwritten by later updates)."""
+        self.length = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None):
+        """Store ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` at slots ``positions`` ``(S,)``.
+
+        ``positions`` defaults to the next ``S`` slots ``length .. length + S - 1``. Returns
+        ``(k_all, v_all)``: ``(B, Hkv, length, D)`` and ``(B, Hkv, length, Dv)`` views after the
+        write, where ``length`` is one past the highest slot written so far.
+        """
+        want_k = (
+            self.k.shape[0],
+            self.k.shape[1],
+            k.shape[2] if k.dim() == 4 else -1,
+            self.k.shape[3],
+        )
+        if k.dim() != 4 or tuple(k.shape) != want_k:
+            raise ValueError(
+                f"cache expects k of shape (B={want_k[0]}, Hkv={want_k[1]}, S, D={want_k[3]}), "
+                f"got {tuple(k.shape)}; build the cache with the model's batch, n_kv_heads and "
+                "head_dim"
+            )
+        want_v = (want_k[0], want_k[1], k.shape[2], self.v.shape[3])
+        if tuple(v.shape) != want_v:
+            raise ValueError(
+                f"cache expects v of shape {want_v} (matching k), got {tuple(v.shape)}"
+            )
+        S = k.shape[2]
+        if positions is None:
+            positions = torch.arange(self.length, self.length + S, device=self.k.device)
+        positions = torch.as_tensor(positions, device=self.k.device)
+        if positions.dim() != 1 or positions.shape[0] != S or positions.is_floating_point():
+            raise ValueError(
+                f"cache positions must be an int tensor of shape (S={S},), got "
+                f"{positions.dtype} {tuple(positions.shape)}"
+            )
+        if S == 0:
+            return self.k[:, :, : self.length], self.v[:, :, : self.length]
+        end = int(positions.max()) + 1
+        if int(positions.min()) < 0 or end > self.max_len:
+            raise ValueError(
+                f"cache positions {int(positions.min())}..{end - 1} fall outside the cache's "
+                f"max_len ({self.max_len}); build it with a larger max_len or reset() it"
+            )
+        positions = positions.long()  # index_copy_ takes int64 slots only
+        self.k.index_copy_(2, positions, k.to(self.k.dtype))
+        self.v.index_copy_(2, positions, v.to(self.v.dtype))
+        self.length = max(self.length, end)
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over ``(B, S, d_model)`` sequences: self or cross, MHA / GQA / MQA.
+
+    ``n_heads`` query heads share ``n_kv_heads`` key/value heads (default ``n_heads``: MHA; ``1``:
+    MQA); query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``, never repeated in memory.
+
+    Args:
+        d_model: model width of the queries and of the output.
+        n_heads, n_kv_heads: query and key/value head counts.
+        head_dim: per-head width ``D`` (default ``d_model // n_heads``).
+        kdim, vdim: widths of the key and value inputs for cross-attention (default ``d_model``).
+        fused: one ``qkv_proj`` Linear (``d_model -> (Hq + 2 Hkv) · D``) instead of separate
+            ``q_proj``, ``k_proj``, ``v_proj``; needs ``kdim == vdim == d_model``. Cross-attention
+            still works: the query rows of the weight read ``x``, the K/V rows read the context.
+        bias: bias on the input projections; ``out_bias`` (default ``bias``) on ``out_proj``.
+        qk_norm: ``None``, ``"rms"`` or ``"layer"``: normalise each head of q and k over ``D``
+            before positions are applied (OLMo-2, Qwen-3, ViT-22B).
+        dropout: attention-weight dropout probability, active in training mode only.
+        rope: a callable ``rope(x (B, H, S, D), positions (S,) or (B, S)) -> x`` rotating q and k
+            of self-attention at their positions (e.g. ``selfattn.positions.RoPE``).
+        alibi: add ALiBi biases (``selfattn.scores.alibi(n_heads)``) to the scores.
+        scale: score scale (default ``1/sqrt(D)``); ``backend``: passed to ``selfattn.attention``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        head_dim: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        fused: bool = True,
+        bias: bool = True,
+        out_bias: bool | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        dropout: float = 0.0,
+        rope=None,
+        alibi: bool = False,
+        scale: float | None = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _positive_int(d_model, "d_model")
+        _positive_int(n_heads, "n_heads")
+        n_kv_heads = n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(
+                    f"d_model ({d_model}) must be divisible by n_heads ({n_heads}); change one "
+                    "or pass head_dim explicitly"
+                )
+            head_dim = d_model // n_heads
+        _positive_int(head_dim, "head_dim")
+        if n_heads % n_kv_heads:
+            raise ValueError(
+                f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); pick "
+                f"n_kv_heads among the divisors of {n_heads}"
+            )
+        kdim = d_model if kdim is None else _positive_int(kdim, "kdim")
+        vdim = d_model if vdim is None else _positive_int(vdim, "vdim")
+        if fused and (kdim != d_model or vdim != d_model):
+            raise ValueError(
+                f"fused projections need kdim == vdim == d_model ({d_model}), got kdim={kdim}, "
+                f"vdim={vdim}; pass fused=False"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if rope is not None and not callable(rope):
+            raise TypeError(f"rope must be callable as rope(x, positions), got {type(rope)}")
+        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = (
+            d_model,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        )
+        self.kdim, self.vdim, self.fused = kdim, vdim, fused
+        self.dropout, self.scale, self.backend = float(dropout), scale, backend
+        self.rope = rope
+        self.alibi = _scores.alibi(n_heads) if alibi else None
+        fk = {"device": device, "dtype": dtype}
+        q_out, kv_out = n_heads * head_dim, n_kv_heads * head_dim
+        if fused:
+            self.qkv_proj = nn.Linear(d_model, q_out + 2 * kv_out, bias=bias, **fk)
+        else:
+            self.q_proj = nn.Linear(d_model, q_out, bias=bias, **fk)
+            self.k_proj = nn.Linear(kdim, kv_out, bias=bias, **fk)
+            self.v_proj = nn.Linear(vdim, kv_out, bias=bias, **fk)
+        self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias, **fk)
+        if qk_norm is None:
+            self.q_norm = self.k_norm = None
+        else:
+            self.q_norm = make_norm(qk_norm, head_dim, qk_norm_eps, **fk)
+            self.k_norm = make_norm(qk_norm, head_dim, qk_norm_eps, **fk)
+
+    # -- projections -----------------------------------------------------------------------------
+    def _project(self, x, key, value):
+        """``(q, k, v)`` as ``(B, S, H·D)`` tensors from the query, key and value inputs."""
+        if not self.fused:
+            return self.q_proj(x), self.k_proj(key), self.v_proj(value)
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        if key is x and value is x:
+            return self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
+        wq, wk, wv = w.split([q_out, kv_out, kv_out], dim=0)
+        bq, bk, bv = (None, None, None) if b is None else b.split([q_out, kv_out, kv_out])
+        return F.linear(x, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def _heads(self, t: torch.Tensor, H: int) -> torch.Tensor:
+        B, S, _ = t.shape
+        return t.view(B, S, H, -1).transpose(1, 2)  # (B, S, H·D) -> (B, H, S, D)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        mask=None,
+        score_mod=None,
+        positions=None,
+        cache: ContiguousCache | None = None,
+        q_offset: int | None = None,
+        return_weights: bool = False,
+        value=None,
+    ):
+        """Attend from ``x (B, Sq, d_model)`` to itself or to ``context (B, Sk, kdim)``.
+
+        Args:
+            mask, score_mod: passed to :func:`selfattn.attention` (e.g. ``masks.causal()``; a
+                bool tensor broadcastable to ``(B, Hq, Sq, Sk)``, True = attend).
+            positions: int ``(Sq,)`` or ``(B, Sq)`` position ids of ``x`` for ``rope``; default
+                ``cache.length + arange(Sq)`` (``arange(Sq)`` without a cache). Left-padded
+                batches pass ``attention_mask.cumsum(-1) - 1`` here. Unused without ``rope``
+                (ALiBi and masks work on cache/index positions, whose differences padding keeps).
+            cache: a :class:`ContiguousCache` (self-attention only): this step's K/V are written
+                after the cached ones and the queries attend to all of them, query row ``i`` at
+                absolute position ``cache.length + i`` (masks see that position).
+            q_offset: absolute position of query row 0 for masks (default bottom-right).
+            return_weights: also return the per-head weights ``(B, Hq, Sq, Sk)`` (no dropout).
+            value: the value input ``(B, Sk, vdim)`` when it differs from ``context``.
+
+        Returns:
+            ``out (B, Sq, d_model)``, or ``(out, weights)`` with ``return_weights``.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"x must be (B, Sq, d_model={self.d_model}), got shape {tuple(x.shape)}"
+            )
+        cross = context is not None
+        if cross and cache is not None:
+            raise ValueError(
+                "cache is for self-attention; cross-attention recomputes K/V from context "
+                "(pass cache=None)"
+            )
+        key = context if cross else x
+        value = key if value is None else value
+        B, Sq, _ = x.shape
+        q, k, v = self._project(x, key, value)
+        q = self._heads(q, self.n_heads)  # (B, Sq, Hq·D) -> (B, Hq, Sq, D)
+        k = self._heads(k, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
+        v = self._heads(v, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None and not cross:
+            start = 0 if cache is None else cache.length
+            if positions is None:
+                positions = torch.arange(start, start + Sq, device=x.device)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, length, D)
+        mods = [m for m in (self.alibi, score_mod) if m is not None]
+        mod = None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
+        p = self.dropout if self.training else 0.0
+        out = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=mod,
+            scale=self.scale,
+            dropout_p=p,
+            q_offset=q_offset,
+            backend=self.backend,
+        )
+        out = out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, D) -> (B, Sq, Hq·D)
+        out = self.out_proj(out)
+        if not return_weights:
+            return out
+        w = attention_weights(
+            q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
+        )
+        return out, w
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> TorchMultiheadAttention:
+        """A drop-in for ``m``: same call signature and returns, our attention inside.
+
+        The weights are copied (the result does not share parameters with ``m``).
+        """
+        return TorchMultiheadAttention(m)
+
+
+class TorchMultiheadAttention(nn.Module):
+    """``torch.nn.MultiheadAttention``'s interface over a :class:`MultiHeadAttention`.
+
+    Built by :meth:`MultiHeadAttention.from_torch`. Called like torch's module, it returns
+    ``(out, weights)``: ``out (L, B, E)`` (``(B, L, E)`` when ``batch_first``),
+    ``weights (B, L, S)`` averaged over heads, ``(B, H, L, S)`` with
+    ``average_attn_weights=False``, or ``None`` with ``need_weights=False``. Torch's mask
+    conventions: a bool ``key_padding_mask (B, S)`` or ``attn_mask`` ``(L, S)`` /
+    ``(B·H, L, S)`` is True where attention is NOT allowed; float masks are added to the scores
+    (their ``-inf`` entries act as masks). Differences: a query row with every key masked gives 0
+    here, NaN in torch; in training mode with dropout, torch returns the dropped-out weights and
+    draws its own mask, we return the weights before dropout (outputs agree in eval mode).
+    """
+
+    def __init__(self, m: nn.MultiheadAttention):
+        super().__init__()
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch needs a torch.nn.MultiheadAttention, got {type(m)}")
+        if m.bias_k is not None or m.bias_v is not None:
+            raise ValueError(
+                "from_torch does not support add_bias_kv=True (learned extra key/value rows); "
+                "build the torch module with add_bias_kv=False"
+            )
+        if m.add_zero_attn:
+            raise ValueError(
+                "from_torch does not support add_zero_attn=True; build the torch module with "
+                "add_zero_attn=False"
+            )
+        E, H = m.embed_dim, m.num_heads
+        ref = m.out_proj.weight
+        has_bias = m.in_proj_bias is not None
+        self.attn = MultiHeadAttention(
+            E,
+            H,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            fused=False,
+            bias=has_bias,
+            out_bias=m.out_proj.bias is not None,
+            dropout=m.dropout,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                wq, wk, wv = m.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            for lin, w in zip((self.attn.q_proj, self.attn.k_proj, self.attn.v_proj), (wq, wk, wv)):
+                lin.weight.copy_(w)
+            if has_bias:
+                for lin, b in zip(
+                    (self.attn.q_proj, self.attn.k_proj, self.attn.v_proj), m.in_proj_bias.chunk(3)
+                ):
+                    lin.bias.copy_(b)
+            self.attn.out_proj.weight.copy_(m.out_proj.weight)
+            if m.out_proj.bias is not None:
+                self.attn.out_proj.bias.copy_(m.out_proj.bias)
+        self.batch_first = m.batch_first
+        self.train(m.training)
+
+    def _masks(self, key_padding_mask, attn_mask, B, H, L, S, dtype):
+        """Torch's masks as our ``(mask, score_mod)``: bool True = attend, float added."""
+        allowed, added = None, None
+        for name, t in (
+            ("key_padding_mask", key_padding_mask),
+            ("attn_mask", attn_mask),
+        ):
+            if t is None:
+                continue
+            if name == "key_padding_mask":
+                if tuple(t.shape) != (B, S):
+                    raise ValueError(
+                        f"key_padding_mask must be (B={B}, S={S}), got {tuple(t.shape)}"
+                    )
+                t = t.view(B, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
+            elif t.dim() == 2 and tuple(t.shape) == (L, S):
+                t = t.view(1, 1, L, S)  # (L, S) -> (1, 1, L, S)
+            elif t.dim() == 3 and tuple(t.shape) == (B * H, L, S):
+                t = t.view(B, H, L, S)  # (B·H, L, S) -> (B, H, L, S)
+            else:
+                raise ValueError(
+                    f"attn_mask must be (L={L}, S={S}) or (B·H={B * H}, L={L}, S={S}), got "
+                    f"{tuple(t.shape)}"
+                )
+            if t.dtype == torch.bool:
+                ok = ~t
+            elif t.is_floating_point():
+                # -inf entries are masks (generate_square_subsequent_mask); the rest is a bias
+                ok = t != float("-inf")
+                bias = torch.where(ok, t, torch.zeros((), dtype=t.dtype, device=t.device))
+                added = bias.to(dtype) if added is None else added + bias.to(dtype)
+            else:
+                raise TypeError(f"{name} must be bool or float, got {t.dtype}")
+            allowed = ok if allowed is None else allowed & ok
+        return allowed, added
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
+        if is_causal and attn_mask is None:
+            raise ValueError(
+                "is_causal=True is a hint that needs attn_mask, as in torch.nn.MultiheadAttention;"
+                " pass attn_mask=nn.Transformer.generate_square_subsequent_mask(L)"
+            )
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+            batch_first = False
+        else:
+            batch_first = self.batch_first
+        if not batch_first:
+            # (L, B, E) -> (B, L, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        B, L, _ = query.shape
+        S = key.shape[1]
+        allowed, added = self._masks(
+            key_padding_mask, attn_mask, B, self.attn.n_heads, L, S, query.dtype
+        )
+        # separate projections: passing key as context is the same as self-attention when
+        # key is query, and never touches a cache
+        out = self.attn(
+            query,
+            key,
+            mask=allowed,
+            score_mod=added,
+            return_weights=need_weights,
+            value=value,
+            q_offset=0,
+        )
+        w = None
+        if need_weights:
+            out, w = out
+            if average_attn_weights:
+                w = w.mean(dim=1)  # (B, H, L, S) -> (B, L, S)
+        if not batch_first:
+            out = out.transpose(0, 1)  # (B, L, E) -> (L, B, E)
+        if unbatched:
+            out = out.squeeze(1)
+            w = None if w is None else w.squeeze(0)
+        return out, w

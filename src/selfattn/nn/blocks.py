@@ -1,0 +1,122 @@
+"""Transformer blocks built from injected parts: ``EncoderBlock`` and ``DecoderBlock``.
+
+Each block takes its attention, feed-forward and norm modules ready-made (torchtune's component
+style), so one block class serves BERT (post-norm, LayerNorm, GELU) and Llama (pre-norm, RMSNorm,
+SwiGLU) alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from selfattn import masks as _masks
+from selfattn.nn.attention import ContiguousCache, MultiHeadAttention
+from selfattn.nn.mlp import MLP, SwiGLU
+from selfattn.nn.norms import LayerNorm, RMSNorm
+
+__all__ = ["MLP", "DecoderBlock", "EncoderBlock", "LayerNorm", "RMSNorm", "SwiGLU"]
+
+
+class _Residual(nn.Module):
+    """``x + dropout(f(norm(x)))`` (pre-norm) or ``norm(x + dropout(f(x)))`` (post-norm)."""
+
+    def __init__(self, norm: nn.Module, norm_first: bool, dropout: float):
+        super().__init__()
+        self.norm = norm
+        self.norm_first = norm_first
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, f):
+        if self.norm_first:
+            return x + self.dropout(f(self.norm(x)))
+        return self.norm(x + self.dropout(f(x)))
+
+
+class EncoderBlock(nn.Module):
+    """Bidirectional self-attention then feed-forward, each with a residual and a norm.
+
+    ``x (B, S, d_model) -> (B, S, d_model)``. ``norm_first=True`` is pre-norm (GPT-2, Llama);
+    ``False`` is post-norm (the original Transformer, BERT). ``dropout`` applies to each residual
+    branch (attention dropout lives in ``attention``).
+    """
+
+    def __init__(
+        self,
+        attention: MultiHeadAttention,
+        mlp: nn.Module,
+        attn_norm: nn.Module,
+        mlp_norm: nn.Module,
+        *,
+        norm_first: bool = True,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+        self.attn_res = _Residual(attn_norm, norm_first, dropout)
+        self.mlp_res = _Residual(mlp_norm, norm_first, dropout)
+
+    def forward(self, x: torch.Tensor, *, mask=None, score_mod=None, positions=None):
+        """``mask``/``score_mod``/``positions`` go to the attention (e.g. a key-padding mask)."""
+        x = self.attn_res(
+            x, lambda h: self.attention(h, mask=mask, score_mod=score_mod, positions=positions)
+        )
+        return self.mlp_res(x, self.mlp)
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, optional cross-attention to an encoder output, then feed-forward.
+
+    ``x (B, Sq, d_model)``, ``context (B, Sk, kdim)`` -> ``(B, Sq, d_model)``. Self-attention is
+    always causal (``masks.causal()`` at absolute positions, so a ``ContiguousCache`` decode sees
+    exactly the keys a full forward would); ``mask`` is ANDed with it (key padding, documents).
+    """
+
+    def __init__(
+        self,
+        self_attention: MultiHeadAttention,
+        mlp: nn.Module,
+        self_norm: nn.Module,
+        mlp_norm: nn.Module,
+        *,
+        cross_attention: MultiHeadAttention | None = None,
+        cross_norm: nn.Module | None = None,
+        norm_first: bool = True,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if (cross_attention is None) != (cross_norm is None):
+            raise ValueError("cross_attention and cross_norm go together: pass both or neither")
+        self.self_attention, self.cross_attention, self.mlp = self_attention, cross_attention, mlp
+        self.self_res = _Residual(self_norm, norm_first, dropout)
+        self.cross_res = None if cross_norm is None else _Residual(cross_norm, norm_first, dropout)
+        self.mlp_res = _Residual(mlp_norm, norm_first, dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        mask=None,
+        context_mask=None,
+        score_mod=None,
+        positions=None,
+        cache: ContiguousCache | None = None,
+    ):
+        """``context_mask`` (bool ``(B, 1, 1, Sk)``, True = attend) masks the encoder keys."""
+        if (context is None) != (self.cross_attention is None):
+            raise ValueError(
+                "context must be given exactly when the block has cross_attention "
+                f"(has cross_attention: {self.cross_attention is not None}, "
+                f"context given: {context is not None})"
+            )
+        causal = _masks.causal() if mask is None else _masks.causal() & mask
+        x = self.self_res(
+            x,
+            lambda h: self.self_attention(
+                h, mask=causal, score_mod=score_mod, positions=positions, cache=cache
+            ),
+        )
+        if self.cross_res is not None:
+            x = self.cross_res(x, lambda h: self.cross_attention(h, context, mask=context_mask))
+        return self.mlp_res(x, self.mlp)

@@ -1,0 +1,64 @@
+"""Normalisation layers: torch's ``LayerNorm`` and an ``RMSNorm`` that computes in float32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["LayerNorm", "RMSNorm", "make_norm"]
+
+# LayerNorm is torch's own: it already accumulates half inputs in float32.
+LayerNorm = nn.LayerNorm
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) · weight``.
+
+    Input ``(..., dim)`` -> output ``(..., dim)`` in the input dtype. The mean and the rescaling are
+    computed in float32 (float64 stays float64), so fp16/bf16 activations do not lose the small
+    mean-square to rounding; the weight is applied after casting back, as Llama does.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"RMSNorm dim must be a positive int, got {dim!r}")
+        if not eps > 0:
+            raise ValueError(f"RMSNorm eps must be > 0, got {eps!r}")
+        self.dim = dim
+        self.eps = float(eps)
+        self.weight = (
+            nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+            if elementwise_affine
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(
+                f"RMSNorm was built for dim={self.dim} but the input's last dim is {x.shape[-1]} "
+                f"(shape {tuple(x.shape)})"
+            )
+        acc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        y = (acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y if self.weight is None else y * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+def make_norm(kind: str, dim: int, eps: float = 1e-6, *, device=None, dtype=None) -> nn.Module:
+    """``"rms"`` -> :class:`RMSNorm`, ``"layer"`` -> :class:`LayerNorm`, over the last ``dim``."""
+    if kind == "rms":
+        return RMSNorm(dim, eps, device=device, dtype=dtype)
+    if kind == "layer":
+        return LayerNorm(dim, eps=eps, device=device, dtype=dtype)
+    raise ValueError(f"norm must be 'rms' or 'layer', got {kind!r}")
