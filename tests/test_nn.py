@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn import masks
+from selfattn import masks, positions
 from selfattn.nn import (
     MLP,
     ContiguousCache,
@@ -512,3 +512,53 @@ def test_decoder_block_errors():
             RMSNorm(16),
             cross_attention=MultiHeadAttention(16, 4),
         )
+
+
+_SCALINGS = {
+    "none": None,
+    "linear": lambda: positions.Linear(2.0),
+    "ntk": lambda: positions.NTK(3.0),
+    # Dynamic NTK and LongRoPE choose frequencies from the call's length; below the original
+    # length they are fixed, which is when a cache is consistent (transformers#25104).
+    "dynamic": lambda: positions.DynamicNTK(2.0, original_max_position=64),
+    "yarn": lambda: positions.YaRN(4.0, original_max_position=8),
+    "llama3": lambda: positions.Llama3(8.0, original_max_position=8),
+    "longrope": lambda: positions.LongRoPE([1.0, 1.5], [2.0, 4.0], original_max_position=64),
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+@pytest.mark.parametrize("scaling", sorted(_SCALINGS))
+def test_cached_decode_equals_full_forward_with_real_rope(scaling, chunk):
+    """The layer with selfattn.positions.RoPE: decoding through the cache equals one forward."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{scaling}{chunk}".encode()))
+    make = _SCALINGS[scaling]
+    rope = positions.RoPE(4, base=100.0, scaling=None if make is None else make())
+    m = MultiHeadAttention(16, 4, 2, rope=rope, qk_norm="rms", dtype=torch.float64).eval()
+    _randomise(m, gen)
+    B, S = 2, 19
+    x = torch.randn(B, S, 16, generator=gen, dtype=torch.float64)
+    full = m(x, mask=masks.causal())
+    cache = ContiguousCache(B, 32, 2, 4, dtype=torch.float64)
+    steps = [m(x[:, i : i + chunk], mask=masks.causal(), cache=cache) for i in range(0, S, chunk)]
+    _close(torch.cat(steps, dim=1), full, torch.float64, f"{scaling}, chunks of {chunk}")
+    # and the rotation really happens: the same layer without RoPE gives another answer
+    m.rope = None
+    assert not torch.allclose(m(x, mask=masks.causal()), full)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_from_torch_is_causal_hint_alone(need_weights):
+    """is_causal with only the causal attn_mask: ours uses causal() and still equals torch."""
+    gen = torch.Generator().manual_seed(5 + need_weights)
+    m = nn.MultiheadAttention(12, 3, batch_first=True, dtype=torch.float64)
+    _randomise(m, gen)
+    m.eval()
+    ours = MultiHeadAttention.from_torch(m).eval()
+    x = torch.randn(2, 9, 12, generator=gen, dtype=torch.float64)
+    causal = nn.Transformer.generate_square_subsequent_mask(9, dtype=torch.float64)
+    want = m(x, x, x, attn_mask=causal, is_causal=True, need_weights=need_weights)
+    got = ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=need_weights)
+    _close(got[0], want[0], torch.float64, "out")
+    if need_weights:
+        _close(got[1], want[1], torch.float64, "weights")

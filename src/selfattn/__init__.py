@@ -4,9 +4,18 @@
 >>> out = sa.attention(q, k, v, mask=sa.masks.causal())      # doctest: +SKIP
 """
 
-from selfattn import backends, masks, scores
+from selfattn import backends, masks, nn, positions, scores
 from selfattn.functional import attention, attention_weights
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention", "attention_weights", "backends", "masks", "scores"]
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_weights",
+    "backends",
+    "masks",
+    "nn",
+    "positions",
+    "scores",
+]

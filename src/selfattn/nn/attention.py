@@ -9,6 +9,7 @@ from torch import nn
 
 from selfattn import scores as _scores
 from selfattn.functional import attention, attention_weights
+from selfattn.masks import causal
 from selfattn.nn.norms import make_norm
 
 __all__ = ["ContiguousCache", "MultiHeadAttention", "TorchMultiheadAttention"]
@@ -408,7 +409,8 @@ class TorchMultiheadAttention(nn.Module):
                 # -inf entries are masks (generate_square_subsequent_mask); the rest is a bias
                 ok = t != float("-inf")
                 bias = torch.where(ok, t, torch.zeros((), dtype=t.dtype, device=t.device))
-                added = bias.to(dtype) if added is None else added + bias.to(dtype)
+                if bool(bias.any()):  # an all-zero bias (a pure -inf mask) adds nothing
+                    added = bias.to(dtype) if added is None else added + bias.to(dtype)
             else:
                 raise TypeError(f"{name} must be bool or float, got {t.dtype}")
             allowed = ok if allowed is None else allowed & ok
@@ -443,9 +445,19 @@ class TorchMultiheadAttention(nn.Module):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         B, L, _ = query.shape
         S = key.shape[1]
+        # is_causal asserts that attn_mask is the causal mask (torch's contract for the hint), so
+        # the mask is taken as causal(): a fused kernel can then skip the masked half.
         allowed, added = self._masks(
-            key_padding_mask, attn_mask, B, self.attn.n_heads, L, S, query.dtype
+            key_padding_mask,
+            None if is_causal else attn_mask,
+            B,
+            self.attn.n_heads,
+            L,
+            S,
+            query.dtype,
         )
+        if is_causal:
+            allowed = causal() if allowed is None else causal() & allowed
         # separate projections: passing key as context is the same as self-attention when
         # key is query, and never touches a cache
         out = self.attn(
