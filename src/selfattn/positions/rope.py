@@ -151,12 +151,7 @@ class YaRN:
         _check_factor("YaRN", self.factor)
         _check_length("YaRN", "original_max_position", self.original_max_position)
         fix = "beta_fast (rotations of the fastest kept dim) must exceed beta_slow; defaults 32, 1"
-        _check_number("YaRN", "beta_slow", self.beta_slow, minimum=1e-9, fix=fix)
-        _check_number("YaRN", "beta_fast", self.beta_fast, minimum=1e-9, fix=fix)
-        if self.beta_fast <= self.beta_slow:
-            raise ValueError(
-                f"YaRN beta_fast ({self.beta_fast}) must be > beta_slow ({self.beta_slow}); {fix}"
-            )
+        _check_ordered("YaRN", ("beta_slow", self.beta_slow), ("beta_fast", self.beta_fast), fix)
         if self.attention_factor is not None:
             _check_number(
                 "YaRN", "attention_factor", self.attention_factor, minimum=1e-9, fix="pass > 0"
@@ -191,6 +186,14 @@ class YaRN:
         return extrapolation * (1 - ramp) + interpolation * ramp, attn
 
 
+def _check_ordered(owner: str, low: tuple[str, float], high: tuple[str, float], fix: str) -> None:
+    """Both positive and ``high > low`` (YaRN's betas, Llama 3.1's frequency factors)."""
+    for name, value in (low, high):
+        _check_number(owner, name, value, minimum=1e-9, fix=fix)
+    if high[1] <= low[1]:
+        raise ValueError(f"{owner} {high[0]} ({high[1]}) must be > {low[0]} ({low[1]}); {fix}")
+
+
 @dataclass(frozen=True)
 class Llama3:
     """Llama 3.1 scaling (Meta, 2024): by wavelength ``λ = 2π / inv_freq``.
@@ -208,13 +211,11 @@ class Llama3:
         _check_factor("Llama3", self.factor)
         _check_length("Llama3", "original_max_position", self.original_max_position)
         fix = "Llama 3.1 uses low_freq_factor=1, high_freq_factor=4"
-        _check_number("Llama3", "low_freq_factor", self.low_freq_factor, minimum=1e-9, fix=fix)
-        _check_number("Llama3", "high_freq_factor", self.high_freq_factor, minimum=1e-9, fix=fix)
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                f"Llama3 high_freq_factor ({self.high_freq_factor}) must be > low_freq_factor "
-                f"({self.low_freq_factor}); {fix}"
-            )
+        low, high = (
+            ("low_freq_factor", self.low_freq_factor),
+            ("high_freq_factor", self.high_freq_factor),
+        )
+        _check_ordered("Llama3", low, high, fix)
 
     def frequencies(self, base: float, dim: int, seq_len: int) -> tuple[torch.Tensor, float]:
         inv_freq = _default_inv_freq(base, dim)
