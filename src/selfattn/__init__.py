@@ -4,7 +4,7 @@
 >>> out = sa.attention(q, k, v, mask=sa.masks.causal())      # doctest: +SKIP
 """
 
-from selfattn import backends, masks, nn, positions, scores
+from selfattn import backends, cache, masks, nn, positions, scores
 from selfattn.functional import attention, attention_weights
 
 __version__ = "0.1.0"
@@ -14,6 +14,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "backends",
+    "cache",
     "masks",
     "nn",
     "positions",

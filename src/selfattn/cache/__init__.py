@@ -1,0 +1,20 @@
+"""selfattn.cache: KV caches sharing one contract, and their memory arithmetic.
+
+Every cache has ``update(k, v, positions) -> (k_all, v_all)``, ``length`` and ``reset()``, and
+plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
+"""
+
+from selfattn.cache.decode import paged_attention
+from selfattn.cache.pool import BlockPool
+from selfattn.cache.size import format_bytes, kv_cache_bytes
+from selfattn.cache.static import StaticCache
+from selfattn.cache.window import SlidingWindowCache
+
+__all__ = [
+    "BlockPool",
+    "SlidingWindowCache",
+    "StaticCache",
+    "format_bytes",
+    "kv_cache_bytes",
+    "paged_attention",
+]

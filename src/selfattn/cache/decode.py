@@ -1,0 +1,271 @@
+"""``paged_attention``: attention of new queries over a paged KV cache, reading pages in place.
+
+The cache stores keys and values in fixed-size pages ``k_pages (N, P, Hkv, D)`` /
+``v_pages (N, P, Hkv, Dv)``; sequence ``b`` owns the pages listed in row ``b`` of
+``block_table (B, max_pages)``, in order, and its first ``seq_lens[b]`` token slots are valid::
+
+    block_table[b] = [7, 2, 5, ...]      P = 4, seq_lens[b] = 10
+    token position   0 1 2 3 | 4 5 6 7 | 8 9 · ·
+    page             7       | 2       | 5        (· = unused slot: never read into the result)
+
+The ``Sq`` queries of sequence ``b`` are its LAST ``Sq`` tokens (bottom-right alignment): query
+row ``i`` sits at absolute position ``seq_lens[b] - Sq + i``. Masks and score mods see these
+absolute positions, per sequence, so ``masks.causal()`` gives chunked prefill and ``Sq = 1``
+needs no mask at all (``mask=None`` means "every valid key", nothing more).
+
+The key axis is walked a bounded group of logical pages at a time, for the whole batch at once:
+one ``index_select`` over the page dimension gathers ``(B, group, P, Hkv, D)``, never a dense
+copy of the whole cache. Each group's partial softmax is merged into a running float32 (float64
+for fp64 inputs) max / sum / output, FlashAttention's online softmax; a group where a row has
+no allowed key (a sliding window that excludes whole pages, a short sequence in a ragged batch)
+contributes nothing and never produces NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from selfattn.backends._common import accumulation_dtype
+from selfattn.masks import And, CallableMask, Mask, Not, TensorMask, TileGrid, as_mask
+from selfattn.scores import as_score_mod
+
+__all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "paged_attention"]
+
+# Keys (logical pages × P) gathered per step, at most: bounds the score buffer per query row.
+GROUP_KEYS = 1024
+# Elements of K gathered per step across the batch (B · keys · Hkv · D): a large batch takes
+# fewer keys per step so that the gathered copy stays ~16 MiB in fp32, never the whole cache.
+GATHER_ELEMENTS = 1 << 22
+
+
+def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
+    """Raise TypeError / ValueError naming the offending values (see :func:`paged_attention`)."""
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            want = "(B, Hq, Sq, D)" if name == "q" else "(N, P, Hkv, D)"
+            raise ValueError(f"{name} must be 4-D {want}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        raise TypeError(
+            f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype} and "
+            f"{v_pages.dtype}; cast them with .to(dtype)"
+        )
+    B, Hq, Sq, D = q.shape
+    N, P, Hkv, Dk = k_pages.shape
+    if Dk != D:
+        raise ValueError(
+            f"q has head dim D={D} but k_pages has D={Dk} (shape {tuple(k_pages.shape)})"
+        )
+    if tuple(v_pages.shape[:3]) != (N, P, Hkv):
+        raise ValueError(
+            f"v_pages {tuple(v_pages.shape)} must match k_pages {tuple(k_pages.shape)} in "
+            "(N, P, Hkv)"
+        )
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hkv={Hkv} must divide Hq={Hq} (GQA groups of G = Hq // Hkv heads)")
+    for name, t, dims in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32), got {t.dtype}")
+        if t.dim() != dims or t.shape[0] != B:
+            want = "(B, max_pages)" if dims == 2 else "(B,)"
+            raise ValueError(f"{name} must be {want} with B={B}, got shape {tuple(t.shape)}")
+    devices = {t.device for t in (q, k_pages, v_pages, block_table, seq_lens)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    max_pages = block_table.shape[1]
+    lens = seq_lens.tolist()
+    capacity = max_pages * P
+    for b, n in enumerate(lens):
+        if n < Sq:
+            raise ValueError(
+                f"seq_lens[{b}]={n} is smaller than Sq={Sq}: the {Sq} queries are the last tokens "
+                "of each sequence, so every sequence needs at least Sq cached tokens"
+            )
+        if n > capacity:
+            raise ValueError(
+                f"seq_lens[{b}]={n} exceeds the capacity max_pages × P = {max_pages} × {P} = "
+                f"{capacity} of block_table; allocate more pages"
+            )
+    # Block ids of the pages each sequence actually uses (the rest may hold anything, e.g. -1).
+    if B and max_pages:
+        used = torch.arange(max_pages, device=block_table.device) * P < seq_lens.view(B, 1)
+        bad = used & ((block_table < 0) | (block_table >= N))
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"block_table[{b}, {j}]={int(block_table[b, j])} is out of range for N={N} pages "
+                f"(valid ids are 0..{N - 1}); sequence {b} uses its first "
+                f"{math.ceil(lens[b] / P)} pages"
+            )
+
+
+def _analytic(mask) -> bool:
+    """True when ``mask.tile_kinds`` is O(tiles) (built-ins and their combinations)."""
+    if isinstance(mask, (And, Not)):  # Or subclasses And
+        return all(_analytic(c) for c in ((mask.a, mask.b) if isinstance(mask, And) else (mask.a,)))
+    if isinstance(mask, (CallableMask, TensorMask)):
+        return False
+    return type(mask).tile_kinds is not Mask.tile_kinds
+
+
+def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
+    """Per sequence, the logical pages ``[first, last)`` that hold an allowed key.
+
+    Every used page without a mask; with a mask whose tiles classify analytically, the tile
+    classification at page granularity (one ``(Sq × P)`` tile per page) trims pages that are
+    EMPTY for every head, so a sliding window reads only the pages of its window.
+    """
+    first, last = [], []
+    for b, n in enumerate(lens):
+        used = math.ceil(n / P)
+        if mask is None or Sq == 0 or used == 0 or not _analytic(mask):
+            first.append(0)
+            last.append(used)
+            continue
+        grid = TileGrid(Sq, n, Sq, P, q_offset=n - Sq)
+        kinds = torch.as_tensor(mask.tile_kinds(grid, len(lens), Hq))
+        while kinds.dim() < 4:
+            kinds = kinds.unsqueeze(0)
+        row = kinds[b if kinds.shape[0] > 1 else 0].amax(dim=(0, 1)).cpu()  # (used,)
+        hit = (row > 0).nonzero().flatten().tolist()
+        first.append(hit[0] if hit else 0)
+        last.append(hit[-1] + 1 if hit else 0)
+    return first, last
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    mask=None,
+    score_mod=None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``.
+
+    ``k_pages (N, P, Hkv, D)``, ``v_pages (N, P, Hkv, Dv)``: the page pool. ``block_table
+    (B, max_pages)`` (int32): the pages of each sequence in order; entries past a sequence's
+    ``ceil(seq_lens[b] / P)`` used pages are never read (they may be -1). ``seq_lens (B,)``:
+    valid tokens per sequence, including the ``Sq`` new ones, which must already be written to
+    the pages. Query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - Sq + i``; for
+    ``Sq = 2``, ``seq_lens[b] = 5`` with ``mask=masks.causal()``::
+
+        key position    0 1 2 3 4
+        query at 3      █ █ █ █ ·
+        query at 4      █ █ █ █ █
+
+    ``mask`` (a :class:`selfattn.masks.Mask` or a ``mask_mod`` callable) and ``score_mod`` (a
+    :class:`selfattn.scores.ScoreMod` or callable) are evaluated at these absolute positions
+    with ``b`` the batch index. Masks given as tensors in row order are not meaningful here
+    (sequences have different offsets). ``mask=None`` attends every valid key. GQA/MQA: query
+    head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
+
+    Returns ``out`` in ``q.dtype``, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` float32 (float64
+    for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0).
+    NaN/Inf in unused page slots or pages cannot reach the output.
+    """
+    _check(q, k_pages, v_pages, block_table, seq_lens)
+    B, Hq, Sq, D = q.shape
+    N, P, Hkv, _ = k_pages.shape
+    Dv = v_pages.shape[3]
+    G = Hq // Hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite number, got {scale!r}")
+    mask_obj = None if mask is None else as_mask(mask)
+    mod_obj = None if score_mod is None else as_score_mod(score_mod)
+    cd = accumulation_dtype(q.dtype)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    device = q.device
+
+    first, last = _page_ranges(mask_obj, seq_lens.tolist(), Sq, P, Hq)
+    span = max((b - a for a, b in zip(first, last)), default=0)  # logical pages to walk
+    keys = min(GROUP_KEYS, GATHER_ELEMENTS // max(B * Hkv * max(D, Dv), 1))
+    group = max(1, keys // max(P, 1))  # logical pages per step
+
+    lens = seq_lens.to(device=device, dtype=torch.long)
+    b_idx = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h_idx = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+    q_pos = (lens.view(B, 1) - Sq + torch.arange(Sq, device=device)).view(B, 1, Sq, 1)
+    # State in (Hkv, B, ·) order: one kv head's slice is a contiguous (B, ·, ·) batch. Gathered
+    # pages stay (B, L, Hkv, ·); a kv head of them is a strided (B, L, D) view that bmm reads
+    # without a copy (row stride Hkv·D), so one bmm per kv head replaces a transposing copy.
+    qg = (q.to(cd) * scale).reshape(B, Hkv, G * Sq, D)  # (B, Hq, Sq, D) -> (B, Hkv, G·Sq, D)
+    qg = qg.transpose(0, 1).contiguous()  # (Hkv, B, G·Sq, D)
+    min_len = int(seq_lens.min()) if B else 0
+
+    m = torch.full((Hkv, B, G * Sq, 1), -math.inf, dtype=cd, device=device)  # running max
+    l_sum = torch.zeros(Hkv, B, G * Sq, 1, dtype=cd, device=device)  # running sum of exp
+    acc = torch.zeros(Hkv, B, G * Sq, Dv, dtype=cd, device=device)  # running weighted V sum
+    table = block_table.to(device=device, dtype=torch.long)
+    first_t = torch.tensor(first, dtype=torch.long, device=device).view(B, 1)
+    # Keys past a sequence's last page with an allowed key count as invalid (as past its end).
+    ends = torch.minimum(lens, torch.tensor(last, dtype=torch.long, device=device) * P)
+    max_pages = table.shape[1]
+
+    # Step j covers logical pages first[b] + [j0, j1) of each sequence b: a sliding window over
+    # a long context walks only the pages in its window, whatever each sequence's length.
+    for j0 in range(0, span, group):
+        j1 = min(j0 + group, span)
+        L = (j1 - j0) * P
+        cols = first_t + j0 + torch.arange(j1 - j0, device=device)  # (B, g) logical pages
+        # Pages past a sequence's used ones (table entries -1 or stale) are clamped to a valid
+        # id; their slots are masked invalid below and their V zeroed.
+        ids = table.gather(1, cols.clamp(max=max(max_pages - 1, 0)))
+        ids = ids.clamp(0, max(N - 1, 0)).reshape(-1)  # (B·g,)
+        k = k_pages.index_select(0, ids).to(cd).view(B, L, Hkv, D)  # (B·g, P, ·) -> (B, L, ·)
+        v = v_pages.index_select(0, ids).to(cd).view(B, L, Hkv, Dv)  # (B, L, Hkv, Dv)
+        kv_pos = (cols[:, :1] * P + torch.arange(L, device=device)).view(B, 1, 1, L)
+        # (B, G·Sq, D) @ (B, D, L) per kv head, stacked: (Hkv, B, G·Sq, L)
+        s = torch.stack([torch.bmm(qg[h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)])
+        if mod_obj is not None:
+            s4 = s.transpose(0, 1).reshape(B, Hq, Sq, L)  # per query head, as mods expect
+            s4 = mod_obj.score_mod(s4, b_idx, h_idx, q_pos, kv_pos, q_offset=0)
+            s4 = torch.broadcast_to(s4, (B, Hq, Sq, L)).to(cd)
+            s = s4.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
+        allowed = None  # None: every key of the group is valid and allowed (no work at all)
+        if mask_obj is not None:
+            mm = torch.as_tensor(mask_obj.mask_mod(b_idx, h_idx, q_pos, kv_pos, q_offset=0))
+            if mm.dtype != torch.bool:
+                raise TypeError(f"mask_mod must return a bool tensor, got {mm.dtype}")
+            mm = (mm.to(device) & (kv_pos < ends.view(B, 1, 1, 1))).expand(B, Hq, Sq, L)
+            allowed = mm.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
+        elif j1 * P > min_len:  # some sequence ends inside this group (first = 0 here)
+            allowed = (kv_pos.view(1, B, 1, L) < ends.view(1, B, 1, 1)).expand(Hkv, B, G * Sq, L)
+        if allowed is not None:
+            # masked_fill (not an additive -inf): NaN scores from garbage K are replaced too.
+            s = s.masked_fill(~allowed, -math.inf)
+            # A key no query of its (b, kv head) attends has weight 0, and 0 · NaN = NaN.
+            cols = allowed.any(dim=2).permute(1, 2, 0).unsqueeze(-1)  # (B, L, Hkv, 1)
+            v = v.masked_fill(~cols, 0.0)
+
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        # Rows with no key so far keep m = -inf; subtracting 0 instead keeps exp() NaN-free.
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)  # rescales the old sums; 0 when m was -inf
+        p = torch.exp(s - m_safe)  # (Hkv, B, G·Sq, L)
+        l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
+        pv = torch.stack([torch.bmm(p[h], v[:, :, h]) for h in range(Hkv)])  # (Hkv, B, G·Sq, Dv)
+        acc = acc * alpha + pv
+        m = m_new
+
+    acc, l_sum, m = (t.transpose(0, 1) for t in (acc, l_sum, m))  # (B, Hkv, G·Sq, ·)
+    empty = l_sum == 0
+    out = acc / torch.where(empty, torch.ones_like(l_sum), l_sum)
+    out = out.masked_fill(empty, 0.0).reshape(B, Hq, Sq, Dv).to(q.dtype)  # (B, Hq, Sq, Dv)
+    if not return_lse:
+        return out
+    lse = torch.where(empty, torch.full_like(m, -math.inf), m + torch.log(l_sum))
+    return out, lse.reshape(B, Hq, Sq).to(lse_dtype)
