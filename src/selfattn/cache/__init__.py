@@ -5,16 +5,27 @@ plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
 """
 
 from selfattn.cache.decode import paged_attention
+from selfattn.cache.paged import PagedCache, PagedCacheView
 from selfattn.cache.pool import BlockPool
+from selfattn.cache.prefix import PrefixHit, PrefixIndex
+from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_quantized
 from selfattn.cache.size import format_bytes, kv_cache_bytes
 from selfattn.cache.static import StaticCache
 from selfattn.cache.window import SlidingWindowCache
 
 __all__ = [
     "BlockPool",
+    "PagedCache",
+    "PagedCacheView",
+    "PrefixHit",
+    "PrefixIndex",
     "SlidingWindowCache",
     "StaticCache",
+    "dequantize",
     "format_bytes",
     "kv_cache_bytes",
     "paged_attention",
+    "quantize_fp8",
+    "quantize_int8",
+    "write_quantized",
 ]

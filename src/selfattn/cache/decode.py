@@ -28,6 +28,7 @@ import math
 import torch
 
 from selfattn.backends._common import accumulation_dtype
+from selfattn.cache.quant import QUANT_DTYPES
 from selfattn.masks import And, CallableMask, Mask, Not, TensorMask, TileGrid, as_mask
 from selfattn.scores import as_score_mod
 
@@ -48,9 +49,12 @@ def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
         if t.dim() != 4:
             want = "(B, Hq, Sq, D)" if name == "q" else "(N, P, Hkv, D)"
             raise ValueError(f"{name} must be 4-D {want}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
+        if not (t.is_floating_point() or (name != "q" and t.dtype in QUANT_DTYPES)):
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+    if q.dtype in QUANT_DTYPES:
+        raise TypeError(f"q must be fp16/bf16/fp32/fp64, got {q.dtype}")
+    # Quantised pages (int8 / fp8) are read in q's accumulation dtype; float pages match q.
+    if any(p.dtype != q.dtype and p.dtype not in QUANT_DTYPES for p in (k_pages, v_pages)):
         raise TypeError(
             f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype} and "
             f"{v_pages.dtype}; cast them with .to(dtype)"
@@ -106,6 +110,50 @@ def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
             )
 
 
+def _check_scales(name: str, pages: torch.Tensor, scales) -> torch.Tensor | None:
+    """Validate the scales of one page pool; return them as float32 or None for float pages.
+
+    int8 pages need ``(N, P, Hkv)`` (per token, per head), float8_e4m3fn pages ``(Hkv,)`` (per
+    head); both float32. Float pages take no scales: a given one would silently be ignored.
+    """
+    pname = name.replace("scales", "pages")
+    if pages.dtype not in QUANT_DTYPES:
+        if scales is not None:
+            raise ValueError(
+                f"{name} given but {pname} are {pages.dtype}: scales apply only to int8 or "
+                "float8_e4m3fn pages; pass quantised pages or drop the scales"
+            )
+        return None
+    N, P, Hkv = pages.shape[:3]
+    want = (N, P, Hkv) if pages.dtype == torch.int8 else (Hkv,)
+    what = "per token, per head" if pages.dtype == torch.int8 else "per head"
+    if scales is None:
+        raise ValueError(
+            f"{pname} are {pages.dtype} but {name} is None: pass float32 {name} of shape "
+            f"{want} ({what}), e.g. from selfattn.cache.quant"
+        )
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(scales).__name__}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {scales.dtype}; use .float()")
+    if tuple(scales.shape) != want:
+        raise ValueError(
+            f"{name} must have shape {want} ({what}) for {pages.dtype} {pname} of shape "
+            f"{tuple(pages.shape)}, got {tuple(scales.shape)}"
+        )
+    if scales.device != pages.device:
+        raise ValueError(f"{name} is on {scales.device} but {pname} on {pages.device}")
+    return scales
+
+
+def _group_scales(scales, ids, B: int, L: int, Hkv: int, cd) -> torch.Tensor:
+    """Scales broadcastable to a gathered ``(B, L, Hkv, ·)`` group, in dtype ``cd``."""
+    if scales.dim() == 1:  # fp8: per head
+        return scales.to(cd).view(1, 1, Hkv, 1)
+    # int8: per token, per head, gathered like the pages: (B·g, P, Hkv) -> (B, L, Hkv, 1)
+    return scales.index_select(0, ids).to(cd).view(B, L, Hkv, 1)
+
+
 def _analytic(mask) -> bool:
     """True when ``mask.tile_kinds`` is O(tiles) (built-ins and their combinations)."""
     if isinstance(mask, (And, Not)):  # Or subclasses And
@@ -150,6 +198,8 @@ def paged_attention(
     mask=None,
     score_mod=None,
     scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``.
@@ -174,8 +224,15 @@ def paged_attention(
     Returns ``out`` in ``q.dtype``, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` float32 (float64
     for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0).
     NaN/Inf in unused page slots or pages cannot reach the output.
+
+    Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with float32
+    ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; each gathered group
+    is dequantised (times its scales) in the accumulation dtype, never the whole cache. Scales
+    are required for quantised pages and rejected for float pages.
     """
     _check(q, k_pages, v_pages, block_table, seq_lens)
+    k_scales = _check_scales("k_scales", k_pages, k_scales)
+    v_scales = _check_scales("v_scales", v_pages, v_scales)
     B, Hq, Sq, D = q.shape
     N, P, Hkv, _ = k_pages.shape
     Dv = v_pages.shape[3]
@@ -227,6 +284,10 @@ def paged_attention(
         ids = ids.clamp(0, max(N - 1, 0)).reshape(-1)  # (B·g,)
         k = k_pages.index_select(0, ids).to(cd).view(B, L, Hkv, D)  # (B·g, P, ·) -> (B, L, ·)
         v = v_pages.index_select(0, ids).to(cd).view(B, L, Hkv, Dv)  # (B, L, Hkv, Dv)
+        if k_scales is not None:  # dequantise this group only
+            k = k * _group_scales(k_scales, ids, B, L, Hkv, cd)
+        if v_scales is not None:
+            v = v * _group_scales(v_scales, ids, B, L, Hkv, cd)
         kv_pos = (cols[:, :1] * P + torch.arange(L, device=device)).view(B, 1, 1, L)
         # (B, G·Sq, D) @ (B, D, L) per kv head, stacked: (Hkv, B, G·Sq, L)
         s = torch.stack([torch.bmm(qg[h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)])

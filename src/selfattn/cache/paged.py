@@ -1,0 +1,344 @@
+"""``PagedCache``: a per-layer KV cache stored in fixed-size pages shared through a block pool.
+
+Keys and values live in one pool of pages per layer, ``k_pages (N, P, Hkv, D)`` and
+``v_pages (N, P, Hkv, Dv)``. Each sequence owns an ordered list of page ids; token ``t`` of a
+sequence sits in slot ``t % P`` of its page number ``t // P``::
+
+    pages of seq 0 = [3, 0]      P = 4, length 6
+    token position   0 1 2 3 | 4 5 · ·
+    page             3       | 0          (· = free slot, written by the next append)
+
+:meth:`PagedCache.fork` shares every page of a sequence with a new one (a reference more per
+page in the :class:`~selfattn.cache.pool.BlockPool`, nothing copied). Copy-on-write happens at
+the first write into a shared page: only the last, partly filled page is ever written, so an
+append whose sequence shares that page first copies it to a fresh page. A shared prefix that
+ends exactly on a page boundary is never copied: the next token opens a new page.
+
+Every change is planned and validated before anything is touched: an append that would exceed
+a sequence's ``max_pages_per_seq × P`` tokens or the pool's free pages raises and leaves pages,
+block tables, lengths and reference counts as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.cache.decode import paged_attention
+from selfattn.cache.pool import BlockPool
+
+__all__ = ["PagedCache", "PagedCacheView"]
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"PagedCache {name} must be a positive int, got {value!r}")
+    return value
+
+
+class PagedCache:
+    """A page pool for one layer, with per-sequence page lists and lengths.
+
+    ``PagedCache(num_pages, page_size, n_kv_heads, head_dim, value_dim=None, *, max_seqs,
+    max_pages_per_seq, dtype, device)``. ``num_pages`` (N) pages of ``page_size`` (P) tokens;
+    at most ``max_seqs`` live sequences, each at most ``max_pages_per_seq`` pages long (the
+    width of :meth:`block_table`). Sequence ids are ints handed out by :meth:`add_sequence` and
+    :meth:`fork`; they are never reused.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        *,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        dtype=torch.float32,
+        device=None,
+    ):
+        _positive_int(num_pages, "num_pages")
+        _positive_int(page_size, "page_size")
+        _positive_int(n_kv_heads, "n_kv_heads")
+        _positive_int(head_dim, "head_dim")
+        value_dim = head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        _positive_int(max_seqs, "max_seqs")
+        _positive_int(max_pages_per_seq, "max_pages_per_seq")
+        fk = {"dtype": dtype, "device": device}
+        self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, **fk)
+        self.v_pages = torch.zeros(num_pages, page_size, n_kv_heads, value_dim, **fk)
+        self.pool = BlockPool(num_pages)
+        self.max_seqs = max_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    # -- shape facts ------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one sequence can hold: ``max_pages_per_seq × page_size``."""
+        return self.max_pages_per_seq * self.page_size
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._pages)
+
+    def pages(self, seq_id: int) -> list[int]:
+        """The page ids of ``seq_id`` in token order (a copy)."""
+        return list(self._pages[self._check_id(seq_id)])
+
+    def length(self, seq_id: int) -> int:
+        return self._lens[self._check_id(seq_id)]
+
+    def _check_id(self, seq_id) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise TypeError(f"sequence ids are ints, got {type(seq_id).__name__} {seq_id!r}")
+        if seq_id not in self._pages:
+            raise ValueError(
+                f"unknown sequence id {seq_id}; live ids are {sorted(self._pages)} (use "
+                "add_sequence() or fork())"
+            )
+        return seq_id
+
+    def _ids(self, seq_ids) -> list[int]:
+        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        for s in ids:
+            self._check_id(s)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids {ids} repeat a sequence; list each sequence once")
+        return ids
+
+    # -- sequences --------------------------------------------------------------------------------
+    def _new_id(self) -> int:
+        if len(self._pages) >= self.max_seqs:
+            raise RuntimeError(
+                f"cannot add a sequence: all max_seqs={self.max_seqs} are live; free one first "
+                "or build the cache with a larger max_seqs"
+            )
+        sid = self._next_id
+        self._next_id += 1
+        return sid
+
+    def add_sequence(self) -> int:
+        """A new empty sequence; returns its id."""
+        sid = self._new_id()
+        self._pages[sid], self._lens[sid] = [], 0
+        return sid
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every page (and the length) of ``seq_id``; returns its id.
+
+        Nothing is copied: each page gains a reference, and the first write into a shared page
+        by either sequence copies that page first (copy-on-write).
+        """
+        self._check_id(seq_id)
+        sid = self._new_id()
+        self._pages[sid] = self.pool.fork(self._pages[seq_id])
+        self._lens[sid] = self._lens[seq_id]
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        """Drop ``seq_id`` and its references; pages no other sequence shares become free."""
+        self._check_id(seq_id)
+        self.pool.free(self._pages[seq_id])
+        del self._pages[seq_id], self._lens[seq_id]
+
+    def truncate(self, seq_id: int) -> None:
+        """Empty ``seq_id`` (length 0, its page references dropped) but keep it live."""
+        self._check_id(seq_id)
+        self.pool.free(self._pages[seq_id])
+        self._pages[seq_id], self._lens[seq_id] = [], 0
+
+    # -- writes -----------------------------------------------------------------------------------
+    def append(self, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``S`` new tokens after the cached ones of each sequence in ``seq_ids``.
+
+        ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` with ``B = len(seq_ids)`` (an int id is a
+        batch of one). Pages are allocated as needed; a shared last page is copied first. Raises
+        ValueError past a sequence's ``max_len`` and RuntimeError when the pool has too few free
+        pages, in both cases before changing anything.
+        """
+        ids = self._ids(seq_ids)
+        B = len(ids)
+        _, P, Hkv, D = self.k_pages.shape
+        Dv = self.v_pages.shape[3]
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise TypeError(f"k and v must be tensors, got {type(k).__name__}, {type(v).__name__}")
+        if k.dim() != 4 or tuple(k.shape[:2]) != (B, Hkv) or k.shape[3] != D:
+            raise ValueError(
+                f"k must be (B={B}, Hkv={Hkv}, S, D={D}) for {B} sequence(s), got {tuple(k.shape)}"
+            )
+        S = k.shape[2]
+        if tuple(v.shape) != (B, Hkv, S, Dv):
+            raise ValueError(f"v must be (B={B}, Hkv={Hkv}, S={S}, Dv={Dv}), got {tuple(v.shape)}")
+        if S == 0 or B == 0:
+            return
+        # Plan: per sequence, does its last page need a copy, and how many new pages?
+        n_new, cow = [], []
+        for s in ids:
+            n = self._lens[s]
+            if n + S > self.max_len:
+                raise ValueError(
+                    f"sequence {s} holds {n} tokens; {S} more exceed its capacity max_len = "
+                    f"max_pages_per_seq × page_size = {self.max_pages_per_seq} × {P} = "
+                    f"{self.max_len}; build the cache with a larger max_pages_per_seq"
+                )
+            partial = n % P != 0
+            copy = partial and self.pool.refcount(self._pages[s][-1]) > 1
+            cow.append(copy)
+            n_new.append(-(-(n + S) // P) - len(self._pages[s]) + int(copy))
+        need = sum(n_new)
+        if need > self.pool.num_free:
+            raise RuntimeError(
+                f"appending {S} token(s) to sequences {ids} needs {need} free page(s) but the "
+                f"pool has {self.pool.num_free} of {self.num_pages}; free sequences or build a "
+                "larger pool"
+            )
+        fresh = self.pool.allocate(need)  # cannot fail now: checked above
+        slots = []
+        for s, copy, m in zip(ids, cow, n_new):
+            mine, fresh = fresh[:m], fresh[m:]
+            pages, n = self._pages[s], self._lens[s]
+            if copy:
+                # Copy-on-write: the shared last page goes to a fresh page this sequence owns.
+                old, new = pages[-1], mine.pop(0)
+                self.k_pages[new].copy_(self.k_pages[old])
+                self.v_pages[new].copy_(self.v_pages[old])
+                self.pool.decref([old])
+                pages[-1] = new
+            pages.extend(mine)
+            pos = range(n, n + S)
+            slots.extend(pages[t // P] * P + t % P for t in pos)
+            self._lens[s] = n + S
+        idx = torch.tensor(slots, dtype=torch.long, device=self.k_pages.device)  # (B·S,)
+        kf = self.k_pages.view(-1, Hkv, D)  # (N, P, Hkv, D) -> (N·P, Hkv, D)
+        vf = self.v_pages.view(-1, Hkv, Dv)
+        kf.index_copy_(0, idx, k.transpose(1, 2).reshape(B * S, Hkv, D).to(kf))  # (B·S, Hkv, D)
+        vf.index_copy_(0, idx, v.transpose(1, 2).reshape(B * S, Hkv, Dv).to(vf))
+
+    # -- reads ------------------------------------------------------------------------------------
+    def block_table(self, seq_ids) -> torch.Tensor:
+        """``(B, max_pages_per_seq)`` int32 page ids of each sequence in order; -1 past them."""
+        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        table = torch.full((len(ids), self.max_pages_per_seq), -1, dtype=torch.int32)
+        for b, s in enumerate(ids):
+            pages = self._pages[self._check_id(s)]
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table.to(self.k_pages.device)
+
+    def seq_lens(self, seq_ids) -> torch.Tensor:
+        """``(B,)`` int32 valid tokens per sequence."""
+        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        lens = [self._lens[self._check_id(s)] for s in ids]
+        return torch.tensor(lens, dtype=torch.int32, device=self.k_pages.device)
+
+    def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies ``(Hkv, length, D)``, ``(Hkv, length, Dv)`` of one sequence."""
+        self._check_id(seq_id)
+        n = self._lens[seq_id]
+        ids = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.k_pages.device)
+        k = self.k_pages.index_select(0, ids).flatten(0, 1)[:n]  # (pages·P, Hkv, D) -> (n, ·)
+        v = self.v_pages.index_select(0, ids).flatten(0, 1)[:n]
+        return k.transpose(0, 1), v.transpose(0, 1)  # (n, Hkv, ·) -> (Hkv, n, ·)
+
+    def attention(self, q: torch.Tensor, seq_ids, *, mask=None, score_mod=None, scale=None):
+        """:func:`~selfattn.cache.decode.paged_attention` of ``q (B, Hq, Sq, D)`` over the pages.
+
+        The ``Sq`` queries of sequence ``b`` are its last ``Sq`` cached tokens (append them
+        first); returns ``(B, Hq, Sq, Dv)``.
+        """
+        ids = self._ids(seq_ids)
+        return paged_attention(
+            q,
+            self.k_pages,
+            self.v_pages,
+            self.block_table(ids),
+            self.seq_lens(ids),
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+        )
+
+    def view(self, seq_ids) -> PagedCacheView:
+        """The layer cache contract over ``seq_ids`` (see :class:`PagedCacheView`)."""
+        return PagedCacheView(self, self._ids(seq_ids))
+
+    def check(self) -> None:
+        """Raise AssertionError if page lists and pool reference counts disagree."""
+        self.pool.check()
+        refs = [0] * self.num_pages
+        for s, pages in self._pages.items():
+            if len(pages) != -(-self._lens[s] // self.page_size):
+                raise AssertionError(f"sequence {s}: {len(pages)} pages for {self._lens[s]} tokens")
+            for p in pages:
+                refs[p] += 1
+        for p, r in enumerate(refs):
+            if self.pool.refcount(p) != r:
+                raise AssertionError(f"page {p}: pool count {self.pool.refcount(p)}, held by {r}")
+
+    def __repr__(self) -> str:
+        N, P, Hkv, D = self.k_pages.shape
+        return (
+            f"PagedCache(num_pages={N}, page_size={P}, n_kv_heads={Hkv}, head_dim={D}, "
+            f"seqs={len(self._pages)}, free_pages={self.pool.num_free})"
+        )
+
+
+class PagedCacheView:
+    """DESIGN.md's cache contract over a fixed batch of a :class:`PagedCache`'s sequences.
+
+    Pass it as ``MultiHeadAttention(..., cache=view)``: ``update(k, v)`` appends
+    ``k (B, Hkv, S, D)`` / ``v`` to the ``B`` sequences (row ``b`` to ``seq_ids[b]``) and
+    returns each sequence's whole K/V gathered into contiguous ``(B, Hkv, length, D/Dv)``
+    tensors, which the layer's ordinary attention reads. This mode needs all ``B`` sequences to
+    have the same length (true when they were prefilled together); ragged batches call
+    :meth:`PagedCache.attention` directly, which reads the pages in place. Positions are
+    append-only: ``positions`` must be ``None`` or exactly ``length .. length + S - 1``.
+    ``reset()`` empties the sequences (their page references dropped), keeping their ids.
+    """
+
+    def __init__(self, cache: PagedCache, seq_ids: list[int]):
+        self.cache = cache
+        self.seq_ids = list(seq_ids)
+
+    @property
+    def length(self) -> int:
+        lens = {self.cache.length(s) for s in self.seq_ids}
+        if len(lens) > 1:
+            raise ValueError(
+                f"sequences {self.seq_ids} have different lengths "
+                f"{[self.cache.length(s) for s in self.seq_ids]}; a PagedCacheView needs equal "
+                "lengths, call PagedCache.attention for ragged batches"
+            )
+        return lens.pop() if lens else 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        for s in self.seq_ids:
+            self.cache.truncate(s)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None):
+        """Append ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``; returns the gathered K/V."""
+        n = self.length
+        if positions is not None:
+            pos = torch.as_tensor(positions).flatten().tolist()
+            if pos != list(range(n, n + k.shape[2])):
+                raise ValueError(
+                    f"a paged cache appends only: positions must be {n}..{n + k.shape[2] - 1}, "
+                    f"got {pos}"
+                )
+        self.cache.append(self.seq_ids, k, v)
+        ks, vs = zip(*(self.cache.gather(s) for s in self.seq_ids))
+        return torch.stack(ks), torch.stack(vs)  # B × (Hkv, length, ·) -> (B, Hkv, length, ·)
