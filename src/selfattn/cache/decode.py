@@ -37,8 +37,9 @@ __all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "paged_attention"]
 # Keys (logical pages × P) gathered per step, at most: bounds the score buffer per query row.
 GROUP_KEYS = 1024
 # Elements of K gathered per step across the batch (B · keys · Hkv · D): a large batch takes
-# fewer keys per step so that the gathered copy stays ~16 MiB in fp32, never the whole cache.
-GATHER_ELEMENTS = 1 << 22
+# fewer keys per step so that the gathered copy stays ~8 MiB in fp32, never the whole cache
+# (measured best on a 2-core EPYC for B=32 decode: 4 and 16 MiB were slower).
+GATHER_ELEMENTS = 1 << 21
 
 
 def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
@@ -271,6 +272,18 @@ def paged_attention(
     # Keys past a sequence's last page with an allowed key count as invalid (as past its end).
     ends = torch.minimum(lens, torch.tensor(last, dtype=torch.long, device=device) * P)
     max_pages = table.shape[1]
+    # Every step gathers (and converts low-precision or quantised pages) into the same buffers:
+    # a fresh multi-MiB tensor per step costs more in page faults than the gather itself (the
+    # allocator hands big blocks back to the OS), 2-3x the whole call on a 2-core EPYC. Only
+    # where autograd cannot have saved a buffer for backward (it would see it overwritten):
+    # grad disabled, or nothing requires grad and no score_mod could capture such a tensor.
+    needs_grad = any(t.requires_grad for t in (q, k_pages, v_pages)) or mod_obj is not None
+    reuse = not torch.is_grad_enabled() or not needs_grad
+    n_buf = B * min(group, span) if reuse else 0  # pages gathered per step, at most
+    k_buf = k_pages.new_empty((n_buf, P, Hkv, D))
+    v_buf = v_pages.new_empty((n_buf, P, Hkv, Dv))
+    kc_buf = k_buf.new_empty(k_buf.shape, dtype=cd) if reuse and k_pages.dtype != cd else None
+    vc_buf = v_buf.new_empty(v_buf.shape, dtype=cd) if reuse and v_pages.dtype != cd else None
 
     # Step j covers logical pages first[b] + [j0, j1) of each sequence b: a sliding window over
     # a long context walks only the pages in its window, whatever each sequence's length.
@@ -282,12 +295,24 @@ def paged_attention(
         # id; their slots are masked invalid below and their V zeroed.
         ids = table.gather(1, cols.clamp(max=max(max_pages - 1, 0)))
         ids = ids.clamp(0, max(N - 1, 0)).reshape(-1)  # (B·g,)
-        k = k_pages.index_select(0, ids).to(cd).view(B, L, Hkv, D)  # (B·g, P, ·) -> (B, L, ·)
-        v = v_pages.index_select(0, ids).to(cd).view(B, L, Hkv, Dv)  # (B, L, Hkv, Dv)
-        if k_scales is not None:  # dequantise this group only
-            k = k * _group_scales(k_scales, ids, B, L, Hkv, cd)
+        n_ids = ids.numel()
+        if reuse:
+            k = torch.index_select(k_pages, 0, ids, out=k_buf[:n_ids])  # (B·g, P, Hkv, D)
+            v = torch.index_select(v_pages, 0, ids, out=v_buf[:n_ids])  # (B·g, P, Hkv, Dv)
+        else:
+            k = k_pages.index_select(0, ids)
+            v = v_pages.index_select(0, ids)
+        # bf16 / fp16 / quantised pages are read in cd (into the reused buffers when allowed).
+        k = k.to(cd) if kc_buf is None else kc_buf[:n_ids].copy_(k)
+        v = v.to(cd) if vc_buf is None else vc_buf[:n_ids].copy_(v)
+        k = k.view(B, L, Hkv, D)  # (B·g, P, Hkv, D) -> (B, L, Hkv, D)
+        v = v.view(B, L, Hkv, Dv)  # (B, L, Hkv, Dv)
+        if k_scales is not None:  # dequantise this group only (in place in our own buffer)
+            ks = _group_scales(k_scales, ids, B, L, Hkv, cd)
+            k = k * ks if kc_buf is None else k.mul_(ks)
         if v_scales is not None:
-            v = v * _group_scales(v_scales, ids, B, L, Hkv, cd)
+            vs = _group_scales(v_scales, ids, B, L, Hkv, cd)
+            v = v * vs if vc_buf is None else v.mul_(vs)
         kv_pos = (cols[:, :1] * P + torch.arange(L, device=device)).view(B, 1, 1, L)
         # (B, G·Sq, D) @ (B, D, L) per kv head, stacked: (Hkv, B, G·Sq, L)
         s = torch.stack([torch.bmm(qg[h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)])
