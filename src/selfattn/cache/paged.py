@@ -25,6 +25,7 @@ import torch
 
 from selfattn.cache.decode import paged_attention
 from selfattn.cache.pool import BlockPool
+from selfattn.cache.prefix import PrefixIndex
 
 __all__ = ["PagedCache", "PagedCacheView"]
 
@@ -146,6 +147,57 @@ class PagedCache:
         self._pages[sid] = self.pool.fork(self._pages[seq_id])
         self._lens[sid] = self._lens[seq_id]
         return sid
+
+    def add_sequence_from_prefix(self, tokens, index: PrefixIndex, salt=None) -> tuple[int, int]:
+        """A new sequence starting from ``index``'s longest cached prefix of ``tokens``.
+
+        Returns ``(seq_id, cached_tokens)``: the sequence's pages are the reused ones and its
+        length is ``cached_tokens`` (a multiple of ``page_size``), so the caller appends only
+        the K/V of ``tokens[cached_tokens:]``. ``index`` must be built on this cache's pool and
+        page size (``PrefixIndex(cache.pool, cache.page_size)``). The references that
+        :meth:`PrefixIndex.acquire` takes become the sequence's own: :meth:`free` drops each
+        exactly once, and the index keeps its separate reference. The next append opens a fresh
+        page (the prefix ends on a page boundary), so shared pages are never written.
+        """
+        self._check_index(index)
+        sid = self._new_id()  # before acquire: a full cache must not leak the references
+        hit = index.acquire(tokens, salt)
+        if len(hit.pages) > self.max_pages_per_seq:
+            self.pool.decref(hit.pages)
+            raise ValueError(
+                f"the cached prefix spans {len(hit.pages)} pages but a sequence holds at most "
+                f"max_pages_per_seq={self.max_pages_per_seq}; build a larger cache"
+            )
+        self._pages[sid], self._lens[sid] = list(hit.pages), hit.cached_tokens
+        return sid, hit.cached_tokens
+
+    def cache_prefix(self, seq_id: int, tokens, index: PrefixIndex, salt=None) -> int:
+        """Offer the full pages of ``seq_id`` to ``index``; returns how many became cached.
+
+        ``tokens`` are the token ids whose K/V the sequence holds (at least ``length(seq_id)``
+        of them; the rest are ignored). The index takes its own reference per newly cached page,
+        so :meth:`free` stays correct. Note :meth:`check` counts sequence references only: while
+        the index holds pages, compare against ``index`` rather than calling it.
+        """
+        self._check_index(index)
+        n = self._lens[self._check_id(seq_id)]
+        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if len(ids) < n:
+            raise ValueError(
+                f"sequence {seq_id} holds {n} tokens but only {len(ids)} token ids were given; "
+                "pass the ids of every cached token"
+            )
+        full = self._pages[seq_id][: n // self.page_size]
+        return index.insert(ids[:n], full, salt)
+
+    def _check_index(self, index) -> None:
+        if not isinstance(index, PrefixIndex):
+            raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
+        if index.pool is not self.pool or index.page_size != self.page_size:
+            raise ValueError(
+                "index must share this cache's pool and page size; build it as "
+                "PrefixIndex(cache.pool, cache.page_size)"
+            )
 
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id`` and its references; pages no other sequence shares become free."""
