@@ -155,23 +155,14 @@ def test_nan_in_unused_slots_and_pages(mask):
     assert torch.equal(clean, dirty)
 
 
-def test_reads_pages_in_groups_not_all_at_once(monkeypatch):
+def test_reads_pages_in_groups_not_all_at_once(monkeypatch, gathered_counts):
     """A long sequence is walked in several bounded gathers (the online-softmax merge path)."""
     import selfattn.cache.decode as decode
 
     monkeypatch.setattr(decode, "GROUP_KEYS", 32)
     q, kp, vp, table, sl = make_paged([200, 70], 4, 2, D=8, P=8, Sq=5, dtype=torch.float64)
-    calls = []
-    real = torch.Tensor.index_select
-    monkeypatch.setattr(
-        torch.Tensor, "index_select", lambda t, d, i: calls.append(i.numel()) or real(t, d, i)
-    )
-    real_fn = torch.index_select  # the gather into reused buffers (out=) calls the function
-    monkeypatch.setattr(
-        torch,
-        "index_select",
-        lambda t, d, i, **kw: calls.append(i.numel()) or real_fn(t, d, i, **kw),
-    )
+    calls = gathered_counts
+    calls.clear()  # count only the call under test, not the set-up
     check(q, kp, vp, table, sl, mask=masks.causal())
     assert max(calls) <= 2 * 4 and len(calls) >= 2 * math.ceil(200 / 32)
 
@@ -369,20 +360,11 @@ def test_gradients_flow_to_q_and_pages():
 
 
 @pytest.mark.parametrize("Sq", [1, 4])
-def test_sliding_window_reads_only_window_pages(monkeypatch, Sq):
+def test_sliding_window_reads_only_window_pages(monkeypatch, gathered_counts, Sq):
     lens = [1000, 333, Sq]
     q, kp, vp, table, sl = make_paged(lens, 4, 2, D=8, P=8, Sq=Sq, seed=Sq)
-    calls = []
-    real = torch.Tensor.index_select
-    monkeypatch.setattr(
-        torch.Tensor, "index_select", lambda t, d, i: calls.append(i.numel()) or real(t, d, i)
-    )
-    real_fn = torch.index_select  # the gather into reused buffers (out=) calls the function
-    monkeypatch.setattr(
-        torch,
-        "index_select",
-        lambda t, d, i, **kw: calls.append(i.numel()) or real_fn(t, d, i, **kw),
-    )
+    calls = gathered_counts
+    calls.clear()  # count only the call under test, not the set-up
     check(q, kp, vp, table, sl, mask=masks.sliding_window(10))
     # window 10 + Sq - 1 keys span at most 3 pages of 8 per sequence: one gather each of K, V
     assert len(calls) == 2 and max(calls) <= 3 * 3, calls

@@ -236,27 +236,16 @@ def test_garbage_in_unused_slots_and_scales_never_reaches_output():
     assert torch.equal(clean, paged_attention(q, kq, vq, table, sl, k_scales=ks, v_scales=vs))
 
 
-def test_dequantises_a_group_at_a_time(monkeypatch):
+def test_dequantises_a_group_at_a_time(monkeypatch, gathered_counts):
     import selfattn.cache.decode as decode
 
     monkeypatch.setattr(decode, "GROUP_KEYS", 32)
     q, kp, vp, table, sl = make_pool([200, 70], 4, 2, D=8, P=8, Sq=1, seed=2)
     (kq, ks), (vq, vs) = quantize_int8(kp), quantize_int8(vp)
-    calls = []
-    real = torch.Tensor.index_select
-    monkeypatch.setattr(
-        torch.Tensor, "index_select", lambda t, d, i: calls.append(i.numel()) or real(t, d, i)
-    )
-    real_fn = torch.index_select  # the gather into reused buffers (out=) calls the function
-    monkeypatch.setattr(
-        torch,
-        "index_select",
-        lambda t, d, i, **kw: calls.append(i.numel()) or real_fn(t, d, i, **kw),
-    )
+    calls = gathered_counts
+    calls.clear()  # count only the call under test, not the set-up
     out = paged_attention(q.float(), kq, vq, table, sl, k_scales=ks, v_scales=vs)
     assert max(calls) <= 2 * 4 and len(calls) >= 4 * math.ceil(200 / 32)  # pages + scales
-    monkeypatch.setattr(torch.Tensor, "index_select", real)
-    monkeypatch.setattr(torch, "index_select", real_fn)
     ref = paged_attention(q.float(), dequantize(kq, ks), dequantize(vq, vs), table, sl)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 

@@ -1,0 +1,29 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def gathered_counts(monkeypatch) -> list[int]:
+    """Spy on page gathers: the list fills with the number of indices of each ``index_select``.
+
+    Both spellings are wrapped: the method, and the function that gathers into reused buffers
+    (``torch.index_select(..., out=)``).
+    """
+    counts: list[int] = []
+    method, function = torch.Tensor.index_select, torch.index_select
+
+    def spy_method(t, d, i):
+        counts.append(i.numel())
+        return method(t, d, i)
+
+    def spy_function(t, d, i, **kw):
+        counts.append(i.numel())
+        return function(t, d, i, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", spy_method)
+    monkeypatch.setattr(torch, "index_select", spy_function)
+    return counts
