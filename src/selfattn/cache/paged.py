@@ -26,14 +26,9 @@ import torch
 from selfattn.cache.decode import paged_attention
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
+from selfattn.nn.attention import _positive_int
 
 __all__ = ["PagedCache", "PagedCacheView"]
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PagedCache {name} must be a positive int, got {value!r}")
-    return value
 
 
 class PagedCache:
@@ -59,13 +54,15 @@ class PagedCache:
         dtype=torch.float32,
         device=None,
     ):
-        _positive_int(num_pages, "num_pages")
-        _positive_int(page_size, "page_size")
-        _positive_int(n_kv_heads, "n_kv_heads")
-        _positive_int(head_dim, "head_dim")
-        value_dim = head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
-        _positive_int(max_seqs, "max_seqs")
-        _positive_int(max_pages_per_seq, "max_pages_per_seq")
+        _positive_int(num_pages, "PagedCache num_pages")
+        _positive_int(page_size, "PagedCache page_size")
+        _positive_int(n_kv_heads, "PagedCache n_kv_heads")
+        _positive_int(head_dim, "PagedCache head_dim")
+        value_dim = (
+            head_dim if value_dim is None else _positive_int(value_dim, "PagedCache value_dim")
+        )
+        _positive_int(max_seqs, "PagedCache max_seqs")
+        _positive_int(max_pages_per_seq, "PagedCache max_pages_per_seq")
         fk = {"dtype": dtype, "device": device}
         self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, **fk)
         self.v_pages = torch.zeros(num_pages, page_size, n_kv_heads, value_dim, **fk)

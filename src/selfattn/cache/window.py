@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from selfattn.nn.attention import _positive_int
+
 __all__ = ["SlidingWindowCache"]
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"SlidingWindowCache {name} must be a positive int, got {value!r}")
-    return value
 
 
 class SlidingWindowCache:
@@ -49,8 +45,12 @@ class SlidingWindowCache:
             ("n_kv_heads", n_kv_heads),
             ("head_dim", head_dim),
         ):
-            _positive_int(x, name)
-        value_dim = head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+            _positive_int(x, f"SlidingWindowCache {name}")
+        value_dim = (
+            head_dim
+            if value_dim is None
+            else _positive_int(value_dim, "SlidingWindowCache value_dim")
+        )
         self.k = torch.zeros(batch, n_kv_heads, window, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch, n_kv_heads, window, value_dim, dtype=dtype, device=device)
         self.length = 0
