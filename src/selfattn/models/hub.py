@@ -142,7 +142,8 @@ def load_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy ``state`` into ``model``'s parameters and buffers, all or nothing.
 
     Raises :class:`CheckpointError` naming every missing, unexpected and mis-shaped
-    tensor (with both shapes) before anything is copied. Non-persistent buffers are not expected in ``state``.
+    tensor (with both shapes) before anything is copied.
+    Non-persistent buffers are not expected in ``state``.
     """
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
