@@ -124,24 +124,31 @@ def assert_close_to_reference(
         )
 
 
-def check_against_reference(fn, q, k, v, *, grad: bool = True, seed: int = 1, **kwargs) -> None:
+def check_against_reference(
+    fn, q, k, v, *, grad: bool = True, lse: bool = True, seed: int = 1, **kwargs
+) -> None:
     """Run ``fn(q, k, v, return_lse=True, **kwargs)`` and check out, lse and dq/dk/dv by the rule.
 
     ``fn`` is typically ``functools.partial(selfattn.attention, backend=...)``. Gradients use a
-    fresh random ``dout``.
+    fresh random ``dout`` on the inputs' device. ``lse=False`` calls ``fn`` without
+    ``return_lse`` and checks out and gradients only (backends that give no lse, e.g. SDPA on CUDA).
     """
     q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
-    out, lse = fn(q, k, v, return_lse=True, **kwargs)
+    if lse:
+        out, lse = fn(q, k, v, return_lse=True, **kwargs)
+    else:
+        out, lse = fn(q, k, v, **kwargs), None
     o64, lse64, leaves64 = reference_attention(q, k, v, **kwargs)
     onaive, lsenaive, leavesn = naive_attention(q, k, v, **kwargs)
     assert out.dtype == q.dtype, f"out dtype {out.dtype} != input dtype {q.dtype}"
     assert out.shape == o64.shape, f"out shape {tuple(out.shape)} != {tuple(o64.shape)}"
     assert_close_to_reference(out, o64, onaive, dtype=q.dtype, what="out")
-    assert_close_to_reference(lse, lse64, lsenaive, dtype=torch.float32, what="lse")
+    if lse is not None:
+        assert_close_to_reference(lse, lse64, lsenaive, dtype=torch.float32, what="lse")
     if not grad:
         return
     g = torch.Generator().manual_seed(seed)
-    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device)
     grads = torch.autograd.grad(out, (q, k, v), dout.to(out.dtype), allow_unused=True)
     g64 = torch.autograd.grad(o64, leaves64, dout, allow_unused=True)
     gn = torch.autograd.grad(onaive, leavesn, dout.to(onaive.dtype), allow_unused=True)

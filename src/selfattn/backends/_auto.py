@@ -85,9 +85,9 @@ def _pick(q, k, v, call, reasons: dict) -> tuple[str, str]:
         if ok("sdpa"):
             return "sdpa", "dense or causal work: PyTorch's fused kernel is fastest"
     else:
+        if on_cuda and ok("flex"):  # no density estimate: on a GPU it costs syncs per call
+            return "flex", "mask: compiled FlexAttention skips empty blocks"
         d = density(q, k, call)
-        if on_cuda and ok("flex"):
-            return "flex", f"mask (density {d:.2f}): compiled FlexAttention skips empty blocks"
         if d < _SPARSE_DENSITY and ok("chunked"):
             return "chunked", f"sparse mask (density {d:.2f} < {_SPARSE_DENSITY}): tiles skipped"
         if ok("sdpa") and (_dense_mask_bytes(q, k) <= _DENSE_MASK_BYTES or not ok("chunked")):

@@ -77,7 +77,22 @@ def _compiled(dynamic: bool | None = None):
     ``dynamic=None`` (automatic dynamic shapes) is the default; ``dynamic=False`` (one kernel per
     shape) is the fallback for cases whose dynamic-shape kernel fails to build (see ``_run``).
     """
+    _raise_recompile_limit()
     return torch.compile(_api().flex_attention, dynamic=dynamic)
+
+
+# Dynamo compiles ``flex_attention`` once per mask/score-mod code, dtype and head dim; all of
+# them count against one per-function limit (8 by default), past which torch silently runs
+# FlexAttention *uncompiled* (O(Sq·Sk) memory, ~100× slower on a GPU: measured on an H200).
+_RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    """Let Dynamo keep up to ``_RECOMPILE_LIMIT`` FlexAttention kernels (never lowers a limit)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # torch >= 2.6 / older name
+        if hasattr(cfg, name) and getattr(cfg, name) < _RECOMPILE_LIMIT:
+            setattr(cfg, name, _RECOMPILE_LIMIT)
 
 
 # Kernel signatures whose automatic-dynamic compile failed in this process; they go straight to
@@ -311,6 +326,11 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
     a partial block would leak through ``0 · NaN``. Only keys that actually hold a non-finite
     value (few, if any) are checked against the mask, by evaluating it on those columns.
     """
+    # One fused reduction per tensor and one sync decide the common all-finite case: a sum is
+    # finite iff every term is (barring fp32 overflow, which only sends us down the exact path).
+    totals = torch.stack([k.sum(dtype=torch.float32), v.sum(dtype=torch.float32)])
+    if bool(torch.isfinite(totals).all()):
+        return k, v
     bad = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (B, Hkv, Sk)
     if not bool(bad.any()):
         return k, v
