@@ -165,6 +165,10 @@ def part_speed(args) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention)
+    # the same kernel compiled with symbolic sizes, as the flex backend's automatic dynamic
+    # shapes do after a second shape: tells a dynamic-shape slowdown from our own overhead
+    flex_dyn = torch.compile(flex_attention, dynamic=True)
+    torch._dynamo.config.recompile_limit = 64
     B, H, S, D = (2, 16, 8192, 128) if not args.quick else (1, 4, 1024, 64)
     window = S // 8
     dtype = torch.bfloat16
@@ -221,7 +225,7 @@ def part_speed(args) -> dict:
             selfattn.backends.explain(q, k, v, mask=mask, score_mod=mod, print_table=False)
         _sync()
         select_ms = 1e3 * (time.perf_counter() - t0) / 20
-        impls = ["ours", "flex"] + (["sdpa"] if sdpa_kw is not None else [])
+        impls = ["ours", "flex", "flex dynamic"] + (["sdpa"] if sdpa_kw is not None else [])
 
         dm = dense  # (B, 1, S, S) bool for SDPA
 
@@ -232,6 +236,8 @@ def part_speed(args) -> dict:
                 return selfattn.attention(qq, kk, vv, mask=mask, score_mod=mod)
             if impl == "flex":
                 return flex(qq, kk, vv, score_mod=sm, block_mask=block)
+            if impl == "flex dynamic":
+                return flex_dyn(qq, kk, vv, score_mod=sm, block_mask=block)
             if how == "dense":
                 return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=dm)
             return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)

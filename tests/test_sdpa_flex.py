@@ -611,3 +611,53 @@ def test_flex_falls_back_to_static_shapes(monkeypatch):
         assert calls == [None, False, False]
         selfattn.attention(q, k, v, mask=masks.sliding_window(2), backend="flex")
         assert calls[3:] == [None, False]  # another mask: its own try
+
+
+def test_auto_falls_back_when_flex_fails_to_compile(monkeypatch):
+    """A flex compile failure (seen on an H200: NoValidChoicesError for some GQA shapes) makes
+    backend="flex" raise BackendCompileError, flex then declines that case, and auto runs the
+    next backend instead of failing."""
+    from selfattn.backends import _auto
+
+    if flex_backend._reject(*make_qkv(1, 2, 8, 16), backends.AttentionCall()) is not None:
+        pytest.skip("FlexAttention cannot run on this machine")
+    monkeypatch.setattr(flex_backend, "_FAILED", {})
+
+    def broken(dynamic=None):
+        def run(*args, **kwargs):
+            raise RuntimeError("NoValidChoicesError: no choices")
+
+        return run
+
+    monkeypatch.setattr(flex_backend, "_compiled", broken)
+    original = _auto._pick
+
+    def flex_first(q, k, v, call, reasons):
+        if reasons.get("flex") is None:
+            return "flex", "test: flex first"
+        return original(q, k, v, call, reasons)
+
+    monkeypatch.setattr(_auto, "_pick", flex_first)
+    q, k, v = make_qkv(1, 2, 9, 16, seed=3)
+    with torch.no_grad():
+        with pytest.raises(backends.BackendCompileError, match="NoValidChoicesError"):
+            selfattn.attention(q, k, v, mask=masks.causal(), backend="flex")
+        why = backends.explain(q, k, v, mask=masks.causal(), print_table=False).reasons["flex"]
+        assert "failed to compile" in why
+        out = selfattn.attention(q, k, v, mask=masks.causal())  # auto: flex declines now
+    ref = selfattn.attention(q, k, v, mask=masks.causal(), backend="reference")
+    torch.testing.assert_close(out, ref)
+    monkeypatch.setattr(flex_backend, "_FAILED", {})
+    with torch.no_grad():  # a fresh process state: auto tries flex and falls back on the spot
+        out = selfattn.attention(q, k, v, mask=masks.causal())
+    torch.testing.assert_close(out, ref)
+
+
+def test_score_mod_to_device_keeps_identity():
+    """Flex moves a mod's constant tensors to the inputs' device once (a compiled kernel cannot
+    capture a tensor of another device); the same device gives the same object back."""
+    a = scores.alibi(4)
+    assert a.to("cpu") is a
+    c = a >> scores.softcap(3.0)
+    assert c.to("cpu") is c
+    assert c.to(torch.device("cpu")) is c

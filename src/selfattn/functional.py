@@ -209,7 +209,14 @@ def attention(
         out, lse = _empty(q, k, v, call)
     else:
         chosen, _ = _backends.select(q, k, v, call, backend)
-        out, lse = chosen.run(q, k, v, call)
+        try:
+            out, lse = chosen.run(q, k, v, call)
+        except _backends.BackendCompileError:
+            if backend != "auto":
+                raise
+            # the failed backend now declines this case: auto picks the next one
+            chosen, _ = _backends.select(q, k, v, call, backend)
+            out, lse = chosen.run(q, k, v, call)
     return (out, lse) if return_lse else out
 
 

@@ -57,6 +57,12 @@ class ScoreMod:
         """Tensors the mod reads that may require gradients (backends route their gradients)."""
         return ()
 
+    def to(self, device) -> ScoreMod:
+        """This mod with the constant tensors it reads on ``device`` (compiled kernels cannot
+        move a captured tensor between devices). The same object is returned for a device on
+        every call, so compiled kernels keyed on it are reused."""
+        return self
+
     def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
         """Raise ``ValueError`` naming the values if this mod cannot serve such a call."""
 
@@ -90,6 +96,16 @@ class Compose(ScoreMod):
 
     def tensors(self):
         return tuple(t for m in self.mods for t in m.tensors())
+
+    def to(self, device) -> ScoreMod:
+        moved = tuple(m.to(device) for m in self.mods)
+        if all(a is b for a, b in zip(moved, self.mods)):
+            return self
+        cache = self.__dict__.setdefault("_on_device", {})
+        key = str(torch.device(device))
+        if key not in cache:
+            cache[key] = Compose(*moved)
+        return cache[key]
 
     def validate(self, B, H, Sq, Sk, q_offset):
         for m in self.mods:
@@ -140,6 +156,17 @@ class ALiBi(ScoreMod):
     def __init__(self, n_heads: int):
         self.n_heads = n_heads
         self.slopes = alibi_slopes(n_heads)
+        self._on_device: dict[str, ALiBi] = {}
+
+    def to(self, device) -> ScoreMod:
+        key = str(torch.device(device))
+        if self.slopes.device == torch.device(device):
+            return self
+        if key not in self._on_device:
+            moved = ALiBi(self.n_heads)
+            moved.slopes = self.slopes.to(device)
+            self._on_device[key] = moved
+        return self._on_device[key]
 
     def _bias(self, h, q_idx, kv_idx, dtype: torch.dtype) -> torch.Tensor:
         slopes = self.slopes.to(device=h.device, dtype=dtype)[h]

@@ -88,6 +88,12 @@ def available(q, k, v, call: AttentionCall) -> dict[str, str | None]:
     return {name: b.reject(q, k, v, call) for name, b in _REGISTRY.items()}
 
 
+class BackendCompileError(RuntimeError):
+    """A backend could not build a kernel for this case (e.g. a compiler found no valid
+    configuration). Under ``backend="auto"`` the call falls back to the next backend, and the
+    failed one declines the same case for the rest of the process."""
+
+
 @dataclass
 class Explanation:
     """What ``auto`` picked for a case and why every other backend was not picked."""

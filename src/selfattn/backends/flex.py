@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from selfattn.backends import AttentionCall, Backend, register
+from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
 from selfattn.backends._common import accumulation_dtype
 from selfattn.masks import FULL, PARTIAL, And, Mask, Not, TensorMask, TileGrid, _evaluate
 
@@ -99,6 +99,19 @@ def _raise_recompile_limit() -> None:
 # static shapes. (torch 2.13's CPU template emits C++ with an undeclared `cur_kvSplitSize<n>` for
 # e.g. a bool-tensor mask with ALiBi once the sequence lengths turn symbolic.)
 _STATIC_ONLY: set = set()
+# Cases (signature and shapes) that failed to compile even with static shapes: the backend then
+# declines them (auto falls back; measured: torch 2.11 on an H200 finds no kernel configuration
+# for some GQA shapes with Sq < 128 that need gradients).
+_FAILED: dict = {}
+
+
+def _signature(q, k, v, call: AttentionCall) -> tuple:
+    """What selects a compiled FlexAttention kernel, apart from the sizes."""
+    return (
+        q.device.type, q.dtype, q.shape[3], v.shape[3], q.shape[1] != k.shape[1],
+        call.return_lse, torch.is_grad_enabled() and _grad_needed(q, k, v, call),
+        _mod_key(call.mask), _mod_key(call.score_mod),
+    )  # fmt: skip
 
 
 def _mod_key(obj) -> tuple:
@@ -189,6 +202,11 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
             )
     else:
         return f"the flex backend runs on cpu and cuda, not {dev}"
+    failed = _FAILED.get(
+        (_signature(q, k, v, call), tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    )
+    if failed is not None:
+        return f"FlexAttention failed to compile this case earlier in this process ({failed})"
     feats = _features()
     if G > 1 and not feats["enable_gqa"]:
         return f"this torch's FlexAttention has no enable_gqa (Hq={Hq}, Hkv={Hkv})"
@@ -372,7 +390,7 @@ def _run(q, k, v, call: AttentionCall):
     kwargs = {"block_mask": block_mask, "scale": call.scale}
     if call.score_mod is not None:
         off = torch.tensor(call.q_offset, device=q.device)
-        kwargs["score_mod"] = _wrapped_score_mod(call.score_mod, off)
+        kwargs["score_mod"] = _wrapped_score_mod(call.score_mod.to(q.device), off)
     if Hq != Hkv:
         kwargs["enable_gqa"] = True
     feats = _features()
@@ -381,10 +399,7 @@ def _run(q, k, v, call: AttentionCall):
             kwargs["return_aux"] = _api().AuxRequest(lse=True)
         else:
             kwargs["return_lse"] = True
-    signature = (
-        q.device.type, q.dtype, q.shape[3], v.shape[3], Hq != Hkv, call.return_lse,
-        _mod_key(call.mask), _mod_key(call.score_mod),
-    )  # fmt: skip
+    signature = _signature(q, k, v, call)
     modes = (False,) if signature in _STATIC_ONLY else (None, False)
     for mode in modes:
         try:
@@ -394,7 +409,10 @@ def _run(q, k, v, call: AttentionCall):
             if mode is None:  # retry with static shapes, and remember to start there next time
                 _STATIC_ONLY.add(signature)
                 continue
-            raise RuntimeError(
+            _FAILED[(signature, tuple(q.shape), tuple(k.shape), tuple(v.shape))] = (
+                f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            )
+            raise BackendCompileError(
                 f"the flex backend failed on q {tuple(q.shape)}, k {tuple(k.shape)}, "
                 f"v {tuple(v.shape)} ({q.dtype}, {q.device}) with mask={call.mask!r}, "
                 f"score_mod={call.score_mod!r}, q_offset={call.q_offset}: "
