@@ -1,9 +1,16 @@
-"""Shared fixtures."""
+"""Shared fixtures, and Triton's interpreter for machines without a GPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in Triton's interpreter on CPU tensors (TESTING.md). The flag must be set
+# before triton is first imported, so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -1,0 +1,261 @@
+"""Paged attention on CUDA: one Triton kernel reading K/V pages in place (flash-decoding).
+
+Sequence ``b`` owns the pages in row ``b`` of ``block_table``; key ``t`` lives in slot ``t % P`` of
+page ``block_table[b, t // P]``. Query row ``i`` may attend keys ``lo[b, i] <= t < hi[b, i]`` (one
+interval per row covers causal, sliding-window and chunked masks, bottom-right aligned per
+sequence; the caller computes it).
+
+Work split (why): a decode step has one query row per head, far too little to fill a GPU with one
+program per (sequence, kv head). So the key axis is also split into ``n_splits`` contiguous
+ranges, each program runs the online softmax over its range, and the partial outputs merge
+through their float32 log-sum-exp afterwards (FlashDecoding, Dao et al. 2023). The ``G = Hq/Hkv``
+query heads of a kv head are the rows of one matmul tile, so K/V are read once per kv head
+(GQA without repeating K/V). A split whose keys are all masked gives lse ``-inf`` and weight 0 in
+the merge, never NaN.
+
+This module imports Triton: import it only where a kernel will run (``selfattn.cache.decode`` does
+so for CUDA tensors); :func:`selfattn.backends.triton.available` checks without importing it.
+Under ``TRITON_INTERPRET=1`` (set before the import) the kernel runs on CPU tensors, which is how
+the test suite checks it.
+
+Quantised pages are dequantised in registers, a tile at a time: int8 with per-token, per-head
+scales ``(N, P, Hkv)``, fp8 with per-head scales ``(Hkv,)`` (``selfattn.cache.quant``).
+
+:func:`paged_attention_twin` is the plain-PyTorch statement of the same computation (gather,
+mask, softmax) used to test the kernel; it materialises ``(B, Hq, Sq, max_len)`` scores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["merge_splits", "paged_attention_triton", "paged_attention_twin"]
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
+BLOCK_N = 32  # keys per tile: >= 16 for tl.dot, small enough to keep short splits busy
+SCALES_NONE, SCALES_PER_TOKEN, SCALES_PER_HEAD = 0, 1, 2
+
+
+@triton.jit
+def _paged_fwd(
+    Q, K, V, BT, LO, HI, KS, VS, O, LSE,
+    s_qb, s_qh, s_qs,
+    s_kn, s_kp, s_kh,
+    s_vn, s_vp, s_vh,
+    s_bt, s_lo,
+    s_ksn, s_ksp,
+    s_ob, s_oh, s_os, s_osp,
+    s_lb, s_lh, s_ls,
+    scale, Hkv, G, Sq, P, split_len,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    # -- rows of this tile: (query row i, group member g) pairs of one kv head
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Sq * G
+    i = rows // G
+    h = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = Q + b * s_qb + h[:, None] * s_qh + i[:, None] * s_qs + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    lo = tl.load(LO + b * s_lo + i, mask=row_ok, other=0)
+    hi = tl.load(HI + b * s_lo + i, mask=row_ok, other=0)
+    # -- this program's keys: its split, cut to the union of the rows' intervals
+    start = tl.maximum(split * split_len, tl.min(tl.where(row_ok, lo, 2147483647), axis=0))
+    stop = tl.minimum(split * split_len + split_len, tl.max(hi, axis=0))
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # LOG2E: softmax in base 2
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < stop
+        page = tl.load(BT + b * s_bt + n // P, mask=n_ok, other=0).to(tl.int64)
+        slot = n % P
+        k_ptrs = K + page[:, None] * s_kn + slot[:, None] * s_kp + kvh * s_kh + d[None, :]
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
+        v_ptrs = V + page[:, None] * s_vn + slot[:, None] * s_vp + kvh * s_vh + dv[None, :]
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        # -- dequantise in registers (int8: per token and head; fp8: per head)
+        if SCALES == 1:
+            ks = tl.load(KS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
+            vs = tl.load(VS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        elif SCALES == 2:
+            k = (k.to(tl.float32) * tl.load(KS + kvh)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(VS + kvh)).to(q.dtype)
+        # -- scores of the tile, masked to each row's interval
+        if IEEE:  # q is float32 already
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        # -- update running max and sum (a row with nothing allowed yet keeps max -inf)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    # -- this split's normalised output and natural-log lse (-inf: no allowed key)
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634,
+                   float("-inf"))  # fmt: skip
+    o_ptrs = O + b * s_ob + h[:, None] * s_oh + i[:, None] * s_os + split * s_osp + dv[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + b * s_lb + h * s_lh + i * s_ls + split, lse, mask=row_ok)
+
+
+def _interpreted() -> bool:
+    """Triton's CPU interpreter (tests): its tl.dot on bfloat16 operands is wrong (triton 3.9:
+    errors ~1e10 on a 16×16 product), so it gets float32 operands; a GPU multiplies in bf16."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _num_splits(programs: int, max_len: int, sm_count: int) -> int:
+    """Key splits so that about four programs run per SM, each with at least 4 key tiles."""
+    want = math.ceil(4 * sm_count / max(programs, 1))
+    return max(1, min(want, math.ceil(max_len / (4 * BLOCK_N))))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Hq, Sq, Dv), lse (B, Hq, Sq) float32)`` of the queries over their pages.
+
+    Args:
+        q: ``(B, Hq, Sq, D)`` fp32 / fp16 / bf16.
+        k_pages, v_pages: ``(N, P, Hkv, D)`` / ``(N, P, Hkv, Dv)`` in q's dtype, or int8 / fp8
+            with ``k_scales``/``v_scales`` (``(N, P, Hkv)`` for int8, ``(Hkv,)`` for fp8).
+        block_table: ``(B, max_pages)`` int page ids.
+        lo, hi: ``(B, Sq)`` int: row ``i`` of sequence ``b`` attends keys ``lo <= t < hi``.
+        num_splits: key-axis splits (default: enough programs for the GPU).
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Dv, P = k_pages.shape[2], v_pages.shape[3], k_pages.shape[1]
+    G = Hq // Hkv
+    max_len = int(hi.max()) if hi.numel() else 0
+    if k_pages.stride(3) != 1 or v_pages.stride(3) != 1 or q.stride(3) != 1:
+        raise ValueError("paged_attention_triton needs the last dim of q and the pages contiguous")
+    block_m = _pow2(Sq * G)
+    if block_m > 64:
+        block_m = 64
+    m_tiles = math.ceil(Sq * G / block_m)
+    if num_splits is None:
+        sms = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if q.device.type == "cuda"
+            else 4
+        )
+        num_splits = _num_splits(B * Hkv * m_tiles, max_len, sms)
+    split_len = math.ceil(max(max_len, 1) / num_splits / BLOCK_N) * BLOCK_N
+    out = torch.empty(B, Hq, Sq, num_splits, Dv, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, Hq, Sq, num_splits, device=q.device, dtype=torch.float32)
+    quant = k_pages.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+    if quant and (k_scales is None or v_scales is None):
+        raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
+    mode = SCALES_NONE
+    if quant:
+        mode = SCALES_PER_TOKEN if k_scales.dim() == 3 else SCALES_PER_HEAD
+    ks = k_scales.float().contiguous() if quant else q  # unused pointer when not quantised
+    vs = v_scales.float().contiguous() if quant else q
+    s_ksn, s_ksp = (ks.stride(0), ks.stride(1)) if mode == SCALES_PER_TOKEN else (0, 0)
+    table = block_table.to(torch.int32).contiguous()
+    lo32, hi32 = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    grid = (B * Hkv, num_splits, m_tiles)
+    _paged_fwd[grid](
+        q, k_pages, v_pages, table, lo32, hi32, ks, vs, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        table.stride(0), lo32.stride(0),
+        s_ksn, s_ksp,
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        float(scale), Hkv, G, Sq, P, split_len,
+        D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), SCALES=mode,
+        IEEE=q.dtype == torch.float32 or _interpreted(),
+    )  # fmt: skip
+    return merge_splits(out, lse, q.dtype)
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype):
+    """Merge per-split ``out (B, Hq, Sq, n, Dv)`` and ``lse (B, Hq, Sq, n)`` through the lse.
+
+    Splits with lse ``-inf`` weigh 0; a row with no allowed key anywhere gives 0 and ``-inf``.
+    """
+    total = torch.logsumexp(lse, dim=-1)  # (B, Hq, Sq)
+    finite = torch.isfinite(total)
+    w = torch.exp(lse - torch.where(finite, total, 0.0).unsqueeze(-1))  # (B, Hq, Sq, n)
+    w = torch.where(torch.isfinite(lse), w, 0.0)
+    merged = (w.unsqueeze(-1) * out).sum(dim=-2)  # (B, Hq, Sq, n, Dv) -> (B, Hq, Sq, Dv)
+    return merged.to(dtype), total
+
+
+def paged_attention_twin(
+    q, k_pages, v_pages, block_table, lo, hi, scale, k_scales=None, v_scales=None,
+    compute_dtype=None,
+):  # fmt: skip
+    """The kernel's computation in plain PyTorch (gathers every page: for tests only).
+
+    Computes in ``compute_dtype`` (default float32, float64 for fp64 queries).
+    """
+    cd = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    Hq, Hkv, P = q.shape[1], k_pages.shape[2], k_pages.shape[1]
+    G = Hq // Hkv
+    L = block_table.shape[1] * P
+    t = torch.arange(L, device=q.device)
+    page = block_table.long()[:, t // P]  # (B, L)
+    k = k_pages[page, t % P].to(cd)  # (B, L, Hkv, D)
+    v = v_pages[page, t % P].to(cd)
+    if k_scales is not None:
+        if k_scales.dim() == 3:
+            k = k * k_scales[page, t % P].to(cd).unsqueeze(-1)
+            v = v * v_scales[page, t % P].to(cd).unsqueeze(-1)
+        else:
+            k, v = k * k_scales.to(cd).view(1, 1, Hkv, 1), v * v_scales.to(cd).view(1, 1, Hkv, 1)
+    k = k.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # (B, L, Hkv, D) -> (B, Hq, L, D)
+    v = v.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
+    s = q.to(cd) @ k.transpose(-1, -2) * scale  # (B, Hq, Sq, L)
+    allowed = (t >= lo.long().unsqueeze(-1)) & (t < hi.long().unsqueeze(-1))  # (B, Sq, L)
+    s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return (p @ v).to(q.dtype), lse

@@ -1,0 +1,120 @@
+"""The Triton paged-attention kernel, run by Triton's interpreter on CPU (TRITON_INTERPRET=1).
+
+Small shapes only: the interpreter executes every program in Python. The same kernel runs
+compiled on CUDA (benchmarks/gpu.py measures it there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from selfattn.testing import assert_close_to_reference
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel module: interpreted on CPU (conftest sets TRITON_INTERPRET), compiled on CUDA."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    return importlib.import_module("selfattn.backends.triton.paged")
+
+
+def _case(seed, B, Hq, Hkv, Sq, D, Dv, P, lens, dtype, window=None, extra_pages=3):
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // P) for n in lens]
+    max_pages = max(pages_per)
+    N = sum(pages_per) + extra_pages
+    perm = torch.randperm(N, generator=g)
+    table = torch.zeros(B, max_pages, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = perm[used : used + n].int()
+        used += n
+    k_pages = torch.randn(N, P, Hkv, D, generator=g).to(dtype)
+    v_pages = torch.randn(N, P, Hkv, Dv, generator=g).to(dtype)
+    q = torch.randn(B, Hq, Sq, D, generator=g).to(dtype)
+    lens_t = torch.tensor(lens)
+    pos = lens_t.view(-1, 1) - Sq + torch.arange(Sq)  # (B, Sq): bottom-right, causal
+    hi = (pos + 1).clamp(min=0)
+    lo = torch.zeros_like(hi) if window is None else (pos - window + 1).clamp(min=0)
+    return q, k_pages, v_pages, table, lo, torch.maximum(hi, lo)
+
+
+CASES = [
+    # seed, B, Hq, Hkv, Sq, D, Dv, P, lens, window
+    (1, 3, 4, 2, 1, 16, 16, 16, [37, 5, 64], None),
+    (2, 2, 4, 1, 3, 24, 16, 1, [9, 20], None),  # page size 1, MQA, D not a power of two
+    (3, 2, 6, 2, 2, 16, 32, 5, [23, 2], 4),  # G = 3, Dv != D, sliding window
+    (4, 1, 2, 2, 1, 16, 16, 7, [50], 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{c[0]}" for c in CASES])
+def test_kernel_matches_fp64_oracle(kernel, case, dtype):
+    seed, B, Hq, Hkv, Sq, D, Dv, P, lens, window = case
+    q, kp, vp, table, lo, hi = _case(seed, B, Hq, Hkv, Sq, D, Dv, P, lens, dtype, window)
+    scale = D**-0.5
+    out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, scale, num_splits=3)
+    o64, lse64 = kernel.paged_attention_twin(
+        q.double(), kp.double(), vp.double(), table, lo, hi, scale
+    )
+    # the naive baseline: every step in the input dtype
+    naive, lse_n = _naive(q, kp, vp, table, lo, hi, scale)
+    assert out.dtype == dtype and out.shape == (B, Hq, Sq, Dv)
+    assert_close_to_reference(out, o64, naive, dtype=dtype)
+    assert_close_to_reference(lse, lse64, lse_n, dtype=torch.float32, what="lse")
+
+
+def _naive(q, kp, vp, table, lo, hi, scale):
+    """The twin's formula computed in the input dtype (the noise baseline of the ratio rule)."""
+    from selfattn.backends.triton.paged import paged_attention_twin
+
+    return paged_attention_twin(q, kp, vp, table, lo, hi, scale, compute_dtype=q.dtype)
+
+
+def test_splits_do_not_change_the_result(kernel):
+    q, kp, vp, table, lo, hi = _case(5, 2, 4, 2, 1, 16, 16, 4, [70, 33], torch.float32)
+    outs = [
+        kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, num_splits=n)
+        for n in (1, 2, 5)
+    ]
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, outs[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_rows_without_keys_give_zero_and_minus_inf(kernel):
+    """Empty intervals (a zero-length sequence, a split past the end) never give NaN."""
+    q, kp, vp, table, lo, hi = _case(6, 2, 2, 1, 1, 16, 16, 16, [40, 3], torch.float32)
+    hi = hi.clone()
+    hi[1] = 0  # sequence 1: nothing to attend
+    out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, num_splits=4)
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    ref, _ = kernel.paged_attention_twin(q, kp, vp, table, lo, hi, 0.25)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+def test_quantised_pages_dequantised_in_kernel(kernel, storage):
+    from selfattn.cache import quant
+
+    q, kp, vp, table, lo, hi = _case(7, 2, 4, 2, 1, 16, 16, 8, [30, 17], torch.float32)
+    if storage == "int8":
+        kq, ks = quant.quantize_int8(kp)
+        vq, vs = quant.quantize_int8(vp)
+    else:
+        if not hasattr(torch, "float8_e4m3fn"):
+            pytest.skip("no float8_e4m3fn in this torch")
+        kq, ks = quant.quantize_fp8(kp)
+        vq, vs = quant.quantize_fp8(vp)
+    out, _ = kernel.paged_attention_triton(q, kq, vq, table, lo, hi, 0.25, ks, vs, num_splits=2)
+    ref, _ = kernel.paged_attention_twin(q.double(), kq, vq, table, lo, hi, 0.25, ks, vs)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
