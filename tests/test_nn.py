@@ -562,3 +562,141 @@ def test_from_torch_is_causal_hint_alone(need_weights):
     _close(got[0], want[0], torch.float64, "out")
     if need_weights:
         _close(got[1], want[1], torch.float64, "weights")
+
+
+# -- the paged cache through the layer ----------------------------------------------------------
+def _paged(B: int, P: int = 3, pages: int = 40):
+    from selfattn.cache import PagedCache
+
+    return PagedCache(pages, P, 2, 4, max_seqs=B, max_pages_per_seq=10, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "tensor"])
+def test_paged_view_ragged_equals_contiguous_cache(mask_kind, alibi):
+    """Sequences of different lengths decode together through one PagedCache view; each row
+    equals the same sequence run alone through a ContiguousCache (RoPE at its own positions)."""
+    gen = torch.Generator().manual_seed(_seed("paged", mask_kind, alibi))
+    rope = positions.RoPE(4, base=100.0)
+    m = MultiHeadAttention(16, 4, 2, rope=rope, qk_norm="rms", alibi=alibi, dtype=torch.float64)
+    m = m.eval()
+    _randomise(m, gen)
+    prompts, steps = [5, 1, 8], [1, 2, 1, 3, 1]  # ragged prompts; Sq of each joint step
+    B = len(prompts)
+    xs = [torch.randn(1, n + sum(steps), 16, generator=gen, dtype=torch.float64) for n in prompts]
+    allowed = torch.rand(B, 1, 32, 32, generator=gen) < 0.7  # (query pos, key pos), tensor case
+    allowed |= torch.eye(32, dtype=torch.bool)  # every query may see itself: no empty row
+    base = {"causal": masks.causal(), "window": masks.sliding_window(4)}.get(mask_kind)
+    paged = _paged(B)
+    ids = paged.add_sequences(B)
+    refs = [ContiguousCache(1, 32, 2, 4, dtype=torch.float64) for _ in range(B)]
+    for b, n in enumerate(prompts):  # prefill each sequence alone (a view of one)
+        got = m(xs[b][:, :n], mask=masks.causal(), cache=paged.view([ids[b]]))
+        _close(got, m(xs[b][:, :n], mask=masks.causal(), cache=refs[b]), torch.float64, "prefill")
+    view, done = paged.view(ids), list(prompts)
+    for Sq in steps:
+        x = torch.cat([xs[b][:, d : d + Sq] for b, d in enumerate(done)])  # (B, Sq, 16)
+        ends = [d + Sq for d in done]
+        if mask_kind == "tensor":  # row i of sequence b = its query at position ends[b] - Sq + i
+            rows = torch.stack([allowed[b, :, e - Sq : e, : max(ends)] for b, e in enumerate(ends)])
+            mask = masks.causal() & masks.from_tensor(rows)
+        else:
+            mask = base
+        out = m(x, mask=mask, cache=view)
+        for b, e in enumerate(ends):
+            one = base if mask_kind != "tensor" else masks.causal() & allowed[b, :, e - Sq : e, :e]
+            want = m(xs[b][:, done[b] : e], mask=one, cache=refs[b])
+            _close(out[b : b + 1], want, torch.float64, f"{mask_kind} step Sq={Sq} row {b}")
+        done = ends
+    assert view.lengths.tolist() == done
+    with pytest.raises(ValueError, match="different lengths"):
+        _ = view.length
+
+
+def test_decoder_block_left_padded_paged_equals_contiguous():
+    """A decoder layer with left padding, equal lengths, one cache per layer (how a model
+    generates): PagedCache(...).view(ids) gives what ContiguousCache gives, prefill and decode."""
+    gen = torch.Generator().manual_seed(_seed("decoder paged"))
+    block = _decoder(gen, cross=False)
+    B, S, new = 3, 6, 4
+    x = torch.randn(B, S + new, 16, generator=gen, dtype=torch.float64)
+    keep = torch.ones(B, S + new, dtype=torch.bool)
+    keep[1, :2] = keep[2, :5] = False  # left padding: rows 1 and 2 have shorter prompts
+    pos = (keep.long().cumsum(-1) - 1).clamp(min=0)  # (B, S + new)
+    paged, contiguous = _paged(B, P=4), ContiguousCache(B, 16, 2, 4, dtype=torch.float64)
+    view = paged.view(paged.add_sequences(B))
+    for cache in (view, contiguous):
+        cache_out = [
+            block(x[:, :S], mask=keep[:, None, None, :S], positions=pos[:, :S], cache=cache)
+        ]
+        for t in range(S, S + new):
+            m = keep[:, None, None, : t + 1]
+            cache_out.append(
+                block(x[:, t : t + 1], mask=m, positions=pos[:, t : t + 1], cache=cache)
+            )
+        if cache is view:
+            got = torch.cat(cache_out, 1)
+    want = torch.cat(cache_out, 1)
+    _close(got[keep], want[keep], torch.float64, "left-padded decoder block")
+    assert view.length == S + new
+    # The sliding-window variant, and positions by default (the sequence's own length).
+    view.reset()
+    assert paged.pool.num_free == paged.num_pages
+    layer = block.self_attention
+    contiguous.reset()
+    for cache in (view, contiguous):
+        outs = [layer(x[:, :S], mask=masks.sliding_window(3), cache=cache)]
+        outs += [
+            layer(x[:, t : t + 1], mask=masks.sliding_window(3), cache=cache)
+            for t in range(S, S + new)
+        ]
+        if cache is view:
+            got = torch.cat(outs, 1)
+    _close(got, torch.cat(outs, 1), torch.float64, "sliding window, default positions")
+
+
+def test_paged_view_weights_and_errors():
+    gen = torch.Generator().manual_seed(_seed("paged weights"))
+    m = MultiHeadAttention(16, 4, 2, rope=rope_like, dtype=torch.float64).eval()
+    _randomise(m, gen)
+    paged = _paged(2)
+    a, b = paged.add_sequences(2)
+    x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+    m(x[:1, :3], mask=masks.causal(), cache=paged.view([a]))  # a holds 3 tokens, b none
+    out, w = m(x[:, 3:5], mask=masks.causal(), cache=paged.view([a, b]), return_weights=True)
+    assert w.shape == (2, 4, 2, 5)
+    ref = ContiguousCache(1, 8, 2, 4, dtype=torch.float64)
+    m(x[:1, :3], mask=masks.causal(), cache=ref)
+    out_a, w_a = m(x[:1, 3:5], mask=masks.causal(), cache=ref, return_weights=True)
+    _close(out[:1], out_a, torch.float64, "out a")
+    _close(w[:1], w_a, torch.float64, "weights a")
+    _, w_b = m(x[1:, 3:5], mask=masks.causal(), return_weights=True)
+    _close(w[1:, :, :, :2], w_b, torch.float64, "weights b")
+    assert (w[1:, :, :, 2:] == 0).all()  # past b's end
+    # A bias tensor in query-row order, ragged: row i of each sequence is its new token i.
+    bias = torch.randn(2, 1, 2, 7, generator=gen, dtype=torch.float64)
+    out = m(x[:, 3:5], mask=masks.causal(), score_mod=bias, cache=paged.view([a, b]))
+    want_a = m(x[:1, 3:5], mask=masks.causal(), score_mod=bias[:1, :, :, :7], cache=ref)
+    ref_b = ContiguousCache(1, 8, 2, 4, dtype=torch.float64)
+    m(x[1:, 3:5], mask=masks.causal(), cache=ref_b)
+    want_b = m(x[1:, 3:5], mask=masks.causal(), score_mod=bias[1:, :, :, :4], cache=ref_b)
+    _close(out, torch.cat([want_a, want_b]), torch.float64, "row-ordered bias, ragged")
+    view = paged.view([a, b])
+    with pytest.raises(ValueError, match="q_offset=0 cannot be combined"):
+        m(x[:, :1], cache=view, q_offset=0)
+    with pytest.raises(ValueError, match=r"holds 2 sequence.* but x has batch B=1"):
+        m(x[:1, :1], cache=view)
+    plain = MultiHeadAttention(16, 4, 2, dtype=torch.float64).eval()  # no rope: attend checks
+    with pytest.raises(ValueError, match=r"q must be \(B=2, Hq, Sq, D\)"):
+        plain(x[:1, :1], cache=view)
+    drop = MultiHeadAttention(16, 4, 2, dropout=0.1, dtype=torch.float64).train()
+    with pytest.raises(ValueError, match=r"dropout \(0.1\) is not supported"):
+        drop(x[:, :1], cache=view)
+    with pytest.raises(TypeError, match=r"q is torch\.float32 but the cache stores torch\.float64"):
+        copy.deepcopy(plain).float()(x[:, :1].float(), cache=view)
+    wide = masks.from_tensor(torch.ones(2, 1, 1, 4, dtype=torch.bool))  # 4 < 8 keys after a step
+    with pytest.raises(
+        ValueError, match=r"does not broadcast to \(B, Hq, Sq, Sk\) = \(2, 4, 1, 8\)"
+    ):
+        plain(x[:, :1], mask=wide, cache=view)
+    assert paged.seq_lens([a, b]).tolist() == [7, 4]  # failed calls appended nothing

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from selfattn import attention, masks
-from selfattn.cache import PagedCache, StaticCache, paged_attention
+from selfattn.cache import BlockPool, PagedCache, PrefixIndex, StaticCache, paged_attention
 from selfattn.nn import MultiHeadAttention
+from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
 
 F64 = torch.float64
 
@@ -274,3 +277,159 @@ def test_random_fork_append_free_matches_shadow_model(seed):
     for sid in list(shadow):
         cache.free(sid)
     assert cache.pool.num_free == cache.num_pages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
+@pytest.mark.parametrize("P", [1, 16, 128])
+def test_paged_equals_contiguous_every_dtype_and_page_size(P, dtype):
+    """Ragged lengths (none a multiple of P), pages in shuffled order, each dtype: paged
+    attention is as close to the fp64 oracle on the contiguous K/V as the naive formula is."""
+    g = torch.Generator().manual_seed(P * 7 + dtype.itemsize)
+    Hq, Hkv, D, Dv, Sq = 4, 2, 8, 5, 3
+    total = {1: [5, 23, 9], 16: [17, 45, 3], 128: [130, 37, 201]}[P]
+    max_pages = -(-max(total) // P)
+    cache = PagedCache(
+        3 * max_pages + 4, P, Hkv, D, Dv, max_seqs=4, max_pages_per_seq=max_pages, dtype=dtype
+    )
+    ids = cache.add_sequences(3)
+    full = [(rnd(g, Hkv, n, D).to(dtype), rnd(g, Hkv, n, Dv).to(dtype)) for n in total]
+    done = [0, 0, 0]
+    filler = cache.add_sequence()  # takes pages between the others, then frees them: holes
+    while done != total:
+        b = int(torch.randint(3, (1,), generator=g))
+        s = min(int(torch.randint(1, P + 3, (1,), generator=g)), total[b] - done[b])
+        k, v = full[b]
+        cache.append(ids[b], k[None, :, done[b] : done[b] + s], v[None, :, done[b] : done[b] + s])
+        done[b] += s
+        if cache.length(filler) < P * 2 and s:
+            cache.append(filler, *(torch.zeros(1, Hkv, 1, d, dtype=dtype) for d in (D, Dv)))
+    cache.free(filler)
+    cache.check()
+    pages = [p for i in ids for p in cache.pages(i)]
+    assert pages != sorted(pages) or P == 128  # the layout really is shuffled
+    q = rnd(g, 3, Hq, Sq, D).to(dtype)
+    for mask in (None, masks.causal()):
+        out = cache.attention(q, ids, mask=mask)
+        for b, (k, v) in enumerate(full):
+            args = (q[b : b + 1], k[None], v[None])
+            oracle = reference_attention(*args, mask=mask)[0]
+            naive = naive_attention(*args, mask=mask)[0]
+            assert_close_to_reference(out[b : b + 1], oracle, naive, what=f"seq {b} {mask}")
+
+
+def test_cow_last_writer_reuses_the_page():
+    """Every sharer of a partly filled page writes in one batch: all but the last copy it, the
+    last finds itself its only holder and writes in place (no extra copy, nothing leaks)."""
+    g = torch.Generator().manual_seed(21)
+    P, Hkv, D = 4, 2, 8
+    cache = make_cache(num_pages=10, P=P, Hkv=Hkv, D=D, max_seqs=5)
+    parent = cache.add_sequence()
+    cache.append(parent, rnd(g, 1, Hkv, 6, D), rnd(g, 1, Hkv, 6, D))  # pages [full, partial]
+    a, b = cache.fork(parent), cache.fork(parent)
+    shared = cache.pages(parent)[1]
+    prefix = cache.gather(parent)
+    k, v = rnd(g, 3, Hkv, 1, D), rnd(g, 3, Hkv, 1, D)
+    cache.append([parent, a, b], k, v)
+    assert cache.pool.num_used == 4  # 2 before, + 2 copies, not 3
+    assert cache.pages(b)[1] == shared and cache.pool.refcount(shared) == 1
+    assert len({cache.pages(s)[1] for s in (parent, a, b)}) == 3
+    for i, s in enumerate((parent, a, b)):
+        ks, vs = cache.gather(s)
+        assert torch.equal(ks, torch.cat([prefix[0], k[i]], 1))
+        assert torch.equal(vs, torch.cat([prefix[1], v[i]], 1))
+    cache.check()
+    # A holder outside the batch keeps the page: both writers in the batch copy.
+    c, d = cache.fork(a), cache.fork(a)
+    cache.append([c, d], rnd(g, 2, Hkv, 1, D), rnd(g, 2, Hkv, 1, D))
+    assert cache.pages(a)[1] not in (cache.pages(c)[1], cache.pages(d)[1])
+    assert cache.pool.refcount(cache.pages(a)[1]) == 1
+    cache.check()
+    for s in (parent, a, b, c, d):
+        cache.free(s)
+    assert cache.pool.num_free == cache.num_pages
+
+
+def test_append_evicts_cached_pages_under_pressure():
+    g = torch.Generator().manual_seed(22)
+    P, Hkv, D = 2, 1, 4
+    cache = PagedCache(
+        6, P, Hkv, D, max_seqs=3, max_pages_per_seq=8, prefix_caching=True, dtype=F64
+    )
+    old = cache.add_sequence()
+    cache.append(old, rnd(g, 1, Hkv, 6, D), rnd(g, 1, Hkv, 6, D))
+    assert cache.cache_prefix(old, list(range(6)), salt=None) == 3
+    cached = cache.pages(old)
+    cache.free(old)  # its 3 pages stay cached: index-only, evictable
+    cache.check()
+    assert cache.pool.num_free == 3 and cache.index.num_evictable_pages == 3
+    s = cache.add_sequence()
+    before = snapshot(cache, [s])
+    with pytest.raises(RuntimeError, match=r"needs 7 free page.*has 3 of 6 \(\+3 evictable"):
+        cache.append(s, rnd(g, 1, Hkv, 13, D), rnd(g, 1, Hkv, 13, D))
+    assert_same(snapshot(cache, [s]), before)
+    assert cache.index.num_cached_pages == 3
+    cache.append(s, rnd(g, 1, Hkv, 9, D), rnd(g, 1, Hkv, 9, D))  # 5 pages: evicts 2, deepest
+    assert cache.pool.num_free == 0 and cache.index.num_cached_pages == 1
+    assert cache.index.match([*range(6), 0]) == (cached[:1], P)
+    cache.check()
+    cache.free(s)
+    cache.index.evict(6)
+    assert cache.pool.num_free == 6
+    cache.check()
+
+
+def test_check_counts_the_index_references():
+    g = torch.Generator().manual_seed(23)
+    cache = PagedCache(8, 2, 1, 4, max_seqs=2, max_pages_per_seq=4, prefix_caching=True)
+    s = cache.add_sequence()
+    cache.append(s, torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g))
+    cache.cache_prefix(s, [1, 2, 3, 4, 5])
+    cache.check()  # pages of s: counts 2, 2 (s + index) and 1 (s alone)
+    page = cache.pages(s)[0]
+    cache.pool.decref([page])  # a reference lost behind the cache's back
+    with pytest.raises(AssertionError, match=f"page {page}: pool count 1, held by 2"):
+        cache.check()
+    cache.pool.incref([page, page])
+    with pytest.raises(AssertionError, match=f"page {page}: pool count 3, held by 2"):
+        cache.check()
+
+
+def test_prefix_and_sequence_errors():
+    cache = make_cache(num_pages=8, P=2, Hkv=1, D=4, max_seqs=3)
+    with pytest.raises(ValueError, match="no prefix index: build it with prefix_caching=True"):
+        cache.add_sequence_from_prefix([1, 2, 3])
+    index = PrefixIndex(cache.pool, 2)
+    cache.add_sequence_from_prefix([1, 2, 3], index)  # adopted as cache.index
+    assert cache.index is index
+    with pytest.raises(ValueError, match="already uses another PrefixIndex"):
+        cache.cache_prefix(0, [], PrefixIndex(cache.pool, 2))
+    with pytest.raises(RuntimeError, match="cannot add 3 sequences: 1 of max_seqs=3 are live"):
+        cache.add_sequences(3)
+    assert cache.seq_ids == [0]
+    with pytest.raises(ValueError, match="add_sequences n must be a positive int, got 0"):
+        cache.add_sequences(0)
+
+
+def test_pool_listeners_and_view_errors():
+    pool = BlockPool(4)
+    with pytest.raises(TypeError, match="listener must be callable as fn\\(pages\\), got int"):
+        pool.add_listener(3)
+    heard = []
+    pool.add_listener(heard.append)
+    pages = pool.allocate(2)
+    pool.incref(pages[:1])
+    pool.decref([pages[0], pages[0], pages[1]])
+    assert heard == [[pages[0]], [pages[0], pages[1]]]
+    index = PrefixIndex(pool, 2)  # listens through a weak reference: dropping it is enough
+    del index
+    gc.collect()
+    pool.incref(pool.allocate(1))
+    assert len(pool._listeners) == 1
+    cache = make_cache(num_pages=4, P=2, Hkv=1, D=4)
+    view = cache.view(cache.add_sequences(2))
+    q, k = torch.zeros(2, 2, 3, 4, dtype=F64), torch.zeros(2, 1, 2, 4, dtype=F64)
+    with pytest.raises(
+        ValueError, match=r"one new token per query: q \(2, 2, 3, 4\), k \(2, 1, 2, 4\)"
+    ):
+        view.attend(q, k, k)
+    assert view.lengths.tolist() == [0, 0]

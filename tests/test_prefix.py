@@ -135,6 +135,39 @@ def test_pages_in_use_are_never_evicted():
     pool.check()
 
 
+def test_eviction_heap_stays_bounded_and_tracks_pool_changes():
+    """Evictable leaves are tracked incrementally: uses re-queue a leaf (stale entries are
+    compacted away), and a page released by its last request becomes evictable at once."""
+    P = 2
+    pool = BlockPool(40)
+    index = PrefixIndex(pool, P)
+    prompts = [[i, i, 7, 7] for i in range(10)]  # 10 two-page paths under 10 roots' children
+    held = []
+    for tokens in prompts:
+        _, pages = run_request(index, tokens)
+        held.append(pages)
+    assert index.num_evictable_pages == 0 and index.evict(5) == []  # all in use
+    for pages in held[::2]:
+        index.release(pages)  # the listener hears each page drop to the index's reference
+    assert index.num_evictable_pages == 10
+    rng = random.Random(3)
+    for _ in range(500):  # many uses: each pushes a fresh heap entry for a leaf
+        index.match([*rng.choice(prompts), 0])
+    assert len(index._heap) <= 2 * index.num_cached_pages + 64
+    index.check()
+    last = {i: rng.random() for i in range(0, 10, 2)}
+    for i in sorted(last, key=last.get):  # a known order of last use
+        index.match(prompts[i] + [0])
+    order = sorted(last, key=last.get)
+    assert index.evict(4) == [
+        held[order[0]][1],
+        held[order[0]][0],
+        held[order[1]][1],
+        held[order[1]][0],
+    ]
+    index.check()
+
+
 def test_allocate_with_eviction_is_atomic_when_short():
     pool = BlockPool(5)
     index = PrefixIndex(pool, 1)
@@ -352,6 +385,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert self.pool.num_used == len(cached | set(holds))
         assert self.index.num_cached_pages == len(self.cache)
         assert self.index.num_evictable_pages == len(self.model_evictable())
+        self.index.check()  # pin counters and the eviction heap agree with a full walk
 
 
 TestPrefixStateful = PrefixMachine.TestCase

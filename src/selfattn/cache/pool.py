@@ -5,11 +5,18 @@ prefix share its pages: :meth:`BlockPool.fork` adds one reference per page inste
 a page returns to the free list only when its last reference is dropped. Copy-on-write is the
 caller's job: before writing into a page whose :meth:`BlockPool.refcount` is above 1, allocate a
 fresh page, copy, and drop the shared reference.
+
+Listeners (:meth:`BlockPool.add_listener`) hear of every reference-count change of pages in use,
+so a structure built over the pool (the prefix index's evictable set) stays current without
+scanning the pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+import inspect
+import weakref
+from collections.abc import Callable, Iterable
 
 __all__ = ["BlockPool"]
 
@@ -29,8 +36,25 @@ class BlockPool:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages
         self._refs = [0] * num_pages
-        # Kept sorted descending so pop() returns the lowest free id.
-        self._free = list(range(num_pages - 1, -1, -1))
+        # A min-heap: the lowest free id comes out first, O(log N) per page either way.
+        self._free = list(range(num_pages))
+        self._listeners: list[Callable[[], Callable[[list[int]], None] | None]] = []
+
+    def add_listener(self, fn: Callable[[list[int]], None]) -> None:
+        """Call ``fn(pages)`` after every :meth:`incref` / :meth:`decref` with the pages whose
+        count changed (not after :meth:`allocate`: a fresh page was free, so nobody tracked it)."""
+        if not callable(fn):
+            raise TypeError(f"a listener must be callable as fn(pages), got {type(fn).__name__}")
+        # A bound method is held weakly: a dropped PrefixIndex must not live on in its pool.
+        ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+        self._listeners.append(ref)
+
+    def _notify(self, pages: list[int]) -> None:
+        live = [fn for fn in (ref() for ref in self._listeners) if fn is not None]
+        if len(live) != len(self._listeners):
+            self._listeners = [r for r in self._listeners if r() is not None]
+        for fn in live:
+            fn(pages)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -57,7 +81,7 @@ class BlockPool:
                 f"cannot allocate {n} pages: only {len(self._free)} of {self.num_pages} are free; "
                 "free or evict pages first, or build a larger pool"
             )
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
         return pages
@@ -71,6 +95,7 @@ class BlockPool:
                 raise ValueError(f"page {p} is free; only pages in use can gain a reference")
         for p in pages:
             self._refs[p] += 1
+        self._notify(pages)
 
     def fork(self, pages: Iterable[int]) -> list[int]:
         """Share ``pages`` with a new owner: one more reference each; returns the same ids."""
@@ -99,8 +124,9 @@ class BlockPool:
             self._refs[p] -= k
             if self._refs[p] == 0:
                 freed.append(p)
-        if freed:
-            self._free = sorted(self._free + freed, reverse=True)
+        for p in freed:
+            heapq.heappush(self._free, p)
+        self._notify(list(need))
         return freed
 
     def free(self, pages: Iterable[int]) -> list[int]:

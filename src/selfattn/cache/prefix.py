@@ -17,6 +17,14 @@ is referenced by the index alone and may be evicted; a page in use has count >= 
 Eviction takes least-recently-used leaves first (a node is used when a match returns it or an
 insert walks through it); evicting a leaf may turn its parent into an evictable leaf.
 
+Eviction costs O(log n) per evicted page, whatever the tree holds: the index listens to the
+pool (:meth:`BlockPool.add_listener`), so it learns the moment a page becomes referenced by the
+index alone, and keeps every evictable leaf in a heap keyed by last use (stale entries are
+skipped when popped and the heap is compacted when they pile up). How many pages eviction
+could free at most (:attr:`PrefixIndex.num_evictable_pages`) is a counter too: each node counts
+its pinned children (pinned = held by someone besides the index), and a change travels up only
+while it flips a node between "has a pinned descendant" and "has none".
+
 Fully cached prompts: a prompt needs at least one token of forward pass to produce logits, so
 :meth:`PrefixIndex.match` reuses at most ``(len(tokens) - 1) // page_size`` pages (vLLM's rule):
 a prompt that is exactly ``k`` cached pages reuses ``k - 1`` and computes the last page.
@@ -25,6 +33,7 @@ a prompt that is exactly ``k`` cached pages reuses ``k - 1`` and computes the la
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,7 +53,17 @@ class PrefixHit:
 
 
 class _Node:
-    __slots__ = ("block", "children", "depth", "last_used", "page", "parent")
+    __slots__ = (
+        "block",
+        "children",
+        "depth",
+        "last_used",
+        "page",
+        "parent",
+        "pinned",
+        "pins",
+        "queued",
+    )
 
     def __init__(self, block: tuple[int, ...] | None, page: int, parent: _Node | None, depth: int):
         self.block = block
@@ -53,6 +72,9 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_used = 0
         self.depth = depth
+        self.pinned = False  # the page has a reference besides the index's
+        self.pins = 0  # int(pinned) + number of children whose subtree holds a pinned node
+        self.queued: int | None = None  # last_used of this node's entry in the eviction heap
 
 
 class PrefixIndex:
@@ -73,32 +95,38 @@ class PrefixIndex:
         self._roots: dict[Hashable, _Node] = {}
         self._node_of_page: dict[int, _Node] = {}
         self._clock = 0  # bumped once per match/insert: ties only along one root-to-leaf path
+        self._heap: list[tuple[int, int, int, _Node]] = []  # (last_used, -depth, seq, node)
+        self._seq = itertools.count()  # heap tie-breaker, never compares nodes
+        self._hot = 0  # nodes whose subtree holds a pinned node: never evictable
+        pool.add_listener(self._on_refcount)
 
     # -- queries -----------------------------------------------------------------------------
     @property
     def num_cached_pages(self) -> int:
         return len(self._node_of_page)
 
+    def cached_pages(self) -> list[int]:
+        """The pool pages the index holds a reference to (one each)."""
+        return list(self._node_of_page)
+
+    def items(self) -> list[tuple[Hashable, tuple[int, ...], int]]:
+        """Every cached page as ``(salt, prefix token ids up to its block's end, page)``,
+        parents before children. Inspection only: not a use for LRU."""
+        out = []
+        for salt, root in self._roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, prefix = stack.pop()
+                if node.block is not None:
+                    out.append((salt, prefix, node.page))
+                stack.extend((c, prefix + c.block) for c in node.children.values())
+        return out
+
     @property
     def num_evictable_pages(self) -> int:
         """Pages that repeated :meth:`evict` could free now: nodes whose whole subtree is
-        referenced by the index alone."""
-        count = 0
-        for root in self._roots.values():
-            stack: list[tuple[_Node, bool]] = [(root, False)]
-            ok: dict[int, bool] = {}
-            while stack:  # post-order without recursion: deep prompts make deep trees
-                node, seen = stack.pop()
-                if not seen:
-                    stack.append((node, True))
-                    stack.extend((c, False) for c in node.children.values())
-                    continue
-                good = all(ok[id(c)] for c in node.children.values())
-                if node.block is not None:
-                    good = good and self.pool.refcount(node.page) == 1
-                    count += good
-                ok[id(node)] = good
-        return count
+        referenced by the index alone. O(1)."""
+        return len(self._node_of_page) - self._hot
 
     def match(self, tokens: Sequence[int], salt: Hashable = None) -> tuple[list[int], int]:
         """Longest cached page-aligned prefix of ``tokens``: ``(pages, n_cached_tokens)``.
@@ -180,7 +208,7 @@ class PrefixIndex:
                 child = _Node(block, pages[i], node, node.depth + 1)
                 node.children[block] = child
                 self._node_of_page[child.page] = child
-                self.pool.incref([child.page])
+                self.pool.incref([child.page])  # the listener marks it pinned if it is
             path.append(child)
             node = child
         self._touch(path)
@@ -193,11 +221,13 @@ class PrefixIndex:
             raise TypeError(f"n_pages must be an int, got {type(n_pages).__name__}")
         if n_pages < 0:
             raise ValueError(f"n_pages must be >= 0, got {n_pages}")
-        heap = [self._heap_key(n) for n in self._node_of_page.values() if self._evictable(n)]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < n_pages:
-            *_, node = heapq.heappop(heap)
+        while self._heap and len(freed) < n_pages:
+            last_used, _, _, node = heapq.heappop(self._heap)
+            if node.queued == last_used:
+                node.queued = None
+            if not self._evictable(node) or node.last_used != last_used:
+                continue  # stale: used, pinned, given a child or evicted since it was queued
             parent = node.parent
             del parent.children[node.block]
             del self._node_of_page[node.page]
@@ -205,8 +235,8 @@ class PrefixIndex:
             if parent.block is None:
                 if not parent.children:  # drop an empty salt root
                     self._roots = {k: r for k, r in self._roots.items() if r is not parent}
-            elif self._evictable(parent):
-                heapq.heappush(heap, self._heap_key(parent))
+            else:
+                self._queue(parent)
         return freed
 
     def allocate_with_eviction(self, n: int) -> list[int]:
@@ -232,17 +262,100 @@ class PrefixIndex:
 
     # -- helpers -----------------------------------------------------------------------------
     def _evictable(self, node: _Node) -> bool:
-        return not node.children and self.pool.refcount(node.page) == 1
+        """A leaf referenced by the index alone (and still in the tree)."""
+        return not node.children and not node.pinned and self._node_of_page.get(node.page) is node
 
-    @staticmethod
-    def _heap_key(node: _Node) -> tuple[int, int, int, _Node]:
-        # Oldest first; on a tie (one path) the deeper node first; page id makes keys unique.
-        return (node.last_used, -node.depth, node.page, node)
+    def _queue(self, node: _Node) -> None:
+        """Put an evictable leaf in the heap unless its current entry is already there."""
+        if node.queued == node.last_used or not self._evictable(node):
+            return
+        if len(self._heap) > 2 * len(self._node_of_page) + 64:
+            self._compact()  # queues every evictable leaf, this one included
+            return
+        node.queued = node.last_used
+        heapq.heappush(self._heap, (node.last_used, -node.depth, next(self._seq), node))
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the live evictable leaves (drops stale entries)."""
+        for _, _, _, node in self._heap:
+            node.queued = None
+        self._heap = []
+        for node in self._node_of_page.values():
+            if self._evictable(node):
+                node.queued = node.last_used
+                self._heap.append((node.last_used, -node.depth, next(self._seq), node))
+        heapq.heapify(self._heap)
+
+    def _on_refcount(self, pages: list[int]) -> None:
+        """Pool listener: update pin counts and the heap for cached pages whose count changed."""
+        for p in pages:
+            node = self._node_of_page.get(p)
+            if node is None:
+                continue
+            pinned = self.pool._refs[p] > 1  # listener runs per change: skip the id checks
+            if pinned != node.pinned:
+                node.pinned = pinned
+                self._add_pins(node, 1 if pinned else -1)
+            self._queue(node)
+
+    def _add_pins(self, node: _Node, delta: int) -> None:
+        """Change ``node.pins`` by ``delta`` and carry the change up while it flips a node
+        between "holds a pinned node" and "holds none" (O(depth) at worst, O(1) typically)."""
+        while node.block is not None:
+            before = node.pins > 0
+            node.pins += delta
+            after = node.pins > 0
+            if before == after:
+                return
+            self._hot += 1 if after else -1
+            node, delta = node.parent, 1 if after else -1
 
     def _touch(self, path: list[_Node]) -> None:
         self._clock += 1
         for node in path:
             node.last_used = self._clock
+            self._queue(node)
+
+    def check(self) -> None:
+        """Raise AssertionError if the tree, its counters or its heap disagree with the pool
+        (a full O(n) walk, for tests)."""
+        seen: dict[int, _Node] = {}
+        hot = 0
+        for root in self._roots.values():
+            stack = [root]
+            order = []
+            while stack:
+                node = stack.pop()
+                order.append(node)
+                for block, child in node.children.items():
+                    if child.parent is not node or child.block != block:
+                        raise AssertionError(f"page {child.page}: broken parent/child link")
+                    if child.depth != node.depth + 1 or len(block) != self.page_size:
+                        raise AssertionError(f"page {child.page}: bad depth or block size")
+                    if child.page in seen:
+                        raise AssertionError(f"page {child.page} caches two blocks")
+                    seen[child.page] = child
+                    stack.append(child)
+            for node in reversed(order):  # children before parents
+                if node.block is None:
+                    continue
+                refs = self.pool.refcount(node.page)
+                if refs < 1:
+                    raise AssertionError(f"cached page {node.page} has {refs} references")
+                if node.pinned != (refs > 1):
+                    raise AssertionError(f"page {node.page}: pinned flag stale ({refs} refs)")
+                want = node.pinned + sum(c.pins > 0 for c in node.children.values())
+                if node.pins != want:
+                    raise AssertionError(f"page {node.page}: pins {node.pins}, want {want}")
+                hot += node.pins > 0
+        if seen.keys() != self._node_of_page.keys():
+            raise AssertionError("the page map disagrees with the tree")
+        if hot != self._hot:
+            raise AssertionError(f"hot-node counter {self._hot}, tree has {hot}")
+        queued = {id(n) for lu, _, _, n in self._heap if n.last_used == lu}
+        for node in seen.values():
+            if self._evictable(node) and id(node) not in queued:
+                raise AssertionError(f"evictable page {node.page} is missing from the heap")
 
     @staticmethod
     def _salt_key(salt: Hashable) -> Hashable:

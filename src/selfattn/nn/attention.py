@@ -21,6 +21,26 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
+def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
+    """RoPE positions of ``Sq`` new tokens: ``(Sq,)`` after ``cache.length``, or ``(B, Sq)``
+    after each sequence's own length for a cache with per-sequence ``lengths`` (paged view)."""
+    new = torch.arange(Sq, device=device)
+    if cache is None:
+        return new
+    lengths = getattr(cache, "lengths", None)
+    if lengths is None:
+        return new + cache.length
+    lengths = lengths.to(device)
+    if lengths.shape != (B,):
+        raise ValueError(
+            f"the cache holds {lengths.numel()} sequence(s) but x has batch B={B}; pass a view "
+            "over one sequence per row of x"
+        )
+    if lengths.numel() and bool((lengths == lengths[0]).all()):  # equal: one row serves all
+        return new + lengths[0]
+    return lengths.view(-1, 1) + new  # (B,) -> (B, Sq)
+
+
 class ContiguousCache:
     """A per-layer KV cache preallocated to ``max_len`` tokens (DESIGN.md's cache contract).
 
@@ -236,7 +256,7 @@ class MultiHeadAttention(nn.Module):
         mask=None,
         score_mod=None,
         positions=None,
-        cache: ContiguousCache | None = None,
+        cache=None,
         q_offset: int | None = None,
         return_weights: bool = False,
         value=None,
@@ -247,12 +267,18 @@ class MultiHeadAttention(nn.Module):
             mask, score_mod: passed to :func:`selfattn.attention` (e.g. ``masks.causal()``; a
                 bool tensor broadcastable to ``(B, Hq, Sq, Sk)``, True = attend).
             positions: int ``(Sq,)`` or ``(B, Sq)`` position ids of ``x`` for ``rope``; default
-                ``cache.length + arange(Sq)`` (``arange(Sq)`` without a cache). Left-padded
+                ``cache.length + arange(Sq)`` (``arange(Sq)`` without a cache; per sequence
+                ``cache.lengths[b] + arange(Sq)`` for a cache with ``lengths``). Left-padded
                 batches pass ``attention_mask.cumsum(-1) - 1`` here. Unused without ``rope``
                 (ALiBi and masks work on cache/index positions, whose differences padding keeps).
-            cache: a :class:`ContiguousCache` (self-attention only): this step's K/V are written
+            cache: a :class:`ContiguousCache`, ``StaticCache``, ``SlidingWindowCache`` or
+                ``PagedCache.view(seq_ids)`` (self-attention only): this step's K/V are written
                 after the cached ones and the queries attend to all of them, query row ``i`` at
-                absolute position ``cache.length + i`` (masks see that position).
+                absolute position ``cache.length + i`` (masks see that position). A cache with
+                an ``attend(q, k, v, *, mask, score_mod, scale, return_weights)`` method (the
+                paged view) stores K/V and attends itself, reading its pages in place; its
+                sequences may differ in length (each sequence's queries follow its own length,
+                RoPE positions default to ``cache.lengths[b] + i``).
             q_offset: absolute position of query row 0 for masks (default bottom-right).
             return_weights: also return the per-head weights ``(B, Hq, Sq, Sk)`` (no dropout).
             value: the value input ``(B, Sk, vdim)`` when it differs from ``context``.
@@ -280,34 +306,52 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None and not cross:
-            start = 0 if cache is None else cache.length
             if positions is None:
-                positions = torch.arange(start, start + Sq, device=x.device)
+                positions = _next_positions(cache, B, Sq, x.device)
             q, k = self.rope(q, positions), self.rope(k, positions)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, length, D)
         mods = [m for m in (self.alibi, score_mod) if m is not None]
         mod = None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
         p = self.dropout if self.training else 0.0
-        out = attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            score_mod=mod,
-            scale=self.scale,
-            dropout_p=p,
-            q_offset=q_offset,
-            backend=self.backend,
-        )
+        attend = getattr(cache, "attend", None)
+        w = None
+        if attend is not None:  # the cache attends over its own storage (paged: in place)
+            if q_offset is not None:
+                raise ValueError(
+                    f"q_offset={q_offset} cannot be combined with a cache that attends itself "
+                    f"({type(cache).__name__}): its queries sit after each sequence's own "
+                    "length; drop q_offset"
+                )
+            if p > 0:
+                raise ValueError(
+                    f"attention dropout ({p}) is not supported with {type(cache).__name__}; "
+                    "call model.eval() for cached inference"
+                )
+            out = attend(
+                q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights
+            )
+            if return_weights:
+                out, w = out
+        else:
+            if cache is not None:
+                k, v = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, length, D)
+            out = attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                score_mod=mod,
+                scale=self.scale,
+                dropout_p=p,
+                q_offset=q_offset,
+                backend=self.backend,
+            )
+            if return_weights:
+                w = attention_weights(
+                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
+                )
         out = out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, D) -> (B, Sq, Hq·D)
         out = self.out_proj(out)
-        if not return_weights:
-            return out
-        w = attention_weights(
-            q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
-        )
-        return out, w
+        return (out, w) if return_weights else out
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> TorchMultiheadAttention:

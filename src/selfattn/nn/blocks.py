@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from selfattn import masks as _masks
-from selfattn.nn.attention import ContiguousCache, MultiHeadAttention
+from selfattn.nn.attention import MultiHeadAttention
 from selfattn.nn.mlp import MLP, SwiGLU
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
@@ -101,7 +101,7 @@ class DecoderBlock(nn.Module):
         context_mask=None,
         score_mod=None,
         positions=None,
-        cache: ContiguousCache | None = None,
+        cache=None,
     ):
         """``context_mask`` (bool ``(B, 1, 1, Sk)``, True = attend) masks the encoder keys."""
         if (context is None) != (self.cross_attention is None):
