@@ -1,12 +1,24 @@
-"""Feed-forward layers of a transformer block: ``MLP`` (GELU) and ``SwiGLU``."""
+"""Feed-forward layers of a transformer block: ``MLP`` (GELU) and ``SwiGLU`` (gated)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MLP", "SwiGLU"]
+__all__ = ["ACTIVATIONS", "MLP", "SwiGLU"]
+
+#: transformers' ``hidden_act`` names -> the activation callables they mean.
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
 
 
 class MLP(nn.Module):
@@ -39,9 +51,10 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated feed-forward (Shazeer, 2020): ``down(silu(gate(x)) * up(x))``.
+    """Gated feed-forward (Shazeer, 2020): ``down(act(gate(x)) * up(x))``, ``act`` = SiLU.
 
     ``(..., d_model) -> (..., d_hidden) -> (..., d_model)``; no bias by default (Llama).
+    ``activation`` swaps the gate's non-linearity (GeGLU: GELU-tanh for Gemma and T5 v1.1).
     """
 
     def __init__(
@@ -51,15 +64,19 @@ class SwiGLU(nn.Module):
         *,
         bias: bool = False,
         dropout: float = 0.0,
+        activation=F.silu,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        self.activation = activation
         self.gate = nn.Linear(d_model, d_hidden, bias=bias, device=device, dtype=dtype)
         self.up = nn.Linear(d_model, d_hidden, bias=bias, device=device, dtype=dtype)
         self.down = nn.Linear(d_hidden, d_model, bias=bias, device=device, dtype=dtype)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dropout(F.silu(self.gate(x)) * self.up(x))  # (..., d_model) -> (..., d_hidden)
+        h = self.dropout(
+            self.activation(self.gate(x)) * self.up(x)
+        )  # (..., d_model) -> (..., d_hidden)
         return self.down(h)  # (..., d_hidden) -> (..., d_model)

@@ -1,0 +1,242 @@
+"""Autoregressive generation for our causal LMs and encoder-decoders: prefill, then decode.
+
+``generate(model, input_ids, max_new_tokens, ...)`` drives the protocols documented in
+:mod:`selfattn.models.decoder` (``model(input_ids, attention_mask, cache=, position_ids=)``,
+``model.make_cache(kind, batch, max_len)``) and :mod:`selfattn.models.seq2seq`
+(``model.encode``, ``model.decode``, ``decoder_start_token_id``)::
+
+    prompt (left-padded)    prefill: one call over the prompt, K/V into the cache
+    [pad a b c]             decode: one call per new token, its K/V appended
+         -> d -> e -> ...   positions continue per row (real tokens only), padding stays masked
+
+Token choice per step, in this order (as transformers' logits processors): ``temperature``
+divides the logits, ``top_k`` keeps the k largest, ``top_p`` keeps the smallest set of most
+likely tokens whose probability reaches ``top_p``; then the argmax (``do_sample=False``) or one
+draw from the softmax (``torch.multinomial`` with ``generator``: seeded and reproducible).
+A row that emitted an ``eos_token_id`` is finished: it emits ``pad_token_id`` from then on, and
+generation stops when every row is finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from selfattn.models.decoder import CACHE_KINDS
+
+__all__ = ["generate", "next_token"]
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _token_ids(name: str, value) -> tuple[int, ...]:
+    """``None`` / an int / a list of ints -> a tuple of ints."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a list of ints, got {value!r}") from None
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise ValueError(f"{name} must hold non-negative int token ids, got {value!r}")
+    return values
+
+
+def next_token(
+    logits: torch.Tensor,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The next token of each row from ``logits (B, vocab)`` -> ``(B,)`` int64.
+
+    Greedy (argmax) unless ``do_sample``; sampling applies temperature, top-k, top-p in that
+    order and draws with ``generator`` (the global RNG when None).
+    """
+    if not do_sample:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]  # (B, 1): the k-th largest
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        # Drop a token when the more likely ones already reach top_p; the first always stays.
+        before = probs.cumsum(-1) - probs
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
+
+
+def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0, got {temperature}; use do_sample=False for greedy decoding"
+        )
+    if top_k is not None:
+        _check_positive_int("top_k", top_k)
+    bad_type = isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+    if top_p is not None and (bad_type or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 20,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    cache: str | None = "static",
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    streamer: Callable[[torch.Tensor], object] | None = None,
+    page_size: int = 16,
+) -> torch.Tensor:
+    """Continue ``input_ids (B, S)`` by up to ``max_new_tokens`` tokens.
+
+    Args:
+        model: a causal LM (see :mod:`selfattn.models.decoder`) or an encoder-decoder
+            (``model.is_encoder_decoder``; ``input_ids`` then go to the encoder and the decoder
+            starts from ``model.decoder_start_token_id``).
+        attention_mask: ``(B, S)`` 1 = token, 0 = padding; prompts are left-padded.
+        cache: ``"static"``, ``"window"``, ``"paged"`` (``page_size`` tokens a page), or None to
+            recompute the whole sequence at every step (slow; the reference for the caches).
+        do_sample, temperature, top_k, top_p, generator: see :func:`next_token`.
+        eos_token_id: an int or a list; a row stops after emitting one (None: never stop).
+        pad_token_id: what finished rows emit (default the first ``eos_token_id``).
+        streamer: called with each step's tokens ``(B,)`` as soon as they are chosen.
+
+    Returns:
+        ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
+        every row finished early). Encoder-decoders return the decoder's ``(B, 1 + n)`` tokens,
+        starting with ``decoder_start_token_id``, as transformers does.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise ValueError(f"input_ids must be a (B, S) int tensor, got {got!r}")
+    if input_ids.is_floating_point() or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must hold at least one integer token per row, got {input_ids.dtype} "
+            f"{tuple(input_ids.shape)}"
+        )
+    _check_positive_int("max_new_tokens", max_new_tokens, minimum=0)
+    if cache is not None and cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS} or None, got {cache!r}")
+    _check_sampling(do_sample, temperature, top_k, top_p)
+    if streamer is not None and not callable(streamer):
+        raise TypeError(f"streamer must be callable(step_tokens), got {type(streamer).__name__}")
+    B, S = input_ids.shape
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
+        raise ValueError(
+            f"attention_mask must match input_ids (B={B}, S={S}), got {tuple(attention_mask.shape)}"
+        )
+    eos = _token_ids("eos_token_id", eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    _token_ids("pad_token_id", pad_token_id)
+    pick = dict(
+        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
+    if getattr(model, "is_encoder_decoder", False):
+        step, prefix = _seq2seq_steps(
+            model, input_ids, attention_mask, cache, max_new_tokens, page_size
+        )
+    else:
+        step, prefix = _decoder_steps(
+            model, input_ids, attention_mask, cache, max_new_tokens, page_size
+        )
+    out = prefix.new_empty(B, prefix.shape[1] + max_new_tokens)
+    out[:, : prefix.shape[1]] = prefix
+    n = prefix.shape[1]
+    if max_new_tokens == 0:
+        return out
+    eos_t = torch.tensor(eos, device=out.device)
+    unfinished = torch.ones(B, dtype=torch.bool, device=out.device)
+    logits = step(None, n)  # prefill
+    for t in range(max_new_tokens):
+        tok = next_token(logits[:, -1], **pick)
+        if eos:
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad_token_id))
+        out[:, n] = tok
+        n += 1
+        if streamer is not None:
+            streamer(tok)
+        if eos:
+            unfinished &= ~torch.isin(tok, eos_t)
+            if not bool(unfinished.any()):
+                break
+        if t + 1 < max_new_tokens:
+            logits = step(out[:, :n], n)
+    return out[:, :n]
+
+
+def _decoder_steps(model, input_ids, attention_mask, kind, max_new: int, page_size: int):
+    """``step(tokens so far or None, n) -> logits`` for a causal LM, and the prefix to extend."""
+    B, S = input_ids.shape
+    total = S + max_new
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    mask = None
+    if padded:  # the full (B, S + max_new) mask once; each step reads a prefix of it
+        mask = attention_mask.new_ones(B, total)
+        mask[:, :S] = attention_mask
+        next_pos = attention_mask.long().sum(-1, keepdim=True)  # (B, 1): next real position
+    cache = None if kind is None else model.make_cache(kind, B, total, page_size=page_size)
+
+    def step(seq, n):
+        nonlocal next_pos
+        if seq is None:  # prefill
+            m = None if mask is None else mask[:, :S]
+            return model(input_ids, attention_mask=m, cache=cache, logits_to_keep=1)
+        if cache is None:  # recompute everything: positions follow from the mask
+            m = None if mask is None else mask[:, :n]
+            return model(seq, attention_mask=m, logits_to_keep=1)
+        if mask is None:
+            return model(seq[:, -1:], cache=cache)
+        pos = next_pos
+        next_pos = next_pos + 1
+        return model(seq[:, -1:], attention_mask=mask[:, :n], cache=cache, position_ids=pos)
+
+    return step, input_ids
+
+
+def _seq2seq_steps(model, input_ids, attention_mask, kind, max_new: int, page_size: int):
+    """``step`` and the decoder prefix ``[decoder_start_token_id]`` for an encoder-decoder."""
+    start = getattr(model, "decoder_start_token_id", None)
+    if start is None:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder_start_token_id; set it on the model before "
+            "generating"
+        )
+    B = input_ids.shape[0]
+    memory = model.encode(input_ids, attention_mask=attention_mask)  # once: (B, Se, d_model)
+    prefix = torch.full((B, 1), start, dtype=input_ids.dtype, device=input_ids.device)
+    cache = None if kind is None else model.make_cache(kind, B, 1 + max_new, page_size=page_size)
+
+    def step(seq, n):
+        dec = prefix if seq is None else seq if cache is None else seq[:, -1:]
+        return model.decode(dec, memory, encoder_attention_mask=attention_mask, cache=cache)
+
+    return step, prefix

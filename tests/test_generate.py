@@ -1,0 +1,261 @@
+"""selfattn.models.generate against transformers' generate(), through every cache kind.
+
+Tiny perturbed models of each family (built by test_models_decoder.tiny_pair) generate from
+left-padded prompts; greedy tokens must equal transformers' token for token, with our static,
+window and paged caches and without a cache. Sampling with the same torch seed draws the same
+tokens as transformers' sampling (the same filters, the same multinomial draws).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from selfattn.models.generate import generate, next_token  # noqa: E402
+from test_models_decoder import VOCAB, left_padded, tiny_pair  # noqa: E402
+
+NEW = 9  # new tokens per run: past the windows of 5, so ring buffers wrap
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """family -> (ours, prompt ids, mask, transformers' greedy output); built once."""
+    out = {}
+    for seed, family in enumerate(["gpt2", "llama", "mistral", "qwen2", "gemma2"]):
+        hf, ours = tiny_pair(family, tmp_path_factory.mktemp(family), seed=seed)
+        ids, mask = left_padded(3, 6, [3, 0, 1], seed=10 + seed)
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        out[family] = SimpleNamespace(hf=hf, ours=ours, ids=ids, mask=mask, ref=ref)
+    return out
+
+
+@pytest.mark.parametrize("cache", ["static", "window", "paged", None])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "gemma2"])
+def test_greedy_equals_transformers(runs, family, cache):
+    r = runs[family]
+    got = generate(r.ours, r.ids, NEW, attention_mask=r.mask, cache=cache, page_size=4)
+    assert got.shape == (3, 6 + NEW)
+    assert torch.equal(got, r.ref)
+
+
+def test_unpadded_batch_equals_transformers(runs):
+    """No padding: the mask is dropped and plain causal attention runs."""
+    r = runs["mistral"]
+    ids = r.ids[1:2]
+    ref = r.hf.generate(ids, max_new_tokens=NEW, do_sample=False)
+    for cache in ("static", "window", None):
+        assert torch.equal(generate(r.ours, ids, NEW, cache=cache), ref)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"temperature": 0.7},
+        {"top_k": 5},
+        {"top_p": 0.6},
+        {"temperature": 1.3, "top_k": 20, "top_p": 0.9},
+    ],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "plain",
+)
+def test_sampling_equals_transformers_for_one_seed(runs, kw):
+    """Same filters in the same order and one multinomial draw per step: transformers and we
+    draw the same tokens from the same global seed (top_k=0 disables its default of 50)."""
+    r = runs["llama"]
+    torch.manual_seed(123)
+    ref = r.hf.generate(
+        r.ids, attention_mask=r.mask, max_new_tokens=NEW, do_sample=True, **{"top_k": 0, **kw}
+    )
+    torch.manual_seed(123)
+    got = generate(r.ours, r.ids, NEW, attention_mask=r.mask, do_sample=True, **kw)
+    assert torch.equal(got, ref)
+
+
+def test_eos_stops_rows_and_pads_them_like_transformers(runs):
+    r = runs["qwen2"]
+    eos = [int(r.ref[0, 6 + 2]), 3]  # row 0 emits its first eos at step 2
+    ref = r.hf.generate(
+        r.ids,
+        attention_mask=r.mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    for cache in ("static", None):
+        got = generate(
+            r.ours, r.ids, NEW, attention_mask=r.mask, cache=cache, eos_token_id=eos, pad_token_id=0
+        )
+        assert torch.equal(got, ref)
+    assert (got[0, 6 + 3 :] == 0).all()
+
+
+def test_all_rows_finished_stops_early(runs):
+    r = runs["llama"]
+    first = r.ref[:, 6]
+    got = generate(r.ours, r.ids, NEW, attention_mask=r.mask, eos_token_id=first.tolist())
+    assert got.shape == (3, 7)  # every row emitted an eos at step 0
+    assert torch.equal(got, r.ref[:, :7])
+
+
+def test_streamer_sees_each_step(runs):
+    r = runs["gemma2"]
+    steps = []
+    got = generate(r.ours, r.ids, NEW, attention_mask=r.mask, streamer=steps.append)
+    assert len(steps) == NEW and all(s.shape == (3,) for s in steps)
+    assert torch.equal(torch.stack(steps, 1), got[:, 6:])
+
+
+def test_seeded_generator_is_reproducible(runs):
+    r = runs["gpt2"]
+
+    def draw(seed):
+        g = torch.Generator().manual_seed(seed)
+        return generate(
+            r.ours, r.ids, NEW, attention_mask=r.mask, do_sample=True, top_p=0.95, generator=g
+        )
+
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+    g = torch.Generator().manual_seed(1)
+    greedy_like = generate(
+        r.ours, r.ids, NEW, attention_mask=r.mask, do_sample=True, top_k=1, generator=g
+    )
+    assert torch.equal(greedy_like, r.ref)
+
+
+def test_zero_new_tokens_returns_the_prompt(runs):
+    r = runs["llama"]
+    assert torch.equal(generate(r.ours, r.ids, 0, attention_mask=r.mask), r.ids)
+
+
+# -- next_token filters ----------------------------------------------------------------------------
+
+
+def _draw(logits, n, **kw):
+    g = torch.Generator().manual_seed(0)
+    rows = logits.expand(n, -1)
+    return next_token(rows, do_sample=True, generator=g, **kw)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    """probs (.5, .3, .15, .05), top_p=.8: {0, 1} reach .8; renormalised .625 / .375."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()[:, [2, 0, 3, 1]]  # shuffled vocab
+    tokens = _draw(logits, 4000, top_p=0.8)
+    assert set(tokens.tolist()) == {1, 3}
+    share = float((tokens == 1).float().mean())
+    assert abs(share - 0.625) < 5 * (0.625 * 0.375 / 4000) ** 0.5
+
+
+def test_top_k_and_temperature():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 50, generator=g)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    assert set(_draw(logits, 2000, top_k=3).tolist()) == top3
+    # temperature -> 0 concentrates on the argmax; a high one spreads over the vocabulary
+    assert set(_draw(logits, 200, temperature=1e-3).tolist()) == {int(logits.argmax())}
+    assert len(set(_draw(logits, 2000, temperature=100.0).tolist())) > 40
+
+
+# -- encoder-decoder protocol ---------------------------------------------------------------------
+
+
+class _StubSeq2Seq(torch.nn.Module):
+    """Logits depend on the current decoder token and the memory only: cached == uncached."""
+
+    is_encoder_decoder = True
+    decoder_start_token_id = 5
+
+    def __init__(self, vocab: int = 11):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.randn(vocab, vocab, generator=g)
+        self.encoded, self.decoded = 0, []
+
+    def encode(self, input_ids, attention_mask=None):
+        self.encoded += 1
+        m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return (input_ids * m).float()[..., None]  # (B, Se) -> (B, Se, 1)
+
+    def make_cache(self, kind, batch, max_len, *, dtype=None, page_size=16):
+        return SimpleNamespace(kind=kind, length=0)
+
+    def decode(self, ids, memory, *, encoder_attention_mask=None, cache=None):
+        self.decoded.append(ids.shape[1])
+        if cache is not None:
+            cache.length += ids.shape[1]
+        shift = memory.sum((1, 2)).long()[:, None] % self.table.shape[0]  # (B, 1)
+        return self.table[(ids + shift) % self.table.shape[0]]  # (B, S) -> (B, S, vocab)
+
+
+def test_seq2seq_encodes_once_and_decodes_from_the_start_token():
+    ids = torch.tensor([[0, 3, 4, 2], [7, 1, 2, 9]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    results = {}
+    for cache in ("static", None):
+        model = _StubSeq2Seq()
+        results[cache] = generate(model, ids, 6, attention_mask=mask, cache=cache)
+        assert model.encoded == 1
+        expected = [1] * 6 if cache else list(range(1, 7))  # tokens fed per decode call
+        assert model.decoded == expected
+    out = results["static"]
+    assert out.shape == (2, 7) and (out[:, 0] == 5).all()
+    assert torch.equal(out, results[None])
+    # each step is the argmax of the stub's logits for the previous token
+    model = _StubSeq2Seq()
+    memory = model.encode(ids, mask)
+    for t in range(6):
+        want = model.decode(out[:, t : t + 1], memory)[:, -1].argmax(-1)
+        assert torch.equal(out[:, t + 1], want)
+
+
+def test_seq2seq_needs_a_start_token():
+    model = _StubSeq2Seq()
+    model.decoder_start_token_id = None
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        generate(model, torch.ones(1, 3, dtype=torch.long), 2)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        ({"cache": "ring"}, ValueError, "cache must be one of .* got 'ring'"),
+        ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be > 0, got 0.0"),
+        ({"top_p": 1.5}, ValueError, r"top_p must be a number in \(0, 1\], got 1.5"),
+        ({"top_k": 0}, ValueError, "top_k must be an int >= 1, got 0"),
+        ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be an int >= 0, got -1"),
+        ({"streamer": 3}, TypeError, "streamer must be callable"),
+        ({"eos_token_id": [1, "x"]}, ValueError, "eos_token_id must hold non-negative int"),
+        ({"do_sample": 1}, TypeError, "do_sample must be a bool"),
+        ({"attention_mask": torch.ones(2, 4)}, ValueError, r"attention_mask must match .*\(2, 4\)"),
+    ],
+)
+def test_bad_arguments_raise(runs, kw, exc, match):
+    r = runs["llama"]
+    kw = {"max_new_tokens": 2, **kw}
+    with pytest.raises(exc, match=match):
+        generate(r.ours, r.ids, **kw)
+
+
+def test_bad_input_ids_raise(runs):
+    ours = runs["llama"].ours
+    with pytest.raises(ValueError, match=r"input_ids must be a \(B, S\) int tensor"):
+        generate(ours, torch.ones(4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="at least one integer token"):
+        generate(ours, torch.ones(2, 3), 2)
+    assert VOCAB == ours.config.vocab_size
