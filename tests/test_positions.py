@@ -495,3 +495,16 @@ def test_positions_errors():
         P.RoPE2D(8)(x, torch.arange(3))
     with pytest.raises(ValueError, match=r"even int >= 2, got 7"):
         P.Sinusoidal(7)
+
+
+def test_rope_memo_sees_in_place_position_changes():
+    """RoPE memoises cos/sin for the last positions tensor; an in-place edit must not be missed."""
+    rope = P.RoPE(8)
+    x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    pos = torch.arange(3)
+    first = rope(x, pos)
+    assert torch.equal(rope(x, pos), first)  # memo hit: same answer
+    pos += 5  # in place: the version counter moves
+    moved = rope(x, pos)
+    torch.testing.assert_close(moved, rope(x, torch.arange(5, 8)))
+    assert not torch.allclose(moved, first)

@@ -130,6 +130,7 @@ def _mod_key(obj) -> tuple:
     return tuple(parts)
 
 
+@functools.cache
 def _torch_at_least(major: int, minor: int) -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (major, minor)
 

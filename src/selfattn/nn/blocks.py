@@ -25,7 +25,7 @@ class _Residual(nn.Module):
         super().__init__()
         self.norm = norm
         self.norm_first = norm_first
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x, f):
         if self.norm_first:

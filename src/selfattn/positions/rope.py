@@ -423,15 +423,35 @@ class RoPE(nn.Module):
         angles = positions.to(torch.float64)[..., None] * inv64.to(positions.device)
         return (angles.cos() * attn).to(dtype), (angles.sin() * attn).to(dtype)
 
+    def _memo_cos_sin(self, positions, x: torch.Tensor, work: torch.dtype):
+        """cos/sin for ``positions``, memoised for the last positions tensor seen.
+
+        A layer rotates q and k at the same positions, and a model passes one positions tensor
+        to every layer: the checks and the table lookup (a device sync for the max) then run once
+        per step instead of twice per layer. The memo is keyed on the tensor object and its
+        version counter, so an in-place change of the positions is never missed.
+        """
+        memo = getattr(self, "_memo", None)
+        if (
+            memo is not None
+            and memo[0] is positions
+            and memo[1] == (positions._version, x.device, work, x.shape[0], x.shape[2])
+        ):
+            return memo[2]
+        _check_positions(positions, x)
+        cos_sin = self.cos_sin(positions.to(x.device), work)
+        key = (positions._version, x.device, work, x.shape[0], x.shape[2])
+        self._memo = (positions, key, cos_sin)
+        return cos_sin
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x (B, H, S, D)`` at int ``positions (S,)`` or ``(B, S)``; same shape, dtype."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(
                 f"RoPE expects x (B, H, S, D={self.head_dim}), got shape {tuple(x.shape)}"
             )
-        _check_positions(positions, x)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self.cos_sin(positions.to(x.device), work)
+        cos, sin = self._memo_cos_sin(positions, x, work)
         cos = cos.unsqueeze(-3)  # (S, r/2) -> (1, S, r/2); (B, S, r/2) -> (B, 1, S, r/2)
         sin = sin.unsqueeze(-3)
         r = self.rotary_dim
