@@ -1,0 +1,87 @@
+"""Run a ``selfattn.nn`` model context-parallel: its self-attention goes through the ring.
+
+Everything in a transformer but attention is position-wise, so a model runs on a sequence shard
+unchanged once (1) its inputs are sharded (:func:`shard_sequence`), (2) RoPE rotates each row at
+its GLOBAL position (:func:`position_ids`) and (3) self-attention sees the whole sequence
+(:func:`ring_attention`). :func:`context_parallel` does (2) and (3) in place::
+
+    model = context_parallel(model, group, layout="zigzag")
+    x_local = shard_sequence(x, "zigzag", group)           # (B, S/W, d_model)
+    y = unshard_sequence(model(x_local), "zigzag", group)  # == model(x) on one rank
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from selfattn import scores as _scores
+from selfattn.distributed.ring import ring_attention
+from selfattn.distributed.shard import check_layout, position_ids, world
+from selfattn.nn import MultiHeadAttention
+
+__all__ = ["ContextParallelAttention", "context_parallel"]
+
+
+class ContextParallelAttention(nn.Module):
+    """A :class:`selfattn.nn.MultiHeadAttention` (self-attention) computed by ring attention.
+
+    Shares the wrapped module's parameters. Takes this rank's shard ``x (B, S/W, d_model)`` and
+    returns ``(B, S/W, d_model)``; ``positions`` default to the shard's global positions.
+    """
+
+    def __init__(self, attn: MultiHeadAttention, group=None, layout: str = "zigzag", **ring_kwargs):
+        super().__init__()
+        self.attn, self.group, self.layout = attn, group, check_layout(layout)
+        self.ring_kwargs = ring_kwargs  # method=, backend= for ring_attention
+
+    def forward(
+        self, x, context=None, *, mask=None, score_mod=None, positions=None, cache=None, **kw
+    ):
+        a = self.attn
+        unsupported = {"context": context, "cache": cache, **kw}
+        given = sorted(name for name, val in unsupported.items() if val not in (None, False))
+        if given:
+            raise ValueError(
+                f"context-parallel attention is causal/bidirectional self-attention over a sharded "
+                f"sequence; it does not take {given} (decode with a cache on one rank instead)"
+            )
+        if a.training and a.dropout > 0:
+            raise ValueError(
+                f"ring_attention has no dropout; the wrapped attention has dropout={a.dropout} "
+                "in training mode: set dropout=0 or call .eval()"
+            )
+        B, Sl, _ = x.shape
+        q, k, v = a._project(x, x, x)
+        q = a._heads(q, a.n_heads)  # (B, S/W, Hq·D) -> (B, Hq, S/W, D)
+        k = a._heads(k, a.n_kv_heads)  # (B, S/W, Hkv·D) -> (B, Hkv, S/W, D)
+        v = a._heads(v, a.n_kv_heads)
+        if a.q_norm is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        if a.rope is not None:
+            if positions is None:
+                W, _ = world(self.group)
+                positions = position_ids(Sl * W, self.layout, self.group, device=x.device)
+            q, k = a.rope(q, positions), a.rope(k, positions)
+        mods = [m for m in (a.alibi, score_mod) if m is not None]
+        mod = None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
+        out = ring_attention(
+            q, k, v, group=self.group, mask=mask, score_mod=mod, scale=a.scale,
+            layout=self.layout, **self.ring_kwargs,
+        )  # fmt: skip
+        out = out.transpose(1, 2).reshape(B, Sl, -1)  # (B, Hq, S/W, Dv) -> (B, S/W, Hq·Dv)
+        return a.out_proj(out)
+
+
+def context_parallel(model: nn.Module, group=None, layout: str = "zigzag", **ring_kwargs):
+    """Wrap every self-attention of ``model`` (in place) in :class:`ContextParallelAttention`.
+
+    A block's ``self_attention`` / ``attention`` child is wrapped; cross-attention (whose keys
+    are an encoder output, not the sharded sequence) is left alone. Returns ``model``.
+    """
+    check_layout(layout)
+    for module in list(model.modules()):
+        for name in ("self_attention", "attention"):
+            child = getattr(module, name, None)
+            if isinstance(child, MultiHeadAttention):
+                setattr(module, name, ContextParallelAttention(child, group, layout, **ring_kwargs))
+    return model

@@ -1,0 +1,411 @@
+"""Process groups for tests/test_distributed.py: start W local gloo ranks, run cases, collect.
+
+Starting a process is the cost (importing torch takes seconds on a busy machine), so ranks are
+forked from one forkserver that has imported torch and selfattn once (``set_forkserver_preload``:
+it has run no torch op, so its children start clean), and each group runs a whole list of cases.
+A case returns normally or raises; the worker records the message instead of dying, so one
+failure does not hide the others. A case must finish all its collectives before it asserts, or
+its peers wait on a collective it never reaches (the group timeout then ends the run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_TIMEOUT = datetime.timedelta(seconds=90)
+# What the forkserver imports once for all ranks. Modules only importable from the installed
+# environment: the forkserver does not see the test's sys.path (so not this module). The last
+# three are imported lazily on first use (the backends; torch.broadcast_shapes' symbolic shapes).
+_PRELOAD = [
+    "torch",
+    "selfattn.distributed",
+    "selfattn.testing",
+    "selfattn.backends.chunked",
+    "selfattn.backends.flex",
+    "selfattn.backends.sdpa",
+    "torch.fx.experimental.symbolic_shapes",
+]
+_preloaded = False
+
+
+def _worker(rank: int, W: int, store: str, out_dir: str, cases: list[tuple[str, Callable, dict]]):
+    torch.set_num_threads(1)  # W ranks share the machine's cores
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=W, timeout=_TIMEOUT
+    )
+    results: dict[str, object] = {}
+    try:
+        for name, fn, kwargs in cases:
+            t0 = time.perf_counter()
+            try:
+                status, value = "ok", fn(rank=rank, W=W, **kwargs)
+            except Exception as e:  # recorded, reported by the parent
+                tb = traceback.format_exc(limit=6)
+                status, value = "error", f"rank {rank}: {type(e).__name__}: {e}\n{tb}"
+            results[name] = (status, value, time.perf_counter() - t0)
+            dist.barrier()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_group(W: int, cases: list[tuple[str, Callable, dict]], tmp_dir) -> dict[str, list]:
+    """Run ``cases`` (``(name, fn, kwargs)``; ``fn(rank=, W=, **kwargs)``) on ``W`` gloo ranks.
+
+    Returns ``{name: [(status, value, seconds) per rank]}``; status is ``"ok"`` (value: what
+    ``fn`` returned) or ``"error"`` (value: the message).
+    """
+    global _preloaded
+    if not _preloaded:
+        mp.set_forkserver_preload(_PRELOAD)
+        _preloaded = True
+    tmp_dir = str(tmp_dir)
+    store = os.path.join(tmp_dir, "store")
+    mp.start_processes(
+        _worker, args=(W, store, tmp_dir, cases), nprocs=W, start_method="forkserver"
+    )
+    per_rank = [torch.load(os.path.join(tmp_dir, f"rank{r}.pt")) for r in range(W)]
+    return {name: [res[name] for res in per_rank] for name, _, _ in cases}
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: each builds the full problem on every rank (same seed), runs its shard through the ring
+# and checks the shard of the single-process float64 oracle by the ratio rule.
+# ----------------------------------------------------------------------------------------------
+
+import selfattn as sa  # noqa: E402
+from selfattn import masks, scores  # noqa: E402
+from selfattn.distributed import (  # noqa: E402
+    position_ids,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
+from selfattn.testing import (  # noqa: E402
+    GRAD_FACTOR,
+    assert_close_to_reference,
+    make_qkv,
+    naive_attention,
+    reference_attention,
+)
+
+S_DEFAULT = 48  # divisible by 2W for W = 1, 2, 3, 4
+
+
+def _doc_ids(S: int) -> torch.Tensor:
+    """Documents of 13, 20, ... positions: boundaries fall inside rank shards, not on them."""
+    lengths, out, i = [13, 20, 6, 17, 11], [], 0
+    while len(out) < S:
+        out += [i] * lengths[i % len(lengths)]
+        i += 1
+    return torch.tensor(out[:S])
+
+
+def make_mask(kind: str, S: int, B: int):
+    """Masks by name, built for the whole sequence (global positions)."""
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.sliding_window(5)
+    if kind == "documents":
+        return masks.documents(_doc_ids(S)) & masks.causal()
+    if kind == "padding":
+        return masks.padding(torch.tensor([S - 17, S - 6])[:B])
+    if kind == "padding-empty":  # sequence 0 has no valid key: every row empty (out 0, lse -inf)
+        return masks.padding(torch.tensor([0, S - 6])[:B])
+    if kind == "callable":
+        return lambda b, h, q, kv: (kv <= q) & ((q - kv) % 3 != 1)
+    if kind == "tensor":
+        g = torch.Generator().manual_seed(3)
+        t = (torch.rand(S, S, generator=g) < 0.6) | torch.eye(S, dtype=torch.bool)
+        return masks.from_tensor(t)
+    raise ValueError(kind)
+
+
+def make_mod(kind: str, Hq: int, S: int = S_DEFAULT):
+    if kind == "bias":  # a global (1, Hq, S, S) bias table: rows and columns are positions
+        g = torch.Generator().manual_seed(4)
+        return scores.bias(torch.randn(1, Hq, S, S, generator=g))
+    return {
+        "none": None,
+        "alibi": scores.alibi(Hq),
+        "softcap": scores.softcap(4.0),
+        "alibi+softcap": scores.alibi(Hq) >> scores.softcap(4.0),
+    }[kind]
+
+
+def compare(
+    rank, W, *, layout="zigzag", mask="causal", mod="none", dtype="float32", method="ring",
+    B=2, Hq=4, Hkv=2, S=S_DEFAULT, D=16, Dv=8, seed=0, lse_grad=False, group_ranks=None,
+):  # fmt: skip
+    """Ring vs the single-process oracle: out, lse, dq, dk, dv by the ratio rule.
+
+    ``group_ranks``: run on a new process group of these (global) ranks only; the others skip.
+    Returns the max abs errors of ``out`` and of the gradients (for the error-growth check).
+    """
+    group = None
+    if group_ranks is not None:
+        group = dist.new_group(group_ranks)  # every rank takes part in creating it
+        if rank not in group_ranks:
+            return None
+    dt = getattr(torch, dtype)
+    q, k, v = make_qkv(B, Hq, S, D, Hkv=Hkv, Dv=Dv, dtype=dt, seed=seed)
+    m, s = make_mask(mask, S, B), make_mod(mod, Hq, S)
+    kw = {"mask": m, "score_mod": s, "q_offset": 0}
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(B, Hq, S, Dv, generator=g, dtype=torch.float64)
+    dlse = torch.randn(B, Hq, S, generator=g, dtype=torch.float64) if lse_grad else None
+
+    def shard(t):
+        return shard_sequence(t, layout, group, dim=2)
+
+    ql, kl, vl = (shard(t).detach().requires_grad_(True) for t in (q, k, v))
+    out, lse = ring_attention(
+        ql, kl, vl, group=group, mask=m, score_mod=s, layout=layout, method=method,
+        return_lse=True,
+    )  # fmt: skip
+    loss = (out.double() * shard(dout)).sum()
+    if dlse is not None:
+        loss = loss + (lse.double() * shard(dlse)).sum()
+    loss.backward()
+    grads = [t.grad for t in (ql, kl, vl)]
+
+    # the oracle (float64) and the naive baseline (same formula in the test dtype), full length
+    o64, l64, leaves64 = reference_attention(*(t.requires_grad_(True) for t in (q, k, v)), **kw)
+    on, ln, leavesn = naive_attention(q, k, v, **kw)
+    for o, lse_ in ((o64, l64), (on, ln)):
+        total = (o.double() * dout).sum()
+        if dlse is not None:
+            total = total + (lse_.double() * dlse).sum()
+        total.backward()
+
+    assert_close_to_reference(out, shard(o64), shard(on), dtype=dt, what="out")
+    assert_close_to_reference(lse, shard(l64), shard(ln), dtype=torch.float32, what="lse")
+    errors = {"out": (out.double() - shard(o64)).abs().max().item()}
+    for name, a, o, n in zip(("dq", "dk", "dv"), grads, leaves64, leavesn):
+        assert_close_to_reference(
+            a, shard(o.grad), shard(n.grad), factor=GRAD_FACTOR, dtype=dt, what=name
+        )
+        errors[name] = (a.double() - shard(o.grad)).abs().max().item()
+    return errors
+
+
+def exact_single_rank(rank, W, *, dtype="float32"):
+    """A group of size 1 is selfattn.attention, bit for bit (out, lse, gradients)."""
+    assert W == 1
+    dt = getattr(torch, dtype)
+    q, k, v = make_qkv(2, 4, 23, 16, Hkv=2, Dv=8, dtype=dt, seed=5, requires_grad=True)
+    mask, mod = masks.documents(_doc_ids(23)) & masks.causal(), scores.alibi(4)
+    out, lse = ring_attention(q, k, v, mask=mask, score_mod=mod, return_lse=True)
+    g1 = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+    ref, ref_lse = sa.attention(q, k, v, mask=mask, score_mod=mod, return_lse=True)
+    g2 = torch.autograd.grad(ref.float().sum() + ref_lse.sum(), (q, k, v))
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def skips_masked_blocks(rank, W, *, layout="contiguous"):
+    """Causal contiguous: rank r computes pairs with owners <= r only; the attention calls made
+    are exactly the non-empty (query run, key run) pairs."""
+    import selfattn.distributed.blocks as blocks
+    from selfattn.distributed.shard import segments
+
+    calls = []
+    real = blocks.attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, **kw)
+
+    blocks.attention = spy  # this worker process is thrown away after the group
+    try:
+        q, k, v = make_qkv(1, 2, S_DEFAULT, 8, seed=rank)
+        with torch.no_grad():
+            ring_attention(q, k, v, mask=masks.causal(), layout=layout)
+    finally:
+        blocks.attention = real
+    S = S_DEFAULT
+    mine = segments(S, layout, rank, W)
+    expect = sum(
+        len(blocks.pairs(mine, segments(S, layout, o, W), masks.causal(), 1, 2, "cpu"))
+        for o in range(W)
+    )
+    assert len(calls) == expect, f"{len(calls)} attention calls, {expect} non-empty pairs"
+    if layout == "contiguous":
+        assert expect == rank + 1, f"rank {rank} computed {expect} blocks, causal needs {rank + 1}"
+    return expect
+
+
+def shard_roundtrip(rank, W, *, layout="zigzag"):
+    x = torch.arange(2 * 24 * 3, dtype=torch.float32).view(2, 24, 3)
+    local = shard_sequence(x, layout)
+    assert local.shape == (2, 24 // W, 3)
+    assert torch.equal(unshard_sequence(local, layout), x)
+    pos = position_ids(24, layout)
+    assert torch.equal(local[0, :, 0], x[0, pos, 0])
+
+
+def _expect_error(fn, exc, *needles):
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        missing = [n for n in needles if n not in msg]
+        assert not missing, f"message lacks {missing}: {msg}"
+        return
+    raise AssertionError(f"no {exc.__name__} raised")
+
+
+def bad_input(rank, W):
+    """Clear errors, raised the same way on every rank (so none of them hangs)."""
+    q, k, v = make_qkv(1, 4, 6, 8, Hkv=2, seed=rank)
+    # zigzag on W ranks needs 2W chunks: S = 6W is fine, a local length of 5 is not
+    q5, k5, v5 = make_qkv(1, 4, 5, 8, Hkv=2, seed=rank)
+    _expect_error(lambda: ring_attention(q5, k5, v5), ValueError, f"S={5 * W}", "divisible")
+    # the same call with different shapes on different ranks
+    Hq = 4 if rank == 0 else 2
+    qm, km, vm = make_qkv(1, Hq, 6, 8, Hkv=2, seed=rank)
+    _expect_error(lambda: ring_attention(qm, km, vm), ValueError, "rank 1", "same local shapes")
+    # a mask built from the local shard instead of the whole sequence
+    local_ids = masks.documents(torch.zeros(6, dtype=torch.long))
+    _expect_error(
+        lambda: ring_attention(q, k, v, mask=local_ids), ValueError, "global positions", "0..5"
+    )
+    _expect_error(lambda: ring_attention(q, k[:, :, :3], v[:, :, :3]), ValueError, "Sk=3")
+    slopes = torch.ones(4, requires_grad=True)
+    mod = scores.bias(slopes.view(1, 4, 1, 1))
+    _expect_error(
+        lambda: ring_attention(q, k, v, score_mod=mod), ValueError, "allgather", "require grad"
+    )
+    _expect_error(lambda: unshard_sequence(torch.zeros(1, 2 + rank)), ValueError, "every rank")
+
+
+def model_end_to_end(rank, W, *, layout="zigzag"):
+    """A stack of selfattn.nn decoder blocks with RoPE (and GQA), run on W ranks through
+    context_parallel, gives the single-rank output; parameter gradients summed over ranks give
+    the single-rank ones."""
+    import copy
+
+    from torch import nn as tnn
+
+    from selfattn.distributed import context_parallel
+    from selfattn.nn import MLP, DecoderBlock, MultiHeadAttention, RMSNorm
+    from selfattn.positions import RoPE
+
+    torch.manual_seed(0)
+    d, H, Hkv = 32, 4, 2
+    blocks_ = [
+        DecoderBlock(
+            MultiHeadAttention(d, H, Hkv, rope=RoPE(d // H), bias=False),
+            MLP(d, 2 * d),
+            RMSNorm(d),
+            RMSNorm(d),
+        )
+        for _ in range(2)
+    ]
+    model = tnn.ModuleList(blocks_)
+    S = 12 * W
+    x = torch.randn(2, S, d)
+    ids = masks.documents(torch.arange(S) // 7)
+
+    def run(m, h):
+        for blk in m:
+            h = blk(h, mask=ids)
+        return h
+
+    ref = run(model, x)
+    ref.pow(2).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+
+    cp = context_parallel(copy.deepcopy(model), layout=layout)
+    cp.zero_grad()
+    y_local = run(cp, shard_sequence(x, layout))
+    y_local.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in cp.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+    y = unshard_sequence(y_local.detach(), layout)
+    _assert_close(y, ref.detach(), 1e-5, "output")
+    for (name, _), a, b in zip(cp.named_parameters(), grads, ref_grads):
+        _assert_close(a, b, 1e-4, f"grad of {name}")
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    """``|a - b| <= rtol · max|b|`` (torch.testing.assert_close would import torch.distributed
+    .tensor on first use once a process group exists: seconds per rank)."""
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert err <= rtol * max(scale, 1.0), f"{what}: max error {err:.3e}, max |ref| {scale:.3e}"
+
+
+# Which cases run at which world size (names are the test ids).
+_CORE = {
+    "causal-gqa-zigzag": (compare, {"lse_grad": True}),
+    "causal-contiguous": (compare, {"layout": "contiguous"}),
+    "causal-bf16": (compare, {"dtype": "bfloat16"}),
+    "full-alibi": (compare, {"mask": "none", "mod": "alibi"}),
+    "window-softcap-contiguous": (
+        compare,
+        {"mask": "window", "mod": "softcap", "layout": "contiguous"},
+    ),
+    "documents-zigzag": (compare, {"mask": "documents", "Dv": 24}),
+    "padding-alibi": (compare, {"mask": "padding", "mod": "alibi+softcap", "Hkv": 1}),
+    "allgather-documents": (compare, {"mask": "documents", "method": "allgather"}),
+    "allgather-contiguous-alibi": (
+        compare,
+        {"mod": "alibi", "method": "allgather", "layout": "contiguous"},
+    ),
+}
+_EXTRA = {
+    "padding-empty-rows": (compare, {"mask": "padding-empty"}),
+    "callable-mask": (compare, {"mask": "callable"}),
+    "tensor-bias-documents": (compare, {"mask": "documents", "mod": "bias"}),
+    "tensor-mask-bf16": (compare, {"mask": "tensor", "dtype": "bfloat16", "layout": "contiguous"}),
+    "skips-contiguous": (skips_masked_blocks, {"layout": "contiguous"}),
+    "skips-zigzag": (skips_masked_blocks, {"layout": "zigzag"}),
+    "shard-roundtrip": (shard_roundtrip, {}),
+    "bad-input": (bad_input, {}),
+    "model": (model_end_to_end, {}),
+}
+# Same problem at W = 2 and 4 (S divisible by 8): errors must not grow with the ring.
+_GROWTH = {
+    f"growth-{dt}": (compare, {"dtype": dt, "S": 64, "seed": 7, "layout": "contiguous"})
+    for dt in ("float32", "bfloat16")
+}
+
+_W4 = (
+    "causal-gqa-zigzag",
+    "causal-contiguous",
+    "causal-bf16",
+    "documents-zigzag",
+    "padding-alibi",
+    "allgather-documents",
+)
+WORLDS = {
+    1: {"exact-fp32": (exact_single_rank, {}),
+        "exact-bf16": (exact_single_rank, {"dtype": "bfloat16"}),
+        **{n: _CORE[n] for n in ("causal-gqa-zigzag", "documents-zigzag")}},
+    2: {**_CORE, **_EXTRA, **_GROWTH},
+    3: {**{n: _CORE[n] for n in ("causal-contiguous", "causal-gqa-zigzag", "documents-zigzag",
+                                 "window-softcap-contiguous", "allgather-contiguous-alibi")},
+        "skips-contiguous": _EXTRA["skips-contiguous"],
+        # a group of global ranks 1 and 2: ring peers are translated to global ranks
+        "subgroup-documents": (compare, {"mask": "documents", "group_ranks": [1, 2]}),
+        "subgroup-allgather": (compare, {"method": "allgather", "group_ranks": [1, 2]})},
+    4: {**{n: _CORE[n] for n in _W4},
+        **{n: _EXTRA[n] for n in ("skips-contiguous", "skips-zigzag", "model")}, **_GROWTH},
+}  # fmt: skip
+
+
+def cases_for(W: int) -> list[tuple[str, Callable, dict]]:
+    return [(name, fn, kw) for name, (fn, kw) in WORLDS[W].items()]
