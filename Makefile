@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: venv
-	$(BIN)/selfattn explain
+	$(BIN)/selfattn demo
 
 lint: venv
 	$(BIN)/ruff check .

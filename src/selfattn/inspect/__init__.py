@@ -1,0 +1,25 @@
+"""Seeing attention: capture per-layer, per-head maps, summarise heads, draw heatmaps and masks.
+
+>>> from selfattn.inspect import capture_attention, head_stats_table, plot_attention
+>>> with capture_attention(model, layers=[0]) as maps:              # doctest: +SKIP
+...     model(input_ids)
+>>> plot_attention(maps[0][0], tokens, out="layer0.png")            # doctest: +SKIP
+
+matplotlib is imported only when something is plotted.
+"""
+
+from selfattn.inspect.capture import AttentionMaps, capture_attention
+from selfattn.inspect.mask_expr import MaskSyntaxError, parse_mask
+from selfattn.inspect.plot import plot_attention, plot_mask
+from selfattn.inspect.stats import head_stats, head_stats_table
+
+__all__ = [
+    "AttentionMaps",
+    "MaskSyntaxError",
+    "capture_attention",
+    "head_stats",
+    "head_stats_table",
+    "parse_mask",
+    "plot_attention",
+    "plot_mask",
+]

