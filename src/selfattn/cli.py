@@ -464,10 +464,32 @@ def _capability_matrix() -> dict:
     return {"probe": _PROBE, "backends": names, "features": features}
 
 
+def matrix_markdown(matrix: dict) -> str:
+    """The capability matrix as a Markdown table: ``yes`` / ``no``, auto's pick in bold."""
+    names = matrix["backends"]
+    lines = ["| feature | " + " | ".join(f"`{n}`" for n in names) + " |"]
+    lines.append("|---" * (len(names) + 1) + "|")
+    for f in matrix["features"]:
+        if "skipped" in f:
+            cells = ["not probed (no CUDA device)"] * len(names)
+        else:
+            cells = [
+                ("**yes**" if f.get("auto") == n else "yes")
+                if f["reasons"].get(n) is None
+                else "no"
+                for n in names
+            ]
+        lines.append(f"| {f['feature']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _cmd_matrix(args) -> int:
     matrix = _capability_matrix()
     if args.json:
         _print_json(matrix)
+        return EXIT_OK
+    if args.markdown:
+        print(matrix_markdown(matrix))
         return EXIT_OK
     names = matrix["backends"]
     out = _Printer()
@@ -1281,6 +1303,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of one case, print every backend's verdict on small probe cases that each "
         "ask for one feature (masks, score mods, GQA, dropout, grad, lse, dtypes, device)",
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --matrix: print the matrix as a Markdown table (the README's is this output)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=_cmd_backends, subparser=p)
