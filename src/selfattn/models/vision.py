@@ -12,7 +12,6 @@ cost is linear in the number of patches (see its docstring).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ from torch import nn
 from selfattn import masks
 from selfattn.models.hub import register, unsupported
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
+from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.scores import ScoreMod
 
 __all__ = [
@@ -34,17 +34,6 @@ __all__ = [
     "WindowLayout",
     "window_layout",
 ]
-
-# transformers' activation names -> functions (the ones ViT checkpoints use).
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "tanh": torch.tanh,
-}
 
 
 def _pair(x) -> tuple[int, int]:

@@ -18,6 +18,7 @@ ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+    "tanh": torch.tanh,
 }
 
 
