@@ -34,3 +34,13 @@ def gathered_counts(monkeypatch) -> list[int]:
     monkeypatch.setattr(torch.Tensor, "index_select", spy_method)
     monkeypatch.setattr(torch, "index_select", spy_function)
     return counts
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny-model tests: on a loaded 2-core machine the
+    threads cost more than they save (up to 10x on the model tests)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

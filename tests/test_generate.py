@@ -21,12 +21,7 @@ from test_models_decoder import VOCAB, left_padded, tiny_pair  # noqa: E402
 NEW = 9  # new tokens per run: past the windows of 5, so ring buffers wrap
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

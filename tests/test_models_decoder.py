@@ -24,6 +24,7 @@ from selfattn.models.decoder import (  # noqa: E402
     Llama,
 )
 from selfattn.models.hub import UnsupportedConfigError, from_pretrained  # noqa: E402
+from selfattn.testing import perturb_parameters  # noqa: E402
 
 RTOL = 1e-4  # max |ours - theirs| / max |theirs| over real tokens, fp32 (the issue's bar)
 VOCAB = 128
@@ -49,21 +50,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads cost more than they save on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Move every floating parameter off its init (norms at 1 or 0, biases at 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def tiny_pair(family: str, folder, seed: int = 0, **overrides):
@@ -76,7 +63,7 @@ def tiny_pair(family: str, folder, seed: int = 0, **overrides):
         torch.manual_seed(seed)
         hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
         hf.generation_config.eos_token_id = None  # generate() stops only where a test says
-        _perturb(hf, seed)
+        perturb_parameters(hf, seed)
         transformers.logging.set_verbosity_error()
         hf.save_pretrained(folder, safe_serialization=True)
     return hf, from_pretrained(folder)

@@ -20,27 +20,13 @@ from selfattn.models.hub import (  # noqa: E402
     from_pretrained,
 )
 from selfattn.models.seq2seq import T5, Bart, CrossAttention  # noqa: E402
+from selfattn.testing import perturb_parameters  # noqa: E402
 
 RTOL = 1e-4  # max |ours - theirs| / max |theirs| for fp32 logits (the issue's bar)
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads cost more than they save (10x on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Move every parameter and buffer off its init (norms at 1, biases at 0) so all are tested."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.is_floating_point():
-                t.add_(torch.randn(t.shape, generator=g) * 0.1)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _t5_config(**kw):
@@ -102,7 +88,7 @@ def pair(request, tmp_path_factory):
     cls, make_config = FAMILIES[request.param]
     torch.manual_seed(sum(map(ord, request.param)))
     ref = cls(make_config()).eval()
-    _perturb(ref, seed=len(request.param))
+    perturb_parameters(ref, seed=len(request.param), buffers=True)
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
     return ref, from_pretrained(path), path
@@ -146,7 +132,7 @@ def test_mt5_logits_match_transformers(tmp_path):
     torch.manual_seed(12)
     cfg = transformers.MT5Config(**_t5_config(num_decoder_layers=1).to_dict())
     ref = transformers.MT5ForConditionalGeneration(cfg).eval()
-    _perturb(ref, seed=12)
+    perturb_parameters(ref, seed=12, buffers=True)
     ref.save_pretrained(tmp_path)
     err = _logits_error(ref, from_pretrained(tmp_path))
     assert err <= RTOL, f"mT5: max relative logits error {err:.2e}"
@@ -161,7 +147,7 @@ def test_t5_untied_checkpoint_format(tmp_path):
     ref = transformers.T5ForConditionalGeneration(
         _t5_config(num_decoder_layers=1, tie_word_embeddings=False)
     ).eval()
-    _perturb(ref, seed=13)
+    perturb_parameters(ref, seed=13, buffers=True)
     with torch.no_grad():  # a head of its own, as untied checkpoints have
         ref.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, 32))
     ref.save_pretrained(tmp_path)
@@ -314,7 +300,7 @@ def tiny_t5():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"feed_forward_proj": "gated-tanh"}, r"feed_forward_proj='gated-tanh'.*activation 'tanh'"),
+        ({"feed_forward_proj": "gated-mish"}, r"feed_forward_proj='gated-mish'.*activation 'mish'"),
         ({"is_decoder": True}, r"is_decoder=True"),
         ({"d_kv": 0}, r"config d_kv=0 \(t5\) must be an int >= 1"),
         ({"num_heads": None}, r"config has no 'num_heads'"),

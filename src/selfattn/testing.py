@@ -157,3 +157,15 @@ def check_against_reference(
         o = torch.zeros_like(a, dtype=torch.float64) if o is None else o
         n = torch.zeros_like(o) if n is None else n
         assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, dtype=q.dtype, what=name)
+
+
+def perturb_parameters(
+    model: torch.nn.Module, seed: int, scale: float = 0.1, *, buffers: bool = False
+) -> None:
+    """Move every floating parameter (and with ``buffers``, buffer) of ``model`` off its initial
+    value (norm weights at 1, biases at 0), so that a parity test exercises all of them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*model.parameters(), *(model.buffers() if buffers else ())]:
+            if t.is_floating_point():
+                t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * scale)
