@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from selfattn import scores as _scores
 from selfattn.distributed.ring import ring_attention
 from selfattn.distributed.shard import check_layout, position_ids, world
 from selfattn.nn import MultiHeadAttention
@@ -51,19 +50,11 @@ class ContextParallelAttention(nn.Module):
                 "in training mode: set dropout=0 or call .eval()"
             )
         B, Sl, _ = x.shape
-        q, k, v = a._project(x, x, x)
-        q = a._heads(q, a.n_heads)  # (B, S/W, Hq·D) -> (B, Hq, S/W, D)
-        k = a._heads(k, a.n_kv_heads)  # (B, S/W, Hkv·D) -> (B, Hkv, S/W, D)
-        v = a._heads(v, a.n_kv_heads)
-        if a.q_norm is not None:
-            q, k = a.q_norm(q), a.k_norm(k)
-        if a.rope is not None:
-            if positions is None:
-                W, _ = world(self.group)
-                positions = position_ids(Sl * W, self.layout, self.group, device=x.device)
-            q, k = a.rope(q, positions), a.rope(k, positions)
-        mods = [m for m in (a.alibi, score_mod) if m is not None]
-        mod = None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
+        if a.rope is not None and positions is None:
+            W, _ = world(self.group)
+            positions = position_ids(Sl * W, self.layout, self.group, device=x.device)
+        q, k, v = a.heads_qkv(x, positions=positions)  # rotated at global positions
+        mod = a.score_mod_for(score_mod)
         out = ring_attention(
             q, k, v, group=self.group, mask=mask, score_mod=mod, scale=a.scale,
             layout=self.layout, **self.ring_kwargs,

@@ -251,6 +251,30 @@ class MultiHeadAttention(nn.Module):
         B, S, _ = t.shape
         return t.view(B, S, H, -1).transpose(1, 2)  # (B, S, H·D) -> (B, H, S, D)
 
+    def heads_qkv(self, x, context=None, *, value=None, positions=None):
+        """The per-head ``q (B, Hq, Sq, D)``, ``k``, ``v (B, Hkv, Sk, ·)`` this layer attends
+        with: projected, qk-normed and (self-attention only) rotated at ``positions`` (default
+        ``arange(Sq)``). Wrappers that attend differently (ring attention) start from here."""
+        cross = context is not None
+        key = context if cross else x
+        value = key if value is None else value
+        q, k, v = self._project(x, key, value)
+        q = self._heads(q, self.n_heads)  # (B, Sq, Hq·D) -> (B, Hq, Sq, D)
+        k = self._heads(k, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
+        v = self._heads(v, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None and not cross:
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+        return q, k, v
+
+    def score_mod_for(self, score_mod=None):
+        """The layer's own score mod (ALiBi) composed with a call's ``score_mod``, or None."""
+        mods = [m for m in (self.alibi, score_mod) if m is not None]
+        return None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -299,21 +323,11 @@ class MultiHeadAttention(nn.Module):
                 "cache is for self-attention; cross-attention recomputes K/V from context "
                 "(pass cache=None)"
             )
-        key = context if cross else x
-        value = key if value is None else value
         B, Sq, _ = x.shape
-        q, k, v = self._project(x, key, value)
-        q = self._heads(q, self.n_heads)  # (B, Sq, Hq·D) -> (B, Hq, Sq, D)
-        k = self._heads(k, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
-        v = self._heads(v, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None and not cross:
-            if positions is None:
-                positions = _next_positions(cache, B, Sq, x.device)
-            q, k = self.rope(q, positions), self.rope(k, positions)
-        mods = [m for m in (self.alibi, score_mod) if m is not None]
-        mod = None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
+        if self.rope is not None and not cross and positions is None:
+            positions = _next_positions(cache, B, Sq, x.device)
+        q, k, v = self.heads_qkv(x, context, value=value, positions=positions)
+        mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
         attend = getattr(cache, "attend", None)
         w = None
