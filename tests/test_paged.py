@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from selfattn import attention, masks, scores
-from selfattn.cache.decode import paged_attention
+from selfattn.cache import _decode_kernels
+from selfattn.cache.decode import KERNEL_MAX_SQ, paged_attention
 from selfattn.cache.pool import BlockPool
+from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
 
 
@@ -64,9 +67,33 @@ def check(q, k_pages, v_pages, table, lens, **kw):
     return out, lse
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """Run a test on both implementations: the C kernel and the PyTorch path (env switch)."""
+    if request.param == "torch":
+        monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
+    elif _decode_kernels.library() is None:
+        pytest.skip("no C compiler here: the decode kernel cannot be built")
+    return request.param
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[int]:
+    """Spy on the C kernel: the list fills with the number of key splits of each call."""
+    calls: list[int] = []
+    real = _decode_kernels.decode
+
+    def spy(q, k_pages, v_pages, table, lo, hi, *rest):
+        calls.append(_decode_kernels.key_splits(lo, hi, k_pages.shape[1])[0])
+        return real(q, k_pages, v_pages, table, lo, hi, *rest)
+
+    monkeypatch.setattr(_decode_kernels, "decode", spy)
+    return calls
+
+
 @pytest.mark.parametrize("P", [1, 16, 128])
 @pytest.mark.parametrize("Sq", [1, 5])
-def test_page_sizes_ragged_causal(P, Sq):
+def test_page_sizes_ragged_causal(P, Sq, path):
     lens = [Sq, 37, 300, 129][: 4 if P < 128 else 3]
     q, kp, vp, table, sl = make_paged(lens, Hq=4, Hkv=2, D=24, P=P, Sq=Sq, seed=P + Sq)
     check(q, kp, vp, table, sl, mask=masks.causal())
@@ -74,7 +101,7 @@ def test_page_sizes_ragged_causal(P, Sq):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 2), (8, 1), (16, 2)])
-def test_dtypes_and_gqa(dtype, Hq, Hkv):
+def test_dtypes_and_gqa(dtype, Hq, Hkv, path):
     q, kp, vp, table, sl = make_paged([45, 17, 96], Hq, Hkv, D=16, P=16, Sq=1, dtype=dtype, Dv=12)
     check(q, kp, vp, table, sl)
 
@@ -135,7 +162,7 @@ def test_sq_zero_and_empty_batch():
 
 
 @pytest.mark.parametrize("mask", [None, masks.sliding_window(5)])
-def test_nan_in_unused_slots_and_pages(mask):
+def test_nan_in_unused_slots_and_pages(mask, path):
     lens = [13, 6, 33]
     q, kp, vp, table, sl = make_paged(lens, 4, 2, D=8, P=8, Sq=2, spare=4)
     clean = paged_attention(q, kp, vp, table, sl, mask=mask)
@@ -361,6 +388,7 @@ def test_gradients_flow_to_q_and_pages():
 
 @pytest.mark.parametrize("Sq", [1, 4])
 def test_sliding_window_reads_only_window_pages(monkeypatch, gathered_counts, Sq):
+    monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")  # the PyTorch path's gathers are counted
     lens = [1000, 333, Sq]
     q, kp, vp, table, sl = make_paged(lens, 4, 2, D=8, P=8, Sq=Sq, seed=Sq)
     calls = gathered_counts
@@ -368,3 +396,142 @@ def test_sliding_window_reads_only_window_pages(monkeypatch, gathered_counts, Sq
     check(q, kp, vp, table, sl, mask=masks.sliding_window(10))
     # window 10 + Sq - 1 keys span at most 3 pages of 8 per sequence: one gather each of K, V
     assert len(calls) == 2 and max(calls) <= 3 * 3, calls
+
+
+# -- the C kernel (decode, short query chunks) ---------------------------------------------------
+
+
+needs_kernel = pytest.mark.skipif(
+    _decode_kernels.library() is None, reason="no C compiler here: the kernel cannot be built"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("Sq", [1, 3, KERNEL_MAX_SQ])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.sliding_window(7),
+        masks.chunked(6),
+        masks.chunked(6, causal=False),
+        masks.causal() & masks.sliding_window(20),
+        masks.sliding_window(9) & masks.chunked(16),
+    ],
+    ids=repr,
+)
+def test_kernel_interval_masks(Sq, mask, kernel_calls):
+    """Masks that are one key interval per row run in the kernel, exact vs the oracle."""
+    lens = [61, Sq, 100]  # D = 20, Dv = 36: vector widths of 8 plus scalar tails
+    q, kp, vp, table, sl = make_paged(lens, 6, 3, D=20, P=8, Sq=Sq, Dv=36, seed=Sq)
+    check(q, kp, vp, table, sl, mask=mask)
+    assert len(kernel_calls) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("mask", [None, masks.sliding_window(30)])
+def test_kernel_key_splits_merge(threads, mask, kernel_calls):
+    """One long sequence is split over the keys for the threads; the splits merge exactly (a
+    window leaves most splits without any allowed key: m = -inf, l = 0 must merge as nothing)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kp, vp, table, sl = make_paged([997], 8, 2, D=16, P=4, Sq=2, seed=threads)
+        check(q, kp, vp, table, sl, mask=mask)
+    finally:
+        torch.set_num_threads(before)
+    assert len(kernel_calls) == 1 and kernel_calls[0] > 1, kernel_calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_quantised_pages(storage, dtype, kernel_calls):
+    """int8 (per token, head) / fp8 (per head) pages dequantised in the kernel, vs the oracle on
+    the dequantised values."""
+    lens = [70, 9, 33]
+    q, kp, vp, table, sl = make_paged(lens, 4, 2, D=24, P=8, Sq=2, seed=5)
+    quant = quantize_int8 if storage == "int8" else quantize_fp8
+    (kq, ks), (vq, vs) = quant(kp), quant(vp)
+    q = q.to(dtype)
+    out = paged_attention(q, kq, vq, table, sl, k_scales=ks, v_scales=vs, mask=masks.causal())
+    assert len(kernel_calls) == 1 and out.dtype == dtype
+    k64, v64 = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)
+    for b, n in enumerate(lens):
+        kb, vb = contiguous(k64, table, b, n), contiguous(v64, table, b, n)
+        qb = q[b : b + 1].double()
+        o64, _, _ = reference_attention(qb, kb, vb, mask=masks.causal())
+        naive, _, _ = naive_attention(q[b : b + 1], kb.to(dtype), vb.to(dtype), mask=masks.causal())
+        assert_close_to_reference(out[b : b + 1], o64, naive, dtype=dtype, what=f"out[{b}]")
+
+
+@needs_kernel
+def test_kernel_reads_strided_pages_in_place(kernel_calls):
+    """K and V as views of one fused ``(N, P, Hkv, D + Dv)`` pool: read through their strides."""
+    lens = [40, 17]
+    q, kp, vp, table, sl = make_paged(lens, 4, 2, D=16, P=8, Sq=1, Dv=8, seed=3)
+    fused = torch.cat([kp, vp], dim=-1)  # (N, P, Hkv, D + Dv)
+    k_view, v_view = fused[..., :16], fused[..., 16:]
+    assert not k_view.is_contiguous()
+    check(q, k_view, v_view, table, sl)
+    assert len(kernel_calls) == 1
+
+
+@needs_kernel
+def test_kernel_rule(monkeypatch, kernel_calls):
+    """Which calls the kernel takes (decode.py's _kernel_bounds); every one stays exact."""
+    lens = [23, 18]
+
+    def ran(Sq=1, dtype=torch.float32, grad=False, **kw):
+        q, kp, vp, table, sl = make_paged(lens, 4, 2, D=8, P=4, Sq=Sq, dtype=dtype)
+        if kw.pop("strided_d", False):  # last dim not contiguous: the kernel needs unit stride
+            kp = kp.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+        kernel_calls.clear()
+        check(q.requires_grad_(grad), kp, vp, table, sl, **kw)
+        return len(kernel_calls) == 1
+
+    assert ran() and ran(Sq=KERNEL_MAX_SQ, dtype=torch.bfloat16, mask=masks.causal())
+    assert not ran(Sq=KERNEL_MAX_SQ + 1, mask=masks.causal())  # prefill chunk: batched GEMMs
+    assert not ran(dtype=torch.float64)
+    assert not ran(score_mod=scores.softcap(5.0))
+    assert not ran(mask=masks.causal() | masks.sliding_window(3))
+    assert not ran(mask=lambda b, h, qi, kv: kv <= qi)
+    assert not ran(grad=True)
+    with torch.no_grad():
+        assert ran(grad=True)
+    assert not ran(strided_d=True)
+    monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
+    assert not ran()
+
+
+def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
+    """No compiler, or one that fails: no library (paged_attention then runs PyTorch)."""
+    monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_decode_kernels, "_compiler", lambda: None)
+    assert _decode_kernels._build() is None
+    monkeypatch.setattr(_decode_kernels, "_compiler", lambda: "false")  # exits 1, builds nothing
+    assert _decode_kernels._build() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_kernel
+def test_kernel_build_is_cached_per_machine(monkeypatch, tmp_path):
+    """The first build leaves one library in the cache dir; the next load compiles nothing."""
+    monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
+    assert _decode_kernels._build() is not None
+    (built,) = tmp_path.iterdir()
+    stamp = built.stat().st_mtime_ns
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    assert _decode_kernels._build() is not None
+    assert list(tmp_path.iterdir()) == [built] and built.stat().st_mtime_ns == stamp
+
+
+@needs_kernel
+def test_kernel_pages_shared_by_sequences(kernel_calls):
+    """Prefix sharing: sequences whose tables list the same pages each read them (fork, CoW)."""
+    lens = [45, 38, 21]
+    q, kp, vp, table, sl = make_paged(lens, 4, 2, D=16, P=8, Sq=1, seed=11)
+    table[1, :4] = table[0, :4]  # sequence 1 shares sequence 0's first 32 tokens
+    table[2, :2] = table[0, :2]
+    check(q, kp, vp, table, sl)
+    assert len(kernel_calls) == 1

@@ -239,6 +239,7 @@ def test_garbage_in_unused_slots_and_scales_never_reaches_output():
 def test_dequantises_a_group_at_a_time(monkeypatch, gathered_counts):
     import selfattn.cache.decode as decode
 
+    monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")  # counts the PyTorch path's gathers
     monkeypatch.setattr(decode, "GROUP_KEYS", 32)
     q, kp, vp, table, sl = make_pool([200, 70], 4, 2, D=8, P=8, Sq=1, seed=2)
     (kq, ks), (vq, vs) = quantize_int8(kp), quantize_int8(vp)

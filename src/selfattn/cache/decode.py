@@ -13,12 +13,25 @@ row ``i`` sits at absolute position ``seq_lens[b] - Sq + i``. Masks and score mo
 absolute positions, per sequence, so ``masks.causal()`` gives chunked prefill and ``Sq = 1``
 needs no mask at all (``mask=None`` means "every valid key", nothing more).
 
-The key axis is walked a bounded group of logical pages at a time, for the whole batch at once:
-one ``index_select`` over the page dimension gathers ``(B, group, P, Hkv, D)``, never a dense
-copy of the whole cache. Each group's partial softmax is merged into a running float32 (float64
-for fp64 inputs) max / sum / output, FlashAttention's online softmax; a group where a row has
-no allowed key (a sliding window that excludes whole pages, a short sequence in a ragged batch)
-contributes nothing and never produces NaN.
+Two implementations, one result (both FlashAttention's online softmax, merged in float32):
+
+- The C kernel (:mod:`selfattn.cache._decode_kernels`) reads every page in place, once: per
+  ``(sequence, key split)`` it walks the sequence's pages in table order, scoring, softmax-
+  updating and V-summing each page before the next. It runs where :func:`_kernel_bounds` says:
+  CPU; fp32/bf16/fp16 queries over pages of the same dtype or int8/fp8; ``Sq <= KERNEL_MAX_SQ``
+  (decode, speculative decode); no ``score_mod``; ``mask`` None or one key interval per query
+  row (``causal``, ``sliding_window``, ``chunked`` and their ``&``); no autograd; and a C
+  compiler to build it with (1-4 s, once per machine; ``SELFATTN_DECODE_KERNEL=0``
+  turns it off). Decode is memory-bound, and every plain-PyTorch formulation over a permuted
+  page pool either copies the pages first (below) or pays a tiny per-page matmul call.
+- The PyTorch path (everything else: gradients, score mods, arbitrary masks, fp64, long query
+  chunks where batched GEMMs win) walks the key axis a bounded group of logical pages at a
+  time, for the whole batch at once: one ``index_select`` over the page dimension gathers
+  ``(B, group, P, Hkv, D)``, never a dense copy of the whole cache, and each group's partial
+  softmax is merged into a running float32 (float64 for fp64 inputs) max / sum / output.
+
+Either way a group or page where a row has no allowed key (a sliding window that excludes whole
+pages, a short sequence in a ragged batch) contributes nothing and never produces NaN.
 """
 
 from __future__ import annotations
@@ -28,11 +41,23 @@ import math
 import torch
 
 from selfattn.backends._common import accumulation_dtype
+from selfattn.cache import _decode_kernels
 from selfattn.cache.quant import QUANT_DTYPES
-from selfattn.masks import And, CallableMask, Mask, Not, TensorMask, TileGrid, as_mask
+from selfattn.masks import (
+    And,
+    CallableMask,
+    Causal,
+    Chunked,
+    Mask,
+    Not,
+    SlidingWindow,
+    TensorMask,
+    TileGrid,
+    as_mask,
+)
 from selfattn.scores import as_score_mod
 
-__all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "paged_attention"]
+__all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "KERNEL_MAX_SQ", "paged_attention"]
 
 # Keys (logical pages × P) gathered per step, at most: bounds the score buffer per query row.
 GROUP_KEYS = 1024
@@ -40,6 +65,10 @@ GROUP_KEYS = 1024
 # fewer keys per step so that the gathered copy stays ~8 MiB in fp32, never the whole cache
 # (measured best on a 2-core EPYC for B=32 decode: 4 and 16 MiB were slower).
 GATHER_ELEMENTS = 1 << 21
+# Longest query chunk the C kernel takes. Measured (B=8, 2,048 keys, Hq=32, D=128, causal, one
+# thread, CPU time): the kernel costs 0.34x the PyTorch path at Sq=4, 0.56x at 16 and breaks even
+# at 64, where the batched GEMMs of the PyTorch path catch up with its per-row loops.
+KERNEL_MAX_SQ = 16
 
 
 def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
@@ -189,6 +218,73 @@ def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
     return first, last
 
 
+def _key_intervals(mask, lens: torch.Tensor, Sq: int):
+    """Per query row, the allowed keys as one interval ``[lo, hi)``, or None if the mask is not one.
+
+    ``lo, hi (B, Sq)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: no allowed key). Exact
+    for no mask, ``causal``, ``sliding_window``, ``chunked`` and their ``&`` (an intersection of
+    intervals is an interval); any other mask is evaluated elementwise on the PyTorch path.
+    """
+    pos = lens.view(-1, 1) - Sq + torch.arange(Sq, device=lens.device)  # (B, Sq) absolute
+    lo, hi = torch.zeros_like(pos), lens.view(-1, 1).expand_as(pos).clone()
+    for m in _interval_terms(mask):
+        if m is None:
+            return None
+        if type(m) is Causal:
+            m_lo, m_hi = torch.zeros_like(pos), pos + 1
+        elif type(m) is SlidingWindow:
+            m_lo, m_hi = pos - m.size + 1, pos + 1
+        else:  # Chunked: the query's own chunk, up to itself when causal
+            m_lo = torch.div(pos, m.size, rounding_mode="floor") * m.size
+            m_hi = pos + 1 if m.causal else m_lo + m.size
+        lo, hi = torch.maximum(lo, m_lo), torch.minimum(hi, m_hi)
+    return lo.clamp(min=0), torch.maximum(hi, lo.clamp(min=0))
+
+
+def _interval_terms(mask) -> list:
+    """The factors of ``mask`` as a list of interval masks, with None for any other factor."""
+    if mask is None:
+        return []
+    if type(mask) is And:  # not Or, which subclasses And
+        return _interval_terms(mask.a) + _interval_terms(mask.b)
+    return [mask if type(mask) in (Causal, SlidingWindow, Chunked) else None]
+
+
+def _kernel_bounds(q, k_pages, v_pages, seq_lens, mask, score_mod):
+    """``(lo, hi)`` key intervals when the C kernel runs this call, else None (PyTorch path).
+
+    The kernel runs for: CPU tensors; fp32/bf16/fp16 queries with matching or int8/fp8 pages
+    whose last dim is contiguous; ``Sq <= KERNEL_MAX_SQ`` (decode, speculative decode; longer
+    query chunks are matmul work, where the PyTorch path's batched GEMMs catch up); no
+    ``score_mod``; a mask that is one key interval per row
+    (:func:`_key_intervals`); nothing that autograd must differentiate (no backward); and a
+    built kernel (:func:`selfattn.cache._decode_kernels.library`).
+    """
+    B, _, Sq, D = q.shape
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if score_mod is not None or not (0 < Sq <= KERNEL_MAX_SQ) or B == 0 or D == 0:
+        return None
+    if v_pages.shape[3] == 0 or k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
+        return None
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages))
+    if grad or not all(_decode_kernels.supports(p.dtype) for p in (k_pages, v_pages)):
+        return None
+    return _key_intervals(mask, seq_lens.to(torch.long), Sq)
+
+
+def _kernel_attention(q, k_pages, v_pages, block_table, bounds, scale, k_scales, v_scales, lse):
+    """The C kernel's result in ``q.dtype`` (float32 lse), as the PyTorch path returns it."""
+    table = block_table.to(torch.int32).contiguous()
+    k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
+    lo, hi = (t.contiguous() for t in bounds)
+    out, lse_t = _decode_kernels.decode(
+        q.contiguous(), k_pages, v_pages, table, lo, hi, scale, k_scales, v_scales
+    )
+    out = out.to(q.dtype)  # (B, Hq, Sq, Dv)
+    return (out, lse_t) if lse else out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -227,9 +323,13 @@ def paged_attention(
     NaN/Inf in unused page slots or pages cannot reach the output.
 
     Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with float32
-    ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; each gathered group
-    is dequantised (times its scales) in the accumulation dtype, never the whole cache. Scales
-    are required for quantised pages and rejected for float pages.
+    ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; the C kernel
+    dequantises a key row at a time, the PyTorch path each gathered group (times its scales, in
+    the accumulation dtype), never the whole cache. Scales are required for quantised pages and
+    rejected for float pages.
+
+    Which implementation runs (the C kernel for decode-like calls, else PyTorch) is described in
+    the module docstring; both give the same result within float32 rounding.
     """
     _check(q, k_pages, v_pages, block_table, seq_lens)
     k_scales = _check_scales("k_scales", k_pages, k_scales)
@@ -244,6 +344,11 @@ def paged_attention(
         raise TypeError(f"scale must be a finite number, got {scale!r}")
     mask_obj = None if mask is None else as_mask(mask)
     mod_obj = None if score_mod is None else as_score_mod(score_mod)
+    bounds = _kernel_bounds(q, k_pages, v_pages, seq_lens, mask_obj, mod_obj)
+    if bounds is not None:
+        return _kernel_attention(
+            q, k_pages, v_pages, block_table, bounds, scale, k_scales, v_scales, return_lse
+        )
     cd = accumulation_dtype(q.dtype)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     device = q.device
