@@ -120,3 +120,27 @@ def test_quantised_pages_dequantised_in_kernel(kernel, storage):
     out, _ = kernel.paged_attention_triton(q, kq, vq, table, lo, hi, 0.25, ks, vs, num_splits=2)
     ref, _ = kernel.paged_attention_twin(q.double(), kq, vq, table, lo, hi, 0.25, ks, vs)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("Sq", [1, 4])
+@pytest.mark.parametrize("mask_name", ["none", "causal", "window"])
+def test_paged_attention_dispatches_to_the_kernel(kernel, monkeypatch, Sq, mask_name):
+    """``paged_attention`` sends CUDA calls to the Triton kernel; SELFATTN_PAGED_TRITON=1 does
+    the same on CPU (interpreted), so the dispatch and the interval masks are checked here."""
+    from selfattn import masks
+    from selfattn.cache import decode, paged_attention
+
+    mask = {"none": None, "causal": masks.causal(), "window": masks.sliding_window(6)}[mask_name]
+    q, kp, vp, table, _, _ = _case(8, 3, 4, 2, Sq, 16, 16, 5, [23, 9, 14], torch.float32)
+    lens = torch.tensor([23, 9, 14])
+    monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
+    ref, ref_lse = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)
+    monkeypatch.setenv("SELFATTN_PAGED_TRITON", "1")
+    calls = []
+    real = kernel.paged_attention_triton
+    monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
+    assert decode._triton_bounds(q, kp, vp, lens, mask, None) is not None
+    out, lse = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)
+    assert calls, "the Triton kernel did not run"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)

@@ -24,6 +24,9 @@ Two implementations, one result (both FlashAttention's online softmax, merged in
   compiler to build it with (1-4 s, once per machine; ``SELFATTN_DECODE_KERNEL=0``
   turns it off). Decode is memory-bound, and every plain-PyTorch formulation over a permuted
   page pool either copies the pages first (below) or pays a tiny per-page matmul call.
+- On CUDA the same calls (any ``Sq``) go to a Triton kernel,
+  :mod:`selfattn.backends.triton.paged`: key splits over the pages (flash-decoding), the query
+  heads of a kv head in one tile, int8/fp8 dequantised in registers, an fp32 lse merge.
 - The PyTorch path (everything else: gradients, score mods, arbitrary masks, fp64, long query
   chunks where batched GEMMs win) walks the key axis a bounded group of logical pages at a
   time, for the whole batch at once: one ``index_select`` over the page dimension gathers
@@ -37,9 +40,11 @@ pages, a short sequence in a ragged batch) contributes nothing and never produce
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from selfattn.backends import triton as _triton
 from selfattn.backends._common import accumulation_dtype
 from selfattn.cache import _decode_kernels
 from selfattn.cache.quant import QUANT_DTYPES
@@ -273,6 +278,29 @@ def _kernel_bounds(q, k_pages, v_pages, seq_lens, mask, score_mod):
     return _key_intervals(mask, seq_lens.to(torch.long), Sq)
 
 
+def _triton_bounds(q, k_pages, v_pages, seq_lens, mask, score_mod):
+    """``(lo, hi)`` key intervals when the Triton kernel runs this call, else None.
+
+    It runs for CUDA tensors (``SELFATTN_PAGED_TRITON=1`` also sends CPU tensors to it, which
+    only works under ``TRITON_INTERPRET=1``: how the test suite checks the dispatch) with
+    fp32/bf16/fp16 queries over pages of that dtype or int8/fp8, no ``score_mod``, a mask that
+    is one key interval per row, no autograd, contiguous last dims, and Triton installed.
+    """
+    if q.device.type != "cuda" and os.environ.get("SELFATTN_PAGED_TRITON") != "1":
+        return None
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or score_mod is not None:
+        return None
+    if k_pages.dtype not in (q.dtype, *QUANT_DTYPES) or v_pages.dtype != k_pages.dtype:
+        return None
+    if any(t.stride(-1) != 1 for t in (q, k_pages, v_pages)) or q.shape[2] == 0:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+        return None
+    if not _triton.available():
+        return None
+    return _key_intervals(mask, seq_lens.to(torch.long), q.shape[2])
+
+
 def _kernel_attention(q, k_pages, v_pages, block_table, bounds, scale, k_scales, v_scales, lse):
     """The C kernel's result in ``q.dtype`` (float32 lse), as the PyTorch path returns it."""
     table = block_table.to(torch.int32).contiguous()
@@ -344,6 +372,14 @@ def paged_attention(
         raise TypeError(f"scale must be a finite number, got {scale!r}")
     mask_obj = None if mask is None else as_mask(mask)
     mod_obj = None if score_mod is None else as_score_mod(score_mod)
+    bounds = _triton_bounds(q, k_pages, v_pages, seq_lens, mask_obj, mod_obj)
+    if bounds is not None:  # CUDA: one Triton kernel reads the pages in place
+        from selfattn.backends.triton.paged import paged_attention_triton
+
+        out, lse = paged_attention_triton(
+            q, k_pages, v_pages, block_table, *bounds, scale, k_scales, v_scales
+        )
+        return (out, lse) if return_lse else out
     bounds = _kernel_bounds(q, k_pages, v_pages, seq_lens, mask_obj, mod_obj)
     if bounds is not None:
         return _kernel_attention(
