@@ -508,3 +508,15 @@ def test_rope_memo_sees_in_place_position_changes():
     moved = rope(x, pos)
     torch.testing.assert_close(moved, rope(x, torch.arange(5, 8)))
     assert not torch.allclose(moved, first)
+
+
+def test_rope_under_inference_mode():
+    """Inference tensors have no version counter; RoPE must still work (and not memoise)."""
+    rope = P.RoPE(8)
+    x = torch.randn(1, 2, 3, 8)
+    want = rope(x, torch.arange(3))
+    with torch.inference_mode():
+        pos = torch.arange(3)
+        assert torch.equal(rope(x, pos), want)
+        pos += 1
+        torch.testing.assert_close(rope(x, pos), rope(x, torch.arange(1, 4)))

@@ -138,18 +138,28 @@ def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.
     return state
 
 
-def load_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+def load_state(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    sources: Mapping[str, str] | None = None,
+) -> None:
     """Copy ``state`` into ``model``'s parameters and buffers, all or nothing.
 
     Raises :class:`CheckpointError` naming every missing, unexpected and mis-shaped
-    tensor (with both shapes) before anything is copied.
+    tensor (with both shapes) before anything is copied. ``sources`` maps a converted name to
+    the checkpoint's own name, so errors name the tensor as the file spells it too.
     Non-persistent buffers are not expected in ``state``.
     """
+    sources = sources or {}
+
+    def named(k: str) -> str:
+        return f"{k} (checkpoint {sources[k]!r})" if k in sources else k
+
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        f"{named(k)}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
         for k in sorted(set(own) & set(state))
         if tuple(state[k].shape) != tuple(own[k].shape)
     ]
@@ -157,7 +167,7 @@ def load_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     if missing:
         problems.append(f"missing tensor(s) {missing}")
     if unexpected:
-        problems.append(f"unexpected tensor(s) {unexpected}")
+        problems.append(f"unexpected tensor(s) {[named(k) for k in unexpected]}")
     if shapes:
         problems.append("mis-shaped tensor(s): " + "; ".join(shapes))
     if problems:
@@ -174,7 +184,8 @@ def from_pretrained(path, dtype: torch.dtype | None = None) -> nn.Module:
 
     Args:
         path: folder with ``config.json`` and ``*.safetensors`` (sharded index included).
-        dtype: cast floating weights to this dtype (default: as stored, else float32).
+        dtype: cast floating weights and the model to this dtype (default: float32, the
+            dtype the model classes build their parameters in; checkpoint values are cast).
 
     Returns:
         The model in eval mode. A causal LM is called as ``model(input_ids (B, S),
@@ -191,7 +202,10 @@ def from_pretrained(path, dtype: torch.dtype | None = None) -> nn.Module:
     cls = families[model_type]
     model = cls.from_config(config)
     state = read_safetensors(path, dtype=dtype)
-    load_state(model, model.convert_hf_state_dict(state))
+    names = {id(t): k for k, t in state.items()}  # tensors a conversion only renames keep their id
+    converted = model.convert_hf_state_dict(state)
+    sources = {k: names[id(t)] for k, t in converted.items() if names.get(id(t), k) != k}
+    load_state(model, converted, sources)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

@@ -431,17 +431,16 @@ class RoPE(nn.Module):
         per step instead of twice per layer. The memo is keyed on the tensor object and its
         version counter, so an in-place change of the positions is never missed.
         """
+        # Inference-mode tensors have no version counter: they are never memoised.
+        tensor = isinstance(positions, torch.Tensor)
+        version = positions._version if tensor and not positions.is_inference() else None
+        key = (version, x.device, work, x.shape[0], x.shape[2])
         memo = getattr(self, "_memo", None)
-        if (
-            memo is not None
-            and memo[0] is positions
-            and memo[1] == (positions._version, x.device, work, x.shape[0], x.shape[2])
-        ):
+        if version is not None and memo is not None and memo[0] is positions and memo[1] == key:
             return memo[2]
         _check_positions(positions, x)
         cos_sin = self.cos_sin(positions.to(x.device), work)
-        key = (positions._version, x.device, work, x.shape[0], x.shape[2])
-        self._memo = (positions, key, cos_sin)
+        self._memo = (positions, key, cos_sin) if version is not None else None
         return cos_sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

