@@ -1,7 +1,7 @@
 """Quantised KV storage: int8 / fp8 round trips and paged_attention over quantised pages.
 
-No real-model activations here: the package with MiniLM K/V is not installed, so the error
-comparison against a bf16 cache uses random K/V with outlier channels and outlier tokens.
+The error comparison against a bf16 cache here uses random K/V with outlier channels and
+outlier tokens; tests/test_quant_real.py measures it on real all-MiniLM-L6-v2 K/V.
 """
 
 from __future__ import annotations

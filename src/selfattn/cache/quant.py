@@ -11,8 +11,9 @@ fp8        ``float8_e4m3fn``     ``(Hkv,)``          ``q[n, p, h, :] * scales[h]
 =========  ====================  ==================  ==========================================
 
 Tokens are quantised once, when written (:func:`write_quantized`), and dequantised by
-:func:`selfattn.cache.decode.paged_attention` one gathered group of pages at a time, in its
-accumulation dtype: the whole cache is never dequantised.
+:func:`selfattn.cache.decode.paged_attention` where they are read: the CPU C kernel a few key
+rows at a time, the Triton kernel a tile at a time in registers, the PyTorch path one gathered
+group of pages at a time. The whole cache is never dequantised.
 
 Error bound (per element, ``amax`` = max |x| over the token's head for int8, over every token of
 the head for fp8): int8 rounds to the nearest multiple of ``amax / 127``, so
@@ -129,7 +130,8 @@ def dequantize(
 ) -> torch.Tensor:
     """Values of ``q (..., Hkv, D)`` in ``dtype``: int8 takes ``scales (..., Hkv)``, fp8 ``(Hkv,)``.
 
-    Meant for tests and inspection; ``paged_attention`` dequantises a page group at a time.
+    Meant for tests and inspection; ``paged_attention`` dequantises as it reads (a few rows, a
+    tile or a page group at a time).
     """
     if q.dtype == torch.int8:
         _check_scales_tensor(scales, tuple(q.shape[:-1]), "scales")

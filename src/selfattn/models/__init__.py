@@ -5,8 +5,9 @@ the config's ``model_type`` (see :mod:`selfattn.models.hub`); ``generate`` runs 
 encoder-decoder through one of the library's KV caches.
 """
 
-from selfattn.models.hub import from_pretrained
+from selfattn.models.hub import CheckpointError, UnsupportedConfigError, from_pretrained
 
+from selfattn.models.encoder import BertConfig, BertModel, SentenceEncoder  # isort: skip
 from selfattn.models.decoder import GPT2, CausalLM, DecoderConfig, LayerCaches, Llama  # isort: skip
 from selfattn.models.generate import generate, next_token  # isort: skip
 from selfattn.models.graph import GATLayer  # isort: skip
@@ -17,12 +18,17 @@ __all__ = [
     "GPT2",
     "T5",
     "Bart",
+    "BertConfig",
+    "BertModel",
     "CausalLM",
+    "CheckpointError",
     "DecoderConfig",
     "GATLayer",
     "LayerCaches",
     "Llama",
+    "SentenceEncoder",
     "SwinBlock",
+    "UnsupportedConfigError",
     "ViT",
     "ViTConfig",
     "from_pretrained",

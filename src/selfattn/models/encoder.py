@@ -14,7 +14,6 @@ when the folder lists a Normalize module.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +25,10 @@ from torch import nn
 from selfattn import masks
 from selfattn.models.hub import CheckpointError, UnsupportedConfigError, register, unsupported
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
+from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import LearnedPositions
 
 __all__ = ["BertConfig", "BertModel", "SentenceEncoder"]
-
-# transformers' ``hidden_act`` names -> the activation callables they mean.
-_ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
 
 
 @dataclass(frozen=True)
@@ -67,9 +57,9 @@ class BertConfig:
                 f"BertConfig d_model ({self.d_model}) must be divisible by n_heads "
                 f"({self.n_heads}); change one of them"
             )
-        if self.activation not in _ACTIVATIONS:
+        if self.activation not in ACTIVATIONS:
             raise ValueError(
-                f"BertConfig activation {self.activation!r} is not one of {sorted(_ACTIVATIONS)}"
+                f"BertConfig activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}"
             )
         if not self.layer_norm_eps > 0:
             raise ValueError(f"BertConfig layer_norm_eps must be > 0, got {self.layer_norm_eps}")
@@ -84,8 +74,8 @@ class BertConfig:
         if config.get("is_decoder") or config.get("add_cross_attention"):
             key = "is_decoder" if config.get("is_decoder") else "add_cross_attention"
             raise unsupported(config, key, "BertModel here is the bidirectional encoder only")
-        if config.get("hidden_act", "gelu") not in _ACTIVATIONS:
-            raise unsupported(config, "hidden_act", f"supported: {sorted(_ACTIVATIONS)}")
+        if config.get("hidden_act", "gelu") not in ACTIVATIONS:
+            raise unsupported(config, "hidden_act", f"supported: {sorted(ACTIVATIONS)}")
         return cls(
             vocab_size=config["vocab_size"],
             d_model=config.get("hidden_size", 768),
@@ -140,7 +130,7 @@ class BertModel(nn.Module):
         self.token_types = nn.Embedding(c.type_vocab_size, c.d_model)
         self.embed_norm = LayerNorm(c.d_model, eps=c.layer_norm_eps)
         self.embed_dropout = nn.Dropout(c.dropout)
-        act = _ACTIVATIONS[c.activation]
+        act = ACTIVATIONS[c.activation]
         self.layers = nn.ModuleList(
             EncoderBlock(
                 MultiHeadAttention(
