@@ -242,7 +242,7 @@ def test_backends_matrix(capsys):
     rc, out, err = run(capsys, "backends", "--matrix", "--json")
     assert rc == 0, err
     matrix = json.loads(out)
-    assert matrix["backends"] == sa.backends.names()
+    assert matrix["backends"] == sorted(sa.backends.names())
     labels = [f["feature"] for f in matrix["features"]]
     for want in ("causal", "score_mod: softcap", "GQA (Hq=4, Hkv=2)", "dropout_p=0.1", "float64"):
         assert want in labels

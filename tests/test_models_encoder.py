@@ -163,7 +163,7 @@ def test_task_model_prefix_and_no_pooler(tmp_path):
             dict(vocab_size=10, d_model=10, n_heads=3),
             r"d_model \(10\) must be divisible by n_heads \(3\)",
         ),
-        (dict(vocab_size=10, activation="tanh"), r"activation 'tanh' is not one of"),
+        (dict(vocab_size=10, activation="mish"), r"activation 'mish' is not one of"),
         (dict(vocab_size=10, layer_norm_eps=0.0), r"layer_norm_eps must be > 0"),
     ],
 )

@@ -442,7 +442,7 @@ def _gen() -> torch.Generator:
 
 def _capability_matrix() -> dict:
     """Per probe feature, each backend's ``reject()`` verdict: None (can run) or its reason."""
-    names = sa.backends.names()
+    names = sorted(sa.backends.names())  # registration order depends on import order
     features = []
     for label, change in _probe_cases():
         c = {"Hkv": _PROBE["Hq"], "Sq": _PROBE["S"], "Dv": _PROBE["D"], "grad": False}
