@@ -196,8 +196,8 @@ def paged_attention_triton(
     ks = k_scales.float().contiguous() if quant else q  # unused pointer when not quantised
     vs = v_scales.float().contiguous() if quant else q
     s_ksn, s_ksp = (ks.stride(0), ks.stride(1)) if mode == SCALES_PER_TOKEN else (0, 0)
-    table = block_table.to(torch.int32).contiguous()
-    lo32, hi32 = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    table = block_table.to(q.device, torch.int32).contiguous()
+    lo32, hi32 = (t.to(q.device, torch.int32).contiguous() for t in (lo, hi))
     grid = (B * Hkv, num_splits, m_tiles)
     _paged_fwd[grid](
         q, k_pages, v_pages, table, lo32, hi32, ks, vs, out, lse,
