@@ -139,7 +139,7 @@ def test_paged_attention_dispatches_to_the_kernel(kernel, monkeypatch, Sq, mask_
     calls = []
     real = kernel.paged_attention_triton
     monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
-    assert decode._triton_bounds(q, kp, vp, lens, mask, None) is not None
+    assert decode._kernel_bounds(q, kp, vp, lens, mask, None)[0] == "triton"
     out, lse = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)
     assert calls, "the Triton kernel did not run"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

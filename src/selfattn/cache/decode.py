@@ -256,61 +256,64 @@ def _interval_terms(mask) -> list:
 
 
 def _kernel_bounds(q, k_pages, v_pages, seq_lens, mask, score_mod):
-    """``(lo, hi)`` key intervals when the C kernel runs this call, else None (PyTorch path).
+    """``(kernel, lo, hi)`` when a kernel that reads pages in place runs this call, else None
+    (the PyTorch path); ``lo, hi`` are the key intervals of :func:`_key_intervals`.
 
-    The kernel runs for: CPU tensors; fp32/bf16/fp16 queries with matching or int8/fp8 pages
-    whose last dim is contiguous; ``Sq <= KERNEL_MAX_SQ`` (decode, speculative decode; longer
-    query chunks are matmul work, where the PyTorch path's batched GEMMs catch up); no
-    ``score_mod``; a mask that is one key interval per row
-    (:func:`_key_intervals`); nothing that autograd must differentiate (no backward); and a
-    built kernel (:func:`selfattn.cache._decode_kernels.library`).
+    Both kernels take: fp32/bf16/fp16 queries; pages whose last dim is contiguous; no
+    ``score_mod``; a mask that is one key interval per row; nothing that autograd must
+    differentiate (no backward); no empty dimension. Then by device:
+
+    - ``"triton"`` (:mod:`selfattn.backends.triton.paged`): CUDA tensors, any ``Sq``, pages in
+      the query dtype or int8/fp8, Triton installed. ``SELFATTN_PAGED_TRITON=1`` also sends CPU
+      tensors to it, which only works under ``TRITON_INTERPRET=1``: how the tests check it.
+    - ``"c"`` (:mod:`selfattn.cache._decode_kernels`): CPU tensors, ``Sq <= KERNEL_MAX_SQ``
+      (decode, speculative decode; longer query chunks are matmul work, where the PyTorch path's
+      batched GEMMs catch up), pages the built kernel reads (:func:`_decode_kernels.supports`).
     """
     B, _, Sq, D = q.shape
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None
-    if score_mod is not None or not (0 < Sq <= KERNEL_MAX_SQ) or B == 0 or D == 0:
-        return None
-    if v_pages.shape[3] == 0 or k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
-        return None
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages))
-    if grad or not all(_decode_kernels.supports(p.dtype) for p in (k_pages, v_pages)):
-        return None
-    return _key_intervals(mask, seq_lens.to(torch.long), Sq)
-
-
-def _triton_bounds(q, k_pages, v_pages, seq_lens, mask, score_mod):
-    """``(lo, hi)`` key intervals when the Triton kernel runs this call, else None.
-
-    It runs for CUDA tensors (``SELFATTN_PAGED_TRITON=1`` also sends CPU tensors to it, which
-    only works under ``TRITON_INTERPRET=1``: how the test suite checks the dispatch) with
-    fp32/bf16/fp16 queries over pages of that dtype or int8/fp8, no ``score_mod``, a mask that
-    is one key interval per row, no autograd, contiguous last dims, and Triton installed.
-    """
-    if q.device.type != "cuda" and os.environ.get("SELFATTN_PAGED_TRITON") != "1":
-        return None
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or score_mod is not None:
         return None
-    if k_pages.dtype not in (q.dtype, *QUANT_DTYPES) or v_pages.dtype != k_pages.dtype:
-        return None
-    if any(t.stride(-1) != 1 for t in (q, k_pages, v_pages)) or q.shape[2] == 0:
+    if 0 in (B, Sq, D, v_pages.shape[3]) or k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
         return None
-    if not _triton.available():
+    if q.device.type == "cuda" or os.environ.get("SELFATTN_PAGED_TRITON") == "1":
+        if k_pages.dtype not in (q.dtype, *QUANT_DTYPES) or v_pages.dtype != k_pages.dtype:
+            return None
+        if not _triton.available():
+            return None
+        kernel = "triton"
+    elif q.device.type == "cpu":
+        if Sq > KERNEL_MAX_SQ or not all(
+            _decode_kernels.supports(p.dtype) for p in (k_pages, v_pages)
+        ):
+            return None
+        kernel = "c"
+    else:
         return None
-    return _key_intervals(mask, seq_lens.to(torch.long), q.shape[2])
+    bounds = _key_intervals(mask, seq_lens.to(torch.long), Sq)
+    return None if bounds is None else (kernel, *bounds)
 
 
-def _kernel_attention(q, k_pages, v_pages, block_table, bounds, scale, k_scales, v_scales, lse):
-    """The C kernel's result in ``q.dtype`` (float32 lse), as the PyTorch path returns it."""
-    table = block_table.to(torch.int32).contiguous()
-    k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
-    lo, hi = (t.contiguous() for t in bounds)
-    out, lse_t = _decode_kernels.decode(
-        q.contiguous(), k_pages, v_pages, table, lo, hi, scale, k_scales, v_scales
-    )
-    out = out.to(q.dtype)  # (B, Hq, Sq, Dv)
-    return (out, lse_t) if lse else out
+def _kernel_attention(
+    kernel, q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, return_lse
+):
+    """The kernel's result in ``q.dtype`` (float32 lse), as the PyTorch path returns it."""
+    if kernel == "triton":
+        from selfattn.backends.triton.paged import paged_attention_triton
+
+        out, lse = paged_attention_triton(
+            q.contiguous(), k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales
+        )
+    else:
+        table = block_table.to(torch.int32).contiguous()
+        k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
+        out, lse = _decode_kernels.decode(
+            q.contiguous(), k_pages, v_pages, table, lo.contiguous(), hi.contiguous(), scale,
+            k_scales, v_scales,
+        )  # fmt: skip
+        out = out.to(q.dtype)  # (B, Hq, Sq, Dv)
+    return (out, lse) if return_lse else out
 
 
 def paged_attention(
@@ -372,18 +375,11 @@ def paged_attention(
         raise TypeError(f"scale must be a finite number, got {scale!r}")
     mask_obj = None if mask is None else as_mask(mask)
     mod_obj = None if score_mod is None else as_score_mod(score_mod)
-    bounds = _triton_bounds(q, k_pages, v_pages, seq_lens, mask_obj, mod_obj)
-    if bounds is not None:  # CUDA: one Triton kernel reads the pages in place
-        from selfattn.backends.triton.paged import paged_attention_triton
-
-        out, lse = paged_attention_triton(
-            q, k_pages, v_pages, block_table, *bounds, scale, k_scales, v_scales
-        )
-        return (out, lse) if return_lse else out
     bounds = _kernel_bounds(q, k_pages, v_pages, seq_lens, mask_obj, mod_obj)
-    if bounds is not None:
+    if bounds is not None:  # a kernel reads the pages in place (C on CPU, Triton on CUDA)
+        kernel, lo, hi = bounds
         return _kernel_attention(
-            q, k_pages, v_pages, block_table, bounds, scale, k_scales, v_scales, return_lse
+            kernel, q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, return_lse
         )
     cd = accumulation_dtype(q.dtype)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
