@@ -63,6 +63,14 @@ class ScoreMod:
         every call, so compiled kernels keyed on it are reused."""
         return self
 
+    def _on_device(self, device, build: Callable[[], ScoreMod]) -> ScoreMod:
+        """``build()``'s mod for ``device``, built once and kept (see :meth:`to`)."""
+        copies = self.__dict__.setdefault("_device_copies", {})
+        key = str(torch.device(device))
+        if key not in copies:
+            copies[key] = build()
+        return copies[key]
+
     def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
         """Raise ``ValueError`` naming the values if this mod cannot serve such a call."""
 
@@ -101,11 +109,7 @@ class Compose(ScoreMod):
         moved = tuple(m.to(device) for m in self.mods)
         if all(a is b for a, b in zip(moved, self.mods)):
             return self
-        cache = self.__dict__.setdefault("_on_device", {})
-        key = str(torch.device(device))
-        if key not in cache:
-            cache[key] = Compose(*moved)
-        return cache[key]
+        return self._on_device(device, lambda: Compose(*moved))
 
     def validate(self, B, H, Sq, Sk, q_offset):
         for m in self.mods:
@@ -156,17 +160,16 @@ class ALiBi(ScoreMod):
     def __init__(self, n_heads: int):
         self.n_heads = n_heads
         self.slopes = alibi_slopes(n_heads)
-        self._on_device: dict[str, ALiBi] = {}
 
     def to(self, device) -> ScoreMod:
-        key = str(torch.device(device))
         if self.slopes.device == torch.device(device):
             return self
-        if key not in self._on_device:
-            moved = ALiBi(self.n_heads)
-            moved.slopes = self.slopes.to(device)
-            self._on_device[key] = moved
-        return self._on_device[key]
+        return self._on_device(device, lambda: self._with_slopes(self.slopes.to(device)))
+
+    def _with_slopes(self, slopes: torch.Tensor) -> ALiBi:
+        moved = ALiBi(self.n_heads)
+        moved.slopes = slopes
+        return moved
 
     def _bias(self, h, q_idx, kv_idx, dtype: torch.dtype) -> torch.Tensor:
         slopes = self.slopes.to(device=h.device, dtype=dtype)[h]
