@@ -114,6 +114,11 @@ def _signature(q, k, v, call: AttentionCall) -> tuple:
     )  # fmt: skip
 
 
+def _case_key(q, k, v, call: AttentionCall) -> tuple:
+    """One case exactly: its kernel signature and its sizes (the key of ``_FAILED``)."""
+    return _signature(q, k, v, call), tuple(q.shape), tuple(k.shape), tuple(v.shape)
+
+
 def _mod_key(obj) -> tuple:
     """What a mask / score mod contributes to the compiled kernel: its classes and code."""
     if obj is None:
@@ -203,9 +208,7 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
             )
     else:
         return f"the flex backend runs on cpu and cuda, not {dev}"
-    failed = _FAILED.get(
-        (_signature(q, k, v, call), tuple(q.shape), tuple(k.shape), tuple(v.shape))
-    )
+    failed = _FAILED.get(_case_key(q, k, v, call))
     if failed is not None:
         return f"FlexAttention failed to compile this case earlier in this process ({failed})"
     feats = _features()
@@ -410,7 +413,7 @@ def _run(q, k, v, call: AttentionCall):
             if mode is None:  # retry with static shapes, and remember to start there next time
                 _STATIC_ONLY.add(signature)
                 continue
-            _FAILED[(signature, tuple(q.shape), tuple(k.shape), tuple(v.shape))] = (
+            _FAILED[_case_key(q, k, v, call)] = (
                 f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             )
             raise BackendCompileError(
