@@ -77,7 +77,6 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dropout(
-            self.activation(self.gate(x)) * self.up(x)
-        )  # (..., d_model) -> (..., d_hidden)
+        h = self.activation(self.gate(x)) * self.up(x)  # (..., d_model) -> (..., d_hidden)
+        h = self.dropout(h)
         return self.down(h)  # (..., d_hidden) -> (..., d_model)
