@@ -51,7 +51,7 @@ def _paged_fwd(
     s_ksn, s_ksp,
     s_ob, s_oh, s_os, s_osp,
     s_lb, s_lh, s_ls,
-    scale, Hkv, G, Sq, P, split_len,
+    qk_scale, Hkv, G, Sq, P, split_len,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
     IEEE: tl.constexpr,
@@ -80,7 +80,7 @@ def _paged_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # LOG2E: softmax in base 2
+    # qk_scale = scale · LOG2E (the wrapper's): scores, max and lse in base 2, for exp2
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < stop
@@ -119,11 +119,10 @@ def _paged_fwd(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    # -- this split's normalised output and natural-log lse (-inf: no allowed key)
+    # -- this split's normalised output and base-2 lse (-inf: no allowed key)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634,
-                   float("-inf"))  # fmt: skip
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     o_ptrs = O + b * s_ob + h[:, None] * s_oh + i[:, None] * s_os + split * s_osp + dv[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + b * s_lb + h * s_lh + i * s_ls + split, lse, mask=row_ok)
@@ -208,12 +207,12 @@ def paged_attention_triton(
         s_ksn, s_ksp,
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        float(scale), Hkv, G, Sq, P, split_len,
+        float(scale) * LOG2E, Hkv, G, Sq, P, split_len,
         D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), SCALES=mode,
         IEEE=q.dtype == torch.float32 or _interpreted(),
     )  # fmt: skip
-    return merge_splits(out, lse, q.dtype)
+    return merge_splits(out, lse / LOG2E, q.dtype)  # base-2 lse -> natural log
 
 
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype):
