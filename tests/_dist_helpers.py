@@ -5,7 +5,8 @@ forked from one forkserver that has imported torch and selfattn once (``set_fork
 it has run no torch op, so its children start clean), and each group runs a whole list of cases.
 A case returns normally or raises; the worker records the message instead of dying, so one
 failure does not hide the others. A case must finish all its collectives before it asserts, or
-its peers wait on a collective it never reaches (the group timeout then ends the run).
+its peers wait on a collective it never reaches (the group timeout then ends the run, and the
+parent kills a group that outlives its deadline: no run hangs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_TIMEOUT = datetime.timedelta(seconds=90)
+# Each collective waits at most this long for its peers (then raises on the waiting rank).
+PG_TIMEOUT_S = 90
+# The parent kills a group still running after this long (a rank stuck outside a collective, or a
+# chain of timed-out collectives): every case of the group then reports the kill.
+DEADLINE_S = 300
 # What the forkserver imports once for all ranks. Modules only importable from the installed
 # environment: the forkserver does not see the test's sys.path (so not this module). The last
 # three are imported lazily on first use (the backends; torch.broadcast_shapes' symbolic shapes).
@@ -36,10 +41,11 @@ _PRELOAD = [
 _preloaded = False
 
 
-def _worker(rank: int, W: int, store: str, out_dir: str, cases: list[tuple[str, Callable, dict]]):
+def _worker(rank: int, W: int, store: str, out_dir: str, cases, pg_timeout_s: float):
     torch.set_num_threads(1)  # W ranks share the machine's cores
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=W, timeout=_TIMEOUT
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=W, timeout=timeout
     )
     results: dict[str, object] = {}
     try:
@@ -53,16 +59,23 @@ def _worker(rank: int, W: int, store: str, out_dir: str, cases: list[tuple[str, 
             results[name] = (status, value, time.perf_counter() - t0)
             dist.barrier()
     finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(results, _result_files(out_dir, W)[rank])
         dist.barrier()
         dist.destroy_process_group()
 
 
-def run_group(W: int, cases: list[tuple[str, Callable, dict]], tmp_dir) -> dict[str, list]:
+def run_group(
+    W: int,
+    cases: list[tuple[str, Callable, dict]],
+    tmp_dir,
+    pg_timeout_s: float = PG_TIMEOUT_S,
+    deadline_s: float = DEADLINE_S,
+) -> dict[str, list]:
     """Run ``cases`` (``(name, fn, kwargs)``; ``fn(rank=, W=, **kwargs)``) on ``W`` gloo ranks.
 
     Returns ``{name: [(status, value, seconds) per rank]}``; status is ``"ok"`` (value: what
-    ``fn`` returned) or ``"error"`` (value: the message).
+    ``fn`` returned) or ``"error"`` (value: the message). A group still running after
+    ``deadline_s`` is killed; the cases a rank did not finish (killed, or died) report that.
     """
     global _preloaded
     if not _preloaded:
@@ -70,11 +83,35 @@ def run_group(W: int, cases: list[tuple[str, Callable, dict]], tmp_dir) -> dict[
         _preloaded = True
     tmp_dir = str(tmp_dir)
     store = os.path.join(tmp_dir, "store")
-    mp.start_processes(
-        _worker, args=(W, store, tmp_dir, cases), nprocs=W, start_method="forkserver"
+    ctx = mp.start_processes(
+        _worker,
+        args=(W, store, tmp_dir, cases, pg_timeout_s),
+        nprocs=W,
+        join=False,
+        start_method="forkserver",
     )
-    per_rank = [torch.load(os.path.join(tmp_dir, f"rank{r}.pt")) for r in range(W)]
-    return {name: [res[name] for res in per_rank] for name, _, _ in cases}
+    end, failure = time.monotonic() + deadline_s, None
+    try:
+        while not ctx.join(timeout=max(0.0, end - time.monotonic())):
+            if time.monotonic() >= end:
+                for p in ctx.processes:  # the ranks this call started
+                    p.kill()
+                for p in ctx.processes:
+                    p.join()
+                failure = f"the group of {W} ranks was still running after {deadline_s} s: killed"
+                break
+    except mp.ProcessExitedException as e:  # a rank died (join has ended its peers)
+        failure = f"a rank died: {e}"
+    except mp.ProcessRaisedException as e:  # e.g. a barrier after a collective timed out
+        failure = f"a rank died: {str(e).strip().splitlines()[-1]}"
+    # a rank saves its results as it ends, also after an error: keep those, mark the rest
+    per_rank = [torch.load(p) if os.path.exists(p) else {} for p in _result_files(tmp_dir, W)]
+    missing = ("error", failure or "no result", 0.0)
+    return {name: [res.get(name, missing) for res in per_rank] for name, _, _ in cases}
+
+
+def _result_files(out_dir: str, W: int) -> list[str]:
+    return [os.path.join(out_dir, f"rank{r}.pt") for r in range(W)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,7 +313,7 @@ def bad_input(rank, W):
     # the same call with different shapes on different ranks
     Hq = 4 if rank == 0 else 2
     qm, km, vm = make_qkv(1, Hq, 6, 8, Hkv=2, seed=rank)
-    _expect_error(lambda: ring_attention(qm, km, vm), ValueError, "rank 1", "same local shapes")
+    _expect_error(lambda: ring_attention(qm, km, vm), ValueError, "rank 1", "same arguments")
     # a mask built from the local shard instead of the whole sequence
     local_ids = masks.documents(torch.zeros(6, dtype=torch.long))
     _expect_error(
@@ -289,6 +326,135 @@ def bad_input(rank, W):
         lambda: ring_attention(q, k, v, score_mod=mod), ValueError, "allgather", "require grad"
     )
     _expect_error(lambda: unshard_sequence(torch.zeros(1, 2 + rank)), ValueError, "every rank")
+
+
+def exec_block(rank, W, *, source: str):
+    """Run a README example on this rank (tests/test_readme.py), in a fresh namespace."""
+    exec(compile(source, "README.md (context-parallel example)", "exec"), {})
+
+
+# -- one rank's bad argument: every rank raises DistributedArgumentError, none hangs ------------
+# Each case gives the last rank (the one the error must name) a bad argument and the others good
+# ones, expects DistributedArgumentError on every rank naming that rank and its message, then makes
+# a good call: the group's collectives still pair up after the error.
+
+
+def _all_raise(rank, W, call, *needles, failed: bool = True):
+    """``call()`` raises DistributedArgumentError on every rank, naming rank ``W - 1`` and
+    ``needles``; ``failed``: as a failed check (``e.failures == {W - 1: ...}``), else as a
+    disagreement between ranks (``e.failures == {}``)."""
+    from selfattn.distributed import DistributedArgumentError
+
+    bad = W - 1
+    try:
+        call()
+    except DistributedArgumentError as e:
+        msg = str(e)
+        missing = [n for n in (f"rank {bad}: ", *needles) if n not in msg]
+        assert not missing, f"rank {rank}: message lacks {missing}: {msg}"
+        assert sorted(e.failures) == ([bad] if failed else []), e.failures
+        if rank == bad and failed:  # the failing rank's own exception is the cause
+            assert e.__cause__ is not None and str(e.__cause__) in e.failures[bad], e.__cause__
+    else:
+        raise AssertionError(f"rank {rank}: no DistributedArgumentError")
+    _good_call(rank, W)
+
+
+def _good_call(rank, W):
+    q, k, v = make_qkv(1, 2, 4, 8, seed=rank)
+    ring_attention(q, k, v, mask=masks.causal())
+
+
+def bad_arg(rank, W, *, what, method="ring"):
+    bad = rank == W - 1
+    S = 6 * W
+    q, k, v = make_qkv(1, 4, 6, 8, Hkv=2, seed=rank)
+
+    def ring(*args, **kw):
+        return lambda: ring_attention(*args, method=method, **kw)
+
+    if what == "local-documents":  # documents() of the local ids on one rank
+        ids = torch.arange(6) // 4 if bad else torch.arange(S) // 4
+        m = masks.documents(ids)
+        _all_raise(rank, W, ring(q, k, v, mask=m), "global positions 0..", "0..5", "ValueError")
+    elif what == "3d":
+        q3 = q[0] if bad else q
+        _all_raise(rank, W, ring(q3, k, v), "q (B, Hq, Sq, D) must be 4-D, got shape (4, 6, 8)")
+    elif what == "dtype":
+        qd, kd, vd = (t.to(torch.bfloat16) if bad else t for t in (q, k, v))
+        _all_raise(rank, W, ring(qd, kd, vd), "bfloat16", "float32", failed=False)
+    elif what == "length":  # the same call with another local length: a global S per rank
+        ql, kl, vl = make_qkv(1, 4, 8 if bad else 6, 8, Hkv=2, seed=rank)
+        _all_raise(rank, W, ring(ql, kl, vl), "q (1, 4, 8, 8)", "q (1, 4, 6, 8)", failed=False)
+    elif what == "grad":  # a differentiated call on some ranks only: the backward would hang
+        qg, kg, vg = (t.requires_grad_(not bad) for t in (q, k, v))
+        _all_raise(rank, W, ring(qg, kg, vg), "without gradients", "with gradients", failed=False)
+    elif what == "grad-mod":  # a score_mod the ring cannot differentiate, on one rank
+        slopes = torch.ones(4, requires_grad=bad)
+        mod = scores.bias(slopes.view(1, 4, 1, 1))
+        _all_raise(rank, W, ring(q, k, v, score_mod=mod), "require grad")
+    elif what == "method":
+        m = "allgather" if bad else "ring"
+        call = lambda: ring_attention(q, k, v, method=m)  # noqa: E731
+        _all_raise(rank, W, call, "method='allgather'", "method='ring'", failed=False)
+    elif what == "unshard-4d":  # the sequence dim of a 4-D shard is not guessed
+        x = torch.zeros(1, 2, 3, 4) if bad else torch.zeros(1, 3, 4)
+        _all_raise(rank, W, lambda: unshard_sequence(x), "dim=2 for heads-first")
+    elif what == "unshard-dtype":
+        x = torch.zeros(2, 3, dtype=torch.int32 if bad else torch.int64)
+        _all_raise(rank, W, lambda: unshard_sequence(x), "int32", "int64", failed=False)
+    else:
+        raise ValueError(what)
+
+
+def bad_block_arg(rank, W, *, what):
+    """ContextParallelAttention: one rank's bad input (caught before the ring's first transfer,
+    the projections included)."""
+    from selfattn.distributed import ContextParallelAttention
+    from selfattn.nn import MultiHeadAttention
+    from selfattn.positions import RoPE
+
+    torch.manual_seed(0)
+    bad = rank == W - 1
+    cp = ContextParallelAttention(MultiHeadAttention(16, 4, 2, dropout=0.1)).eval()
+    cp_rope = ContextParallelAttention(MultiHeadAttention(16, 4, 2, rope=RoPE(4)))
+    x = torch.randn(2, 6, 16)
+    if what == "d-model":
+        xb = torch.randn(2, 6, 12) if bad else x
+        _all_raise(rank, W, lambda: cp(xb), "x (B, S/W, d_model=16), got shape (2, 6, 12)")
+    elif what == "rope-length":  # RoPE positions need S = W x 5 divisible by 2W: caught too
+        xb = torch.randn(2, 5, 16) if bad else x
+        _all_raise(rank, W, lambda: cp_rope(xb), "S=", "is not divisible")
+    elif what == "dropout":  # training mode (dropout) on one rank only
+        cp.train(bad)
+        _all_raise(rank, W, lambda: cp(x), "has no dropout")
+    elif what == "cache":
+        kw = {"cache": object()} if bad else {}
+        _all_raise(rank, W, lambda: cp(x, **kw), "it does not take ['cache']")
+    else:
+        raise ValueError(what)
+
+
+BAD_ARGS = {
+    **{
+        f"bad-{what}": (bad_arg, {"what": what})
+        for what in ("local-documents", "3d", "dtype", "length", "grad", "grad-mod", "method")
+    },
+    "bad-allgather-local-documents": (bad_arg, {"what": "local-documents", "method": "allgather"}),
+    "bad-allgather-3d": (bad_arg, {"what": "3d", "method": "allgather"}),
+    "bad-allgather-grad": (bad_arg, {"what": "grad", "method": "allgather"}),
+    "bad-unshard-4d": (bad_arg, {"what": "unshard-4d"}),
+    "bad-unshard-dtype": (bad_arg, {"what": "unshard-dtype"}),
+    **{
+        f"bad-block-{w}": (bad_block_arg, {"what": w})
+        for w in ("d-model", "rope-length", "dropout", "cache")
+    },
+}
+BAD_ARGS_WORLDS = (2, 3)
+# A bad-argument group waits this long in a collective at most: on code that hangs, each case
+# then fails in seconds, not at gloo's 30-minute default (the fixed code never waits).
+BAD_ARGS_PG_TIMEOUT_S = 10
+BAD_ARGS_DEADLINE_S = 120
 
 
 def model_end_to_end(rank, W, *, layout="zigzag"):
@@ -407,5 +573,10 @@ WORLDS = {
 }  # fmt: skip
 
 
-def cases_for(W: int) -> list[tuple[str, Callable, dict]]:
-    return [(name, fn, kw) for name, (fn, kw) in WORLDS[W].items()]
+def suite(name: str, W: int) -> tuple[list[tuple[str, Callable, dict]], dict]:
+    """The cases of suite ``name`` ("ring" or "bad-args") on W ranks, and run_group's timeouts."""
+    if name == "ring":
+        return [(n, fn, kw) for n, (fn, kw) in WORLDS[W].items()], {}
+    assert name == "bad-args" and W in BAD_ARGS_WORLDS, (name, W)
+    timeouts = {"pg_timeout_s": BAD_ARGS_PG_TIMEOUT_S, "deadline_s": BAD_ARGS_DEADLINE_S}
+    return [(n, fn, kw) for n, (fn, kw) in BAD_ARGS.items()], timeouts

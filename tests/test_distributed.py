@@ -15,32 +15,41 @@ from filelock import FileLock
 
 import _dist_helpers as helpers
 from selfattn import masks
-from selfattn.distributed import position_ids, ring_attention, segments, shard_sequence
+from selfattn.distributed import (
+    position_ids,
+    ring_attention,
+    segments,
+    shard_sequence,
+    unshard_sequence,
+)
 from selfattn.distributed.blocks import pairs
 from selfattn.testing import make_qkv
 
-_RESULTS: dict[int, dict] = {}
+_RESULTS: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module")
 def group_results(tmp_path_factory):
-    """``get(W)``: the results of world size W, run once per session, also under pytest-xdist
-    (workers share one run per W through a lock in the session's temporary root)."""
+    """``get(W, suite)``: the results of a suite of cases (helpers.suite) on W ranks, run once per
+    session, also under pytest-xdist (workers share one run per (suite, W) through a lock in the
+    session's temporary root)."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
-    def get(W: int) -> dict:
-        if W not in _RESULTS:
-            with FileLock(str(root / f"ring-w{W}.lock")):
-                done = root / f"ring-w{W}.pt"
+    def get(W: int, suite: str = "ring") -> dict:
+        key = f"{suite}-w{W}"
+        if key not in _RESULTS:
+            with FileLock(str(root / f"{key}.lock")):
+                done = root / f"{key}.pt"
                 if done.exists():
-                    _RESULTS[W] = torch.load(done)
+                    _RESULTS[key] = torch.load(done)
                 else:
-                    work = root / f"ring-w{W}"
+                    work = root / key
                     work.mkdir(exist_ok=True)
-                    _RESULTS[W] = helpers.run_group(W, helpers.cases_for(W), work)
-                    torch.save(_RESULTS[W], done)
-        return _RESULTS[W]
+                    cases, timeouts = helpers.suite(suite, W)
+                    _RESULTS[key] = helpers.run_group(W, cases, work, **timeouts)
+                    torch.save(_RESULTS[key], done)
+        return _RESULTS[key]
 
     return get
 
@@ -57,6 +66,16 @@ def _ok(results: list) -> list:
 )
 def test_ring_case(group_results, W, case):
     _ok(group_results(W)[case])
+
+
+@pytest.mark.parametrize(
+    "W, case", [(W, name) for W in helpers.BAD_ARGS_WORLDS for name in helpers.BAD_ARGS]
+)
+def test_bad_argument_on_one_rank_raises_on_every_rank(group_results, W, case):
+    """One rank's bad argument (or ranks that disagree): every rank raises
+    DistributedArgumentError naming that rank and its message, before any transfer; a group
+    whose collectives wait on the failed rank instead fails by its short timeout."""
+    _ok(group_results(W, "bad-args")[case])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -117,6 +136,22 @@ def test_without_process_group_is_attention():
 
     assert torch.equal(out, sa.attention(q, k, v, mask=masks.causal()))
     assert torch.equal(shard_sequence(q, "zigzag", dim=2), q)
+
+
+def test_shard_sequence_needs_the_sequence_dim_of_a_4d_tensor():
+    """(B, H, S, D) and (B, S, H, D) look alike: no default for 4-D, so the heads are never
+    split silently (issue 11: the README passed (B, H, S, D) with the old default dim=1)."""
+    x = torch.randn(2, 4, 6, 8)
+    for fn in (shard_sequence, unshard_sequence):
+        with pytest.raises(ValueError, match=r"dimension of x \(2, 4, 6, 8\).*dim=2 for heads"):
+            fn(x, "zigzag")
+        assert torch.equal(fn(x, "zigzag", dim=2), x)  # one rank: the whole sequence
+    assert torch.equal(shard_sequence(x, "zigzag", dim=-2), x)
+    h = torch.randn(2, 6, 8)
+    assert torch.equal(shard_sequence(h), h)  # (B, S, d): the default dim=1 stays
+    assert torch.equal(shard_sequence(torch.arange(6)), torch.arange(6))
+    with pytest.raises(ValueError, match=r"dim=3 is out of range for x \(2, 6, 8\)"):
+        shard_sequence(h, dim=3)
 
 
 @pytest.mark.parametrize(

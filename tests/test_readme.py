@@ -29,9 +29,14 @@ def test_backend_matrix_matches_the_registry():
     )
 
 
-def _python_blocks() -> list[str]:
+RANKS_MARK = "# on every rank of a process group"  # a block the test runs on 2 gloo ranks
+
+
+def _python_blocks(on_ranks: bool = False) -> list[str]:
+    """The README's ```python blocks that run in one process, or (``on_ranks``) on every rank."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return [b for b in blocks if not b.lstrip().startswith(">>>") and "# not run" not in b]
+    runnable = [b for b in blocks if not b.lstrip().startswith(">>>") and "# not run" not in b]
+    return [b for b in runnable if b.lstrip().startswith(RANKS_MARK) == on_ranks]
 
 
 def test_readme_python_examples_run(tmp_path, monkeypatch):
@@ -48,3 +53,20 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
             exec(compile(block, f"README.md python block {i}", "exec"), namespace)
         except Exception as e:
             raise AssertionError(f"README python block {i} failed:\n{block}") from e
+
+
+def test_readme_context_parallel_example_runs_on_two_ranks(tmp_path):
+    """The context-parallel example runs for real on 2 gloo ranks and matches one process (its
+    own assert): sharding (B, H, S, D) along the wrong dimension would fail it."""
+    import _dist_helpers as helpers
+
+    blocks = _python_blocks(on_ranks=True)
+    assert blocks, f"README lost its context-parallel example (a block starting {RANKS_MARK!r})"
+    cases = [(f"block {i}", helpers.exec_block, {"source": b}) for i, b in enumerate(blocks)]
+    errors = [
+        value
+        for results in helpers.run_group(2, cases, tmp_path).values()
+        for status, value, _ in results
+        if status != "ok"
+    ]
+    assert not errors, "\n".join(errors)

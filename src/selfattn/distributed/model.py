@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from selfattn.distributed.ring import ring_attention
+from selfattn.distributed.checks import rank_checks
+from selfattn.distributed.ring import RING_CHECKS, prepare, run, summary
 from selfattn.distributed.shard import check_layout, position_ids, world
 from selfattn.nn import MultiHeadAttention
 
@@ -36,29 +37,40 @@ class ContextParallelAttention(nn.Module):
     def forward(
         self, x, context=None, *, mask=None, score_mod=None, positions=None, cache=None, **kw
     ):
-        a = self.attn
-        unsupported = {"context": context, "cache": cache, **kw}
-        given = sorted(name for name, val in unsupported.items() if val not in (None, False))
-        if given:
-            raise ValueError(
-                f"context-parallel attention is causal/bidirectional self-attention over a sharded "
-                f"sequence; it does not take {given} (decode with a cache on one rank instead)"
-            )
-        if a.training and a.dropout > 0:
-            raise ValueError(
-                f"ring_attention has no dropout; the wrapped attention has dropout={a.dropout} "
-                "in training mode: set dropout=0 or call .eval()"
-            )
-        B, Sl, _ = x.shape
-        if a.rope is not None and positions is None:
-            W, _ = world(self.group)
-            positions = position_ids(Sl * W, self.layout, self.group, device=x.device)
-        q, k, v = a.heads_qkv(x, positions=positions)  # rotated at global positions
-        mod = a.score_mod_for(score_mod)
-        out = ring_attention(
-            q, k, v, group=self.group, mask=mask, score_mod=mod, scale=a.scale,
-            layout=self.layout, **self.ring_kwargs,
-        )  # fmt: skip
+        a, W = self.attn, world(self.group)[0]
+        # every check (and the projections, which fail on a wrong d_model) runs before the
+        # ring's first collective, agreed across ranks in one exchange (see ring_attention)
+        with rank_checks(
+            "context-parallel attention", self.group, W, *RING_CHECKS, tensor=x
+        ) as check:
+            unsupported = {"context": context, "cache": cache, **kw}
+            given = sorted(name for name, val in unsupported.items() if val not in (None, False))
+            if given:
+                raise ValueError(
+                    f"context-parallel attention is causal/bidirectional self-attention over a "
+                    f"sharded sequence; it does not take {given} (decode with a cache on one rank "
+                    "instead)"
+                )
+            if a.training and a.dropout > 0:
+                raise ValueError(
+                    f"ring_attention has no dropout; the wrapped attention has dropout="
+                    f"{a.dropout} in training mode: set dropout=0 or call .eval()"
+                )
+            if x.dim() != 3 or x.shape[-1] != a.d_model:
+                raise ValueError(
+                    f"context-parallel attention takes this rank's shard x (B, S/W, d_model="
+                    f"{a.d_model}), got shape {tuple(x.shape)}"
+                )
+            B, Sl, _ = x.shape
+            if a.rope is not None and positions is None:
+                positions = position_ids(Sl * W, self.layout, self.group, device=x.device)
+            q, k, v = a.heads_qkv(x, positions=positions)  # rotated at global positions
+            cfg = prepare(
+                q, k, v, group=self.group, mask=mask, score_mod=a.score_mod_for(score_mod),
+                scale=a.scale, layout=self.layout, **self.ring_kwargs,
+            )  # fmt: skip
+            check.summary = summary(q, k, v, cfg)
+        out = run(q, k, v, cfg, return_lse=False)
         out = out.transpose(1, 2).reshape(B, Sl, -1)  # (B, Hq, S/W, Dv) -> (B, S/W, Hq·Dv)
         return a.out_proj(out)
 

@@ -27,14 +27,9 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from selfattn.distributed.blocks import Pair, attend, merge, pairs
-from selfattn.distributed.shard import (
-    check_layout,
-    check_length,
-    gather_shapes,
-    segments,
-    world,
-)
-from selfattn.functional import _FLOAT_DTYPES, _check_tensors, attention
+from selfattn.distributed.checks import dtype_code, dtype_name, rank_checks
+from selfattn.distributed.shard import LAYOUTS, check_layout, check_length, segments, world
+from selfattn.functional import _check_tensors, attention
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
@@ -105,8 +100,9 @@ class _Config:
     layout: str
     mask: Mask | None
     score_mod: ScoreMod | None
-    scale: float
+    scale: float | None
     backend: str
+    method: str
 
     def q_segments(self):
         return segments(self.S, self.layout, self.rank, self.W)
@@ -264,30 +260,6 @@ def _allgather(q, k, v, cfg: _Config):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_ranks(q, k, v, cfg: _Config, method: str) -> None:
-    """Every rank must call with the same shapes, dtype, layout and method (else a hang)."""
-    code = [
-        *q.shape,
-        *k.shape,
-        v.shape[3],
-        _FLOAT_DTYPES.index(q.dtype),
-        ("contiguous", "zigzag").index(cfg.layout),
-        METHODS.index(method),
-    ]
-    got = gather_shapes(q, code, cfg.group, cfg.W)
-    if any(g != got[0] for g in got):
-        desc = [
-            f"rank {r}: q {tuple(g[:4])}, k {tuple(g[4:8])}, Dv={g[8]}, "
-            f"{_FLOAT_DTYPES[g[9]]}, layout={('contiguous', 'zigzag')[g[10]]!r}, "
-            f"method={METHODS[g[11]]!r}"
-            for r, g in enumerate(got)
-        ]
-        raise ValueError(
-            "ring_attention needs the same local shapes, dtype, layout and method on every rank, "
-            "got:\n  " + "\n  ".join(desc) + "\nshard every tensor with shard_sequence"
-        )
-
-
 def _check_global(mask, score_mod, B, Hq, S, W, Sl):
     """Masks and score mods see global positions 0..S-1: validate them for the whole call."""
     for what, obj in (("mask", mask), ("score_mod", score_mod)):
@@ -352,7 +324,27 @@ def ring_attention(
     Returns:
         ``out (B, Hq, S/W, Dv)`` or ``(out, lse)``. Gradients flow to q, k, v (the ring method
         does not route gradients into score-mod tensors; use ``method="allgather"`` for those).
+
+    Raises:
+        DistributedArgumentError: on EVERY rank, before any transfer, when an argument check
+            fails on any rank (its message names the ranks and their errors), or when the ranks'
+            local shapes, dtype, layout, method or need for gradients differ. One small
+            all-gather per call makes this agreement (the ranks would otherwise wait for each
+            other until the process-group timeout).
     """
+    W, _ = world(group)
+    with rank_checks("ring_attention", group, W, *RING_CHECKS, tensor=q) as check:
+        cfg = prepare(q, k, v, group=group, mask=mask, score_mod=score_mod, scale=scale,
+                      layout=layout, method=method, backend=backend)  # fmt: skip
+        check.summary = summary(q, k, v, cfg)
+    return run(q, k, v, cfg, return_lse)
+
+
+def prepare(
+    q, k, v, *, group, mask, score_mod, scale, layout, method="ring", backend="auto"
+) -> _Config:
+    """Check one rank's arguments of :func:`ring_attention` (no communication: call it inside
+    :func:`rank_checks`, with :func:`summary`); the configuration :func:`run` takes."""
     _check_tensors(q, k, v)
     check_layout(layout)
     if method not in METHODS:
@@ -366,29 +358,63 @@ def ring_attention(
     W, rank = world(group)
     S = Sl * W
     check_length(S, layout, W, what=f"global sequence length (W={W} x local {Sl})")
-    if W == 1:
-        return attention(
-            q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=0,
-            return_lse=return_lse, backend=backend,
-        )  # fmt: skip
-    mask = None if mask is None else as_mask(mask)
-    score_mod = None if score_mod is None else as_score_mod(score_mod)
-    _check_global(mask, score_mod, B, Hq, S, W, Sl)
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    cfg = _Config(group, W, rank, S, layout, mask, score_mod, float(scale), backend)
-    _check_ranks(q, k, v, cfg, method)
-    if method == "allgather":
-        out, lse = _allgather(q, k, v, cfg)
-    else:
+    if W > 1:  # one rank is selfattn.attention, which checks the rest itself
+        mask = None if mask is None else as_mask(mask)
+        score_mod = None if score_mod is None else as_score_mod(score_mod)
+        _check_global(mask, score_mod, B, Hq, S, W, Sl)
+        if scale is None:
+            scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+        scale = float(scale)
         if (
-            score_mod is not None
+            method == "ring"
+            and score_mod is not None
             and torch.is_grad_enabled()
             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in score_mod.tensors())
         ):
             raise ValueError(
-                f"score_mod {score_mod!r} has tensors that require grad; the ring method does not "
-                "route their gradients: use method='allgather', or detach them"
+                f"score_mod {score_mod!r} has tensors that require grad; the ring method does "
+                "not route their gradients: use method='allgather', or detach them"
             )
+    return _Config(group, W, rank, S, layout, mask, score_mod, scale, backend, method)
+
+
+def summary(q, k, v, cfg: _Config) -> list[int]:
+    """What must agree across ranks (else the ranks' collectives do not pair up): local shapes,
+    dtype, layout, method, and whether the call is differentiated (the backward is a ring too)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return [
+        *q.shape,
+        *k.shape,
+        *v.shape,
+        dtype_code(q.dtype),
+        LAYOUTS.index(cfg.layout),
+        METHODS.index(cfg.method),
+        int(grad),
+    ]
+
+
+def _describe(s: list[int]) -> str:
+    return (
+        f"q {tuple(s[0:4])}, k {tuple(s[4:8])}, v {tuple(s[8:12])} {dtype_name(s[12])}, "
+        f"layout={LAYOUTS[s[13]]!r}, method={METHODS[s[14]]!r}, "
+        f"{'with' if s[15] else 'without'} gradients"
+    )
+
+
+# rank_checks' arguments for ring_attention: summary length, description, the fix
+RING_CHECKS = (16, _describe, "shard every tensor with shard_sequence(..., dim=2), under the same "
+          "torch.no_grad() / requires_grad on every rank")  # fmt: skip
+
+
+def run(q, k, v, cfg: _Config, return_lse: bool):
+    """:func:`ring_attention` on arguments that passed :func:`prepare` on every rank."""
+    if cfg.W == 1:
+        return attention(
+            q, k, v, mask=cfg.mask, score_mod=cfg.score_mod, scale=cfg.scale, q_offset=0,
+            return_lse=return_lse, backend=cfg.backend,
+        )  # fmt: skip
+    if cfg.method == "allgather":
+        out, lse = _allgather(q, k, v, cfg)
+    else:
         out, lse = _RingAttention.apply(q, k, v, cfg)
     return (out, lse) if return_lse else out

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from selfattn.distributed.checks import dtype_code, dtype_name, rank_checks
+
 __all__ = [
     "LAYOUTS",
     "position_ids",
@@ -87,50 +89,87 @@ def position_ids(S: int, layout: str = "zigzag", group=None, device=None) -> tor
     return torch.cat(parts)
 
 
-def shard_sequence(x: torch.Tensor, layout: str = "zigzag", group=None, *, dim: int = 1):
+def seq_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
+    """The sequence dimension of ``x`` (non-negative): ``dim``, or by default 0 for ``(S,)`` and 1
+    for ``(B, S)`` / ``(B, S, d)``. A 4-D tensor must say: heads-first ``(B, H, S, D)`` q/k/v
+    (``dim=2``) and ``(B, S, H, D)`` (``dim=1``) look alike, and cutting the heads instead of the
+    sequence would run without an error and give wrong attention."""
+    if dim is None:
+        if x.dim() in _DEFAULT_DIM:
+            return _DEFAULT_DIM[x.dim()]
+        raise ValueError(
+            f"{what}: which dimension of x {tuple(x.shape)} is the sequence? Pass dim= (dim=2 "
+            "for heads-first (B, H, S, D) q/k/v, dim=1 for (B, S, H, D)); without it only (S,), "
+            "(B, S) and (B, S, d) tensors are sharded (along S)"
+        )
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{what}: dim={dim} is out of range for x {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+# The sequence dimension when no dim= is given, by x.dim(): (S,), (B, S) and (B, S, d).
+_DEFAULT_DIM = {1: 0, 2: 1, 3: 1}
+
+
+def shard_sequence(x: torch.Tensor, layout: str = "zigzag", group=None, *, dim: int | None = None):
     """This rank's shard of a full-sequence tensor ``x`` (every rank passes the same ``x``).
 
-    ``dim`` is the sequence dimension: 1 for hidden states ``(B, S, d)`` and token ids ``(B, S)``,
-    2 for heads-first ``(B, H, S, D)``. Returns ``x`` with ``S / W`` positions along ``dim`` (a
-    new tensor for zigzag, a view for contiguous); differentiable.
+    ``dim`` is the sequence dimension: by default 1 for hidden states ``(B, S, d)`` and token ids
+    ``(B, S)`` (0 for ``(S,)``); any other tensor must name it, e.g. ``dim=2`` for heads-first
+    ``(B, H, S, D)`` q/k/v. Returns ``x`` with ``S / W`` positions along ``dim`` (a new tensor for
+    zigzag, a view for contiguous); differentiable. No communication.
     """
     W, r = world(group)
-    S = x.shape[dim]
-    parts = [x.narrow(dim, g, n) for g, n in segments(S, layout, r, W)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    d = seq_dim(x, dim, "shard_sequence")
+    S = x.shape[d]
+    check_length(S, layout, W, what=f"sequence length (dim {d} of x {tuple(x.shape)})")
+    parts = [x.narrow(d, g, n) for g, n in segments(S, layout, r, W)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
 
 
-def gather_shapes(t: torch.Tensor, values: list[int], group, W: int) -> list[list[int]]:
-    """All ranks' ``values`` (small ints: shapes, dtype codes), one list per rank."""
-    mine = torch.tensor(values, dtype=torch.int64, device=t.device)
-    out = [torch.empty_like(mine) for _ in range(W)]
-    dist.all_gather(out, mine, group=group)
-    return [o.tolist() for o in out]
+_MAX_DIMS = 8  # unshard_sequence's agreement summary holds shapes of up to this many dims
 
 
-def unshard_sequence(x: torch.Tensor, layout: str = "zigzag", group=None, *, dim: int = 1):
+def _describe_shard(summary: list[int]) -> str:
+    ndim, shape, (dtype, dim, layout) = summary[0], summary[1 : 1 + _MAX_DIMS], summary[-3:]
+    return (
+        f"x {tuple(shape[:ndim])} {dtype_name(dtype)}, sequence dim={dim}, "
+        f"layout={LAYOUTS[layout]!r}"
+    )
+
+
+def unshard_sequence(
+    x: torch.Tensor, layout: str = "zigzag", group=None, *, dim: int | None = None
+):
     """The full sequence from every rank's shard ``x`` (an all-gather; the inverse of
-    :func:`shard_sequence`). Every rank gets the same tensor with ``S = W · x.shape[dim]``.
+    :func:`shard_sequence`, with the same ``dim`` rule). Every rank gets the same tensor with
+    ``S = W · x.shape[dim]``.
 
     Not differentiable: to train, compute the loss on the local shard and all-reduce it.
+    Raises :class:`DistributedArgumentError` on every rank if the shards differ in shape or dtype,
+    or a check fails on any rank.
     """
     W, _ = world(group)
+    hint = "shard with shard_sequence, which cuts equal pieces"
+    with rank_checks(
+        "unshard_sequence", group, W, _MAX_DIMS + 4, _describe_shard, hint, tensor=x
+    ) as check:
+        check_layout(layout)
+        d = seq_dim(x, dim, "unshard_sequence")
+        if x.dim() > _MAX_DIMS:
+            raise ValueError(f"unshard_sequence takes at most {_MAX_DIMS} dims, got {x.dim()}")
+        shape = [*x.shape, *[0] * (_MAX_DIMS - x.dim())]
+        check.summary = [x.dim(), *shape, dtype_code(x.dtype), d, LAYOUTS.index(layout)]
     if W == 1:
         return x
     x = x.contiguous()
-    shapes = gather_shapes(x, list(x.shape), group, W)
-    if any(s != shapes[0] for s in shapes):
-        raise ValueError(
-            f"unshard_sequence needs the same shard shape on every rank, got {shapes} "
-            "(one per rank); shard with shard_sequence, which cuts equal pieces"
-        )
     parts = [torch.empty_like(x) for _ in range(W)]
     dist.all_gather(parts, x, group=group)
-    S = W * x.shape[dim]
+    S = W * x.shape[d]
     pieces: list[tuple[int, torch.Tensor]] = []
     for rank, part in enumerate(parts):
         row = 0
         for g, n in segments(S, layout, rank, W):
-            pieces.append((g, part.narrow(dim, row, n)))
+            pieces.append((g, part.narrow(d, row, n)))
             row += n
-    return torch.cat([p for _, p in sorted(pieces, key=lambda gp: gp[0])], dim=dim)
+    return torch.cat([p for _, p in sorted(pieces, key=lambda gp: gp[0])], dim=d)
