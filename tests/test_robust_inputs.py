@@ -169,3 +169,32 @@ def test_positions_past_float64_exact_integers_are_refused(module):
             RoPE(8)(torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(3)), positions)
         else:
             Sinusoidal(8)(positions)
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_flex_passes_a_callable_failure_on_without_retrying(qkv, failure, monkeypatch):
+    # flex traces score mods inside its compiled kernel; a compile failure is retried with static
+    # shapes and then declined (auto falls back), but the user's own error or an out-of-memory is
+    # no compile failure: it arrives unchanged from the first attempt. (The fake compiled kernel
+    # stands in for torch.compile, which takes ~10 s on CPU and raises the user's error as is.)
+    from selfattn.backends import flex as flex_backend
+
+    if flex_backend._api() is None:
+        pytest.skip("this torch has no FlexAttention")
+    error = FAILURES[failure]()
+    attempts = []
+
+    def compiled(mode=None):
+        def run(q, k, v, **kwargs):
+            attempts.append(mode)
+            raise error
+
+        return run
+
+    monkeypatch.setattr(flex_backend, "_compiled", compiled)
+    monkeypatch.setattr(flex_backend, "_FAILED", {})
+    q, k, v = qkv
+    with torch.no_grad(), pytest.raises(type(error)) as got:
+        selfattn.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s, backend="flex")
+    assert got.value is error and len(attempts) == 1
+    assert flex_backend._FAILED == {}  # not recorded as a case flex cannot compile

@@ -232,6 +232,18 @@ def _check_arity(fn: Callable, n: int, what: str, params: str, fix: str) -> None
 # the user's own error classes) and every other exception (MemoryError, KeyboardInterrupt) is the
 # callable's real failure and propagates as it is, after one call.
 _NOT_BROADCASTING = (RuntimeError, ValueError, TypeError, IndexError)
+# Exceptions from these packages may be a backend's own failure (a compiler, a kernel); any other
+# class was defined by the user's code.
+_LIBRARY_PACKAGES = frozenset({"builtins", "torch", "triton", "sympy", "selfattn"})
+
+
+def _callable_failure(error: BaseException) -> bool:
+    """Whether ``error`` is out of memory or of the user's own exception class: what a backend
+    that traces a callable (flex's compiler) must pass on untouched instead of retrying or
+    falling back, so that the callable fails once and with its own error."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return type(error).__module__.partition(".")[0] not in _LIBRARY_PACKAGES
 
 
 def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> torch.Tensor:
