@@ -63,11 +63,20 @@ def _counting(n_args: int, error: BaseException):
 
 @pytest.mark.parametrize(
     ("kind", "backend"),
-    [("mask", "auto"), ("mask", "reference"), ("mask", "chunked"), ("score_mod", "reference")],
+    [
+        ("mask", "auto"),
+        ("mask", "reference"),
+        ("mask", "chunked"),
+        ("score_mod", "auto"),
+        ("score_mod", "reference"),
+        ("score_mod", "chunked"),
+    ],
 )
 @pytest.mark.parametrize("failure", list(FAILURES))
 def test_callable_failure_arrives_unchanged_after_one_call(qkv, failure, kind, backend):
+    # q requires grad: chunked then probes a score_mod for unlisted gradient sources first
     q, k, v = qkv
+    q = q.detach().requires_grad_(True)
     error = FAILURES[failure]()
     fn, calls = _counting(4 if kind == "mask" else 5, error)
     with pytest.raises(type(error)) as got:
