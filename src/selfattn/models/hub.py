@@ -354,9 +354,12 @@ def from_pretrained(path, dtype: torch.dtype | None = None) -> nn.Module:
         ) from e
     state = read_safetensors(path, dtype=dtype)
     names = {id(t): k for k, t in state.items()}  # tensors a conversion only renames keep their id
-    converted = model.convert_hf_state_dict(state)
-    sources = {k: names[id(t)] for k, t in converted.items() if names.get(id(t), k) != k}
-    load_state(model, converted, sources)
+    try:
+        converted = model.convert_hf_state_dict(state)
+        sources = {k: names[id(t)] for k, t in converted.items() if names.get(id(t), k) != k}
+        load_state(model, converted, sources)
+    except CheckpointError as e:  # about the folder's tensors: say which folder
+        raise CheckpointError(f"{str(config.file.parent)!r}: {e}") from None
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
