@@ -417,3 +417,64 @@ def test_info_says_which_backends_run_here(capsys):
     for b in info["backends"]:
         assert b["available"] == (b["why_not"] is None)
     assert any(b["name"] == "reference" and b["available"] for b in info["backends"])
+
+
+# -- limits of `mask` and `backends --mask` (issue 11): usage errors, exit 2, message on stderr ---
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["mask", "(" * 1000 + "causal" + ")" * 1000, "--size", "4"], ["nests deeper than 100"]),
+        (["mask", "causal & " * 300 + "causal", "--size", "4"], ["nests deeper than 100"]),
+        (["mask", "documents(" + "9" * 30 + ")", "--size", "4"], ["too large", "2**62"]),
+        (["mask", "documents(16777216, 5)", "--size", "4"], ["add up to 16777221"]),
+        (["mask", "causal", "--size", "300", "--max-bytes", "1000000"], ["Sq=300", "2.06 MiB"]),
+        (
+            ["mask", "causal", "--size", "3", "--kv-size", str(10**8)],
+            ["Sk=100000000", "--max-bytes"],
+        ),
+        (["mask", "causal", "--size", "700", "--out", "m.png"], ["--out canvas", "--max-bytes"]),
+        (["backends", "--mask", "sliding_window:" + "9" * 30], ["sliding_window", "too large"]),
+        (["backends", "--mask", "documents:" + "9" * 5000], ["documents", "too large"]),
+        (["backends", "--mask", "&".join(["causal"] * 200)], ["more than 100 terms"]),
+    ],
+    ids=[
+        "parentheses",
+        "and-chain",
+        "huge-int",
+        "documents-total",
+        "max-bytes",
+        "kv-size",
+        "out-canvas",
+        "backends-huge-window",
+        "backends-huge-documents",
+        "backends-many-terms",
+    ],
+)
+def test_mask_grammar_and_size_limits_exit_two(capsys, argv, names):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == "", (rc, err)
+    assert "error:" in err and "Traceback" not in err
+    for name in names:
+        assert name in err, err
+
+
+@pytest.mark.parametrize("cmd", ["mask", "map"])
+def test_out_into_a_missing_folder_is_refused_not_created(capsys, tmp_path, cmd):
+    (tmp_path / "a-file").write_text("")
+    cases = [
+        (tmp_path / "missing" / "deeper", "does not exist"),
+        (tmp_path / "a-file", "is not a folder"),
+    ]
+    for folder, why in cases:
+        picture = folder / "m.png"
+        argv = ["mask", "causal", "--size", "3"] if cmd == "mask" else ["map", "Hello there."]
+        rc, out, err = run(capsys, *argv, "--out", str(picture))
+        assert rc == 2 and out == ""
+        assert str(folder) in err and why in err and "mkdir -p" in err
+    assert not (tmp_path / "missing").exists()
+
+
+def test_mask_size_within_the_budget_still_runs(capsys):
+    rc, out, err = run(capsys, "mask", "causal", "--size", "6", "--max-bytes", str(6 * 6 * 24))
+    assert rc == 0, err
+    assert out.count("\n") >= 6

@@ -23,6 +23,7 @@ from selfattn.inspect import (
     plot_attention,
     plot_mask,
 )
+from selfattn.inspect.mask_expr import MAX_DEPTH, MAX_DOCUMENT_POSITIONS
 from selfattn.nn import (
     MLP,
     ContiguousCache,
@@ -32,6 +33,7 @@ from selfattn.nn import (
     MultiHeadAttention,
 )
 from selfattn.positions import RoPE
+from selfattn.testing import make_qkv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -490,3 +492,65 @@ def test_generation_with_a_cache_records_each_step_like_a_full_forward():
     assert shapes == [(1, 2, 5, 5), (1, 2, 1, 6), (1, 2, 1, 7)]
     for t, w in enumerate(steps.calls[1][1:], start=6):
         torch.testing.assert_close(w[0, :, 0], full[1][0, :, t - 1, :t], atol=1e-5, rtol=1e-5)
+
+
+# -- limits of mask expressions (issue 11) ---------------------------------------------------------
+DEEP = 1000  # far past MAX_DEPTH; on main each of these overflowed Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    "text, position",
+    [
+        ("(" * DEEP + "causal" + ")" * DEEP, MAX_DEPTH),
+        ("~" * DEEP + "causal", MAX_DEPTH),
+        (" & ".join(["causal"] * DEEP), len("causal & ") * MAX_DEPTH - 2),
+        ("causal | " * DEEP + "causal", len("causal | ") * MAX_DEPTH - 2),
+    ],
+    ids=["parentheses", "not", "and-chain", "or-chain"],
+)
+def test_deep_mask_expressions_are_a_syntax_error(text, position):
+    with pytest.raises(MaskSyntaxError, match=f"nests deeper than {MAX_DEPTH} levels") as e:
+        parse_mask(text)
+    assert e.value.position == position
+    assert len(str(e.value)) < 600  # the expression is shown around the fault, not whole
+
+
+def test_mask_expressions_at_the_depth_limit_parse_and_evaluate():
+    rng = torch.Generator().manual_seed(5)
+    names = ["causal", "sliding_window(3)", "prefix_lm(2)", "chunked(4)"]
+    terms = [names[int(i)] for i in torch.randint(0, 4, (MAX_DEPTH,), generator=rng)]
+    chain = parse_mask(" & ".join(terms))  # a tree MAX_DEPTH deep
+    want = parse_mask(terms[0])
+    for t in terms[1:]:
+        want = want & parse_mask(t)
+    assert torch.equal(chain.to_dense(9, 11), want.to_dense(9, 11))
+    nested = parse_mask("(" * MAX_DEPTH + "~causal" + ")" * MAX_DEPTH)
+    assert torch.equal(nested.to_dense(5, 5), ~masks.causal().to_dense(5, 5))
+    q, k, v = make_qkv(1, 2, 9, 8, Sk=11, seed=6)
+    sa.attention(q, k, v, mask=chain, backend="reference")  # evaluates within the stack
+    assert repr(chain).count("&") == MAX_DEPTH - 1
+
+
+@pytest.mark.parametrize(
+    "text, position, words",
+    [
+        ("documents(" + "9" * 30 + ")", 10, ["too large", "2**62"]),
+        ("sliding_window(" + "9" * 5000 + ")", 15, ["too large", "(5000 digits)"]),
+        ("padding(" + "9" * 20 + ")", 8, ["too large"]),
+        (f"chunked({2**62 + 1})", 8, ["too large"]),
+        (f"documents({MAX_DOCUMENT_POSITIONS}, 1)", 0, ["add up to", "MAX_DOCUMENT_POSITIONS"]),
+    ],
+    ids=["documents-30-digits", "window-5000-digits", "padding", "chunked", "documents-total"],
+)
+def test_mask_expression_sizes_are_checked_before_allocating(text, position, words):
+    with pytest.raises(MaskSyntaxError) as e:
+        parse_mask(text)
+    assert e.value.position == position
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert len(str(e.value)) < 600
+
+
+def test_mask_expression_sizes_at_the_limits_are_accepted():
+    assert parse_mask(f"sliding_window({2**62})").size == 2**62
+    assert parse_mask(f"documents({MAX_DOCUMENT_POSITIONS - 1}, 1)") is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +204,190 @@ def test_folder_errors(tmp_path, tiny):
 def test_register_needs_a_model_type():
     with pytest.raises(TypeError, match="at least one model_type"):
         register()
+
+
+# -- malformed folders: every error names the file (issue 11) ----------------------------------
+def test_truncated_shard_names_the_file(tiny):
+    f = tiny / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        from_pretrained(tiny)
+
+
+def test_truncated_shard_of_an_index_names_that_shard(tmp_path):
+    save_tiny(tmp_path, max_shard_size="20KB")
+    victim = sorted(tmp_path.glob("*.safetensors"))[1]
+    victim.write_bytes(victim.read_bytes()[:5])  # not even a whole header
+    with pytest.raises(CheckpointError, match=re.escape(victim.name)):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ('{"model_type": "bert",', "is not valid JSON"),
+        ("\xff\xfe", "is not valid JSON"),
+        ('[{"model_type": "bert"}]', "holds an array"),
+        ('"bert"', "holds a string"),
+        ("null", "holds null"),
+    ],
+    ids=["cut", "not-utf8", "list", "string", "null"],
+)
+def test_config_that_is_not_a_json_object_names_the_file(tiny, text, fragment):
+    (tiny / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(CheckpointError, match=rf"config\.json.*{fragment}"):
+        from_pretrained(tiny)
+
+
+# The smallest config each registered model_type builds from; every key listed is required.
+MINIMAL_CONFIGS = {
+    "bert": dict(vocab_size=11),
+    "gpt2": dict(vocab_size=11, n_embd=8, n_layer=1, n_head=2),
+    "llama": dict(
+        vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
+        intermediate_size=12,
+    ),
+    "t5": dict(vocab_size=11, d_model=8, d_kv=4, d_ff=12, num_heads=2, num_layers=1),
+    "bart": dict(
+        vocab_size=11, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,
+        max_position_embeddings=16,
+    ),
+}  # fmt: skip
+FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "gemma2": "llama", "mt5": "t5"}
+REQUIRED = [
+    (t, key)
+    for t in sorted(hub.registered())
+    for key in MINIMAL_CONFIGS.get(FAMILY_OF.get(t, t), {})
+]
+
+
+def test_every_model_type_with_required_keys_is_covered():
+    # ViT defaults every key (as transformers does); a new family must join MINIMAL_CONFIGS
+    assert {FAMILY_OF.get(t, t) for t in hub.registered()} - {"vit"} == set(MINIMAL_CONFIGS)
+    for t in hub.registered():  # each minimal config really builds (tiny, random weights)
+        config = dict(MINIMAL_CONFIGS.get(FAMILY_OF.get(t, t), {}), model_type=t)
+        if t == "bert":
+            config.update(hidden_size=8, num_attention_heads=2, intermediate_size=12)
+        if t == "vit":
+            config.update(hidden_size=8, num_attention_heads=2, image_size=8, patch_size=4)
+        assert hub.registered()[t].from_config(config) is not None
+
+
+@pytest.mark.parametrize("model_type,key", REQUIRED, ids=[f"{t}-{k}" for t, k in REQUIRED])
+def test_missing_required_config_key_names_the_file_and_key(tmp_path, model_type, key):
+    config = dict(MINIMAL_CONFIGS[FAMILY_OF.get(model_type, model_type)], model_type=model_type)
+    del config[key]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hub.ConfigKeyError, match=rf"config\.json.*{key!r}.*{model_type}") as e:
+        from_pretrained(tmp_path)
+    assert e.value.key == key and e.value.file == tmp_path / "config.json"
+    assert not isinstance(e.value, KeyError)
+
+
+@pytest.mark.parametrize(
+    "model_type,change,fragment",
+    [
+        ("bert", {"num_attention_heads": "3"}, "BertModel (bert): ValueError"),
+        ("llama", {"rope_scaling": [1, 2]}, "Llama (llama): TypeError"),
+        ("bart", {"activation_function": ["gelu"]}, "Bart (bart): TypeError"),
+    ],
+    ids=["bert-str", "llama-list", "bart-list"],
+)
+def test_config_value_of_the_wrong_kind_names_the_file(tmp_path, model_type, change, fragment):
+    config = dict(MINIMAL_CONFIGS[model_type], model_type=model_type, **change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"config\.json.*{re.escape(fragment)}"):
+        from_pretrained(tmp_path)
+
+
+def test_model_type_that_is_not_a_string(tiny):
+    edit_config(tiny, model_type=["bert"])
+    with pytest.raises(UnsupportedConfigError, match=r"model_type=\['bert'\].*config\.json"):
+        from_pretrained(tiny)
+
+
+def _sharded_with_one_shard_moved(tmp_path):
+    """A sharded folder ``tmp_path/model`` whose second shard was moved to ``tmp_path/elsewhere``
+    (a valid shard: only its location is wrong). Returns (folder, index dict, shard name)."""
+    folder, elsewhere = tmp_path / "model", tmp_path / "elsewhere"
+    save_tiny(folder, max_shard_size="20KB")
+    elsewhere.mkdir()
+    name = sorted(p.name for p in folder.glob("*.safetensors"))[1]
+    (folder / name).rename(elsewhere / name)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder, index, name
+
+
+def _rewrite_index(folder, index, name, new_name):
+    index["weight_map"] = {k: new_name if v == name else v for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_index_shard_names_must_stay_inside_the_folder(tmp_path, how):
+    folder, index, name = _sharded_with_one_shard_moved(tmp_path)
+    outside = tmp_path / "elsewhere" / name
+    new_name = f"../elsewhere/{name}" if how == "dotdot" else str(outside)
+    _rewrite_index(folder, index, name, new_name)
+    with pytest.raises(CheckpointError, match=rf"index\.json.*{re.escape(new_name)}.*outside"):
+        from_pretrained(folder)
+
+
+def test_index_shard_that_links_out_of_the_folder_is_refused(tmp_path):
+    folder, _, name = _sharded_with_one_shard_moved(tmp_path)
+    (folder / name).symlink_to(tmp_path / "elsewhere" / name)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}.*link to.*outside"):
+        from_pretrained(folder)
+
+
+def test_hugging_face_cache_snapshot_links_are_followed(tmp_path):
+    # <repo>/snapshots/<rev>/<file> -> ../../blobs/<hash>: huggingface_hub's cache layout
+    source, repo = tmp_path / "source", tmp_path / "models--tiny"
+    save_tiny(source, max_shard_size="20KB")
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(source.iterdir())):
+        f.rename(blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    assert isinstance(from_pretrained(snapshot), BertModel)
+
+
+@pytest.mark.parametrize(
+    "index,fragment",
+    [
+        ("[1, 2]", "holds an array"),
+        ('{"weight_map": {"a": 3}}', "maps tensor 'a' to 3"),
+        ('{"weight_map":', "is not valid JSON"),
+    ],
+    ids=["list", "non-string-shard", "cut"],
+)
+def test_malformed_index_names_the_file(tmp_path, index, fragment):
+    save_tiny(tmp_path, max_shard_size="20KB")
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=rf"index\.json.*{re.escape(fragment)}"):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_integer_or_bool_tensor_into_a_float_parameter(tiny, dtype):
+    name = "encoder.layer.0.output.dense.bias"
+
+    def to_int(state):
+        state[name] = (state[name] * 100).to(dtype)
+
+    edit_tensors(tiny, to_int)
+    want = rf"{re.escape(str(tiny))}.*mis-typed.*{re.escape(name)}.*{re.escape(str(dtype))} vs "
+    want += r"model float torch\.float32"
+    with pytest.raises(CheckpointError, match=want):
+        from_pretrained(tiny)
+
+
+def test_sentence_transformers_modules_json_of_the_wrong_kind(tiny):
+    from selfattn.models import SentenceEncoder
+
+    (tiny / "modules.json").write_text('{"type": "Pooling"}')
+    with pytest.raises(CheckpointError, match=r"modules\.json.*holds an object.*expected an array"):
+        SentenceEncoder.from_pretrained(tiny)

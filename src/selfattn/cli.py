@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,6 +126,7 @@ def _int_at_least(low: int):
 
 _positive_int = _int_at_least(1)
 _nonnegative_int = _int_at_least(0)
+_DEFAULT_MAX_BYTES = 1 << 30  # --max-bytes of map and mask: 1 GiB
 
 
 def _probability(text: str) -> float:
@@ -152,8 +154,13 @@ _MASK_TERMS = ("none", "causal", "sliding_window:N", "chunked:N", "prefix_lm:N")
 _MASK_TERMS_SHAPED = ("documents:N", "padding:N")
 
 
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
 def _mask_spec(text: str) -> list[tuple[str, int | None]]:
     """Parse ``causal&sliding_window:256`` into ``[("causal", None), ("sliding_window", 256)]``."""
+    from selfattn.inspect.mask_expr import MAX_DEPTH, _size_value
+
     known = {t.split(":")[0]: t.endswith(":N") for t in _MASK_TERMS + _MASK_TERMS_SHAPED}
     terms = []
     for raw in text.split("&"):
@@ -168,17 +175,25 @@ def _mask_spec(text: str) -> list[tuple[str, int | None]]:
             raise argparse.ArgumentTypeError(f"mask term {raw.strip()!r} takes {need}")
         value = None
         if arg:
-            try:
-                value = int(arg)
-            except ValueError:
+            if not _INTEGER.fullmatch(arg.strip()):
                 raise argparse.ArgumentTypeError(
                     f"mask term {raw.strip()!r}: expected an integer after ':', got {arg!r}"
-                ) from None
+                )
+            value = _size_value(arg.strip())
+            if value is None:
+                raise argparse.ArgumentTypeError(
+                    f"mask term {raw.strip()[:40]!r}: {name} size is too large; sizes are at "
+                    "most 2**62"
+                )
             if value < 1:
                 raise argparse.ArgumentTypeError(
                     f"mask term {raw.strip()!r}: {name} size must be >= 1, got {value}"
                 )
         terms.append((name, value))
+        if len(terms) > MAX_DEPTH:  # the terms build a chain of & as deep as they are many
+            raise argparse.ArgumentTypeError(
+                f"--mask joins more than {MAX_DEPTH} terms; drop the repeated ones"
+            )
     if len(terms) > 1 and any(name == "none" for name, _ in terms):
         raise argparse.ArgumentTypeError(f"'none' cannot be combined with other terms in {text!r}")
     return terms
@@ -990,16 +1005,48 @@ def _mask_expr(text: str):
 def _picture_path(text: str) -> str:
     if Path(text).suffix.lower() not in (".png", ".svg"):
         raise argparse.ArgumentTypeError(f"{text!r}: the picture's name must end in .png or .svg")
+    folder = Path(text).parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: folder {str(folder)!r} {what}; create it first (mkdir -p {folder})"
+        )
     return text
+
+
+# Peak memory of `selfattn mask` per (query, key) pair, measured at about 20 bytes for
+# Sq = Sk = 3000-4000: the dense bool mask (twice: the count and the picture), the text picture
+# (UCS-2 rows, joined, split again for --json) and the JSON text ("\u2588" per cell).
+_MASK_BYTES_PER_PAIR = 24
+
+
+def _mask_bytes(Sq: int, Sk: int, out: str | None) -> tuple[int, str]:
+    """Bytes ``selfattn mask`` needs for an (Sq, Sk) picture, and what they are made of."""
+    from selfattn.inspect.plot import _mask_figure_bytes
+
+    text = Sq * Sk * _MASK_BYTES_PER_PAIR
+    parts = f"{Sq} x {Sk} pairs x {_MASK_BYTES_PER_PAIR} B for the dense mask and text"
+    if out is None:
+        return text, parts
+    canvas = _mask_figure_bytes(Sq, Sk)
+    return text + canvas, f"{parts} + {sa.cache.format_bytes(canvas)} for the --out canvas"
 
 
 def _cmd_mask(args) -> int:
     expr, mask = args.expr
     Sq, Sk = args.size, args.kv_size if args.kv_size is not None else args.size
+    need, parts = _mask_bytes(Sq, Sk, args.out)
+    if need > args.max_bytes:
+        fmt = sa.cache.format_bytes
+        args.subparser.error(
+            f"Sq={Sq}, Sk={Sk} needs about {fmt(need)} ({parts}), above --max-bytes "
+            f"{fmt(args.max_bytes)}; lower --size/--kv-size or raise --max-bytes"
+        )
     try:
         dense = mask.to_dense(Sq, Sk)[0, 0]  # (Sq, Sk) bool, bottom-right aligned
     except ValueError as e:  # e.g. documents(...) lengths that do not cover Sk positions
         args.subparser.error(f"mask {expr!r} on Sq={Sq}, Sk={Sk}: {e}")
+    allowed = int(dense.sum())
     picture = mask.render(Sq, Sk)
     if args.out:
         from selfattn.inspect import plot_mask
@@ -1011,8 +1058,8 @@ def _cmd_mask(args) -> int:
         "Sq": Sq,
         "Sk": Sk,
         "q_offset": Sk - Sq,
-        "allowed": int(dense.sum()),
-        "density": float(dense.double().mean()),
+        "allowed": allowed,
+        "density": allowed / (Sq * Sk),
         "rows": picture.split("\n"),
         "image": args.out,
     }
@@ -1375,7 +1422,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-bytes",
         type=_positive_int,
-        default=1 << 30,
+        default=_DEFAULT_MAX_BYTES,
         metavar="N",
         help="refuse when the captured maps would exceed N bytes (default 1 GiB)",
     )
@@ -1406,6 +1453,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-size", type=_positive_int, metavar="Sk", help="keys (default N)")
     p.add_argument(
         "--out", type=_picture_path, metavar="FILE", help="also write a .png or .svg picture"
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=_positive_int,
+        default=_DEFAULT_MAX_BYTES,
+        metavar="N",
+        help="refuse sizes whose dense mask and pictures would exceed N bytes (default 1 GiB)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=_cmd_mask, subparser=p)

@@ -8,7 +8,7 @@ import torch
 
 from selfattn import backends as _backends
 from selfattn.backends import AttentionCall
-from selfattn.masks import as_mask
+from selfattn.masks import _check_position_span, as_mask
 from selfattn.scores import as_score_mod
 
 __all__ = ["attention", "attention_weights"]
@@ -101,6 +101,7 @@ def _prepare(
         q_offset = int(q_offset)
     if isinstance(q_offset, bool) or not isinstance(q_offset, int):
         raise TypeError(f"q_offset must be an int (position of query row 0), got {q_offset!r}")
+    _check_position_span(q_offset, Sq, "q_offset")
 
     mask_obj = None if mask is None else as_mask(mask)
     if mask_obj is not None:

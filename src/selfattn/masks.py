@@ -69,6 +69,28 @@ EMPTY, PARTIAL, FULL = TileKind.EMPTY, TileKind.PARTIAL, TileKind.FULL
 _DOCUMENTS_EXACT_BUDGET = 1 << 24
 
 
+# Every position (query ``q_offset + row``, key ``kv_offset + column``) and every mask size must lie
+# in [-POSITION_LIMIT, POSITION_LIMIT]: positions are int64 tensors and masks add and subtract two
+# of them (a window's ``q_idx - size``, a tile's ``q_last - kv_first``), which then never wraps.
+_POSITION_LIMIT = 1 << 62
+
+
+def _check_position_span(first: int, count: int, name: str) -> None:
+    """ValueError unless positions ``first .. first + count - 1`` lie in ±``_POSITION_LIMIT``.
+
+    ``name`` says where ``first`` came from (``"q_offset"``); a silent int64 wrap would move
+    queries to the other end of the sequence and mask them all."""
+    last = first + max(count, 1) - 1
+    if -_POSITION_LIMIT <= first and last <= _POSITION_LIMIT:
+        return
+    span = f"position {first}" if last == first else f"positions {first}..{last}"
+    raise ValueError(
+        f"{name}={first} puts {span} outside the supported range "
+        f"[-2**62, 2**62] = [{-_POSITION_LIMIT}, {_POSITION_LIMIT}] (positions are int64 and "
+        "masks take differences of two of them); count positions from the start of the sequence"
+    )
+
+
 def _check_int(value, name: str, minimum: int | None = None) -> int:
     """``value`` as an int (bools and floats rejected), at least ``minimum`` when given."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -111,6 +133,8 @@ class TileGrid:
             _check_int(getattr(self, name), f"TileGrid {name}")
         if self.row_offset is not None:
             _check_int(self.row_offset, "TileGrid row_offset")
+        _check_position_span(self.q_offset, self.Sq, "TileGrid q_offset")
+        _check_position_span(self.kv_offset, self.Sk, "TileGrid kv_offset")
 
     @property
     def n_q(self) -> int:
@@ -200,14 +224,38 @@ def _check_arity(fn: Callable, n: int, what: str, params: str, fix: str) -> None
         ) from None
 
 
+# What a callable written for 0-d tensors raises on broadcast index tensors: the ambiguous truth
+# value of a Python `if`/`and`/`or` (RuntimeError), `.item()`/`int()`/`math.*` of a many-element
+# tensor (RuntimeError, ValueError), a tensor used as a Python list index (TypeError), shape
+# mismatches of stack/cat/view (RuntimeError) and tensor indexing (IndexError). Only these exact
+# types mean "this code does not broadcast": a subclass (torch.OutOfMemoryError is a RuntimeError,
+# the user's own error classes) and every other exception (MemoryError, KeyboardInterrupt) is the
+# callable's real failure and propagates as it is, after one call.
+_NOT_BROADCASTING = (RuntimeError, ValueError, TypeError, IndexError)
+# Exceptions from these packages may be a backend's own failure (a compiler, a kernel); any other
+# class was defined by the user's code.
+_LIBRARY_PACKAGES = frozenset({"builtins", "torch", "triton", "sympy", "selfattn"})
+
+
+def _callable_failure(error: BaseException) -> bool:
+    """Whether ``error`` is out of memory or of the user's own exception class: what a backend
+    that traces a callable (flex's compiler) must pass on untouched instead of retrying or
+    falling back, so that the callable fails once and with its own error."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return type(error).__module__.partition(".")[0] not in _LIBRARY_PACKAGES
+
+
 def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """``fn(*args)`` on broadcastable tensors, falling back to ``torch.vmap`` over every element.
 
     User callables are written for FlexAttention, which calls them on 0-d tensors under vmap;
     most also broadcast, which is much faster, so that is tried first. When the broadcast call
-    raises or returns a shape that is not the broadcast shape of the arguments, ``fn`` is vmapped
-    once per dimension (every argument expanded to the broadcast shape, a free view). The result
-    has as many dimensions as that shape.
+    fails the way code written for 0-d tensors fails (see ``_NOT_BROADCASTING``) or returns a
+    shape that is not the broadcast shape of the arguments, ``fn`` is vmapped once per dimension
+    (every argument expanded to the broadcast shape, a free view). The result has as many
+    dimensions as that shape. Any other exception (out of memory, the callable's own error types)
+    propagates unchanged from the first call.
     """
     shape = torch.broadcast_shapes(*(a.shape for a in args))
     first_error: Exception | None = None
@@ -220,9 +268,9 @@ def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> 
                 out = out.reshape((1,) * (len(shape) - out.dim()) + tuple(out.shape))
             return out
         bad_shape = tuple(out.shape)
-    except _CallableError:
-        raise
-    except Exception as e:  # any other failure: the vmap path below decides
+    except Exception as e:
+        if type(e) not in _NOT_BROADCASTING:
+            raise
         first_error, bad_shape = e, None
     if len(shape) == 0:  # already elementwise: nothing to vmap over
         if first_error is not None:
@@ -236,9 +284,9 @@ def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> 
         f = torch.vmap(f, in_dims=0, out_dims=0)
     try:
         out = f(*(a.expand(shape) for a in args))
-    except _CallableError:
-        raise
     except Exception as e:
+        if type(e) not in _NOT_BROADCASTING:
+            raise
         got = (
             f"raised {type(first_error).__name__}: {first_error}"
             if first_error
@@ -357,6 +405,8 @@ def _check_positive_int(value, name: str, fix: str = "") -> int:
         )
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}" + (f"; {fix}" if fix else ""))
+    if value > _POSITION_LIMIT:  # positions minus a size must stay in int64
+        raise ValueError(f"{name} must be <= 2**62 ({_POSITION_LIMIT}), got {value}")
     return value
 
 
@@ -449,6 +499,7 @@ class Mask:
         for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
             _check_int(x, f"to_dense {name}", 0)
         q_offset = Sk - Sq if q_offset is None else _check_int(q_offset, "to_dense q_offset")
+        _check_position_span(q_offset, Sq, "to_dense q_offset")
         self.validate(B, H, Sq, Sk, q_offset)
         dense = _evaluate(self.mask_mod, B, H, Sq, Sk, q_offset, device, mask_q_offset=q_offset)
         return dense.expand(B, H, Sq, Sk)

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from selfattn.backends import AttentionCall, Backend, register
 from selfattn.backends._common import accumulation_dtype, dropout_keep, unattended_columns_zeroed
-from selfattn.masks import FULL, TileGrid
+from selfattn.masks import FULL, TileGrid, _callable_failure
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
 
@@ -747,8 +747,10 @@ def _unlisted_grad_source(mod, call: AttentionCall, q) -> bool:
     try:
         with torch.enable_grad():
             r = mod.score_mod(score, zero, zero, zero + call.q_offset, zero, q_offset=call.q_offset)
-    except Exception:
-        return False  # let the real call raise with the user's own error
+    except Exception as e:
+        if _callable_failure(e):  # out of memory or the user's own error: raise it once, here
+            raise
+        return False  # let the real call raise its error with the full-size arguments
     if not isinstance(r, torch.Tensor) or not r.requires_grad:
         return False
     listed = {id(t) for t in mod.tensors() if isinstance(t, torch.Tensor)}

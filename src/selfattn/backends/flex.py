@@ -34,7 +34,17 @@ import torch
 
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
 from selfattn.backends._common import accumulation_dtype
-from selfattn.masks import FULL, PARTIAL, And, Mask, Not, TensorMask, TileGrid, _evaluate
+from selfattn.masks import (
+    FULL,
+    PARTIAL,
+    And,
+    Mask,
+    Not,
+    TensorMask,
+    TileGrid,
+    _callable_failure,
+    _evaluate,
+)
 
 BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
 _CACHE_SIZE = 16  # block masks kept (each holds O(B·Hq·n_q·n_k) int32 indices and its mask)
@@ -410,6 +420,8 @@ def _run(q, k, v, call: AttentionCall):
             result = _compiled(mode)(q, k, v, **kwargs)
             break
         except Exception as e:
+            if _callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised
+                raise
             if mode is None:  # retry with static shapes, and remember to start there next time
                 _STATIC_ONLY.add(signature)
                 continue

@@ -12,6 +12,12 @@ valid keys), ``documents(a, b, ...)`` (packed documents of lengths ``a, b, ...``
 ``0..a-1`` are document 0, the next ``b`` document 1, ...). ``~`` binds tightest, then ``&``,
 then ``|``, as in Python. Errors are :class:`MaskSyntaxError` (a ``ValueError``) naming the bad
 token and its position.
+
+Limits, checked while parsing and before anything is allocated: parentheses and the ``& | ~``
+tree nest at most ``MAX_DEPTH`` (100) levels deep (a deeper expression would overflow Python's
+recursion limit while parsing or evaluating); each integer is at most ``2**62`` (masks add and
+subtract positions in int64); ``documents(...)`` lengths add up to at most
+``MAX_DOCUMENT_POSITIONS`` (2**24: it builds one id per position).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from selfattn import masks
 
-__all__ = ["MASK_NAMES", "MaskSyntaxError", "parse_mask"]
+__all__ = ["MASK_NAMES", "MAX_DEPTH", "MAX_DOCUMENT_POSITIONS", "MaskSyntaxError", "parse_mask"]
 
 # name -> (argument count: 0, 1 or None for "one or more", constructor from the int arguments)
 _NAMES = {
@@ -36,6 +42,16 @@ _NAMES = {
 MASK_NAMES = tuple(_NAMES)
 
 _TOKEN = re.compile(r"\s*(?:(?P<int>-?\d+)|(?P<name>[A-Za-z_]\w*)|(?P<op>[&|~(),]))")
+_SPACE = re.compile(r"\s*")
+
+# Each nesting level costs a few Python frames to parse (parse_or -> parse_and -> parse_unary ->
+# parse_atom) and one or two to evaluate (a Mask tree recurses), so this bound stays far below the
+# interpreter's recursion limit (1000) wherever the caller stands.
+MAX_DEPTH = 100
+# documents(a, b, ...) materialises one int64 id per position (2**24 of them: 128 MiB).
+MAX_DOCUMENT_POSITIONS = 1 << 24
+# Around this many characters of a long expression are shown in an error, centred on the fault.
+_SHOWN = 72
 
 
 class MaskSyntaxError(ValueError):
@@ -43,9 +59,25 @@ class MaskSyntaxError(ValueError):
 
     def __init__(self, text: str, position: int, message: str):
         self.text, self.position = text, position
-        pointer = " " * position + "^"
+        start = max(0, min(position - _SHOWN // 2, len(text) - _SHOWN))
+        shown = text[start : start + _SHOWN]
+        head, tail = ("..." if start else ""), ("..." if start + _SHOWN < len(text) else "")
+        pointer = " " * (len(head) + position - start) + "^"
         where = f"at position {position} in mask expression"
-        super().__init__(f"{message} {where}\n  {text}\n  {pointer}")
+        super().__init__(f"{message} {where}\n  {head}{shown}{tail}\n  {pointer}")
+
+
+def _size_value(digits: str) -> int | None:
+    """The int a decimal string spells, or None above 2**62 (the masks' position bound). Digit
+    counts are compared first: int() of a 5000-digit string is slow, then refused by Python."""
+    if len(digits.lstrip("-")) > len(str(masks._POSITION_LIMIT)):
+        return None
+    value = int(digits)
+    return value if value <= masks._POSITION_LIMIT else None
+
+
+def _short(digits: str, n: int = 24) -> str:
+    return digits if len(digits) <= n else f"{digits[:n]}... ({len(digits)} digits)"
 
 
 def _document_ids(lengths) -> torch.Tensor:
@@ -55,18 +87,17 @@ def _document_ids(lengths) -> torch.Tensor:
 
 
 def _tokens(text: str) -> list[tuple[str, str, int]]:
-    """``(kind, value, position)`` triples; kind is ``int``, ``name``, ``op`` or ``end``."""
-    out, pos = [], 0
+    """``(kind, value, position)`` triples; kind is ``int``, ``name``, ``op`` or ``end``.
+
+    Linear in the text's length (long inputs are refused by the parser, never slowly sliced)."""
+    out, pos = [], _SPACE.match(text).end()
     while pos < len(text):
-        if text[pos:].strip() == "":
-            break
         m = _TOKEN.match(text, pos)
         if m is None:
-            at = pos + len(text[pos:]) - len(text[pos:].lstrip())
-            raise MaskSyntaxError(text, at, f"unexpected character {text[at]!r}")
+            raise MaskSyntaxError(text, pos, f"unexpected character {text[pos]!r}")
         kind = m.lastgroup
         out.append((kind, m.group(kind), m.start(kind)))
-        pos = m.end()
+        pos = _SPACE.match(text, m.end()).end()
     out.append(("end", "", len(text)))
     return out
 
@@ -93,41 +124,60 @@ class _Parser:
         if tok[:2] != ("op", op):
             raise self.error(tok, expected)
 
+    def deeper(self, depth: int, tok) -> int:
+        """``depth`` (of the mask tree built at ``tok``), refused past ``MAX_DEPTH``."""
+        if depth > MAX_DEPTH:
+            raise MaskSyntaxError(
+                self.text,
+                tok[2],
+                f"mask expression nests deeper than {MAX_DEPTH} levels (parentheses and the "
+                "&, |, ~ tree); simplify it or build the mask in Python with selfattn.masks",
+            )
+        return depth
+
     def parse(self) -> masks.Mask:
         if self.peek()[0] == "end":
             raise MaskSyntaxError(self.text, 0, f"empty mask expression; use one of {MASK_NAMES}")
-        mask = self.parse_or()
+        mask, _ = self.parse_or(0)
         if self.peek()[0] != "end":
             raise self.error(self.peek(), "'&', '|' or the end of the expression")
         return mask
 
-    def parse_or(self) -> masks.Mask:
-        mask = self.parse_and()
+    # Each parse_* returns (mask, depth of its tree); `nesting` counts the open parentheses.
+    def parse_or(self, nesting: int) -> tuple[masks.Mask, int]:
+        mask, depth = self.parse_and(nesting)
         while self.peek()[:2] == ("op", "|"):
-            self.take()
-            mask = mask | self.parse_and()
-        return mask
+            tok = self.take()
+            right, d = self.parse_and(nesting)
+            mask, depth = mask | right, self.deeper(max(depth, d) + 1, tok)
+        return mask, depth
 
-    def parse_and(self) -> masks.Mask:
-        mask = self.parse_unary()
+    def parse_and(self, nesting: int) -> tuple[masks.Mask, int]:
+        mask, depth = self.parse_unary(nesting)
         while self.peek()[:2] == ("op", "&"):
-            self.take()
-            mask = mask & self.parse_unary()
-        return mask
+            tok = self.take()
+            right, d = self.parse_unary(nesting)
+            mask, depth = mask & right, self.deeper(max(depth, d) + 1, tok)
+        return mask, depth
 
-    def parse_unary(self) -> masks.Mask:
-        if self.peek()[:2] == ("op", "~"):
-            self.take()
-            return ~self.parse_unary()
-        return self.parse_atom()
+    def parse_unary(self, nesting: int) -> tuple[masks.Mask, int]:
+        nots = []  # a loop, not recursion: `~~~~...` is as long as the text allows
+        while self.peek()[:2] == ("op", "~"):
+            nots.append(self.take())
+            self.deeper(len(nots), nots[-1])
+        mask, depth = self.parse_atom(nesting)
+        for tok in reversed(nots):
+            mask, depth = ~mask, self.deeper(depth + 1, tok)
+        return mask, depth
 
-    def parse_atom(self) -> masks.Mask:
+    def parse_atom(self, nesting: int) -> tuple[masks.Mask, int]:
         tok = self.take()
         kind, value, pos = tok
         if (kind, value) == ("op", "("):
-            mask = self.parse_or()
+            self.deeper(nesting + 1, tok)
+            mask, depth = self.parse_or(nesting + 1)
             self.expect(")", "')' closing the '(' at position " + str(pos))
-            return mask
+            return mask, depth
         if kind != "name":
             raise self.error(tok, f"a mask name ({', '.join(MASK_NAMES)}), '~' or '('")
         if value not in _NAMES:
@@ -149,7 +199,15 @@ class _Parser:
                 raise MaskSyntaxError(
                     self.text, arg_pos, f"{value} arguments must be >= 1, got {arg}"
                 )
-        return build(*args)
+        if value == "documents" and sum(args) > MAX_DOCUMENT_POSITIONS:
+            raise MaskSyntaxError(
+                self.text,
+                pos,
+                f"documents lengths add up to {sum(args)} positions, above "
+                f"MAX_DOCUMENT_POSITIONS = {MAX_DOCUMENT_POSITIONS} (one id is stored per "
+                "position); describe a shorter sequence",
+            )
+        return build(*args), 1
 
     def parse_args(self, name: str) -> list[tuple[int, int]]:
         """``(value, position)`` of each integer between the parentheses."""
@@ -162,7 +220,15 @@ class _Parser:
             tok = self.take()
             if tok[0] != "int":
                 raise self.error(tok, f"an integer argument of {name}")
-            args.append((int(tok[1]), tok[2]))
+            value = _size_value(tok[1])
+            if value is None:
+                raise MaskSyntaxError(
+                    self.text,
+                    tok[2],
+                    f"{name} argument {_short(tok[1])} is too large; sizes are at most 2**62 "
+                    f"({masks._POSITION_LIMIT})",
+                )
+            args.append((value, tok[2]))
             tok = self.take()
             if tok[:2] == ("op", ")"):
                 return args

@@ -25,6 +25,20 @@ _MASKED = "#d9d9d9"  # grey for masked pairs
 _ROW_NOTE = "rows = queries, columns = keys; each row sums to 1"
 
 
+_DPI = 100  # pixels per inch of the written pictures
+
+
+def _mask_side(Sq: int, Sk: int) -> float:
+    """Side in inches of :func:`plot_mask`'s square figure: a quarter inch per position."""
+    return max(3.0, 0.25 * max(Sq, Sk) + 1.0)
+
+
+def _mask_figure_bytes(Sq: int, Sk: int) -> int:
+    """Bytes of the RGBA canvas :func:`plot_mask` renders for an ``(Sq, Sk)`` mask."""
+    pixels = math.ceil(_mask_side(Sq, Sk) * _DPI)
+    return pixels * pixels * 4
+
+
 def _figure(n_rows: int, n_cols: int, cell_inches: float, **kwargs):
     from matplotlib.figure import Figure
 
@@ -42,7 +56,7 @@ def _save(fig, out) -> None:
             f"got {path.suffix or 'no suffix'!r}"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=_DPI)
 
 
 def _as_panels(weights) -> torch.Tensor:
@@ -220,8 +234,7 @@ def plot_mask(
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     Sq, Sk = size, size if kv_size is None else kv_size
     dense = m.to_dense(Sq, Sk, q_offset=q_offset)[0, 0].cpu()  # (Sq, Sk) bool
-    side = max(3.0, 0.25 * max(Sq, Sk) + 1.0)
-    fig = _figure(1, 1, side, layout="constrained")
+    fig = _figure(1, 1, _mask_side(Sq, Sk), layout="constrained")
     ax = fig.subplots()
     ax.imshow(dense.float().numpy(), cmap=ListedColormap(["white", "#3b6fb6"]), vmin=0, vmax=1)
     step = max(1, math.ceil(max(Sq, Sk) / 32))  # at most ~32 tick labels per axis

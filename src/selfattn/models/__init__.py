@@ -5,7 +5,12 @@ the config's ``model_type`` (see :mod:`selfattn.models.hub`); ``generate`` runs 
 encoder-decoder through one of the library's KV caches.
 """
 
-from selfattn.models.hub import CheckpointError, UnsupportedConfigError, from_pretrained
+from selfattn.models.hub import (
+    CheckpointError,
+    ConfigKeyError,
+    UnsupportedConfigError,
+    from_pretrained,
+)
 
 from selfattn.models.encoder import BertConfig, BertModel, SentenceEncoder  # isort: skip
 from selfattn.models.decoder import GPT2, CausalLM, DecoderConfig, LayerCaches, Llama  # isort: skip
@@ -22,6 +27,7 @@ __all__ = [
     "BertModel",
     "CausalLM",
     "CheckpointError",
+    "ConfigKeyError",
     "DecoderConfig",
     "GATLayer",
     "LayerCaches",

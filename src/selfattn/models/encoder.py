@@ -14,7 +14,6 @@ when the folder lists a Normalize module.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import masks
-from selfattn.models.hub import CheckpointError, UnsupportedConfigError, register, unsupported
+from selfattn.models.hub import (
+    CheckpointError,
+    UnsupportedConfigError,
+    read_json,
+    register,
+    unsupported,
+)
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import LearnedPositions
@@ -245,8 +250,7 @@ def _read_json(path: Path, default=None):
         if default is not None:
             return default
         raise CheckpointError(f"{str(path)!r} is missing from the sentence-transformers folder")
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    return read_json(path, dict if default is None else type(default))
 
 
 def _bundled_path() -> Path:
@@ -321,6 +325,11 @@ class SentenceEncoder(nn.Module):
         modules = _read_json(root / "modules.json", default=[])
         found: dict[str, Path] = {}
         for m in modules:
+            if not isinstance(m, dict):
+                raise CheckpointError(
+                    f"{str(root / 'modules.json')!r} lists {m!r}; each module must be an object "
+                    'such as {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}'
+                )
             kind = _MODULES.get(m.get("type"))
             if kind is None:
                 raise UnsupportedConfigError(

@@ -47,7 +47,7 @@ from selfattn.functional import attention
 
 # one activation table and gated MLP for all model families (decoder.py holds them)
 from selfattn.models.decoder import LayerCaches
-from selfattn.models.hub import CheckpointError, register, unsupported
+from selfattn.models.hub import CheckpointError, missing_key, register, unsupported
 from selfattn.nn import MLP, DecoderBlock, EncoderBlock, LayerNorm, MultiHeadAttention, RMSNorm
 from selfattn.nn.mlp import ACTIVATIONS, SwiGLU
 from selfattn.positions import LearnedPositions
@@ -108,7 +108,7 @@ class Seq2SeqCaches(LayerCaches):
 def _int(config: Mapping, key: str, default=None, minimum: int = 1) -> int:
     value = config.get(key, default)
     if value is None:
-        raise ValueError(f"config has no {key!r} ({config.get('model_type', '?')}); add it")
+        raise missing_key(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(
             f"config {key}={value!r} ({config.get('model_type', '?')}) must be an int >= {minimum}"

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfattn.positions.sinusoidal import _check_position_values
+
 __all__ = ["NTK", "DynamicNTK", "Linear", "Llama3", "LongRoPE", "RoPE", "RoPE2D", "YaRN"]
 
 
@@ -317,8 +319,7 @@ def _check_positions(positions, x: torch.Tensor, trailing: tuple[int, ...] = ())
             f"positions shape {tuple(positions.shape)} does not match x (B={B}, S={S}); "
             f"expected {expected}"
         )
-    if positions.numel() and int(positions.min()) < 0:
-        raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
+    _check_position_values("RoPE", positions)
 
 
 class RoPE(nn.Module):

@@ -12,6 +12,26 @@ from torch import nn
 __all__ = ["LearnedPositions", "Sinusoidal"]
 
 
+# Angles are ``position * inv_freq`` in float64, which holds every integer exactly only up to 2**53:
+# past it neighbouring positions round to one angle (a silent wrong embedding).
+_MAX_EXACT_POSITION = 1 << 53
+
+
+def _check_position_values(owner: str, positions: torch.Tensor) -> None:
+    """ValueError unless every position lies in ``0 .. 2**53`` (an int tensor)."""
+    if not positions.numel():
+        return
+    low, high = (int(x) for x in positions.aminmax())
+    if low < 0:
+        raise ValueError(f"{owner} positions must be >= 0, got min {low}")
+    if high > _MAX_EXACT_POSITION:
+        raise ValueError(
+            f"{owner} positions must be <= 2**53 ({_MAX_EXACT_POSITION}), got max {high}: "
+            "angles are computed in float64, which rounds larger positions; count positions "
+            "from the start of the sequence"
+        )
+
+
 def _check_int_positions(owner: str, positions) -> None:
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"{owner} positions must be an int tensor, got {type(positions).__name__}")
@@ -23,8 +43,7 @@ def _check_int_positions(owner: str, positions) -> None:
         raise ValueError(
             f"{owner} positions must be (S,) or (B, S), got shape {tuple(positions.shape)}"
         )
-    if positions.numel() and int(positions.min()) < 0:
-        raise ValueError(f"{owner} positions must be >= 0, got min {int(positions.min())}")
+    _check_position_values(owner, positions)
 
 
 class Sinusoidal(nn.Module):
