@@ -34,7 +34,11 @@ Two implementations, one result (both FlashAttention's online softmax, merged in
   softmax is merged into a running float32 (float64 for fp64 inputs) max / sum / output.
 
 Either way a group or page where a row has no allowed key (a sliding window that excludes whole
-pages, a short sequence in a ragged batch) contributes nothing and never produces NaN.
+pages, a short sequence in a ragged batch) contributes nothing and never produces NaN. NaN/inf
+in V at a key a row does not attend never reaches that row, on every path: the C kernel never
+reads it for that row; the PyTorch path and the Triton kernel sum ``P·V`` as usual and, only
+where that came out non-finite (``0·NaN = NaN``), sum again over each row's attended keys
+(:func:`_weighted_sum_attended`), so finite caches pay one finiteness check of the sums.
 """
 
 from __future__ import annotations
@@ -74,6 +78,34 @@ GATHER_ELEMENTS = 1 << 21
 # thread, CPU time): the kernel costs 0.34x the PyTorch path at Sq=4, 0.56x at 16 and breaks even
 # at 64, where the batched GEMMs of the PyTorch path catch up with its per-row loops.
 KERNEL_MAX_SQ = 16
+
+
+def _weighted_sum_attended(
+    p: torch.Tensor, v: torch.Tensor, attended: torch.Tensor
+) -> torch.Tensor:
+    """``p @ v`` summed over each row's attended keys only: ``p (..., R, L)``, ``v (..., L, Dv)``,
+    ``attended (..., R, L)`` bool -> ``(..., R, Dv)``.
+
+    A key a row does not attend has weight 0 there, but IEEE gives ``0 · NaN = 0 · inf = NaN``:
+    a NaN in V (an unwritten slot, a key another row of the group attends) would poison every
+    row of the matmul. Here it reaches only the rows that attend it, with IEEE's result for a
+    sum over those keys alone (the C kernel's, which never reads other keys): a NaN gives NaN;
+    ``±inf`` gives ``±inf`` at a positive weight, NaN at weight 0 or when both signs meet. The
+    finite part is one matmul; four indicator matmuls count where the non-finite values land.
+    Callers take this path only when the plain ``p @ v`` came out non-finite.
+    """
+    finite = torch.isfinite(v)
+    out = p @ v.masked_fill(~finite, 0.0)
+    dt = p.dtype
+
+    def hits(w: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # any weighted key lands
+        return (w.to(dt) @ where.to(dt)) > 0
+
+    positive = p > 0  # implies attended: a key no row may attend has score -inf, weight 0
+    pos_inf, neg_inf = hits(positive, v == math.inf), hits(positive, v == -math.inf)
+    nan = hits(attended, v.isnan()) | hits(attended & (p == 0), v.isinf()) | (pos_inf & neg_inf)
+    out = out.masked_fill(pos_inf, math.inf).masked_fill(neg_inf, -math.inf)
+    return out.masked_fill(nan, math.nan)
 
 
 def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
@@ -350,8 +382,10 @@ def paged_attention(
     head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
 
     Returns ``out`` in ``q.dtype``, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` float32 (float64
-    for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0).
-    NaN/Inf in unused page slots or pages cannot reach the output.
+    for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0; also
+    when a score mod sets all its scores to ``-inf``). NaN/Inf in unused page slots or pages
+    cannot reach the output, nor can NaN/Inf at a key a row does not attend (masked, or scored
+    ``-inf`` by the score mod): it reaches only the rows that attend it.
 
     Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with float32
     ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; the C kernel
@@ -481,6 +515,8 @@ def paged_attention(
         p = torch.exp(s - m_safe)  # (Hkv, B, G·Sq, L)
         l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
         pv = torch.stack([torch.bmm(p[h], v[:, :, h]) for h in range(Hkv)])  # (Hkv, B, G·Sq, Dv)
+        if not bool(torch.isfinite(pv).all()):  # rare: a non-finite V reached the sum (0·NaN)
+            pv = _weighted_sum_attended(p, v.permute(2, 0, 1, 3), s != -math.inf)
         acc = acc * alpha + pv
         m = m_new
 
