@@ -264,6 +264,16 @@ def test_writable_cache_dir_is_refused(kernel_cache, monkeypatch, caplog, mode):
     _runs_correctly(monkeypatch, lib)
 
 
+def test_cache_dir_that_cannot_be_created_builds_privately(kernel_cache, monkeypatch, caplog):
+    """A cache path below a regular file: the kernel still runs (it used to be given up)."""
+    cache, built_in = kernel_cache
+    cache.write_text("a file, not a directory")
+    monkeypatch.setenv("SELFATTN_CACHE_DIR", str(cache / "below"))
+    lib = _decode_kernels._build()
+    _refused(caplog, cache, built_in, "cannot be created")
+    _runs_correctly(monkeypatch, lib)
+
+
 def test_cache_dir_of_another_user_is_refused(kernel_cache, monkeypatch, caplog):
     """Tests run as root, so "another user" is this user seen through a different uid."""
     cache, built_in = kernel_cache

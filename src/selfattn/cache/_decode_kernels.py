@@ -498,21 +498,22 @@ def _distrust(path: Path, *, parent: bool = False) -> str | None:
 def _trusted_cache_dir() -> Path | None:
     """The cache dir, created owner-only (0700) where missing and resolved through symlinks, or
     None when it cannot be made or trusted (the reason logged once): build privately then."""
-    path = _cache_dir()
     try:
+        path = _cache_dir()
         for d in reversed([d for d in (path, *path.parents) if not d.exists()]):
             d.mkdir(mode=_PRIVATE_DIR, exist_ok=True)
         real = Path(os.path.realpath(path))  # check, and later use, what the links point to
         why = _distrust(real) or next(
             filter(None, (_distrust(d, parent=True) for d in real.parents)), None
         )
-    except OSError as e:
-        why = f"{path} cannot be created ({e})"
+    except (OSError, RuntimeError) as e:  # RuntimeError: Path.home() without a home
+        why = f"it cannot be created ({e})"
     if why is None:
         return real
     log.warning(
         "selfattn decode kernel: not using the cache dir: %s; building in a private temporary "
-        "directory instead (set SELFATTN_CACHE_DIR to a directory only you can write)",
+        "directory instead (chmod 700 the cache dir if it is yours, or point SELFATTN_CACHE_DIR "
+        "at a directory only you can write)",
         why,
     )
     return None
