@@ -195,14 +195,24 @@ def test_quantised_scales_are_float32_whatever_the_default_dtype(default_dtype, 
 # -- the C kernel's build cache -----------------------------------------------------------------
 
 
-@pytest.fixture
-def kernel_cache(monkeypatch, tmp_path):
-    """``SELFATTN_CACHE_DIR`` under ``tmp_path`` and a stand-in compiler that copies the library
-    this session already built (the compiler is slow; the trust checks are under test). Returns
-    the cache path and the list of directories the builds ran in."""
+@pytest.fixture(scope="module")
+def library_file(tmp_path_factory) -> Path:
+    """A built kernel library: the session's own, or (when that was built in a temporary dir
+    that is gone) one real build."""
     lib = _decode_kernels.library()
     if lib is None:
         pytest.skip("no C compiler here: the decode kernel cannot be built")
+    if Path(lib._name).is_file():
+        return Path(lib._name)
+    cc, flags = _decode_kernels._compiler(), _decode_kernels._FLAGS
+    return _decode_kernels._compile(cc, flags, tmp_path_factory.mktemp("built"), "lib.so")
+
+
+@pytest.fixture
+def kernel_cache(monkeypatch, tmp_path, library_file):
+    """``SELFATTN_CACHE_DIR`` under ``tmp_path`` and a stand-in compiler that copies a built
+    library (the compiler is slow; the trust checks are under test). Returns the cache path and
+    the list of directories the builds ran in."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(cache))
     built_in: list[Path] = []
@@ -210,7 +220,7 @@ def kernel_cache(monkeypatch, tmp_path):
     def cc(cmd, **kw):
         out = Path(cmd[cmd.index("-o") + 1])  # in a temporary dir inside the build dir
         built_in.append(out.parent.parent)
-        shutil.copy(lib._name, out)
+        shutil.copy(library_file, out)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", cc)
