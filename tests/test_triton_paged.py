@@ -7,6 +7,7 @@ compiled on CUDA (benchmarks/gpu.py measures it there).
 from __future__ import annotations
 
 import importlib
+import math
 import os
 
 import pytest
@@ -144,3 +145,21 @@ def test_paged_attention_dispatches_to_the_kernel(kernel, monkeypatch, Sq, mask_
     assert calls, "the Triton kernel did not run"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)
+
+
+# Triton's interpreter multiplies with numpy, which warns when NaN meets the matmul.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nonfinite_v_stays_in_the_rows_that_attend_it(kernel):
+    """NaN and ±inf in V at keys only some rows attend (causal, Sq = 3, three key splits): kernel
+    and twin put them in exactly the same outputs, and agree on every other one."""
+    q, kp, vp, table, lo, hi = _case(9, 2, 4, 2, 3, 16, 16, 4, [21, 11], torch.float32)
+    for t, h, d, x in ((19, 0, 2, math.nan), (20, 1, 5, math.inf), (9, 1, 0, -math.inf)):
+        b = 0 if t > 10 else 1
+        vp[table[b, t // 4], t % 4, h, d] = x
+    out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, num_splits=3)
+    ref, ref_lse = kernel.paged_attention_twin(q.double(), kp, vp.double(), table, lo, hi, 0.25)
+    assert out.isnan().any() and out.isinf().any() and torch.isfinite(out[:, :, 0]).all()
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(out.double()[finite], ref[finite], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-6)

@@ -433,7 +433,10 @@ def _probe_cases() -> list[tuple[str, dict]]:
         ("mask_mod callable", {"mask": lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 3 == 0}),
         ("bool tensor mask", {"mask": torch.rand(S, S, generator=_gen()) > 0.5}),
         ("score_mod: alibi", {"score_mod": s.alibi(Hq)}),
-        ("score_mod: bias tensor", {"score_mod": torch.randn(1, Hq, S, S, generator=_gen())}),
+        (
+            "score_mod: bias tensor",
+            {"score_mod": torch.randn(1, Hq, S, S, generator=_gen(), dtype=torch.float32)},
+        ),
         ("score_mod: softcap", {"score_mod": s.softcap(20.0)}),
         ("score_mod callable", {"score_mod": lambda sc, b, h, q_idx, kv_idx: sc * 0.5}),
         ("GQA (Hq=4, Hkv=2)", {"Hkv": 2}),
@@ -762,7 +765,9 @@ def _backend_availability() -> list[dict]:
     ``available`` and, when not, ``why_not`` (the backend's own ``reject`` reason)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = _gen()
-    q, k, v = (torch.randn(1, 4, 64, 32, generator=g).to(device) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 4, 64, 32, generator=g, dtype=torch.float32).to(device) for _ in range(3)
+    )
     reasons = sa.backends.explain(q, k, v, mask=sa.masks.causal(), print_table=False).reasons
     return [
         {

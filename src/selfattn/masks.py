@@ -791,7 +791,7 @@ def _presence(labels: torch.Tensor, n_tiles: int, block: int, n_ids: int) -> tor
     Bi, S = labels.shape
     tile = torch.arange(S, device=labels.device) // block
     flat = (tile * n_ids).unsqueeze(0) + labels  # (B', S)
-    out = torch.zeros(Bi, n_tiles * n_ids, device=labels.device)
+    out = torch.zeros(Bi, n_tiles * n_ids, dtype=torch.float32, device=labels.device)
     out.scatter_(1, flat, 1.0)
     return out.view(Bi, n_tiles, n_ids)
 

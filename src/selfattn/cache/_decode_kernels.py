@@ -21,6 +21,13 @@ measured as the alternative: 18 s to compile a gather-and-reduce decode on first
 then 4.9x slower than SDPA on contiguous K/V (this kernel: 0.5x) on the same machine.
 No compiler, a failed build or ``SELFATTN_DECODE_KERNEL=0``: :func:`library` returns None and
 ``paged_attention`` runs its PyTorch path.
+
+Trust: the cache holds code this process runs, so its directory is created 0700, and a cache
+dir or library that another user owns or could write (group/world-writable, or under a
+directory others may rename entries in; symlinks are followed and their targets checked) is
+never loaded: the kernel is then built in a private temporary directory for this process, and
+the ``selfattn`` logger says why, once. A loaded library lacking one of the kernel's functions
+is logged and not used (the PyTorch path runs).
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -425,6 +434,13 @@ _DTYPE_CODES = {
 ITEMS_PER_THREAD = 4
 # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP rate.
 _FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-ffp-contract=fast"]
+# The functions paged_attention calls: a library without them is damaged or not ours.
+_SYMBOLS = ("paged_decode", "has_f16")
+# The cache holds code this process runs: its directories are created owner-only.
+_PRIVATE_DIR = 0o700
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+
+log = logging.getLogger("selfattn")
 
 
 def _compiler() -> str | None:
@@ -451,43 +467,130 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def _library_name(cc: str, flags: list[str]) -> str:
+    """The cached library's file name: a hash of everything that shapes the machine code."""
+    key = hashlib.sha256("\0".join([SOURCE, cc, *flags, _cpu_id()]).encode()).hexdigest()
+    return f"paged_decode_{key[:16]}.so"
+
+
+def _distrust(path: Path, *, parent: bool = False) -> str | None:
+    """Why this process must not run code from ``path`` (or from below it), or None.
+
+    The cache holds code we execute, so whoever can write, replace or rename it can run code as
+    us. The cache dir and the library must be ours and writable by no one else (the library a
+    regular file, not a symbolic link to one elsewhere); each directory above them must be ours
+    or root's, and writable by others only with the sticky bit (``/tmp``), which stops them
+    renaming our entries. Ownership is not checked where the OS has no uids.
+    """
+    st = os.stat(path) if parent else os.lstat(path)
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    owners = (0, uid) if parent else (uid,)
+    if uid is not None and st.st_uid not in owners:
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if not parent and stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if st.st_mode & _WRITABLE_BY_OTHERS and not (parent and st.st_mode & stat.S_ISVTX):
+        sticky = " without the sticky bit" if parent else ""
+        return f"{path} is group- or world-writable{sticky} (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _trusted_cache_dir() -> Path | None:
+    """The cache dir, created owner-only (0700) where missing and resolved through symlinks, or
+    None when it cannot be made or trusted (the reason logged once): build privately then."""
+    try:
+        path = _cache_dir()
+        for d in reversed([d for d in (path, *path.parents) if not d.exists()]):
+            d.mkdir(mode=_PRIVATE_DIR, exist_ok=True)
+        real = Path(os.path.realpath(path))  # check, and later use, what the links point to
+        why = _distrust(real) or next(
+            filter(None, (_distrust(d, parent=True) for d in real.parents)), None
+        )
+    except (OSError, RuntimeError) as e:  # RuntimeError: Path.home() without a home
+        why = f"it cannot be created ({e})"
+    if why is None:
+        return real
+    log.warning(
+        "selfattn decode kernel: not using the cache dir: %s; building in a private temporary "
+        "directory instead (chmod 700 the cache dir if it is yours, or point SELFATTN_CACHE_DIR "
+        "at a directory only you can write)",
+        why,
+    )
+    return None
+
+
+def _compile(cc: str, flags: list[str], out_dir: Path, name: str) -> Path:
+    """Compile SOURCE into ``out_dir / name`` atomically: built in a private temporary dir
+    beside it, then renamed, so a concurrent builder or loader sees all or nothing."""
+    path = out_dir / name
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # mode 0700
+        src = Path(tmp) / "paged_decode.c"
+        src.write_text(SOURCE)
+        out = Path(tmp) / name
+        subprocess.run(
+            [cc, *flags, str(src), "-o", str(out), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        out.chmod(0o700)  # whatever the umask: the next load refuses a group-writable library
+        os.replace(out, path)
+    return path
+
+
+def _bind(path: Path) -> ctypes.CDLL | None:
+    """Load the library and declare its functions; None (logged) when a symbol is missing."""
+    lib = ctypes.CDLL(str(path))
+    missing = [s for s in _SYMBOLS if not hasattr(lib, s)]
+    if missing:
+        log.warning(
+            "selfattn decode kernel: %s lacks %s; paged_attention runs its PyTorch path "
+            "(delete the file to rebuild it)",
+            path,
+            ", ".join(missing),
+        )
+        return None
+    lib.paged_decode.argtypes = [
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int,
+        ctypes.c_float,
+    ]
+    lib.paged_decode.restype = ctypes.c_int
+    lib.has_f16.restype = ctypes.c_int
+    return lib
+
+
 def _build() -> ctypes.CDLL | None:
+    """Load the cached library, building it first where missing; None where it cannot be.
+
+    A cache dir or library this process must not trust (:func:`_distrust`) is never loaded:
+    the kernel is then built in a private temporary directory, for this process only.
+    """
     cc = _compiler()
     if cc is None:
         return None
+    cache = _trusted_cache_dir()
     for arch in (["-march=native"], []):  # some compilers / CPUs reject -march=native
         flags = _FLAGS + arch
-        key = hashlib.sha256("\0".join([SOURCE, cc, *flags, _cpu_id()]).encode()).hexdigest()
-        path = _cache_dir() / f"paged_decode_{key[:16]}.so"
-        if not path.exists():
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                    src = Path(tmp) / "paged_decode.c"
-                    src.write_text(SOURCE)
-                    out = Path(tmp) / path.name
-                    subprocess.run(
-                        [cc, *flags, str(src), "-o", str(out), "-lm"],
-                        check=True,
-                        capture_output=True,
-                        timeout=120,
-                    )
-                    os.replace(out, path)  # atomic: a concurrent builder sees all or nothing
-            except (OSError, subprocess.SubprocessError):
-                continue
+        name = _library_name(cc, flags)
         try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:
+            if cache is not None:
+                path = cache / name
+                if not os.path.lexists(path):
+                    _compile(cc, flags, cache, name)
+                why = _distrust(path)
+                if why is None:
+                    return _bind(path)
+                log.warning(
+                    "selfattn decode kernel: refusing the cached library: %s; building in a "
+                    "private temporary directory instead",
+                    why,
+                )
+            with tempfile.TemporaryDirectory(prefix="selfattn-") as tmp:  # mode 0700
+                return _bind(_compile(cc, flags, Path(tmp), name))  # loaded: the file may go
+        except (OSError, subprocess.SubprocessError):
             continue
-        lib.paged_decode.argtypes = [
-            ctypes.POINTER(ctypes.c_int64),
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_int,
-            ctypes.c_float,
-        ]
-        lib.paged_decode.restype = ctypes.c_int
-        lib.has_f16.restype = ctypes.c_int
-        return lib
     return None
 
 
@@ -556,8 +659,9 @@ def decode(
     B, Hq, Sq, D = q.shape
     P, Hkv, Dv = v_pages.shape[1:]
     n_split, split_pages = key_splits(lo, hi, P)
-    out = torch.empty(B, Hq, Sq, Dv)
-    lse = torch.empty(B, Hq, Sq)
+    # The kernel writes float32 CPU memory, whatever torch's default dtype is.
+    out = torch.empty(B, Hq, Sq, Dv, dtype=torch.float32, device="cpu")
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device="cpu")
     codes = []
     for scales in (k_scales, v_scales):
         codes.append(0 if scales is None else (1 if scales.dim() == 3 else 2))

@@ -34,7 +34,11 @@ Two implementations, one result (both FlashAttention's online softmax, merged in
   softmax is merged into a running float32 (float64 for fp64 inputs) max / sum / output.
 
 Either way a group or page where a row has no allowed key (a sliding window that excludes whole
-pages, a short sequence in a ragged batch) contributes nothing and never produces NaN.
+pages, a short sequence in a ragged batch) contributes nothing and never produces NaN. NaN/inf
+in V at a key a row does not attend never reaches that row, on every path: the C kernel never
+reads it for that row; the PyTorch path and the Triton kernel sum ``P·V`` as usual and, only
+where that came out non-finite (``0·NaN = NaN``), sum again over each row's attended keys
+(:func:`_weighted_sum_attended`), so finite caches pay one finiteness check of the sums.
 """
 
 from __future__ import annotations
@@ -74,6 +78,34 @@ GATHER_ELEMENTS = 1 << 21
 # thread, CPU time): the kernel costs 0.34x the PyTorch path at Sq=4, 0.56x at 16 and breaks even
 # at 64, where the batched GEMMs of the PyTorch path catch up with its per-row loops.
 KERNEL_MAX_SQ = 16
+
+
+def _weighted_sum_attended(
+    p: torch.Tensor, v: torch.Tensor, attended: torch.Tensor
+) -> torch.Tensor:
+    """``p @ v`` summed over each row's attended keys only: ``p (..., R, L)``, ``v (..., L, Dv)``,
+    ``attended (..., R, L)`` bool -> ``(..., R, Dv)``.
+
+    A key a row does not attend has weight 0 there, but IEEE gives ``0 · NaN = 0 · inf = NaN``:
+    a NaN in V (an unwritten slot, a key another row of the group attends) would poison every
+    row of the matmul. Here it reaches only the rows that attend it, with IEEE's result for a
+    sum over those keys alone (the C kernel's, which never reads other keys): a NaN gives NaN;
+    ``±inf`` gives ``±inf`` at a positive weight, NaN at weight 0 or when both signs meet. The
+    finite part is one matmul; four indicator matmuls count where the non-finite values land.
+    Callers take this path only when the plain ``p @ v`` came out non-finite.
+    """
+    finite = torch.isfinite(v)
+    out = p @ v.masked_fill(~finite, 0.0)
+    dt = p.dtype
+
+    def hits(w: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # any weighted key lands
+        return (w.to(dt) @ where.to(dt)) > 0
+
+    positive = p > 0  # implies attended: a key no row may attend has score -inf, weight 0
+    pos_inf, neg_inf = hits(positive, v == math.inf), hits(positive, v == -math.inf)
+    nan = hits(attended, v.isnan()) | hits(attended & (p == 0), v.isinf()) | (pos_inf & neg_inf)
+    out = out.masked_fill(pos_inf, math.inf).masked_fill(neg_inf, -math.inf)
+    return out.masked_fill(nan, math.nan)
 
 
 def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
@@ -350,8 +382,10 @@ def paged_attention(
     head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
 
     Returns ``out`` in ``q.dtype``, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` float32 (float64
-    for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0).
-    NaN/Inf in unused page slots or pages cannot reach the output.
+    for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0; also
+    when a score mod sets all its scores to ``-inf``). NaN/Inf in unused page slots or pages
+    cannot reach the output, nor can NaN/Inf at a key a row does not attend (masked, or scored
+    ``-inf`` by the score mod): it reaches only the rows that attend it.
 
     Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with float32
     ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; the C kernel
@@ -401,9 +435,6 @@ def paged_attention(
     qg = qg.transpose(0, 1).contiguous()  # (Hkv, B, G·Sq, D)
     min_len = int(seq_lens.min()) if B else 0
 
-    m = torch.full((Hkv, B, G * Sq, 1), -math.inf, dtype=cd, device=device)  # running max
-    l_sum = torch.zeros(Hkv, B, G * Sq, 1, dtype=cd, device=device)  # running sum of exp
-    acc = torch.zeros(Hkv, B, G * Sq, Dv, dtype=cd, device=device)  # running weighted V sum
     table = block_table.to(device=device, dtype=torch.long)
     first_t = torch.tensor(first, dtype=torch.long, device=device).view(B, 1)
     # Keys past a sequence's last page with an allowed key count as invalid (as past its end).
@@ -422,67 +453,81 @@ def paged_attention(
     kc_buf = k_buf.new_empty(k_buf.shape, dtype=cd) if reuse and k_pages.dtype != cd else None
     vc_buf = v_buf.new_empty(v_buf.shape, dtype=cd) if reuse and v_pages.dtype != cd else None
 
-    # Step j covers logical pages first[b] + [j0, j1) of each sequence b: a sliding window over
-    # a long context walks only the pages in its window, whatever each sequence's length.
-    for j0 in range(0, span, group):
-        j1 = min(j0 + group, span)
-        L = (j1 - j0) * P
-        cols = first_t + j0 + torch.arange(j1 - j0, device=device)  # (B, g) logical pages
-        # Pages past a sequence's used ones (table entries -1 or stale) are clamped to a valid
-        # id; their slots are masked invalid below and their V zeroed.
-        ids = table.gather(1, cols.clamp(max=max(max_pages - 1, 0)))
-        ids = ids.clamp(0, max(N - 1, 0)).reshape(-1)  # (B·g,)
-        n_ids = ids.numel()
-        if reuse:
-            k = torch.index_select(k_pages, 0, ids, out=k_buf[:n_ids])  # (B·g, P, Hkv, D)
-            v = torch.index_select(v_pages, 0, ids, out=v_buf[:n_ids])  # (B·g, P, Hkv, Dv)
-        else:
-            k = k_pages.index_select(0, ids)
-            v = v_pages.index_select(0, ids)
-        # bf16 / fp16 / quantised pages are read in cd (into the reused buffers when allowed).
-        k = k.to(cd) if kc_buf is None else kc_buf[:n_ids].copy_(k)
-        v = v.to(cd) if vc_buf is None else vc_buf[:n_ids].copy_(v)
-        k = k.view(B, L, Hkv, D)  # (B·g, P, Hkv, D) -> (B, L, Hkv, D)
-        v = v.view(B, L, Hkv, Dv)  # (B, L, Hkv, Dv)
-        if k_scales is not None:  # dequantise this group only (in place in our own buffer)
-            ks = _group_scales(k_scales, ids, B, L, Hkv, cd)
-            k = k * ks if kc_buf is None else k.mul_(ks)
-        if v_scales is not None:
-            vs = _group_scales(v_scales, ids, B, L, Hkv, cd)
-            v = v * vs if vc_buf is None else v.mul_(vs)
-        kv_pos = (cols[:, :1] * P + torch.arange(L, device=device)).view(B, 1, 1, L)
-        # (B, G·Sq, D) @ (B, D, L) per kv head, stacked: (Hkv, B, G·Sq, L)
-        s = torch.stack([torch.bmm(qg[h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)])
-        if mod_obj is not None:
-            s4 = s.transpose(0, 1).reshape(B, Hq, Sq, L)  # per query head, as mods expect
-            s4 = mod_obj.score_mod(s4, b_idx, h_idx, q_pos, kv_pos, q_offset=0)
-            s4 = torch.broadcast_to(s4, (B, Hq, Sq, L)).to(cd)
-            s = s4.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
-        allowed = None  # None: every key of the group is valid and allowed (no work at all)
-        if mask_obj is not None:
-            mm = torch.as_tensor(mask_obj.mask_mod(b_idx, h_idx, q_pos, kv_pos, q_offset=0))
-            if mm.dtype != torch.bool:
-                raise TypeError(f"mask_mod must return a bool tensor, got {mm.dtype}")
-            mm = (mm.to(device) & (kv_pos < ends.view(B, 1, 1, 1))).expand(B, Hq, Sq, L)
-            allowed = mm.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
-        elif j1 * P > min_len:  # some sequence ends inside this group (first = 0 here)
-            allowed = (kv_pos.view(1, B, 1, L) < ends.view(1, B, 1, 1)).expand(Hkv, B, G * Sq, L)
-        if allowed is not None:
-            # masked_fill (not an additive -inf): NaN scores from garbage K are replaced too.
-            s = s.masked_fill(~allowed, -math.inf)
-            # A key no query of its (b, kv head) attends has weight 0, and 0 · NaN = NaN.
-            cols = allowed.any(dim=2).permute(1, 2, 0).unsqueeze(-1)  # (B, L, Hkv, 1)
-            v = v.masked_fill(~cols, 0.0)
+    # The first walk sums P·V with plain matmuls. IEEE's 0·NaN = NaN lets a NaN/inf in V reach
+    # rows that do not attend its key too; when that made the sums non-finite (one reduction
+    # per call: NaN/inf propagate through a sum), a second walk re-sums each group whose P·V
+    # came out non-finite over each row's attended keys alone.
+    for exact in (False, True):
+        m = torch.full((Hkv, B, G * Sq, 1), -math.inf, dtype=cd, device=device)  # running max
+        l_sum = torch.zeros(Hkv, B, G * Sq, 1, dtype=cd, device=device)  # running sum of exp
+        acc = torch.zeros(Hkv, B, G * Sq, Dv, dtype=cd, device=device)  # running weighted V sum
+        # Step j covers logical pages first[b] + [j0, j1) of each sequence b: a sliding window
+        # over a long context walks only the pages in its window, whatever each sequence's length.
+        for j0 in range(0, span, group):
+            j1 = min(j0 + group, span)
+            L = (j1 - j0) * P
+            cols = first_t + j0 + torch.arange(j1 - j0, device=device)  # (B, g) logical pages
+            # Pages past a sequence's used ones (table entries -1 or stale) are clamped to a
+            # valid id; their slots are masked invalid below and their V zeroed.
+            ids = table.gather(1, cols.clamp(max=max(max_pages - 1, 0)))
+            ids = ids.clamp(0, max(N - 1, 0)).reshape(-1)  # (B·g,)
+            n_ids = ids.numel()
+            if reuse:
+                k = torch.index_select(k_pages, 0, ids, out=k_buf[:n_ids])  # (B·g, P, Hkv, D)
+                v = torch.index_select(v_pages, 0, ids, out=v_buf[:n_ids])  # (B·g, P, Hkv, Dv)
+            else:
+                k = k_pages.index_select(0, ids)
+                v = v_pages.index_select(0, ids)
+            # bf16 / fp16 / quantised pages are read in cd (into the reused buffers if allowed).
+            k = k.to(cd) if kc_buf is None else kc_buf[:n_ids].copy_(k)
+            v = v.to(cd) if vc_buf is None else vc_buf[:n_ids].copy_(v)
+            k = k.view(B, L, Hkv, D)  # (B·g, P, Hkv, D) -> (B, L, Hkv, D)
+            v = v.view(B, L, Hkv, Dv)  # (B, L, Hkv, Dv)
+            if k_scales is not None:  # dequantise this group only (in place in our own buffer)
+                ks = _group_scales(k_scales, ids, B, L, Hkv, cd)
+                k = k * ks if kc_buf is None else k.mul_(ks)
+            if v_scales is not None:
+                vs = _group_scales(v_scales, ids, B, L, Hkv, cd)
+                v = v * vs if vc_buf is None else v.mul_(vs)
+            kv_pos = (cols[:, :1] * P + torch.arange(L, device=device)).view(B, 1, 1, L)
+            # (B, G·Sq, D) @ (B, D, L) per kv head, stacked: (Hkv, B, G·Sq, L)
+            s = torch.stack([torch.bmm(qg[h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)])
+            if mod_obj is not None:
+                s4 = s.transpose(0, 1).reshape(B, Hq, Sq, L)  # per query head, as mods expect
+                s4 = mod_obj.score_mod(s4, b_idx, h_idx, q_pos, kv_pos, q_offset=0)
+                s4 = torch.broadcast_to(s4, (B, Hq, Sq, L)).to(cd)
+                s = s4.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
+            allowed = None  # None: every key of the group is valid and allowed (no work at all)
+            if mask_obj is not None:
+                mm = torch.as_tensor(mask_obj.mask_mod(b_idx, h_idx, q_pos, kv_pos, q_offset=0))
+                if mm.dtype != torch.bool:
+                    raise TypeError(f"mask_mod must return a bool tensor, got {mm.dtype}")
+                mm = (mm.to(device) & (kv_pos < ends.view(B, 1, 1, 1))).expand(B, Hq, Sq, L)
+                allowed = mm.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
+            elif j1 * P > min_len:  # some sequence ends inside this group (first = 0 here)
+                allowed = kv_pos.view(1, B, 1, L) < ends.view(1, B, 1, 1)
+                allowed = allowed.expand(Hkv, B, G * Sq, L)
+            if allowed is not None:
+                # masked_fill (not an additive -inf): NaN scores from garbage K are replaced too.
+                s = s.masked_fill(~allowed, -math.inf)
+                # A key no query of its (b, kv head) attends has weight 0, and 0 · NaN = NaN.
+                cols = allowed.any(dim=2).permute(1, 2, 0).unsqueeze(-1)  # (B, L, Hkv, 1)
+                v = v.masked_fill(~cols, 0.0)
 
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        # Rows with no key so far keep m = -inf; subtracting 0 instead keeps exp() NaN-free.
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(m - m_safe)  # rescales the old sums; 0 when m was -inf
-        p = torch.exp(s - m_safe)  # (Hkv, B, G·Sq, L)
-        l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
-        pv = torch.stack([torch.bmm(p[h], v[:, :, h]) for h in range(Hkv)])  # (Hkv, B, G·Sq, Dv)
-        acc = acc * alpha + pv
-        m = m_new
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            # Rows with no key so far keep m = -inf; subtracting 0 instead keeps exp() NaN-free.
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m - m_safe)  # rescales the old sums; 0 when m was -inf
+            p = torch.exp(s - m_safe)  # (Hkv, B, G·Sq, L)
+            l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
+            # (B, G·Sq, L) @ (B, L, Dv) per kv head, stacked: (Hkv, B, G·Sq, Dv)
+            pv = torch.stack([torch.bmm(p[h], v[:, :, h]) for h in range(Hkv)])
+            if exact and not bool(torch.isfinite(pv.sum())):
+                pv = _weighted_sum_attended(p, v.permute(2, 0, 1, 3), s != -math.inf)
+            acc = acc * alpha + pv
+            m = m_new
+        if exact or bool(torch.isfinite(acc.sum())):
+            break
 
     acc, l_sum, m = (t.transpose(0, 1) for t in (acc, l_sum, m))  # (B, Hkv, G·Sq, ·)
     empty = l_sum == 0

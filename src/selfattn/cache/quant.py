@@ -105,7 +105,7 @@ def quantize_fp8(
     xf = x.to(torch.float32)
     if scales is None:
         dims = [d for d in range(x.dim()) if d != x.dim() - 2]
-        scales = xf.abs().amax(dim=dims) / FP8_MAX if x.numel() else torch.ones(Hkv)
+        scales = xf.abs().amax(dim=dims) / FP8_MAX if x.numel() else xf.new_ones(Hkv)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # (Hkv,)
     else:
         _check_scales_tensor(scales, (Hkv,), "scales")

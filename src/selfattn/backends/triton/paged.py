@@ -18,6 +18,11 @@ so for CUDA tensors); :func:`selfattn.backends.triton.available` checks without 
 Under ``TRITON_INTERPRET=1`` (set before the import) the kernel runs on CPU tensors, which is how
 the test suite checks it.
 
+NaN/inf in V reaches only the rows that attend its key (the C kernel's result, where IEEE's
+``0 · NaN = NaN`` in ``P @ V`` would poison the tile's other rows): a program whose sums came out
+non-finite walks its keys again, this time summing V over each row's allowed keys alone
+(:func:`_weighted_sum_attended`); a finite cache pays one check per program.
+
 Quantised pages are dequantised in registers, a tile at a time: int8 with per-token, per-head
 scales ``(N, P, Hkv)``, fp8 with per-head scales ``(Hkv,)`` (``selfattn.cache.quant``).
 
@@ -39,6 +44,94 @@ __all__ = ["merge_splits", "paged_attention_triton", "paged_attention_twin"]
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
 BLOCK_N = 32  # keys per tile: >= 16 for tl.dot, small enough to keep short splits busy
 SCALES_NONE, SCALES_PER_TOKEN, SCALES_PER_HEAD = 0, 1, 2
+
+
+@triton.jit
+def _weighted_sum_attended(p, v, allowed):
+    """``p @ v`` over each row's allowed keys only, in float32 (the rare walk, after the fast
+    one's sums came out non-finite). IEEE gives ``0 · NaN = NaN``, so a NaN at a key only some
+    rows attend would poison the others; here a non-finite value reaches exactly the rows that
+    attend its key, as in a sum over those keys alone (the C kernel's): NaN gives NaN, ``±inf``
+    gives ``±inf`` at a positive weight and NaN at weight 0 or when both signs meet. Indicator
+    dots count where each kind lands (0/1 operands: exact). PyTorch twin:
+    ``selfattn.cache.decode._weighted_sum_attended``."""
+    v = v.to(tl.float32)
+    inf = float("inf")
+    out = tl.dot(p, tl.where(tl.abs(v) < inf, v, 0.0), input_precision="ieee")
+    positive = (p > 0).to(tl.float32)  # implies allowed: masked scores are -inf, weight 0
+    pos_inf = tl.dot(positive, (v == inf).to(tl.float32), input_precision="ieee") > 0
+    neg_inf = tl.dot(positive, (v == -inf).to(tl.float32), input_precision="ieee") > 0
+    nan = tl.dot(allowed.to(tl.float32), (v != v).to(tl.float32), input_precision="ieee")
+    zero_w = (allowed & (p == 0)).to(tl.float32)
+    nan += tl.dot(zero_w, (tl.abs(v) == inf).to(tl.float32), input_precision="ieee")
+    out = tl.where(pos_inf, inf, tl.where(neg_inf, -inf, out))
+    return tl.where((nan > 0) | (pos_inf & neg_inf), float("nan"), out)
+
+
+@triton.jit
+def _attend_keys(
+    q, lo, hi, start, stop, b, kvh,
+    K, V, BT, KS, VS,
+    s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp,
+    qk_scale, P,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
+    IEEE: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the tile's rows over keys ``[start, stop)``: ``(m, l, acc)``, base 2.
+
+    ``EXACT`` (the second walk, run only when the first left a non-finite value in a row)
+    sums V through :func:`_weighted_sum_attended`, so NaN/inf at a key a row does not attend
+    stays out of that row.
+    """
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # qk_scale = scale · LOG2E (the wrapper's): scores, max and lse in base 2, for exp2
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < stop
+        page = tl.load(BT + b * s_bt + n // P, mask=n_ok, other=0).to(tl.int64)
+        slot = n % P
+        k_ptrs = K + page[:, None] * s_kn + slot[:, None] * s_kp + kvh * s_kh + d[None, :]
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
+        v_ptrs = V + page[:, None] * s_vn + slot[:, None] * s_vp + kvh * s_vh + dv[None, :]
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        # -- dequantise in registers (int8: per token and head; fp8: per head)
+        if SCALES == 1:
+            ks = tl.load(KS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
+            vs = tl.load(VS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        elif SCALES == 2:
+            k = (k.to(tl.float32) * tl.load(KS + kvh)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(VS + kvh)).to(q.dtype)
+        # -- scores of the tile, masked to each row's interval (NaN scores of garbage K too)
+        if IEEE:  # q is float32 already
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        # -- update running max and sum (a row with nothing allowed yet keeps max -inf)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # -- weighted V rows
+        if EXACT:
+            pv = _weighted_sum_attended(p, v, allowed)
+        elif IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -77,48 +170,19 @@ def _paged_fwd(
     # -- this program's keys: its split, cut to the union of the rows' intervals
     start = tl.maximum(split * split_len, tl.min(tl.where(row_ok, lo, 2147483647), axis=0))
     stop = tl.minimum(split * split_len + split_len, tl.max(hi, axis=0))
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # qk_scale = scale · LOG2E (the wrapper's): scores, max and lse in base 2, for exp2
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < stop
-        page = tl.load(BT + b * s_bt + n // P, mask=n_ok, other=0).to(tl.int64)
-        slot = n % P
-        k_ptrs = K + page[:, None] * s_kn + slot[:, None] * s_kp + kvh * s_kh + d[None, :]
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
-        v_ptrs = V + page[:, None] * s_vn + slot[:, None] * s_vp + kvh * s_vh + dv[None, :]
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        # -- dequantise in registers (int8: per token and head; fp8: per head)
-        if SCALES == 1:
-            ks = tl.load(KS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
-            vs = tl.load(VS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
-            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-        elif SCALES == 2:
-            k = (k.to(tl.float32) * tl.load(KS + kvh)).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(VS + kvh)).to(q.dtype)
-        # -- scores of the tile, masked to each row's interval
-        if IEEE:  # q is float32 already
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        # -- update running max and sum (a row with nothing allowed yet keeps max -inf)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(
+        q, lo, hi, start, stop, b, kvh, K, V, BT, KS, VS,
+        s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, False,
+    )  # fmt: skip
+    # -- rare: a NaN/inf reached the sums; walk the keys again, keeping it to the rows that
+    # attend it (one check per program: the fast walk pays nothing per tile for it)
+    if tl.max(tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1), axis=0) > 0:
+        m_i, l_i, acc = _attend_keys(
+            q, lo, hi, start, stop, b, kvh, K, V, BT, KS, VS,
+            s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
+            D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True,
+        )  # fmt: skip
     # -- this split's normalised output and base-2 lse (-inf: no allowed key)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -257,4 +321,9 @@ def paged_attention_twin(
     s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
-    return (p @ v).to(q.dtype), lse
+    if bool(torch.isfinite(v).all()):
+        return (p @ v).to(q.dtype), lse
+    # NaN/inf in V: the sum over each row's allowed keys alone (0 · NaN would poison the rest),
+    # spelled out elementwise: (B, Hq, Sq, L, 1) * (B, Hq, 1, L, Dv) -> (B, Hq, Sq, Dv)
+    terms = torch.where(allowed.unsqueeze(1).unsqueeze(-1), p.unsqueeze(-1) * v.unsqueeze(2), 0.0)
+    return terms.sum(dim=-2).to(q.dtype), lse
