@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+from _cache_helpers import assert_same, snapshot
 from selfattn import attention, masks
 from selfattn.cache import BlockPool, PagedCache, PrefixIndex, StaticCache, paged_attention
 from selfattn.nn import MultiHeadAttention
@@ -23,26 +24,6 @@ def make_cache(num_pages=16, P=4, Hkv=2, D=8, Dv=None, *, max_seqs=4, max_pages=
 
 def rnd(g, *shape):
     return torch.randn(*shape, generator=g, dtype=F64)
-
-
-def snapshot(cache, ids):
-    """Everything a failed call must leave unchanged."""
-    return (
-        cache.block_table(ids).clone(),
-        cache.seq_lens(ids).clone(),
-        [cache.pool.refcount(p) for p in range(cache.num_pages)],
-        cache.pool.num_free,
-        cache.k_pages.clone(),
-        cache.v_pages.clone(),
-    )
-
-
-def assert_same(a, b):
-    for x, y in zip(a, b):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x, y)
-        else:
-            assert x == y
 
 
 @pytest.mark.parametrize("P", [1, 16, 5])
