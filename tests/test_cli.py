@@ -324,7 +324,7 @@ def have_minilm():
 
 
 def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
-    from selfattn.cli import _load_encoder
+    from selfattn.cli._common import load_encoder
     from selfattn.inspect import capture_attention, head_stats_table
 
     text = "The cat sat on the mat because it was tired."
@@ -333,7 +333,7 @@ def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
     assert rc == 0, err
     result = json.loads(out)
     assert_png(png)
-    enc = _load_encoder(None)
+    enc = load_encoder(None)
     ids, mask = enc.tokenize([text])
     assert result["tokens"][0] == "[CLS]" and len(result["tokens"]) == ids.shape[1]
     assert result["layers"] == [5] and result["heads"] == list(range(12))
@@ -358,13 +358,13 @@ def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
 
 
 def test_embed_similarity_matrix(capsys, have_minilm):
-    from selfattn.cli import _load_encoder
+    from selfattn.cli._common import load_encoder
 
     sentences = ["A cat sat on the mat.", "A kitten sat on a rug.", "Stocks fell on Monday."]
     rc, out, err = run(capsys, "embed", *sentences, "--json")
     assert rc == 0, err
     result = json.loads(out)
-    emb = _load_encoder(None).encode(sentences)
+    emb = load_encoder(None).encode(sentences)
     assert result["dim"] == emb.shape[1] == 384
     torch.testing.assert_close(torch.tensor(result["embeddings"]), emb)
     unit = torch.nn.functional.normalize(emb.double(), dim=-1)
