@@ -121,6 +121,70 @@ def test_help_exits_zero(capsys, argv):
     assert out.startswith("usage: selfattn")
 
 
+COMMANDS = ["explain", "backends", "kv-size", "info", "map", "embed", "mask", "bench", "demo"]
+
+
+def test_every_command_is_listed_and_answers_help(capsys):
+    rc, _, err = run(capsys, "bogus")
+    listed = err.split("choose from ")[1].rstrip().removesuffix(")").split(",")
+    assert rc == 2 and [c.strip(" '") for c in listed] == COMMANDS  # no command left untested
+    for command in COMMANDS:
+        rc, out, err = run(capsys, command, "--help")
+        assert rc == 0 and err == "" and out.startswith(f"usage: selfattn {command}"), command
+
+
+def python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``sys.executable -c code`` (or ``-m``), in a fresh interpreter: what it has imported is
+    what the code imported, not what this test process already holds."""
+    argv = [sys.executable, *(args or ("-c", code))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_help_imports_neither_torch_nor_rich():
+    """``selfattn --help`` and every ``selfattn COMMAND --help`` build their parsers without
+    torch, rich or matplotlib: help answers in a fraction of a second (torch alone takes ~1 s)."""
+    code = f"""
+import contextlib, io, sys
+from selfattn.cli import main
+for argv in [[], *([c] for c in {COMMANDS!r})]:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        rc = main([*argv, "--help"])
+    assert rc == 0 and out.getvalue().startswith("usage: selfattn"), (argv, rc)
+print(sorted(m for m in ("torch", "rich", "matplotlib", "numpy") if m in sys.modules))
+"""
+    assert python(code).stdout.strip() == "[]"
+    done = python("", "-m", "selfattn", "--help")  # python -m selfattn is the command too
+    assert done.stdout.startswith("usage: selfattn") and "kv-size" in done.stdout
+
+
+def test_import_selfattn_is_lazy_and_complete():
+    """``import selfattn`` loads no torch; every public name still resolves on first use."""
+    code = """
+import sys
+import selfattn as sa
+assert "torch" not in sys.modules, "import selfattn imported torch"
+assert set(sa.__all__) <= set(dir(sa)), set(sa.__all__) - set(dir(sa))
+for name in sa.__all__:
+    getattr(sa, name)
+from selfattn import attention, masks
+import torch
+q = torch.randn(1, 2, 7, 8, generator=torch.Generator().manual_seed(0))
+out = sa.attention(q, q, q, mask=sa.masks.causal())
+assert attention is sa.attention and masks is sa.masks
+assert out.shape == q.shape
+try:
+    sa.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("sa.no_such_name resolved")
+print("ok")
+"""
+    assert python(code).stdout.strip() == "ok"
+
+
 def test_version(capsys):
     rc, out, _ = run(capsys, "--version")
     assert rc == 0 and sa.__version__ in out

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 
@@ -22,6 +21,8 @@ def add_parser(subparsers):
 
 
 def _version_of(dist: str) -> str | None:
+    import importlib.metadata  # here, not at the top: it would double the cost of --help
+
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
