@@ -208,7 +208,7 @@ def test_version(capsys):
         (["backends", "--dropout", "1.5"], ["--dropout", "1.5"]),
         (["backends", "--score-mod", "softcap:-2"], ["softcap", "-2"]),
         (["backends", "--heads", "8", "--kv-heads", "3"], ["8", "3"]),
-        (["backends", "--seq", "100", "--mask", "padding:200"], ["200", "Sk=100"]),
+        (["backends", "--seq", "100", "--mask", "padding(200)"], ["200", "Sk=100"]),
     ],
 )
 def test_bad_usage_exits_two_naming_the_value(capsys, argv, names):
@@ -234,10 +234,10 @@ def test_runtime_failure_exits_one(capsys, monkeypatch):
     "argv",
     [
         ["--seq", "37", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--mask", "causal"],
-        ["--seq", "5", "--kv-seq", "13", "--mask", "causal&sliding_window:4", "--grad"],
-        ["--seq", "16", "--mask", "causal&documents:4", "--dtype", "bf16", "--lse"],
-        ["--seq", "9", "--batch", "2", "--mask", "padding:7", "--score-mod", "alibi"],
-        ["--seq", "9", "--mask", "prefix_lm:3&chunked:4", "--score-mod", "softcap:30"],
+        ["--seq", "5", "--kv-seq", "13", "--mask", "causal & sliding_window(4)", "--grad"],
+        ["--seq", "16", "--mask", "causal & documents(4, 4, 4, 4)", "--dtype", "bf16", "--lse"],
+        ["--seq", "9", "--batch", "2", "--mask", "padding(7)", "--score-mod", "alibi"],
+        ["--seq", "9", "--mask", "prefix_lm(3) | chunked(4)", "--score-mod", "softcap:30"],
         ["--seq", "9", "--dropout", "0.1", "--q-offset", "0", "--v-head-dim", "5"],
     ],
 )
@@ -267,6 +267,43 @@ def test_backends_case_echo_and_text(capsys):
     assert f"auto -> {report['chosen']}" in text
     for name in sa.backends.names():
         assert name in text
+
+
+# -- one mask grammar (issue 12): every subcommand reads masks as `selfattn mask` does ----------
+@pytest.mark.parametrize(
+    "expr", ["~(causal | prefix_lm(2))", "causal & documents(3, 4, 2)", "padding(7) & chunked(4)"]
+)
+def test_backends_mask_is_the_mask_expression_grammar(capsys, expr):
+    from selfattn.inspect import parse_mask
+
+    rc, out, err = run(capsys, "backends", "--seq", "9", "--batch", "2", "--mask", expr, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["case"]["mask"] == repr(parse_mask(expr))
+
+
+@pytest.mark.parametrize(
+    "old, hint",
+    [
+        ("sliding_window:3", "use 'sliding_window(3)'"),
+        (
+            "causal&sliding_window:256|prefix_lm:4",
+            "use 'causal & sliding_window(256) | prefix_lm(4)'",
+        ),
+        ("causal & documents:2048", "use 'causal & documents(2048, 2048, ...)'"),
+        ("causal:3", "'causal(3)' is not a mask either: causal takes no argument"),
+        ("documents:" + "9" * 5000, "use 'documents(999"),
+    ],
+)
+@pytest.mark.parametrize("command", ["backends", "mask"])
+def test_old_mask_terms_are_refused_with_the_expression_to_write(capsys, old, hint, command):
+    argv = ["backends", "--seq", "8", "--mask", old] if command == "backends" else ["mask", old]
+    rc, out, err = run(capsys, *argv, "--size", "8") if command == "mask" else run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert "old NAME:N form" in err and hint in err, err
+    assert len(err.splitlines()[-1]) < 600  # a 5000-digit term is shown clipped
+    if hint.startswith("use '") and hint.endswith("'") and "..." not in hint:
+        new = hint.removeprefix("use '").removesuffix("'")  # the suggestion runs as it is
+        assert run(capsys, "backends", "--seq", "8", "--mask", new, "--json")[0] == 0
 
 
 def test_backends_large_case_does_not_allocate(capsys):
@@ -497,9 +534,9 @@ def test_info_says_which_backends_run_here(capsys):
             ["Sk=100000000", "--max-bytes"],
         ),
         (["mask", "causal", "--size", "700", "--out", "m.png"], ["--out canvas", "--max-bytes"]),
-        (["backends", "--mask", "sliding_window:" + "9" * 30], ["sliding_window", "too large"]),
-        (["backends", "--mask", "documents:" + "9" * 5000], ["documents", "too large"]),
-        (["backends", "--mask", "&".join(["causal"] * 200)], ["more than 100 terms"]),
+        (["backends", "--mask", f"sliding_window({'9' * 30})"], ["sliding_window", "too large"]),
+        (["backends", "--mask", f"documents({'9' * 5000})"], ["documents", "too large"]),
+        (["backends", "--mask", "&".join(["causal"] * 200)], ["nests deeper than 100"]),
     ],
     ids=[
         "parentheses",

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import functools
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,6 +111,51 @@ def add_max_bytes(parser: argparse.ArgumentParser, refused: str) -> None:
         metavar="N",
         help=f"refuse {refused} N bytes (default 1 GiB)",
     )
+
+
+# `NAME:N`, the mask terms `selfattn backends --mask` took before every subcommand shared the
+# expression grammar of `selfattn mask` (issue 12): refused, with the expression to write instead.
+# A match starts only where a name starts (the lookbehind), so the search stays linear.
+_OLD_MASK_TERM = re.compile(r"(?<!\w)(?P<name>[A-Za-z_]\w*)\s*:\s*(?P<n>[+-]?\d+)")
+_SHOWN = 100  # characters of a suggested expression shown in an error
+
+
+def mask_expression(text: str):
+    """A mask expression (``"causal & sliding_window(3)"``) -> its ``selfattn.masks.Mask``, parsed
+    by :func:`selfattn.inspect.parse_mask`: the one mask grammar of every subcommand."""
+    from selfattn.inspect import parse_mask
+
+    if _OLD_MASK_TERM.search(text):
+        raise argparse.ArgumentTypeError(_old_mask_form(text, parse_mask))
+    try:
+        return parse_mask(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _old_mask_form(text: str, parse_mask) -> str:
+    """The error for ``sliding_window:3``-style terms: the same mask in the expression grammar."""
+
+    def rewrite(m: re.Match) -> str:
+        name, n = m["name"], m["n"]
+        return f"documents({n}, {n}, ...)" if name == "documents" else f"{name}({n})"
+
+    new = re.sub(r"\s*([&|])\s*", r" \1 ", _OLD_MASK_TERM.sub(rewrite, text)).strip()
+    old = f"{_clip(text)!r} uses the old NAME:N form; mask expressions write NAME(N)"
+    if "documents(" in new:
+        return (
+            f"{old}: use {_clip(new)!r}, documents(a, b, ...) taking each document's length "
+            "(they add up to the key length Sk)"
+        )
+    try:
+        parse_mask(new)
+    except ValueError as e:  # e.g. causal:3 -> causal(3): the old term was wrong as well
+        return f"{old}, and {_clip(new)!r} is not a mask either: {e}"
+    return f"{old}: use {_clip(new)!r}"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
 def picture_path(text: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 
 from selfattn.cli import _common
 
@@ -47,81 +46,9 @@ def _probability(text: str) -> float:
     return value
 
 
-# Mask terms that take an integer argument, and the library constructor each maps to. `documents:N`
-# (packed documents of N tokens) and `padding:N` (N valid keys per sequence) need the sequence
-# length, so they are built once the shapes are known.
-_MASK_TERMS = ("none", "causal", "sliding_window:N", "chunked:N", "prefix_lm:N")
-_MASK_TERMS_SHAPED = ("documents:N", "padding:N")
-
-
-_INTEGER = re.compile(r"[+-]?\d+")
-
-
-def _mask_spec(text: str) -> list[tuple[str, int | None]]:
-    """Parse ``causal&sliding_window:256`` into ``[("causal", None), ("sliding_window", 256)]``."""
-    from selfattn.inspect.mask_expr import MAX_DEPTH, _size_value
-
-    known = {t.split(":")[0]: t.endswith(":N") for t in _MASK_TERMS + _MASK_TERMS_SHAPED}
-    terms = []
-    for raw in text.split("&"):
-        name, _, arg = raw.strip().partition(":")
-        if name not in known:
-            raise argparse.ArgumentTypeError(
-                f"unknown mask term {raw.strip()!r} in {text!r}; use one of "
-                f"{', '.join(_MASK_TERMS + _MASK_TERMS_SHAPED)}, joined with '&'"
-            )
-        if known[name] != bool(arg):
-            need = f"an integer argument ({name}:N)" if known[name] else "no argument"
-            raise argparse.ArgumentTypeError(f"mask term {raw.strip()!r} takes {need}")
-        value = None
-        if arg:
-            if not _INTEGER.fullmatch(arg.strip()):
-                raise argparse.ArgumentTypeError(
-                    f"mask term {raw.strip()!r}: expected an integer after ':', got {arg!r}"
-                )
-            value = _size_value(arg.strip())
-            if value is None:
-                raise argparse.ArgumentTypeError(
-                    f"mask term {raw.strip()[:40]!r}: {name} size is too large; sizes are at "
-                    "most 2**62"
-                )
-            if value < 1:
-                raise argparse.ArgumentTypeError(
-                    f"mask term {raw.strip()!r}: {name} size must be >= 1, got {value}"
-                )
-        terms.append((name, value))
-        if len(terms) > MAX_DEPTH:  # the terms build a chain of & as deep as they are many
-            raise argparse.ArgumentTypeError(
-                f"--mask joins more than {MAX_DEPTH} terms; drop the repeated ones"
-            )
-    if len(terms) > 1 and any(name == "none" for name, _ in terms):
-        raise argparse.ArgumentTypeError(f"'none' cannot be combined with other terms in {text!r}")
-    return terms
-
-
-def _build_mask(terms, Sk: int, B: int):
-    """The library mask for parsed ``terms`` on a call with ``Sk`` keys (None for no mask)."""
-    import torch
-
-    import selfattn as sa
-
-    m = sa.masks
-    parts = []
-    for name, n in terms:
-        if name == "none":
-            return None
-        if name == "causal":
-            parts.append(m.causal())
-        elif name == "documents":
-            parts.append(m.documents(torch.arange(Sk) // n))  # (Sk,) doc id per position
-        elif name == "padding":
-            parts.append(m.padding([n] * B))
-        else:
-            parts.append(getattr(m, name)(n))
-    mask = parts[0]
-    for p in parts[1:]:
-        mask = mask & p
-    return mask
+def _mask_arg(text: str):
+    """``--mask``: ``none`` (no mask) or a mask expression, as ``selfattn mask`` reads it."""
+    return None if text.strip() == "none" else _common.mask_expression(text)
 
 
 def _score_mod_spec(text: str) -> tuple[str, float | None]:
@@ -169,13 +96,14 @@ def add_parser(subparsers):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
     p.add_argument(
         "--mask",
-        type=_mask_spec,
-        default=[("none", None)],
-        metavar="SPEC",
+        type=_mask_arg,
+        default=None,
+        metavar="EXPR",
         help=(
-            "none (default), causal, sliding_window:N, chunked:N, prefix_lm:N, documents:N "
-            "(packed documents of N tokens), padding:N (N valid keys); join terms with '&', "
-            "e.g. causal&documents:2048"
+            "none (default) or a mask expression as `selfattn mask` reads it: causal, "
+            "sliding_window(N), chunked(N), prefix_lm(N), padding(N) (N valid keys), "
+            "documents(L, L, ...) (packed documents of these lengths, adding up to Sk); "
+            "operators & | ~ and parentheses, e.g. 'causal & documents(512, 512)'"
         ),
     )
     p.add_argument(
@@ -307,7 +235,7 @@ def run(args) -> int:
     elif mod_name == "softcap":
         score_mod = sa.scores.softcap(cap)
     kwargs = dict(
-        mask=_build_mask(args.mask, Sk, B),
+        mask=args.mask,
         score_mod=score_mod,
         dropout_p=args.dropout,
         q_offset=args.q_offset,

@@ -3,8 +3,6 @@ every subcommand's masks use) and draw it as text, and optionally as a .png/.svg
 
 from __future__ import annotations
 
-import argparse
-
 from selfattn.cli import _common
 
 # Peak memory of `selfattn mask` per (query, key) pair, measured at about 20 bytes for
@@ -14,12 +12,7 @@ _MASK_BYTES_PER_PAIR = 24
 
 
 def _mask_expr(text: str):
-    from selfattn.inspect import parse_mask
-
-    try:
-        return text, parse_mask(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return text, _common.mask_expression(text)
 
 
 def add_parser(subparsers):
