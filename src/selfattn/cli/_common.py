@@ -142,7 +142,7 @@ def _old_mask_form(text: str, parse_mask) -> str:
 
     new = re.sub(r"\s*([&|])\s*", r" \1 ", _OLD_MASK_TERM.sub(rewrite, text)).strip()
     old = f"{_clip(text)!r} uses the old NAME:N form; mask expressions write NAME(N)"
-    if "documents(" in new:
+    if any(m["name"] == "documents" for m in _OLD_MASK_TERM.finditer(text)):
         return (
             f"{old}: use {_clip(new)!r}, documents(a, b, ...) taking each document's length "
             "(they add up to the key length Sk)"
