@@ -14,6 +14,9 @@ import os
 import shutil
 import stat
 import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -343,6 +346,48 @@ def test_untrusted_cached_library_is_not_loaded(kernel_cache, monkeypatch, caplo
         (cache / name).chmod(0o664)
     lib = build.load(paged_decode.SPEC)
     _refused(caplog, cache, built_in, "symbolic link" if bad == "symlink" else "group- or world")
+    _runs_correctly(monkeypatch, lib)
+
+
+def test_concurrent_builds_compile_once(kernel_cache, monkeypatch):
+    """Two builders of one empty cache (threads here, processes alike): the second waits on the
+    first's lock of the cache dir, then loads its library instead of compiling it again. No
+    lock file is left behind."""
+    cache, built_in = kernel_cache
+    copy_library = subprocess.run  # the fixture's stand-in compiler
+    compiling = threading.Event()
+
+    def slow_compiler(cmd, **kw):
+        compiling.set()
+        time.sleep(0.3)  # a build in progress while the other builder looks for the library
+        return copy_library(cmd, **kw)
+
+    monkeypatch.setattr(subprocess, "run", slow_compiler)
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda _: build.load(paged_decode.SPEC), range(2)))
+    assert compiling.is_set() and all(lib is not None for lib in libs)
+    assert built_in == [cache], f"compiled {len(built_in)} times"
+    assert [p.suffix for p in cache.iterdir()] == [".so"]
+    _runs_correctly(monkeypatch, libs[1])
+
+
+def test_a_stuck_build_lock_is_waited_on_for_a_bounded_time(kernel_cache, monkeypatch, caplog):
+    """A builder that holds the cache's lock and never finishes (stopped, hung on a network file
+    system) delays the others by LOCK_WAIT_S at most, then they build anyway (logged)."""
+    fcntl = pytest.importorskip("fcntl")
+    cache, built_in = kernel_cache
+    cache.mkdir(mode=0o700)
+    monkeypatch.setattr(build, "LOCK_WAIT_S", 0.2)
+    stuck = os.open(cache, os.O_RDONLY)
+    fcntl.flock(stuck, fcntl.LOCK_EX)
+    try:
+        start = time.monotonic()
+        lib = build.load(paged_decode.SPEC)
+        waited = time.monotonic() - start
+    finally:
+        os.close(stuck)
+    assert lib is not None and built_in == [cache] and 0.2 <= waited < 5
+    assert "building without waiting" in caplog.text
     _runs_correctly(monkeypatch, lib)
 
 
