@@ -174,3 +174,27 @@ def test_compiled_step_still_refuses_bad_tables(compiled_step, bad):
         lens[0] = table.shape[1] * kp.shape[1] + 1
     with pytest.raises(RuntimeError, match="block_table" if bad == "page id" else "seq_lens"):
         compiled_step(q, kp, vp, table, lens)
+
+
+def test_paged_decode_step_compiles_through_the_triton_op(monkeypatch):
+    """The same decode step sent to the Triton kernel (interpreted on CPU): one graph around
+    selfattn::paged_decode_triton, equal to eager."""
+    _interpreted_triton()
+    monkeypatch.setenv("SELFATTN_PAGED_TRITON", "1")
+    args = make_paged([37, 20], 4, 2, D=16, P=8, Sq=1, seed=5)
+    assert sa.backends.explain_paged(*args, print_table=False).chosen == "triton"
+
+    def triton_step(*a):  # its own code object: compiled caches are per function
+        return paged_attention(*a, return_lse=True)
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(triton_step)(*args)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        ops_in_graph = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
+        assert "selfattn.paged_decode_triton.default" in ops_in_graph
+        compiled = torch.compile(triton_step, fullgraph=True)
+        for got, want in zip(compiled(*args), triton_step(*args)):
+            assert torch.equal(got, want)
+    finally:
+        torch._dynamo.reset()
