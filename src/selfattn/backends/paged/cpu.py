@@ -25,9 +25,9 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
     lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
     args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         out, lse = ops.paged_decode_cpu(*args)
-    else:  # the op's own implementation, without the dispatcher's cost per call
+    else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
         out, lse = paged_decode.decode(*args)
     return out.to(q.dtype), lse  # (B, Hq, Sq, Dv)
 

@@ -21,10 +21,14 @@ __all__ = ["run"]
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
     lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
-    return ops.paged_decode_triton(
-        q.contiguous(), k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales,
-        call.v_scales,
-    )  # fmt: skip
+    args = (q.contiguous(), k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales,
+            call.v_scales)  # fmt: skip
+    if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
+        return ops.paged_decode_triton(*args)
+    # The op's implementation itself, as the cpu backend does (the dispatcher's cost per call).
+    from selfattn.kernels.triton import paged  # imports Triton (seconds, once)
+
+    return paged.paged_attention_triton(*args)
 
 
 def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
