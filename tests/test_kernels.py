@@ -20,6 +20,8 @@ import selfattn as sa
 from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_int8
 from selfattn.kernels import ops, paged_decode
+from selfattn.kernels.paged_twin import paged_attention_twin
+from selfattn.testing import assert_close_to_reference
 from test_paged import make_paged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +102,22 @@ def test_kernels_import_nothing_above_them():
 
 
 # -- custom ops ---------------------------------------------------------------------------------
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
+def test_cpu_op_matches_its_twin(quantised, dtype):
+    """The C kernel against its plain-PyTorch twin in float64 (ratio rule, the twin in the input
+    dtype as the noise baseline); the op writes float32."""
+    args = _kernel_args(Sq=3, quantised=quantised, seed=9)
+    q = args[0].to(dtype)
+    out, lse = ops.paged_decode_cpu(q, *args[1:])
+    assert out.dtype == lse.dtype == torch.float32
+    o64, l64 = paged_attention_twin(q.double(), *args[1:])  # float64 in, float64 out
+    naive, naive_lse = paged_attention_twin(q, *args[1:], compute_dtype=dtype)
+    assert_close_to_reference(out.to(dtype), o64, naive, dtype=dtype)
+    assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
 
 
 @needs_c_kernel
