@@ -14,8 +14,8 @@ the K/V bytes a call must read (``2 · B · S · Hkv · D · itemsize``); the co
 tensor copy's bytes read plus written per second (``dst.copy_(src)`` of 512 MiB, preallocated),
 timed interleaved with a fp32 paged decode call for the bandwidth row.
 
-These calls take ``paged_attention``'s C kernel (decode.py's rule); the line under the table says
-so, with the kernel's one-time build (or cache load) cost, which no timed call includes.
+These calls take ``paged_attention``'s C kernel (its ``cpu`` backend); the line under the table
+says so, with the kernel's one-time build (or cache load) cost, which no timed call includes.
 ``SELFATTN_DECODE_KERNEL=0`` measures the PyTorch path instead.
 """
 
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 import _util
-from selfattn.cache import _decode_kernels
-from selfattn.cache.decode import paged_attention
+from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_int8
 from selfattn.cache.size import kv_cache_bytes
+from selfattn.kernels import paged_decode
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     B, S = (4, 512) if args.quick else (32, 4096)
     t0 = time.perf_counter()
-    built = _decode_kernels.library() is not None  # compiled on first use, then cached on disk
+    built = paged_decode.library() is not None  # compiled on first use, then cached on disk
     path = (
         f"C kernel (build or cache load: {time.perf_counter() - t0:.1f} s, not timed)"
         if built

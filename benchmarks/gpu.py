@@ -306,7 +306,7 @@ def part_decode(args) -> dict:
         row.update({"sdpa_contiguous_ms": t_sdpa, "gather_sdpa_ms": t_gather})
         impls = {"paged_attention": lambda: paged_attention(q, kp, vp, table, lens)}
         try:
-            from selfattn.backends.triton.paged import paged_attention_triton
+            from selfattn.kernels.triton.paged import paged_attention_triton
 
             lo = torch.zeros(B, 1, dtype=torch.int32, device=DEV)
             hi = lens.view(B, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 
@@ -11,11 +12,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import selfattn as sa
 from selfattn import attention, masks, scores
-from selfattn.cache import _decode_kernels
-from selfattn.cache.decode import KERNEL_MAX_SQ, paged_attention
+from selfattn.backends.paged import pytorch as paged_torch
+from selfattn.backends.paged.cpu import KERNEL_MAX_SQ
+from selfattn.cache import paged_attention
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8
+from selfattn.kernels import build, paged_decode
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
 
 
@@ -47,6 +51,21 @@ def contiguous(pages, table, b, n):
     return rows.transpose(0, 1).unsqueeze(0)
 
 
+def spy_paged_backends(monkeypatch) -> list[str]:
+    """Record the name of each paged backend that runs (the registry is restored afterwards)."""
+    registry = sa.backends.registry("paged")
+    ran: list[str] = []
+    for name in registry.names():
+        backend = registry.get(name)
+
+        def run(*args, _backend=backend):
+            ran.append(_backend.name)
+            return _backend.run(*args)
+
+        monkeypatch.setitem(registry._backends, name, dataclasses.replace(backend, run=run))
+    return ran
+
+
 def check(q, k_pages, v_pages, table, lens, **kw):
     out, lse = paged_attention(q, k_pages, v_pages, table, lens, return_lse=True, **kw)
     assert out.dtype == q.dtype
@@ -72,7 +91,7 @@ def path(request, monkeypatch):
     """Run a test on both implementations: the C kernel and the PyTorch path (env switch)."""
     if request.param == "torch":
         monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
-    elif _decode_kernels.library() is None:
+    elif paged_decode.library() is None:
         pytest.skip("no C compiler here: the decode kernel cannot be built")
     return request.param
 
@@ -81,13 +100,13 @@ def path(request, monkeypatch):
 def kernel_calls(monkeypatch) -> list[int]:
     """Spy on the C kernel: the list fills with the number of key splits of each call."""
     calls: list[int] = []
-    real = _decode_kernels.decode
+    real = paged_decode.decode
 
     def spy(q, k_pages, v_pages, table, lo, hi, *rest):
-        calls.append(_decode_kernels.key_splits(lo, hi, k_pages.shape[1])[0])
+        calls.append(paged_decode.key_splits(lo, hi, k_pages.shape[1])[0])
         return real(q, k_pages, v_pages, table, lo, hi, *rest)
 
-    monkeypatch.setattr(_decode_kernels, "decode", spy)
+    monkeypatch.setattr(paged_decode, "decode", spy)
     return calls
 
 
@@ -184,9 +203,7 @@ def test_nan_in_unused_slots_and_pages(mask, path):
 
 def test_reads_pages_in_groups_not_all_at_once(monkeypatch, gathered_counts):
     """A long sequence is walked in several bounded gathers (the online-softmax merge path)."""
-    import selfattn.cache.decode as decode
-
-    monkeypatch.setattr(decode, "GROUP_KEYS", 32)
+    monkeypatch.setattr(paged_torch, "GROUP_KEYS", 32)
     q, kp, vp, table, sl = make_paged([200, 70], 4, 2, D=8, P=8, Sq=5, dtype=torch.float64)
     calls = gathered_counts
     calls.clear()  # count only the call under test, not the set-up
@@ -402,7 +419,7 @@ def test_sliding_window_reads_only_window_pages(monkeypatch, gathered_counts, Sq
 
 
 needs_kernel = pytest.mark.skipif(
-    _decode_kernels.library() is None, reason="no C compiler here: the kernel cannot be built"
+    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
 )
 
 
@@ -479,7 +496,7 @@ def test_kernel_reads_strided_pages_in_place(kernel_calls):
 
 @needs_kernel
 def test_kernel_rule(monkeypatch, kernel_calls):
-    """Which calls the kernel takes (decode.py's _kernel_bounds); every one stays exact."""
+    """Which calls the kernel takes (the cpu paged backend's reject); every one stays exact."""
     lens = [23, 18]
 
     def ran(Sq=1, dtype=torch.float32, grad=False, **kw):
@@ -507,10 +524,10 @@ def test_kernel_rule(monkeypatch, kernel_calls):
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     """No compiler, or one that fails: no library (paged_attention then runs PyTorch)."""
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_decode_kernels, "_compiler", lambda: None)
-    assert _decode_kernels._build() is None
-    monkeypatch.setattr(_decode_kernels, "_compiler", lambda: "false")  # exits 1, builds nothing
-    assert _decode_kernels._build() is None
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert build.load(paged_decode.SPEC) is None
+    monkeypatch.setattr(build, "compiler", lambda: "false")  # exits 1, builds nothing
+    assert build.load(paged_decode.SPEC) is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -518,11 +535,11 @@ def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
 def test_kernel_build_is_cached_per_machine(monkeypatch, tmp_path):
     """The first build leaves one library in the cache dir; the next load compiles nothing."""
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
-    assert _decode_kernels._build() is not None
+    assert build.load(paged_decode.SPEC) is not None
     (built,) = tmp_path.iterdir()
     stamp = built.stat().st_mtime_ns
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
-    assert _decode_kernels._build() is not None
+    assert build.load(paged_decode.SPEC) is not None
     assert list(tmp_path.iterdir()) == [built] and built.stat().st_mtime_ns == stamp
 
 

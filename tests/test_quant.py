@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from selfattn import masks
-from selfattn.cache.decode import paged_attention
+from selfattn.cache import paged_attention
 from selfattn.cache.quant import (
     dequantize,
     quantize_fp8,
@@ -237,10 +237,10 @@ def test_garbage_in_unused_slots_and_scales_never_reaches_output():
 
 
 def test_dequantises_a_group_at_a_time(monkeypatch, gathered_counts):
-    import selfattn.cache.decode as decode
+    from selfattn.backends.paged import pytorch as paged_torch
 
     monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")  # counts the PyTorch path's gathers
-    monkeypatch.setattr(decode, "GROUP_KEYS", 32)
+    monkeypatch.setattr(paged_torch, "GROUP_KEYS", 32)
     q, kp, vp, table, sl = make_pool([200, 70], 4, 2, D=8, P=8, Sq=1, seed=2)
     (kq, ks), (vq, vs) = quantize_int8(kp), quantize_int8(vp)
     calls = gathered_counts

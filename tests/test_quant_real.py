@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from selfattn.cache.decode import paged_attention
+from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.testing import reference_attention
 

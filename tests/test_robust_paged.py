@@ -14,6 +14,9 @@ import os
 import shutil
 import stat
 import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,33 +24,30 @@ import torch
 
 import selfattn as sa
 from selfattn import masks
-from selfattn.cache import _decode_kernels, decode
-from selfattn.cache.decode import paged_attention
+from selfattn.backends.paged import pytorch as paged_torch
+from selfattn.backends.paged._intervals import _key_intervals
+from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
+from selfattn.kernels import build, paged_decode
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
-from test_paged import check, contiguous, make_paged
+from test_paged import check, contiguous, make_paged, spy_paged_backends
 
 
-@pytest.fixture(params=["c", "torch", "triton"])
+@pytest.fixture(params=["cpu", "torch", "triton"])
 def paged_path(request, monkeypatch) -> list[str]:
-    """Run a test on one of paged_attention's paths; the list records the kernels that ran."""
+    """Run a test on one of paged_attention's backends; the list records the backends that ran."""
     if request.param == "torch":
         monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
-    elif request.param == "c" and _decode_kernels.library() is None:
+    elif request.param == "cpu" and paged_decode.library() is None:
         pytest.skip("no C compiler here: the decode kernel cannot be built")
     elif request.param == "triton":
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("no GPU and TRITON_INTERPRET is not 1")
         monkeypatch.setenv("SELFATTN_PAGED_TRITON", "1")
-    ran: list[str] = []
-    real = decode._kernel_attention
-    monkeypatch.setattr(decode, "_kernel_attention", lambda k, *a: ran.append(k) or real(k, *a))
+    ran = spy_paged_backends(monkeypatch)
     yield ran
-    if request.param == "torch":
-        assert ran == [], f"the PyTorch path was asked for, but {ran} ran"
-    else:
-        assert ran and set(ran) == {request.param}, f"the {request.param} kernel did not run"
+    assert ran and set(ran) == {request.param}, f"{request.param} was asked for, but {ran} ran"
 
 
 def _page_slot(table, P, b, t):
@@ -66,7 +66,7 @@ def test_nonfinite_v_reaches_only_rows_that_attend_its_key(paged_path, dtype, mo
     attended by rows 1-3 only, key 8 by rows 3-5 only. NaN at key 6 (kv head 0, dim 3) and +inf
     at key 8 (kv head 1, dim 0) must poison exactly those (row, head, dim) outputs. The PyTorch
     path walks one page per step, so its second walk re-sums some groups and not others."""
-    monkeypatch.setattr(decode, "GROUP_KEYS", 4)
+    monkeypatch.setattr(paged_torch, "GROUP_KEYS", 4)
     Hq, Hkv, D, P, Sq = 4, 2, 8, 4, 7
     mask = masks.causal() & masks.sliding_window(3)
     q, kp, vp, table, lens = make_paged([12, 7], Hq, Hkv, D, P, Sq=Sq, dtype=dtype, seed=31)
@@ -102,7 +102,7 @@ def test_garbage_outside_attended_keys_never_leaks(paged_path, mask):
     Sq, P = 3, 4
     q, kp, vp, table, lens = make_paged([13, 6, 10], 4, 2, D=8, P=P, Sq=Sq, spare=4, seed=5)
     clean = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)
-    lo, hi = decode._key_intervals(mask, lens.long(), Sq)
+    lo, hi = _key_intervals(mask, lens.long(), Sq)
     attended = torch.zeros(kp.shape[:2], dtype=torch.bool)  # (N, P)
     for b in range(len(lens)):
         for t in range(int(lo[b].min()), int(hi[b].max())):
@@ -199,13 +199,14 @@ def test_quantised_scales_are_float32_whatever_the_default_dtype(default_dtype, 
 def library_file(tmp_path_factory) -> Path:
     """A built kernel library: the session's own, or (when that was built in a temporary dir
     that is gone) one real build."""
-    lib = _decode_kernels.library()
+    lib = paged_decode.library()
     if lib is None:
         pytest.skip("no C compiler here: the decode kernel cannot be built")
     if Path(lib._name).is_file():
         return Path(lib._name)
-    cc, flags = _decode_kernels._compiler(), _decode_kernels._FLAGS
-    return _decode_kernels._compile(cc, flags, tmp_path_factory.mktemp("built"), "lib.so")
+    spec = paged_decode.SPEC
+    out = tmp_path_factory.mktemp("built")
+    return build.compile_library(spec, build.compiler(), list(spec.flags), out, "lib.so")
 
 
 @pytest.fixture
@@ -229,15 +230,18 @@ def kernel_cache(monkeypatch, tmp_path, library_file):
 
 def _library_name() -> str:
     """The file name the cache gives this machine's library (as the session's own build)."""
-    return Path(_decode_kernels.library()._name).name
+    return Path(paged_decode.library()._name).name
 
 
 def _runs_correctly(monkeypatch, lib) -> None:
     """paged_attention through ``lib`` (the C kernel) gives the reference's numbers."""
     assert lib is not None
-    monkeypatch.setattr(_decode_kernels, "_library_once", lambda: lib)
+    monkeypatch.setattr(paged_decode, "_library_once", lambda: lib)
     q, kp, vp, table, lens = make_paged([13, 6], 4, 2, D=8, P=4, Sq=2, seed=23)
-    assert decode._kernel_bounds(q, kp, vp, lens, masks.causal(), None)[0] == "c"
+    explained = sa.backends.explain_paged(
+        q, kp, vp, table, lens, mask=masks.causal(), print_table=False
+    )
+    assert explained.chosen == "cpu"
     check(q, kp, vp, table, lens, mask=masks.causal())
 
 
@@ -254,7 +258,7 @@ def test_cache_dir_is_created_private(kernel_cache, monkeypatch, caplog):
     cache, built_in = kernel_cache
     cache = cache / "below"
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(cache))
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     for d in (cache, cache.parent):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, f"{d}: {stat.filemode(d.stat().st_mode)}"
     assert built_in == [cache] and not caplog.records
@@ -268,7 +272,7 @@ def test_writable_cache_dir_is_refused(kernel_cache, monkeypatch, caplog, mode):
     cache, built_in = kernel_cache
     cache.mkdir(mode=0o700)
     cache.chmod(mode)
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     _refused(caplog, cache, built_in, "group- or world-writable")
     assert list(cache.iterdir()) == []
     _runs_correctly(monkeypatch, lib)
@@ -279,7 +283,7 @@ def test_cache_dir_that_cannot_be_created_builds_privately(kernel_cache, monkeyp
     cache, built_in = kernel_cache
     cache.write_text("a file, not a directory")
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(cache / "below"))
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     _refused(caplog, cache, built_in, "cannot be created")
     _runs_correctly(monkeypatch, lib)
 
@@ -289,7 +293,7 @@ def test_cache_dir_of_another_user_is_refused(kernel_cache, monkeypatch, caplog)
     cache, built_in = kernel_cache
     cache.mkdir(mode=0o700)
     monkeypatch.setattr(os, "getuid", lambda: cache.stat().st_uid + 4242)
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     _refused(caplog, cache, built_in, f"owned by uid {cache.stat().st_uid}")
     _runs_correctly(monkeypatch, lib)
 
@@ -300,7 +304,7 @@ def test_cache_dir_under_a_world_writable_dir(kernel_cache, monkeypatch, caplog,
     with it (``/tmp``) only its owner may."""
     cache, built_in = kernel_cache
     cache.parent.chmod(0o1777 if sticky else 0o777)
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     if sticky:
         assert not caplog.records and built_in == [cache]
     else:
@@ -317,7 +321,7 @@ def test_symlinked_cache_dir_is_judged_by_its_target(
     target.mkdir(mode=0o700)
     target.chmod(target_mode)
     cache.symlink_to(target)
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     if target_mode == 0o700:
         assert not caplog.records and built_in == [target]
         assert len(list(target.iterdir())) == 1
@@ -340,27 +344,72 @@ def test_untrusted_cached_library_is_not_loaded(kernel_cache, monkeypatch, caplo
     else:
         shutil.copy(planted, cache / name)
         (cache / name).chmod(0o664)
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     _refused(caplog, cache, built_in, "symbolic link" if bad == "symlink" else "group- or world")
+    _runs_correctly(monkeypatch, lib)
+
+
+def test_concurrent_builds_compile_once(kernel_cache, monkeypatch):
+    """Two builders of one empty cache (threads here, processes alike): the second waits on the
+    first's lock of the cache dir, then loads its library instead of compiling it again. No
+    lock file is left behind."""
+    cache, built_in = kernel_cache
+    copy_library = subprocess.run  # the fixture's stand-in compiler
+    compiling = threading.Event()
+
+    def slow_compiler(cmd, **kw):
+        compiling.set()
+        time.sleep(0.3)  # a build in progress while the other builder looks for the library
+        return copy_library(cmd, **kw)
+
+    monkeypatch.setattr(subprocess, "run", slow_compiler)
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda _: build.load(paged_decode.SPEC), range(2)))
+    assert compiling.is_set() and all(lib is not None for lib in libs)
+    assert built_in == [cache], f"compiled {len(built_in)} times"
+    assert [p.suffix for p in cache.iterdir()] == [".so"]
+    _runs_correctly(monkeypatch, libs[1])
+
+
+def test_a_stuck_build_lock_is_waited_on_for_a_bounded_time(kernel_cache, monkeypatch, caplog):
+    """A builder that holds the cache's lock and never finishes (stopped, hung on a network file
+    system) delays the others by LOCK_WAIT_S at most, then they build anyway (logged)."""
+    fcntl = pytest.importorskip("fcntl")
+    cache, built_in = kernel_cache
+    cache.mkdir(mode=0o700)
+    monkeypatch.setattr(build, "LOCK_WAIT_S", 0.2)
+    stuck = os.open(cache, os.O_RDONLY)
+    fcntl.flock(stuck, fcntl.LOCK_EX)
+    try:
+        start = time.monotonic()
+        lib = build.load(paged_decode.SPEC)
+        waited = time.monotonic() - start
+    finally:
+        os.close(stuck)
+    assert lib is not None and built_in == [cache] and 0.2 <= waited < 5
+    assert "building without waiting" in caplog.text
     _runs_correctly(monkeypatch, lib)
 
 
 def test_library_missing_a_symbol_falls_back_to_pytorch(monkeypatch, tmp_path, caplog):
     """A loadable library under the expected name without the kernel's functions: logged, and
     paged_attention runs its PyTorch path (it used to raise AttributeError on every call)."""
-    if _decode_kernels.library() is None:
+    if paged_decode.library() is None:
         pytest.skip("no C compiler here")
-    cc, name = _decode_kernels._compiler(), _library_name()
+    cc, name = build.compiler(), _library_name()
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
     src = tmp_path / "other.c"
     src.write_text("int has_f16(void) { return 0; }\n")
     subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(tmp_path / name)], check=True)
     src.unlink()
-    lib = _decode_kernels._build()
+    lib = build.load(paged_decode.SPEC)
     assert lib is None
     (warning,) = [r for r in caplog.records if r.name == "selfattn"]
     assert "lacks paged_decode" in warning.getMessage()
-    monkeypatch.setattr(_decode_kernels, "_library_once", lambda: lib)
+    monkeypatch.setattr(paged_decode, "_library_once", lambda: lib)
     q, kp, vp, table, lens = make_paged([13, 6], 4, 2, D=8, P=4, Sq=2, seed=29)
-    assert decode._kernel_bounds(q, kp, vp, lens, masks.causal(), None) is None
+    explained = sa.backends.explain_paged(
+        q, kp, vp, table, lens, mask=masks.causal(), print_table=False
+    )
+    assert explained.chosen == "torch"
     check(q, kp, vp, table, lens, mask=masks.causal())

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from selfattn.kernels.paged_twin import paged_attention_twin
 from selfattn.testing import assert_close_to_reference
 
 pytest.importorskip("triton")
@@ -23,7 +24,7 @@ def kernel():
     """The kernel module: interpreted on CPU (conftest sets TRITON_INTERPRET), compiled on CUDA."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
-    return importlib.import_module("selfattn.backends.triton.paged")
+    return importlib.import_module("selfattn.kernels.triton.paged")
 
 
 def _case(seed, B, Hq, Hkv, Sq, D, Dv, P, lens, dtype, window=None, extra_pages=3):
@@ -65,9 +66,7 @@ def test_kernel_matches_fp64_oracle(kernel, case, dtype):
     q, kp, vp, table, lo, hi = _case(seed, B, Hq, Hkv, Sq, D, Dv, P, lens, dtype, window)
     scale = D**-0.5
     out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, scale, num_splits=3)
-    o64, lse64 = kernel.paged_attention_twin(
-        q.double(), kp.double(), vp.double(), table, lo, hi, scale
-    )
+    o64, lse64 = paged_attention_twin(q.double(), kp.double(), vp.double(), table, lo, hi, scale)
     # the naive baseline: every step in the input dtype
     naive, lse_n = _naive(q, kp, vp, table, lo, hi, scale)
     assert out.dtype == dtype and out.shape == (B, Hq, Sq, Dv)
@@ -77,8 +76,6 @@ def test_kernel_matches_fp64_oracle(kernel, case, dtype):
 
 def _naive(q, kp, vp, table, lo, hi, scale):
     """The twin's formula computed in the input dtype (the noise baseline of the ratio rule)."""
-    from selfattn.backends.triton.paged import paged_attention_twin
-
     return paged_attention_twin(q, kp, vp, table, lo, hi, scale, compute_dtype=q.dtype)
 
 
@@ -101,7 +98,7 @@ def test_rows_without_keys_give_zero_and_minus_inf(kernel):
     out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, num_splits=4)
     assert torch.isfinite(out).all()
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
-    ref, _ = kernel.paged_attention_twin(q, kp, vp, table, lo, hi, 0.25)
+    ref, _ = paged_attention_twin(q, kp, vp, table, lo, hi, 0.25)
     torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
 
 
@@ -119,7 +116,7 @@ def test_quantised_pages_dequantised_in_kernel(kernel, storage):
         kq, ks = quant.quantize_fp8(kp)
         vq, vs = quant.quantize_fp8(vp)
     out, _ = kernel.paged_attention_triton(q, kq, vq, table, lo, hi, 0.25, ks, vs, num_splits=2)
-    ref, _ = kernel.paged_attention_twin(q.double(), kq, vq, table, lo, hi, 0.25, ks, vs)
+    ref, _ = paged_attention_twin(q.double(), kq, vq, table, lo, hi, 0.25, ks, vs)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -128,8 +125,9 @@ def test_quantised_pages_dequantised_in_kernel(kernel, storage):
 def test_paged_attention_dispatches_to_the_kernel(kernel, monkeypatch, Sq, mask_name):
     """``paged_attention`` sends CUDA calls to the Triton kernel; SELFATTN_PAGED_TRITON=1 does
     the same on CPU (interpreted), so the dispatch and the interval masks are checked here."""
+    import selfattn as sa
     from selfattn import masks
-    from selfattn.cache import decode, paged_attention
+    from selfattn.cache import paged_attention
 
     mask = {"none": None, "causal": masks.causal(), "window": masks.sliding_window(6)}[mask_name]
     q, kp, vp, table, _, _ = _case(8, 3, 4, 2, Sq, 16, 16, 5, [23, 9, 14], torch.float32)
@@ -140,7 +138,8 @@ def test_paged_attention_dispatches_to_the_kernel(kernel, monkeypatch, Sq, mask_
     calls = []
     real = kernel.paged_attention_triton
     monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
-    assert decode._kernel_bounds(q, kp, vp, lens, mask, None)[0] == "triton"
+    explained = sa.backends.explain_paged(q, kp, vp, table, lens, mask=mask, print_table=False)
+    assert explained.chosen == "triton"
     out, lse = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)
     assert calls, "the Triton kernel did not run"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -157,7 +156,7 @@ def test_nonfinite_v_stays_in_the_rows_that_attend_it(kernel):
         b = 0 if t > 10 else 1
         vp[table[b, t // 4], t % 4, h, d] = x
     out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, num_splits=3)
-    ref, ref_lse = kernel.paged_attention_twin(q.double(), kp, vp.double(), table, lo, hi, 0.25)
+    ref, ref_lse = paged_attention_twin(q.double(), kp, vp.double(), table, lo, hi, 0.25)
     assert out.isnan().any() and out.isinf().any() and torch.isfinite(out[:, :, 0]).all()
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
     finite = torch.isfinite(ref)

@@ -1,4 +1,4 @@
-"""``attention()`` and ``attention_weights()``: validate, normalise, dispatch to a backend."""
+"""``attention()``, ``attention_weights()``, ``paged_attention()``: validate, normalise, run."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import torch
 
 from selfattn import backends as _backends
 from selfattn.backends import AttentionCall
+from selfattn.backends.paged import call as _paged
 from selfattn.masks import _check_position_span, as_mask
 from selfattn.scores import as_score_mod
 
-__all__ = ["attention", "attention_weights"]
+__all__ = ["attention", "attention_weights", "paged_attention"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -244,3 +245,72 @@ def attention_weights(
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return reference.weights(q, k, v, call)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    mask=None,
+    score_mod=None,
+    scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``,
+    reading the pages in place.
+
+    ``k_pages (N, P, Hkv, D)``, ``v_pages (N, P, Hkv, Dv)``: the page pool. ``block_table
+    (B, max_pages)`` (int32): the pages of each sequence in order; entries past a sequence's
+    ``ceil(seq_lens[b] / P)`` used pages are never read (they may be -1). ``seq_lens (B,)``:
+    valid tokens per sequence, including the ``Sq`` new ones, which must already be written to
+    the pages::
+
+        block_table[b] = [7, 2, 5, ...]      P = 4, seq_lens[b] = 10
+        token position   0 1 2 3 | 4 5 6 7 | 8 9 · ·
+        page             7       | 2       | 5        (· = unused slot: never read)
+
+    Query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - Sq + i``; for
+    ``Sq = 2``, ``seq_lens[b] = 5`` with ``mask=masks.causal()``::
+
+        key position    0 1 2 3 4
+        query at 3      █ █ █ █ ·
+        query at 4      █ █ █ █ █
+
+    ``mask`` (a :class:`selfattn.masks.Mask` or a ``mask_mod`` callable) and ``score_mod`` (a
+    :class:`selfattn.scores.ScoreMod` or callable) are evaluated at these absolute positions
+    with ``b`` the batch index. Masks given as tensors in row order are not meaningful here
+    (sequences have different offsets). ``mask=None`` attends every valid key. GQA/MQA: query
+    head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
+
+    Returns ``out`` in ``q.dtype``, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` float32 (float64
+    for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0; also
+    when a score mod sets all its scores to ``-inf``). NaN/Inf in unused page slots or pages
+    cannot reach the output, nor can NaN/Inf at a key a row does not attend (masked, or scored
+    ``-inf`` by the score mod): it reaches only the rows that attend it.
+
+    Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with float32
+    ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; the C kernel
+    dequantises a key row at a time, the Triton kernel a tile in registers, the PyTorch path
+    each gathered group (times its scales, in the accumulation dtype), never the whole cache.
+    Scales are required for quantised pages and rejected for float pages.
+
+    ``backend``: ``"auto"`` or a paged backend (``selfattn.backends.names("paged")``: ``"cpu"``,
+    the C kernel for decode-like calls on CPU; ``"triton"``, the Triton kernel on CUDA;
+    ``"torch"``, plain PyTorch for every case); :func:`selfattn.backends.explain_paged` says
+    what ``auto`` picks and why (:mod:`selfattn.backends.paged`). All give the same result
+    within float32 rounding.
+    """
+    args = (q, k_pages, v_pages, block_table, seq_lens)
+    call = _paged.prepare(
+        *args, mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
+        v_scales=v_scales, return_lse=return_lse,
+    )  # fmt: skip
+    chosen, _ = _backends.registry("paged").select(*args, call, backend=backend)
+    out, lse = chosen.run(*args, call)
+    return (out, lse) if return_lse else out

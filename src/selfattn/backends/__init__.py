@@ -1,18 +1,25 @@
-"""Backends: one signature, a registry, and `auto` that can say why it chose.
+"""Backends: one signature per kind, one registry, and `auto` that can say why it chose.
 
-Every backend is a function ``run(q, k, v, call) -> (out, lse)`` on already-validated inputs
-``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and a normalised
-:class:`AttentionCall`. ``lse`` is ``None`` unless ``call.return_lse``. A backend also has a
-``reject(q, k, v, call) -> str | None`` predicate: ``None`` when it can run the case, otherwise a
-sentence saying why not. ``auto`` walks the registry in the measured order of ``_AUTO_RULES``.
+Two kinds of backend share the registry machinery (:class:`Registry`: register, select, explain):
+
+- ``"dense"``: ``run(q, k, v, call) -> (out, lse)`` on already-validated inputs
+  ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and a normalised
+  :class:`AttentionCall` (what :func:`selfattn.attention` runs). ``auto`` walks them in the
+  measured order of ``_auto.rank``.
+- ``"paged"``: ``run(q, k_pages, v_pages, block_table, seq_lens, call) -> (out, lse)`` with a
+  :class:`selfattn.backends.paged.call.PagedCall` (what ``paged_attention`` runs; see
+  :mod:`selfattn.backends.paged`). ``auto`` takes the kernel for the device, else PyTorch.
+
+``lse`` is ``None`` unless ``call.return_lse``. Every backend also has a ``reject(...)``
+predicate taking the same arguments as its ``run``: ``None`` when it can run the case, otherwise
+a sentence saying why not. :func:`explain` (dense) and :func:`explain_paged` take exactly the
+arguments of the function they explain, which is why they are two functions and not a flag.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from selfattn.masks import Mask
 from selfattn.scores import ScoreMod
@@ -21,11 +28,14 @@ __all__ = [
     "AttentionCall",
     "Backend",
     "Explanation",
+    "Registry",
     "available",
     "explain",
+    "explain_paged",
     "get",
     "names",
     "register",
+    "registry",
     "select",
 ]
 
@@ -49,8 +59,9 @@ class AttentionCall:
     tile_kinds_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
-RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionCall], tuple]
-RejectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionCall], "str | None"]
+# (q, k, v, call) for dense backends; (q, k_pages, v_pages, block_table, seq_lens, call) for paged.
+RunFn = Callable[..., tuple]
+RejectFn = Callable[..., "str | None"]
 
 
 @dataclass(frozen=True)
@@ -59,33 +70,7 @@ class Backend:
     run: RunFn
     reject: RejectFn
     doc: str = ""
-
-
-_REGISTRY: dict[str, Backend] = {}
-
-
-def register(backend: Backend) -> Backend:
-    """Add (or replace) a backend in the registry under ``backend.name``."""
-    _REGISTRY[backend.name] = backend
-    return backend
-
-
-def names() -> list[str]:
-    _load_builtins()
-    return list(_REGISTRY)
-
-
-def get(name: str) -> Backend:
-    _load_builtins()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; choose 'auto' or one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
-
-
-def available(q, k, v, call: AttentionCall) -> dict[str, str | None]:
-    """Map every registered backend to ``None`` (can run this case) or its rejection reason."""
-    _load_builtins()
-    return {name: b.reject(q, k, v, call) for name, b in _REGISTRY.items()}
+    kind: str = "dense"  # "dense" or "paged": which registry, and which arguments run takes
 
 
 class BackendCompileError(RuntimeError):
@@ -113,23 +98,120 @@ class Explanation:
         return "\n".join(lines)
 
 
-def select(q, k, v, call: AttentionCall, backend: str = "auto") -> tuple[Backend, Explanation]:
-    """Resolve ``backend`` (a name or ``"auto"``) for this case; raise if it cannot run it."""
-    _load_builtins()
-    if backend != "auto":
-        chosen = get(backend)
-        reason = chosen.reject(q, k, v, call)
-        if reason is not None:
+class Registry:
+    """The backends of one kind, by name, and how ``auto`` chooses among them.
+
+    ``load`` imports the built-in backends (each registers itself) on first use, so importing
+    selfattn never probes hardware or compiles anything; ``rank(*args, reasons)`` returns
+    ``(name, why, notes)`` for the capable backends. ``args`` are the backends' own arguments.
+    """
+
+    def __init__(self, kind: str, load: Callable[[], None], rank: Callable[..., tuple]):
+        self.kind = kind
+        self._load, self._rank = load, rank
+        self._loaded = False
+        self._backends: dict[str, Backend] = {}
+
+    def _ensure_loaded(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            self._load()
+
+    def register(self, backend: Backend) -> Backend:
+        self._backends[backend.name] = backend
+        return backend
+
+    def names(self) -> list[str]:
+        self._ensure_loaded()
+        return list(self._backends)
+
+    def get(self, name: str) -> Backend:
+        self._ensure_loaded()
+        if name not in self._backends:
+            what = "backend" if self.kind == "dense" else f"{self.kind} backend"
             raise ValueError(
-                f"backend {backend!r} cannot run this call: {reason}. "
-                "Use backend='auto', or see selfattn.backends.explain(...) for the alternatives."
+                f"unknown {what} {name!r}; choose 'auto' or one of {sorted(self._backends)}"
             )
-        return chosen, Explanation(backend, "requested explicitly", {backend: None})
+        return self._backends[name]
+
+    def available(self, *args) -> dict[str, str | None]:
+        """Map every backend to ``None`` (can run this case) or its rejection reason."""
+        self._ensure_loaded()
+        return {name: b.reject(*args) for name, b in self._backends.items()}
+
+    def select(self, *args, backend: str = "auto") -> tuple[Backend, Explanation]:
+        """Resolve ``backend`` (a name or ``"auto"``) for this case; raise if it cannot run it."""
+        if backend != "auto":
+            chosen = self.get(backend)
+            reason = chosen.reject(*args)
+            if reason is not None:
+                how = "explain" if self.kind == "dense" else f"explain_{self.kind}"
+                raise ValueError(
+                    f"backend {backend!r} cannot run this call: {reason}. "
+                    f"Use backend='auto', or see selfattn.backends.{how}(...) for the "
+                    "alternatives."
+                )
+            return chosen, Explanation(backend, "requested explicitly", {backend: None})
+        reasons = self.available(*args)
+        name, why, notes = self._rank(*args, reasons)
+        return self._backends[name], Explanation(name, why, reasons, notes)
+
+
+def _load_dense() -> None:
+    from selfattn.backends import chunked, flex, reference, sdpa, triton  # noqa: F401
+
+
+def _rank_dense(q, k, v, call, reasons):
     from selfattn.backends._auto import rank
 
-    reasons = available(q, k, v, call)
-    name, why, notes = rank(q, k, v, call, reasons)
-    return _REGISTRY[name], Explanation(name, why, reasons, notes)
+    return rank(q, k, v, call, reasons)
+
+
+def _load_paged() -> None:
+    from selfattn.backends.paged import cpu, pytorch, triton  # noqa: F401
+
+
+def _rank_paged(*args):
+    from selfattn.backends.paged import rank
+
+    return rank(*args)
+
+
+_REGISTRIES = {
+    "dense": Registry("dense", _load_dense, _rank_dense),
+    "paged": Registry("paged", _load_paged, _rank_paged),
+}
+
+
+def registry(kind: str = "dense") -> Registry:
+    """The registry of backends of ``kind`` (``"dense"`` or ``"paged"``)."""
+    if kind not in _REGISTRIES:
+        raise ValueError(f"unknown backend kind {kind!r}; choose one of {sorted(_REGISTRIES)}")
+    return _REGISTRIES[kind]
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend in the registry of its kind, under ``backend.name``."""
+    return registry(backend.kind).register(backend)
+
+
+def names(kind: str = "dense") -> list[str]:
+    return registry(kind).names()
+
+
+def get(name: str, kind: str = "dense") -> Backend:
+    return registry(kind).get(name)
+
+
+def available(q, k, v, call: AttentionCall) -> dict[str, str | None]:
+    """Map every dense backend to ``None`` (can run this case) or its rejection reason."""
+    return _REGISTRIES["dense"].available(q, k, v, call)
+
+
+def select(q, k, v, call: AttentionCall, backend: str = "auto") -> tuple[Backend, Explanation]:
+    """Resolve ``backend`` (a name or ``"auto"``) for this dense case; raise if it cannot run
+    it."""
+    return _REGISTRIES["dense"].select(q, k, v, call, backend=backend)
 
 
 def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:
@@ -148,13 +230,20 @@ def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:
     return explanation
 
 
-_LOADED = False
+def explain_paged(
+    q, k_pages, v_pages, block_table, seq_lens, *, print_table: bool = True, **kwargs
+) -> Explanation:
+    """Which paged backend ``selfattn.cache.paged_attention(q, k_pages, v_pages, block_table,
+    seq_lens, **kwargs)`` picks under "auto", and why.
 
+    Takes exactly the arguments of ``paged_attention``. Prints the explanation (unless
+    ``print_table=False``) and returns it.
+    """
+    from selfattn.backends.paged.call import prepare
 
-def _load_builtins() -> None:
-    # Imported lazily so that importing selfattn never probes hardware or compiles anything.
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from selfattn.backends import chunked, flex, reference, sdpa  # noqa: F401
+    kwargs.pop("backend", None)
+    args = (q, k_pages, v_pages, block_table, seq_lens)
+    _, explanation = _REGISTRIES["paged"].select(*args, prepare(*args, **kwargs))
+    if print_table:
+        print(explanation)
+    return explanation

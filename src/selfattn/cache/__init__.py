@@ -4,7 +4,6 @@ Every cache has ``update(k, v, positions) -> (k_all, v_all)``, ``length`` and ``
 plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
 """
 
-from selfattn.cache.decode import paged_attention
 from selfattn.cache.paged import PagedCache, PagedCacheView
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixHit, PrefixIndex
@@ -12,6 +11,7 @@ from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_
 from selfattn.cache.size import format_bytes, kv_cache_bytes
 from selfattn.cache.static import StaticCache
 from selfattn.cache.window import SlidingWindowCache
+from selfattn.functional import paged_attention
 
 __all__ = [
     "BlockPool",

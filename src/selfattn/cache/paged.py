@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.cache.decode import paged_attention
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
-from selfattn.functional import attention_weights
+from selfattn.functional import attention_weights, paged_attention
 from selfattn.masks import And, Mask, Not, TensorMask, as_mask, from_tensor
 from selfattn.nn.attention import _positive_int
 from selfattn.scores import Bias, Compose, ScoreMod, as_score_mod
@@ -360,7 +359,7 @@ class PagedCache:
         return k.transpose(0, 1), v.transpose(0, 1)  # (n, Hkv, ·) -> (Hkv, n, ·)
 
     def attention(self, q: torch.Tensor, seq_ids, *, mask=None, score_mod=None, scale=None):
-        """:func:`~selfattn.cache.decode.paged_attention` of ``q (B, Hq, Sq, D)`` over the pages.
+        """:func:`~selfattn.functional.paged_attention` of ``q (B, Hq, Sq, D)`` over the pages.
 
         The ``Sq`` queries of sequence ``b`` are its last ``Sq`` cached tokens (append them
         first); returns ``(B, Hq, Sq, Dv)``.
@@ -426,7 +425,7 @@ class PagedCacheView:
     Pass it as ``MultiHeadAttention(..., cache=cache.view(seq_ids))`` (one :class:`PagedCache`
     per layer; row ``b`` of the layer's batch is sequence ``seq_ids[b]``). The layer then calls
     :meth:`attend`: this step's K/V are appended after each sequence's OWN length and
-    :func:`~selfattn.cache.decode.paged_attention` reads the pages in place, so the sequences
+    :func:`~selfattn.functional.paged_attention` reads the pages in place, so the sequences
     may have different lengths (ragged)::
 
         seq_ids = [4, 9]   lengths before the step 5, 2;   Sq = 2 new tokens each

@@ -11,7 +11,7 @@ fp8        ``float8_e4m3fn``     ``(Hkv,)``          ``q[n, p, h, :] * scales[h]
 =========  ====================  ==================  ==========================================
 
 Tokens are quantised once, when written (:func:`write_quantized`), and dequantised by
-:func:`selfattn.cache.decode.paged_attention` where they are read: the CPU C kernel a few key
+:func:`selfattn.functional.paged_attention` where they are read: the CPU C kernel a few key
 rows at a time, the Triton kernel a tile at a time in registers, the PyTorch path one gathered
 group of pages at a time. The whole cache is never dequantised.
 
@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from selfattn.backends.paged.call import QUANT_DTYPES  # the page dtypes stored quantised
+
 __all__ = [
     "FP8_MAX",
     "INT8_MAX",
@@ -62,7 +64,6 @@ __all__ = [
 
 INT8_MAX = 127.0  # symmetric range: -128 is never produced
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def _check_float(x, name: str = "x") -> None:

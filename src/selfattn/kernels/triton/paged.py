@@ -13,10 +13,11 @@ query heads of a kv head are the rows of one matmul tile, so K/V are read once p
 (GQA without repeating K/V). A split whose keys are all masked gives lse ``-inf`` and weight 0 in
 the merge, never NaN.
 
-This module imports Triton: import it only where a kernel will run (``selfattn.cache.decode`` does
-so for CUDA tensors); :func:`selfattn.backends.triton.available` checks without importing it.
-Under ``TRITON_INTERPRET=1`` (set before the import) the kernel runs on CPU tensors, which is how
-the test suite checks it.
+This module imports Triton: import it only where a kernel will run (the op
+``torch.ops.selfattn.paged_decode_triton`` of :mod:`selfattn.kernels.ops` does so on its first
+call); :func:`selfattn.kernels.triton.available` checks without importing it. Under
+``TRITON_INTERPRET=1`` (set before the import) the kernel runs on CPU tensors, which is how the
+test suite checks it.
 
 NaN/inf in V reaches only the rows that attend its key (the C kernel's result, where IEEE's
 ``0 · NaN = NaN`` in ``P @ V`` would poison the tile's other rows): a program whose sums came out
@@ -26,8 +27,8 @@ non-finite walks its keys again, this time summing V over each row's allowed key
 Quantised pages are dequantised in registers, a tile at a time: int8 with per-token, per-head
 scales ``(N, P, Hkv)``, fp8 with per-head scales ``(Hkv,)`` (``selfattn.cache.quant``).
 
-:func:`paged_attention_twin` is the plain-PyTorch statement of the same computation (gather,
-mask, softmax) used to test the kernel; it materialises ``(B, Hq, Sq, max_len)`` scores.
+:func:`selfattn.kernels.paged_twin.paged_attention_twin` is the plain-PyTorch statement of the
+same computation (gather, mask, softmax) used to test the kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_splits", "paged_attention_triton", "paged_attention_twin"]
+__all__ = ["merge_splits", "paged_attention_triton"]
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
 BLOCK_N = 32  # keys per tile: >= 16 for tl.dot, small enough to keep short splits busy
@@ -54,7 +55,7 @@ def _weighted_sum_attended(p, v, allowed):
     attend its key, as in a sum over those keys alone (the C kernel's): NaN gives NaN, ``±inf``
     gives ``±inf`` at a positive weight and NaN at weight 0 or when both signs meet. Indicator
     dots count where each kind lands (0/1 operands: exact). PyTorch twin:
-    ``selfattn.cache.decode._weighted_sum_attended``."""
+    ``selfattn.backends.paged.pytorch._weighted_sum_attended``."""
     v = v.to(tl.float32)
     inf = float("inf")
     out = tl.dot(p, tl.where(tl.abs(v) < inf, v, 0.0), input_precision="ieee")
@@ -290,40 +291,3 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype):
     w = torch.where(torch.isfinite(lse), w, 0.0)
     merged = (w.unsqueeze(-1) * out).sum(dim=-2)  # (B, Hq, Sq, n, Dv) -> (B, Hq, Sq, Dv)
     return merged.to(dtype), total
-
-
-def paged_attention_twin(
-    q, k_pages, v_pages, block_table, lo, hi, scale, k_scales=None, v_scales=None,
-    compute_dtype=None,
-):  # fmt: skip
-    """The kernel's computation in plain PyTorch (gathers every page: for tests only).
-
-    Computes in ``compute_dtype`` (default float32, float64 for fp64 queries).
-    """
-    cd = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    Hq, Hkv, P = q.shape[1], k_pages.shape[2], k_pages.shape[1]
-    G = Hq // Hkv
-    L = block_table.shape[1] * P
-    t = torch.arange(L, device=q.device)
-    page = block_table.long()[:, t // P]  # (B, L)
-    k = k_pages[page, t % P].to(cd)  # (B, L, Hkv, D)
-    v = v_pages[page, t % P].to(cd)
-    if k_scales is not None:
-        if k_scales.dim() == 3:
-            k = k * k_scales[page, t % P].to(cd).unsqueeze(-1)
-            v = v * v_scales[page, t % P].to(cd).unsqueeze(-1)
-        else:
-            k, v = k * k_scales.to(cd).view(1, 1, Hkv, 1), v * v_scales.to(cd).view(1, 1, Hkv, 1)
-    k = k.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)  # (B, L, Hkv, D) -> (B, Hq, L, D)
-    v = v.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
-    s = q.to(cd) @ k.transpose(-1, -2) * scale  # (B, Hq, Sq, L)
-    allowed = (t >= lo.long().unsqueeze(-1)) & (t < hi.long().unsqueeze(-1))  # (B, Sq, L)
-    s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
-    if bool(torch.isfinite(v).all()):
-        return (p @ v).to(q.dtype), lse
-    # NaN/inf in V: the sum over each row's allowed keys alone (0 · NaN would poison the rest),
-    # spelled out elementwise: (B, Hq, Sq, L, 1) * (B, Hq, 1, L, Dv) -> (B, Hq, Sq, Dv)
-    terms = torch.where(allowed.unsqueeze(1).unsqueeze(-1), p.unsqueeze(-1) * v.unsqueeze(2), 0.0)
-    return terms.sum(dim=-2).to(q.dtype), lse

@@ -1,0 +1,83 @@
+"""Paged backends: the implementations of ``paged_attention``, in the one backend registry.
+
+Each is ``run(q, k_pages, v_pages, block_table, seq_lens, call) -> (out, lse)`` with a
+``reject(...)`` predicate of the same arguments (``kind="paged"``), chosen by the same
+``select`` / ``explain`` machinery as the dense backends
+(:func:`selfattn.backends.explain_paged`):
+
+- ``triton`` (:mod:`.triton`): the Triton kernel ``torch.ops.selfattn.paged_decode_triton``, on
+  CUDA: key splits over the pages (flash-decoding), the query heads of a kv head in one tile,
+  int8/fp8 dequantised in registers, an fp32 lse merge. Any ``Sq``.
+- ``cpu`` (:mod:`.cpu`): the C kernel ``torch.ops.selfattn.paged_decode_cpu``: per
+  ``(sequence, key split)`` it walks the pages in table order, scoring, softmax-updating and
+  V-summing each page before the next; every page is read in place, once. Decode and
+  speculative decode (``Sq <= KERNEL_MAX_SQ``).
+- ``torch`` (:mod:`.pytorch`): plain PyTorch over bounded groups of gathered pages; every case.
+
+Both kernels take fp32/bf16/fp16 queries, pages with a contiguous last dim, no ``score_mod``,
+a mask that is one key interval per query row (None, ``causal``, ``sliding_window``,
+``chunked`` and their ``&``), and nothing autograd must differentiate. ``auto`` picks
+``triton`` for CUDA tensors, else ``cpu``, else ``torch``: decode is memory-bound, and every
+plain-PyTorch formulation over a permuted page pool either copies the pages first or pays a tiny
+matmul per page. Environment: ``SELFATTN_DECODE_KERNEL=0`` turns the C kernel off;
+``SELFATTN_PAGED_TRITON=1`` makes ``auto`` prefer ``triton`` for CPU tensors too, which runs
+only in Triton's interpreter (``TRITON_INTERPRET=1``): how the tests check the kernel without a
+GPU. All three give the same result within float32 rounding, and NaN/inf in V at a key a row
+does not attend never reaches that row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from selfattn.backends.paged._intervals import _interval_terms
+
+__all__ = ["kernel_reject", "rank"]
+
+_KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_reject(q, k_pages, v_pages, call) -> str | None:
+    """Why neither paged kernel can run this call, or None: what the C and Triton kernels share."""
+    if q.dtype not in _KERNEL_QUERY_DTYPES:
+        return f"{q.dtype} queries: the kernels compute in float32 (fp32/bf16/fp16 inputs)"
+    if call.score_mod is not None:
+        return "a score_mod: the kernels take masks only"
+    if None in _interval_terms(call.mask):
+        return (
+            "the mask is not one key interval per query row (None, causal, sliding_window, "
+            "chunked and their &); the PyTorch path evaluates it elementwise"
+        )
+    if 0 in (*q.shape, v_pages.shape[3]):
+        return f"an empty dimension (q {tuple(q.shape)}, v_pages {tuple(v_pages.shape)})"
+    if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
+        return "pages whose last dim is not contiguous (the kernels read rows with unit stride)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+        return "gradients: the kernels have no backward"
+    return None
+
+
+def rank(q, k_pages, v_pages, block_table, seq_lens, call, reasons: dict):
+    """``(backend name, why, notes)`` for ``auto``: the kernel for the device, else PyTorch."""
+
+    def ok(name: str) -> bool:
+        return reasons.get(name, "unregistered") is None
+
+    prefer_triton = q.device.type == "cuda" or os.environ.get("SELFATTN_PAGED_TRITON") == "1"
+    notes = {"torch": "gathers groups of pages before its matmuls (a copy the kernels avoid)"}
+    if q.device.type != "cuda":
+        notes["triton"] = (
+            "on CPU only in Triton's interpreter (slow; for tests): SELFATTN_PAGED_TRITON=1 "
+            "prefers it"
+        )
+    notes["cpu"] = "the Triton kernel was preferred"
+    if prefer_triton and ok("triton"):
+        name, why = "triton", "the Triton kernel reads the pages in place (flash-decoding)"
+    elif ok("cpu"):
+        name, why = "cpu", "the C kernel reads each page in place, once"
+    else:
+        name, why = "torch", "no kernel can run this case; PyTorch runs every case"
+    notes.pop(name, None)
+    return name, why, notes

@@ -1,0 +1,180 @@
+"""One ``paged_attention`` call, validated and normalised: :class:`PagedCall` and :func:`prepare`.
+
+Every paged backend runs ``run(q, k_pages, v_pages, block_table, seq_lens, call)`` on inputs that
+passed :func:`prepare`; see :func:`selfattn.functional.paged_attention` for the arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from selfattn.masks import Mask, as_mask
+from selfattn.scores import ScoreMod, as_score_mod
+
+__all__ = ["QUANT_DTYPES", "PagedCall", "prepare"]
+
+# Page dtypes stored quantised, read with float32 scales (selfattn.cache.quant writes them).
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@dataclass(frozen=True, eq=False)
+class PagedCall:
+    """Everything about one ``paged_attention`` call except q, the pages, the table and lengths.
+
+    ``k_scales``/``v_scales``: float32 dequantisation scales of int8 / fp8 pages, None for float
+    pages.
+    """
+
+    mask: Mask | None = None
+    score_mod: ScoreMod | None = None
+    scale: float = 1.0
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+    return_lse: bool = False
+
+
+def prepare(
+    q, k_pages, v_pages, block_table, seq_lens, *, mask=None, score_mod=None, scale=None,
+    k_scales=None, v_scales=None, return_lse=False,
+) -> PagedCall:  # fmt: skip
+    """Validate the arguments of ``paged_attention`` (TypeError / ValueError naming the
+    offending values) and normalise them into a :class:`PagedCall`."""
+    _check(q, k_pages, v_pages, block_table, seq_lens)
+    _check_values(q, k_pages, block_table, seq_lens)
+    k_scales = _check_scales("k_scales", k_pages, k_scales)
+    v_scales = _check_scales("v_scales", v_pages, v_scales)
+    D = q.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite number, got {scale!r}")
+    return PagedCall(
+        mask=None if mask is None else as_mask(mask),
+        score_mod=None if score_mod is None else as_score_mod(score_mod),
+        scale=float(scale),
+        k_scales=k_scales,
+        v_scales=v_scales,
+        return_lse=return_lse,
+    )
+
+
+def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
+    """Raise TypeError / ValueError naming the offending values (see :func:`paged_attention`)."""
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            want = "(B, Hq, Sq, D)" if name == "q" else "(N, P, Hkv, D)"
+            raise ValueError(f"{name} must be 4-D {want}, got shape {tuple(t.shape)}")
+        if not (t.is_floating_point() or (name != "q" and t.dtype in QUANT_DTYPES)):
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if q.dtype in QUANT_DTYPES:
+        raise TypeError(f"q must be fp16/bf16/fp32/fp64, got {q.dtype}")
+    # Quantised pages (int8 / fp8) are read in q's accumulation dtype; float pages match q.
+    if any(p.dtype != q.dtype and p.dtype not in QUANT_DTYPES for p in (k_pages, v_pages)):
+        raise TypeError(
+            f"q, k_pages and v_pages must share one dtype, got {q.dtype}, {k_pages.dtype} and "
+            f"{v_pages.dtype}; cast them with .to(dtype)"
+        )
+    B, Hq, _, D = q.shape
+    N, P, Hkv, Dk = k_pages.shape
+    if Dk != D:
+        raise ValueError(
+            f"q has head dim D={D} but k_pages has D={Dk} (shape {tuple(k_pages.shape)})"
+        )
+    if tuple(v_pages.shape[:3]) != (N, P, Hkv):
+        raise ValueError(
+            f"v_pages {tuple(v_pages.shape)} must match k_pages {tuple(k_pages.shape)} in "
+            "(N, P, Hkv)"
+        )
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hkv={Hkv} must divide Hq={Hq} (GQA groups of G = Hq // Hkv heads)")
+    for name, t, dims in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32), got {t.dtype}")
+        if t.dim() != dims or t.shape[0] != B:
+            want = "(B, max_pages)" if dims == 2 else "(B,)"
+            raise ValueError(f"{name} must be {want} with B={B}, got shape {tuple(t.shape)}")
+    devices = {t.device for t in (q, k_pages, v_pages, block_table, seq_lens)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_values(q, k_pages, block_table, seq_lens) -> None:
+    """The checks that read ``seq_lens`` and ``block_table``: ValueError naming the offending
+    entry. Inside a compiled graph, where reading a value would break it, the same conditions
+    are asserts the graph checks when it runs (RuntimeError, a generic message): a kernel must
+    never read a page id outside the pool."""
+    B, Sq = q.shape[0], q.shape[2]
+    N, P = k_pages.shape[:2]
+    max_pages = block_table.shape[1]
+    capacity = max_pages * P
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        ok = (seq_lens >= Sq) & (seq_lens <= capacity)
+        torch._assert_async(ok.all(), "paged_attention: seq_lens[b] must be in [Sq, max_pages × P]")
+    else:  # a list of B ints: cheaper than tensor ops for the batch sizes of decode
+        for b, n in enumerate(seq_lens.tolist()):
+            if n < Sq:
+                raise ValueError(
+                    f"seq_lens[{b}]={n} is smaller than Sq={Sq}: the {Sq} queries are the last "
+                    "tokens of each sequence, so every sequence needs at least Sq cached tokens"
+                )
+            if n > capacity:
+                raise ValueError(
+                    f"seq_lens[{b}]={n} exceeds the capacity max_pages × P = {max_pages} × {P} = "
+                    f"{capacity} of block_table; allocate more pages"
+                )
+    # Block ids of the pages each sequence actually uses (the rest may hold anything, e.g. -1).
+    used = torch.arange(max_pages, device=block_table.device) * P < seq_lens.view(B, 1)
+    bad = used & ((block_table < 0) | (block_table >= N))  # (B, max_pages)
+    if compiling:
+        torch._assert_async(~bad.any(), "paged_attention: block_table ids in use must be in [0, N)")
+    elif bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {j}]={int(block_table[b, j])} is out of range for N={N} pages "
+            f"(valid ids are 0..{N - 1}); sequence {b} uses its first "
+            f"{math.ceil(int(seq_lens[b]) / P)} pages"
+        )
+
+
+def _check_scales(name: str, pages: torch.Tensor, scales) -> torch.Tensor | None:
+    """Validate the scales of one page pool; return them as float32 or None for float pages.
+
+    int8 pages need ``(N, P, Hkv)`` (per token, per head), float8_e4m3fn pages ``(Hkv,)`` (per
+    head); both float32. Float pages take no scales: a given one would silently be ignored.
+    """
+    pname = name.replace("scales", "pages")
+    if pages.dtype not in QUANT_DTYPES:
+        if scales is not None:
+            raise ValueError(
+                f"{name} given but {pname} are {pages.dtype}: scales apply only to int8 or "
+                "float8_e4m3fn pages; pass quantised pages or drop the scales"
+            )
+        return None
+    N, P, Hkv = pages.shape[:3]
+    want = (N, P, Hkv) if pages.dtype == torch.int8 else (Hkv,)
+    what = "per token, per head" if pages.dtype == torch.int8 else "per head"
+    if scales is None:
+        raise ValueError(
+            f"{pname} are {pages.dtype} but {name} is None: pass float32 {name} of shape "
+            f"{want} ({what}), e.g. from selfattn.cache.quant"
+        )
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(scales).__name__}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {scales.dtype}; use .float()")
+    if tuple(scales.shape) != want:
+        raise ValueError(
+            f"{name} must have shape {want} ({what}) for {pages.dtype} {pname} of shape "
+            f"{tuple(pages.shape)}, got {tuple(scales.shape)}"
+        )
+    if scales.device != pages.device:
+        raise ValueError(f"{name} is on {scales.device} but {pname} on {pages.device}")
+    return scales

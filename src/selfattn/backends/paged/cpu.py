@@ -1,0 +1,65 @@
+"""``cpu``: paged attention through the C kernel (``torch.ops.selfattn.paged_decode_cpu``,
+:mod:`selfattn.kernels.paged_decode`), for decode-like calls on CPU."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from selfattn.backends import Backend, register
+from selfattn.backends.paged import kernel_reject
+from selfattn.backends.paged._intervals import _key_intervals
+from selfattn.backends.paged.call import PagedCall
+from selfattn.kernels import ops, paged_decode
+
+__all__ = ["KERNEL_MAX_SQ", "run"]
+
+# Longest query chunk the C kernel takes. Measured (B=8, 2,048 keys, Hq=32, D=128, causal, one
+# thread, CPU time): the kernel costs 0.34x the PyTorch path at Sq=4, 0.56x at 16 and breaks even
+# at 64, where the batched GEMMs of the PyTorch path catch up with its per-row loops.
+KERNEL_MAX_SQ = 16
+
+
+def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
+    """``(out in q.dtype, lse float32)``."""
+    lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+    args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales)
+    if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
+        out, lse = ops.paged_decode_cpu(*args)
+    else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
+        out, lse = paged_decode.decode(*args)
+    return out.to(q.dtype), lse  # (B, Hq, Sq, Dv)
+
+
+def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
+    if q.device.type != "cpu":
+        return f"tensors on {q.device}: the C kernel runs on CPU"
+    why = kernel_reject(q, k_pages, v_pages, call)
+    if why is not None:
+        return why
+    if q.shape[2] > KERNEL_MAX_SQ:
+        return (
+            f"Sq={q.shape[2]} > {KERNEL_MAX_SQ}: a long query chunk is matmul work, where the "
+            "PyTorch path's batched GEMMs catch up"
+        )
+    if os.environ.get("SELFATTN_DECODE_KERNEL", "1") == "0":
+        return "SELFATTN_DECODE_KERNEL=0 turns the C kernel off"
+    dtypes = paged_decode.supported_dtypes()
+    if not dtypes:
+        return "the C kernel could not be built here (no C compiler, or the build failed)"
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dtype not in dtypes:
+            return f"{name} is {t.dtype}, which this build of the C kernel does not read"
+    return None
+
+
+register(
+    Backend(
+        "cpu",
+        run,
+        _reject,
+        doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
+        kind="paged",
+    )
+)
