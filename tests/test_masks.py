@@ -8,6 +8,10 @@ of ``selfattn.masks``: query row ``r`` sits at absolute position ``i = q_offset 
 
 from __future__ import annotations
 
+import ast
+import functools
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -444,6 +448,167 @@ def test_tile_kinds_exact_for_leaves(data):
     _check_tiles(~mask, lambda b, h, i, j: ~f(b, h, i, j), sc, exact=True)
 
 
+# ----------------------------------------------------------------------------------------------
+# What consumers ask of a mask (key interval, relative, causal, analytic, row order), each
+# answer checked against the elementwise truth of the formulas above (hypothesis)
+# ----------------------------------------------------------------------------------------------
+
+INTERVAL_LEAVES = {"causal", "window", "chunked", "padding", "prefix"}
+
+
+def _check_key_interval(mask, f, sc):
+    """``key_interval`` is exact where it answers: key j attends iff lo <= j < hi, every head."""
+    B, H, Sq, Sk, qo, ko = (sc[k] for k in ("B", "H", "Sq", "Sk", "q_offset", "kv_offset"))
+    b = torch.arange(B).view(B, 1)
+    q = (torch.arange(Sq) + qo).view(1, Sq)
+    got = mask.key_interval(b, q)
+    assert (got is not None) == mask.is_interval, f"is_interval disagrees for {mask!r}"
+    if got is None:
+        return
+    lo, hi = (torch.broadcast_to(x, (B, Sq)).numpy() for x in got)
+    j = (np.arange(Sk) + ko).reshape(1, 1, 1, Sk)
+    want = truth(f, B, H, Sq, Sk, qo, ko)
+    inside = (lo[:, None, :, None] <= j) & (j < hi[:, None, :, None])  # (B, 1, Sq, Sk)
+    np.testing.assert_array_equal(
+        np.broadcast_to(inside, want.shape), want, err_msg=f"key_interval of {mask!r} sc={sc}"
+    )
+
+
+@st.composite
+def interval_trees(draw, sc):
+    """``&`` of one to three leaves that are one key interval per row (causal if none drawn)."""
+    drawn = [draw(leaves(sc)) for _ in range(draw(st.integers(1, 3)))]
+    parts = [p for p in drawn if p[0].is_interval] or [(M.causal(), f_causal())]
+    mask = parts[0][0]
+    for m, _ in parts[1:]:
+        mask = mask & m
+    fs = [f for _, f in parts]
+    return mask, lambda b, h, i, j: functools.reduce(np.logical_and, (f(b, h, i, j) for f in fs))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_key_interval_matches_elementwise_truth(data):
+    sc = data.draw(scenarios())
+    mask, f = data.draw(interval_trees(sc))
+    assert mask.is_interval, repr(mask)
+    _check_key_interval(mask, f, sc)
+    mask, f = data.draw(trees(sc, 3))  # any tree: exact where it answers, None otherwise
+    _check_key_interval(mask, f, sc)
+
+
+def test_key_interval_leaves_and_combinators():
+    """Which masks are intervals: the five interval leaves and their &; | and ~ are not."""
+    leaves_ = [M.causal(), M.sliding_window(3), M.chunked(4), M.padding([2, 5]), M.prefix_lm(3)]
+    assert all(m.is_interval for m in leaves_)
+    assert (M.causal() & M.padding([2, 5]) & M.chunked(3, causal=False)).is_interval
+    others = [
+        M.documents(torch.arange(8)),
+        M.block_sparse(torch.ones(2, 2, dtype=torch.bool), 4),
+        M.from_tensor(torch.ones(3, 3, dtype=torch.bool)),
+        M.CallableMask(lambda b, h, q, kv: kv <= q),
+        M.causal() | M.sliding_window(2),
+        ~M.causal(),
+        M.causal() & M.documents(torch.arange(8)),
+    ]
+    for m in others:
+        assert not m.is_interval, repr(m)
+        assert m.key_interval(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 3)) is None
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), shift=st.integers(-40, 40))
+def test_relative_and_causal_claims_hold_elementwise(data, shift):
+    """A mask that says it is relative gives the same matrix when queries and keys move by the
+    same amount, for every (b, h); one that says it is causal is exactly j <= i."""
+    sc = data.draw(scenarios())
+    mask, f = data.draw(trees(sc, 3))
+    B, H, Sq, Sk, qo, ko = (sc[k] for k in ("B", "H", "Sq", "Sk", "q_offset", "kv_offset"))
+    want = truth(f, B, H, Sq, Sk, qo, ko)
+    if mask.relative:
+        moved = truth(f, B, H, Sq, Sk, qo + shift, ko + shift)
+        np.testing.assert_array_equal(moved, want, err_msg=f"{mask!r} is not relative")
+        np.testing.assert_array_equal(want, np.broadcast_to(want[:1, :1], want.shape))
+    if mask.is_causal:
+        np.testing.assert_array_equal(
+            want, np.broadcast_to(truth(f_causal(), B, H, Sq, Sk, qo, ko), want.shape)
+        )
+
+
+def test_questions_compose_through_and_or_not():
+    """Leaves answer for themselves; &, | and ~ answer from their parts."""
+    cau, win, chk = M.causal(), M.sliding_window(3), M.chunked(4)
+    t = M.from_tensor(torch.ones(3, 3, dtype=torch.bool))
+    fn = M.CallableMask(lambda b, h, q, kv: kv <= q)
+    assert cau.relative and win.relative and not chk.relative and not M.padding(2).relative
+    assert (cau & ~win).relative and (cau | win).relative and not (cau & chk).relative
+    assert cau.is_causal and (cau & cau).is_causal and (cau | cau).is_causal
+    assert not (~cau).is_causal and not (cau & win).is_causal and not win.is_causal
+    assert cau.analytic and (~(cau | chk) & M.documents(torch.arange(9))).analytic
+    assert not t.analytic and not fn.analytic and not (cau & fn).analytic and not (~t).analytic
+    assert t.row_ordered and (cau | ~t).row_ordered and not (cau & fn).row_ordered
+    assert (cau & win).children() == (cau, win) and (~cau).children() == (cau,)
+    assert cau.children() == ()
+
+
+def test_and_or_not_are_siblings():
+    """Or is not a kind of And (issue 12): a walker asking `isinstance(m, And)` of an Or would
+    take a union for an intersection."""
+    a, o, n = M.causal() & M.chunked(2), M.causal() | M.chunked(2), ~M.causal()
+    assert not isinstance(o, type(a)) and not isinstance(a, type(o))
+    assert not isinstance(n, type(a)) and not isinstance(n, type(o))
+    assert not issubclass(type(o), type(a))
+    for m in (a, o, n):
+        assert isinstance(m, M.Mask)
+
+
+# Mask classes no module outside selfattn/masks may name: the masks answer every question
+# themselves (issue 12), so a consumer never switches on what kind of mask it holds.
+_MASK_CLASSES = frozenset(
+    {
+        "And", "Or", "Not", "Causal", "SlidingWindow", "Chunked", "Padding", "Documents",
+        "PrefixLM", "BlockSparse", "TensorMask", "CallableMask",
+    }
+)  # fmt: skip
+
+
+def _names(node) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def test_no_module_outside_masks_switches_on_mask_classes():
+    """Walk src/selfattn: outside masks/, no isinstance/issubclass/`type(x) is` test and no
+    import names a mask class."""
+    root = Path(sa.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("masks/"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            hit: set[str] = set()
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "isinstance",
+                "issubclass",
+            ):
+                hit = _names(node.args[1]) if len(node.args) > 1 else set()
+            elif isinstance(node, ast.Compare) and any(
+                isinstance(x, ast.Call) and getattr(x.func, "id", None) == "type"
+                for x in (node.left, *node.comparators)
+            ):
+                hit = _names(node)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "selfattn.masks"
+            ):
+                hit = {a.name for a in node.names}
+            for name in sorted(hit & _MASK_CLASSES):
+                found.append(f"{rel}:{node.lineno} {name}")
+    assert not found, "modules outside masks/ switching on mask classes:\n" + "\n".join(found)
+
+
 def test_documents_unsorted_ids_are_exact():
     # q tile ids {0, 2} and key tile ids {1} overlap as intervals but share no document
     ids = torch.tensor([0, 2, 1, 1])
@@ -711,8 +876,8 @@ def test_elementwise_fallback_in_bands_equals_one_shot(monkeypatch, Sq, Sk, bq, 
     )
     grid = M.TileGrid(Sq, Sk, bq, bk, q_offset=qo)
     for mask in (callable_mask, tensor_mask):
-        monkeypatch.setattr(M, "_BAND_ELEMENTS", 1 << 40)
+        monkeypatch.setattr(M.base, "_BAND_ELEMENTS", 1 << 40)
         one_shot = mask.tile_kinds(grid, 2, 3)
-        monkeypatch.setattr(M, "_BAND_ELEMENTS", 50)  # forces one band per query tile
+        monkeypatch.setattr(M.base, "_BAND_ELEMENTS", 50)  # forces one band per query tile
         banded = mask.tile_kinds(grid, 2, 3)
         assert torch.equal(one_shot.expand(2, 3, -1, -1), banded.expand(2, 3, -1, -1))

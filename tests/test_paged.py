@@ -433,6 +433,9 @@ needs_kernel = pytest.mark.skipif(
         masks.chunked(6, causal=False),
         masks.causal() & masks.sliding_window(20),
         masks.sliding_window(9) & masks.chunked(16),
+        masks.prefix_lm(20),
+        masks.prefix_lm(5) & masks.sliding_window(9),
+        masks.sliding_window(4) & masks.padding(1),  # long sequences: rows with no key
     ],
     ids=repr,
 )
@@ -442,6 +445,22 @@ def test_kernel_interval_masks(Sq, mask, kernel_calls):
     q, kp, vp, table, sl = make_paged(lens, 6, 3, D=20, P=8, Sq=Sq, Dv=36, seed=Sq)
     check(q, kp, vp, table, sl, mask=mask)
     assert len(kernel_calls) == 1
+
+
+@needs_kernel
+def test_kernel_per_sequence_padding(kernel_calls):
+    """padding() with one length per sequence is one key interval per row too (its end depends
+    on the sequence): the kernel runs it, each sequence exact vs the oracle with its own length."""
+    lens, valid = [61, 3, 100], [40, 2, 100]
+    q, kp, vp, table, sl = make_paged(lens, 6, 3, D=20, P=8, Sq=3, Dv=36, seed=11)
+    out = paged_attention(q, kp, vp, table, sl, mask=masks.causal() & masks.padding(valid))
+    assert len(kernel_calls) == 1
+    for b, n in enumerate(lens):
+        kb, vb = contiguous(kp, table, b, n), contiguous(vp, table, b, n)
+        kw = {"mask": masks.causal() & masks.padding(valid[b])}
+        o64, _, _ = reference_attention(q[b : b + 1], kb, vb, **kw)
+        naive, _, _ = naive_attention(q[b : b + 1], kb, vb, **kw)
+        assert_close_to_reference(out[b : b + 1], o64, naive, dtype=q.dtype, what=f"out[{b}]")
 
 
 @needs_kernel

@@ -394,3 +394,28 @@ def test_as_score_mod_errors():
 
     with pytest.raises(TypeError, match=r"returns_int .* torch\.int64"):
         sa.attention(q, q, q, score_mod=returns_int, backend="reference")
+
+
+def test_relative_and_row_ordered_claims_hold_elementwise():
+    """A score mod that says it is relative gives the same scores when queries and keys move by
+    the same amount (ring attention then calls it unshifted); composition answers from its parts;
+    a bias tensor is read by query row."""
+    g = torch.Generator().manual_seed(7)
+    H, Sq, Sk, shift = 3, 5, 9, 37
+    score = torch.randn(2, H, Sq, Sk, generator=g, dtype=torch.float64)
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+    q, kv = (torch.arange(Sq) + 4).view(1, 1, Sq, 1), torch.arange(Sk).view(1, 1, 1, Sk)
+    t5 = S.RelativePositionBias(H, num_buckets=8, max_distance=16).double()
+    relative = [S.alibi(H), S.softcap(2.0), t5, S.alibi(H) >> S.softcap(3.0)]
+    for mod in relative:
+        assert mod.relative, repr(mod)
+        with torch.no_grad():
+            here = mod.score_mod(score, b, h, q, kv)
+            moved = mod.score_mod(score, b, h, q + shift, kv + shift)
+        torch.testing.assert_close(moved, here, rtol=0, atol=0, msg=repr(mod))
+    bias = S.bias(torch.randn(Sq, Sk, generator=g))
+    fn = S.as_score_mod(lambda s, b, h, q, kv: s + q)
+    for mod in (bias, fn, S.alibi(H) >> bias, S.softcap(2.0) >> fn):
+        assert not mod.relative, repr(mod)
+    assert bias.row_ordered and (S.alibi(H) >> bias).row_ordered
+    assert not any(m.row_ordered for m in [*relative, fn])

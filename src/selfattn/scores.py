@@ -37,6 +37,12 @@ class ScoreMod:
     #: True when the mod is ``score + bias(b, h, q, kv)`` with a bias independent of the score,
     #: so that a backend may materialise it as an additive float mask.
     additive: bool = False
+    #: True when the mod depends on positions only through ``q_idx - kv_idx`` (and not on ``b``),
+    #: so shifting queries and keys by the same amount leaves it unchanged (ring attention).
+    relative: bool = False
+    #: True when the mod reads a tensor by query *row* (:func:`bias`), so its meaning depends on
+    #: the call's ``q_offset`` (like :attr:`selfattn.masks.Mask.row_ordered`).
+    row_ordered: bool = False
 
     def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
         """The modified score; all arguments broadcast (see module docstring)."""
@@ -88,6 +94,8 @@ class Compose(ScoreMod):
             flat.extend(m.mods if isinstance(m, Compose) else [m])
         self.mods = tuple(flat)
         self.additive = all(m.additive for m in self.mods)
+        self.relative = all(m.relative for m in self.mods)
+        self.row_ordered = any(m.row_ordered for m in self.mods)
 
     def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
         for m in self.mods:
@@ -156,6 +164,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 class ALiBi(ScoreMod):
     additive = True
+    relative = True  # -slope[h] · |i - j|
 
     def __init__(self, n_heads: int):
         self.n_heads = n_heads
@@ -206,6 +215,8 @@ def alibi(n_heads: int) -> ScoreMod:
 
 
 class SoftCap(ScoreMod):
+    relative = True  # reads no position at all
+
     def __init__(self, cap: float):
         if isinstance(cap, bool) or not isinstance(cap, (int, float)):
             raise TypeError(
@@ -255,6 +266,7 @@ def _check_broadcast(shape, B, H, Sq, Sk, what: str) -> None:
 
 class Bias(ScoreMod):
     additive = True
+    row_ordered = True
 
     def __init__(self, tensor: torch.Tensor):
         if not isinstance(tensor, torch.Tensor):
@@ -317,6 +329,7 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
     """
 
     additive = True
+    relative = True  # a table read by the bucket of j - i
 
     def __init__(
         self,

@@ -20,8 +20,6 @@ BENCHMARKS.md, ``benchmarks/attention.py``):
 
 from __future__ import annotations
 
-from selfattn.masks import Causal
-
 # Fraction of (query, key) pairs in non-empty tiles below which skipping tiles beats the fused
 # dense kernel. Measured: at density 0.5 chunked and sdpa-with-mask take about the same time.
 _SPARSE_DENSITY = 0.5
@@ -45,7 +43,7 @@ def density(q, k, call) -> float:
 
 def _causal_as_flag(q, k, call) -> bool:
     """True when sdpa runs this causal mask without a dense mask (``is_causal`` or no mask)."""
-    if not isinstance(call.mask, Causal):
+    if call.mask is None or not call.mask.is_causal:
         return False
     Sk = k.shape[2]
     # sdpa drops the mask when every row sees every key, and uses is_causal for top-left
@@ -65,7 +63,7 @@ def rank(q, k, v, call, reasons: dict) -> tuple[str, str, dict[str, str]]:
     """
     name, why = _pick(q, k, v, call, reasons)
     notes = {}
-    if call.mask is not None and not isinstance(call.mask, Causal):
+    if call.mask is not None and not call.mask.is_causal:
         notes["sdpa"] = "does all Sq·Sk work with a dense mask"
     if q.device.type != "cuda":
         notes["flex"] = "auto never picks it on CPU (compiles per shape, 4-10 s cold)"

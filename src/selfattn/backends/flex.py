@@ -34,17 +34,7 @@ import torch
 
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
 from selfattn.backends._common import accumulation_dtype
-from selfattn.masks import (
-    FULL,
-    PARTIAL,
-    And,
-    Mask,
-    Not,
-    TensorMask,
-    TileGrid,
-    _callable_failure,
-    _evaluate,
-)
+from selfattn.masks import FULL, PARTIAL, Mask, TileGrid, _callable_failure, _evaluate
 
 BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
 _CACHE_SIZE = 16  # block masks kept (each holds O(B·Hq·n_q·n_k) int32 indices and its mask)
@@ -134,14 +124,11 @@ def _mod_key(obj) -> tuple:
     if obj is None:
         return ()
     parts = [type(obj).__qualname__]
-    for name in ("a", "b", "mods", "fn"):
-        child = getattr(obj, name, None)
-        if isinstance(child, (tuple, list)):
-            parts.extend(_mod_key(c) for c in child)
-        elif name == "fn" and child is not None:
-            parts.append(getattr(child, "__code__", type(child)))
-        elif child is not None:
-            parts.append(_mod_key(child))
+    inner = obj.children() if isinstance(obj, Mask) else getattr(obj, "mods", ())
+    parts.extend(_mod_key(c) for c in inner)
+    fn = getattr(obj, "fn", None)  # a user callable: its code
+    if fn is not None:
+        parts.append(getattr(fn, "__code__", type(fn)))
     return tuple(parts)
 
 
@@ -297,24 +284,15 @@ def build_block_mask(
     )
 
 
-def _holds_tensor_mask(mask: Mask) -> bool:
-    if isinstance(mask, TensorMask):
-        return True
-    if isinstance(mask, And):  # Or is an And
-        return _holds_tensor_mask(mask.a) or _holds_tensor_mask(mask.b)
-    if isinstance(mask, Not):
-        return _holds_tensor_mask(mask.a)
-    return False
-
-
 class _BlockMaskCache:
     """A small LRU of block masks keyed by mask identity and call geometry.
 
     Each entry keeps its mask object alive, so an ``id`` in the key cannot be reused by another
     mask while the entry exists. A mask mutated in place after its first use is not noticed.
-    Masks holding a bool tensor are not cached: a tensor passed as ``mask=`` becomes a new mask
-    object every call (so it would never hit), the entry would keep an ``(B, H, Sq, Sk)`` tensor
-    alive, and its blocks cost one pass over that tensor to rebuild anyway.
+    Masks holding a bool tensor in row order (``Mask.row_ordered``) are not cached: a tensor
+    passed as ``mask=`` becomes a new mask object every call (so it would never hit), the entry
+    would keep an ``(B, H, Sq, Sk)`` tensor alive, and its blocks cost one pass over that tensor
+    to rebuild anyway.
     """
 
     def __init__(self, size: int):
@@ -331,7 +309,7 @@ class _BlockMaskCache:
                 self._entries.move_to_end(key)
                 return hit[1]
         block_mask = build_block_mask(mask, B, Hq, Sq, Sk, q_offset, device)
-        if _holds_tensor_mask(mask):
+        if mask.row_ordered:
             return block_mask
         with self._lock:
             self._entries[key] = (mask, block_mask)

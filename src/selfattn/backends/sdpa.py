@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from selfattn.backends import AttentionCall, Backend, register
 from selfattn.backends._common import accumulation_dtype, index_grids, unattended_columns_zeroed
-from selfattn.masks import Causal
 from selfattn.scores import Bias, Compose
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -193,7 +192,7 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool) -> _P
     flags = flags and call.score_mod is None  # SDPA refuses is_causal together with attn_mask
     lower_right = lower_right and flags and Hq == Hkv and _lower_right_bias() is not None
 
-    if isinstance(mask, Causal):
+    if mask is not None and mask.is_causal:
         if off >= Sk - 1:
             mask = None  # even query row 0 sees every key
         elif off == 0 and flags:

@@ -32,9 +32,9 @@ import torch
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
 from selfattn.functional import attention_weights, paged_attention
-from selfattn.masks import And, Mask, Not, TensorMask, as_mask, from_tensor
+from selfattn.masks import Mask, as_mask, from_tensor
 from selfattn.nn.attention import _positive_int
-from selfattn.scores import Bias, Compose, ScoreMod, as_score_mod
+from selfattn.scores import ScoreMod, as_score_mod
 
 __all__ = ["PagedCache", "PagedCacheView"]
 
@@ -562,18 +562,6 @@ class PagedCacheView:
 # tile classification that lets a sliding window skip pages.
 
 
-def _has_rows(obj) -> bool:
-    if isinstance(obj, (TensorMask, Bias)):
-        return True
-    if isinstance(obj, And):  # Or subclasses And
-        return _has_rows(obj.a) or _has_rows(obj.b)
-    if isinstance(obj, Not):
-        return _has_rows(obj.a)
-    if isinstance(obj, Compose):
-        return any(_has_rows(m) for m in obj.mods)
-    return False
-
-
 def _per_sequence_rows(obj, offsets: torch.Tensor, shape: tuple[int, int, int, int]):
     """``obj`` (a mask or score mod, any accepted form), evaluated with ``q_offset =
     offsets[b]`` when it holds row-ordered tensors, which must broadcast to ``shape``
@@ -582,7 +570,7 @@ def _per_sequence_rows(obj, offsets: torch.Tensor, shape: tuple[int, int, int, i
         return None
     if isinstance(obj, torch.Tensor):
         obj = from_tensor(obj) if obj.dtype == torch.bool else as_score_mod(obj)
-    if not _has_rows(obj):
+    if not obj.row_ordered:
         return obj
     B, H, Sq, Sk = shape
     obj.validate(B, H, Sq, Sk, Sk - Sq)

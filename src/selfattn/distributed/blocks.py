@@ -5,9 +5,9 @@ A rank's queries and a visiting K/V shard are each one or two runs of consecutiv
 :func:`selfattn.attention` call. :func:`selfattn.attention` puts key ``j`` at position ``j``, so a
 key run starting at global position ``g`` needs its positions shifted by ``g``:
 
-- masks and score mods that only see ``q_idx - kv_idx`` (causal, sliding window, ALiBi, softcap)
-  are called unchanged with ``q_offset = gq - g``: the backends then recognise them (SDPA's
-  causal kernel, chunked's analytic tiles);
+- masks and score mods that only see ``q_idx - kv_idx`` (their ``relative``: causal, sliding
+  window, ALiBi, softcap, T5 relative bias) are called unchanged with ``q_offset = gq - g``:
+  the backends then recognise them (SDPA's causal kernel, chunked's analytic tiles);
 - any other mask or mod is wrapped by :class:`ShiftedMask` / :class:`ShiftedScoreMod`, which add
   ``g`` to ``kv_idx`` and see rows at their global positions (``q_offset = 0`` for masks given
   in row order, such as ``from_tensor`` of a global ``(S, S)`` tensor).
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from selfattn.functional import attention
-from selfattn.masks import EMPTY, FULL, And, Causal, Mask, Not, SlidingWindow, TileGrid
-from selfattn.scores import ALiBi, Compose, ScoreMod, SoftCap
+from selfattn.masks import EMPTY, FULL, Mask, TileGrid
+from selfattn.scores import ScoreMod
 
 __all__ = ["Pair", "ShiftedMask", "ShiftedScoreMod", "attend", "merge", "pairs"]
 
@@ -35,6 +35,9 @@ class ShiftedMask(Mask):
 
     def __init__(self, inner: Mask, shift: int):
         self.inner, self.shift = inner, shift
+
+    def children(self) -> tuple[Mask, ...]:
+        return (self.inner,)
 
     def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
         # rows are at global positions; row-order masks count rows from global position 0
@@ -69,23 +72,6 @@ class ShiftedScoreMod(ScoreMod):
 
     def __repr__(self) -> str:
         return f"{self.inner!r} (keys from {self.shift})"
-
-
-def _relative_mask(m: Mask | None) -> bool:
-    """Does ``m`` depend on positions only through ``q_idx - kv_idx``?"""
-    if m is None or isinstance(m, (Causal, SlidingWindow)):
-        return True
-    if isinstance(m, And):  # Or subclasses And
-        return _relative_mask(m.a) and _relative_mask(m.b)
-    if isinstance(m, Not):
-        return _relative_mask(m.a)
-    return False
-
-
-def _relative_mod(s: ScoreMod | None) -> bool:
-    if s is None or isinstance(s, (ALiBi, SoftCap)):
-        return True
-    return isinstance(s, Compose) and all(_relative_mod(m) for m in s.mods)
 
 
 @dataclass(frozen=True)
@@ -133,7 +119,7 @@ def attend(q, k, v, p: Pair, mask, score_mod, scale, backend):
     """``(out, lse)`` of the pair's queries ``q (B, Hq, n_q, D)`` against ``k``, ``v`` (its key
     run), with positions shifted to global ones (see the module docstring)."""
     mask = None if p.full else mask
-    if _relative_mask(mask) and _relative_mod(score_mod):
+    if (mask is None or mask.relative) and (score_mod is None or score_mod.relative):
         q_offset = p.gq - p.gk
     else:
         q_offset = p.gq

@@ -14,16 +14,16 @@ Each is ``run(q, k_pages, v_pages, block_table, seq_lens, call) -> (out, lse)`` 
   speculative decode (``Sq <= KERNEL_MAX_SQ``).
 - ``torch`` (:mod:`.pytorch`): plain PyTorch over bounded groups of gathered pages; every case.
 
-Both kernels take fp32/bf16/fp16 queries, pages with a contiguous last dim, no ``score_mod``,
-a mask that is one key interval per query row (None, ``causal``, ``sliding_window``,
-``chunked`` and their ``&``), and nothing autograd must differentiate. ``auto`` picks
-``triton`` for CUDA tensors, else ``cpu``, else ``torch``: decode is memory-bound, and every
-plain-PyTorch formulation over a permuted page pool either copies the pages first or pays a tiny
-matmul per page. Environment: ``SELFATTN_DECODE_KERNEL=0`` turns the C kernel off;
-``SELFATTN_PAGED_TRITON=1`` makes ``auto`` prefer ``triton`` for CPU tensors too, which runs
-only in Triton's interpreter (``TRITON_INTERPRET=1``): how the tests check the kernel without a
-GPU. All three give the same result within float32 rounding, and NaN/inf in V at a key a row
-does not attend never reaches that row.
+Both kernels take fp32/bf16/fp16 queries, pages with a contiguous last dim, no ``score_mod``, a mask
+that is one key interval per query row (``Mask.is_interval``: None, ``causal``, ``sliding_window``,
+``chunked``, ``padding``, ``prefix_lm`` and their ``&``), and nothing autograd must differentiate.
+``auto`` picks ``triton`` for CUDA tensors, else ``cpu``, else ``torch``: decode is memory-bound,
+and every plain-PyTorch formulation over a permuted page pool either copies the pages first or pays
+a tiny matmul per page. Environment: ``SELFATTN_DECODE_KERNEL=0`` turns the C kernel off;
+``SELFATTN_PAGED_TRITON=1`` makes ``auto`` prefer ``triton`` for CPU tensors too, which runs only in
+Triton's interpreter (``TRITON_INTERPRET=1``): how the tests check the kernel without a GPU. All
+three give the same result within float32 rounding, and NaN/inf in V at a key a row does not attend
+never reaches that row.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from __future__ import annotations
 import os
 
 import torch
-
-from selfattn.backends.paged._intervals import _interval_terms
 
 __all__ = ["kernel_reject", "rank"]
 
@@ -45,10 +43,11 @@ def kernel_reject(q, k_pages, v_pages, call) -> str | None:
         return f"{q.dtype} queries: the kernels compute in float32 (fp32/bf16/fp16 inputs)"
     if call.score_mod is not None:
         return "a score_mod: the kernels take masks only"
-    if None in _interval_terms(call.mask):
+    if call.mask is not None and not call.mask.is_interval:
         return (
-            "the mask is not one key interval per query row (None, causal, sliding_window, "
-            "chunked and their &); the PyTorch path evaluates it elementwise"
+            f"the mask {call.mask!r} is not one key interval per query row (causal, "
+            "sliding_window, chunked, padding, prefix_lm and their &); the PyTorch path "
+            "evaluates it elementwise"
         )
     if 0 in (*q.shape, v_pages.shape[3]):
         return f"an empty dimension (q {tuple(q.shape)}, v_pages {tuple(v_pages.shape)})"

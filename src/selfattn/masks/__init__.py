@@ -1,0 +1,108 @@
+"""Masks: which (query, key) pairs may attend, in one vocabulary every backend understands.
+
+A mask is a predicate over absolute positions. Query row ``i`` of a call sits at position
+``q_offset + i`` and key ``j`` at position ``j`` (see :func:`selfattn.attention`), so the same
+``causal()`` means "no peeking ahead" for a full forward and for a cached decode step alike.
+
+Every :class:`Mask` can
+
+- evaluate elementwise: ``mask.mask_mod(b, h, q_idx, kv_idx)`` on broadcastable index tensors
+  (FlexAttention's signature; ``h`` is the *query* head);
+- classify tiles analytically: ``mask.tile_kinds(grid)`` gives EMPTY / PARTIAL / FULL per
+  ``(block_q × block_k)`` tile without evaluating the n² elements, so a backend can skip empty
+  tiles and drop the mask on full ones;
+- materialise: ``mask.to_dense(Sq, Sk, B=, H=)`` -> bool ``(B, H, Sq, Sk)``;
+- print: ``mask.render(Sq, Sk)`` (█ attend, · masked);
+- answer what a consumer asks of it: ``key_interval`` (one key interval per query row, for the
+  paged kernels), ``analytic``, ``relative``, ``is_causal``, ``row_ordered`` (see :class:`Mask`).
+
+Masks combine with ``&``, ``|`` and ``~``. Plain callables ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+and bool tensors are accepted wherever a mask is (see :func:`as_mask`).
+
+Tile classification is *sound* for every mask: EMPTY means no pair of the tile attends and FULL
+means every pair does, for each ``(b, h)``. For each built-in leaf it is also *tight* (a tile is
+PARTIAL only when it really is mixed); a combination (``&``, ``|``) may call a tile PARTIAL that is
+in fact empty or full, which costs a backend some mask work but never a wrong answer.
+
+Layout: :mod:`~selfattn.masks.base` (the protocol, tiles, ``&``/``|``/``~``),
+:mod:`~selfattn.masks.library` (the built-ins), :mod:`~selfattn.masks.tensor` and
+:mod:`~selfattn.masks.callable` (masks from a bool tensor or a user callable),
+:mod:`~selfattn.masks.elementwise` (calling user callables on index tensors).
+"""
+
+# The package re-exports its modules' names, private helpers other modules use included.
+# ruff: noqa: F401
+
+from __future__ import annotations
+
+from selfattn.masks.base import (
+    _KEY_UNBOUNDED,
+    _POSITION_LIMIT,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    And,
+    Mask,
+    Not,
+    Or,
+    TileGrid,
+    TileKind,
+    _check_int,
+    _check_position_span,
+    _check_positive_int,
+    _kinds,
+    _reduce_tiles,
+    _tile_kinds_elementwise,
+    as_mask,
+)
+from selfattn.masks.callable import CallableMask
+from selfattn.masks.elementwise import (
+    _call_elementwise,
+    _callable_failure,
+    _check_arity,
+    _check_bool,
+    _evaluate,
+    _fn_name,
+    _index_grids,
+    _ReturnShapeError,
+    _ReturnTypeError,
+)
+from selfattn.masks.library import (
+    BlockSparse,
+    Causal,
+    Chunked,
+    Documents,
+    Padding,
+    PrefixLM,
+    SlidingWindow,
+    _as_index_tensor,
+    _presence,
+    _preview,
+    block_sparse,
+    causal,
+    chunked,
+    documents,
+    padding,
+    prefix_lm,
+    sliding_window,
+)
+from selfattn.masks.tensor import TensorMask, from_tensor
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "CallableMask",
+    "Mask",
+    "TileGrid",
+    "TileKind",
+    "as_mask",
+    "block_sparse",
+    "causal",
+    "chunked",
+    "documents",
+    "from_tensor",
+    "padding",
+    "prefix_lm",
+    "sliding_window",
+]

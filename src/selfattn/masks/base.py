@@ -1,0 +1,491 @@
+"""The mask protocol: :class:`Mask`, tile kinds and grids, and the combinators ``&``, ``|``, ``~``.
+
+Every question a backend, cache or ring step asks of a mask is a method or property of
+:class:`Mask` with a default that composes: a leaf answers for itself, :class:`And`, :class:`Or`
+and :class:`Not` answer from their parts. No module outside ``selfattn.masks`` walks a mask tree
+or switches on mask classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from selfattn.masks.elementwise import _evaluate
+
+
+class TileKind(IntEnum):
+    """How a tile of the (query, key) grid is masked. Ordered: ``&`` is min and ``|`` is max."""
+
+    EMPTY = 0  # no pair attends: skip the tile
+    PARTIAL = 1  # some pairs attend: evaluate the mask elementwise
+    FULL = 2  # every pair attends: no mask work at all
+
+
+EMPTY, PARTIAL, FULL = TileKind.EMPTY, TileKind.PARTIAL, TileKind.FULL
+
+# Every position (query ``q_offset + row``, key ``kv_offset + column``) and every mask size must lie
+# in [-POSITION_LIMIT, POSITION_LIMIT]: positions are int64 tensors and masks add and subtract two
+# of them (a window's ``q_idx - size``, a tile's ``q_last - kv_first``), which then never wraps.
+_POSITION_LIMIT = 1 << 62
+# An unbounded side of a key interval (Mask.key_interval): beyond every legal position.
+_KEY_UNBOUNDED = _POSITION_LIMIT + 1
+
+
+def _check_position_span(first: int, count: int, name: str) -> None:
+    """ValueError unless positions ``first .. first + count - 1`` lie in ±``_POSITION_LIMIT``.
+
+    ``name`` says where ``first`` came from (``"q_offset"``); a silent int64 wrap would move
+    queries to the other end of the sequence and mask them all."""
+    last = first + max(count, 1) - 1
+    if -_POSITION_LIMIT <= first and last <= _POSITION_LIMIT:
+        return
+    span = f"position {first}" if last == first else f"positions {first}..{last}"
+    raise ValueError(
+        f"{name}={first} puts {span} outside the supported range "
+        f"[-2**62, 2**62] = [{-_POSITION_LIMIT}, {_POSITION_LIMIT}] (positions are int64 and "
+        "masks take differences of two of them); count positions from the start of the sequence"
+    )
+
+
+def _check_int(value, name: str, minimum: int | None = None) -> int:
+    """``value`` as an int (bools and floats rejected), at least ``minimum`` when given."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """A tiling of the ``(Sq, Sk)`` score matrix of one call, in absolute positions.
+
+    Query tile ``t`` covers rows ``[t·block_q, min((t+1)·block_q, Sq))``, i.e. positions
+    ``q_offset + row``; key tile ``u`` covers key columns ``[u·block_k, min((u+1)·block_k, Sk))``,
+    i.e. positions ``kv_offset + column`` (``kv_offset`` is 0 except for a shard of a longer
+    sequence, as in ring attention). The last tile of each axis is ragged when the block does not
+    divide the length; ``Sq = 0`` or ``Sk = 0`` gives no tiles on that axis.
+
+    ``row_offset`` is the absolute position of query row 0 *of the call* when this grid covers only
+    part of the call's queries (``classify`` builds such grids); only masks given in row order
+    (bool tensors) read it. ``None`` means ``q_offset``: the grid starts at the call's row 0.
+    """
+
+    Sq: int
+    Sk: int
+    block_q: int
+    block_k: int
+    q_offset: int = 0
+    kv_offset: int = 0
+    device: torch.device | str | None = None
+    row_offset: int | None = None
+
+    def __post_init__(self):
+        for name in ("Sq", "Sk"):
+            _check_int(getattr(self, name), f"TileGrid {name}", 0)
+        for name in ("block_q", "block_k"):
+            _check_int(getattr(self, name), f"TileGrid {name}", 1)
+        for name in ("q_offset", "kv_offset"):
+            _check_int(getattr(self, name), f"TileGrid {name}")
+        if self.row_offset is not None:
+            _check_int(self.row_offset, "TileGrid row_offset")
+        _check_position_span(self.q_offset, self.Sq, "TileGrid q_offset")
+        _check_position_span(self.kv_offset, self.Sk, "TileGrid kv_offset")
+
+    @property
+    def n_q(self) -> int:
+        return math.ceil(self.Sq / self.block_q)
+
+    @property
+    def n_k(self) -> int:
+        return math.ceil(self.Sk / self.block_k)
+
+    @property
+    def first_row(self) -> int:
+        """Row (in the call's row order) of this grid's first query."""
+        return 0 if self.row_offset is None else self.q_offset - self.row_offset
+
+    def q_first(self) -> torch.Tensor:
+        """First absolute query position of each query tile, shape ``(1, 1, n_q, 1)``."""
+        t = torch.arange(self.n_q, device=self.device) * self.block_q + self.q_offset
+        return t.view(1, 1, -1, 1)
+
+    def q_last(self) -> torch.Tensor:
+        """Last (inclusive) absolute query position of each query tile, shape ``(1, 1, n_q, 1)``."""
+        t = torch.arange(1, self.n_q + 1, device=self.device) * self.block_q
+        return (t.clamp(max=self.Sq) - 1 + self.q_offset).view(1, 1, -1, 1)
+
+    def kv_first(self) -> torch.Tensor:
+        """First key position of each key tile, shape ``(1, 1, 1, n_k)``."""
+        t = torch.arange(self.n_k, device=self.device) * self.block_k + self.kv_offset
+        return t.view(1, 1, 1, -1)
+
+    def kv_last(self) -> torch.Tensor:
+        """Last (inclusive) key position of each key tile, shape ``(1, 1, 1, n_k)``."""
+        t = torch.arange(1, self.n_k + 1, device=self.device) * self.block_k
+        return (t.clamp(max=self.Sk) - 1 + self.kv_offset).view(1, 1, 1, -1)
+
+
+def _check_positive_int(value, name: str, fix: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}; pass a whole number"
+            + (f" ({fix})" if fix else "")
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}" + (f"; {fix}" if fix else ""))
+    if value > _POSITION_LIMIT:  # positions minus a size must stay in int64
+        raise ValueError(f"{name} must be <= 2**62 ({_POSITION_LIMIT}), got {value}")
+    return value
+
+
+def _kinds(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """int8 tile kinds from bool full / empty tensors (empty wins if both, which never happens)."""
+    shape = torch.broadcast_shapes(full.shape, empty.shape)
+    out = torch.full(shape, int(PARTIAL), dtype=torch.int8, device=full.device)
+    out[full.expand(shape)] = int(FULL)
+    out[empty.expand(shape)] = int(EMPTY)
+    return out
+
+
+# Elements the elementwise tile classification evaluates at once (bounds its memory).
+_BAND_ELEMENTS = 1 << 24
+
+
+def _reduce_tiles(dense: torch.Tensor, grid: TileGrid) -> torch.Tensor:
+    """Tile kinds of a bool ``(B', H', Sq', Sk')`` matrix (``Sq'`` is ``grid.Sq`` or 1, same for
+    keys) by any/all over each tile; the ragged last tiles are padded neutrally."""
+    B_, H_ = dense.shape[0], dense.shape[1]
+    d = dense.expand(B_, H_, grid.Sq, grid.Sk)
+    pad_q, pad_k = grid.n_q * grid.block_q - grid.Sq, grid.n_k * grid.block_k - grid.Sk
+    anyv = torch.nn.functional.pad(d, (0, pad_k, 0, pad_q), value=False)
+    allv = torch.nn.functional.pad(d, (0, pad_k, 0, pad_q), value=True)
+    shape = (B_, H_, grid.n_q, grid.block_q, grid.n_k, grid.block_k)
+    any_t = anyv.view(shape).any(dim=5).any(dim=3)
+    all_t = allv.view(shape).all(dim=5).all(dim=3)
+    return _kinds(all_t, ~any_t)
+
+
+def _tile_kinds_elementwise(mask: Mask, grid: TileGrid, B: int, H: int) -> torch.Tensor:
+    """Elementwise fallback: evaluate the mask on the grid and reduce each tile with any/all.
+
+    Exact (tight), but costs one mask evaluation per element. The grid is evaluated in bands of
+    whole query tiles of at most ``_BAND_ELEMENTS`` elements, so memory stays bounded at any length.
+    """
+    row0 = grid.q_offset if grid.row_offset is None else grid.row_offset
+    per_row = max(1, B * H * grid.Sk)
+    band = max(1, _BAND_ELEMENTS // (per_row * grid.block_q)) * grid.block_q  # whole tiles
+    if grid.Sq <= band:
+        dense = _evaluate(
+            mask.mask_mod, B, H, grid.Sq, grid.Sk, grid.q_offset, grid.device, row0, grid.kv_offset
+        )
+        return _reduce_tiles(dense, grid)
+    parts = []
+    for r in range(0, grid.Sq, band):
+        n = min(band, grid.Sq - r)
+        sub = TileGrid(
+            n, grid.Sk, grid.block_q, grid.block_k, grid.q_offset + r, grid.kv_offset,
+            grid.device, row0,
+        )  # fmt: skip
+        dense = _evaluate(
+            mask.mask_mod, B, H, n, grid.Sk, sub.q_offset, grid.device, row0, grid.kv_offset
+        )
+        parts.append(_reduce_tiles(dense, sub))
+    lead = (max(t.shape[0] for t in parts), max(t.shape[1] for t in parts))
+    return torch.cat([t.expand(*lead, *t.shape[2:]) for t in parts], dim=-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The base class
+# ----------------------------------------------------------------------------------------------
+
+
+class Mask:
+    """Base class of all masks. Subclasses implement ``mask_mod`` and, ideally, ``tile_kinds``."""
+
+    # -- elementwise ---------------------------------------------------------------------------
+    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
+        """True where query at absolute position ``q_idx`` may attend key ``kv_idx``.
+
+        Arguments are integer tensors that broadcast against each other (``b (B,1,1,1)``,
+        ``h (1,H,1,1)``, ``q_idx (1,1,Sq,1)``, ``kv_idx (1,1,1,Sk)`` for a whole call, or 0-d
+        tensors under FlexAttention's vmap). ``q_offset`` is only needed by masks given as tensors
+        in row order (``from_tensor``), which index row ``q_idx - q_offset``.
+        """
+        raise NotImplementedError
+
+    def as_mask_mod(self, q_offset: int = 0) -> Callable:
+        """This mask as a 4-argument FlexAttention ``mask_mod`` for a call with ``q_offset``."""
+        return functools.partial(self.mask_mod, q_offset=q_offset)
+
+    # -- tiles ---------------------------------------------------------------------------------
+    def tile_kinds(self, grid: TileGrid, B: int = 1, H: int = 1) -> torch.Tensor:
+        """int8 :class:`TileKind` per tile, broadcastable to ``(B, H, grid.n_q, grid.n_k)``.
+
+        The default evaluates the mask elementwise (fine for user callables on modest sizes);
+        built-ins override it with an analytic rule that costs O(tiles).
+        """
+        return _tile_kinds_elementwise(self, grid, B, H)
+
+    def classify(
+        self,
+        q_range: tuple[int, int],
+        kv_range: tuple[int, int],
+        B: int = 1,
+        H: int = 1,
+        *,
+        q_offset: int = 0,
+    ) -> TileKind:
+        """Kind of one tile given half-open absolute ranges ``[q_lo, q_hi)`` and ``[kv_lo, kv_hi)``.
+
+        Over all batches and heads: FULL only if full for every (b, h), EMPTY only if empty for
+        all. ``q_offset`` is the position of the call's query row 0; only masks given as tensors in
+        row order need it (the default 0 makes rows and positions the same).
+        """
+        (q_lo, q_hi), (kv_lo, kv_hi) = q_range, kv_range
+        for name, x in (("q_range", q_lo), ("q_range", q_hi), ("kv_range", kv_lo)):
+            _check_int(x, f"classify {name} bound")
+        _check_int(kv_hi, "classify kv_range bound")
+        if q_hi <= q_lo or kv_hi <= kv_lo:
+            raise ValueError(
+                f"empty tile ranges q_range={q_range}, kv_range={kv_range}; "
+                "pass half-open ranges (lo, hi) with lo < hi"
+            )
+        nq, nk = q_hi - q_lo, kv_hi - kv_lo
+        grid = TileGrid(nq, nk, nq, nk, q_offset=q_lo, kv_offset=kv_lo, row_offset=q_offset)
+        kinds = self.tile_kinds(grid, B, H)
+        lo, hi = int(kinds.min()), int(kinds.max())
+        return TileKind(lo) if lo == hi else PARTIAL
+
+    # -- what consumers ask -----------------------------------------------------------------
+    # Each answer has a default that composes: a leaf without an override gives the safe answer
+    # (not analytic, no key interval, not relative, not causal, no row-ordered tensor), and a mask
+    # built from parts (``children``) answers from them.
+
+    def children(self) -> tuple[Mask, ...]:
+        """The masks this one is built from (``&``, ``|``, ``~``, wrappers); ``()`` for a leaf."""
+        return ()
+
+    @property
+    def analytic(self) -> bool:
+        """True when :meth:`tile_kinds` costs O(tiles), not one evaluation per element: the mask
+        overrides it with a rule, and so do all its parts. A paged cache then trims pages by it."""
+        overrides = type(self).tile_kinds is not Mask.tile_kinds
+        return overrides and all(c.analytic for c in self.children())
+
+    @property
+    def row_ordered(self) -> bool:
+        """True when the mask reads a tensor by query *row* (``from_tensor``), so its meaning
+        depends on the call's ``q_offset`` and it cannot be reused across calls unchanged."""
+        return any(c.row_ordered for c in self.children())
+
+    @property
+    def relative(self) -> bool:
+        """True when the mask depends on positions only through ``q_idx - kv_idx`` (and not on
+        ``b`` or ``h``), so shifting queries and keys by the same amount leaves it unchanged."""
+        parts = self.children()
+        return bool(parts) and all(c.relative for c in parts)
+
+    @property
+    def is_causal(self) -> bool:
+        """True when the mask is exactly :func:`causal` (``kv_idx <= q_idx``) for every ``b, h``,
+        so a backend may use its own causal kernel instead of any mask."""
+        return False
+
+    def key_interval(self, b: torch.Tensor, q_idx: torch.Tensor):
+        """The keys query position ``q_idx`` of sequence ``b`` attends, as one half-open
+        interval ``(lo, hi)`` of key positions, or None when the mask is not one interval per
+        row (for every head).
+
+        ``b`` and ``q_idx`` are int64 tensors that broadcast (``(B, 1)`` and ``(B, Sq)``); ``lo``
+        and ``hi`` broadcast to their shape. An unbounded side is ``-_KEY_UNBOUNDED`` or
+        ``_KEY_UNBOUNDED``, beyond every position. Exact where it answers: key ``j`` is attended
+        iff ``lo <= j < hi``.
+        """
+        return None
+
+    @property
+    def is_interval(self) -> bool:
+        """True when :meth:`key_interval` answers (it never returns None for this mask)."""
+        overrides = type(self).key_interval is not Mask.key_interval
+        return overrides and all(c.is_interval for c in self.children())
+
+    # -- checks --------------------------------------------------------------------------------
+    def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
+        """Raise ``ValueError`` naming the values if this mask cannot describe such a call."""
+
+    def _batch_heads(self) -> tuple[int, int]:
+        """The ``(B, H)`` this mask was built for (1 where it does not vary); used by render."""
+        return 1, 1
+
+    # -- materialise / print -------------------------------------------------------------------
+    def to_dense(
+        self,
+        Sq: int,
+        Sk: int,
+        *,
+        B: int = 1,
+        H: int = 1,
+        q_offset: int | None = None,
+        device=None,
+    ) -> torch.Tensor:
+        """Bool ``(B, H, Sq, Sk)`` (an expanded view where the mask does not vary), True = attend.
+
+        ``q_offset`` defaults to ``Sk - Sq``, the bottom-right alignment of
+        :func:`selfattn.attention`.
+        """
+        for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
+            _check_int(x, f"to_dense {name}", 0)
+        q_offset = Sk - Sq if q_offset is None else _check_int(q_offset, "to_dense q_offset")
+        _check_position_span(q_offset, Sq, "to_dense q_offset")
+        self.validate(B, H, Sq, Sk, q_offset)
+        dense = _evaluate(self.mask_mod, B, H, Sq, Sk, q_offset, device, mask_q_offset=q_offset)
+        return dense.expand(B, H, Sq, Sk)
+
+    def render(
+        self, Sq: int, Sk: int | None = None, *, q_offset: int | None = None, b=0, h=0
+    ) -> str:
+        """Text picture of batch ``b``, head ``h``: rows = queries, columns = keys, ``█`` attend,
+        ``·`` masked. ``Sk`` defaults to ``Sq``, ``q_offset`` to ``Sk - Sq``."""
+        Sk = Sq if Sk is None else Sk
+        nb, nh = self._batch_heads()
+        B, H = max(_check_int(b, "render b", 0) + 1, nb), max(_check_int(h, "render h", 0) + 1, nh)
+        dense = self.to_dense(Sq, Sk, B=B, H=H, q_offset=q_offset)[b, h]
+        return "\n".join("".join("█" if x else "·" for x in row.tolist()) for row in dense)
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    # -- algebra -------------------------------------------------------------------------------
+    def __and__(self, other) -> Mask:
+        return And(self, as_mask(other))
+
+    def __rand__(self, other) -> Mask:
+        return And(as_mask(other), self)
+
+    def __or__(self, other) -> Mask:
+        return Or(self, as_mask(other))
+
+    def __ror__(self, other) -> Mask:
+        return Or(as_mask(other), self)
+
+    def __invert__(self) -> Mask:
+        return Not(self)
+
+
+class _Combine(Mask):
+    """A mask built from ``parts`` by a logical operator (``&``, ``|``, ``~``): what the three
+    share (their parts, checks, batch and head sizes, and printing)."""
+
+    _symbol: str
+
+    def __init__(self, *parts: Mask):
+        self.parts = parts
+
+    def children(self) -> tuple[Mask, ...]:
+        return self.parts
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        for part in self.parts:
+            part.validate(B, H, Sq, Sk, q_offset)
+
+    def _batch_heads(self):
+        sizes = [part._batch_heads() for part in self.parts]
+        return max(b for b, _ in sizes), max(h for _, h in sizes)
+
+    def __repr__(self) -> str:
+        if len(self.parts) == 1:
+            return f"{self._symbol}{self.parts[0]!r}"
+        return "(" + f" {self._symbol} ".join(repr(p) for p in self.parts) + ")"
+
+
+class And(_Combine):
+    _symbol = "&"
+
+    def __init__(self, a: Mask, b: Mask):
+        super().__init__(a, b)
+        self.a, self.b = a, b
+
+    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.a.mask_mod(b, h, q_idx, kv_idx, q_offset) & self.b.mask_mod(
+            b, h, q_idx, kv_idx, q_offset
+        )
+
+    def tile_kinds(self, grid, B=1, H=1):
+        # sound: EMPTY if either side is, FULL only if both are (per (b, h))
+        return torch.minimum(self.a.tile_kinds(grid, B, H), self.b.tile_kinds(grid, B, H))
+
+    def key_interval(self, b, q_idx):
+        # an intersection of intervals is an interval
+        a, other = self.a.key_interval(b, q_idx), self.b.key_interval(b, q_idx)
+        if a is None or other is None:
+            return None
+        return torch.maximum(a[0], other[0]), torch.minimum(a[1], other[1])
+
+    @property
+    def is_causal(self) -> bool:
+        return self.a.is_causal and self.b.is_causal
+
+
+class Or(_Combine):
+    _symbol = "|"
+
+    def __init__(self, a: Mask, b: Mask):
+        super().__init__(a, b)
+        self.a, self.b = a, b
+
+    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.a.mask_mod(b, h, q_idx, kv_idx, q_offset) | self.b.mask_mod(
+            b, h, q_idx, kv_idx, q_offset
+        )
+
+    def tile_kinds(self, grid, B=1, H=1):
+        # sound: FULL if either side is, EMPTY only if both are (per (b, h))
+        return torch.maximum(self.a.tile_kinds(grid, B, H), self.b.tile_kinds(grid, B, H))
+
+    # key_interval: a union of intervals need not be one (the default None)
+
+    @property
+    def is_causal(self) -> bool:
+        return self.a.is_causal and self.b.is_causal
+
+
+class Not(_Combine):
+    _symbol = "~"
+
+    def __init__(self, a: Mask):
+        super().__init__(a)
+        self.a = a
+
+    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return ~self.a.mask_mod(b, h, q_idx, kv_idx, q_offset)
+
+    def tile_kinds(self, grid, B=1, H=1):
+        # exact: swaps EMPTY and FULL, keeps PARTIAL
+        return int(FULL) - self.a.tile_kinds(grid, B, H)
+
+    # key_interval: a complement of an interval is two (the default None)
+
+
+def as_mask(mask) -> Mask:
+    """Normalise ``mask=``: a :class:`Mask`, a bool tensor, or a mask_mod callable."""
+    # the two leaf kinds build on this module, so they are imported when first needed
+    from selfattn.masks.callable import CallableMask
+    from selfattn.masks.tensor import TensorMask
+
+    if isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        return TensorMask(mask)
+    if callable(mask):
+        return CallableMask(mask)
+    raise TypeError(
+        f"mask must be a selfattn.masks.Mask, a bool tensor or a mask_mod(b, h, q_idx, kv_idx) "
+        f"callable, got {type(mask).__name__}"
+    )
