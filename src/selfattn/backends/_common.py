@@ -1,6 +1,21 @@
-"""Pieces every backend shares: index grids, GQA views, the counter-based dropout and NaN guards."""
+"""Pieces every backend shares: index grids, GQA views, the counter-based dropout and NaN guards.
+
+How non-finite inputs behave, on every backend (each guard below serves this rule):
+
+- A key a row does not attend (the mask removes it, or the score mod gives it ``-inf``) never
+  reaches that row: NaN/Inf stored in its K or V, NaN in a bias entry the mask removes, or a
+  ``q·k`` that overflows there leave the row as if the key were absent.
+- A key a row attends passes its V on in IEEE arithmetic, ``Σ_j p_j·v_j`` over exactly the
+  attended keys, whatever their weight: NaN there gives NaN, even when the weight underflows to
+  0 (``0·NaN``), and ``±Inf`` gives ``±Inf`` (NaN with weight 0, or with Infs of both signs).
+  That is what the C decode kernel computes, which reads every key of a row's interval and no
+  other.
+- NaN in a query row, or in the K of a key it attends, makes that row NaN (output and lse).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -8,8 +23,11 @@ from selfattn.masks import _index_grids
 
 __all__ = [
     "accumulation_dtype",
+    "all_finite",
     "dropout_keep",
+    "exact_path",
     "index_grids",
+    "nonfinite_v_part",
     "unattended_columns_zeroed",
 ]
 
@@ -66,3 +84,44 @@ def unattended_columns_zeroed(
         return k, v
     keep = cols.unsqueeze(-1)  # (B', Hkv', Sk, 1)
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of ``tensors`` is finite: one reduction per tensor, one sync.
+
+    A sum is finite iff every term is, barring the overflow of a sum of huge finite values, which
+    only sends the caller down its exact (slower) path.
+    """
+    totals = [t.sum(dtype=accumulation_dtype(t.dtype)).double() for t in tensors]
+    return bool(torch.isfinite(torch.stack(totals)).all())
+
+
+def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What the non-finite entries of ``v`` add to ``P V`` when each row reads only its keys.
+
+    ``p (..., R, n)`` weights, ``attended (..., R, n)`` bool, ``v (..., n, Dv)`` the values of
+    those ``n`` keys (typically only the keys whose V holds NaN/Inf). Returns ``(..., R, Dv)``, to
+    add to ``P V`` computed with those entries replaced by 0: IEEE arithmetic on the attended
+    terms only (module docstring), found by counting with matmuls, so that no ``0 · NaN`` of an
+    unattended key is ever formed.
+    """
+    f = p.dtype
+    att = attended.to(f)
+    weightless = (attended & (p == 0)).to(f)  # 0 · ±Inf = NaN
+    positive = (p > 0).to(f)
+    nan = att @ v.isnan().to(f) + weightless @ v.isinf().to(f)
+    up = positive @ (v == math.inf).to(f)
+    down = positive @ (v == -math.inf).to(f)
+    out = torch.zeros_like(nan)
+    out.masked_fill_(up > 0, math.inf).masked_fill_(down > 0, -math.inf)
+    return out.masked_fill_((nan > 0) | ((up > 0) & (down > 0)), math.nan)
+
+
+def exact_path(q, k, v, call):
+    """``(out, lse)`` of a call known to hold NaN/Inf, by chunked's exact path (the reference where
+    chunked cannot run the call): what the fused backends hand such calls to."""
+    from selfattn.backends import chunked, reference
+
+    if chunked.reject(q, k, v, call) is None:
+        return chunked.run(q, k, v, call, exact=True)
+    return reference.run(q, k, v, call)
