@@ -2,9 +2,10 @@
 
 How non-finite inputs behave, on every backend (each guard below serves this rule):
 
-- A key a row does not attend (the mask removes it, or the score mod gives it ``-inf``) never
-  reaches that row: NaN/Inf stored in its K or V, NaN in a bias entry the mask removes, or a
-  ``q·k`` that overflows there leave the row as if the key were absent.
+- A key the mask removes from a row never reaches it: NaN/Inf stored in its K or V, NaN in a
+  bias entry there, or a ``q·k`` that overflows there leave the row as if the key were absent.
+  A key the score mod gives ``-inf`` is not attended either, so its V never reaches the row
+  (its K does: a NaN score stays NaN whatever the mod adds).
 - A key a row attends passes its V on in IEEE arithmetic, ``Σ_j p_j·v_j`` over exactly the
   attended keys, whatever their weight: NaN there gives NaN, even when the weight underflows to
   0 (``0·NaN``), and ``±Inf`` gives ``±Inf`` (NaN with weight 0, or with Infs of both signs).
