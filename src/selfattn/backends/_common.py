@@ -26,7 +26,7 @@ __all__ = [
     "accumulation_dtype",
     "all_finite",
     "dropout_keep",
-    "exact_path",
+    "fused_or_exact",
     "index_grids",
     "nonfinite_v_part",
     "unattended_columns_zeroed",
@@ -120,9 +120,24 @@ def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -
     return out.masked_fill_((nan > 0) | ((up > 0) & (down > 0)), math.nan)
 
 
-def exact_path(q, k, v, call):
-    """``(out, lse)`` of a call known to hold NaN/Inf, by chunked's exact path (the reference where
-    chunked cannot run the call): what the fused backends hand such calls to."""
+def fused_or_exact(q, k, v, call, attend, attend_zeroed):
+    """``(out, lse)`` from a fused kernel, checked: what sdpa and flex run.
+
+    A fused kernel adds masks to the scores and multiplies every weight by every V row, so NaN/Inf
+    at a masked entry leaks (``NaN + -inf``, ``0 · NaN``), and CPU kernels turn a NaN query row
+    into 0. One reduction over ``q`` and the output finds all of these, so finite inputs pay
+    nothing else. Such a call is redone by ``attend_zeroed()`` (the kernel with the K/V columns no
+    query attends zeroed; None where non-finite values remain), which serves garbage in padded
+    cache slots at kernel speed, else by chunked's exact path (the reference where chunked cannot
+    run the call).
+    """
+    result = attend()
+    if all_finite(q, result[0]):
+        return result
+    if all_finite(q) and not all_finite(k, v):
+        result = attend_zeroed()
+        if result is not None and all_finite(result[0]):
+            return result
     from selfattn.backends import chunked, reference
 
     if chunked.reject(q, k, v, call) is None:

@@ -21,10 +21,8 @@ bfloat16, has no backward and no log-sum-exp; CUDA needs head dims >= 16. Dropou
 available. Empty rows give output 0 (and lse ``-inf`` where lse is available).
 
 Non-finite values: FlexAttention computes ``P V`` over whole blocks, so NaN/Inf in V at a masked
-key inside a partial block leaks through ``0 · NaN``, and it turns a NaN query row into 0. One
-reduction over ``q`` and the output after the kernel finds these (finite inputs pay nothing
-else); such a call is redone with the non-finite K/V columns no query attends zeroed when that
-leaves only finite values, else by chunked's exact path (``_common``'s rule for NaN/Inf).
+key inside a partial block leaks through ``0 · NaN``, and it turns a NaN query row into 0; the
+result is checked and such calls redone (``_common.fused_or_exact``, which states the rule).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ import threading
 import torch
 
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
-from selfattn.backends._common import accumulation_dtype, all_finite, exact_path
+from selfattn.backends._common import accumulation_dtype, all_finite, fused_or_exact
 from selfattn.masks import FULL, PARTIAL, And, Mask, Not, TensorMask, TileGrid, _evaluate
 
 BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
@@ -386,17 +384,14 @@ def _run(q, k, v, call: AttentionCall):
     if not torch.is_grad_enabled():
         # CPU FlexAttention refuses inputs that merely require grad, even under no_grad.
         q, k, v = q.detach(), k.detach(), v.detach()
-    result = _attend(q, k, v, call)
-    if all_finite(q, result[0]):
-        return result
-    # NaN/Inf in q, K or V (module docstring)
-    if call.mask is not None and all_finite(q) and not all_finite(k, v):
-        k2, v2 = _unattended_nonfinite_zeroed(k, v, call, q.shape[1], q.shape[2])
-        if all_finite(k2, v2):
-            result = _attend(q, k2, v2, call)
-            if all_finite(result[0]):
-                return result
-    return exact_path(q, k, v, call)
+
+    def attend_zeroed():
+        if call.mask is None:  # every key is attended: nothing to zero
+            return None
+        kz, vz = _unattended_nonfinite_zeroed(k, v, call, q.shape[1], q.shape[2])
+        return _attend(q, kz, vz, call) if all_finite(kz, vz) else None
+
+    return fused_or_exact(q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed)
 
 
 def _attend(q, k, v, call: AttentionCall):

@@ -21,10 +21,8 @@ lse ``-inf``, zero gradients on every torch version).
 
 Non-finite values: SDPA's kernels add masks to the scores and multiply every weight by every V row,
 so NaN/Inf at a masked entry would leak (``NaN + -inf``, ``0 · NaN``), and the CPU kernel turns a
-NaN query row into 0. One reduction over ``q`` and the output after the kernel finds all of these
-(finite inputs pay nothing else); such a call is redone with the K/V columns that no query attends
-zeroed when that leaves only finite values (garbage in padded cache slots), else by chunked's exact
-path (``_common``'s rule for NaN/Inf).
+NaN query row into 0; the result is checked and such calls redone (``_common.fused_or_exact``,
+which states the rule).
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from selfattn.backends import AttentionCall, Backend, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
-    exact_path,
+    fused_or_exact,
     index_grids,
     unattended_columns_zeroed,
 )
@@ -273,18 +271,13 @@ def _float_mask(attn_mask, q: torch.Tensor):
 
 
 def _run(q, k, v, call: AttentionCall):
-    result = _attend(q, k, v, call)
-    if all_finite(q, result[0]):
-        return result
-    # NaN/Inf in q, K or V, or a q·k overflowing at a masked entry (module docstring)
-    if all_finite(q) and not all_finite(k, v):
+    def attend_zeroed():
         try:
-            result = _attend(q, k, v, call, guard=True)
-            if all_finite(result[0]):
-                return result
+            return _attend(q, k, v, call, guard=True)
         except _StillNonFinite:
-            pass
-    return exact_path(q, k, v, call)
+            return None
+
+    return fused_or_exact(q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed)
 
 
 class _StillNonFinite(Exception):
