@@ -190,8 +190,22 @@ def attention(
 
     Returns:
         ``out (B, Hq, Sq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` in
-        float32 (float64 for float64 inputs). A query row with no allowed key gives output 0,
-        lse ``-inf`` and zero gradients, never NaN. fp16/bf16 inputs accumulate in float32.
+        float32 (float64 for float64 inputs). A query row with no allowed key, or whose every
+        score the score mod sends to ``-inf``, gives output 0, lse ``-inf`` and zero gradients
+        (dropout or not), never NaN. fp16/bf16 inputs accumulate in float32.
+
+    Non-finite values, the same on every backend. A key the mask removes from a row never reaches
+    it: NaN/Inf in its K or V, a NaN bias entry there or a ``q·k`` overflowing there leave the row
+    as if the key were absent. So does the V of a key the score mod gives ``-inf`` (its K still
+    makes the score NaN, as ``NaN + -inf`` is NaN). The V of a key a row attends passes on in
+    IEEE arithmetic, ``Σ p_j v_j`` over exactly those keys whatever the weight: NaN there makes
+    that output column NaN even when the weight underflows to 0, and ``±Inf`` gives ``±Inf`` (NaN
+    with weight 0, or with both signs), as the C decode kernel of
+    :func:`selfattn.cache.paged_attention` computes. NaN in a query row, or in the K of a key it
+    attends, makes that row's output and lse NaN (a row with no key stays 0 and ``-inf``).
+    Gradients follow: ``dv`` is exact everywhere, ``dq`` of rows left finite is exact unless K
+    holds NaN at a key other rows attend (``dS K`` forms ``0 · NaN``), and rows made non-finite
+    get non-finite ``dq``.
     """
     q, k, v, call = _prepare(
         q,

@@ -1,6 +1,22 @@
-"""Pieces every backend shares: index grids, GQA views, the counter-based dropout and NaN guards."""
+"""Pieces every backend shares: index grids, GQA views, the counter-based dropout and NaN guards.
+
+How non-finite inputs behave, on every backend (each guard below serves this rule):
+
+- A key the mask removes from a row never reaches it: NaN/Inf stored in its K or V, NaN in a
+  bias entry there, or a ``q·k`` that overflows there leave the row as if the key were absent.
+  A key the score mod gives ``-inf`` is not attended either, so its V never reaches the row
+  (its K does: a NaN score stays NaN whatever the mod adds).
+- A key a row attends passes its V on in IEEE arithmetic, ``Σ_j p_j·v_j`` over exactly the
+  attended keys, whatever their weight: NaN there gives NaN, even when the weight underflows to
+  0 (``0·NaN``), and ``±Inf`` gives ``±Inf`` (NaN with weight 0, or with Infs of both signs).
+  That is what the C decode kernel computes, which reads every key of a row's interval and no
+  other.
+- NaN in a query row, or in the K of a key it attends, makes that row NaN (output and lse).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -8,8 +24,11 @@ from selfattn.masks import _index_grids
 
 __all__ = [
     "accumulation_dtype",
+    "all_finite",
     "dropout_keep",
+    "fused_or_exact",
     "index_grids",
+    "nonfinite_v_part",
     "unattended_columns_zeroed",
 ]
 
@@ -66,3 +85,61 @@ def unattended_columns_zeroed(
         return k, v
     keep = cols.unsqueeze(-1)  # (B', Hkv', Sk, 1)
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of ``tensors`` is finite: one sum per tensor and one sync.
+
+    A sum is finite iff every term is, barring overflow of the sum itself (fp16's range, or huge
+    finite values), which only costs an exact elementwise check. ``t.sum()`` accumulates half
+    types in float32 internally; ``sum(dtype=float32)`` would convert the tensor first (5x
+    slower for bf16 on CPU).
+    """
+    totals = torch.stack([t.sum().double() for t in tensors])
+    return bool(torch.isfinite(totals).all()) or all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What the non-finite entries of ``v`` add to ``P V`` when each row reads only its keys.
+
+    ``p (..., R, n)`` weights, ``attended (..., R, n)`` bool, ``v (..., n, Dv)`` the values of
+    those ``n`` keys (typically only the keys whose V holds NaN/Inf). Returns ``(..., R, Dv)``, to
+    add to ``P V`` computed with those entries replaced by 0: IEEE arithmetic on the attended
+    terms only (module docstring), found by counting with matmuls, so that no ``0 · NaN`` of an
+    unattended key is ever formed.
+    """
+    f = p.dtype
+    att = attended.to(f)
+    weightless = (attended & (p == 0)).to(f)  # 0 · ±Inf = NaN
+    positive = (p > 0).to(f)
+    nan = att @ v.isnan().to(f) + weightless @ v.isinf().to(f)
+    up = positive @ (v == math.inf).to(f)
+    down = positive @ (v == -math.inf).to(f)
+    out = torch.zeros_like(nan)
+    out.masked_fill_(up > 0, math.inf).masked_fill_(down > 0, -math.inf)
+    return out.masked_fill_((nan > 0) | ((up > 0) & (down > 0)), math.nan)
+
+
+def fused_or_exact(q, k, v, call, attend, attend_zeroed):
+    """``(out, lse)`` from a fused kernel, checked: what sdpa and flex run.
+
+    A fused kernel adds masks to the scores and multiplies every weight by every V row, so NaN/Inf
+    at a masked entry leaks (``NaN + -inf``, ``0 · NaN``), and CPU kernels turn a NaN query row
+    into 0. One reduction over ``q`` and the output finds all of these, so finite inputs pay
+    nothing else. Such a call is redone by ``attend_zeroed()`` (the kernel with the K/V columns no
+    query attends zeroed; None where non-finite values remain), which serves garbage in padded
+    cache slots at kernel speed, else by chunked's exact path (the reference where chunked cannot
+    run the call).
+    """
+    result = attend()
+    if all_finite(q, result[0]):
+        return result
+    if all_finite(q) and not all_finite(k, v):
+        result = attend_zeroed()
+        if result is not None and all_finite(result[0]):
+            return result
+    from selfattn.backends import chunked, reference
+
+    if chunked.reject(q, k, v, call) is None:
+        return chunked.run(q, k, v, call, exact=True)
+    return reference.run(q, k, v, call)

@@ -18,13 +18,15 @@ tiles get their mask from one vectorised ``mask_mod`` call per group of tiles, a
 
 Tiles adapt to the mask: 64-row query tiles waste little work on PARTIAL tiles (a sliding
 window), while masks with few PARTIAL tiles (causal, packed documents, none) get 128- or 256-row
-tiles: fewer, larger matmuls. Inputs with NaN/Inf take an exact (slower) path that masks with
-``masked_fill`` and zeroes K/V columns no query of a tile attends.
+tiles: fewer, larger matmuls. A call whose output comes out non-finite (NaN/Inf in the inputs, a
+``q·k`` overflowing at a masked entry) is redone on an exact (slower) path that masks with
+``masked_fill``, zeroes K/V columns no query of a tile attends and adds V's NaN/Inf only to the
+rows that attend them (``_common``'s rule for NaN/Inf); finite inputs pay one reduction.
 
 GQA/MQA without repeating K/V: the ``G = Hq // Hkv`` query heads of a kv head are stacked into one
 ``(G·block_q)``-row operand, so every matmul is batched over ``B·Hkv``. The backward saves ``q, k,
-v, out`` and the (base-2) ``lse`` (never the weights) and recomputes each tile's weights from
-them.
+v, out`` and each row's (base-2) max and sum (never the weights) and recomputes each tile's
+weights from them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from selfattn.backends import AttentionCall, Backend, register
-from selfattn.backends._common import accumulation_dtype, dropout_keep, unattended_columns_zeroed
+from selfattn.backends._common import (
+    accumulation_dtype,
+    all_finite,
+    dropout_keep,
+    nonfinite_v_part,
+    unattended_columns_zeroed,
+)
 from selfattn.masks import FULL, TileGrid, _callable_failure
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
@@ -283,7 +291,7 @@ class _Setup:
     ``R = G·(r1 - r0)`` rows, so every matmul is batched over ``B·Hkv`` and K/V are never repeated.
     """
 
-    def __init__(self, q, k, v, call: AttentionCall, plan: _Plan):
+    def __init__(self, q, k, v, call: AttentionCall, plan: _Plan, safe: bool):
         self.B, self.Hq, self.Sq, self.D = q.shape
         self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.Hq // self.Hkv
@@ -294,12 +302,15 @@ class _Setup:
         self.q, self._q_tiles = q, None
         self.k3 = k.to(self.cd).reshape(self.BH, self.Sk, self.D)  # (B·Hkv, Sk, D)
         self.v3 = v.to(self.cd).reshape(self.BH, self.Sk, self.Dv)  # (B·Hkv, Sk, Dv)
-        # NaN/Inf anywhere switches to exact masked_fill + zeroing of unattended K/V columns;
-        # finite inputs take the cheaper additive mask. A non-finite sum flags it (overflow of a
-        # huge finite sum only costs speed).
-        self.safe = call.mask is not None and not all(
-            bool(torch.isfinite(t.sum())) for t in (q, self.k3, self.v3)
-        )
+        # The exact path (see run): masks by masked_fill, zeroes K/V columns no query of a tile
+        # attends, and keeps NaN/Inf of V out of the rows that do not attend them.
+        self.safe = safe
+        self.v_pv, self.bad_keys = self.v3, None
+        if safe and not all_finite(self.v3):
+            # P V runs on V with its non-finite entries zeroed; what they contribute to the rows
+            # that attend them is added back per chunk (_common.nonfinite_v_part)
+            self.v_pv = self.v3.masked_fill(~torch.isfinite(self.v3), 0)
+            self.bad_keys = (~torch.isfinite(self.v3)).any(-1).any(0).nonzero().squeeze(1).cpu()
         self.b_idx = torch.arange(self.B, device=self.device).view(-1, 1, 1, 1)
         self.h_idx = torch.arange(self.Hq, device=self.device).view(1, -1, 1, 1)
         self.q_pos = torch.arange(self.Sq, device=self.device) + call.q_offset
@@ -309,9 +320,19 @@ class _Setup:
         self._bufs, self._views, self._c = {}, {}, None
         self._sizes = {"s": rows * max_span, "dp": rows * max_span, "q": rows * self.D}
         self._sizes.update({"o": rows * self.Dv, "do": rows * self.Dv, "dq": rows * self.D})
+        self._sizes["dol"] = rows * self.Dv
         self._sizes.update({"m": rows, "l": rows})
-        # Rows can end up with no key (or -inf scores) only through a mask or a score mod.
-        self.may_be_empty = call.mask is not None or call.score_mod is not None
+        self.masked, self.modded = call.mask is not None, call.score_mod is not None
+        self.keyed = plan.keyed
+
+    def guarded(self, i) -> bool:
+        """Whether a row of query tile ``i`` may see only ``-inf`` scores in its first chunk.
+
+        A mask empties rows only where the first chunk holds no FULL tile (``plan.keyed``); a score
+        mod (or an Inf in K on the exact path) can give ``-inf`` anywhere. Such rows keep a finite
+        running max and a zero sum: output 0 and lse ``-inf``, as a row the mask empties.
+        """
+        return self.modded or self.safe or (self.masked and not self.keyed[i])
 
     def buf(self, name, *shape):
         """``shape`` view of a scratch buffer reused by every tile (no per-tile allocation)."""
@@ -380,8 +401,9 @@ class _Setup:
         return masks.unbind(0)  # one view per tile, made in one call
 
     def chunk_kv(self, i, c0, c1, parts, masks, p0):
-        """K and V of keys ``[c0, c1)``, with unattended columns zeroed on the safe path."""
-        kc, vc = self.k3[:, c0:c1], self.v3[:, c0:c1]
+        """K and V of keys ``[c0, c1)``, with unattended columns zeroed on the safe path (V with
+        its non-finite entries zeroed: :meth:`nonfinite_part` adds what they contribute)."""
+        kc, vc = self.k3[:, c0:c1], self.v_pv[:, c0:c1]
         if not (self.safe and parts):
             return kc, vc
         r0, r1 = self.rows(i)
@@ -400,10 +422,11 @@ class _Setup:
             k4[:, :, a:b], v4[:, :, a:b] = kz, vz
         return k4.view(self.BH, span, self.D), v4.view(self.BH, span, -1)
 
-    def apply_masks(self, s, i, parts, masks, p0, cached=False):
+    def apply_masks(self, s, i, parts, masks, p0, cached=False, value=-math.inf):
         """Mask the PARTIAL tiles of one chunk's scores ``s (B·Hkv, R, span)`` in place.
 
         ``cached``: ``s`` is the scratch buffer's view, so its column slices can be reused.
+        ``value``: what masked entries become on the safe path (the backward zeroes ``dS`` there).
         """
         r0, r1 = self.rows(i)
         tq, span = r1 - r0, s.shape[-1]
@@ -421,7 +444,7 @@ class _Setup:
                 if cached:
                     self._views[key] = part
             if self.safe:
-                part.masked_fill_(m, float("-inf"))
+                part.masked_fill_(m, value)
             else:
                 part.add_(m)
 
@@ -432,6 +455,18 @@ class _Setup:
         keep = keep.expand(self.B, self.Hq, q_idx.shape[2], c1 - c0)
         keep = keep.reshape(self.BH, -1, c1 - c0)
         return keep.to(self.cd).mul_(1.0 / (1.0 - call.dropout_p))
+
+    def bad_columns(self, c0, c1):
+        """Columns (relative to ``c0``) of keys in ``[c0, c1)`` whose V holds NaN/Inf, or None."""
+        if self.bad_keys is None:
+            return None
+        cols = self.bad_keys[(self.bad_keys >= c0) & (self.bad_keys < c1)] - c0
+        return cols.to(self.device) if cols.numel() else None
+
+    def nonfinite_part(self, p, attended, c0, cols):
+        """What V's non-finite entries at columns ``cols`` add to ``P V`` for the rows that attend
+        them: ``p, attended (B·Hkv, R, n)`` on those columns -> ``(B·Hkv, R, Dv)``."""
+        return nonfinite_v_part(p, attended, self.v3[:, c0 + cols])
 
     def scores(self, qt, alpha, kc, call, i, c0, c1, leaf=False):
         """Base-2 scores of query tile ``i`` against keys ``[c0, c1)``: ``(B·Hkv, R, span)``.
@@ -465,14 +500,16 @@ class _Setup:
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True):
-    """``out (B, Hq, Sq, Dv)`` in q's dtype and the base-2 ``lse2 (B, Hq, Sq)`` (accumulation
-    dtype; ``None`` unless ``need_lse``) = ``lse · LOG2E``, what the backward recomputes P from.
+def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True, safe=False):
+    """``out (B, Hq, Sq, Dv)`` in q's dtype, the base-2 ``lse2 (B, Hq, Sq)`` = ``lse · LOG2E``
+    and the row statistics ``(m2, l)`` the backward recomputes P from (accumulation dtype; all
+    three ``None`` unless ``need_lse``): the base-2 row max and the row sum ``Σ 2^(s - m2)`` (at
+    least 1, also for empty rows, whose scores are all ``-inf``).
 
     Each tile works in small scratch buffers (cache-resident) and is normalised into ``out`` at
     its end; measured faster than letting the matmuls write into strided views of ``out``.
     """
-    st = _Setup(q, k, v, call, plan)
+    st = _Setup(q, k, v, call, plan, safe)
     B, Hkv, G, BH, cd, Dv, Sq = st.B, st.Hkv, st.G, st.BH, st.cd, st.Dv, st.Sq
     c = call.scale * (LOG2E if call.score_mod is None else 1.0)
     lowest = torch.finfo(cd).min
@@ -481,10 +518,11 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True):
     # by one parallel fill instead of by every tile's write
     out = torch.zeros(B, st.Hq, Sq, Dv, dtype=q.dtype, device=st.device)
     out_tiles = out.view(B, Hkv, G, Sq, Dv).split(st.bq, dim=3)  # (B, Hkv, G, tq, Dv) each
-    lse = lse_tiles = None
+    lse = stats = None
     if need_lse:
         lse = torch.full((B, st.Hq, Sq), -math.inf, dtype=cd, device=st.device)
-        lse_tiles = lse.view(B, Hkv, G, Sq).split(st.bq, dim=3)
+        stats = (torch.zeros_like(lse), torch.ones_like(lse))  # (m2, l) of rows with no key
+        tiles = [t.view(B, Hkv, G, Sq).split(st.bq, dim=3) for t in (lse, *stats)]
 
     for i0, i1, p0, p1 in plan.groups:
         masks = st.group_masks(call, plan, p0, p1)
@@ -505,11 +543,14 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True):
                 s, _ = st.scores(qt, alpha, kc, call, i, c0, c1)
                 if parts:
                     st.apply_masks(s, i, parts, masks, p0, cached=fast)
+                bad = st.bad_columns(c0, c1)
+                if bad is not None:  # which rows attend the keys whose V is not finite
+                    attended = s[:, :, bad] != -math.inf
                 # -- update running max; a row that saw only -inf keeps m = lowest (finite), so
                 #    that s - m and m_old - m_new never compute -inf - -inf
                 if n == 0:
                     torch.amax(s, -1, keepdim=True, out=mt)
-                    if st.may_be_empty and not plan.keyed[i]:
+                    if st.guarded(i):
                         mt.clamp_min_(lowest)
                     s.sub_(mt).exp2_()
                     torch.sum(s, -1, keepdim=True, out=lt)
@@ -526,16 +567,36 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True):
                     torch.bmm(s, vc, out=ot)  # (B·Hkv, R, span) @ (B·Hkv, span, Dv)
                 else:
                     ot.baddbmm_(s, vc)
+                if bad is not None:
+                    ot.add_(st.nonfinite_part(s[:, :, bad], attended, c0, bad))
             tq = R // G
-            if lse_tiles is not None:  # -inf where l = 0
-                m5, l5 = st.buf("m", B, Hkv, G, tq, 1), st.buf("l", B, Hkv, G, tq, 1)
-                torch.add(m5, torch.log2(l5), out=lse_tiles[i].unsqueeze(-1))
+            m5, l5 = st.buf("m", B, Hkv, G, tq, 1), st.buf("l", B, Hkv, G, tq, 1)
+            if lse is not None:  # -inf where l = 0
+                torch.add(m5, torch.log2(l5), out=tiles[0][i].unsqueeze(-1))
             # An empty row has l = 0 and o = 0; a non-empty one has l >= 1 (its max gives 2^0).
-            if st.may_be_empty and not plan.keyed[i]:
+            if st.guarded(i):
                 lt.clamp_min_(1.0)
-            o5, l5 = st.buf("o", B, Hkv, G, tq, Dv), st.buf("l", B, Hkv, G, tq, 1)
+            if stats is not None:
+                tiles[1][i].copy_(m5.squeeze(-1))
+                tiles[2][i].copy_(l5.squeeze(-1))
+            o5 = st.buf("o", B, Hkv, G, tq, Dv)
             torch.div(o5, l5, out=out_tiles[i])
-    return out, lse
+    return out, lse, stats
+
+
+def _forward_exact(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool, safe: bool):
+    """:func:`_forward`, redone on the exact path when the cheap one gives NaN/Inf.
+
+    The cheap path adds 0 / -inf masks and multiplies every weight by every V row, which is exact
+    for finite inputs whose scores do not overflow; NaN/Inf in the inputs, a score mod's NaN at a
+    masked entry or a ``q·k`` overflowing there show up as non-finite output. One reduction of
+    the output checks it: finite inputs pay nothing else. Returns ``(out, lse2, stats, safe)``.
+    """
+    result = _forward(q, k, v, call, plan, need_lse, safe)
+    if not safe and not all_finite(result[0]):
+        safe = True
+        result = _forward(q, k, v, call, plan, need_lse, safe)
+    return (*result, safe)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,22 +604,26 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True):
 # ----------------------------------------------------------------------------------------------
 
 
-def _backward(dout, dlse, q, k, v, out, lse2, call: AttentionCall, plan: _Plan, mod_inputs):
+def _backward(dout, dlse, q, k, v, out, stats, call: AttentionCall, plan: _Plan, mod_inputs, safe):
     """Gradients ``dq, dk, dv`` and those of ``mod_inputs`` (None where not needed).
 
-    Per tile, with ``P`` recomputed from the forward's base-2 ``lse2``: ``dP = dO Vᵀ`` (times
-    ``keep/(1-p)`` under dropout), ``dS = P ∘ (dP − Δ)`` with ``Δ = rowsum(dO ∘ O) − dlse``,
-    ``dV += P_dropᵀ dO``, ``dQ += dS K · scale``, ``dK += dSᵀ Q · scale`` (the G query heads of a
-    kv head are rows of the same matmul, so dK/dV sum over them for free).
+    Per tile, with ``P = E / l``, ``E = 2^(s - m2)`` recomputed from the forward's row max ``m2``
+    and row sum ``l`` (``stats``): ``dP = dO Vᵀ`` (times ``keep/(1-p)`` under dropout),
+    ``dS = P ∘ (dP − Δ)`` with ``Δ = rowsum(dO ∘ O) − dlse``, ``dV += P_dropᵀ dO``,
+    ``dQ += dS K · scale``, ``dK += dSᵀ Q · scale`` (the G query heads of a kv head are rows of
+    the same matmul, so dK/dV sum over them for free). ``1/l`` rides on ``dO`` and ``Δ``
+    (``dS = E ∘ (dO/l Vᵀ − Δ/l)``, ``dV += Eᵀ dO/l``): no pass over the tile for it. Keeping
+    ``m2`` and ``l`` apart, not as one fp32 ``lse2 = m2 + log2 l``, keeps ``s - m2`` exact: with
+    scores near 70 the rounding of ``lse2`` alone made dQ/dK errors 3.5-6.3x the naive fp32 ones
+    (flash-attention's backward-overflow inputs); now they are ~1x.
     """
-    st = _Setup(q, k, v, call, plan)
+    st = _Setup(q, k, v, call, plan, safe)
     B, Hkv, G, BH, cd, D, Dv, Sq = st.B, st.Hkv, st.G, st.BH, st.cd, st.D, st.Dv, st.Sq
     has_mod = call.score_mod is not None
     c = call.scale * (1.0 if has_mod else LOG2E)
     do_tiles = st.row_tiles(dout, "do")
     out5 = out.reshape(B, Hkv, G, Sq, Dv)
-    # Empty rows get +inf so that P = exp2(s - lse2) is exactly 0 there.
-    lse2 = torch.where(lse2 == -math.inf, math.inf, lse2).view(B, Hkv, G, Sq, 1)
+    m5, inv_l5 = (t.view(B, Hkv, G, Sq, 1) for t in (stats[0], stats[1].reciprocal()))
     dlse5 = None if dlse is None else dlse.to(cd).reshape(B, Hkv, G, Sq, 1)
     dq = torch.empty(B, st.Hq, Sq, D, dtype=q.dtype, device=st.device)
     dq5 = dq.view(B, Hkv, G, Sq, D)
@@ -579,7 +644,9 @@ def _backward(dout, dlse, q, k, v, out, lse2, call: AttentionCall, plan: _Plan, 
             alpha = 1.0 if qk == c else c / qk
             dk_alpha = call.scale / qk if qk != 0 else 0.0  # dK needs q · scale = qt · scale / qk
             dot = do_tiles(i)[0]  # (B·Hkv, R, Dv)
-            lt = lse2[:, :, :, r0:r1].reshape(BH, R, 1)
+            mt = m5[:, :, :, r0:r1].reshape(BH, R, 1)
+            inv_lt = inv_l5[:, :, :, r0:r1].reshape(BH, R, 1)
+            dot_l = torch.mul(dot, inv_lt, out=st.buf("dol", BH, R, Dv))  # dO / l
             dlt = None if dlse5 is None else dlse5[:, :, :, r0:r1].reshape(BH, R, 1)
             # Δ = rowsum(dO ∘ O) − dlse. A tile whose keys fit one chunk recomputes rowsum(P ∘ dP)
             # instead (equal in exact arithmetic) from the very dP it is subtracted from: then
@@ -589,6 +656,7 @@ def _backward(dout, dlse, q, k, v, out, lse2, call: AttentionCall, plan: _Plan, 
                 dt = (dot * out5[:, :, :, r0:r1].reshape(BH, R, Dv).to(cd)).sum(-1, keepdim=True)
                 if dlt is not None:
                     dt.sub_(dlt)
+                dt.mul_(inv_lt)  # Δ / l
             dqt = st.buf("dq", BH, R, D)
             first = True
             for c0, c1, parts in plan.chunks[i]:
@@ -597,24 +665,32 @@ def _backward(dout, dlse, q, k, v, out, lse2, call: AttentionCall, plan: _Plan, 
                 s, leaves = st.scores(qt, alpha, kc, call, i, c0, c1, leaf=has_mod)
                 if parts:
                     st.apply_masks(s, i, parts, masks, p0)
-                p = s.sub_(lt).exp2_()  # (B·Hkv, R, span): the weights, recomputed
+                bad = st.bad_columns(c0, c1)
+                if bad is not None:
+                    attended = s[:, :, bad] != -math.inf
+                e = s.sub_(mt).exp2_()  # (B·Hkv, R, span): the weights times l, recomputed
                 dp = st.buf("dp", BH, R, span)
-                torch.bmm(dot, vc.transpose(1, 2), out=dp)  # dO Vᵀ
+                torch.bmm(dot_l, vc.transpose(1, 2), out=dp)  # dO Vᵀ / l
+                if bad is not None:  # dO · v at the non-finite V entries a row attends
+                    vb = st.v3[:, c0 + bad].transpose(1, 2)
+                    dp[:, :, bad] = torch.where(attended, dot_l @ vb, dp[:, :, bad])
                 if call.dropout_p > 0:
                     keep = st.dropout_scale(call, i, c0, c1)
                     dp.mul_(keep)
-                    dv3[:, c0:c1].baddbmm_((p * keep).transpose(1, 2), dot)
+                    dv3[:, c0:c1].baddbmm_((e * keep).transpose(1, 2), dot_l)
                 else:
-                    dv3[:, c0:c1].baddbmm_(p.transpose(1, 2), dot)
-                # dS = P ∘ (dP − Δ), w.r.t. the (modded) score
+                    dv3[:, c0:c1].baddbmm_(e.transpose(1, 2), dot_l)
+                # dS = P ∘ (dP − Δ) = E ∘ (dP/l − Δ/l), w.r.t. the (modded) score
                 if one_chunk:
-                    dp.mul_(p)
+                    dp.mul_(e)
                     dt = dp.sum(-1, keepdim=True)  # rowsum(P ∘ dP) = rowsum(dO ∘ O)
                     if dlt is not None:
                         dt.sub_(dlt)
-                    ds = dp.addcmul_(p, dt, value=-1.0)
+                    ds = dp.addcmul_(e, dt.mul_(inv_lt), value=-1.0)
                 else:
-                    ds = dp.sub_(dt).mul_(p)
+                    ds = dp.sub_(dt).mul_(e)
+                if st.safe and parts:  # a NaN row (0 · NaN) must not reach the keys it masks
+                    st.apply_masks(ds, i, parts, masks, p0, value=0.0)
                 if has_mod:
                     ds = _through_mod(ds, leaves, mod_inputs, want, mod_grads, st, cd)
                 if first:
@@ -656,27 +732,29 @@ def _through_mod(ds, leaves, mod_inputs, want, mod_grads, st: _Setup, cd):
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """Forward by tiles; backward by recomputed tiles from the saved ``q, k, v, out, lse``.
+    """Forward by tiles; backward by recomputed tiles from the saved ``q, k, v, out`` and row
+    statistics. ``safe``: start on the exact path (else it is taken when the cheap one gives
+    NaN/Inf); the backward takes the path the forward ended on.
 
     The score mod's tensors come in as extra inputs so that their gradients are routed back.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, call, plan, *mod_inputs):
-        out, lse2 = _forward(q, k, v, call, plan)
-        ctx.call, ctx.plan = call, plan
-        ctx.save_for_backward(q, k, v, out, lse2, *mod_inputs)
+    def forward(ctx, q, k, v, call, plan, safe, *mod_inputs):
+        out, lse2, (m2, l), safe = _forward_exact(q, k, v, call, plan, True, safe)
+        ctx.call, ctx.plan, ctx.safe = call, plan, safe
+        ctx.save_for_backward(q, k, v, out, m2, l, *mod_inputs)
         return out, lse2 * LN2
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse2, *mod_inputs = ctx.saved_tensors
-        mod_inputs = [t if ctx.needs_input_grad[5 + j] else None for j, t in enumerate(mod_inputs)]
+        q, k, v, out, m2, l, *mod_inputs = ctx.saved_tensors
+        mod_inputs = [t if ctx.needs_input_grad[6 + j] else None for j, t in enumerate(mod_inputs)]
         dq, dk, dv, mod_grads = _backward(
-            dout, dlse, q, k, v, out, lse2, ctx.call, ctx.plan, mod_inputs
+            dout, dlse, q, k, v, out, (m2, l), ctx.call, ctx.plan, mod_inputs, ctx.safe
         )
-        return dq, dk, dv, None, None, *mod_grads
+        return dq, dk, dv, None, None, None, *mod_grads
 
 
 def _mod_inputs(call: AttentionCall) -> tuple[torch.Tensor, ...]:
@@ -690,12 +768,13 @@ def _mod_inputs(call: AttentionCall) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None):
+def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None, exact=False):
     """``(out, lse or None)`` by tiles; see the module docstring.
 
     ``block_q`` / ``block_k`` / ``max_chunk`` override the automatic tiling (:func:`tile_sizes`,
     then merging of query tiles for masks with few PARTIAL tiles); tests use small tiles to cross
-    tile boundaries at small sizes. Any positive ints are valid.
+    tile boundaries at small sizes. Any positive ints are valid. ``exact``: go straight to the
+    exact path for NaN/Inf (other backends hand such inputs here, known to be non-finite).
     """
     B, Hq, Sq, _ = q.shape
     Sk, G = k.shape[2], Hq // k.shape[1]
@@ -723,9 +802,9 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
     plan = _plan(grid, Sq, Sk, bk, kc)
     mod_inputs = _mod_inputs(call)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_inputs)):
-        out, lse = _ChunkedAttention.apply(q, k, v, call, plan, *mod_inputs)
+        out, lse = _ChunkedAttention.apply(q, k, v, call, plan, exact, *mod_inputs)
     else:
-        out, lse2 = _forward(q, k, v, call, plan, need_lse=call.return_lse)
+        out, lse2, _, _ = _forward_exact(q, k, v, call, plan, call.return_lse, exact)
         lse = None if lse2 is None else lse2 * LN2
     return out, (lse if call.return_lse else None)
 

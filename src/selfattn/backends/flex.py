@@ -19,6 +19,10 @@ and O(Sq·Sk) in memory.
 Limits (see :func:`_reject`): CPU needs torch >= 2.6 and an AVX2 x86 CPU, runs float32 / float16 /
 bfloat16, has no backward and no log-sum-exp; CUDA needs head dims >= 16. Dropout is not
 available. Empty rows give output 0 (and lse ``-inf`` where lse is available).
+
+Non-finite values: FlexAttention computes ``P V`` over whole blocks, so NaN/Inf in V at a masked
+key inside a partial block leaks through ``0 · NaN``, and it turns a NaN query row into 0; the
+result is checked and such calls redone (``_common.fused_or_exact``, which states the rule).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import threading
 import torch
 
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
-from selfattn.backends._common import accumulation_dtype
+from selfattn.backends._common import accumulation_dtype, all_finite, fused_or_exact
 from selfattn.masks import FULL, PARTIAL, Mask, TileGrid, _callable_failure, _evaluate
 
 BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
@@ -336,11 +340,6 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
     a partial block would leak through ``0 · NaN``. Only keys that actually hold a non-finite
     value (few, if any) are checked against the mask, by evaluating it on those columns.
     """
-    # One fused reduction per tensor and one sync decide the common all-finite case: a sum is
-    # finite iff every term is (barring fp32 overflow, which only sends us down the exact path).
-    totals = torch.stack([k.sum(dtype=torch.float32), v.sum(dtype=torch.float32)])
-    if bool(torch.isfinite(totals).all()):
-        return k, v
     bad = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (B, Hkv, Sk)
     if not bool(bad.any()):
         return k, v
@@ -370,15 +369,26 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
 
 
 def _run(q, k, v, call: AttentionCall):
-    B, Hq, Sq, _ = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
     if not torch.is_grad_enabled():
         # CPU FlexAttention refuses inputs that merely require grad, even under no_grad.
         q, k, v = q.detach(), k.detach(), v.detach()
+
+    def attend_zeroed():
+        if call.mask is None:  # every key is attended: nothing to zero
+            return None
+        kz, vz = _unattended_nonfinite_zeroed(k, v, call, q.shape[1], q.shape[2])
+        return _attend(q, kz, vz, call) if all_finite(kz, vz) else None
+
+    return fused_or_exact(q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed)
+
+
+def _attend(q, k, v, call: AttentionCall):
+    """``(out, lse)`` from compiled FlexAttention."""
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     block_mask = None
     if call.mask is not None:
         block_mask = _block_masks.get(call.mask, B, Hq, Sq, Sk, call.q_offset, q.device)
-        k, v = _unattended_nonfinite_zeroed(k, v, call, Hq, Sq)
     kwargs = {"block_mask": block_mask, "scale": call.scale}
     if call.score_mod is not None:
         off = torch.tensor(call.q_offset, device=q.device)

@@ -3,8 +3,9 @@
     out = softmax(score_mod(Q Kᵀ · scale) masked to -inf) V
 
 computed in fp32 (fp64 for fp64 inputs) with the full ``(B, Hq, Sq, Sk)`` score matrix, so memory
-is quadratic in the sequence length. Fully masked rows give weights 0, output 0 and lse ``-inf``.
-Gradients come from autograd through this very formula.
+is quadratic in the sequence length. Rows with no attended key (masked, or ``-inf`` from the score
+mod) give weights 0, output 0 and lse ``-inf``; ``P V`` reads only the keys a row attends
+(``_common``'s rule for NaN/Inf). Gradients come from autograd through this very formula.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 from selfattn.backends import AttentionCall, Backend, register
 from selfattn.backends._common import (
     accumulation_dtype,
+    all_finite,
     dropout_keep,
     index_grids,
+    nonfinite_v_part,
     unattended_columns_zeroed,
 )
 
@@ -26,8 +29,9 @@ def scores_and_weights(
     v: torch.Tensor,
     call: AttentionCall,
     compute_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weights ``P (B, Hq, Sq, Sk)``, lse ``(B, Hq, Sq)`` and the NaN-guarded ``v`` (compute dtype).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights ``P (B, Hq, Sq, Sk)``, lse ``(B, Hq, Sq)``, the NaN-guarded ``v`` (compute dtype)
+    and the masked scores ``(B, Hq, Sq, Sk)`` (``-inf`` where a row does not attend a key).
 
     ``compute_dtype`` overrides the accumulation dtype; tests use it to build the naive
     low-precision baseline of the tolerance rule.
@@ -57,29 +61,61 @@ def scores_and_weights(
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
-    nonempty = denom > 0
+    nonempty = denom != 0  # NaN (a NaN score) counts: the row's output and lse are NaN
     safe = torch.where(nonempty, denom, torch.ones_like(denom))
     p = e / safe
     lse = torch.where(nonempty, m + torch.log(safe), torch.full_like(m, float("-inf")))
-    return p, lse.squeeze(-1), v
+    return p, lse.squeeze(-1), v, s
+
+
+class _FinitePart(torch.autograd.Function):
+    """``v`` with NaN/Inf replaced by 0, passing gradients through unchanged: ``dV = Pᵀ dO``
+    holds at every entry, a non-finite one included (it does not depend on ``V``)."""
+
+    @staticmethod
+    def forward(ctx, v):
+        return v.masked_fill(~torch.isfinite(v), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def weighted_values(p: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``P V`` over the keys each row attends: ``p, s (B, Hkv, R, Sk)``, ``v (B, Hkv, Sk, Dv)``.
+
+    A plain matmul forms ``0 · v_j`` for every key a row does not attend, so NaN/Inf stored in V
+    there would reach the row; non-finite V entries are therefore taken out of the matmul and
+    added back for the rows whose score ``s`` attends them (``_common.nonfinite_v_part``).
+    """
+    if all_finite(v):
+        return p @ v
+    bad = (~torch.isfinite(v)).any(-1).flatten(0, 1).any(0).nonzero().squeeze(1)  # key indices
+    part = nonfinite_v_part(p[..., bad], s[..., bad] != float("-inf"), v[:, :, bad])
+    # ties the non-finite part to P, so that a row it makes non-finite gets non-finite
+    # gradients too (0 · NaN = NaN) instead of those of the finite rest
+    part = part * (1 + 0 * p.sum(-1, keepdim=True))
+    return p @ _FinitePart.apply(v) + part
 
 
 def run(q, k, v, call: AttentionCall, compute_dtype: torch.dtype | None = None):
     B, Hq, Sq, _ = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    p, lse, vv = scores_and_weights(q, k, v, call, compute_dtype)
+    G = Hq // Hkv
+    p, lse, vv, s = scores_and_weights(q, k, v, call, compute_dtype)
     if call.dropout_p > 0:
         b, h, qi, kvi = index_grids(B, Hq, Sq, Sk, call.q_offset, q.device)
         keep = dropout_keep(call.dropout_seed, call.dropout_p, b, h, qi, kvi)
         p = torch.where(keep, p / (1.0 - call.dropout_p), torch.zeros_like(p))
-    out = p.reshape(B, Hkv, (Hq // Hkv) * Sq, Sk) @ vv  # (B, Hkv, G·Sq, Dv)
+    p, s = (t.reshape(B, Hkv, G * Sq, Sk) for t in (p, s))  # (B, Hq, Sq, Sk) -> (B, Hkv, G·Sq, Sk)
+    out = weighted_values(p, s, vv)  # (B, Hkv, G·Sq, Dv)
     out = out.view(B, Hq, Sq, Dv).to(q.dtype)
     return out, (lse.to(accumulation_dtype(q.dtype)) if call.return_lse else None)
 
 
 def weights(q, k, v, call: AttentionCall) -> torch.Tensor:
     """Attention weights ``(B, Hq, Sq, Sk)`` in the input dtype (no dropout)."""
-    p, _, _ = scores_and_weights(q, k, v, call)
+    p, _, _, _ = scores_and_weights(q, k, v, call)
     return p.to(q.dtype)
 
 

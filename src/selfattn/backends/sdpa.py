@@ -17,8 +17,12 @@ How each part of an :class:`~selfattn.backends.AttentionCall` is expressed:
   ``aten._scaled_dot_product_flash_attention_for_cpu``, does (without gradients for the lse).
 
 Rows the mask leaves empty are given every key inside the kernel and zeroed afterwards (output 0,
-lse ``-inf``, zero gradients on every torch version), and K/V columns that no query attends are
-zeroed first so that NaN/Inf stored there cannot leak through ``0 · NaN``.
+lse ``-inf``, zero gradients on every torch version).
+
+Non-finite values: SDPA's kernels add masks to the scores and multiply every weight by every V row,
+so NaN/Inf at a masked entry would leak (``NaN + -inf``, ``0 · NaN``), and the CPU kernel turns a
+NaN query row into 0; the result is checked and such calls redone (``_common.fused_or_exact``,
+which states the rule).
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from selfattn.backends import AttentionCall, Backend, register
-from selfattn.backends._common import accumulation_dtype, index_grids, unattended_columns_zeroed
+from selfattn.backends._common import (
+    accumulation_dtype,
+    all_finite,
+    fused_or_exact,
+    index_grids,
+    unattended_columns_zeroed,
+)
 from selfattn.scores import Bias, Compose
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -179,11 +189,12 @@ class _Plan:
         self.empty = empty  # bool (B', H', Sq, 1): rows with no allowed key, or None
 
 
-def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool) -> _Plan:
+def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool, guard=False) -> _Plan:
     """Turn the call's mask and score mod into SDPA arguments.
 
     ``flags``: allow ``is_causal``; ``lower_right``: allow ``causal_lower_right``. Both are off
-    when the result must be a plain tensor (folded GQA, the lse kernel).
+    when the result must be a plain tensor (folded GQA, the lse kernel). ``guard``: zero the K/V
+    columns that no query attends (the mask or a ``-inf`` bias removes them from every row).
     """
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -199,8 +210,9 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool) -> _P
             # Keys past the last query position are never attended: drop them (a view), so that
             # whatever they hold cannot leak, and SDPA's top-left causal is exactly ours.
             return _Plan(k[:, :, :Sq], v[:, :, :Sq], is_causal=True)
-        elif lower_right and off == Sk - Sq:
-            # 0 < off < Sk - 1 here, so Sq < Sk: no empty row, and the last row sees every key.
+        elif lower_right and off == Sk - Sq and off > 0:
+            # 0 < off < Sk - 1, so Sq < Sk: no empty row, and the last row sees every key. (With
+            # Sq > Sk the first rows would be empty, where PyTorch warns it produces NaN.)
             return _Plan(k, v, attn_mask=_lower_right_bias()(Sq, Sk))
 
     dense = None
@@ -208,7 +220,7 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool) -> _P
         dense = _collapsed(mask.to_dense(Sq, Sk, B=B, H=Hq, q_offset=off, device=q.device))
         if bool(dense.all()):
             dense = None
-        else:
+        elif guard:
             k, v = unattended_columns_zeroed(k, v, dense, Hq)
 
     if call.score_mod is None:
@@ -224,7 +236,10 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool) -> _P
     if dense is not None:
         bias = bias.masked_fill(~dense, float("-inf"))
     # -inf entries of the bias act as a mask too, so empty rows are found on the final bias.
-    empty = ~(bias > float("-inf")).any(dim=-1, keepdim=True)  # (B', H', Sq, 1)
+    attended = bias > float("-inf")
+    if guard:  # V only: NaN in K makes the score NaN, which a -inf bias cannot mask (NaN + -inf)
+        _, v = unattended_columns_zeroed(k, v, attended, Hq)
+    empty = ~attended.any(dim=-1, keepdim=True)  # (B', H', Sq, 1)
     if not bool(empty.any()):
         return _Plan(k, v, attn_mask=bias)
     # masked_fill (not arithmetic) so that those rows pass zero gradients back to the bias
@@ -255,17 +270,39 @@ def _float_mask(attn_mask, q: torch.Tensor):
 
 
 def _run(q, k, v, call: AttentionCall):
+    def attend_zeroed():
+        try:
+            return _attend(q, k, v, call, guard=True)
+        except _StillNonFinite:
+            return None
+
+    return fused_or_exact(q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed)
+
+
+class _StillNonFinite(Exception):
+    """K/V still hold NaN/Inf at keys some query attends, which SDPA's kernels would leak."""
+
+
+def _attend(q, k, v, call: AttentionCall, guard: bool = False):
+    """``(out, lse)`` from SDPA's kernels; with ``guard``, K/V columns no query attends are zeroed
+    first, and :class:`_StillNonFinite` is raised if non-finite values remain."""
     B, Hq, Sq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     G = Hq // Hkv
 
+    def plan_for(flags, lower_right):
+        plan = _plan(q, k, v, call, flags=flags, lower_right=lower_right, guard=guard)
+        if guard and not all_finite(plan.k, plan.v):
+            raise _StillNonFinite
+        return plan
+
     if call.return_lse:
-        plan = _plan(q, k, v, call, flags=True, lower_right=False)
+        plan = plan_for(True, False)
         attn = _float_mask(plan.attn_mask, q)
         qq, kk, vv = q, plan.k, plan.v
         fold = G > 1 and _sdpa_would_use_math(qq, kk, vv, attn, plan.is_causal)
         if fold:
-            plan = _plan(q, k, v, call, flags=False, lower_right=False)
+            plan = plan_for(False, False)
             attn = _float_mask(plan.attn_mask, q)
             kk, vv = plan.k, plan.v
             qq = q.reshape(B, Hkv, G * Sq, q.shape[3])  # (B, Hq, Sq, D) -> (B, Hkv, G·Sq, D)
@@ -281,14 +318,14 @@ def _run(q, k, v, call: AttentionCall):
             lse = lse.masked_fill(plan.empty.squeeze(-1), float("-inf"))
         return out, lse
 
-    plan = _plan(q, k, v, call, flags=True, lower_right=True)
+    plan = plan_for(True, True)
     kwargs = {}
     qq = q
     if G > 1:
         mask_t = plan.attn_mask if isinstance(plan.attn_mask, torch.Tensor) else None
         if _sdpa_would_use_math(q, plan.k, plan.v, mask_t, plan.is_causal):
             if plan.is_causal:
-                plan = _plan(q, k, v, call, flags=False, lower_right=False)
+                plan = plan_for(False, False)
             qq = q.reshape(B, Hkv, G * Sq, q.shape[3])  # (B, Hq, Sq, D) -> (B, Hkv, G·Sq, D)
             if plan.attn_mask is not None:
                 plan.attn_mask = _fold(plan.attn_mask, Hkv, G)
