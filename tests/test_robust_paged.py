@@ -288,6 +288,30 @@ def test_cache_dir_that_cannot_be_created_builds_privately(kernel_cache, monkeyp
     _runs_correctly(monkeypatch, lib)
 
 
+def _fallback_logged(caplog, what: str) -> None:
+    """One ``selfattn`` warning naming ``what`` and that the PyTorch path runs."""
+    warnings = [r for r in caplog.records if r.name == "selfattn" and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and what in warnings[0].getMessage(), caplog.text
+    assert "PyTorch path runs instead" in warnings[0].getMessage()
+
+
+def test_no_compiler_is_logged(monkeypatch, caplog):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert build.load(paged_decode.SPEC) is None
+    _fallback_logged(caplog, "no C compiler found")
+
+
+def test_failed_build_is_logged_with_the_compiler_error(kernel_cache, monkeypatch, caplog):
+    """Every target's build fails: the compiler's last line reaches the log, once."""
+
+    def broken(cmd, **kw):
+        raise subprocess.CalledProcessError(1, cmd, stderr=b"x.c:1: error: no such instruction")
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    assert build.load(paged_decode.SPEC) is None
+    _fallback_logged(caplog, "no such instruction")
+
+
 def test_cache_dir_of_another_user_is_refused(kernel_cache, monkeypatch, caplog):
     """Tests run as root, so "another user" is this user seen through a different uid."""
     cache, built_in = kernel_cache

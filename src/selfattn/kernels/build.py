@@ -246,8 +246,14 @@ def load(spec: CLibrary) -> ctypes.CDLL | None:
     """
     cc = compiler()
     if cc is None:
+        log.warning(
+            "selfattn %s kernel: no C compiler found ($CC, cc, gcc, clang); the PyTorch path "
+            "runs instead (install one, e.g. apt-get install gcc, for the faster kernel)",
+            spec.name,
+        )
         return None
     cache = _trusted_cache_dir()
+    failures = []
     for target in spec.targets:
         flags = [*spec.flags, *target]
         try:
@@ -269,6 +275,20 @@ def load(spec: CLibrary) -> ctypes.CDLL | None:
                 )
             with tempfile.TemporaryDirectory(prefix="selfattn-") as tmp:  # mode 0700
                 return _bind(spec, compile_library(spec, cc, flags, Path(tmp), name))
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError) as e:
+            failures.append(_build_failure(flags, e))
             continue
+    log.warning(
+        "selfattn %s kernel: could not be built with %s; the PyTorch path runs instead. %s",
+        spec.name,
+        cc,
+        " | ".join(failures),
+    )
     return None
+
+
+def _build_failure(flags: list[str], error: Exception) -> str:
+    """One line on why a build with ``flags`` failed: the compiler's last words, or the error."""
+    stderr = getattr(error, "stderr", None)
+    detail = stderr.decode(errors="replace").strip().splitlines()[-1:] if stderr else []
+    return f"{' '.join(flags)}: {detail[0] if detail else error}"
