@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import torch
 
+from selfattn._validate import positive_int
 from selfattn.cache.decode import paged_attention
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
 from selfattn.functional import attention_weights
 from selfattn.masks import And, Mask, Not, TensorMask, as_mask, from_tensor
-from selfattn.nn.attention import _positive_int
 from selfattn.scores import Bias, Compose, ScoreMod, as_score_mod
 
 __all__ = ["PagedCache", "PagedCacheView"]
@@ -69,15 +69,15 @@ class PagedCache:
         dtype=torch.float32,
         device=None,
     ):
-        _positive_int(num_pages, "PagedCache num_pages")
-        _positive_int(page_size, "PagedCache page_size")
-        _positive_int(n_kv_heads, "PagedCache n_kv_heads")
-        _positive_int(head_dim, "PagedCache head_dim")
+        positive_int(num_pages, "PagedCache num_pages")
+        positive_int(page_size, "PagedCache page_size")
+        positive_int(n_kv_heads, "PagedCache n_kv_heads")
+        positive_int(head_dim, "PagedCache head_dim")
         value_dim = (
-            head_dim if value_dim is None else _positive_int(value_dim, "PagedCache value_dim")
+            head_dim if value_dim is None else positive_int(value_dim, "PagedCache value_dim")
         )
-        _positive_int(max_seqs, "PagedCache max_seqs")
-        _positive_int(max_pages_per_seq, "PagedCache max_pages_per_seq")
+        positive_int(max_seqs, "PagedCache max_seqs")
+        positive_int(max_pages_per_seq, "PagedCache max_pages_per_seq")
         fk = {"dtype": dtype, "device": device}
         self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, **fk)
         self.v_pages = torch.zeros(num_pages, page_size, n_kv_heads, value_dim, **fk)
@@ -165,7 +165,7 @@ class PagedCache:
 
     def add_sequences(self, n: int) -> list[int]:
         """``n`` new empty sequences (all or none); returns their ids."""
-        _positive_int(n, "add_sequences n")
+        positive_int(n, "add_sequences n")
         if len(self._pages) + n > self.max_seqs:
             raise RuntimeError(
                 f"cannot add {n} sequences: {len(self._pages)} of max_seqs={self.max_seqs} are "

@@ -481,24 +481,17 @@ class CausalLM(nn.Module):
             h = h + self.pos_embed(position_ids)
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
-        masks = {}  # per (window, key_start): windowed layers share one mask
+        masks = {}  # per window: layers of one kind share a mask (absolute positions)
         for i, block in enumerate(self.layers):
-            layer_cache = None if cache is None else cache.layers[i]
             window = self.config.window(i)
-            # A ring buffer returns keys from key_start on (absolute); masks index from 0.
-            shift = 0
-            if isinstance(layer_cache, SlidingWindowCache):
-                n = layer_cache.length
-                shift = n - min(n, layer_cache.window - 1)
-            key = (window, shift)
-            if key not in masks:
-                masks[key] = _layer_mask(window, starts, keep, shift)
+            if window not in masks:
+                masks[window] = _layer_mask(window, starts, keep)
             h = block(
                 h,
-                mask=masks[key],
+                mask=masks[window],
                 score_mod=self.score_mod,
                 positions=position_ids,
-                cache=layer_cache,
+                cache=None if cache is None else cache.layers[i],
             )
         if logits_to_keep is not None:
             h = h[:, -logits_to_keep:]  # (B, S, d_model) -> (B, n, d_model)
@@ -593,16 +586,16 @@ def _next_positions(cache: LayerCaches | None, S: int, device) -> torch.Tensor:
     return cache.length + new
 
 
-def _layer_mask(window, starts, keep, shift: int):
-    """The mask a layer ANDs with causal(): its window and the key padding, in key indices
-    (absolute positions minus ``shift``, the first key a ring-buffer cache returns)."""
+def _layer_mask(window, starts, keep):
+    """The mask a layer ANDs with causal(): its window and the key padding (absolute key
+    positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
     pad = None
     if starts is not None:
         if bool((starts > 0).any()):
-            pad = ~_masks.padding((starts - shift).clamp(min=0))
+            pad = ~_masks.padding(starts)
     elif keep is not None:
-        pad = _masks.from_tensor(keep[:, shift:][:, None, None, :])  # (B, Sk) -> (B, 1, 1, Sk)
+        pad = _masks.from_tensor(keep[:, None, None, :])  # (B, Sk) -> (B, 1, 1, Sk)
     if pad is None:
         return mask
     return pad if mask is None else mask & pad
