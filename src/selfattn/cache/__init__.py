@@ -1,11 +1,13 @@
 """selfattn.cache: KV caches sharing one contract, and their memory arithmetic.
 
-Every cache has ``update(k, v, positions) -> (k_all, v_all)``, ``length`` and ``reset()``, and
-plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
+The contract is :mod:`selfattn.cache.base`: a layer's cache has ``update(k, v, positions) -> KV``
+(the keys/values and their absolute positions), ``length`` and ``reset()``, or attends in place
+(the paged caches), and plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``; a model's
+cache (``LayerCaches``, ``PagedKV.view``) is planned once per step and hands each layer its own.
 """
 
 from selfattn.cache.decode import paged_attention
-from selfattn.cache.paged import PagedCache, PagedCacheView
+from selfattn.cache.paged import PagedCache, PagedCacheView, PagedKV
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixHit, PrefixIndex
 from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_quantized
@@ -17,6 +19,7 @@ __all__ = [
     "BlockPool",
     "PagedCache",
     "PagedCacheView",
+    "PagedKV",
     "PrefixHit",
     "PrefixIndex",
     "SlidingWindowCache",
