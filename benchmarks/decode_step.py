@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -57,15 +58,20 @@ QUICK.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 @contextlib.contextmanager
 def labelled_attention():
     """Wrap the attention entry points in a profiler label (restored on exit)."""
-    import selfattn.cache._decode_kernels as kernel_mod
     import selfattn.cache.paged as paged_mod
     import selfattn.nn.attention as nn_mod
 
     patched = [
         (paged_mod, "paged_attention", ATTENTION_LABEL),
         (nn_mod, "attention", ATTENTION_LABEL),
-        (kernel_mod, "decode", KERNEL_LABEL),
     ]
+    # The C kernel's Python entry point; its module moved (cache/ before issue 12, kernels/ after).
+    for name in ("selfattn.kernels.paged_decode", "selfattn.cache._decode_kernels"):
+        try:
+            patched.append((importlib.import_module(name), "decode", KERNEL_LABEL))
+            break
+        except ImportError:
+            continue
     originals = [getattr(m, name) for m, name, _ in patched]
 
     def labelled(fn, label):
