@@ -258,3 +258,13 @@ def test_layers_keep_their_own_pages_and_views_check_inputs():
         kv.plan([s], -1)
     with pytest.raises(ValueError, match="n_layers must be a positive int, got 0"):
         PagedKV(0, 6, 4, 2, 5, max_seqs=2, max_pages_per_seq=3)
+
+
+def test_a_cache_of_another_model_is_refused_before_planning():
+    """zip() over fewer layer caches than layers would silently skip layers."""
+    model = tiny("llama")
+    kv = PagedKV(2, 8, 4, 2, 6, max_seqs=1, max_pages_per_seq=4, dtype=F64)  # llama has 3
+    view = kv.view(kv.add_sequences(1))
+    with pytest.raises(ValueError, match="cache holds 2 layers but the model has 3"):
+        model(tokens(1, 3, seed=11), cache=view)
+    assert view.length == 0

@@ -170,6 +170,20 @@ class Step:
     def n_tokens(self) -> int:
         return self.positions.shape[-1]
 
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def length(self) -> int:
+        """Tokens cached before this step (ValueError when the rows differ)."""
+        if self.past is None:
+            raise ValueError(
+                "the sequences of this step have different lengths; a ragged step has no "
+                "single length (pass no attention_mask)"
+            )
+        return self.past
+
     def plan(self, n_tokens: int) -> Step:
         """This step itself (it is planned already) for ``n_tokens`` new tokens per row."""
         if n_tokens != self.n_tokens:
@@ -182,8 +196,11 @@ class Step:
 
 class ModelKVCache(Protocol):
     """A model's caches, one per layer (``CausalLM.make_cache``): ``plan(S) -> Step`` once per
-    forward step (module docstring), ``length`` (tokens cached, the same for every row; a
-    ragged paged batch raises) and ``reset()``."""
+    forward step (module docstring), ``n_layers``, ``length`` (tokens cached, the same for
+    every row; a ragged paged batch raises) and ``reset()``."""
+
+    @property
+    def n_layers(self) -> int: ...
 
     @property
     def length(self) -> int: ...

@@ -23,6 +23,10 @@ class LayerCaches:
         self.kind, self.layers, self.device = kind, layers, device
 
     @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
     def length(self) -> int:
         return self.layers[0].length
 

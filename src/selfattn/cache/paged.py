@@ -738,6 +738,10 @@ class PagedCacheView:
         self.seq_ids = list(seq_ids)
 
     @property
+    def n_layers(self) -> int:
+        return self.cache.n_layers
+
+    @property
     def lengths(self) -> torch.Tensor:
         """``(B,)`` int64 cached tokens of each sequence, on the cache's device."""
         return self.cache.seq_lens(self.seq_ids).long()

@@ -439,6 +439,11 @@ class CausalLM(nn.Module):
             raise TypeError(
                 f"cache must come from model.make_cache(...), got {type(cache).__name__}"
             )
+        if cache is not None and cache.n_layers != len(self.layers):
+            raise ValueError(
+                f"cache holds {cache.n_layers} layers but the model has {len(self.layers)}; "
+                "build it with this model's make_cache(...)"
+            )
         B, S = input_ids.shape
         if logits_to_keep is not None and not (
             isinstance(logits_to_keep, int) and 1 <= logits_to_keep <= S
