@@ -132,9 +132,6 @@ class PagedKV:
         # under autograd)
         self.k_layers = [self.k_store[i] for i in range(n_layers)]
         self.v_layers = [self.v_store[i] for i in range(n_layers)]
-        # Per layer, the pages as (N·P, Hkv, ·) rows: a step writes its tokens at slot rows.
-        self._k_rows = [k.view(-1, n_kv_heads, head_dim) for k in self.k_layers]
-        self._v_rows = [v.view(-1, n_kv_heads, value_dim) for v in self.v_layers]
         self.pool = BlockPool(num_pages)
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
@@ -417,7 +414,10 @@ class PagedKV:
         """Store layer ``layer``'s ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` of the planned
         step at its slots (shapes as planned: :class:`PagedLayer` checks them)."""
         B, Hkv, S, D = k.shape
-        kr, vr = self._k_rows[layer], self._v_rows[layer]
+        # The layer's pages as (N·P, Hkv, ·) rows, a view made now: one made before a write
+        # under autograd would be refused as a stale leaf.
+        kr = self.k_store[layer].view(-1, Hkv, D)
+        vr = self.v_store[layer].view(-1, *self.v_store.shape[3:])
         # (B, Hkv, S, ·) -> (B·S, Hkv, ·): row b·S + s is slot slots[b·S + s]
         kr.index_copy_(0, plan.slots, k.transpose(1, 2).reshape(B * S, Hkv, D).to(kr.dtype))
         vr.index_copy_(0, plan.slots, v.transpose(1, 2).reshape(B * S, *vr.shape[1:]).to(vr.dtype))
