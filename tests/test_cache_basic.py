@@ -252,3 +252,20 @@ def test_cache_package_imports_nothing_above_it():
             bad = [n for n in names if n.startswith(above)]
             assert not bad, f"{path.name} imports {bad}"
     assert ContiguousCache is StaticCache
+
+
+def test_static_cache_appends_without_a_device_sync():
+    """The default update (the next S slots) knows its slots on the host: no ``.item()``, so a
+    compiled decode step does not break its graph here."""
+    torch._dynamo.reset()
+    cache = StaticCache(1, 8, 2, 4, dtype=torch.float64)
+    cache.update(torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 2, 3, 4))
+
+    def step(k, v):
+        k_all, v_all = cache.update(k, v)
+        return k_all.sum() + v_all.sum()
+
+    k, v = (torch.randn(1, 2, 1, 4, dtype=torch.float64) for _ in range(2))
+    explained = torch._dynamo.explain(step)(k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert cache.length == 4 and torch.equal(cache.k[:, :, 3:4], k)

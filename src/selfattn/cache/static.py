@@ -86,8 +86,13 @@ class StaticCache:
         views after the write, where ``length`` is one past the highest slot written so far.
         """
         S = check_new_kv(self.k, self.v, k, v)
-        if positions is None:
-            positions = torch.arange(self.length, self.length + S, device=self.k.device)
+        if positions is None:  # the next S slots: known on the host, no sync and no index tensor
+            first, end = self.length, self.length + S
+            self._check_slots(first, end)
+            self.k[:, :, first:end] = k
+            self.v[:, :, first:end] = v
+            self.length = end
+            return KV(self.k[:, :, :end], self.v[:, :, :end])
         positions = torch.as_tensor(positions, device=self.k.device)
         if positions.dim() != 1 or positions.shape[0] != S or positions.is_floating_point():
             raise ValueError(
@@ -97,13 +102,16 @@ class StaticCache:
         if S == 0:
             return KV(self.k[:, :, : self.length], self.v[:, :, : self.length])
         end = int(positions.max()) + 1
-        if int(positions.min()) < 0 or end > self.max_len:
-            raise ValueError(
-                f"cache positions {int(positions.min())}..{end - 1} fall outside the cache's "
-                f"max_len ({self.max_len}); build it with a larger max_len or reset() it"
-            )
+        self._check_slots(int(positions.min()), end)
         positions = positions.long()  # index_copy_ takes int64 slots only
         self.k.index_copy_(2, positions, k.to(self.k.dtype))
         self.v.index_copy_(2, positions, v.to(self.v.dtype))
         self.length = max(self.length, end)
         return KV(self.k[:, :, : self.length], self.v[:, :, : self.length])
+
+    def _check_slots(self, first: int, end: int) -> None:
+        if first < 0 or end > self.max_len:
+            raise ValueError(
+                f"cache positions {first}..{end - 1} fall outside the cache's max_len "
+                f"({self.max_len}); build it with a larger max_len or reset() it"
+            )
