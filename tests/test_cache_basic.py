@@ -9,6 +9,7 @@ import torch
 
 from selfattn import masks
 from selfattn.cache import SlidingWindowCache, StaticCache, format_bytes, kv_cache_bytes
+from selfattn.cache.base import KVCache
 from selfattn.cli import main
 from selfattn.nn import ContiguousCache, MultiHeadAttention
 
@@ -212,6 +213,7 @@ def test_update_returns_keys_with_their_absolute_positions():
     k_all, _ = kv  # still a (k, v) pair
     assert torch.equal(kv.positions, torch.arange(2, 7)) and kv.start == ring.key_start == 2
     assert torch.equal(k_all, ks[:, :, 2:7])
+    assert isinstance(static, KVCache) and isinstance(ring, KVCache)
 
 
 @pytest.mark.parametrize("chunk", [1, 3])

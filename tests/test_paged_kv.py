@@ -12,6 +12,7 @@ import torch
 
 import selfattn.cache.paged as paged_mod
 from selfattn.cache import PagedKV, StaticCache
+from selfattn.cache.base import InPlaceKVCache
 from selfattn.models.decoder import GPT2, Llama
 
 F64 = torch.float64
@@ -234,6 +235,7 @@ def test_a_planned_step_is_a_cache():
     model(ids[:, :5], cache=cache)
     step = cache.plan(1)
     assert step.positions.tolist() == [5] and step.past == 5
+    assert all(isinstance(layer, InPlaceKVCache) for layer in step.layers)
     assert_rel(model(ids[:, 5:6], cache=step), model(ids)[:, 5:], "pre-planned step")
     with pytest.raises(ValueError, match="planned for 1 new token"):
         step.plan(2)

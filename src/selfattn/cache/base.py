@@ -13,10 +13,11 @@ Design choice: the positions ride on the returned pair rather than being a third
 every existing ``k, v = cache.update(...)`` keeps working, and a cache that keeps only part of
 the history says where that part starts. ``start`` is 0 for a :class:`StaticCache` (it keeps
 every key); a :class:`SlidingWindowCache` returns the last ``window - 1`` keys before the new
-ones, so after ``n`` tokens its ``start`` is ``max(0, n - window + 1)``. The layer then
-evaluates masks and score mods at those true positions (:meth:`KV.at_key_positions`), so a
-model builds one mask in absolute positions for every layer and never asks which cache a layer
-has. Keys are consecutive positions (one ``start``): every cache here stores a contiguous run.
+ones, so with ``n`` tokens cached before the step its ``start`` is ``max(0, n - window + 1)``.
+The layer then evaluates masks and score mods at those true positions
+(:meth:`KV.at_key_positions`), so a model builds one mask in absolute positions for every layer
+and never asks which cache a layer has. Keys are consecutive positions (one ``start``): every
+cache here stores a contiguous run.
 
 Caches that attend in place (:class:`InPlaceKVCache`: the paged caches) never hand out
 contiguous keys: the layer gives them ``q, k, v`` and they write the new K/V into their pages
