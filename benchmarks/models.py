@@ -9,7 +9,8 @@ Decoders (random weights, seeded): a GPT-2-small-shaped ``GPT2LMHeadModel`` (12 
 heads) are built in transformers with SDPA attention, written with ``save_pretrained``
 (safetensors) and read back by ``selfattn.models.from_pretrained``. Workload: greedy generation
 from a random 512-token prompt, 128 new tokens, batch 1 and 8: ours is
-``selfattn.models.generate`` with its default cache, the peer ``generate(do_sample=False,
+``selfattn.models.generate`` with its default cache (``--cache paged``: the model-level paged
+KV; ``window``: ring buffers on windowed layers), the peer ``generate(do_sample=False,
 max_new_tokens=128, min_new_tokens=128)``. "check" counts the generated tokens that agree
 (random weights make near-ties, so a late divergence is rounding, not a bug).
 
@@ -111,7 +112,9 @@ def _decoder_available() -> str | None:
     return None if {"gpt2", "llama"} <= set(registered()) else "decoder not available"
 
 
-def time_generation(ours, hf, vocab: int, B: int, prompt: int, new: int, repeat: int):
+def time_generation(
+    ours, hf, vocab: int, B: int, prompt: int, new: int, repeat: int, cache: str = "static"
+):
     """``(ours Timing, peer Timing, tokens that agree, tokens)`` for one greedy generation."""
     generate = importlib.import_module("selfattn.models.generate").generate
     g = torch.Generator().manual_seed(B)
@@ -119,7 +122,7 @@ def time_generation(ours, hf, vocab: int, B: int, prompt: int, new: int, repeat:
 
     @torch.no_grad()  # as transformers' generate runs
     def run_ours():
-        return generate(ours, ids, new)
+        return generate(ours, ids, new, cache=cache)
 
     @torch.no_grad()
     def run_peer():
@@ -138,7 +141,7 @@ def time_generation(ours, hf, vocab: int, B: int, prompt: int, new: int, repeat:
     return a, b, same, want.numel()
 
 
-def decoder_rows(quick: bool, repeat: int) -> list[dict]:
+def decoder_rows(quick: bool, repeat: int, cache: str = "static") -> list[dict]:
     import transformers
 
     from selfattn.models.hub import from_pretrained
@@ -149,7 +152,8 @@ def decoder_rows(quick: bool, repeat: int) -> list[dict]:
     why = _decoder_available()
     rows = []
     for case, cfg in decoder_configs(quick).items():
-        names = {B: f"{case}, B={B}, prefill {prompt} + decode {new}" for B in sizes["batches"]}
+        kv = "" if cache == "static" else f", {cache} cache"
+        names = {B: f"{case}, B={B}, prefill {prompt} + decode {new}{kv}" for B in sizes["batches"]}
         if why is not None:
             rows += [_skip_row(c, peer, "<= 0.8", f"skipped: {why}") for c in names.values()]
             continue
@@ -159,7 +163,9 @@ def decoder_rows(quick: bool, repeat: int) -> list[dict]:
             hf.save_pretrained(folder)
             ours = from_pretrained(folder)
         for B, name in names.items():
-            a, b, same, total = time_generation(ours, hf, cfg.vocab_size, B, prompt, new, repeat)
+            a, b, same, total = time_generation(
+                ours, hf, cfg.vocab_size, B, prompt, new, repeat, cache
+            )
             ratio = a.median_s / b.median_s
             progress(name, a.median_s, b.median_s)
             rows.append(
@@ -238,10 +244,16 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per side (3)")
     p.add_argument("--only", choices=("decoders", "encoder"), help="run one group of rows")
+    p.add_argument(
+        "--cache",
+        choices=("static", "window", "paged"),
+        default="static",
+        help="our decoders' KV cache (generate's cache=; default static)",
+    )
     args = p.parse_args(argv)
     rows = []
     if args.only != "encoder":
-        rows += decoder_rows(args.quick, args.repeat)
+        rows += decoder_rows(args.quick, args.repeat, args.cache)
     if args.only != "decoders":
         rows.append(encoder_row(args.quick, args.repeat))
     if args.json:

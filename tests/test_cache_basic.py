@@ -9,6 +9,7 @@ import torch
 
 from selfattn import masks
 from selfattn.cache import SlidingWindowCache, StaticCache, format_bytes, kv_cache_bytes
+from selfattn.cache.base import KVCache
 from selfattn.cli import main
 from selfattn.nn import ContiguousCache, MultiHeadAttention
 
@@ -196,3 +197,77 @@ def test_window_cache_returns_position_order_and_checks_inputs():
     cache.reset()
     k_all, _ = cache.update(ks[:, :, 8:], vs[:, :, 8:])
     assert torch.equal(k_all, ks[:, :, 8:]) and cache.key_start == 0
+
+
+# -- the contract: update returns keys with their positions ---------------------------------------
+def test_update_returns_keys_with_their_absolute_positions():
+    """StaticCache keys start at 0; a ring buffer says where its returned window starts."""
+    gen = torch.Generator().manual_seed(21)
+    ks = torch.randn(1, 2, 9, 3, generator=gen, dtype=torch.float64)
+    static = StaticCache(1, 9, 2, 3, dtype=torch.float64)
+    kv = static.update(ks[:, :, :7], ks[:, :, :7])
+    assert kv.start == 0 and torch.equal(kv.positions, torch.arange(7))
+    ring = SlidingWindowCache(1, 4, 2, 3, dtype=torch.float64)
+    ring.update(ks[:, :, :5], ks[:, :, :5])
+    kv = ring.update(ks[:, :, 5:7], ks[:, :, 5:7])
+    k_all, _ = kv  # still a (k, v) pair
+    assert torch.equal(kv.positions, torch.arange(2, 7)) and kv.start == ring.key_start == 2
+    assert torch.equal(k_all, ks[:, :, 2:7])
+    assert isinstance(static, KVCache) and isinstance(ring, KVCache)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_window_cache_layer_sees_absolute_key_padding(chunk):
+    """Left padding is an absolute mask (``~padding(starts)``): through a ring buffer that has
+    wrapped, the layer must evaluate it at the keys' true positions to match the full pass."""
+    m, gen = _model(31)
+    B, S, W = 2, 17, 4
+    x = torch.randn(B, S, 12, generator=gen, dtype=torch.float64)
+    starts = torch.tensor([6, 0])  # row 0: keys 0..5 are padding
+    mask = masks.sliding_window(W) & ~masks.padding(starts)
+    full = m(x, mask=mask)
+    cache = SlidingWindowCache(B, W, 2, 2, dtype=torch.float64)
+    steps = [m(x[:, :7], mask=mask, cache=cache)]  # the prompt covers the padding
+    steps += [m(x[:, i : i + chunk], mask=mask, cache=cache) for i in range(7, S, chunk)]
+    got = torch.cat(steps, 1)
+    _assert_close(got[0, 6:], full[0, 6:], "padded row")  # padded query rows attend nothing
+    _assert_close(got[1], full[1], "unpadded row")
+
+
+def test_cache_package_imports_nothing_above_it():
+    """DESIGN.md's layers: selfattn.cache sits below nn and models."""
+    import ast
+    import pathlib
+
+    import selfattn.cache as pkg
+
+    above = ("selfattn.nn", "selfattn.models", "selfattn.serving", "selfattn.inspect")
+    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad = [n for n in names if n.startswith(above)]
+            assert not bad, f"{path.name} imports {bad}"
+    assert ContiguousCache is StaticCache
+
+
+def test_static_cache_appends_without_a_device_sync():
+    """The default update (the next S slots) knows its slots on the host: no ``.item()``, so a
+    compiled decode step does not break its graph here."""
+    torch._dynamo.reset()
+    cache = StaticCache(1, 8, 2, 4, dtype=torch.float64)
+    cache.update(torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 2, 3, 4))
+
+    def step(k, v):
+        k_all, v_all = cache.update(k, v)
+        return k_all.sum() + v_all.sum()
+
+    k, v = (torch.randn(1, 2, 1, 4, dtype=torch.float64) for _ in range(2))
+    explained = torch._dynamo.explain(step)(k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert cache.length == 4 and torch.equal(cache.k[:, :, 3:4], k)

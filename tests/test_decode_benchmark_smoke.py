@@ -55,3 +55,25 @@ def test_quick_json_has_every_row():
     tokens_heads = 4 * 512 * 8
     assert size["ours_bytes"] == 2 * tokens_heads * (128 + 4)
     assert size["peer_bytes"] == 2 * tokens_heads * 128 * 2
+
+
+def test_decode_step_profile_quick_json():
+    """benchmarks/decode_step.py: one row per cache and batch, every part measured."""
+    script = BENCH.parent / "decode_step.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert [(r["cache"], r["batch"]) for r in rows] == [
+        ("paged", 1),
+        ("paged", 8),
+        ("static", 1),
+        ("static", 8),
+    ]
+    for r in rows:
+        parts = ("matmul_ms", "ops_ms", "attention_ms")
+        assert r["step_ms"] > 0 and all(r[k] >= 0 for k in parts), r

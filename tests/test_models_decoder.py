@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from selfattn.cache import PagedCacheView  # noqa: E402
 from selfattn.models.decoder import (  # noqa: E402
     GPT2,
     CausalLM,
@@ -163,7 +164,8 @@ def test_prefill_then_decode_equals_full_forward(pairs, family, kind):
                 ours(ids[:, n : n + size], attention_mask=mask[:, : n + size], cache=cache)
             )
             n += size
-    assert isinstance(cache, LayerCaches) and cache.length == 10
+    assert isinstance(cache, PagedCacheView if kind == "paged" else LayerCaches)
+    assert cache.length == 10
     assert rel_err(torch.cat(parts, 1), full, mask.bool()) <= RTOL
 
 
@@ -177,7 +179,7 @@ def test_ragged_paged_decode_matches_each_sequence_alone(pairs, family):
     with torch.no_grad():
         cache = ours.make_cache("paged", 2, 12, page_size=4)
         for b, n in enumerate(lens):  # prefill each sequence alone, through a one-row view
-            alone = LayerCaches("paged", [v.cache.view([v.seq_ids[b]]) for v in cache.layers])
+            alone = cache.cache.view([cache.seq_ids[b]])  # the same PagedKV, one sequence
             ours(ids[b : b + 1, :n], cache=alone)
         step = torch.stack([ids[0, lens[0]], ids[1, lens[1]]])[:, None]  # (B, 1)
         got = ours(step, cache=cache)[:, -1]

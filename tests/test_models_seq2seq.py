@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from selfattn.cache import PagedKV  # noqa: E402
 from selfattn.models.generate import generate  # noqa: E402
 from selfattn.models.hub import (  # noqa: E402
     CheckpointError,
@@ -192,6 +193,10 @@ def test_cached_decode_equals_full_forward(pair, kind):
             )
     err = _rel_err(torch.cat(steps, dim=1), full)
     assert err <= RTOL, f"cached ({kind}) vs full decode: max relative error {err:.2e}"
+    if kind == "paged":  # one PagedKV (one block table, one allocator) for all decoder layers
+        kv = cache.self_attention.cache
+        assert isinstance(kv, PagedKV) and kv.n_layers == len(model.decoder)
+        kv.check()
 
 
 def test_cross_attention_memo_is_computed_once_and_never_stale(pair, monkeypatch):
@@ -353,3 +358,9 @@ def test_bad_inputs(tmp_path, tiny_t5):
     cache = model.make_cache("static", 2, 8)
     with pytest.raises(ValueError, match=r"cache has 2 layer caches but the decoder has 1"):
         model.decode(ids[:, :1], memory, cache=cache.layers * 2)
+    a = model.decoder[0].self_attention
+    kv = PagedKV(2, 4, 4, a.n_kv_heads, a.head_dim, max_seqs=2, max_pages_per_seq=2)
+    two_layers = kv.view(kv.add_sequences(2))
+    with pytest.raises(ValueError, match=r"cache has 2 layer caches but the decoder has 1"):
+        model.decode(ids[:, :1], memory, cache=two_layers)
+    assert two_layers.length == 0  # refused before planning

@@ -4,7 +4,7 @@ Every cache has ``update(k, v, positions) -> (k_all, v_all)``, ``length`` and ``
 plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
 """
 
-from selfattn.cache.paged import PagedCache, PagedCacheView
+from selfattn.cache.paged import PagedCache, PagedCacheView, PagedKV
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixHit, PrefixIndex
 from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_quantized
@@ -17,6 +17,8 @@ __all__ = [
     "BlockPool",
     "PagedCache",
     "PagedCacheView",
+    "PagedKV",
+    "PagedKV",
     "PrefixHit",
     "PrefixIndex",
     "SlidingWindowCache",

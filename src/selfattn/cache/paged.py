@@ -1,61 +1,104 @@
-"""``PagedCache``: a per-layer KV cache stored in fixed-size pages shared through a block pool.
+"""Paged KV caches: :class:`PagedKV` (a whole model's layers) and :class:`PagedCache` (one layer).
 
-Keys and values live in one pool of pages per layer, ``k_pages (N, P, Hkv, D)`` and
-``v_pages (N, P, Hkv, Dv)``. Each sequence owns an ordered list of page ids; token ``t`` of a
-sequence sits in slot ``t % P`` of its page number ``t // P``::
+Keys and values live in fixed-size pages, ``k_pages (N, P, Hkv, D)`` and ``v_pages
+(N, P, Hkv, Dv)`` per layer, stored for all ``L`` layers at once as ``k_store (L, N, P, Hkv, D)``
+and ``v_store (L, N, P, Hkv, Dv)``. One :class:`~selfattn.cache.pool.BlockPool` of page ids serves
+every layer: page ``p`` of layer ``i`` holds the layer-``i`` K/V of the same tokens as page ``p``
+of every other layer, so a sequence has one ordered page list, one length, one reference per
+page, and one block table for the whole model. Token ``t`` of a sequence sits in slot ``t % P``
+of its page number ``t // P``::
 
     pages of seq 0 = [3, 0]      P = 4, length 6
     token position   0 1 2 3 | 4 5 · ·
     page             3       | 0          (· = free slot, written by the next append)
 
-:meth:`PagedCache.fork` shares every page of a sequence with a new one (a reference more per
-page in the :class:`~selfattn.cache.pool.BlockPool`, nothing copied). Copy-on-write happens at
-the first write into a shared page: only the last, partly filled page is ever written, so an
-append whose sequence shares that page first copies it to a fresh page, unless the sharers
-that copied it away in the same batch left it to this sequence alone (then it writes in place:
-one copy per sharer but the last). A shared prefix that ends exactly on a page boundary is
-never copied: the next token opens a new page.
+Plan once per step, run per layer (the split a serving engine needs)::
+
+    kv = PagedKV(L, N, P, Hkv, D, max_seqs=B, max_pages_per_seq=M)
+    batch = kv.view(kv.add_sequences(B))      # row b of the model's batch = sequence ids[b]
+    step = batch.plan(S)    # once: pages allocated (copy-on-write), block table, lengths and
+                            # write slots as tensors on the pages' device
+    h = block_i(h, cache=step.layers[i])      # per layer: write K/V at the slots, attend
+
+:meth:`PagedKV.fork` shares every page of a sequence with a new one (a reference more per page,
+nothing copied). Copy-on-write happens at the first write into a shared page: only the last,
+partly filled page is ever written, so a step whose sequence shares that page first copies it
+(in every layer) to a fresh page, unless the sharers that copied it away in the same step left
+it to this sequence alone (then it writes in place: one copy per sharer but the last). A shared
+prefix that ends exactly on a page boundary is never copied: the next token opens a new page.
 
 With a prefix index (``prefix_caching=True``, :mod:`selfattn.cache.prefix`), full pages of
-finished or prefilled sequences stay cached for later requests, and an append short of free
-pages evicts the least recently used of those the index alone holds.
+finished or prefilled sequences stay cached for later requests (for every layer at once), and a
+step short of free pages evicts the least recently used of those the index alone holds.
 
-Every change is planned and validated before anything is touched: an append that would exceed
-a sequence's ``max_pages_per_seq × P`` tokens or the free (plus evictable) pages raises and
-leaves pages, block tables, lengths, reference counts and the index as they were.
+Every change is planned and validated before anything is touched: a step that would exceed a
+sequence's ``max_pages_per_seq × P`` tokens or the free (plus evictable) pages raises and leaves
+pages, block tables, lengths, reference counts and the index as they were. A layer that fails
+during a planned step (bad input) undoes the step's bookkeeping before the error propagates.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from selfattn._validate import positive_int
+from selfattn.cache.base import Step
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
 from selfattn.functional import attention_weights, paged_attention
 from selfattn.masks import Mask, as_mask, from_tensor
-from selfattn.nn.attention import _positive_int
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["PagedCache", "PagedCacheView"]
+__all__ = ["PagedCache", "PagedCacheView", "PagedKV", "PagedLayer", "PagedPlan"]
 
 
-class PagedCache:
-    """A page pool for one layer, with per-sequence page lists and lengths.
+@dataclasses.dataclass(eq=False)
+class PagedPlan:
+    """The bookkeeping of one step over ``seq_ids`` as tensors on the pages' device.
 
-    ``PagedCache(num_pages, page_size, n_kv_heads, head_dim, value_dim=None, *, max_seqs,
-    max_pages_per_seq, dtype, device)``. ``num_pages`` (N) pages of ``page_size`` (P) tokens;
-    at most ``max_seqs`` live sequences, each at most ``max_pages_per_seq`` pages long (the
-    width of :meth:`block_table`). Sequence ids are ints handed out by :meth:`add_sequence` and
-    :meth:`fork`; they are never reused.
+    ``lengths (B,)`` int64 tokens before the step; ``seq_lens (B,)`` int32 after it (what
+    :func:`paged_attention` reads); ``block_table (B, max_pages_per_seq)`` int32, -1 past each
+    sequence's pages; ``slots (B·S,)`` int64 flat slot ``page · P + t % P`` of each new token,
+    row-major over ``(b, s)``; ``positions`` the new tokens' positions, ``(S,)`` when every
+    sequence has the same length ``past`` (else ``past`` is None and they are ``(B, S)``);
+    ``max_len`` the longest sequence after the step.
+    """
 
-    ``prefix_caching=True`` builds ``cache.index``, a :class:`PrefixIndex` over the pool (one
-    passed to :meth:`add_sequence_from_prefix` / :meth:`cache_prefix` is adopted the same way).
-    With an index, :meth:`append` evicts least-recently-used cached pages when the pool runs
-    short, and :meth:`check` counts the index's references.
+    seq_ids: list[int]
+    n_tokens: int
+    lengths: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    past: int | None
+    max_len: int
+    # (seq id, pages before, length before) per sequence, and the planner's epoch: for undo().
+    before: list[tuple[int, int, int]]
+    epoch: int
+
+
+class PagedKV:
+    """Paged K/V of ``n_layers`` layers under one page allocator (module docstring).
+
+    ``PagedKV(n_layers, num_pages, page_size, n_kv_heads, head_dim, value_dim=None, *, max_seqs,
+    max_pages_per_seq, prefix_caching=False, dtype, device)``. ``num_pages`` (N) pages of
+    ``page_size`` (P) tokens in each layer; at most ``max_seqs`` live sequences, each at most
+    ``max_pages_per_seq`` pages long (the width of the block table). Sequence ids are ints handed
+    out by :meth:`add_sequence` and :meth:`fork`; they are never reused. ``k_layers[i]`` /
+    ``v_layers[i]`` are layer ``i``'s pages (views of ``k_store`` / ``v_store``).
+
+    ``prefix_caching=True`` builds ``kv.index``, a :class:`PrefixIndex` over the pool (one passed
+    to :meth:`add_sequence_from_prefix` / :meth:`cache_prefix` is adopted the same way). With an
+    index, planning evicts least-recently-used cached pages when the pool runs short, and
+    :meth:`check` counts the index's references.
     """
 
     def __init__(
         self,
+        n_layers: int,
         num_pages: int,
         page_size: int,
         n_kv_heads: int,
@@ -68,36 +111,49 @@ class PagedCache:
         dtype=torch.float32,
         device=None,
     ):
-        _positive_int(num_pages, "PagedCache num_pages")
-        _positive_int(page_size, "PagedCache page_size")
-        _positive_int(n_kv_heads, "PagedCache n_kv_heads")
-        _positive_int(head_dim, "PagedCache head_dim")
-        value_dim = (
-            head_dim if value_dim is None else _positive_int(value_dim, "PagedCache value_dim")
-        )
-        _positive_int(max_seqs, "PagedCache max_seqs")
-        _positive_int(max_pages_per_seq, "PagedCache max_pages_per_seq")
+        owner = type(self).__name__
+        for name, x in (
+            ("n_layers", n_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+            ("max_seqs", max_seqs),
+            ("max_pages_per_seq", max_pages_per_seq),
+        ):
+            positive_int(x, f"{owner} {name}")
+        value_dim = head_dim if value_dim is None else positive_int(value_dim, f"{owner} value_dim")
         fk = {"dtype": dtype, "device": device}
-        self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, **fk)
-        self.v_pages = torch.zeros(num_pages, page_size, n_kv_heads, value_dim, **fk)
+        shape = (n_layers, num_pages, page_size, n_kv_heads)
+        self.k_store = torch.zeros(*shape, head_dim, **fk)  # (L, N, P, Hkv, D)
+        self.v_store = torch.zeros(*shape, value_dim, **fk)  # (L, N, P, Hkv, Dv)
+        # L × (N, P, Hkv, ·) views (one select each: unbind's views refuse in-place writes
+        # under autograd)
+        self.k_layers = [self.k_store[i] for i in range(n_layers)]
+        self.v_layers = [self.v_store[i] for i in range(n_layers)]
         self.pool = BlockPool(num_pages)
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
         self._next_id = 0
+        self._epoch = 0  # one more per plan: only the latest plan can be undone
         self.index: PrefixIndex | None = None
         if prefix_caching:
             self.index = PrefixIndex(self.pool, page_size)
 
     # -- shape facts ------------------------------------------------------------------------------
     @property
+    def n_layers(self) -> int:
+        return self.k_store.shape[0]
+
+    @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[0]
+        return self.k_store.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[1]
+        return self.k_store.shape[2]
 
     @property
     def max_len(self) -> int:
@@ -154,7 +210,7 @@ class PagedCache:
         """A new sequence sharing every page (and the length) of ``seq_id``; returns its id.
 
         Nothing is copied: each page gains a reference, and the first write into a shared page
-        by either sequence copies that page first (copy-on-write).
+        by either sequence copies that page first (copy-on-write, in every layer).
         """
         self._check_id(seq_id)
         sid = self._new_id()
@@ -164,7 +220,7 @@ class PagedCache:
 
     def add_sequences(self, n: int) -> list[int]:
         """``n`` new empty sequences (all or none); returns their ids."""
-        _positive_int(n, "add_sequences n")
+        positive_int(n, "add_sequences n")
         if len(self._pages) + n > self.max_seqs:
             raise RuntimeError(
                 f"cannot add {n} sequences: {len(self._pages)} of max_seqs={self.max_seqs} are "
@@ -177,13 +233,13 @@ class PagedCache:
     ) -> tuple[int, int]:
         """A new sequence starting from ``index``'s longest cached prefix of ``tokens``.
 
-        Returns ``(seq_id, cached_tokens)``: the sequence's pages are the reused ones and its
-        length is ``cached_tokens`` (a multiple of ``page_size``), so the caller appends only
-        the K/V of ``tokens[cached_tokens:]``. ``index`` defaults to ``cache.index``; one given
-        must be built on this cache's pool and page size (``PrefixIndex(cache.pool,
-        cache.page_size)``) and becomes ``cache.index``. The references that
+        Returns ``(seq_id, cached_tokens)``: the sequence's pages are the reused ones (their K/V
+        in every layer) and its length is ``cached_tokens`` (a multiple of ``page_size``), so
+        the caller runs only ``tokens[cached_tokens:]`` through the model. ``index`` defaults to
+        ``kv.index``; one given must be built on this cache's pool and page size
+        (``PrefixIndex(kv.pool, kv.page_size)``) and becomes ``kv.index``. The references that
         :meth:`PrefixIndex.acquire` takes become the sequence's own: :meth:`free` drops each
-        exactly once, and the index keeps its separate reference. The next append opens a fresh
+        exactly once, and the index keeps its separate reference. The next step opens a fresh
         page (the prefix ends on a page boundary), so shared pages are never written.
         """
         index = self._use_index(index)
@@ -202,7 +258,7 @@ class PagedCache:
         """Offer the full pages of ``seq_id`` to ``index``; returns how many became cached.
 
         ``tokens`` are the token ids whose K/V the sequence holds (at least ``length(seq_id)``
-        of them; the rest are ignored). The index (default ``cache.index``) takes its own
+        of them; the rest are ignored). The index (default ``kv.index``) takes its own
         reference per newly cached page, so :meth:`free` stays correct.
         """
         index = self._use_index(index)
@@ -235,7 +291,7 @@ class PagedCache:
         if self.index is not None and index is not self.index:
             raise ValueError(
                 "this cache already uses another PrefixIndex (cache.index); one index per cache, "
-                "so that append's eviction and check() see every cached page"
+                "so that eviction and check() see every cached page"
             )
         self.index = index
         return index
@@ -252,33 +308,61 @@ class PagedCache:
         self.pool.free(self._pages[seq_id])
         self._pages[seq_id], self._lens[seq_id] = [], 0
 
-    # -- writes -----------------------------------------------------------------------------------
-    def append(self, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``S`` new tokens after the cached ones of each sequence in ``seq_ids``.
+    # -- one step: plan once, write per layer -----------------------------------------------------
+    def plan(self, seq_ids, n_tokens: int) -> PagedPlan:
+        """Reserve ``n_tokens`` slots after the cached tokens of each sequence in ``seq_ids``.
 
-        ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` with ``B = len(seq_ids)`` (an int id is a
-        batch of one). Pages are allocated as needed; a shared last page is copied first. Raises
-        ValueError past a sequence's ``max_len`` and RuntimeError when the pool has too few free
-        pages, in both cases before changing anything.
+        Allocates the pages the new tokens need (copying a shared last page first, in every
+        layer), advances the lengths, and returns the step's tensors (:class:`PagedPlan`); each
+        layer then writes its K/V with :meth:`write` and attends. Raises ValueError past a
+        sequence's ``max_len`` and RuntimeError when the pool has too few free pages, in both
+        cases before changing anything.
         """
         ids = self._ids(seq_ids)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
+        S, P, M = n_tokens, self.page_size, self.max_pages_per_seq
+        before = [(s, len(self._pages[s]), self._lens[s]) for s in ids]
+        if S and ids:
+            self._reserve(ids, S)
+        self._epoch += 1
+        # One host tensor, one copy to the device: lengths (B), slots (B·S), table (B·M).
+        flat = [n for _, _, n in before]
+        for s, _, n in before:
+            pages = self._pages[s]
+            flat += [pages[t // P] * P + t % P for t in range(n, n + S)]
+        for s in ids:
+            pages = self._pages[s]
+            flat += pages
+            flat += [-1] * (M - len(pages))
         B = len(ids)
-        _, P, Hkv, D = self.k_pages.shape
-        Dv = self.v_pages.shape[3]
-        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            raise TypeError(f"k and v must be tensors, got {type(k).__name__}, {type(v).__name__}")
-        if k.dim() != 4 or tuple(k.shape[:2]) != (B, Hkv) or k.shape[3] != D:
-            raise ValueError(
-                f"k must be (B={B}, Hkv={Hkv}, S, D={D}) for {B} sequence(s), got {tuple(k.shape)}"
-            )
-        S = k.shape[2]
-        if tuple(v.shape) != (B, Hkv, S, Dv):
-            raise ValueError(f"v must be (B={B}, Hkv={Hkv}, S={S}, Dv={Dv}), got {tuple(v.shape)}")
-        if S == 0 or B == 0:
-            return
+        t = torch.tensor(flat, dtype=torch.long).to(self.k_store.device, non_blocking=True)
+        lengths, slots = t[:B], t[B : B * (S + 1)]
+        table = t[B * (S + 1) :].view(B, M).to(torch.int32)
+        lens = {n for _, _, n in before}
+        past = lens.pop() if len(lens) == 1 else None
+        new = torch.arange(S, device=t.device)
+        return PagedPlan(
+            seq_ids=ids,
+            n_tokens=S,
+            lengths=lengths,
+            seq_lens=(lengths + S).to(torch.int32),
+            block_table=table,
+            slots=slots,
+            positions=new + past if past is not None else lengths[:, None] + new,  # (S,) | (B, S)
+            past=past if B else 0,
+            max_len=max((n for _, _, n in before), default=0) + S,
+            before=before,
+            epoch=self._epoch,
+        )
+
+    def _reserve(self, ids: list[int], S: int) -> None:
+        """Pages for ``S`` more tokens of each sequence (copy-on-write of a shared last page in
+        every layer) and the new lengths; validated in full before anything changes."""
+        P = self.page_size
         # Plan: per sequence, does its last page need a copy, and how many new pages? Holders
         # of a shared page that copy it away leave fewer behind: when every sharer writes in
-        # this batch, the last one finds itself the sole holder and writes in place.
+        # this step, the last one finds itself the sole holder and writes in place.
         n_new, cow = [], []
         holders: dict[int, int] = {}
         for s in ids:
@@ -306,32 +390,49 @@ class PagedCache:
                 "cached); free sequences or build a larger pool"
             )
         fresh = self._allocate(need)  # cannot fail now: checked above
-        slots = []
         for s, copy, m in zip(ids, cow, n_new):
             mine, fresh = fresh[:m], fresh[m:]
-            pages, n = self._pages[s], self._lens[s]
+            pages = self._pages[s]
             if copy:
                 # Copy-on-write: the shared last page goes to a fresh page this sequence owns.
                 old, new = pages[-1], mine.pop(0)
-                self.k_pages[new].copy_(self.k_pages[old])
-                self.v_pages[new].copy_(self.v_pages[old])
+                self.k_store[:, new].copy_(self.k_store[:, old])  # every layer at once
+                self.v_store[:, new].copy_(self.v_store[:, old])
                 self.pool.decref([old])
                 pages[-1] = new
             pages.extend(mine)
-            pos = range(n, n + S)
-            slots.extend(pages[t // P] * P + t % P for t in pos)
-            self._lens[s] = n + S
-        idx = torch.tensor(slots, dtype=torch.long, device=self.k_pages.device)  # (B·S,)
-        kf = self.k_pages.view(-1, Hkv, D)  # (N, P, Hkv, D) -> (N·P, Hkv, D)
-        vf = self.v_pages.view(-1, Hkv, Dv)
-        kf.index_copy_(0, idx, k.transpose(1, 2).reshape(B * S, Hkv, D).to(kf))  # (B·S, Hkv, D)
-        vf.index_copy_(0, idx, v.transpose(1, 2).reshape(B * S, Hkv, Dv).to(vf))
+            self._lens[s] += S
 
     def _allocate(self, n: int) -> list[int]:
         """``n`` fresh pages, evicting least-recently-used cached pages when the pool is short."""
         if self.index is None:
             return self.pool.allocate(n)
         return self.index.allocate_with_eviction(n)
+
+    def write(self, layer: int, plan: PagedPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store layer ``layer``'s ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` of the planned
+        step at its slots (shapes as planned: :class:`PagedLayer` checks them)."""
+        B, Hkv, S, D = k.shape
+        # The layer's pages as (N·P, Hkv, ·) rows, a view made now: one made before a write
+        # under autograd would be refused as a stale leaf.
+        kr = self.k_store[layer].view(-1, Hkv, D)
+        vr = self.v_store[layer].view(-1, *self.v_store.shape[3:])
+        # (B, Hkv, S, ·) -> (B·S, Hkv, ·): row b·S + s is slot slots[b·S + s]
+        kr.index_copy_(0, plan.slots, k.transpose(1, 2).reshape(B * S, Hkv, D).to(kr.dtype))
+        vr.index_copy_(0, plan.slots, v.transpose(1, 2).reshape(B * S, *vr.shape[1:]).to(vr.dtype))
+
+    def undo(self, plan: PagedPlan) -> None:
+        """Return the sequences of ``plan`` (the latest plan) to their lengths and pages before
+        it; pages it allocated are freed (a copied-on-write last page stays, holding the same
+        tokens as the shared one it replaced)."""
+        if plan.epoch != self._epoch:
+            raise RuntimeError("only the latest plan can be undone; later steps depend on it")
+        for s, n_pages, n in plan.before:
+            extra = self._pages[s][n_pages:]
+            del self._pages[s][n_pages:]
+            self.pool.decref(extra)
+            self._lens[s] = n
+        self._epoch += 1
 
     # -- reads ------------------------------------------------------------------------------------
     def block_table(self, seq_ids) -> torch.Tensor:
@@ -341,49 +442,33 @@ class PagedCache:
         for b, s in enumerate(ids):
             pages = self._pages[self._check_id(s)]
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.k_pages.device)
+        return table.to(self.k_store.device)
 
     def seq_lens(self, seq_ids) -> torch.Tensor:
         """``(B,)`` int32 valid tokens per sequence."""
         ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
         lens = [self._lens[self._check_id(s)] for s in ids]
-        return torch.tensor(lens, dtype=torch.int32, device=self.k_pages.device)
+        return torch.tensor(lens, dtype=torch.int32, device=self.k_store.device)
 
-    def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous copies ``(Hkv, length, D)``, ``(Hkv, length, Dv)`` of one sequence."""
+    def gather(self, seq_id: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies ``(Hkv, length, D)``, ``(Hkv, length, Dv)`` of one sequence's K/V
+        in ``layer``."""
         self._check_id(seq_id)
         n = self._lens[seq_id]
-        ids = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.k_pages.device)
-        k = self.k_pages.index_select(0, ids).flatten(0, 1)[:n]  # (pages·P, Hkv, D) -> (n, ·)
-        v = self.v_pages.index_select(0, ids).flatten(0, 1)[:n]
+        ids = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.k_store.device)
+        k = self.k_layers[layer].index_select(0, ids).flatten(0, 1)[:n]  # (pages·P, Hkv, D)
+        v = self.v_layers[layer].index_select(0, ids).flatten(0, 1)[:n]
         return k.transpose(0, 1), v.transpose(0, 1)  # (n, Hkv, ·) -> (Hkv, n, ·)
 
-    def attention(self, q: torch.Tensor, seq_ids, *, mask=None, score_mod=None, scale=None):
-        """:func:`~selfattn.functional.paged_attention` of ``q (B, Hq, Sq, D)`` over the pages.
-
-        The ``Sq`` queries of sequence ``b`` are its last ``Sq`` cached tokens (append them
-        first); returns ``(B, Hq, Sq, Dv)``.
-        """
-        ids = self._ids(seq_ids)
-        return paged_attention(
-            q,
-            self.k_pages,
-            self.v_pages,
-            self.block_table(ids),
-            self.seq_lens(ids),
-            mask=mask,
-            score_mod=score_mod,
-            scale=scale,
-        )
-
     def view(self, seq_ids) -> PagedCacheView:
-        """The layer cache contract over ``seq_ids`` (see :class:`PagedCacheView`)."""
+        """The cache of a model batch whose row ``b`` is sequence ``seq_ids[b]``
+        (:class:`PagedCacheView`)."""
         return PagedCacheView(self, self._ids(seq_ids))
 
     def check(self) -> None:
         """Raise AssertionError unless every page's pool count equals its holders.
 
-        Holders are the sequences listing the page plus ``cache.index`` when it caches it. So
+        Holders are the sequences listing the page plus ``kv.index`` when it caches it. So
         ``free + used by sequences + held by the index alone == num_pages``, no count is
         negative, and no page is both free and referenced (the pool's own check).
         """
@@ -412,43 +497,248 @@ class PagedCache:
             )
 
     def __repr__(self) -> str:
-        N, P, Hkv, D = self.k_pages.shape
+        L, N, P, Hkv, D = self.k_store.shape
         return (
-            f"PagedCache(num_pages={N}, page_size={P}, n_kv_heads={Hkv}, head_dim={D}, "
-            f"seqs={len(self._pages)}, free_pages={self.pool.num_free})"
+            f"{type(self).__name__}(n_layers={L}, num_pages={N}, page_size={P}, n_kv_heads={Hkv}, "
+            f"head_dim={D}, seqs={len(self._pages)}, free_pages={self.pool.num_free})"
         )
 
 
+class PagedCache(PagedKV):
+    """A :class:`PagedKV` of one layer, with per-layer conveniences: ``k_pages``/``v_pages``
+    (its ``(N, P, Hkv, ·)`` pages), :meth:`append`, :meth:`attention`.
+
+    ``PagedCache(num_pages, page_size, n_kv_heads, head_dim, value_dim=None, *, max_seqs,
+    max_pages_per_seq, prefix_caching=False, dtype, device)``. A model of ``L`` layers uses
+    one :class:`PagedKV` (one allocator and block table for all layers) rather than ``L`` of
+    these.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        *,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        prefix_caching: bool = False,
+        dtype=torch.float32,
+        device=None,
+    ):
+        super().__init__(
+            1, num_pages, page_size, n_kv_heads, head_dim, value_dim, max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq, prefix_caching=prefix_caching, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+        self.k_pages, self.v_pages = self.k_layers[0], self.v_layers[0]
+
+    def append(self, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``S`` new tokens after the cached ones of each sequence in ``seq_ids``.
+
+        ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` with ``B = len(seq_ids)`` (an int id is a
+        batch of one). Pages are allocated as needed; a shared last page is copied first. Raises
+        ValueError past a sequence's ``max_len`` and RuntimeError when the pool has too few free
+        pages, in both cases before changing anything.
+        """
+        ids = self._ids(seq_ids)
+        S = _check_new_kv(self, len(ids), k, v)
+        self.write(0, self.plan(ids, S), k, v)
+
+    def attention(self, q: torch.Tensor, seq_ids, *, mask=None, score_mod=None, scale=None):
+        """:func:`~selfattn.cache.decode.paged_attention` of ``q (B, Hq, Sq, D)`` over the pages.
+
+        The ``Sq`` queries of sequence ``b`` are its last ``Sq`` cached tokens (append them
+        first); returns ``(B, Hq, Sq, Dv)``.
+        """
+        ids = self._ids(seq_ids)
+        return paged_attention(
+            q,
+            self.k_pages,
+            self.v_pages,
+            self.block_table(ids),
+            self.seq_lens(ids),
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+        )
+
+
+def _check_new_kv(kv: PagedKV, B: int, k, v) -> int:
+    """``S`` of new ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` for ``kv``'s pages."""
+    Hkv, D = kv.k_store.shape[3:]
+    Dv = kv.v_store.shape[4]
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError(f"k and v must be tensors, got {type(k).__name__}, {type(v).__name__}")
+    if k.dim() != 4 or tuple(k.shape[:2]) != (B, Hkv) or k.shape[3] != D:
+        raise ValueError(
+            f"k must be (B={B}, Hkv={Hkv}, S, D={D}) for {B} sequence(s), got {tuple(k.shape)}"
+        )
+    S = k.shape[2]
+    if tuple(v.shape) != (B, Hkv, S, Dv):
+        raise ValueError(f"v must be (B={B}, Hkv={Hkv}, S={S}, Dv={Dv}), got {tuple(v.shape)}")
+    return S
+
+
+def _check_attend(kv: PagedKV, seq_ids: list[int], q, k, v) -> None:
+    """TypeError / ValueError naming the offending shapes unless ``q (B, Hq, Sq, D)`` and this
+    step's ``k``, ``v`` fit ``kv`` and the batch ``seq_ids``."""
+    B = len(seq_ids)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be (B={B}, Hq, Sq, D) for seq_ids {seq_ids}, got {got}")
+    if not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[2] != q.shape[2]:
+        got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+        raise ValueError(f"k must hold one new token per query: q {tuple(q.shape)}, k {got}")
+    _check_new_kv(kv, B, k, v)
+    if q.dtype != kv.k_store.dtype:
+        raise TypeError(
+            f"q is {q.dtype} but the cache stores {kv.k_store.dtype}; build the "
+            f"{type(kv).__name__} with the model's dtype"
+        )
+
+
+class PagedLayer:
+    """Layer ``layer``'s cache for one planned step (:class:`~selfattn.cache.base.InPlaceKVCache`):
+    :meth:`attend` writes this step's K/V at the planned slots of the layer's pages and runs
+    :func:`~selfattn.cache.decode.paged_attention` with the planned block table and lengths.
+    ``lengths``: tokens cached per sequence before the step."""
+
+    __slots__ = ("kv", "layer", "plan")
+
+    def __init__(self, kv: PagedKV, plan: PagedPlan, layer: int):
+        self.kv, self.plan, self.layer = kv, plan, layer
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.plan.lengths
+
+    @property
+    def length(self) -> int:
+        if self.plan.past is None:
+            raise ValueError(_ragged(self.plan.seq_ids, self.plan.lengths.tolist()))
+        return self.plan.past
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask=None,
+        score_mod=None,
+        scale: float | None = None,
+        return_weights: bool = False,
+    ):
+        """Write ``k (B, Hkv, Sq, D)`` / ``v (B, Hkv, Sq, Dv)``, then attend ``q (B, Hq, Sq, D)``
+        (query row ``i`` of sequence ``b`` at position ``lengths[b] + i``).
+
+        Returns ``out (B, Hq, Sq, Dv)``, or ``(out, weights)`` with ``weights
+        (B, Hq, Sq, max length)`` (zero past each sequence's end; gathered, for inspection).
+        Bool tensor masks and bias tensors are read in query-row order, columns by key position.
+        Any error undoes the step's bookkeeping (:meth:`PagedKV.undo`) before it propagates.
+        """
+        plan = self.plan
+        try:
+            _check_attend(self.kv, plan.seq_ids, q, k, v)
+            if q.shape[2] != plan.n_tokens:
+                raise ValueError(
+                    f"this step was planned for {plan.n_tokens} new token(s) per sequence but q "
+                    f"has Sq={q.shape[2]}"
+                )
+            shape = (len(plan.seq_ids), q.shape[1], q.shape[2], plan.max_len)
+            mask = _per_sequence_rows(mask, plan.lengths, shape)
+            score_mod = _per_sequence_rows(score_mod, plan.lengths, shape)
+        except BaseException:
+            self.kv.undo(plan)
+            raise
+        return self._run(q, k, v, mask, score_mod, scale, return_weights)
+
+    def _run(self, q, k, v, mask, score_mod, scale, return_weights):
+        """:meth:`attend` once its inputs are checked (masks already per sequence)."""
+        kv, plan = self.kv, self.plan
+        try:
+            kv.write(self.layer, plan, k, v)
+            out = paged_attention(
+                q,
+                kv.k_layers[self.layer],
+                kv.v_layers[self.layer],
+                plan.block_table,
+                plan.seq_lens,
+                mask=mask,
+                score_mod=score_mod,
+                scale=scale,
+            )
+        except BaseException:
+            kv.undo(plan)
+            raise
+        if not return_weights:
+            return out
+        B, Hq, Sq, _ = q.shape
+        w = q.new_zeros(B, Hq, Sq, plan.max_len)
+        for b, s in enumerate(plan.seq_ids):
+            ks, vs = kv.gather(s, self.layer)
+            n = ks.shape[1]
+            w[b : b + 1, :, :, :n] = attention_weights(
+                q[b : b + 1],
+                ks[None],
+                vs[None],
+                mask=None if mask is None else _BatchRowMask(as_mask(mask), b),
+                score_mod=None
+                if score_mod is None
+                else _BatchRowScoreMod(as_score_mod(score_mod), b),
+                scale=scale,
+            )  # default q_offset: bottom-right, n - Sq, as in paged_attention
+        return out, w
+
+
+def _ragged(seq_ids, lengths) -> str:
+    return (
+        f"sequences {seq_ids} have different lengths {lengths}; use .lengths for ragged "
+        "batches (MultiHeadAttention handles them through attend())"
+    )
+
+
 class PagedCacheView:
-    """DESIGN.md's cache contract over a fixed batch of a :class:`PagedCache`'s sequences.
+    """A model batch over a :class:`PagedKV`'s sequences: row ``b`` is sequence ``seq_ids[b]``.
 
-    Pass it as ``MultiHeadAttention(..., cache=cache.view(seq_ids))`` (one :class:`PagedCache`
-    per layer; row ``b`` of the layer's batch is sequence ``seq_ids[b]``). The layer then calls
-    :meth:`attend`: this step's K/V are appended after each sequence's OWN length and
-    :func:`~selfattn.functional.paged_attention` reads the pages in place, so the sequences
-    may have different lengths (ragged)::
+    The model cache contract (:class:`~selfattn.cache.base.ModelKVCache`): ``plan(S)`` plans
+    the step once (:meth:`PagedKV.plan`) and returns a :class:`~selfattn.cache.base.Step`
+    whose ``layers[i]`` is a :class:`PagedLayer`. Each sequence's queries follow its OWN length,
+    so the sequences may have different lengths (ragged)::
 
-        seq_ids = [4, 9]   lengths before the step 5, 2;   Sq = 2 new tokens each
+        seq_ids = [4, 9]   lengths before the step 5, 2;   S = 2 new tokens each
         seq 4   keys 0 1 2 3 4 [5 6]    queries at positions 5, 6
         seq 9   keys 0 1 [2 3]          queries at positions 2, 3   ([·] = appended now)
 
     Queries are bottom-right per sequence, masks and score mods see those absolute positions,
-    and the layer's RoPE positions default to ``lengths[b] + arange(Sq)`` per sequence. Bool
-    tensor masks and bias tensors are read in query-row order (row ``i`` = new token ``i``),
-    columns by key position. :meth:`update` is the plain contract (append, then contiguous
-    K/V) for callers that attend themselves; it needs equal lengths. ``reset()`` empties the
-    sequences (their page references dropped), keeping their ids.
+    and RoPE positions default to ``lengths[b] + arange(S)`` per sequence (``step.positions``).
 
-    A decoder stack, one cache per layer, prefill then decode::
+    Over a one-layer cache (:class:`PagedCache`) the view is also a layer's cache itself:
+    ``MultiHeadAttention(..., cache=cache.view(seq_ids))`` calls :meth:`attend`, which plans
+    and runs the step in one go (one :class:`PagedCache` per layer: the older, per-layer way).
+    :meth:`update` is the plain contract (append, then contiguous K/V) for callers that attend
+    themselves; it needs equal lengths. ``reset()`` empties the sequences (their page references
+    dropped), keeping their ids.
 
-        caches = [PagedCache(N, P, Hkv, D, max_seqs=B, max_pages_per_seq=M) for _ in layers]
-        views = [c.view(c.add_sequences(B)) for c in caches]
-        h = layer(h, mask=masks.causal(), cache=views[i])   # x (B, Sq, d): Sq > 1 or 1
+    A decoder stack over one model-level cache, prefill then decode::
+
+        kv = PagedKV(L, N, P, Hkv, D, max_seqs=B, max_pages_per_seq=M)
+        batch = kv.view(kv.add_sequences(B))
+        step = batch.plan(x.shape[1])                       # x (B, S, d): S > 1 or 1
+        for i, layer in enumerate(layers):
+            x = layer(x, mask=masks.causal(), cache=step.layers[i], positions=step.positions)
     """
 
-    def __init__(self, cache: PagedCache, seq_ids: list[int]):
+    def __init__(self, cache: PagedKV, seq_ids: list[int]):
         self.cache = cache
         self.seq_ids = list(seq_ids)
+
+    @property
+    def n_layers(self) -> int:
+        return self.cache.n_layers
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -460,11 +750,7 @@ class PagedCacheView:
         """The common length of the sequences (raises ValueError when they differ)."""
         lens = {self.cache.length(s) for s in self.seq_ids}
         if len(lens) > 1:
-            raise ValueError(
-                f"sequences {self.seq_ids} have different lengths "
-                f"{[self.cache.length(s) for s in self.seq_ids]}; use .lengths for ragged "
-                "batches (MultiHeadAttention handles them through attend())"
-            )
+            raise ValueError(_ragged(self.seq_ids, [self.cache.length(s) for s in self.seq_ids]))
         return lens.pop() if lens else 0
 
     def __len__(self) -> int:
@@ -474,9 +760,24 @@ class PagedCacheView:
         for s in self.seq_ids:
             self.cache.truncate(s)
 
+    def plan(self, n_tokens: int) -> Step:
+        """Plan ``n_tokens`` new tokens per sequence for every layer (:meth:`PagedKV.plan`)."""
+        plan = self.cache.plan(self.seq_ids, n_tokens)
+        layers = [PagedLayer(self.cache, plan, i) for i in range(self.cache.n_layers)]
+        return Step(layers, plan.positions, plan.past)
+
+    def _one_layer(self, what: str) -> None:
+        if self.cache.n_layers != 1:
+            raise TypeError(
+                f"{what}() serves a one-layer cache; this {type(self.cache).__name__} has "
+                f"{self.cache.n_layers} layers: plan each step once with view.plan(S) and give "
+                "layer i step.layers[i]"
+            )
+
     def update(self, k: torch.Tensor, v: torch.Tensor, positions=None):
         """Append ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``; returns the gathered
         ``(B, Hkv, length, D)`` and ``(B, Hkv, length, Dv)`` (equal lengths only)."""
+        self._one_layer("update")
         n = self.length
         if positions is not None:
             pos = torch.as_tensor(positions).flatten().tolist()
@@ -485,7 +786,8 @@ class PagedCacheView:
                     f"a paged cache appends only: positions must be {n}..{n + k.shape[2] - 1}, "
                     f"got {pos}"
                 )
-        self.cache.append(self.seq_ids, k, v)
+        S = _check_new_kv(self.cache, len(self.seq_ids), k, v)
+        self.cache.write(0, self.cache.plan(self.seq_ids, S), k, v)
         ks, vs = zip(*(self.cache.gather(s) for s in self.seq_ids))
         return torch.stack(ks), torch.stack(vs)  # B × (Hkv, length, ·) -> (B, Hkv, length, ·)
 
@@ -500,59 +802,18 @@ class PagedCacheView:
         scale: float | None = None,
         return_weights: bool = False,
     ):
-        """Append ``k (B, Hkv, Sq, D)`` / ``v (B, Hkv, Sq, Dv)``, then attend ``q (B, Hq, Sq, D)``.
-
-        Returns ``out (B, Hq, Sq, Dv)``, or ``(out, weights)`` with ``weights
-        (B, Hq, Sq, max length)`` (zero past each sequence's end; gathered, for inspection).
-        """
-        B = len(self.seq_ids)
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
-            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(f"q must be (B={B}, Hq, Sq, D) for seq_ids {self.seq_ids}, got {got}")
-        if k.dim() != 4 or k.shape[2] != q.shape[2]:
-            raise ValueError(
-                f"k must hold one new token per query: q {tuple(q.shape)}, k {tuple(k.shape)}"
-            )
-        if q.dtype != self.cache.k_pages.dtype:
-            raise TypeError(
-                f"q is {q.dtype} but the cache stores {self.cache.k_pages.dtype}; build the "
-                "PagedCache with the model's dtype"
-            )
-        Sq = q.shape[2]
-        # Validate before appending, so that bad input leaves the cache as it was.
-        lens = self.cache.seq_lens(self.seq_ids) + Sq
-        offsets = lens.long() - Sq  # absolute position of each sequence's query row 0
-        shape = (B, q.shape[1], Sq, int(lens.max()) if B else 0)  # (B, Hq, Sq, max length)
-        mask = _per_sequence_rows(mask, offsets, shape)
-        score_mod = _per_sequence_rows(score_mod, offsets, shape)
-        self.cache.append(self.seq_ids, k, v)
-        out = paged_attention(
-            q,
-            self.cache.k_pages,
-            self.cache.v_pages,
-            self.cache.block_table(self.seq_ids),
-            lens,
-            mask=mask,
-            score_mod=score_mod,
-            scale=scale,
-        )
-        if not return_weights:
-            return out
-        w = q.new_zeros(B, q.shape[1], Sq, int(lens.max()) if B else 0)
-        for b, s in enumerate(self.seq_ids):
-            ks, vs = self.cache.gather(s)
-            n = ks.shape[1]
-            w[b : b + 1, :, :, :n] = attention_weights(
-                q[b : b + 1],
-                ks[None],
-                vs[None],
-                mask=None if mask is None else _BatchRowMask(as_mask(mask), b),
-                score_mod=None
-                if score_mod is None
-                else _BatchRowScoreMod(as_score_mod(score_mod), b),
-                scale=scale,
-            )  # default q_offset: bottom-right, n - Sq, as in paged_attention
-        return out, w
+        """Plan one step of a one-layer cache and run it (:meth:`PagedLayer.attend`); bad input
+        is refused before anything changes."""
+        self._one_layer("attend")
+        _check_attend(self.cache, self.seq_ids, q, k, v)
+        B, Hq, Sq, _ = q.shape
+        # Validate before planning, so that bad input leaves the cache as it was.
+        lengths = self.lengths
+        shape = (B, Hq, Sq, int(lengths.max()) + Sq if B else 0)  # (B, Hq, Sq, max length)
+        mask = _per_sequence_rows(mask, lengths, shape)
+        score_mod = _per_sequence_rows(score_mod, lengths, shape)
+        layer = PagedLayer(self.cache, self.cache.plan(self.seq_ids, Sq), 0)
+        return layer._run(q, k, v, mask, score_mod, scale, return_weights)
 
 
 # -- tensors in query-row order ----------------------------------------------------------------

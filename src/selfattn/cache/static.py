@@ -1,24 +1,117 @@
-"""``StaticCache``: the preallocated per-layer KV cache of DESIGN.md's cache contract."""
+"""``StaticCache``: the preallocated per-layer KV cache (``selfattn.nn.ContiguousCache``)."""
 
 from __future__ import annotations
 
-from selfattn.nn.attention import ContiguousCache
+import torch
+
+from selfattn._validate import positive_int
+from selfattn.cache.base import KV
 
 __all__ = ["StaticCache"]
 
 
-class StaticCache(ContiguousCache):
-    """A per-layer KV cache preallocated to ``max_len`` tokens; :class:`ContiguousCache` itself.
+def dense_storage(owner: str, batch, slots, n_kv_heads, head_dim, value_dim, dtype, device):
+    """Zeroed ``k (B, Hkv, n, D)``, ``v (B, Hkv, n, Dv)`` for ``slots = (name, n)``, after
+    checking every size (errors name ``owner``, the cache class)."""
+    for name, x in (("batch", batch), slots, ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+        positive_int(x, f"{owner} {name}")
+    value_dim = head_dim if value_dim is None else positive_int(value_dim, f"{owner} value_dim")
+    k = torch.zeros(batch, n_kv_heads, slots[1], head_dim, dtype=dtype, device=device)
+    v = torch.zeros(batch, n_kv_heads, slots[1], value_dim, dtype=dtype, device=device)
+    return k, v
+
+
+def check_new_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k, v) -> int:
+    """``S`` of new ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` matching a dense cache's
+    ``(B, Hkv, ·, D/Dv)`` storage; ValueError naming both shapes otherwise."""
+    B, H, _, D = cache_k.shape
+    S = k.shape[2] if k.dim() == 4 else -1
+    if k.dim() != 4 or tuple(k.shape) != (B, H, S, D):
+        raise ValueError(
+            f"cache expects k of shape (B={B}, Hkv={H}, S, D={D}), got {tuple(k.shape)}; "
+            "build the cache with the model's batch, n_kv_heads and head_dim"
+        )
+    want_v = (B, H, S, cache_v.shape[3])
+    if tuple(v.shape) != want_v:
+        raise ValueError(f"cache expects v of shape {want_v} (matching k), got {tuple(v.shape)}")
+    return S
+
+
+class StaticCache:
+    """A per-layer KV cache preallocated to ``max_len`` tokens (:mod:`selfattn.cache.base`).
 
     ``StaticCache(batch, max_len, n_kv_heads, head_dim, value_dim=None, *, dtype, device)``.
     Memory layout: ``k (B, Hkv, max_len, D)``, ``v (B, Hkv, max_len, Dv)``, slot ``t`` holding
-    cache position ``t``. ``update(k, v, positions=None)`` writes ``S`` tokens at slots
-    ``positions`` (default the next ``S``) and returns views ``(B, Hkv, length, D/Dv)`` of the
-    filled prefix; ``length`` is one past the highest slot written, ``reset()`` empties it. Exactly
-    ``max_len`` tokens fit; a write past them raises ``ValueError`` naming the slots and
-    ``max_len``. The storage never reallocates, so its addresses stay fixed across steps.
-
-    The layer (:class:`selfattn.nn.MultiHeadAttention`) already ships this cache as
-    ``ContiguousCache``; this name is the one DESIGN.md's ``selfattn.cache`` gives it, kept as a
-    subclass so one piece of code serves both.
+    the token at position ``t`` of every sequence. :meth:`update` writes new keys/values at the
+    given slots and returns the filled prefix ``[:length]`` (key ``j`` at position ``j``), which
+    is what attention reads; the queries of that step are its last ``Sq`` rows (bottom-right
+    alignment). Exactly ``max_len`` tokens fit; a write past them raises ``ValueError`` naming
+    the slots and ``max_len``. The storage never reallocates, so its addresses stay fixed
+    across steps. ``selfattn.nn.ContiguousCache`` is this class under the layer's old name.
     """
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        *,
+        dtype=torch.float32,
+        device=None,
+    ):
+        self.k, self.v = dense_storage(
+            type(self).__name__, batch, ("max_len", max_len), n_kv_heads, head_dim, value_dim,
+            dtype, device,
+        )  # fmt: skip
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        """Forget every token (the storage is kept and overwritten by later updates)."""
+        self.length = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None) -> KV:
+        """Store ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` at slots ``positions`` ``(S,)``.
+
+        ``positions`` defaults to the next ``S`` slots ``length .. length + S - 1``. Returns
+        ``KV(k_all, v_all, start=0)``: ``(B, Hkv, length, D)`` and ``(B, Hkv, length, Dv)``
+        views after the write, where ``length`` is one past the highest slot written so far.
+        """
+        S = check_new_kv(self.k, self.v, k, v)
+        if positions is None:  # the next S slots: known on the host, no sync and no index tensor
+            first, end = self.length, self.length + S
+            self._check_slots(first, end)
+            self.k[:, :, first:end] = k
+            self.v[:, :, first:end] = v
+            self.length = end
+            return KV(self.k[:, :, :end], self.v[:, :, :end])
+        positions = torch.as_tensor(positions, device=self.k.device)
+        if positions.dim() != 1 or positions.shape[0] != S or positions.is_floating_point():
+            raise ValueError(
+                f"cache positions must be an int tensor of shape (S={S},), got "
+                f"{positions.dtype} {tuple(positions.shape)}"
+            )
+        if S == 0:
+            return KV(self.k[:, :, : self.length], self.v[:, :, : self.length])
+        end = int(positions.max()) + 1
+        self._check_slots(int(positions.min()), end)
+        positions = positions.long()  # index_copy_ takes int64 slots only
+        self.k.index_copy_(2, positions, k.to(self.k.dtype))
+        self.v.index_copy_(2, positions, v.to(self.v.dtype))
+        self.length = max(self.length, end)
+        return KV(self.k[:, :, : self.length], self.v[:, :, : self.length])
+
+    def _check_slots(self, first: int, end: int) -> None:
+        if first < 0 or end > self.max_len:
+            raise ValueError(
+                f"cache positions {first}..{end - 1} fall outside the cache's max_len "
+                f"({self.max_len}); build it with a larger max_len or reset() it"
+            )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.nn.attention import _positive_int
+from selfattn.cache.base import KV
+from selfattn.cache.static import check_new_kv, dense_storage
 
 __all__ = ["SlidingWindowCache"]
 
@@ -21,11 +22,11 @@ class SlidingWindowCache:
     ``min(length, window - 1)`` cached tokens followed by the ``S`` new ones: exactly the keys
     that ``sliding_window(window)`` lets any of the ``S`` queries see (query ``p`` sees
     ``p - window + 1 .. p``). The queries are the last ``S`` returned rows, so the default
-    bottom-right ``q_offset`` lines them up with their own keys; the window mask (and ALiBi, and
-    any mask or score that depends only on ``q_idx - kv_idx``) then gives the full-sequence
-    result. ``key_start`` is the absolute position of the first returned key, for masks that
-    need absolute positions (add it to ``kv_idx``). Other masks (plain causal) would see a
-    truncated history: this cache is for windowed attention only.
+    bottom-right ``q_offset`` lines them up with their own keys. ``key_start`` (also the returned
+    ``KV.start``) is the absolute position of the first returned key: the layer evaluates masks
+    and score mods at ``key_start + j`` (:meth:`~selfattn.cache.base.KV.at_key_positions`), so
+    the window mask & key padding give the full-sequence result. Other masks (plain causal)
+    would see a truncated history: this cache is for windowed attention only.
     """
 
     def __init__(
@@ -39,20 +40,10 @@ class SlidingWindowCache:
         dtype=torch.float32,
         device=None,
     ):
-        for name, x in (
-            ("batch", batch),
-            ("window", window),
-            ("n_kv_heads", n_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            _positive_int(x, f"SlidingWindowCache {name}")
-        value_dim = (
-            head_dim
-            if value_dim is None
-            else _positive_int(value_dim, "SlidingWindowCache value_dim")
-        )
-        self.k = torch.zeros(batch, n_kv_heads, window, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch, n_kv_heads, window, value_dim, dtype=dtype, device=device)
+        self.k, self.v = dense_storage(
+            type(self).__name__, batch, ("window", window), n_kv_heads, head_dim, value_dim,
+            dtype, device,
+        )  # fmt: skip
         self.length = 0
         self.key_start = 0
 
@@ -68,26 +59,17 @@ class SlidingWindowCache:
         self.length = 0
         self.key_start = 0
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None) -> KV:
         """Append ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` at absolute positions ``length ..``.
 
         ``positions`` (optional, ``(S,)`` ints) must be those next ``S`` positions: a ring buffer
-        only appends. Returns ``(k_all, v_all)`` of shapes ``(B, Hkv, n + S, D)`` and
-        ``(B, Hkv, n + S, Dv)`` with ``n = min(length, window - 1)`` old tokens first; new
-        tensors, not views of the ring (their order differs from the ring's after wrap-around).
+        only appends. Returns ``KV(k_all, v_all, start=key_start)`` of shapes
+        ``(B, Hkv, n + S, D)`` and ``(B, Hkv, n + S, Dv)`` with ``n = min(length, window - 1)``
+        old tokens first, key ``j`` at absolute position ``key_start + j``; new tensors, not
+        views of the ring (their order differs from the ring's after wrap-around).
         """
-        B, H, W, D = self.k.shape
-        S = k.shape[2] if k.dim() == 4 else -1
-        if k.dim() != 4 or tuple(k.shape) != (B, H, S, D):
-            raise ValueError(
-                f"cache expects k of shape (B={B}, Hkv={H}, S, D={D}), got {tuple(k.shape)}; "
-                "build the cache with the model's batch, n_kv_heads and head_dim"
-            )
-        want_v = (B, H, S, self.v.shape[3])
-        if tuple(v.shape) != want_v:
-            raise ValueError(
-                f"cache expects v of shape {want_v} (matching k), got {tuple(v.shape)}"
-            )
+        S = check_new_kv(self.k, self.v, k, v)
+        W = self.window
         device = self.k.device
         new_pos = torch.arange(self.length, self.length + S, device=device)
         if positions is not None:
@@ -108,4 +90,4 @@ class SlidingWindowCache:
         self.v.index_copy_(2, new_pos[S - keep :] % W, v_all[:, :, n_old + S - keep :])
         self.key_start = self.length - n_old
         self.length += S
-        return k_all, v_all
+        return KV(k_all, v_all, self.key_start)

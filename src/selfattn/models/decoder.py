@@ -33,10 +33,12 @@ Model protocol (generation, serving and benchmarks rely on it)::
     #    for the last S columns, else S_past + arange(S).
     cache = model.make_cache(kind, batch, max_len, *, dtype=None, page_size=16)
     # kind "static" (StaticCache per layer), "window" (SlidingWindowCache for windowed layers,
-    # StaticCache for global ones), "paged" (a PagedCache per layer, viewed over `batch`
-    # sequences). The result is a LayerCaches: pass it back as cache=, read .length. Without
-    # an attention_mask, a paged cache's sequences may differ in length (serving): each row's
-    # tokens follow its own length, positions included.
+    # StaticCache for global ones): a LayerCaches; "paged": one PagedKV for the whole model
+    # (one block table, allocator and prefix index; per-layer pages), viewed over `batch`
+    # sequences. Pass it back as cache=, read .length. Each forward plans the cache once
+    # (cache.plan(S)) and gives layer i step.layers[i]. Without an attention_mask, a paged
+    # cache's sequences may differ in length (serving): each row's tokens follow its own
+    # length, positions included.
 
 A step with a cache appends its ``S`` tokens after the cached ones; token ``t`` of the padded row
 sits at cache position ``t`` (padding included), and masks work on those positions::
@@ -62,7 +64,8 @@ from torch import nn
 
 from selfattn import masks as _masks
 from selfattn import scores as _scores
-from selfattn.cache import PagedCache, SlidingWindowCache, StaticCache
+from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
+from selfattn.cache.layers import LayerCaches
 from selfattn.models.hub import register, unsupported
 from selfattn.nn import MLP, DecoderBlock, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU
 from selfattn.nn.mlp import ACTIVATIONS
@@ -355,32 +358,6 @@ class PostNormed(nn.Module):
 # -- caches ---------------------------------------------------------------------------------------
 
 
-class LayerCaches:
-    """One KV cache per layer (what ``CausalLM.make_cache`` returns; pass it as ``cache=``).
-
-    ``layers[i]`` follows DESIGN.md's cache contract. ``length`` is the number of cached token
-    positions (padding included), the same for every layer (a paged cache whose sequences
-    differ in length has none: its views' ``lengths`` are per sequence).
-    """
-
-    def __init__(self, kind: str, layers: list):
-        self.kind, self.layers = kind, layers
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def reset(self) -> None:
-        for c in self.layers:
-            c.reset()
-
-    def __repr__(self) -> str:
-        return f"LayerCaches({self.kind!r}, layers={len(self.layers)}, length={self.length})"
-
-
 # -- the model ------------------------------------------------------------------------------------
 
 
@@ -412,6 +389,7 @@ class CausalLM(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.score_mod = None if c.attn_softcap is None else _scores.softcap(c.attn_softcap)
+        self._windows = [c.window(i) for i in range(c.n_layers)]  # None: a global layer
         self.eos_token_id, self.pad_token_id = c.eos_token_id, c.pad_token_id
         self.bos_token_id = c.bos_token_id
 
@@ -442,7 +420,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
-        cache: LayerCaches | None = None,
+        cache: LayerCaches | PagedCacheView | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
     ) -> torch.Tensor:
@@ -457,9 +435,14 @@ class CausalLM(nn.Module):
             raise ValueError(f"input_ids must be a (B, S) int tensor, got {got!r}")
         if input_ids.is_floating_point():
             raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-        if cache is not None and not isinstance(cache, LayerCaches):
+        if cache is not None and not callable(getattr(cache, "plan", None)):
             raise TypeError(
                 f"cache must come from model.make_cache(...), got {type(cache).__name__}"
+            )
+        if cache is not None and cache.n_layers != len(self.layers):
+            raise ValueError(
+                f"cache holds {cache.n_layers} layers but the model has {len(self.layers)}; "
+                "build it with this model's make_cache(...)"
             )
         B, S = input_ids.shape
         if logits_to_keep is not None and not (
@@ -470,32 +453,27 @@ class CausalLM(nn.Module):
             )
         # A ragged paged cache has no single length: read it only where a mask needs it.
         past = 0 if cache is None or attention_mask is None else cache.length
-        starts, keep = self._key_padding(attention_mask, B, past + S)
+        starts, keep = self._key_padding(attention_mask, B, past + S)  # checked before planning
+        step = None if cache is None else cache.plan(S)  # the cache's bookkeeping, once
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            elif step is not None:
+                position_ids = step.positions  # (S,), or (B, S) for ragged paged sequences
             else:
-                position_ids = _next_positions(cache, S, input_ids.device)
+                position_ids = torch.arange(S, device=input_ids.device)
         h = self.embed(input_ids)  # (B, S) -> (B, S, d_model)
         if self.pos_embed is not None:
             h = h + self.pos_embed(position_ids)
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
-        masks = {}  # per (window, key_start): windowed layers share one mask
-        for i, block in enumerate(self.layers):
-            layer_cache = None if cache is None else cache.layers[i]
-            window = self.config.window(i)
-            # A ring buffer returns keys from key_start on (absolute); masks index from 0.
-            shift = 0
-            if isinstance(layer_cache, SlidingWindowCache):
-                n = layer_cache.length
-                shift = n - min(n, layer_cache.window - 1)
-            key = (window, shift)
-            if key not in masks:
-                masks[key] = _layer_mask(window, starts, keep, shift)
+        # One mask per kind of layer (window or global), in absolute positions.
+        masks = {w: _layer_mask(w, starts, keep) for w in set(self._windows)}
+        layer_caches = [None] * len(self.layers) if step is None else step.layers
+        for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
             h = block(
                 h,
-                mask=masks[key],
+                mask=masks[window],
                 score_mod=self.score_mod,
                 positions=position_ids,
                 cache=layer_cache,
@@ -535,13 +513,16 @@ class CausalLM(nn.Module):
     # -- checkpoints and caches --------------------------------------------------------------------
     def make_cache(
         self, kind: str, batch: int, max_len: int, *, dtype=None, page_size: int = 16
-    ) -> LayerCaches:
-        """One KV cache per layer for ``batch`` sequences of up to ``max_len`` tokens.
+    ) -> LayerCaches | PagedCacheView:
+        """The model's KV cache for ``batch`` sequences of up to ``max_len`` tokens.
 
-        ``kind``: ``"static"`` (:class:`~selfattn.cache.StaticCache`), ``"window"``
+        ``kind``: ``"static"`` (a :class:`~selfattn.cache.StaticCache` per layer), ``"window"``
         (:class:`~selfattn.cache.SlidingWindowCache` on windowed layers, StaticCache on global
-        ones) or ``"paged"`` (a :class:`~selfattn.cache.PagedCache` of ``page_size``-token pages
-        per layer, viewed over ``batch`` fresh sequences). ``dtype`` defaults to the model's.
+        ones), both as a :class:`~selfattn.cache.layers.LayerCaches`; or ``"paged"``: one
+        :class:`~selfattn.cache.PagedKV` of ``page_size``-token pages for all layers (one
+        allocator and block table, per-layer pages), viewed over ``batch`` fresh sequences
+        (``cache.cache`` is the PagedKV, ``cache.seq_ids`` the rows' sequences). ``dtype``
+        defaults to the model's.
         """
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
@@ -552,21 +533,21 @@ class CausalLM(nn.Module):
         w = self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
         shape = (c.n_kv_heads, c.head_dim)
+        if kind == "paged":
+            pages = -(-max_len // page_size)
+            kv = PagedKV(
+                c.n_layers, batch * pages, page_size, *shape, max_seqs=batch,
+                max_pages_per_seq=pages, **fk,
+            )  # fmt: skip
+            return kv.view(kv.add_sequences(batch))
         layers = []
-        for i in range(c.n_layers):
-            window = c.window(i)
-            if kind == "paged":
-                pages = -(-max_len // page_size)
-                pool = PagedCache(
-                    batch * pages, page_size, *shape, max_seqs=batch, max_pages_per_seq=pages, **fk
-                )
-                layers.append(pool.view(pool.add_sequences(batch)))
-            elif kind == "window" and window is not None:
+        for window in self._windows:
+            if kind == "window" and window is not None:
                 # A ring longer than max_len + 1 would never wrap: keep it no longer.
                 layers.append(SlidingWindowCache(batch, min(window, max_len + 1), *shape, **fk))
             else:
                 layers.append(StaticCache(batch, max_len, *shape, **fk))
-        return LayerCaches(kind, layers)
+        return LayerCaches(kind, layers, w.device)
 
     def convert_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' tensor names -> ours; the tied LM head is filled from the embedding."""
@@ -581,28 +562,16 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
 
-def _next_positions(cache: LayerCaches | None, S: int, device) -> torch.Tensor:
-    """Positions of ``S`` new tokens without a mask: after the cached ones, per sequence for a
-    paged cache (``(B, S)``, ragged lengths allowed), else ``(S,)``."""
-    new = torch.arange(S, device=device)
-    if cache is None:
-        return new
-    lengths = getattr(cache.layers[0], "lengths", None)
-    if lengths is not None:
-        return lengths.to(device)[:, None] + new  # (B,) -> (B, S)
-    return cache.length + new
-
-
-def _layer_mask(window, starts, keep, shift: int):
-    """The mask a layer ANDs with causal(): its window and the key padding, in key indices
-    (absolute positions minus ``shift``, the first key a ring-buffer cache returns)."""
+def _layer_mask(window, starts, keep):
+    """The mask a layer ANDs with causal(): its window and the key padding (absolute key
+    positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
     pad = None
     if starts is not None:
         if bool((starts > 0).any()):
-            pad = ~_masks.padding((starts - shift).clamp(min=0))
+            pad = ~_masks.padding(starts)
     elif keep is not None:
-        pad = _masks.from_tensor(keep[:, shift:][:, None, None, :])  # (B, Sk) -> (B, 1, 1, Sk)
+        pad = _masks.from_tensor(keep[:, None, None, :])  # (B, Sk) -> (B, 1, 1, Sk)
     if pad is None:
         return mask
     return pad if mask is None else mask & pad

@@ -16,9 +16,9 @@ Protocol (what :func:`selfattn.models.generate` drives)::
     model.decoder_start_token_id, model.eos_token_id, model.pad_token_id
 
 ``attention_mask`` / ``encoder_attention_mask`` are ``(B, Se)`` with 1 (True) at real tokens and
-0 at padding, on either side. ``cache`` is a :class:`~selfattn.models.decoder.LayerCaches` with
-one cache per decoder layer holding the decoder self-attention K/V (``"static"``:
-:class:`~selfattn.cache.StaticCache`, ``"paged"``: a :class:`~selfattn.cache.PagedCacheView`).
+0 at padding, on either side. ``cache`` is a :class:`Seq2SeqCaches` holding the decoder
+self-attention K/V (``"static"``: a :class:`~selfattn.cache.StaticCache` per layer, ``"paged"``:
+one :class:`~selfattn.cache.PagedKV` for all decoder layers), planned once per step.
 A step with a cache appends its tokens after the cached ones: prefill with the start token, then
 feed one token per step::
 
@@ -42,11 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn.cache import PagedCache, StaticCache
+from selfattn.cache import PagedKV, StaticCache
+from selfattn.cache.base import Step
+from selfattn.cache.layers import LayerCaches
 from selfattn.functional import attention
-
-# one activation table and gated MLP for all model families (decoder.py holds them)
-from selfattn.models.decoder import LayerCaches
 from selfattn.models.hub import CheckpointError, missing_key, register, unsupported
 from selfattn.nn import MLP, DecoderBlock, EncoderBlock, LayerNorm, MultiHeadAttention, RMSNorm
 from selfattn.nn.mlp import ACTIVATIONS, SwiGLU
@@ -81,17 +80,38 @@ class CrossAttention(MultiHeadAttention):
         return self.out_proj(out)
 
 
-class Seq2SeqCaches(LayerCaches):
-    """The decoder's per-layer self-attention caches plus the memoised cross-attention K/V.
+class Seq2SeqCaches:
+    """The decoder's self-attention cache plus the memoised cross-attention K/V.
 
-    ``cross_kv(decoder_layers, memory)`` returns each layer's projected ``memory``, recomputing
-    it only when ``memory`` is another tensor or was modified in place since (its version
-    counter). ``reset()`` forgets both.
+    ``self_attention`` is a model cache (:class:`~selfattn.cache.base.ModelKVCache`): a
+    :class:`~selfattn.cache.layers.LayerCaches` of static caches, or a view of one
+    :class:`~selfattn.cache.PagedKV` for all decoder layers; ``plan``, ``length`` and ``layers``
+    (static only) are its own. ``cross_kv(decoder_layers, memory)`` returns each layer's
+    projected ``memory``, recomputing it only when ``memory`` is another tensor or was modified
+    in place since (its version counter). ``reset()`` forgets both.
     """
 
-    def __init__(self, kind: str, layers: list):
-        super().__init__(kind, layers)
+    def __init__(self, kind: str, self_attention):
+        self.kind, self.self_attention = kind, self_attention
         self._memory, self._version, self._cross = None, None, None
+
+    @property
+    def layers(self) -> list:
+        return self.self_attention.layers
+
+    @property
+    def n_layers(self) -> int:
+        return self.self_attention.n_layers
+
+    @property
+    def length(self) -> int:
+        return self.self_attention.length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def plan(self, n_tokens: int) -> Step:
+        return self.self_attention.plan(n_tokens)
 
     def cross_kv(self, decoder: nn.ModuleList, memory: torch.Tensor) -> list:
         if self._memory is not memory or self._version != memory._version:
@@ -100,7 +120,7 @@ class Seq2SeqCaches(LayerCaches):
         return self._cross
 
     def reset(self) -> None:
-        super().reset()
+        self.self_attention.reset()
         self._memory, self._version, self._cross = None, None, None
 
 
@@ -219,24 +239,27 @@ class _EncoderDecoder(nn.Module):
         context_mask = self._key_mask(
             encoder_attention_mask, B, memory.shape[1], "encoder_attention_mask"
         )
-        layers = None if cache is None else getattr(cache, "layers", cache)
-        if layers is not None and len(layers) != len(self.decoder):
+        if isinstance(cache, (list, tuple)):  # the layers' own caches, one per decoder layer
+            cache = LayerCaches("layers", list(cache))
+        if cache is not None and cache.n_layers != len(self.decoder):
             raise ValueError(
-                f"cache has {len(layers)} layer caches but the decoder has {len(self.decoder)} "
-                "layers; build it with model.make_cache(...)"
+                f"cache has {cache.n_layers} layer caches but the decoder has "
+                f"{len(self.decoder)} layers; build it with model.make_cache(...)"
             )
-        start = 0 if layers is None else layers[0].length
+        start = 0 if cache is None else cache.length
+        step = None if cache is None else cache.plan(decoder_input_ids.shape[1])  # once
         contexts = [memory] * len(self.decoder)
         if isinstance(cache, Seq2SeqCaches):
             contexts = cache.cross_kv(self.decoder, memory)
         h = self._embed_decoder(decoder_input_ids, start)
-        for i, layer in enumerate(self.decoder):
+        layer_caches = [None] * len(self.decoder) if step is None else step.layers
+        for layer, context, layer_cache in zip(self.decoder, contexts, layer_caches):
             h = layer(
                 h,
-                contexts[i],
+                context,
                 context_mask=context_mask,
                 score_mod=self.decoder_score_mod,
-                cache=None if layers is None else layers[i],
+                cache=layer_cache,
             )
         return self._logits(h)
 
@@ -251,35 +274,28 @@ class _EncoderDecoder(nn.Module):
     def make_cache(
         self, kind: str, batch: int, max_len: int, *, dtype=None, page_size: int = 16
     ) -> Seq2SeqCaches:
-        """One decoder self-attention cache per layer for ``batch`` sequences of ``max_len``
-        decoder tokens: ``"static"`` (:class:`StaticCache`) or ``"paged"`` (a
-        :class:`PagedCacheView` over a :class:`PagedCache` of ``page_size``-token pages)."""
-        ref = self.decoder[0].self_attention.out_proj.weight
-        dtype = ref.dtype if dtype is None else dtype
-        caches = []
-        for layer in self.decoder:
-            a = layer.self_attention
-            dims = (a.n_kv_heads, a.head_dim)
-            if kind == "static":
-                caches.append(StaticCache(batch, max_len, *dims, dtype=dtype, device=ref.device))
-            elif kind == "paged":
-                pages = -(-max_len // page_size)
-                paged = PagedCache(
-                    batch * pages,
-                    page_size,
-                    *dims,
-                    max_seqs=batch,
-                    max_pages_per_seq=pages,
-                    dtype=dtype,
-                    device=ref.device,
-                )
-                caches.append(paged.view([paged.add_sequence() for _ in range(batch)]))
-            else:
-                raise ValueError(
-                    f"cache kind must be 'static' or 'paged', got {kind!r}: the decoder has no "
-                    "sliding-window layers"
-                )
-        return Seq2SeqCaches(kind, caches)
+        """The decoder's self-attention cache for ``batch`` sequences of ``max_len`` decoder
+        tokens: ``"static"`` (a :class:`StaticCache` per layer) or ``"paged"`` (one
+        :class:`PagedKV` of ``page_size``-token pages for all decoder layers, viewed over
+        ``batch`` fresh sequences)."""
+        ref = self.decoder[0].self_attention
+        dtype = ref.out_proj.weight.dtype if dtype is None else dtype
+        fk = {"dtype": dtype, "device": ref.out_proj.weight.device}
+        dims = (ref.n_kv_heads, ref.head_dim)
+        if kind == "static":
+            caches = [StaticCache(batch, max_len, *dims, **fk) for _ in self.decoder]
+            return Seq2SeqCaches(kind, LayerCaches(kind, caches, fk["device"]))
+        if kind == "paged":
+            pages = -(-max_len // page_size)
+            kv = PagedKV(
+                len(self.decoder), batch * pages, page_size, *dims, max_seqs=batch,
+                max_pages_per_seq=pages, **fk,
+            )  # fmt: skip
+            return Seq2SeqCaches(kind, kv.view(kv.add_sequences(batch)))
+        raise ValueError(
+            f"cache kind must be 'static' or 'paged', got {kind!r}: the decoder has no "
+            "sliding-window layers"
+        )
 
 
 def _token_ids(config: Mapping) -> dict:

@@ -1,5 +1,6 @@
-"""``MultiHeadAttention`` (self / cross, MHA / GQA / MQA), its ``ContiguousCache``, and the
-``torch.nn.MultiheadAttention`` drop-in built by :meth:`MultiHeadAttention.from_torch`."""
+"""``MultiHeadAttention`` (self / cross, MHA / GQA / MQA), and the ``torch.nn.MultiheadAttention``
+drop-in built by :meth:`MultiHeadAttention.from_torch`. ``ContiguousCache`` is
+:class:`selfattn.cache.StaticCache` under the layer's name."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import scores as _scores
+from selfattn._validate import positive_int as _positive_int
+from selfattn.cache.base import KV
+from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
 from selfattn.nn.norms import make_norm
@@ -15,10 +19,8 @@ from selfattn.nn.norms import make_norm
 __all__ = ["ContiguousCache", "MultiHeadAttention", "TorchMultiheadAttention"]
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+# The layer's name for the preallocated cache; the class lives with the other caches.
+ContiguousCache = StaticCache
 
 
 def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
@@ -39,97 +41,6 @@ def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
     if lengths.numel() and bool((lengths == lengths[0]).all()):  # equal: one row serves all
         return new + lengths[0]
     return lengths.view(-1, 1) + new  # (B,) -> (B, Sq)
-
-
-class ContiguousCache:
-    """A per-layer KV cache preallocated to ``max_len`` tokens (DESIGN.md's cache contract).
-
-    Memory layout: ``k (B, Hkv, max_len, D)`` and ``v (B, Hkv, max_len, Dv)``, slot ``t`` holding
-    the token at cache position ``t`` of every sequence. :meth:`update` writes new keys/values at
-    the given slots and returns the filled prefix ``[:length]``, which is what attention reads; the
-    queries of that step are its last ``Sq`` rows (bottom-right alignment).
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        n_kv_heads: int,
-        head_dim: int,
-        value_dim: int | None = None,
-        *,
-        dtype=torch.float32,
-        device=None,
-    ):
-        for name, x in (
-            ("batch", batch),
-            ("max_len", max_len),
-            ("n_kv_heads", n_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            _positive_int(x, f"ContiguousCache {name}")
-        value_dim = head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
-        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch, n_kv_heads, max_len, value_dim, dtype=dtype, device=device)
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    def __len__(self) -> int:
-        return self.length
-
-    def reset(self) -> None:
-        """Forget every token (the storage is kept and overwritten by later updates)."""
-        self.length = 0
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None):
-        """Store ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` at slots ``positions`` ``(S,)``.
-
-        ``positions`` defaults to the next ``S`` slots ``length .. length + S - 1``. Returns
-        ``(k_all, v_all)``: ``(B, Hkv, length, D)`` and ``(B, Hkv, length, Dv)`` views after the
-        write, where ``length`` is one past the highest slot written so far.
-        """
-        want_k = (
-            self.k.shape[0],
-            self.k.shape[1],
-            k.shape[2] if k.dim() == 4 else -1,
-            self.k.shape[3],
-        )
-        if k.dim() != 4 or tuple(k.shape) != want_k:
-            raise ValueError(
-                f"cache expects k of shape (B={want_k[0]}, Hkv={want_k[1]}, S, D={want_k[3]}), "
-                f"got {tuple(k.shape)}; build the cache with the model's batch, n_kv_heads and "
-                "head_dim"
-            )
-        want_v = (want_k[0], want_k[1], k.shape[2], self.v.shape[3])
-        if tuple(v.shape) != want_v:
-            raise ValueError(
-                f"cache expects v of shape {want_v} (matching k), got {tuple(v.shape)}"
-            )
-        S = k.shape[2]
-        if positions is None:
-            positions = torch.arange(self.length, self.length + S, device=self.k.device)
-        positions = torch.as_tensor(positions, device=self.k.device)
-        if positions.dim() != 1 or positions.shape[0] != S or positions.is_floating_point():
-            raise ValueError(
-                f"cache positions must be an int tensor of shape (S={S},), got "
-                f"{positions.dtype} {tuple(positions.shape)}"
-            )
-        if S == 0:
-            return self.k[:, :, : self.length], self.v[:, :, : self.length]
-        end = int(positions.max()) + 1
-        if int(positions.min()) < 0 or end > self.max_len:
-            raise ValueError(
-                f"cache positions {int(positions.min())}..{end - 1} fall outside the cache's "
-                f"max_len ({self.max_len}); build it with a larger max_len or reset() it"
-            )
-        positions = positions.long()  # index_copy_ takes int64 slots only
-        self.k.index_copy_(2, positions, k.to(self.k.dtype))
-        self.v.index_copy_(2, positions, v.to(self.v.dtype))
-        self.length = max(self.length, end)
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
 
 class MultiHeadAttention(nn.Module):
@@ -299,9 +210,11 @@ class MultiHeadAttention(nn.Module):
                 batches pass ``attention_mask.cumsum(-1) - 1`` here. Unused without ``rope``
                 (ALiBi and masks work on cache/index positions, whose differences padding keeps).
             cache: a :class:`ContiguousCache`, ``StaticCache``, ``SlidingWindowCache`` or
-                ``PagedCache.view(seq_ids)`` (self-attention only): this step's K/V are written
-                after the cached ones and the queries attend to all of them, query row ``i`` at
-                absolute position ``cache.length + i`` (masks see that position). A cache with
+                ``PagedCache.view(seq_ids)`` (self-attention only; the contract is
+                :mod:`selfattn.cache.base`): this step's K/V are written after the cached ones
+                and the queries attend to all of them, query row ``i`` at absolute position
+                ``cache.length + i``; masks and score mods see absolute positions, also for the
+                keys of a ring buffer that returns only its window. A cache with
                 an ``attend(q, k, v, *, mask, score_mod, scale, return_weights)`` method (the
                 paged view) stores K/V and attends itself, reading its pages in place; its
                 sequences may differ in length (each sequence's queries follow its own length,
@@ -350,7 +263,10 @@ class MultiHeadAttention(nn.Module):
                 out, w = out
         else:
             if cache is not None:
-                k, v = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, length, D)
+                kv = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, Sk, D)
+                k, v = kv
+                if isinstance(kv, KV):  # masks see the keys' true positions (a ring's start)
+                    mask, mod, q_offset = kv.at_key_positions(mask, mod, q_offset, Sq)
             if self.attention_observer is not None:  # selfattn.inspect.capture_attention
                 self.attention_observer(
                     q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset

@@ -1,0 +1,211 @@
+"""The KV cache contract: what a layer asks of its cache, and what a model asks of its caches.
+
+A layer's cache (:class:`KVCache`) stores each step's keys/values and hands back every key the
+step's queries may see, WITH their absolute positions::
+
+    kv = cache.update(k, v)     # k (B, Hkv, S, D), v (B, Hkv, S, Dv): this step's new tokens
+    k_all, v_all = kv           # (B, Hkv, Sk, D), (B, Hkv, Sk, Dv): still unpacks as a pair
+    kv.start                    # absolute position of key 0; key j sits at kv.start + j
+    kv.positions                # (Sk,) int64: kv.start + arange(Sk)
+
+``update`` returns a :class:`KV`, a ``(k, v)`` tuple that also carries its keys' positions.
+Design choice: the positions ride on the returned pair rather than being a third element, so
+every existing ``k, v = cache.update(...)`` keeps working, and a cache that keeps only part of
+the history says where that part starts. ``start`` is 0 for a :class:`StaticCache` (it keeps
+every key); a :class:`SlidingWindowCache` returns the last ``window - 1`` keys before the new
+ones, so with ``n`` tokens cached before the step its ``start`` is ``max(0, n - window + 1)``.
+The layer then evaluates masks and score mods at those true positions
+(:meth:`KV.at_key_positions`), so a model builds one mask in absolute positions for every layer
+and never asks which cache a layer has. Keys are consecutive positions (one ``start``): every
+cache here stores a contiguous run.
+
+Caches that attend in place (:class:`InPlaceKVCache`: the paged caches) never hand out
+contiguous keys: the layer gives them ``q, k, v`` and they write the new K/V into their pages
+and run :func:`~selfattn.cache.paged_attention` over them, per sequence at its own length.
+
+A model's cache (:class:`ModelKVCache`) is planned once per forward step: ``step =
+cache.plan(S)`` does the bookkeeping for ``S`` new tokens of every row (for the paged KV: page
+allocation, copy-on-write, block table, lengths and write slots, once for all layers) and
+returns a :class:`Step` whose ``layers[i]`` is layer ``i``'s cache for this step. A planned
+step is itself a model cache (``step.plan(S)`` returns it), so a caller may plan outside a
+compiled region and pass the step as ``cache=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from selfattn.masks import Mask, as_mask
+from selfattn.scores import ScoreMod, as_score_mod
+
+__all__ = ["KV", "InPlaceKVCache", "KVCache", "ModelKVCache", "Step"]
+
+
+class KV(tuple):
+    """``(k, v)`` returned by :meth:`KVCache.update`, with ``start``, the absolute position of
+    key 0 (keys are consecutive: key ``j`` at ``start + j``)."""
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, start: int = 0):
+        self = super().__new__(cls, (k, v))
+        self.start = start
+        return self
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``(Sk,)`` int64 absolute positions of the keys, on their device."""
+        k = self[0]
+        return torch.arange(self.start, self.start + k.shape[2], device=k.device)
+
+    def at_key_positions(self, mask, score_mod, q_offset: int | None, Sq: int):
+        """``(mask, score_mod, q_offset)`` for ``attention(q, k, v, ...)`` over these keys such
+        that masks and score mods see absolute positions: key ``j`` at ``start + j``, query row
+        ``i`` at ``q_offset + i`` (default bottom-right: the queries are the last ``Sq`` keys).
+        Unchanged when ``start`` is 0."""
+        if not self.start:
+            return mask, score_mod, q_offset
+        Sk = self[0].shape[2]
+        q_offset = self.start + Sk - Sq if q_offset is None else q_offset
+        mask = None if mask is None else _KeysFromMask(as_mask(mask), self.start)
+        if score_mod is not None:
+            score_mod = _KeysFromScoreMod(as_score_mod(score_mod), self.start)
+        return mask, score_mod, q_offset
+
+
+class _KeysFromMask(Mask):
+    """``inner`` seen from a call whose key column ``j`` sits at position ``start + j``."""
+
+    def __init__(self, inner: Mask, start: int):
+        self.inner, self.start = inner, start
+
+    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.inner.mask_mod(b, h, q_idx, kv_idx + self.start, q_offset)
+
+    def tile_kinds(self, grid, B=1, H=1):
+        # Shifting the grid's keys keeps the inner mask's analytic classification.
+        return self.inner.tile_kinds(
+            dataclasses.replace(grid, kv_offset=grid.kv_offset + self.start), B, H
+        )
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        self.inner.validate(B, H, Sq, self.start + Sk, q_offset)  # keys 0 .. start + Sk - 1
+
+    def _batch_heads(self):
+        return self.inner._batch_heads()
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r} (keys from {self.start})"
+
+
+class _KeysFromScoreMod(ScoreMod):
+    """``inner`` seen from a call whose key column ``j`` sits at position ``start + j``."""
+
+    def __init__(self, inner: ScoreMod, start: int):
+        self.inner, self.start = inner, start
+        self.additive = inner.additive
+
+    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.inner.score_mod(score, b, h, q_idx, kv_idx + self.start, q_offset)
+
+    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        return self.inner.bias(b, h, q_idx, kv_idx + self.start, q_offset)
+
+    def tensors(self):
+        return self.inner.tensors()
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        self.inner.validate(B, H, Sq, self.start + Sk, q_offset)
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r} (keys from {self.start})"
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """A layer's KV cache that returns contiguous keys (``StaticCache``, ``SlidingWindowCache``).
+
+    ``update(k (B, Hkv, S, D), v (B, Hkv, S, Dv), positions=None) -> KV``: store the ``S`` new
+    tokens (at ``positions`` ``(S,)``, default the next ``S``) and return every key the new
+    queries may see with their positions (module docstring). ``length``: tokens cached (one past
+    the highest position written). ``reset()``: forget them all, keeping the storage.
+    """
+
+    length: int
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions=None) -> KV: ...
+
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class InPlaceKVCache(Protocol):
+    """A layer's cache that attends over its own storage (the paged caches).
+
+    ``attend(q (B, Hq, Sq, D), k (B, Hkv, Sq, D), v (B, Hkv, Sq, Dv), *, mask, score_mod, scale,
+    return_weights) -> out (B, Hq, Sq, Dv)`` (or ``(out, weights)``): append ``k``, ``v`` after
+    each sequence's cached tokens, then attend ``q``, query row ``i`` of sequence ``b`` at
+    position ``lengths[b] + i``. ``lengths (B,)`` int64: tokens cached per sequence before the
+    step (sequences may differ: a ragged batch).
+    """
+
+    lengths: torch.Tensor
+
+    def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights=False): ...
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """One planned forward step of a model cache: ``layers[i]`` is layer ``i``'s cache,
+    ``positions`` the absolute positions of the step's new tokens (``(S,)`` when every row has
+    the same length, else ``(B, S)``) and ``past`` the tokens cached before the step (None when
+    the rows differ)."""
+
+    layers: Sequence
+    positions: torch.Tensor
+    past: int | None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.positions.shape[-1]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def length(self) -> int:
+        """Tokens cached before this step (ValueError when the rows differ)."""
+        if self.past is None:
+            raise ValueError(
+                "the sequences of this step have different lengths; a ragged step has no "
+                "single length (pass no attention_mask)"
+            )
+        return self.past
+
+    def plan(self, n_tokens: int) -> Step:
+        """This step itself (it is planned already) for ``n_tokens`` new tokens per row."""
+        if n_tokens != self.n_tokens:
+            raise ValueError(
+                f"this step was planned for {self.n_tokens} new token(s) per row but the input "
+                f"has {n_tokens}; plan the cache for the input's length"
+            )
+        return self
+
+
+class ModelKVCache(Protocol):
+    """A model's caches, one per layer (``CausalLM.make_cache``): ``plan(S) -> Step`` once per
+    forward step (module docstring), ``n_layers``, ``length`` (tokens cached, the same for
+    every row; a ragged paged batch raises) and ``reset()``."""
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    def plan(self, n_tokens: int) -> Step: ...
+
+    def reset(self) -> None: ...

@@ -1,0 +1,45 @@
+"""``LayerCaches``: a model's cache made of one independent cache per layer (static, window)."""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.cache.base import Step
+
+__all__ = ["LayerCaches"]
+
+
+class LayerCaches:
+    """One KV cache per layer (:class:`~selfattn.cache.base.ModelKVCache`; what
+    ``CausalLM.make_cache("static" | "window")`` returns: pass it back as ``cache=``).
+
+    ``layers[i]`` follows the layer contract (:class:`~selfattn.cache.base.KVCache`) and updates
+    itself inside its layer, so :meth:`plan` has no bookkeeping to do: it hands out the layers
+    and the new tokens' positions ``length + arange(S)`` on ``device``. ``length`` is the
+    number of cached token positions (padding included), the same for every layer.
+    """
+
+    def __init__(self, kind: str, layers: list, device=None):
+        self.kind, self.layers, self.device = kind, layers, device
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def plan(self, n_tokens: int) -> Step:
+        n = self.length
+        return Step(self.layers, torch.arange(n, n + n_tokens, device=self.device), n)
+
+    def reset(self) -> None:
+        for c in self.layers:
+            c.reset()
+
+    def __repr__(self) -> str:
+        return f"LayerCaches({self.kind!r}, layers={len(self.layers)}, length={self.length})"

@@ -1,0 +1,272 @@
+"""The model-level paged KV (selfattn.cache.PagedKV): one allocator, block table and prefix index
+for every layer, planned once per step, inside our decoders.
+
+Tiny random decoders in float64 (so cached and uncached logits agree to ~1e-12): paged == static
+== no cache, ragged steps, fork / copy-on-write and prefix hits at model level, atomic failures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfattn.cache.paged as paged_mod
+from selfattn.cache import PagedKV, StaticCache
+from selfattn.cache.base import InPlaceKVCache
+from selfattn.models.decoder import GPT2, Llama
+
+F64 = torch.float64
+VOCAB = 61
+RTOL = 1e-10  # float64: cached and uncached logits differ by rounding only
+CONFIGS = {
+    "llama": dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=24, intermediate_size=40,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "mistral": dict(
+        model_type="mistral", vocab_size=VOCAB, hidden_size=24, intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, sliding_window=5,
+    ),
+    "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=24, n_layer=3, n_head=3),
+}  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def tiny(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cls = GPT2 if family == "gpt2" else Llama
+    return cls.from_config(CONFIGS[family]).to(F64).eval()
+
+
+def kv_for(model, pages: int = 24, P: int = 4, max_seqs: int = 4, **kw) -> PagedKV:
+    c = model.config
+    return PagedKV(
+        c.n_layers, pages, P, c.n_kv_heads, c.head_dim, max_seqs=max_seqs, max_pages_per_seq=8,
+        dtype=F64, **kw,
+    )  # fmt: skip
+
+
+def tokens(B: int, S: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_rel(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= RTOL, f"{what}: relative error {err:.3g}"
+
+
+def snapshot(kv: PagedKV):
+    return {s: (kv.pages(s), kv.length(s)) for s in kv.seq_ids}, kv.pool.num_free
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@torch.no_grad()
+def test_paged_kv_equals_static_cache_and_full_forward(family):
+    """Chunks of 7, 1, 3, 1 tokens through make_cache("paged") (one PagedKV for all layers) and
+    through static caches give the full forward's logits."""
+    model = tiny(family, seed=1)
+    ids = tokens(2, 12, seed=1)
+    full = model(ids)
+    paged = model.make_cache("paged", 2, 12, page_size=4)
+    static = model.make_cache("static", 2, 12)
+    assert isinstance(paged.cache, PagedKV) and paged.cache.n_layers == model.config.n_layers
+    assert paged.cache.k_store.shape[:3] == (model.config.n_layers, 2 * 3, 4)  # (L, N, P, ...)
+    assert all(type(c) is StaticCache for c in static.layers)
+    n = 0
+    for size in (7, 1, 3, 1):
+        chunk = ids[:, n : n + size]
+        assert_rel(model(chunk, cache=paged), full[:, n : n + size], f"paged at {n}")
+        assert_rel(model(chunk, cache=static), full[:, n : n + size], f"static at {n}")
+        n += size
+    assert paged.length == static.length == 12
+    paged.cache.check()
+
+
+@torch.no_grad()
+def test_one_plan_and_one_block_table_per_step(monkeypatch):
+    """The bookkeeping runs once per forward: every layer gets the same planned tensors."""
+    model = tiny("llama")
+    cache = model.make_cache("paged", 2, 16, page_size=4)
+    model(tokens(2, 5, seed=2), cache=cache)
+    plans, tables = [], []
+    plan, attend = PagedKV.plan, paged_mod.paged_attention
+
+    def spy_plan(self, *args, **kw):
+        plans.append(args)
+        return plan(self, *args, **kw)
+
+    def spy_attention(q, k_pages, v_pages, block_table, seq_lens, **kw):
+        tables.append((block_table, seq_lens))
+        return attend(q, k_pages, v_pages, block_table, seq_lens, **kw)
+
+    monkeypatch.setattr(PagedKV, "plan", spy_plan)
+    monkeypatch.setattr(paged_mod, "paged_attention", spy_attention)
+    model(tokens(2, 1, seed=3), cache=cache)
+    assert len(plans) == 1 and len(tables) == model.config.n_layers
+    assert all(t is tables[0][0] and s is tables[0][1] for t, s in tables)
+    assert tables[0][1].tolist() == [6, 6]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+@torch.no_grad()
+def test_ragged_step_follows_each_sequence(family):
+    """Sequences of one PagedKV at lengths 9 and 4 take a 3-token step together (positions
+    (B, S) from the plan): each row equals its sequence run alone without a cache."""
+    model = tiny(family, seed=4)
+    ids = tokens(2, 12, seed=4)
+    kv = kv_for(model)
+    a, b = kv.add_sequences(2)
+    model(ids[:1, :9], cache=kv.view([a]))
+    model(ids[1:, :4], cache=kv.view([b]))
+    step = torch.stack([ids[0, 9:12], ids[1, 4:7]])  # (B, 3)
+    got = model(step, cache=kv.view([a, b]))
+    assert_rel(got[0], model(ids[:1, :12])[0, 9:], "sequence at 9")
+    assert_rel(got[1], model(ids[1:, :7])[0, 4:], "sequence at 4")
+    assert (kv.length(a), kv.length(b)) == (12, 7)
+    kv.check()
+
+
+@torch.no_grad()
+def test_fork_copies_the_shared_page_in_every_layer():
+    """A forked sequence shares its parent's pages (one reference per page for all layers);
+    the first write into the shared, partly filled last page copies it, in every layer."""
+    model = tiny("llama", seed=5)
+    prompt = tokens(1, 6, seed=5)  # P = 4: page 0 full, page 1 holds 2 tokens
+    kv = kv_for(model)
+    a = kv.add_sequence()
+    model(prompt, cache=kv.view([a]))
+    b = kv.fork(a)
+    shared = kv.pages(a)
+    assert kv.pages(b) == shared and all(kv.pool.refcount(p) == 2 for p in shared)
+    nxt = torch.tensor([[7], [11]])
+    got = model(nxt, cache=kv.view([a, b]))
+    for row in range(2):
+        seq = torch.cat([prompt, nxt[row : row + 1]], 1)
+        assert_rel(got[row], model(seq)[0, -1:], f"row {row} after the fork")
+    pa, pb = kv.pages(a), kv.pages(b)
+    assert pa[0] == pb[0] == shared[0] and kv.pool.refcount(shared[0]) == 2
+    assert pa[1] != pb[1] and shared[1] in (pa[1], pb[1])  # one copy; the last sharer keeps it
+    for layer in range(model.config.n_layers):  # the copy holds the prompt's tokens 4, 5
+        ka, _ = kv.gather(a, layer)
+        kb, _ = kv.gather(b, layer)
+        assert torch.equal(ka[:, :6], kb[:, :6])
+    more = torch.tensor([[3], [5]])
+    got = model(more, cache=kv.view([a, b]))
+    for row in range(2):
+        seq = torch.cat([prompt, nxt[row : row + 1], more[row : row + 1]], 1)
+        assert_rel(got[row], model(seq)[0, -1:], f"row {row}, second step")
+    kv.check()
+
+
+@torch.no_grad()
+def test_prefix_hit_reuses_pages_of_every_layer():
+    """Pages cached from one request serve a later one: only the uncached suffix runs through
+    the model, and its logits equal a run from scratch."""
+    model = tiny("mistral", seed=6)
+    ids = tokens(1, 14, seed=6)
+    kv = kv_for(model, prefix_caching=True)
+    a = kv.add_sequence()
+    model(ids[:, :10], cache=kv.view([a]))
+    assert kv.cache_prefix(a, ids[0, :10]) == 2  # two full pages of 4
+    cached_pages = kv.pages(a)[:2]
+    kv.free(a)
+    b, hit = kv.add_sequence_from_prefix(ids[0])
+    assert hit == 8 and kv.pages(b) == cached_pages
+    got = model(ids[:, hit:], cache=kv.view([b]))
+    assert_rel(got, model(ids)[:, hit:], "suffix after a prefix hit")
+    kv.check()
+
+
+@torch.no_grad()
+def test_pool_exhaustion_changes_nothing():
+    model = tiny("gpt2", seed=7)
+    ids = tokens(2, 16, seed=7)
+    kv = kv_for(model, pages=5)
+    a, b = kv.add_sequences(2)
+    view = kv.view([a, b])
+    model(ids[:, :8], cache=view)  # 4 of 5 pages in use
+    before = snapshot(kv)
+    with pytest.raises(RuntimeError, match=r"needs 2 free page\(s\) but the pool has 1 of 5"):
+        model(ids[:, 8:10], cache=view)
+    assert snapshot(kv) == before
+    kv.check()
+    kv.free(b)
+    got = model(ids[:1, 8:10], cache=kv.view([a]))
+    assert_rel(got, model(ids[:1, :10])[:, 8:], "after the refused step")
+
+
+@torch.no_grad()
+def test_a_failing_layer_undoes_the_step(monkeypatch):
+    """An error in layer 1 of a step leaves the cache as before the step: retrying gives the
+    right logits (a half-written step would shift every later position)."""
+    model = tiny("llama", seed=8)
+    ids = tokens(2, 8, seed=8)
+    cache = model.make_cache("paged", 2, 12, page_size=4)
+    model(ids[:, :4], cache=cache)  # the next token opens a page
+    before = snapshot(cache.cache)
+    attend, calls = paged_mod.paged_attention, []
+
+    def fail_in_layer_1(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom in layer 1")
+        return attend(*args, **kw)
+
+    monkeypatch.setattr(paged_mod, "paged_attention", fail_in_layer_1)
+    with pytest.raises(RuntimeError, match="boom in layer 1"):
+        model(ids[:, 4:5], cache=cache)
+    assert snapshot(cache.cache) == before
+    cache.cache.check()
+    monkeypatch.setattr(paged_mod, "paged_attention", attend)
+    assert_rel(model(ids[:, 4:6], cache=cache), model(ids[:, :6])[:, 4:], "the retried step")
+    wrong = model.make_cache("paged", 2, 12, page_size=4, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"q is torch\.float64 but the cache stores torch\.float32"):
+        model(ids[:, :3], cache=wrong)
+    assert wrong.length == 0 and wrong.cache.pool.num_free == wrong.cache.num_pages
+
+
+@torch.no_grad()
+def test_a_planned_step_is_a_cache():
+    """plan() outside the model (a serving engine, a compiled step) and pass the step."""
+    model = tiny("llama", seed=9)
+    ids = tokens(2, 6, seed=9)
+    cache = model.make_cache("paged", 2, 8, page_size=4)
+    model(ids[:, :5], cache=cache)
+    step = cache.plan(1)
+    assert step.positions.tolist() == [5] and step.past == 5
+    assert all(isinstance(layer, InPlaceKVCache) for layer in step.layers)
+    assert_rel(model(ids[:, 5:6], cache=step), model(ids)[:, 5:], "pre-planned step")
+    with pytest.raises(ValueError, match="planned for 1 new token"):
+        step.plan(2)
+
+
+def test_layers_keep_their_own_pages_and_views_check_inputs():
+    gen = torch.Generator().manual_seed(10)
+    kv = PagedKV(3, 6, 4, 2, 5, 3, max_seqs=2, max_pages_per_seq=3, dtype=F64)
+    s = kv.add_sequence()
+    plan = kv.plan([s], 6)
+    ks = [torch.randn(1, 2, 6, 5, generator=gen, dtype=F64) for _ in range(3)]
+    vs = [torch.randn(1, 2, 6, 3, generator=gen, dtype=F64) for _ in range(3)]
+    for layer in range(3):
+        kv.write(layer, plan, ks[layer], vs[layer])
+    for layer in range(3):
+        k, v = kv.gather(s, layer)
+        assert torch.equal(k, ks[layer][0]) and torch.equal(v, vs[layer][0])
+    assert plan.block_table.tolist() == [[0, 1, -1]] and plan.slots.tolist() == list(range(6))
+    with pytest.raises(TypeError, match="has 3 layers: plan each step once"):
+        kv.view([s]).attend(*(torch.zeros(1, 2, 1, 5, dtype=F64),) * 2, vs[0][:, :, :1])
+    with pytest.raises(ValueError, match="n_tokens must be an int >= 0, got -1"):
+        kv.plan([s], -1)
+    with pytest.raises(ValueError, match="n_layers must be a positive int, got 0"):
+        PagedKV(0, 6, 4, 2, 5, max_seqs=2, max_pages_per_seq=3)
+
+
+def test_a_cache_of_another_model_is_refused_before_planning():
+    """zip() over fewer layer caches than layers would silently skip layers."""
+    model = tiny("llama")
+    kv = PagedKV(2, 8, 4, 2, 6, max_seqs=1, max_pages_per_seq=4, dtype=F64)  # llama has 3
+    view = kv.view(kv.add_sequences(1))
+    with pytest.raises(ValueError, match="cache holds 2 layers but the model has 3"):
+        model(tokens(1, 3, seed=11), cache=view)
+    assert view.length == 0
