@@ -18,7 +18,6 @@ __all__ = [
     "PagedCache",
     "PagedCacheView",
     "PagedKV",
-    "PagedKV",
     "PrefixHit",
     "PrefixIndex",
     "SlidingWindowCache",
