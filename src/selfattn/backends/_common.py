@@ -81,7 +81,8 @@ def unattended_columns_zeroed(
     cols = allowed.any(dim=-2)  # (B', Hq', Sk)
     if cols.shape[1] == Hq and Hq != Hkv:
         cols = cols.view(cols.shape[0], Hkv, Hq // Hkv, Sk).any(dim=2)
-    if bool(cols.all()):
+    # (under torch.compile the shortcut would be a data-dependent branch: always fill)
+    if not torch.compiler.is_compiling() and bool(cols.all()):
         return k, v
     keep = cols.unsqueeze(-1)  # (B', Hkv', Sk, 1)
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
@@ -130,7 +131,15 @@ def fused_or_exact(q, k, v, call, attend, attend_zeroed):
     query attends zeroed; None where non-finite values remain), which serves garbage in padded
     cache slots at kernel speed, else by chunked's exact path (the reference where chunked cannot
     run the call).
+
+    Under ``torch.compile`` nothing may branch on values, so the check and the exact fallback are
+    left out: the kernel runs with the unattended K/V columns zeroed (``attend_zeroed``, without
+    its own check), which keeps NaN/Inf in masked-out keys (padded cache slots) from leaking; the
+    rarer cases the exact path also covers (a NaN query row on CPU kernels, a key non-finite at
+    a masked entry of a row while another row attends it) follow the kernel.
     """
+    if torch.compiler.is_compiling():
+        return attend_zeroed()
     result = attend()
     if all_finite(q, result[0]):
         return result

@@ -141,6 +141,10 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (major, minor)
 
 
+# A constant of the process: asked once while tracing, not traced (torch marks
+# torch.cpu._is_avx2_supported as never to be traced, which would break the graph of any
+# compiled attention() call, since auto asks every backend whether it can run the case).
+@torch.compiler.assume_constant_result
 def _cpu_reason() -> str | None:
     """Why torch.compile cannot run FlexAttention on this CPU, or None.
 
