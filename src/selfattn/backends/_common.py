@@ -88,6 +88,13 @@ def unattended_columns_zeroed(
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
 
 
+def grad_needed(q, k, v, call) -> bool:
+    """Whether autograd will run this call's backward: grad mode is on and q, k, v or a tensor
+    the score mod reads (a learnable bias) requires grad."""
+    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of ``tensors`` is finite: one sum per tensor and one sync.
 

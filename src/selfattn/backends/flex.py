@@ -37,7 +37,12 @@ import threading
 import torch
 
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
-from selfattn.backends._common import accumulation_dtype, all_finite, fused_or_exact
+from selfattn.backends._common import (
+    accumulation_dtype,
+    all_finite,
+    fused_or_exact,
+    grad_needed,
+)
 from selfattn.masks import FULL, PARTIAL, Mask, TileGrid, _callable_failure, _evaluate
 
 BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
@@ -113,7 +118,7 @@ def _signature(q, k, v, call: AttentionCall) -> tuple:
     """What selects a compiled FlexAttention kernel, apart from the sizes."""
     return (
         q.device.type, q.dtype, q.shape[3], v.shape[3], q.shape[1] != k.shape[1],
-        call.return_lse, torch.is_grad_enabled() and _grad_needed(q, k, v, call),
+        call.return_lse, grad_needed(q, k, v, call),
         _mod_key(call.mask), _mod_key(call.score_mod),
     )  # fmt: skip
 
@@ -165,11 +170,6 @@ def _score_tensors_need_grad(call: AttentionCall) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _grad_needed(q, k, v, call: AttentionCall) -> bool:
-    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 # -- reject ------------------------------------------------------------------------------------
 
 
@@ -191,7 +191,7 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
         reason = _cpu_reason()
         if reason is not None:
             return reason
-        if _grad_needed(q, k, v, call):
+        if grad_needed(q, k, v, call):
             return (
                 "FlexAttention has no backward on CPU (inference only) and this call needs "
                 "gradients; use chunked or sdpa, or run under torch.no_grad()"

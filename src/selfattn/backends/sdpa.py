@@ -37,6 +37,7 @@ from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     fused_or_exact,
+    grad_needed,
     index_grids,
     unattended_columns_zeroed,
 )
@@ -96,11 +97,6 @@ def _sdpa_would_use_math(q, k, v, attn_mask, is_causal: bool) -> bool:
 # -- reject ------------------------------------------------------------------------------------
 
 
-def _grad_needed(q, k, v, call: AttentionCall) -> bool:
-    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _reject(q, k, v, call: AttentionCall) -> str | None:
     if q.dtype not in _DTYPES:
         return f"SDPA supports float16, bfloat16, float32 and float64, not {q.dtype}"
@@ -134,7 +130,7 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
                 "SDPA's CPU flash kernel, the only one that returns the log-sum-exp, needs "
                 f"D == Dv (got D={D}, Dv={Dv})"
             )
-        if _grad_needed(q, k, v, call):
+        if grad_needed(q, k, v, call):
             return (
                 "SDPA's CPU flash kernel returns the log-sum-exp without gradients, and this call "
                 "needs gradients; call it without return_lse, or use chunked"
