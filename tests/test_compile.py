@@ -67,3 +67,22 @@ def test_compiled_masked_call_keeps_padding_garbage_out():
     oracle, *_ = reference_attention(q, k, v, mask=mask)
     naive, *_ = naive_attention(q, k[:, :, :valid], v[:, :, :valid])
     assert_close_to_reference(got, oracle, naive)
+
+
+@pytest.mark.parametrize("case", ["causal", "window"])
+def test_flex_traces_without_breaks(case):
+    """backend="flex" (what auto picks for masks on CUDA) traces whole: its block-mask cache
+    (a lock and a dict) is left to eager calls. Dynamo only: inductor's CPU FlexAttention
+    template is not exercised here."""
+    mask = CASES[case]
+    q, k, v = make_qkv(B, H, S, D, seed=11)
+
+    def step(q, k, v):
+        return sa.attention(q, k, v, mask=mask, backend="flex")
+
+    if sa.backends.available(q, k, v, sa.backends.AttentionCall(mask=mask))["flex"] is not None:
+        pytest.skip("flex cannot run here")
+    torch._dynamo.reset()
+    with torch.no_grad():  # CPU FlexAttention has no backward
+        explained = torch._dynamo.explain(step)(q, k, v)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]

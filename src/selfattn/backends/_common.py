@@ -141,12 +141,14 @@ def fused_or_exact(q, k, v, call, attend, attend_zeroed):
 
     Under ``torch.compile`` nothing may branch on values, so the check and the exact fallback are
     left out: the kernel runs with the unattended K/V columns zeroed (``attend_zeroed``, without
-    its own check), which keeps NaN/Inf in masked-out keys (padded cache slots) from leaking; the
-    rarer cases the exact path also covers (a NaN query row on CPU kernels, a key non-finite at
-    a masked entry of a row while another row attends it) follow the kernel.
+    its own check), which keeps NaN/Inf in masked-out keys (padded cache slots) from leaking, or
+    as it is where ``attend_zeroed`` cannot zero without looking at values (None); the rarer
+    cases the exact path also covers (a NaN query row on CPU kernels, a key non-finite at a
+    masked entry of a row while another row attends it) follow the kernel.
     """
     if torch.compiler.is_compiling():
-        return attend_zeroed()
+        result = attend_zeroed()
+        return attend() if result is None else result
     result = attend()
     if all_finite(q, result[0]):
         return result

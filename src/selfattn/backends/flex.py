@@ -309,6 +309,8 @@ class _BlockMaskCache:
         self._lock = threading.Lock()
 
     def get(self, mask: Mask, B, Hq, Sq, Sk, q_offset, device):
+        if torch.compiler.is_compiling():  # the graph builds it; a lock and a dict cannot trace
+            return build_block_mask(mask, B, Hq, Sq, Sk, q_offset, device)
         device = torch.device(device)
         key = (id(mask), B, Hq, Sq, Sk, q_offset, str(device))
         with self._lock:
@@ -379,6 +381,8 @@ def _run(q, k, v, call: AttentionCall):
 
     def attend_zeroed():
         if call.mask is None:  # every key is attended: nothing to zero
+            return None
+        if torch.compiler.is_compiling():  # finding the non-finite keys reads values
             return None
         kz, vz = _unattended_nonfinite_zeroed(k, v, call, q.shape[1], q.shape[2])
         return _attend(q, kz, vz, call) if all_finite(kz, vz) else None
