@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import selfattn
 from selfattn import backends, masks, scores
-from selfattn.functional import _prepare
+from selfattn.call import prepare
 from selfattn.testing import (
     assert_close_to_reference,
     check_against_reference,
@@ -106,7 +106,7 @@ def rejection(backend: str, q, k, v, **kwargs) -> str | None:
     kwargs = dict(kwargs)
     if kwargs.get("generator") is not None:  # do not consume the caller's generator
         kwargs["generator"] = torch.Generator().manual_seed(0)
-    qq, kk, vv, call = _prepare(q, k, v, **kwargs)
+    qq, kk, vv, call = prepare(q, k, v, **kwargs)
     return backends.get(backend).reject(qq, kk, vv, call)
 
 
@@ -1021,7 +1021,7 @@ def test_explain_prints_by_default(capsys):
 def test_explain_never_picks_a_backend_that_rejects_dropout_or_grads():
     q, k, v = make_qkv(2, 4, 7, 16, Hkv=2, Sk=9, seed=35, requires_grad=True)
     ex = backends.explain(q, k, v, dropout_p=0.2, generator=gen(0), print_table=False)
-    qq, kk, vv, call = _prepare(q, k, v, dropout_p=0.2, generator=gen(0))
+    qq, kk, vv, call = prepare(q, k, v, dropout_p=0.2, generator=gen(0))
     assert backends.get(ex.chosen).reject(qq, kk, vv, call) is None
 
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import selfattn
 from selfattn import masks, scores
 from selfattn.backends import chunked, get
-from selfattn.functional import _prepare
+from selfattn.call import prepare
 from selfattn.testing import check_against_reference, make_qkv
 
 SMALL_TILES = {"block_q": 4, "block_k": 3, "max_chunk": 6}
@@ -27,7 +27,7 @@ TILES = {"default": {}, "small": SMALL_TILES}
 
 def chunked_attention(q, k, v, *, block_q=None, block_k=None, max_chunk=None, **kwargs):
     """``selfattn.attention(..., backend="chunked")`` with explicit tile sizes."""
-    q, k, v, call = _prepare(q, k, v, **kwargs)
+    q, k, v, call = prepare(q, k, v, **kwargs)
     assert get("chunked").reject(q, k, v, call) is None
     out, lse = chunked.run(q, k, v, call, block_q=block_q, block_k=block_k, max_chunk=max_chunk)
     return (out, lse) if call.return_lse else out
@@ -124,7 +124,7 @@ def test_coarse_tiles_match_reference(mask_name):
         "causal": masks.causal(),
         "prefix_lm": masks.prefix_lm(torch.tensor([300, 0])),
     }[mask_name]
-    _, _, _, call = _prepare(q, k, v, mask=mask)
+    _, _, _, call = prepare(q, k, v, mask=mask)
     bq, bk, _ = chunked.tile_sizes(S, S)
     grid = chunked._grid(call, B, Hq, S, S, bq, bk, q.device)
     assert chunked._choose_rows(grid, G=1) > 1  # the case really takes the coarse path
@@ -133,7 +133,7 @@ def test_coarse_tiles_match_reference(mask_name):
 
 def test_sliding_window_keeps_fine_tiles():
     q, k, v = make_qkv(1, 2, 2000, 8, seed=1)
-    _, _, _, call = _prepare(q, k, v, mask=masks.sliding_window(256))
+    _, _, _, call = prepare(q, k, v, mask=masks.sliding_window(256))
     bq, bk, _ = chunked.tile_sizes(2000, 2000)
     assert chunked._choose_rows(chunked._grid(call, 1, 2, 2000, 2000, bq, bk, "cpu"), G=1) == 1
 
@@ -279,7 +279,7 @@ def test_callable_closing_over_grad_tensor_is_rejected():
     def mod(s, b, h, q_idx, kv_idx):
         return s + w * (q_idx - kv_idx)
 
-    _, _, _, call = _prepare(q, k, v, score_mod=mod)
+    _, _, _, call = prepare(q, k, v, score_mod=mod)
     reason = get("chunked").reject(q, k, v, call)
     assert reason is not None and "tensors()" in reason and "reference" in reason
     with pytest.raises(ValueError, match=r"tensors\(\)"):

@@ -18,7 +18,7 @@ import selfattn
 from selfattn import backends, masks, scores
 from selfattn.backends import flex as flex_backend
 from selfattn.backends import sdpa as sdpa_backend
-from selfattn.functional import _prepare
+from selfattn.call import prepare
 from selfattn.testing import (
     assert_close_to_reference,
     check_against_reference,
@@ -40,7 +40,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _reason(name: str, q, k, v, **kw) -> str | None:
-    qq, kk, vv, call = _prepare(q, k, v, **kw)
+    qq, kk, vv, call = prepare(q, k, v, **kw)
     return backends.get(name).reject(qq, kk, vv, call)
 
 

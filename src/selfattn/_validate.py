@@ -5,11 +5,30 @@ A module here imports nothing from selfattn, so any layer may use it.
 
 from __future__ import annotations
 
-__all__ = ["positive_int"]
+__all__ = ["checked_int", "int_at_least", "positive_int"]
 
 
 def positive_int(value, name: str) -> int:
     """``value`` if it is an int >= 1 (bools rejected), else ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def int_at_least(value, name: str, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum`` (bools rejected), else ValueError naming ``name``
+    (for counts where 0 is allowed, such as ``max_new_tokens``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def checked_int(value, name: str, minimum: int | None = None, fix: str = "") -> int:
+    """``value`` if it is an int (else TypeError: bools and floats rejected) of at least
+    ``minimum`` when given (else ValueError); ``fix``, when given, ends both messages."""
+    tail = f"; {fix}" if fix else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}{tail}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}{tail}")
     return value

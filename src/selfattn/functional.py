@@ -2,131 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from selfattn import backends as _backends
-from selfattn.backends import AttentionCall
 from selfattn.backends.paged import call as _paged
-from selfattn.masks import _check_position_span, as_mask
-from selfattn.scores import as_score_mod
+from selfattn.call import prepare
 
 __all__ = ["attention", "attention_weights", "paged_attention"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_tensors(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; attention needs float16, bfloat16, float32 or "
-                f"float64 (cast with {name}.float())"
-            )
-    names = ("q (B, Hq, Sq, D)", "k (B, Hkv, Sk, D)", "v (B, Hkv, Sk, Dv)")
-    for name, t in zip(names, (q, k, v)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D, got shape {tuple(t.shape)}; add a batch or head dim with "
-                "unsqueeze, or move heads before the sequence with transpose(1, 2)"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}; "
-            "move them with .to(device)"
-        )
-    (B, Hq, _, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Sv, _) = q.shape, k.shape, v.shape
-    if not (B == Bk == Bv):
-        raise ValueError(f"batch sizes differ: q has B={B}, k has {Bk}, v has {Bv}")
-    if D != Dk:
-        raise ValueError(
-            f"q and k head dims differ: q {tuple(q.shape)} has D={D}, k {tuple(k.shape)} has {Dk}"
-        )
-    if Hkv != Hv or Sk != Sv:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, Sk): "
-            f"k has Hkv={Hkv}, Sk={Sk} but v has Hkv={Hv}, Sk={Sv}"
-        )
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(
-            f"Hq ({Hq}) must be a multiple of Hkv ({Hkv}) for grouped-query attention; "
-            f"query head h reads kv head h // (Hq // Hkv)"
-        )
-
-
-def _prepare(
-    q,
-    k,
-    v,
-    *,
-    mask=None,
-    score_mod=None,
-    scale=None,
-    dropout_p=0.0,
-    generator=None,
-    q_offset=None,
-    return_lse=False,
-):
-    """Validate and normalise :func:`attention`'s arguments into ``(q, k, v, AttentionCall)``."""
-    _check_tensors(q, k, v)
-    B, Hq, Sq, D = q.shape
-    Sk = k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise TypeError(f"scale must be a number, got a tensor of shape {tuple(scale.shape)}")
-        scale = float(scale)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a finite number, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__} {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if q_offset is None:
-        q_offset = Sk - Sq
-    if (
-        isinstance(q_offset, torch.Tensor)
-        and q_offset.numel() == 1
-        and not q_offset.is_floating_point()
-    ):
-        q_offset = int(q_offset)
-    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
-        raise TypeError(f"q_offset must be an int (position of query row 0), got {q_offset!r}")
-    _check_position_span(q_offset, Sq, "q_offset")
-
-    mask_obj = None if mask is None else as_mask(mask)
-    if mask_obj is not None:
-        mask_obj.validate(B, Hq, Sq, Sk, q_offset)
-    mod_obj = None if score_mod is None else as_score_mod(score_mod)
-    if mod_obj is not None:
-        mod_obj.validate(B, Hq, Sq, Sk, q_offset)
-
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    seed = 0
-    if dropout_p > 0:
-        dev = generator.device if generator is not None else "cpu"
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev))
-    call = AttentionCall(
-        mask=mask_obj,
-        score_mod=mod_obj,
-        scale=float(scale),
-        dropout_p=float(dropout_p),
-        dropout_seed=seed,
-        q_offset=q_offset,
-        return_lse=bool(return_lse),
-    )
-    return q, k, v, call
 
 
 def _empty(q, k, v, call):
@@ -207,7 +89,7 @@ def attention(
     holds NaN at a key other rows attend (``dS K`` forms ``0 · NaN``), and rows made non-finite
     get non-finite ``dq``.
     """
-    q, k, v, call = _prepare(
+    q, k, v, call = prepare(
         q,
         k,
         v,
@@ -253,9 +135,7 @@ def attention_weights(
     """
     from selfattn.backends import reference
 
-    q, k, v, call = _prepare(
-        q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset
-    )
+    q, k, v, call = prepare(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return reference.weights(q, k, v, call)

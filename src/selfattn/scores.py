@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from selfattn._validate import checked_int
 from selfattn.masks import _call_elementwise, _check_arity, _fn_name, _ReturnTypeError
 
 __all__ = [
@@ -141,15 +142,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     lower power of two ``m`` are followed by every other slope of ``2m`` (the paper's
     ``get_slopes``).
     """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int):
-        raise TypeError(
-            f"alibi n_heads must be an int, got {type(n_heads).__name__} {n_heads!r}; "
-            "pass the number of query heads"
-        )
-    if n_heads < 1:
-        raise ValueError(
-            f"alibi n_heads must be >= 1, got {n_heads}; pass the number of query heads"
-        )
+    checked_int(n_heads, "alibi n_heads", 1, "pass the number of query heads")
 
     def pow2(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -344,13 +337,7 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
             ("num_buckets", num_buckets),
             ("max_distance", max_distance),
         ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"RelativePositionBias {name} must be an int, got {type(value).__name__} "
-                    f"{value!r}"
-                )
-            if value < 1:
-                raise ValueError(f"RelativePositionBias {name} must be >= 1, got {value}")
+            checked_int(value, f"RelativePositionBias {name}", 1)
         if not isinstance(bidirectional, bool):
             raise TypeError(f"bidirectional must be True or False, got {bidirectional!r}")
         # Half the buckets (per direction when bidirectional) are exact offsets 0..max_exact-1.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from selfattn.backends import reference
-from selfattn.functional import _prepare
+from selfattn.call import prepare
 
 __all__ = [
     "assert_close_to_reference",
@@ -73,7 +73,7 @@ def make_qkv(
 def _call(q, k, v, kwargs, compute_dtype=None):
     kwargs = dict(kwargs)
     kwargs.pop("backend", None)
-    qq, kk, vv, call = _prepare(q, k, v, **{**kwargs, "return_lse": True})
+    qq, kk, vv, call = prepare(q, k, v, **{**kwargs, "return_lse": True})
     return reference.run(qq, kk, vv, call, compute_dtype=compute_dtype)
 
 

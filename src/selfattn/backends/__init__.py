@@ -4,8 +4,8 @@ Two kinds of backend share the registry machinery (:class:`Registry`: register, 
 
 - ``"dense"``: ``run(q, k, v, call) -> (out, lse)`` on already-validated inputs
   ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and a normalised
-  :class:`AttentionCall` (what :func:`selfattn.attention` runs). ``auto`` walks them in the
-  measured order of ``_auto.rank``.
+  :class:`selfattn.call.AttentionCall` (what :func:`selfattn.attention` runs). ``auto`` walks
+  them in the measured order of ``_auto.rank``.
 - ``"paged"``: ``run(q, k_pages, v_pages, block_table, seq_lens, call) -> (out, lse)`` with a
   :class:`selfattn.backends.paged.call.PagedCall` (what ``paged_attention`` runs; see
   :mod:`selfattn.backends.paged`). ``auto`` takes the kernel for the device, else PyTorch.
@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from selfattn.masks import Mask
-from selfattn.scores import ScoreMod
+from selfattn.call import AttentionCall, prepare
 
 __all__ = [
     "AttentionCall",
@@ -38,25 +37,6 @@ __all__ = [
     "registry",
     "select",
 ]
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """Everything about one attention call except the q/k/v tensors, normalised.
-
-    ``q_offset`` is the absolute position of query row 0 (key ``j`` sits at position ``j``).
-    ``dropout_seed`` is drawn once per call (from ``generator`` or torch's default one) so that the
-    forward and the recomputing backward see the same dropout pattern.
-    """
-
-    mask: Mask | None = None
-    score_mod: ScoreMod | None = None
-    scale: float = 1.0
-    dropout_p: float = 0.0
-    dropout_seed: int = 0
-    q_offset: int = 0
-    return_lse: bool = False
-    tile_kinds_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 # (q, k, v, call) for dense backends; (q, k_pages, v_pages, block_table, seq_lens, call) for paged.
@@ -220,10 +200,8 @@ def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:
     Takes exactly the arguments of :func:`selfattn.attention`. Prints the explanation (unless
     ``print_table=False``) and returns it.
     """
-    from selfattn.functional import _prepare
-
     kwargs.pop("backend", None)
-    q, k, v, call = _prepare(q, k, v, **kwargs)
+    q, k, v, call = prepare(q, k, v, **kwargs)
     _, explanation = select(q, k, v, call, "auto")
     if print_table:
         print(explanation)
@@ -239,11 +217,11 @@ def explain_paged(
     Takes exactly the arguments of ``paged_attention``. Prints the explanation (unless
     ``print_table=False``) and returns it.
     """
-    from selfattn.backends.paged.call import prepare
+    from selfattn.backends.paged import call as paged_call
 
     kwargs.pop("backend", None)
     args = (q, k_pages, v_pages, block_table, seq_lens)
-    _, explanation = _REGISTRIES["paged"].select(*args, prepare(*args, **kwargs))
+    _, explanation = _REGISTRIES["paged"].select(*args, paged_call.prepare(*args, **kwargs))
     if print_table:
         print(explanation)
     return explanation

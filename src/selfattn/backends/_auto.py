@@ -20,6 +20,8 @@ BENCHMARKS.md, ``benchmarks/attention.py``):
 
 from __future__ import annotations
 
+import torch
+
 # Fraction of (query, key) pairs in non-empty tiles below which skipping tiles beats the fused
 # dense kernel. Measured: at density 0.5 chunked and sdpa-with-mask take about the same time.
 _SPARSE_DENSITY = 0.5
@@ -85,6 +87,10 @@ def _pick(q, k, v, call, reasons: dict) -> tuple[str, str]:
     else:
         if on_cuda and ok("flex"):  # no density estimate: on a GPU it costs syncs per call
             return "flex", "mask: compiled FlexAttention skips empty blocks"
+        if torch.compiler.is_compiling() and ok("sdpa"):
+            # the density estimate reads the mask's tiles (a graph break), and the choice must
+            # not depend on values while tracing: the fused kernel runs every mask
+            return "sdpa", "mask under torch.compile: fused kernel with a dense mask"
         d = density(q, k, call)
         if d < _SPARSE_DENSITY and ok("chunked"):
             return "chunked", f"sparse mask (density {d:.2f} < {_SPARSE_DENSITY}): tiles skipped"

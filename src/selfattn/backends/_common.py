@@ -81,10 +81,18 @@ def unattended_columns_zeroed(
     cols = allowed.any(dim=-2)  # (B', Hq', Sk)
     if cols.shape[1] == Hq and Hq != Hkv:
         cols = cols.view(cols.shape[0], Hkv, Hq // Hkv, Sk).any(dim=2)
-    if bool(cols.all()):
+    # (under torch.compile the shortcut would be a data-dependent branch: always fill)
+    if not torch.compiler.is_compiling() and bool(cols.all()):
         return k, v
     keep = cols.unsqueeze(-1)  # (B', Hkv', Sk, 1)
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
+
+
+def grad_needed(q, k, v, call) -> bool:
+    """Whether autograd will run this call's backward: grad mode is on and q, k, v or a tensor
+    the score mod reads (a learnable bias) requires grad."""
+    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -130,7 +138,17 @@ def fused_or_exact(q, k, v, call, attend, attend_zeroed):
     query attends zeroed; None where non-finite values remain), which serves garbage in padded
     cache slots at kernel speed, else by chunked's exact path (the reference where chunked cannot
     run the call).
+
+    Under ``torch.compile`` nothing may branch on values, so the check and the exact fallback are
+    left out: the kernel runs with the unattended K/V columns zeroed (``attend_zeroed``, without
+    its own check), which keeps NaN/Inf in masked-out keys (padded cache slots) from leaking, or
+    as it is where ``attend_zeroed`` cannot zero without looking at values (None); the rarer
+    cases the exact path also covers (a NaN query row on CPU kernels, a key non-finite at a
+    masked entry of a row while another row attends it) follow the kernel.
     """
+    if torch.compiler.is_compiling():
+        result = attend_zeroed()
+        return attend() if result is None else result
     result = attend()
     if all_finite(q, result[0]):
         return result

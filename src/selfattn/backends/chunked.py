@@ -38,11 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from selfattn._validate import positive_int
 from selfattn.backends import AttentionCall, Backend, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     dropout_keep,
+    grad_needed,
     nonfinite_v_part,
     unattended_columns_zeroed,
 )
@@ -784,10 +786,8 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
         lse = torch.full((B, Hq, Sq), -math.inf, dtype=accumulation_dtype(q.dtype))
         return out, (lse.to(q.device) if call.return_lse else None)
     for name, value in (("block_q", block_q), ("block_k", block_k), ("max_chunk", max_chunk)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if value is not None:
+            positive_int(value, name)
     fine_q, fine_k, _ = tile_sizes(Sq, Sk, G)
     bk = block_k or fine_k
     if block_q is None and block_k is None:
@@ -801,7 +801,7 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
     kc = max(max_chunk or _max_chunk(G * grid.block_q, Sk), bk)
     plan = _plan(grid, Sq, Sk, bk, kc)
     mod_inputs = _mod_inputs(call)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_inputs)):
+    if grad_needed(q, k, v, call):
         out, lse = _ChunkedAttention.apply(q, k, v, call, plan, exact, *mod_inputs)
     else:
         out, lse2, _, _ = _forward_exact(q, k, v, call, plan, call.return_lse, exact)

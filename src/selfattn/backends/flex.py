@@ -37,7 +37,12 @@ import threading
 import torch
 
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
-from selfattn.backends._common import accumulation_dtype, all_finite, fused_or_exact
+from selfattn.backends._common import (
+    accumulation_dtype,
+    all_finite,
+    fused_or_exact,
+    grad_needed,
+)
 from selfattn.masks import FULL, PARTIAL, Mask, TileGrid, _callable_failure, _evaluate
 
 BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
@@ -113,7 +118,7 @@ def _signature(q, k, v, call: AttentionCall) -> tuple:
     """What selects a compiled FlexAttention kernel, apart from the sizes."""
     return (
         q.device.type, q.dtype, q.shape[3], v.shape[3], q.shape[1] != k.shape[1],
-        call.return_lse, torch.is_grad_enabled() and _grad_needed(q, k, v, call),
+        call.return_lse, grad_needed(q, k, v, call),
         _mod_key(call.mask), _mod_key(call.score_mod),
     )  # fmt: skip
 
@@ -141,6 +146,10 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (major, minor)
 
 
+# A constant of the process: asked once while tracing, not traced (torch marks
+# torch.cpu._is_avx2_supported as never to be traced, which would break the graph of any
+# compiled attention() call, since auto asks every backend whether it can run the case).
+@torch.compiler.assume_constant_result
 def _cpu_reason() -> str | None:
     """Why torch.compile cannot run FlexAttention on this CPU, or None.
 
@@ -158,11 +167,6 @@ def _cpu_reason() -> str | None:
 
 def _score_tensors_need_grad(call: AttentionCall) -> bool:
     tensors = call.score_mod.tensors() if call.score_mod is not None else ()
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _grad_needed(q, k, v, call: AttentionCall) -> bool:
-    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -187,7 +191,7 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
         reason = _cpu_reason()
         if reason is not None:
             return reason
-        if _grad_needed(q, k, v, call):
+        if grad_needed(q, k, v, call):
             return (
                 "FlexAttention has no backward on CPU (inference only) and this call needs "
                 "gradients; use chunked or sdpa, or run under torch.no_grad()"
@@ -305,6 +309,8 @@ class _BlockMaskCache:
         self._lock = threading.Lock()
 
     def get(self, mask: Mask, B, Hq, Sq, Sk, q_offset, device):
+        if torch.compiler.is_compiling():  # the graph builds it; a lock and a dict cannot trace
+            return build_block_mask(mask, B, Hq, Sq, Sk, q_offset, device)
         device = torch.device(device)
         key = (id(mask), B, Hq, Sq, Sk, q_offset, str(device))
         with self._lock:
@@ -375,6 +381,8 @@ def _run(q, k, v, call: AttentionCall):
 
     def attend_zeroed():
         if call.mask is None:  # every key is attended: nothing to zero
+            return None
+        if torch.compiler.is_compiling():  # finding the non-finite keys reads values
             return None
         kz, vz = _unattended_nonfinite_zeroed(k, v, call, q.shape[1], q.shape[2])
         return _attend(q, kz, vz, call) if all_finite(kz, vz) else None

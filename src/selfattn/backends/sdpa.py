@@ -37,6 +37,7 @@ from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     fused_or_exact,
+    grad_needed,
     index_grids,
     unattended_columns_zeroed,
 )
@@ -96,11 +97,6 @@ def _sdpa_would_use_math(q, k, v, attn_mask, is_causal: bool) -> bool:
 # -- reject ------------------------------------------------------------------------------------
 
 
-def _grad_needed(q, k, v, call: AttentionCall) -> bool:
-    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _reject(q, k, v, call: AttentionCall) -> str | None:
     if q.dtype not in _DTYPES:
         return f"SDPA supports float16, bfloat16, float32 and float64, not {q.dtype}"
@@ -134,7 +130,7 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
                 "SDPA's CPU flash kernel, the only one that returns the log-sum-exp, needs "
                 f"D == Dv (got D={D}, Dv={Dv})"
             )
-        if _grad_needed(q, k, v, call):
+        if grad_needed(q, k, v, call):
             return (
                 "SDPA's CPU flash kernel returns the log-sum-exp without gradients, and this call "
                 "needs gradients; call it without return_lse, or use chunked"
@@ -200,6 +196,9 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool, guard
     Hkv, Sk = k.shape[1], k.shape[2]
     off = call.q_offset
     mask = call.mask
+    # Under torch.compile the shortcuts that look at values (an all-True mask, no empty row) would
+    # break the graph; the general plan gives the same result.
+    _compiling = torch.compiler.is_compiling()
     flags = flags and call.score_mod is None  # SDPA refuses is_causal together with attn_mask
     lower_right = lower_right and flags and Hq == Hkv and _lower_right_bias() is not None
 
@@ -218,7 +217,7 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool, guard
     dense = None
     if mask is not None:
         dense = _collapsed(mask.to_dense(Sq, Sk, B=B, H=Hq, q_offset=off, device=q.device))
-        if bool(dense.all()):
+        if not _compiling and bool(dense.all()):
             dense = None
         elif guard:
             k, v = unattended_columns_zeroed(k, v, dense, Hq)
@@ -227,7 +226,7 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool, guard
         if dense is None:
             return _Plan(k, v)
         empty = ~dense.any(dim=-1, keepdim=True)  # (B', H', Sq, 1)
-        if not bool(empty.any()):
+        if not _compiling and not bool(empty.any()):
             return _Plan(k, v, attn_mask=dense)
         return _Plan(k, v, attn_mask=dense | empty, empty=empty)
 
@@ -240,7 +239,7 @@ def _plan(q, k, v, call: AttentionCall, *, flags: bool, lower_right: bool, guard
     if guard:  # V only: NaN in K makes the score NaN, which a -inf bias cannot mask (NaN + -inf)
         _, v = unattended_columns_zeroed(k, v, attended, Hq)
     empty = ~attended.any(dim=-1, keepdim=True)  # (B', H', Sq, 1)
-    if not bool(empty.any()):
+    if not _compiling and not bool(empty.any()):
         return _Plan(k, v, attn_mask=bias)
     # masked_fill (not arithmetic) so that those rows pass zero gradients back to the bias
     return _Plan(k, v, attn_mask=bias.masked_fill(empty, 0.0), empty=empty)
@@ -292,7 +291,7 @@ def _attend(q, k, v, call: AttentionCall, guard: bool = False):
 
     def plan_for(flags, lower_right):
         plan = _plan(q, k, v, call, flags=flags, lower_right=lower_right, guard=guard)
-        if guard and not all_finite(plan.k, plan.v):
+        if guard and not torch.compiler.is_compiling() and not all_finite(plan.k, plan.v):
             raise _StillNonFinite
         return plan
 

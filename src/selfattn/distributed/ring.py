@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from selfattn.call import check_tensors
 from selfattn.distributed.blocks import Pair, attend, merge, pairs
 from selfattn.distributed.checks import dtype_code, dtype_name, rank_checks
 from selfattn.distributed.shard import LAYOUTS, check_layout, check_length, segments, world
-from selfattn.functional import _check_tensors, attention
+from selfattn.functional import attention
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
@@ -345,7 +346,7 @@ def prepare(
 ) -> _Config:
     """Check one rank's arguments of :func:`ring_attention` (no communication: call it inside
     :func:`rank_checks`, with :func:`summary`); the configuration :func:`run` takes."""
-    _check_tensors(q, k, v)
+    check_tensors(q, k, v)
     check_layout(layout)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from selfattn import scores as _scores
+from selfattn._validate import positive_int
 from selfattn.cache.size import format_bytes
 from selfattn.functional import attention_weights
 from selfattn.masks import Mask, as_mask
@@ -275,8 +276,7 @@ def capture_attention(
             f"{type(model).__name__} has no selfattn.nn.MultiHeadAttention layers to capture; "
             "capture_attention works on models built from selfattn.nn"
         )
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    positive_int(max_bytes, "max_bytes")
     modules = [m for _, m in named]
     names = [n or type(model).__name__ for n, _ in named]
     layers = _selection(layers, len(modules), "layer", f"{type(model).__name__}")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from selfattn import masks as _masks
+from selfattn._validate import positive_int
 
 __all__ = ["plot_attention", "plot_mask"]
 
@@ -142,8 +143,7 @@ def plot_attention(
     if annotate is None:  # numbers only where they stay readable
         annotate = Sq * Sk <= _ANNOTATE_MAX_CELLS and H <= _ANNOTATE_MAX_PANELS
     cols = min(H, 4) if cols is None else cols
-    if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
-        raise ValueError(f"cols must be a positive int, got {cols!r}")
+    positive_int(cols, "cols")
     rows = math.ceil(H / cols)
     # Fixed margins in inches (a layout engine would measure every label: most of the time).
     side = max(2.0, 0.2 * max(Sq, Sk))  # one panel
@@ -230,8 +230,8 @@ def plot_mask(
     expr = mask if isinstance(mask, str) else None
     m = parse_mask(mask) if expr is not None else _masks.as_mask(mask)
     for name, n in (("size", size), ("kv_size", kv_size)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if n is not None:
+            positive_int(n, name)
     Sq, Sk = size, size if kv_size is None else kv_size
     dense = m.to_dense(Sq, Sk, q_offset=q_offset)[0, 0].cpu()  # (Sq, Sk) bool
     fig = _figure(1, 1, _mask_side(Sq, Sk), layout="constrained")

@@ -47,7 +47,6 @@ from selfattn.masks.base import (
     Or,
     TileGrid,
     TileKind,
-    _check_int,
     _check_position_span,
     _check_positive_int,
     _kinds,

@@ -16,6 +16,7 @@ from enum import IntEnum
 
 import torch
 
+from selfattn._validate import checked_int
 from selfattn.masks.elementwise import _evaluate
 
 
@@ -53,15 +54,6 @@ def _check_position_span(first: int, count: int, name: str) -> None:
     )
 
 
-def _check_int(value, name: str, minimum: int | None = None) -> int:
-    """``value`` as an int (bools and floats rejected), at least ``minimum`` when given."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class TileGrid:
     """A tiling of the ``(Sq, Sk)`` score matrix of one call, in absolute positions.
@@ -88,13 +80,13 @@ class TileGrid:
 
     def __post_init__(self):
         for name in ("Sq", "Sk"):
-            _check_int(getattr(self, name), f"TileGrid {name}", 0)
+            checked_int(getattr(self, name), f"TileGrid {name}", 0)
         for name in ("block_q", "block_k"):
-            _check_int(getattr(self, name), f"TileGrid {name}", 1)
+            checked_int(getattr(self, name), f"TileGrid {name}", 1)
         for name in ("q_offset", "kv_offset"):
-            _check_int(getattr(self, name), f"TileGrid {name}")
+            checked_int(getattr(self, name), f"TileGrid {name}")
         if self.row_offset is not None:
-            _check_int(self.row_offset, "TileGrid row_offset")
+            checked_int(self.row_offset, "TileGrid row_offset")
         _check_position_span(self.q_offset, self.Sq, "TileGrid q_offset")
         _check_position_span(self.kv_offset, self.Sk, "TileGrid kv_offset")
 
@@ -133,13 +125,7 @@ class TileGrid:
 
 
 def _check_positive_int(value, name: str, fix: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{name} must be an int, got {type(value).__name__} {value!r}; pass a whole number"
-            + (f" ({fix})" if fix else "")
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}" + (f"; {fix}" if fix else ""))
+    checked_int(value, name, 1, fix)
     if value > _POSITION_LIMIT:  # positions minus a size must stay in int64
         raise ValueError(f"{name} must be <= 2**62 ({_POSITION_LIMIT}), got {value}")
     return value
@@ -250,8 +236,8 @@ class Mask:
         """
         (q_lo, q_hi), (kv_lo, kv_hi) = q_range, kv_range
         for name, x in (("q_range", q_lo), ("q_range", q_hi), ("kv_range", kv_lo)):
-            _check_int(x, f"classify {name} bound")
-        _check_int(kv_hi, "classify kv_range bound")
+            checked_int(x, f"classify {name} bound")
+        checked_int(kv_hi, "classify kv_range bound")
         if q_hi <= q_lo or kv_hi <= kv_lo:
             raise ValueError(
                 f"empty tile ranges q_range={q_range}, kv_range={kv_range}; "
@@ -341,8 +327,8 @@ class Mask:
         :func:`selfattn.attention`.
         """
         for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
-            _check_int(x, f"to_dense {name}", 0)
-        q_offset = Sk - Sq if q_offset is None else _check_int(q_offset, "to_dense q_offset")
+            checked_int(x, f"to_dense {name}", 0)
+        q_offset = Sk - Sq if q_offset is None else checked_int(q_offset, "to_dense q_offset")
         _check_position_span(q_offset, Sq, "to_dense q_offset")
         self.validate(B, H, Sq, Sk, q_offset)
         dense = _evaluate(self.mask_mod, B, H, Sq, Sk, q_offset, device, mask_q_offset=q_offset)
@@ -355,7 +341,10 @@ class Mask:
         ``·`` masked. ``Sk`` defaults to ``Sq``, ``q_offset`` to ``Sk - Sq``."""
         Sk = Sq if Sk is None else Sk
         nb, nh = self._batch_heads()
-        B, H = max(_check_int(b, "render b", 0) + 1, nb), max(_check_int(h, "render h", 0) + 1, nh)
+        B, H = (
+            max(checked_int(b, "render b", 0) + 1, nb),
+            max(checked_int(h, "render h", 0) + 1, nh),
+        )
         dense = self.to_dense(Sq, Sk, B=B, H=H, q_offset=q_offset)[b, h]
         return "\n".join("".join("█" if x else "·" for x in row.tolist()) for row in dense)
 

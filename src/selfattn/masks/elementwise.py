@@ -47,7 +47,13 @@ def _fn_name(fn) -> str:
 
 
 def _check_arity(fn: Callable, n: int, what: str, params: str, fix: str) -> None:
-    """TypeError unless ``fn`` can be called with ``n`` positional arguments (when inspectable)."""
+    """TypeError unless ``fn`` can be called with ``n`` positional arguments (when inspectable).
+
+    Skipped under torch.compile, whose ``Signature.bind`` rejects valid calls; a wrong arity then
+    fails at the callable's first call instead (and here in eager mode).
+    """
+    if torch.compiler.is_compiling():
+        return
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some C callables have no signature

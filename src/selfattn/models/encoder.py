@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import masks
+from selfattn._validate import positive_int
 from selfattn.models.hub import (
     CheckpointError,
     UnsupportedConfigError,
@@ -54,9 +55,7 @@ class BertConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BertConfig {name} must be a positive int, got {value!r}")
+            positive_int(getattr(self, name), f"BertConfig {name}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"BertConfig d_model ({self.d_model}) must be divisible by n_heads "
@@ -408,8 +407,7 @@ class SentenceEncoder(nn.Module):
         """
         if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
             raise TypeError("encode() takes a list of strings; wrap a single sentence as [text]")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        positive_int(batch_size, "batch_size")
         sentences = list(sentences)
         dtype = self.model.tokens.weight.dtype
         if not sentences:

@@ -23,15 +23,10 @@ from collections.abc import Callable
 
 import torch
 
+from selfattn._validate import int_at_least
 from selfattn.models.decoder import CACHE_KINDS
 
 __all__ = ["generate", "next_token"]
-
-
-def _check_positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _token_ids(name: str, value) -> tuple[int, ...]:
@@ -91,7 +86,7 @@ def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
             f"temperature must be > 0, got {temperature}; use do_sample=False for greedy decoding"
         )
     if top_k is not None:
-        _check_positive_int("top_k", top_k)
+        int_at_least(top_k, "top_k", 1)
     bad_type = isinstance(top_p, bool) or not isinstance(top_p, (int, float))
     if top_p is not None and (bad_type or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
@@ -142,7 +137,7 @@ def generate(
             f"input_ids must hold at least one integer token per row, got {input_ids.dtype} "
             f"{tuple(input_ids.shape)}"
         )
-    _check_positive_int("max_new_tokens", max_new_tokens, minimum=0)
+    int_at_least(max_new_tokens, "max_new_tokens", 0)
     if cache is not None and cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS} or None, got {cache!r}")
     _check_sampling(do_sample, temperature, top_k, top_p)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import masks
+from selfattn._validate import positive_int
 from selfattn.functional import attention
 from selfattn.scores import ScoreMod
 
@@ -132,8 +133,7 @@ class GATLayer(nn.Module):
     ):
         super().__init__()
         for name, val in (("in_dim", in_dim), ("out_dim", out_dim), ("heads", heads)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"GATLayer {name} must be a positive int, got {val!r}")
+            positive_int(val, f"GATLayer {name}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"GATLayer dropout must be in [0, 1), got {dropout}")
         self.in_dim, self.out_dim, self.heads, self.concat = in_dim, out_dim, heads, concat

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import masks
+from selfattn._validate import positive_int
 from selfattn.models.hub import register, unsupported
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
 from selfattn.nn.mlp import ACTIVATIONS
@@ -340,8 +341,7 @@ class SwinBlock(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
+        positive_int(window, "window")
         if not 0 <= shift < window:
             raise ValueError(f"shift must be in [0, window={window}), got {shift}")
         self.window, self.shift = window, shift

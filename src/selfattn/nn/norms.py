@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from selfattn._validate import positive_int
+
 __all__ = ["LayerNorm", "RMSNorm", "make_norm"]
 
 # LayerNorm is torch's own: it already accumulates half inputs in float32.
@@ -29,8 +31,7 @@ class RMSNorm(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"RMSNorm dim must be a positive int, got {dim!r}")
+        positive_int(dim, "RMSNorm dim")
         if not eps > 0:
             raise ValueError(f"RMSNorm eps must be > 0, got {eps!r}")
         self.dim = dim

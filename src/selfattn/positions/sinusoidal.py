@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from selfattn._validate import positive_int
+
 __all__ = ["LearnedPositions", "Sinusoidal"]
 
 
@@ -90,8 +92,7 @@ class LearnedPositions(nn.Module):
     def __init__(self, max_positions: int, d_model: int):
         super().__init__()
         for name, value in (("max_positions", max_positions), ("d_model", d_model)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LearnedPositions {name} must be a positive int, got {value!r}")
+            positive_int(value, f"LearnedPositions {name}")
         self.max_positions = max_positions
         self.d_model = d_model
         self.weight = nn.Parameter(torch.randn(max_positions, d_model) * 0.02)
