@@ -96,7 +96,7 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     ``t.sum()`` accumulates half types in float32 internally; ``sum(dtype=float32)`` would
     convert the tensor first (5x slower for bf16 on CPU).
     """
-    total = functools.reduce(torch.add, [t.sum() for t in tensors])  # one sync, few ops
+    total = functools.reduce(torch.add, [t.detach().sum() for t in tensors])  # one sync, few ops
     return math.isfinite(total) or all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
