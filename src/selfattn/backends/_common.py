@@ -16,6 +16,7 @@ How non-finite inputs behave, on every backend (each guard below serves this rul
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -98,13 +99,13 @@ def grad_needed(q, k, v, call) -> bool:
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of ``tensors`` is finite: one sum per tensor and one sync.
 
-    A sum is finite iff every term is, barring overflow of the sum itself (fp16's range, or huge
-    finite values), which only costs an exact elementwise check. ``t.sum()`` accumulates half
-    types in float32 internally; ``sum(dtype=float32)`` would convert the tensor first (5x
-    slower for bf16 on CPU).
+    A sum is finite iff every term is, barring overflow of the sum itself (fp16's range, huge
+    finite values, ``inf - inf`` across tensors), which only costs an exact elementwise check.
+    ``t.sum()`` accumulates half types in float32 internally; ``sum(dtype=float32)`` would
+    convert the tensor first (5x slower for bf16 on CPU).
     """
-    totals = torch.stack([t.sum().double() for t in tensors])
-    return bool(torch.isfinite(totals).all()) or all(bool(torch.isfinite(t).all()) for t in tensors)
+    total = functools.reduce(torch.add, [t.detach().sum() for t in tensors])  # one sync, few ops
+    return math.isfinite(total) or all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
