@@ -19,7 +19,7 @@ import math
 import torch
 
 from selfattn.backends import Backend, register
-from selfattn.backends._common import accumulation_dtype
+from selfattn.backends._common import accumulation_dtype, nonfinite_v_part
 from selfattn.backends.paged._intervals import _page_ranges
 from selfattn.backends.paged.call import PagedCall
 
@@ -44,21 +44,11 @@ def _weighted_sum_attended(
     row of the matmul. Here it reaches only the rows that attend it, with IEEE's result for a
     sum over those keys alone (the C kernel's, which never reads other keys): a NaN gives NaN;
     ``±inf`` gives ``±inf`` at a positive weight, NaN at weight 0 or when both signs meet. The
-    finite part is one matmul; four indicator matmuls count where the non-finite values land.
+    finite part is one matmul; ``_common.nonfinite_v_part`` (the dense backends' rule, by
+    indicator matmuls) adds where the non-finite values land.
     Callers take this path only when the plain ``p @ v`` came out non-finite.
     """
-    finite = torch.isfinite(v)
-    out = p @ v.masked_fill(~finite, 0.0)
-    dt = p.dtype
-
-    def hits(w: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # any weighted key lands
-        return (w.to(dt) @ where.to(dt)) > 0
-
-    positive = p > 0  # implies attended: a key no row may attend has score -inf, weight 0
-    pos_inf, neg_inf = hits(positive, v == math.inf), hits(positive, v == -math.inf)
-    nan = hits(attended, v.isnan()) | hits(attended & (p == 0), v.isinf()) | (pos_inf & neg_inf)
-    out = out.masked_fill(pos_inf, math.inf).masked_fill(neg_inf, -math.inf)
-    return out.masked_fill(nan, math.nan)
+    return p @ v.masked_fill(~torch.isfinite(v), 0.0) + nonfinite_v_part(p, attended, v)
 
 
 def _group_scales(scales, ids, B: int, L: int, Hkv: int, cd) -> torch.Tensor:
