@@ -255,6 +255,27 @@ def test_greedy_generate_is_token_equal(folders, family):
     assert torch.equal(got, ref), f"selfattn generated\n{got}\ntransformers\n{ref}"
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_greedy_generate_with_a_static_cache(folders, family):
+    """A StaticCache holds max_cache_len keys from the start: the prefill's queries sit at
+    positions 0..S-1 of a longer key range (q_offset != Sk - Sq), and generate() builds the
+    masks once and hands them back to the model."""
+    ours, theirs, _ = trio(folders, family)
+    ids, mask = padded_batch(family, seed=9)
+    args = dict(
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ours.generate(ids, **args)
+        ref = theirs.generate(ids, **args)
+    assert torch.equal(got, ref), f"selfattn generated\n{got}\ntransformers\n{ref}"
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_decode_step_equals_full_forward(folders, family):
     """The last position's logits from prefill + one cached step equal one full forward."""
