@@ -309,6 +309,26 @@ def test_packed_sequences_attend_within_their_document(folders, family):
     torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
 
 
+def test_flash_varlen_kwargs_pack_sequences(folders):
+    """cu_seq_lens_q / cu_seq_lens_k (flash-attn's varlen form, as DataCollatorWithFlattening
+    gives them) keep packed sequences apart even where transformers' mask does not (an explicit
+    all-ones attention_mask turns its position_ids detection off)."""
+    model = load(folders, "mistral", "selfattn")
+    lengths = [4, 2, 5]
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        got = model(ids, attention_mask=ones, position_ids=pos, use_cache=False, **varlen).logits
+        alone = torch.cat([model(p).logits for p in ids.split(lengths, dim=1)], dim=1)
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q \[0, 4, 6, 11\].*B = 1"):
+            model(ids.expand(2, -1), position_ids=pos, use_cache=False, **varlen)
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "bert"])
 def test_output_attentions_match_eager_weights(folders, family):
     """Weights only when asked, equal to eager's (gpt-oss: each row's keys share what the sink

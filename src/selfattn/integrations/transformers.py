@@ -291,11 +291,15 @@ def attention_forward(
     cache needs); or a 4-D tensor, boolean (True = attend) or additive float. Keywords used:
     ``softcap``, ``s_aux`` (gpt-oss sinks: one logit per query head in every row's softmax
     denominator), ``position_bias`` (added to the scores), ``output_attentions``, ``is_causal``,
-    ``sliding_window``; the rest (``position_ids``, ``use_cache``, ...) are not needed here.
+    ``sliding_window``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (flash-attn's varlen packing, one
+    packed row: each sequence attends only itself); the rest (``position_ids``, ``use_cache``,
+    ...) are not needed here.
     """
     B, Hq, Sq, _ = query.shape
     Sk = key.shape[2]
     mask, q_offset, additive = _layer_mask(module, attention_mask, B, Sq, Sk, kwargs)
+    if kwargs.get("cu_seq_lens_q") is not None:  # flash-attn's varlen packing, asked for as such
+        mask = _and(mask, _varlen_documents(kwargs, B, Sq, Sk))
     score_mod = _score_mod(kwargs.get("softcap"), additive, kwargs.get("position_bias"))
     sinks = kwargs.get("s_aux")
     call = dict(mask=mask, score_mod=score_mod, scale=scaling, q_offset=q_offset)
@@ -340,6 +344,23 @@ def _layer_mask(module, attention_mask, B: int, Sq: int, Sk: int, kwargs):
         f"{type(attention_mask).__name__}; it takes the mask transformers builds for it, None, "
         "or a 4-D (B, 1, Sq, Sk) tensor (bool, True = attend, or additive float)"
     )
+
+
+def _varlen_documents(kwargs, B: int, Sq: int, Sk: int) -> masks.Mask:
+    """``documents(ids)`` from flash-attn's ``cu_seq_lens_q`` (= ``cu_seq_lens_k``): one packed
+    row ``(1, total)`` whose sequence ``i`` spans positions ``cu[i] .. cu[i + 1] - 1``."""
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
+    same = cu_k is None or (cu_k.shape == cu_q.shape and bool((cu_k == cu_q).all()))
+    total = int(cu_q[-1]) if cu_q.numel() else -1
+    if B != 1 or Sq != Sk or total != Sk or not same:
+        raise ValueError(
+            f"cu_seq_lens_q {cu_q.tolist()} / cu_seq_lens_k "
+            f"{None if cu_k is None else cu_k.tolist()} with (B, Sq, Sk) = ({B}, {Sq}, {Sk}): "
+            "selfattn reads them as one packed row (B = 1) of self-attention whose sequences "
+            "end at cu_seq_lens_q[-1] = Sq = Sk; pass position_ids restarting at 0 instead"
+        )
+    pos = torch.arange(Sk, device=cu_q.device)
+    return masks.documents(torch.searchsorted(cu_q[1:], pos, right=True))  # (Sk,) sequence ids
 
 
 def _score_mod(softcap, additive, position_bias):
