@@ -81,6 +81,7 @@ from selfattn.masks.library import (
     _as_index_tensor,
     _presence,
     _preview,
+    _tile_min_max,
     block_sparse,
     causal,
     chunked,
