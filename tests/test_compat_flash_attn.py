@@ -310,7 +310,7 @@ def test_flash_attn_with_kvcache_appends_in_place_and_attends(name, kw, Sq, dtyp
         v_cache = _rand(g, B * n_blocks + 2, P, Hkv, D, dtype=dtype)
         table = torch.randperm(B * n_blocks + 2, generator=g)[: B * n_blocks].view(B, n_blocks)
         table = table.to(torch.int32)
-        extra = {"block_table": table}
+        extra = {"block_table": table if dtype == torch.float32 else table.long()}  # any int
 
         def seq(cache, b, n):  # the first n tokens of sequence b, page by page
             return cache[table[b].long()].reshape(-1, Hkv, D)[:n]

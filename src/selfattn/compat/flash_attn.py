@@ -500,6 +500,7 @@ def flash_attn_with_kvcache(
                 f"block_table must be an int32 (B, max_blocks) tensor, got {table!r}"[:200]
             )
         capacity = table.shape[1] * k_cache.shape[1]
+        table = table.to(device=dev, dtype=torch.int32)  # what the paged kernels read
     else:
         rows = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx
         rows = _int_vector(rows, "cache_batch_idx", B)
