@@ -46,8 +46,10 @@ def test_v_3d(qkv):
 
 def test_batch_mismatch(qkv):
     q, k, v = qkv
-    with raises(ValueError, "B=2", "k has 1", "v has 1"):
-        selfattn.attention(q, k[:1], v[:1])
+    with raises(ValueError, "B=2", "k has 3", "v has 3", "or 1 each"):
+        selfattn.attention(q, torch.cat([k, k[:1]]), torch.cat([v, v[:1]]))
+    with raises(ValueError, "B=2", "k has 1", "v has 2"):  # batch 1 broadcasts only for both
+        selfattn.attention(q, k[:1], v)
 
 
 def test_head_dim_mismatch_between_q_and_k(qkv):

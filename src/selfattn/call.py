@@ -68,7 +68,10 @@ def check_tensors(q, k, v) -> None:
         )
     (B, Hq, _, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Sv, _) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
-        raise ValueError(f"batch sizes differ: q has B={B}, k has {Bk}, v has {Bv}")
+        raise ValueError(
+            f"batch sizes differ: q has B={B}, k has {Bk}, v has {Bv}; k and v need q's batch "
+            "size (or 1 each, in attention(), to share one K/V across the batch)"
+        )
     if D != Dk:
         raise ValueError(
             f"q and k head dims differ: q {tuple(q.shape)} has D={D}, k {tuple(k.shape)} has {Dk}"
@@ -85,6 +88,18 @@ def check_tensors(q, k, v) -> None:
         )
 
 
+def _broadcast_kv_batch(q, k, v):
+    """K and V of batch 1 against a larger query batch as stride-0 views of q's batch (no copy;
+    FlexAttention allows the same). Anything else passes unchanged, for check_tensors to judge."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return k, v
+    B = q.shape[0]
+    if B <= 1 or (k.shape[0], v.shape[0]) != (1, 1):
+        return k, v
+    return k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+
+
 def prepare(
     q,
     k,
@@ -99,7 +114,8 @@ def prepare(
     return_lse=False,
 ):
     """Validate and normalise :func:`selfattn.attention`'s arguments into
-    ``(q, k, v, AttentionCall)``."""
+    ``(q, k, v, AttentionCall)``. K/V of batch 1 come back expanded to q's batch."""
+    k, v = _broadcast_kv_batch(q, k, v)
     check_tensors(q, k, v)
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]

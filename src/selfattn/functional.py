@@ -46,7 +46,8 @@ def attention(
         q: ``(B, Hq, Sq, D)`` queries.
         k: ``(B, Hkv, Sk, D)`` keys; ``Hkv`` divides ``Hq`` (GQA / MQA): query head ``h`` reads
             kv head ``h // (Hq // Hkv)``. K/V are never repeated in memory.
-        v: ``(B, Hkv, Sk, Dv)`` values; ``Dv`` may differ from ``D``.
+        v: ``(B, Hkv, Sk, Dv)`` values; ``Dv`` may differ from ``D``. K and V of batch 1 serve
+            every query batch (as in FlexAttention), as stride-0 views: no copy.
         mask: a :class:`selfattn.masks.Mask`, a FlexAttention-style
             ``mask_mod(b, h, q_idx, kv_idx) -> bool`` or a bool tensor broadcastable to
             ``(B, Hq, Sq, Sk)`` (True = attend).

@@ -14,16 +14,26 @@ Two kinds of backend share the registry machinery (:class:`Registry`: register, 
 predicate taking the same arguments as its ``run``: ``None`` when it can run the case, otherwise
 a sentence saying why not. :func:`explain` (dense) and :func:`explain_paged` take exactly the
 arguments of the function they explain, which is why they are two functions and not a flag.
+
+A global override forces one dense backend wherever a call says ``backend="auto"``: the context
+manager :func:`use` (per thread, nestable) or else the environment variable ``SELFATTN_BACKEND``
+(read at each call), as ``torch.nn.attention.sdpa_kernel`` and vLLM's
+``VLLM_ATTENTION_BACKEND`` do. A ``backend=`` named in the call wins over both; :func:`explain`
+reports the override.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from selfattn.call import AttentionCall, prepare
 
 __all__ = [
+    "ENV_VAR",
     "AttentionCall",
     "Backend",
     "Explanation",
@@ -33,9 +43,11 @@ __all__ = [
     "explain_paged",
     "get",
     "names",
+    "override",
     "register",
     "registry",
     "select",
+    "use",
 ]
 
 
@@ -119,19 +131,25 @@ class Registry:
         self._ensure_loaded()
         return {name: b.reject(*args) for name, b in self._backends.items()}
 
-    def select(self, *args, backend: str = "auto") -> tuple[Backend, Explanation]:
-        """Resolve ``backend`` (a name or ``"auto"``) for this case; raise if it cannot run it."""
+    def select(
+        self, *args, backend: str = "auto", source: str = "requested explicitly"
+    ) -> tuple[Backend, Explanation]:
+        """Resolve ``backend`` (a name or ``"auto"``) for this case; raise if it cannot run it.
+
+        ``source`` says where a named backend came from (the call, or an override), for the
+        explanation and the error."""
         if backend != "auto":
             chosen = self.get(backend)
             reason = chosen.reject(*args)
             if reason is not None:
                 how = "explain" if self.kind == "dense" else f"explain_{self.kind}"
+                by = "" if source == "requested explicitly" else f" ({source})"
                 raise ValueError(
-                    f"backend {backend!r} cannot run this call: {reason}. "
+                    f"backend {backend!r}{by} cannot run this call: {reason}. "
                     f"Use backend='auto', or see selfattn.backends.{how}(...) for the "
                     "alternatives."
                 )
-            return chosen, Explanation(backend, "requested explicitly", {backend: None})
+            return chosen, Explanation(backend, source, {backend: None})
         reasons = self.available(*args)
         name, why, notes = self._rank(*args, reasons)
         return self._backends[name], Explanation(name, why, reasons, notes)
@@ -190,19 +208,86 @@ def available(q, k, v, call: AttentionCall) -> dict[str, str | None]:
 
 def select(q, k, v, call: AttentionCall, backend: str = "auto") -> tuple[Backend, Explanation]:
     """Resolve ``backend`` (a name or ``"auto"``) for this dense case; raise if it cannot run
-    it."""
+    it. ``"auto"`` takes the :func:`override` when one is set."""
+    forced = override() if backend == "auto" else None
+    if forced is not None:
+        return _REGISTRIES["dense"].select(q, k, v, call, backend=forced[0], source=forced[1])
     return _REGISTRIES["dense"].select(q, k, v, call, backend=backend)
+
+
+# -- the global override ---------------------------------------------------------------------
+
+ENV_VAR = "SELFATTN_BACKEND"
+# .name: the backend use() set in this thread ("auto" included), absent outside any use(). A
+# thread-local rather than a ContextVar: torch.compile traces (and guards on) its attribute,
+# whereas ContextVar.get breaks the graph.
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def use(name: str) -> Iterator[None]:
+    """Run ``backend="auto"`` calls in this block (this thread only) on the dense backend ``name``.
+
+    ``with sa.backends.use("chunked"): model(x)`` forces ``chunked`` on every attention call
+    that does not name a backend itself; one that it cannot run raises ``ValueError`` with the
+    reason, as an explicit ``backend=`` would. Blocks nest, the innermost wins, and the previous
+    setting is restored on exit (exceptions included). ``use("auto")`` restores ``auto`` inside
+    an outer block and over ``SELFATTN_BACKEND``. Compiled code is traced again when the
+    setting changes.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"use() takes a backend name (str), got {type(name).__name__} {name!r}")
+    if name != "auto":
+        get(name)  # an unknown name fails here, listing the registered ones
+    previous = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = previous
+
+
+def override() -> tuple[str, str] | None:
+    """``(backend name, where it was set)`` that ``backend="auto"`` calls run on now, or None.
+
+    The innermost :func:`use` block of this thread, else the environment variable
+    ``SELFATTN_BACKEND`` (unset, empty or ``auto``: no override). An unknown name in the
+    variable raises ``ValueError`` listing the registered backends.
+    """
+    name = getattr(_forced, "name", None)
+    if name is not None:
+        return None if name == "auto" else (name, f"set by sa.backends.use({name!r})")
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env in ("", "auto"):
+        return None
+    if env not in names():
+        raise ValueError(
+            f"the environment variable {ENV_VAR}={env!r} names no dense backend; set it to "
+            f"'auto' or one of {sorted(names())}, or unset it"
+        )
+    return env, f"set by the environment variable {ENV_VAR}={env}"
 
 
 def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:
     """Which backend ``selfattn.attention(q, k, v, **kwargs)`` picks under "auto", and why.
 
-    Takes exactly the arguments of :func:`selfattn.attention`. Prints the explanation (unless
-    ``print_table=False``) and returns it.
+    Under an :func:`override` it names the forced backend and where it was set, and still gives
+    every backend's verdict. Takes exactly the arguments of :func:`selfattn.attention`. Prints
+    the explanation (unless ``print_table=False``) and returns it.
     """
     kwargs.pop("backend", None)
     q, k, v, call = prepare(q, k, v, **kwargs)
-    _, explanation = select(q, k, v, call, "auto")
+    forced = override()
+    if forced is None:
+        _, explanation = select(q, k, v, call, "auto")
+    else:
+        name, source = forced
+        reasons = available(q, k, v, call)
+        why = source
+        if reasons[name] is not None:
+            why += f", but it cannot run this call ({reasons[name]}): attention() raises"
+        notes = dict.fromkeys(reasons, f"not considered: {name!r} is {source}")
+        explanation = Explanation(name, why, reasons, notes)
     if print_table:
         print(explanation)
     return explanation

@@ -6,7 +6,8 @@ e.g. the next decode step, does not recompile). The ``BlockMask`` comes from
 ``mask.tile_kinds(...)`` on ``BLOCK × BLOCK`` tiles: EMPTY tiles are skipped, FULL tiles run
 without ``mask_mod``, PARTIAL tiles evaluate it. For the built-in masks that classification is
 analytic, O(tiles) instead of ``create_block_mask``'s O(Sq·Sk) evaluation; block masks are cached
-per (mask object, B, Hq, Sq, Sk, q_offset, device) in a small LRU.
+per (mask object, B, Hq, Sq, Sk, q_offset, device) in a small LRU. (It is ``Mask.to_block_mask``:
+a FlexAttention ``BlockMask`` given as ``mask=`` runs as it is, blocks and ``mask_mod``.)
 
 ``torch.compile(flex_attention)`` is built on first use, never at import, with automatic dynamic
 shapes: the first call compiles for its shape, a second shape recompiles once with symbolic
@@ -43,9 +44,10 @@ from selfattn.backends._common import (
     fused_or_exact,
     grad_needed,
 )
-from selfattn.masks import FULL, PARTIAL, Mask, TileGrid, _callable_failure, _evaluate
+from selfattn.masks import Mask, _callable_failure, _evaluate
+from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
 
-BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
+BLOCK = FLEX_BLOCK  # FlexAttention's default sparse block size; its kernels tile inside it
 _CACHE_SIZE = 16  # block masks kept (each holds O(B·Hq·n_q·n_k) int32 indices and its mask)
 _HALF_AND_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 # Elements of mask evaluated at once when looking for attended non-finite K/V columns.
@@ -55,27 +57,17 @@ _GUARD_CHUNK = 1 << 24
 # -- feature detection (what this torch has; nothing here probes hardware) ---------------------
 
 
-@functools.cache
-def _api():
-    """``torch.nn.attention.flex_attention`` if this torch has it (2.5+), else None."""
-    try:
-        from torch.nn.attention import flex_attention as fa
-    except ImportError:
-        return None
-    return fa
+_api = flex_api  # ``torch.nn.attention.flex_attention`` if this torch has it (2.5+), else None
 
 
 @functools.cache
 def _features() -> dict[str, bool]:
     fa = _api()
     flex = inspect.signature(fa.flex_attention).parameters
-    from_kv = inspect.signature(fa.BlockMask.from_kv_blocks).parameters
     return {
         "enable_gqa": "enable_gqa" in flex,
         "return_aux": "return_aux" in flex and hasattr(fa, "AuxRequest"),
         "return_lse": "return_lse" in flex,
-        # Without seq_lengths a BlockMask assumes whole blocks; create_block_mask is used then.
-        "seq_lengths": "seq_lengths" in from_kv,
     }
 
 
@@ -226,15 +218,17 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
 
 # -- block masks -------------------------------------------------------------------------------
 
+# Kept under their old names here: the flex backend's block masks are ``Mask.to_block_mask``'s.
+_wrapped_mask_mod = wrapped_mask_mod
 
-def _wrapped_mask_mod(mask: Mask, off: torch.Tensor):
-    """Our mask (absolute query positions) as FlexAttention's ``mask_mod`` (query rows)."""
-    inner = mask.as_mask_mod(off)
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return inner(b, h, q_idx + off, kv_idx)
-
-    return mask_mod
+def build_block_mask(
+    mask: Mask, B: int, Hq: int, Sq: int, Sk: int, q_offset: int, device, block: int | None = None
+):
+    """The ``BlockMask`` this backend runs ``mask`` with (not cached): ``mask.to_block_mask``
+    (``block`` None: ``BLOCK``), which a FlexAttention ``BlockMask`` given as ``mask=`` answers
+    with itself."""
+    return mask.to_block_mask(B, Hq, Sq, Sk, q_offset=q_offset, device=device, block_size=block)
 
 
 def _wrapped_score_mod(mod, off: torch.Tensor):
@@ -245,51 +239,6 @@ def _wrapped_score_mod(mod, off: torch.Tensor):
         return inner(score, b, h, q_idx + off, kv_idx)
 
     return score_mod
-
-
-def _kv_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query block, how many key blocks are selected and their indices (selected first).
-
-    ``sel``: bool ``(B', H', n_q, n_k)`` -> ``num (B', H', n_q)`` and ``idx (B', H', n_q, n_k)``,
-    both int32, the layout ``BlockMask.from_kv_blocks`` takes.
-    """
-    num = sel.sum(dim=-1, dtype=torch.int32)  # (B', H', n_q)
-    # A stable descending sort of 0/1 puts the selected blocks first, in increasing key order.
-    idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices
-    return num, idx.to(torch.int32)
-
-
-def build_block_mask(
-    mask: Mask, B: int, Hq: int, Sq: int, Sk: int, q_offset: int, device, block: int = BLOCK
-):
-    """A FlexAttention ``BlockMask`` for ``mask`` from its tile classification (not cached).
-
-    EMPTY tiles are left out, FULL tiles go in the full-block lists (FlexAttention skips
-    ``mask_mod`` there), PARTIAL tiles in the partial lists. Batch and head dims stay 1 where the
-    classification does not vary over them. Torch versions whose ``from_kv_blocks`` has no
-    ``seq_lengths`` get ``create_block_mask`` instead (it evaluates every element).
-    """
-    fa = _api()
-    off = torch.tensor(q_offset, device=device)
-    mask_mod = _wrapped_mask_mod(mask, off)
-    if not _features()["seq_lengths"]:
-        return fa.create_block_mask(mask_mod, B, Hq, Sq, Sk, device=device, BLOCK_SIZE=block)
-    grid = TileGrid(Sq, Sk, block, block, q_offset, device=device)
-    kinds = mask.tile_kinds(grid, B, Hq)
-    kinds = kinds.reshape((1,) * (4 - kinds.dim()) + tuple(kinds.shape))
-    # broadcast dims of size 1 stay 1 (FlexAttention broadcasts them); n_q, n_k are made whole
-    kinds = kinds.expand(kinds.shape[0], kinds.shape[1], grid.n_q, grid.n_k)
-    num, idx = _kv_blocks(kinds == int(PARTIAL))
-    full_num, full_idx = _kv_blocks(kinds == int(FULL))
-    return fa.BlockMask.from_kv_blocks(
-        num,
-        idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
-        seq_lengths=(Sq, Sk),
-    )
 
 
 class _BlockMaskCache:

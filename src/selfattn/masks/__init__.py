@@ -13,11 +13,13 @@ Every :class:`Mask` can
   tiles and drop the mask on full ones;
 - materialise: ``mask.to_dense(Sq, Sk, B=, H=)`` -> bool ``(B, H, Sq, Sk)``;
 - print: ``mask.render(Sq, Sk)`` (█ attend, · masked);
+- become a FlexAttention ``BlockMask``: ``mask.to_block_mask(B, H, Sq, Sk)``;
 - answer what a consumer asks of it: ``key_interval`` (one key interval per query row, for the
   paged kernels), ``analytic``, ``relative``, ``is_causal``, ``row_ordered`` (see :class:`Mask`).
 
-Masks combine with ``&``, ``|`` and ``~``. Plain callables ``mask_mod(b, h, q_idx, kv_idx) -> bool``
-and bool tensors are accepted wherever a mask is (see :func:`as_mask`).
+Masks combine with ``&``, ``|`` and ``~``. Plain callables
+``mask_mod(b, h, q_idx, kv_idx) -> bool``, bool tensors and FlexAttention ``BlockMask`` objects are
+accepted wherever a mask is (see :func:`as_mask`).
 
 Tile classification is *sound* for every mask: EMPTY means no pair of the tile attends and FULL
 means every pair does, for each ``(b, h)``. For each built-in leaf it is also *tight* (a tile is
@@ -27,6 +29,7 @@ in fact empty or full, which costs a backend some mask work but never a wrong an
 Layout: :mod:`~selfattn.masks.base` (the protocol, tiles, ``&``/``|``/``~``),
 :mod:`~selfattn.masks.library` (the built-ins), :mod:`~selfattn.masks.tensor` and
 :mod:`~selfattn.masks.callable` (masks from a bool tensor or a user callable),
+:mod:`~selfattn.masks.flex` (FlexAttention ``BlockMask`` to and from masks),
 :mod:`~selfattn.masks.elementwise` (calling user callables on index tensors).
 """
 
@@ -66,6 +69,7 @@ from selfattn.masks.elementwise import (
     _ReturnShapeError,
     _ReturnTypeError,
 )
+from selfattn.masks.flex import FlexBlockMask
 from selfattn.masks.library import (
     BlockSparse,
     Causal,
@@ -77,6 +81,7 @@ from selfattn.masks.library import (
     _as_index_tensor,
     _presence,
     _preview,
+    _tile_min_max,
     block_sparse,
     causal,
     chunked,
@@ -92,6 +97,7 @@ __all__ = [
     "FULL",
     "PARTIAL",
     "CallableMask",
+    "FlexBlockMask",
     "Mask",
     "TileGrid",
     "TileKind",

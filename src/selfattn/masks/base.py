@@ -334,6 +334,38 @@ class Mask:
         dense = _evaluate(self.mask_mod, B, H, Sq, Sk, q_offset, device, mask_q_offset=q_offset)
         return dense.expand(B, H, Sq, Sk)
 
+    def to_block_mask(
+        self,
+        B: int | None,
+        H: int | None,
+        Sq: int,
+        Sk: int,
+        *,
+        q_offset: int | None = None,
+        device=None,
+        block_size: int | tuple[int, int] | None = None,
+    ):
+        """This mask as a FlexAttention ``BlockMask``, for ``flex_attention(q, k, v,
+        block_mask=...)`` called directly: the same result as ``selfattn.attention(q, k, v,
+        mask=self)``.
+
+        Arguments as ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)``
+        (``B``/``H`` None or 1: the same for every batch / head). ``q_offset`` defaults to
+        ``Sk - Sq``, selfattn's bottom-right alignment; FlexAttention's own masks are top-left
+        (``q_offset=0``). Blocks come from :meth:`tile_kinds` (O(tiles) for the built-ins),
+        ``block_size`` defaults to FlexAttention's 128.
+        """
+        from selfattn.masks.flex import FLEX_BLOCK, build_block_mask
+
+        B, H = 1 if B is None else B, 1 if H is None else H
+        for name, x in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk)):
+            checked_int(x, f"to_block_mask {name}", 0)
+        q_offset = Sk - Sq if q_offset is None else checked_int(q_offset, "to_block_mask q_offset")
+        _check_position_span(q_offset, Sq, "to_block_mask q_offset")
+        self.validate(B, H, Sq, Sk, q_offset)
+        block_size = FLEX_BLOCK if block_size is None else block_size
+        return build_block_mask(self, B, H, Sq, Sk, q_offset, device, block_size)
+
     def render(
         self, Sq: int, Sk: int | None = None, *, q_offset: int | None = None, b=0, h=0
     ) -> str:
@@ -463,18 +495,22 @@ class Not(_Combine):
 
 
 def as_mask(mask) -> Mask:
-    """Normalise ``mask=``: a :class:`Mask`, a bool tensor, or a mask_mod callable."""
-    # the two leaf kinds build on this module, so they are imported when first needed
+    """Normalise ``mask=``: a :class:`Mask`, a bool tensor, a FlexAttention ``BlockMask``
+    (:class:`~selfattn.masks.flex.FlexBlockMask`) or a mask_mod callable."""
+    # the leaf kinds build on this module, so they are imported when first needed
     from selfattn.masks.callable import CallableMask
+    from selfattn.masks.flex import FlexBlockMask, is_block_mask
     from selfattn.masks.tensor import TensorMask
 
     if isinstance(mask, Mask):
         return mask
     if isinstance(mask, torch.Tensor):
         return TensorMask(mask)
+    if is_block_mask(mask):
+        return FlexBlockMask(mask)
     if callable(mask):
         return CallableMask(mask)
     raise TypeError(
-        f"mask must be a selfattn.masks.Mask, a bool tensor or a mask_mod(b, h, q_idx, kv_idx) "
-        f"callable, got {type(mask).__name__}"
+        f"mask must be a selfattn.masks.Mask, a bool tensor, a FlexAttention BlockMask or a "
+        f"mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}"
     )

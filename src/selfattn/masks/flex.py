@@ -1,0 +1,229 @@
+"""FlexAttention's ``BlockMask`` and selfattn masks, both ways.
+
+- :func:`build_block_mask` (``Mask.to_block_mask``): a ``BlockMask`` from a mask's tile
+  classification, for the flex backend and for users who call ``flex_attention`` themselves.
+  EMPTY tiles are left out, FULL tiles go in the full-block lists (FlexAttention skips
+  ``mask_mod`` there), PARTIAL tiles in the partial lists; for the built-in masks that costs
+  O(tiles), not ``create_block_mask``'s O(Sq·Sk) evaluation.
+- :class:`FlexBlockMask` (what :func:`~selfattn.masks.as_mask` makes of a ``BlockMask``): a
+  ``BlockMask`` as a selfattn mask. Its meaning is FlexAttention's: a pair attends when its block
+  is a full block, or a partial block whose ``mask_mod(b, h, q_idx, kv_idx)`` is True, with
+  ``q_idx`` the query *row* (FlexAttention has no query offset). The flex backend runs the
+  ``BlockMask`` itself; the other backends read its blocks and ``mask_mod``.
+
+FlexAttention's ``mask_mod`` sees query rows; ours see absolute positions ``q_offset + row``, so a
+built ``BlockMask`` carries our mask wrapped to add ``q_offset`` (a 0-d tensor, so that another
+offset does not recompile a kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import sys
+
+import torch
+
+from selfattn.masks.base import EMPTY, FULL, PARTIAL, Mask, TileGrid
+from selfattn.masks.elementwise import _call_elementwise, _check_bool
+
+FLEX_BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
+_FLEX_MODULE = "torch.nn.attention.flex_attention"
+
+
+@functools.cache
+def flex_api():
+    """``torch.nn.attention.flex_attention`` if this torch has it (2.5+), else None."""
+    try:
+        from torch.nn.attention import flex_attention as fa
+    except ImportError:
+        return None
+    return fa
+
+
+def is_block_mask(obj) -> bool:
+    """Whether ``obj`` is a FlexAttention ``BlockMask`` (without importing FlexAttention: an
+    object cannot be one unless its module is loaded)."""
+    fa = sys.modules.get(_FLEX_MODULE)
+    return fa is not None and isinstance(obj, getattr(fa, "BlockMask", ()))
+
+
+@functools.cache
+def _from_kv_blocks_takes_seq_lengths() -> bool:
+    # Without seq_lengths a BlockMask assumes whole blocks; create_block_mask is used then.
+    return "seq_lengths" in inspect.signature(flex_api().BlockMask.from_kv_blocks).parameters
+
+
+def _block_sizes(block_size) -> tuple[int, int]:
+    """``(block_q, block_k)`` from an int or a pair, FlexAttention's ``BLOCK_SIZE``."""
+    sizes = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    ok = len(sizes) == 2 and all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
+    )
+    if not ok:
+        raise ValueError(
+            f"block_size must be a positive int or a pair (block_q, block_k), got {block_size!r}"
+        )
+    return sizes
+
+
+def wrapped_mask_mod(mask: Mask, off: torch.Tensor):
+    """Our mask (absolute query positions) as FlexAttention's ``mask_mod`` (query rows)."""
+    inner = mask.as_mask_mod(off)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return inner(b, h, q_idx + off, kv_idx)
+
+    return mask_mod
+
+
+def kv_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block, how many key blocks are selected and their indices (selected first).
+
+    ``sel``: bool ``(B', H', n_q, n_k)`` -> ``num (B', H', n_q)`` and ``idx (B', H', n_q, n_k)``,
+    both int32, the layout ``BlockMask.from_kv_blocks`` takes.
+    """
+    num = sel.sum(dim=-1, dtype=torch.int32)  # (B', H', n_q)
+    # A stable descending sort of 0/1 puts the selected blocks first, in increasing key order.
+    idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return num, idx.to(torch.int32)
+
+
+def build_block_mask(
+    mask: Mask, B: int, H: int, Sq: int, Sk: int, q_offset: int, device, block_size=FLEX_BLOCK
+):
+    """A FlexAttention ``BlockMask`` for ``mask`` from its tile classification (see
+    :meth:`Mask.to_block_mask`). Batch and head dims stay 1 where the classification does not
+    vary over them. Torch versions whose ``from_kv_blocks`` has no ``seq_lengths`` get
+    ``create_block_mask`` instead (it evaluates every element)."""
+    fa = flex_api()
+    if fa is None:
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no FlexAttention (BlockMask needs torch >= 2.5)"
+        )
+    bq, bk = _block_sizes(block_size)
+    off = torch.tensor(q_offset, device=device)
+    mask_mod = wrapped_mask_mod(mask, off)
+    if not _from_kv_blocks_takes_seq_lengths():
+        return fa.create_block_mask(mask_mod, B, H, Sq, Sk, device=device, BLOCK_SIZE=(bq, bk))
+    grid = TileGrid(Sq, Sk, bq, bk, q_offset, device=device)
+    kinds = mask.tile_kinds(grid, B, H)
+    kinds = kinds.reshape((1,) * (4 - kinds.dim()) + tuple(kinds.shape))
+    # broadcast dims of size 1 stay 1 (FlexAttention broadcasts them); n_q, n_k are made whole
+    kinds = kinds.expand(kinds.shape[0], kinds.shape[1], grid.n_q, grid.n_k)
+    num, idx = kv_blocks(kinds == int(PARTIAL))
+    full_num, full_idx = kv_blocks(kinds == int(FULL))
+    return fa.BlockMask.from_kv_blocks(
+        num, idx, full_num, full_idx, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(Sq, Sk)
+    )
+
+
+# -- a BlockMask as a selfattn mask --------------------------------------------------------------
+
+
+def _dense_blocks(num: torch.Tensor, idx: torch.Tensor, n_k: int) -> torch.Tensor:
+    """bool ``(B', H', n_q, n_k)``: the blocks listed by ``num (B', H', n_q)``, ``idx (..., m)``."""
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1).long()
+    # unlisted slots are scattered into a spare column n_k, dropped afterwards
+    cols = torch.where(listed, idx.long(), n_k).clamp(max=n_k)
+    out = torch.zeros(*idx.shape[:-1], n_k + 1, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, cols, True)[..., :n_k]
+
+
+def _range_min_max(kinds, dim: int, first: int, count: int, tile: int, block: int):
+    """Min and max of ``kinds`` along ``dim`` (blocks of ``block``) over each tile of ``tile``
+    elements covering elements ``[first, first + count)``: two tensors with ``ceil(count/tile)``
+    entries along ``dim``."""
+    n = math.ceil(count / tile)
+    start = torch.arange(n, device=kinds.device) * tile
+    lo = (first + start) // block
+    hi = (first + torch.clamp(start + tile, max=count) - 1) // block
+    lo, hi = lo.clamp(max=kinds.shape[dim] - 1), hi.clamp(max=kinds.shape[dim] - 1)
+    low = high = None
+    for step in range(int((hi - lo).max()) + 1 if n else 0):  # a tile spans few blocks
+        part = kinds.index_select(dim, torch.minimum(lo + step, hi))
+        low = part if low is None else torch.minimum(low, part)
+        high = part if high is None else torch.maximum(high, part)
+    return low, high
+
+
+class FlexBlockMask(Mask):
+    """A FlexAttention ``BlockMask`` (``create_block_mask`` or ``BlockMask.from_kv_blocks``) as a
+    mask, with FlexAttention's meaning (module docstring): read by query row, like a bool tensor
+    mask, so the call's ``q_offset`` moves score mods but not this mask."""
+
+    row_ordered = True
+
+    def __init__(self, block_mask):
+        if not is_block_mask(block_mask):
+            raise TypeError(f"expected a FlexAttention BlockMask, got {type(block_mask).__name__}")
+        self.block_mask = block_mask
+        self.fn = block_mask.mask_mod  # what the flex backend keys its compiled kernels on
+        self.block_q, self.block_k = _block_sizes(block_mask.BLOCK_SIZE)
+        self.Sq, self.Sk = block_mask.seq_lengths
+        self._kinds_on: dict = {}
+
+    def kinds(self, device=None) -> torch.Tensor:
+        """int8 :class:`~selfattn.masks.TileKind` of each block, ``(B', H', n_q, n_k)``."""
+        bm = self.block_mask
+        key = str(torch.device(device) if device is not None else bm.kv_num_blocks.device)
+        if key not in self._kinds_on:
+            n_k = max(math.ceil(self.Sk / self.block_k), 1)
+            partial = _dense_blocks(bm.kv_num_blocks, bm.kv_indices, n_k)
+            kinds = partial.to(torch.int8) * int(PARTIAL)
+            if bm.full_kv_num_blocks is not None:
+                full = _dense_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, n_k)
+                kinds = kinds.masked_fill(full, int(FULL))
+            self._kinds_on[key] = kinds.to(key)
+        return self._kinds_on[key]
+
+    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+        row = q_idx - q_offset
+        kinds = self.kinds(q_idx.device)
+        bi = b if kinds.shape[0] > 1 else torch.zeros_like(b)
+        hi = h if kinds.shape[1] > 1 else torch.zeros_like(h)
+        block = kinds[bi, hi, row // self.block_q, kv_idx // self.block_k]
+        inner = _check_bool(
+            _call_elementwise(self.block_mask.mask_mod, (b, h, row, kv_idx), "mask_mod"), self.fn
+        )
+        return (block == int(FULL)) | ((block == int(PARTIAL)) & inner)
+
+    def tile_kinds(self, grid, B=1, H=1):
+        # A tile is FULL when every block it touches is full, EMPTY when every one is empty;
+        # partial blocks (mask_mod decides) make it PARTIAL, which is always sound.
+        kinds = self.kinds(grid.device)
+        lo, hi = _range_min_max(kinds, 2, grid.first_row, grid.Sq, grid.block_q, self.block_q)
+        lo, _ = _range_min_max(lo, 3, grid.kv_offset, grid.Sk, grid.block_k, self.block_k)
+        _, hi = _range_min_max(hi, 3, grid.kv_offset, grid.Sk, grid.block_k, self.block_k)
+        out = torch.full_like(lo, int(PARTIAL))
+        return out.masked_fill(lo == int(FULL), int(FULL)).masked_fill(hi == int(EMPTY), int(EMPTY))
+
+    def to_block_mask(self, B, H, Sq, Sk, *, q_offset=None, device=None, block_size=None):
+        """The ``BlockMask`` itself (on ``device``), after checking it fits the call."""
+        self.validate(1 if B is None else B, 1 if H is None else H, Sq, Sk, 0)
+        if block_size is not None and _block_sizes(block_size) != (self.block_q, self.block_k):
+            raise ValueError(
+                f"this mask is a BlockMask with BLOCK_SIZE={(self.block_q, self.block_k)}; it "
+                f"is used as it is, not re-blocked to {block_size!r}"
+            )
+        return self.block_mask if device is None else self.block_mask.to(device)
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        Bm, Hm = self.block_mask.kv_num_blocks.shape[:2]
+        if (Sq, Sk) != (self.Sq, self.Sk) or Bm not in (1, B) or Hm not in (1, H):
+            raise ValueError(
+                f"BlockMask built for (B, H, Q_LEN, KV_LEN) = ({Bm}, {Hm}, {self.Sq}, {self.Sk}) "
+                f"cannot mask a call with (B, Hq, Sq, Sk) = ({B}, {H}, {Sq}, {Sk}); build it with "
+                f"create_block_mask(mask_mod, B, Hq, Sq, Sk) (B or H may be 1)"
+            )
+
+    def _batch_heads(self):
+        return tuple(self.block_mask.kv_num_blocks.shape[:2])
+
+    def __repr__(self) -> str:
+        Bm, Hm = self.block_mask.kv_num_blocks.shape[:2]
+        return (
+            f"block_mask(<BlockMask ({Bm}, {Hm}, {self.Sq}, {self.Sk}), "
+            f"BLOCK_SIZE={(self.block_q, self.block_k)}>)"
+        )
