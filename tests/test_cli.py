@@ -511,6 +511,36 @@ def test_bench_runs_scripts_and_collects_json(capsys, tmp_path):
     assert rc == 1 and "no benchmarks folder" in err and "--dir" in err
 
 
+def test_info_says_whether_each_kernel_runs_here(capsys):
+    rc, out, _ = run(capsys, "info", "--json")
+    assert rc == 0
+    c_kernel, triton, flex = json.loads(out)["kernels"]
+    from selfattn.kernels import paged_decode
+
+    assert c_kernel["loaded"] == (paged_decode.library() is not None)
+    assert (c_kernel["why_not"] is None) == c_kernel["loaded"]
+    assert c_kernel["dtypes"] == [str(d)[6:] for d in paged_decode.supported_dtypes()]
+    assert triton["cuda"] == torch.cuda.is_available()
+    assert flex["torch_has_it"] and flex["compiles"] is None  # compiled only with --probe
+    rc, text, _ = run(capsys, "info")
+    assert "C paged decode" in text and "selfattn info --probe" in text
+
+
+def test_info_without_a_compiler_triton_or_rich(tmp_path):
+    """Nothing missing makes info fail: each kernel says why it cannot run."""
+    from _no_extras import run_without
+
+    code = "from selfattn.cli import main; main(['info', '--json']); print('@@'); main(['info'])"
+    env = {"PATH": str(tmp_path), "CC": "", "SELFATTN_CACHE_DIR": str(tmp_path / "cache")}
+    done = run_without(code, ("rich", "triton"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    as_json, text = done.stdout.split("@@")
+    c_kernel, triton, _ = json.loads(as_json)["kernels"]
+    assert not c_kernel["loaded"] and "no C compiler found" in c_kernel["why_not"]
+    assert "pip install 'selfattn[triton]'" in triton["why_not"]
+    assert "no C compiler found" in text and "selfattn[triton]" in text
+
+
 def test_info_says_which_backends_run_here(capsys):
     rc, out, _ = run(capsys, "info", "--json")
     assert rc == 0
