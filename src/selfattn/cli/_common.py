@@ -121,7 +121,7 @@ def add_max_bytes(parser: argparse.ArgumentParser, refused: str) -> None:
 
 
 # `NAME:N`, the mask terms `selfattn backends --mask` took before every subcommand shared the
-# expression grammar of `selfattn mask` (issue 12): refused, with the expression to write instead.
+# expression grammar of `selfattn mask`: refused, with the expression to write instead.
 # A match starts only where a name starts (the lookbehind), so the search stays linear.
 _OLD_MASK_TERM = re.compile(r"(?<!\w)(?P<name>[A-Za-z_]\w*)\s*:\s*(?P<n>[+-]?\d+)")
 _SHOWN = 100  # characters of a suggested expression shown in an error

@@ -1,6 +1,6 @@
 """Heatmaps of attention weights and masks (matplotlib, PNG or SVG, no display needed).
 
-The picture follows seed page 003, section 2: rows = queries, columns = keys, each row sums to 1;
+The picture follows the usual convention: rows = queries, columns = keys, each row sums to 1;
 masked pairs are grey (their score was ``-inf``). Figures are built with
 ``matplotlib.figure.Figure`` directly, never pyplot, so plotting changes no global state and works
 without a display.
