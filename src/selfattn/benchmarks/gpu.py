@@ -16,12 +16,15 @@ recompile limit are per process):
   table) of ``selfattn.cache.paged_attention`` against SDPA ``enable_gqa`` on contiguous K/V and
   against gathering the pages + SDPA; GB/s of K/V read against a measured copy ceiling.
 
-Run: ``python -m selfattn.benchmarks.gpu --part correct|speed|decode [--quick] [--json FILE]``.
+Run: ``python -m selfattn.benchmarks.gpu [--part correct|speed|decode] [--quick] [--json [FILE]]``;
+without ``--part`` the three parts run in turn, each in its own process; ``--json`` without a
+file prints the results on stdout (the progress lines then go to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -361,12 +364,18 @@ def _int8(quant, kp, vp):
     return kq, vq, ks, vs
 
 
+PARTS = ("correct", "speed", "decode")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("correct", "speed", "decode"), required=True)
+    p.add_argument("--part", choices=PARTS, help="one part (default: all, one process each)")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--budget", type=float, default=240.0, help="seconds for --part correct")
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help="write the results as JSON to FILE "
+        "(stdout without FILE)"
+    )  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     args = p.parse_args(argv)
     global DEV
@@ -374,6 +383,21 @@ def main(argv=None) -> int:
     if DEV == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; use --device cpu for a smoke run", file=sys.stderr)
         return 2
+    to_stdout = args.json == "-"
+    # JSON on stdout: the progress lines go to stderr
+    with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+        code, result = _all_parts(args) if args.part is None else _one_part(args)
+    if args.json:
+        text = json.dumps(result, indent=1, default=str)
+        if to_stdout:
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    return code
+
+
+def _one_part(args) -> tuple[int, dict]:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     print(f"# {name} torch {torch.__version__}", flush=True)
     try:
@@ -382,13 +406,37 @@ def main(argv=None) -> int:
         )
     except Exception:
         traceback.print_exc()
-        return 1
+        return 1, {}
+    from selfattn.benchmarks import _util
+
     result["device"] = name
-    result["torch"] = torch.__version__
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    return 0
+    result["machine"] = _util.machine()
+    return 0, result
+
+
+def _all_parts(args) -> tuple[int, dict]:
+    """Each part in a fresh process (FlexAttention's compile cache and Dynamo's recompile limit
+    are per process); ``{"machine": ..., part: its result}``."""
+    import os
+    import subprocess
+    import tempfile
+
+    from selfattn.benchmarks import _util
+
+    code, results = 0, {"machine": _util.machine()}  # the parts' results follow
+    with tempfile.TemporaryDirectory(prefix="selfattn-gpu-") as tmp:
+        for part in PARTS:
+            out = os.path.join(tmp, f"{part}.json")
+            cmd = [sys.executable, "-m", __spec__.name, "--part", part, "--json", out]
+            cmd += ["--device", args.device, "--budget", str(args.budget)]
+            cmd += ["--quick"] if args.quick else []
+            sys.stdout.flush()
+            done = subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr)
+            code = code or done.returncode
+            if os.path.exists(out):
+                with open(out) as f:
+                    results[part] = json.load(f)
+    return code, results
 
 
 if __name__ == "__main__":
