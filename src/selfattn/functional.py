@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from selfattn import backends as _backends
+from selfattn._log import log_once
 from selfattn.backends.paged import call as _paged
 from selfattn.call import prepare
 
@@ -110,11 +113,21 @@ def attention(
         chosen, _ = _backends.select(q, k, v, call, backend)
         try:
             out, lse = chosen.run(q, k, v, call)
-        except _backends.BackendCompileError:
+        except _backends.BackendCompileError as e:
             if backend != "auto":
                 raise
             # the failed backend now declines this case: auto picks the next one
+            failed = chosen.name
             chosen, _ = _backends.select(q, k, v, call, backend)
+            log_once(
+                ("compile failed", failed, chosen.name),
+                logging.WARNING,
+                "selfattn: backend %r failed to compile; auto runs %r instead (and for later "
+                "calls of this case). %s",
+                failed,
+                chosen.name,
+                e,
+            )
             out, lse = chosen.run(q, k, v, call)
     return (out, lse) if return_lse else out
 

@@ -17,10 +17,12 @@ How non-finite inputs behave, on every backend (each guard below serves this rul
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
+from selfattn._log import log_once
 from selfattn.masks import _index_grids
 
 __all__ = [
@@ -129,7 +131,7 @@ def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -
     return out.masked_fill_((nan > 0) | ((up > 0) & (down > 0)), math.nan)
 
 
-def fused_or_exact(q, k, v, call, attend, attend_zeroed):
+def fused_or_exact(q, k, v, call, attend, attend_zeroed, *, backend: str):
     """``(out, lse)`` from a fused kernel, checked: what sdpa and flex run.
 
     A fused kernel adds masks to the scores and multiplies every weight by every V row, so NaN/Inf
@@ -146,6 +148,9 @@ def fused_or_exact(q, k, v, call, attend, attend_zeroed):
     as it is where ``attend_zeroed`` cannot zero without looking at values (None); the rarer
     cases the exact path also covers (a NaN query row on CPU kernels, a key non-finite at a
     masked entry of a row while another row attends it) follow the kernel.
+
+    Each way of redoing a call is logged once per ``backend`` on the ``selfattn`` logger (INFO:
+    the result is exact, only slower).
     """
     if torch.compiler.is_compiling():
         result = attend_zeroed()
@@ -156,9 +161,23 @@ def fused_or_exact(q, k, v, call, attend, attend_zeroed):
     if all_finite(q) and not all_finite(k, v):
         result = attend_zeroed()
         if result is not None and all_finite(result[0]):
+            _redone(backend, f"{backend} again with the unattended non-finite K/V columns zeroed")
             return result
     from selfattn.backends import chunked, reference
 
     if chunked.reject(q, k, v, call) is None:
+        _redone(backend, "chunked's exact path")
         return chunked.run(q, k, v, call, exact=True)
+    _redone(backend, "the reference backend")
     return reference.run(q, k, v, call)
+
+
+def _redone(backend: str, how: str) -> None:
+    log_once(
+        ("non-finite redo", backend, how),
+        logging.INFO,
+        "selfattn %s: the fused kernel's output had NaN/Inf (non-finite inputs); call redone by "
+        "%s, which keeps them where they belong (logged once)",
+        backend,
+        how,
+    )

@@ -31,12 +31,14 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import logging
 import os
 import sys
 import threading
 
 import torch
 
+from selfattn._log import log_once
 from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
 from selfattn.backends._common import (
     accumulation_dtype,
@@ -336,7 +338,9 @@ def _run(q, k, v, call: AttentionCall):
         kz, vz = _unattended_nonfinite_zeroed(k, v, call, q.shape[1], q.shape[2])
         return _attend(q, kz, vz, call) if all_finite(kz, vz) else None
 
-    return fused_or_exact(q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed)
+    return fused_or_exact(
+        q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed, backend="flex"
+    )
 
 
 def _attend(q, k, v, call: AttentionCall):
@@ -369,6 +373,14 @@ def _attend(q, k, v, call: AttentionCall):
                 raise
             if mode is None:  # retry with static shapes, and remember to start there next time
                 _STATIC_ONLY.add(signature)
+                log_once(
+                    ("flex dynamic shapes", type(e).__name__),
+                    logging.INFO,
+                    "selfattn flex: compiling with dynamic shapes failed (%s: %s); compiling "
+                    "with static shapes instead (one compile per shape)",
+                    type(e).__name__,
+                    str(e).splitlines()[0][:160] if str(e) else "",
+                )
                 continue
             _FAILED[_case_key(q, k, v, call)] = (
                 f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

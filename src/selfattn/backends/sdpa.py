@@ -275,7 +275,9 @@ def _run(q, k, v, call: AttentionCall):
         except _StillNonFinite:
             return None
 
-    return fused_or_exact(q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed)
+    return fused_or_exact(
+        q, k, v, call, lambda: _attend(q, k, v, call), attend_zeroed, backend="sdpa"
+    )
 
 
 class _StillNonFinite(Exception):

@@ -1,10 +1,21 @@
-"""How many bytes a KV cache needs: :func:`kv_cache_bytes` and :func:`format_bytes`."""
+"""How many bytes a KV cache needs: :func:`kv_cache_bytes`, :func:`format_bytes`, and the cache
+shape of any transformers-style model config (:func:`kv_shape_from_config`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import torch
 
-__all__ = ["KV_DTYPES", "dtype_name", "format_bytes", "kv_cache_bytes"]
+__all__ = [
+    "KV_DTYPES",
+    "KVShape",
+    "dtype_name",
+    "format_bytes",
+    "kv_cache_bytes",
+    "kv_shape_from_config",
+]
 
 # Storage bytes per element of each dtype name; int8 and fp8 also carry float32 scales (below).
 KV_DTYPES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
@@ -78,3 +89,124 @@ def format_bytes(n: int) -> str:
         k += 1
     text = f"{n / 1024**k:.2f}".rstrip("0").rstrip(".")
     return f"{text} {units[k]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVShape:
+    """What a model's KV cache holds per token: ``layers`` x ``kv_heads`` x ``head_dim`` for K and
+    for V; ``sliding_layers`` of the layers keep only the last ``sliding_window`` tokens.
+    ``heads`` (query heads) does not change the size; ``dtype`` is the checkpoint's, if known."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads: int
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+    dtype: str | None = None
+
+    def bytes(self, tokens: int, dtype, batch: int = 1) -> int:
+        """Bytes for ``batch`` sequences of ``tokens`` tokens (:func:`kv_cache_bytes` per kind of
+        layer: the sliding ones cache ``min(tokens, sliding_window)``)."""
+        full = self.layers - self.sliding_layers
+        size = lambda layers, n: kv_cache_bytes(  # noqa: E731
+            layers, self.kv_heads, self.head_dim, n, dtype, batch=batch
+        )
+        total = size(full, tokens) if full else 0
+        if self.sliding_layers:
+            total += size(self.sliding_layers, min(tokens, self.sliding_window))
+        return total
+
+
+# transformers spells each quantity differently per family; the first key present wins.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_DECODER_LAYER_KEYS = ("decoder_layers", "num_decoder_layers")  # encoder-decoders: the decoder's
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv_groups")
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+def _first(config: Mapping, keys: tuple[str, ...]):
+    return next((config[k] for k in keys if config.get(k) is not None), None)
+
+
+def kv_shape_from_config(config: Mapping) -> KVShape:
+    """The KV cache shape of a transformers-style ``config.json`` (as a dict).
+
+    Reads the layer count (the decoder's for encoder-decoders: its self-attention cache; the
+    cross-attention cache depends on the encoder's length and is not counted), query and KV heads
+    (``multi_query``: one), ``head_dim`` (else ``d_kv``, else the width over the heads), the
+    sliding window with the layers it applies to (``layer_types``; Gemma-2's alternation,
+    ``sliding_window_pattern``, Qwen2's ``use_sliding_window`` / ``max_window_layers``; else
+    every layer, as Mistral) and the checkpoint dtype (``dtype`` / ``torch_dtype``). A
+    multimodal config is read through its ``text_config``.
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping (a parsed config.json), got {type(config)}")
+    if _first(config, _LAYER_KEYS + _DECODER_LAYER_KEYS) is None and isinstance(
+        config.get("text_config"), Mapping
+    ):
+        return kv_shape_from_config({**config["text_config"], **_dtype_keys(config)})
+    if config.get("kv_lora_rank"):
+        raise ValueError(
+            f"config has kv_lora_rank={config['kv_lora_rank']}: multi-head latent attention "
+            "caches one compressed latent per token, not per-head K/V; give --layers, "
+            "--kv-heads 1 and --head-dim (kv_lora_rank + qk_rope_head_dim) to size it"
+        )
+    model = config.get("model_type", "?")
+    layers = _first(config, _DECODER_LAYER_KEYS) or _first(config, _LAYER_KEYS)
+    heads = _first(config, _HEAD_KEYS)
+    for name, value, keys in (("layers", layers, _LAYER_KEYS), ("heads", heads, _HEAD_KEYS)):
+        if value is None:
+            raise ValueError(f"config ({model}) has none of {', '.join(keys)}: its {name}")
+    kv_heads = 1 if config.get("multi_query") else (_first(config, _KV_HEAD_KEYS) or heads)
+    head_dim = config.get("head_dim") or config.get("d_kv")
+    if head_dim is None:
+        width = _first(config, _WIDTH_KEYS)
+        if width is None:
+            raise ValueError(
+                f"config ({model}) has no head_dim and none of {', '.join(_WIDTH_KEYS)} to "
+                "divide by the heads"
+            )
+        head_dim = width // heads
+    window, sliding = _sliding(config, layers)
+    return KVShape(
+        layers=_count(layers, "layers"),
+        kv_heads=_count(kv_heads, "kv_heads"),
+        head_dim=_count(head_dim, "head_dim"),
+        heads=_count(heads, "heads"),
+        sliding_window=window,
+        sliding_layers=sliding,
+        dtype=_checkpoint_dtype(config),
+    )
+
+
+def _dtype_keys(config: Mapping) -> dict:
+    return {k: config[k] for k in ("dtype", "torch_dtype") if config.get(k) is not None}
+
+
+def _sliding(config: Mapping, layers: int) -> tuple[int | None, int]:
+    """``(sliding_window, how many layers use it)``, ``(None, 0)`` without a window."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None, 0
+    window = _count(window, "sliding_window")
+    types = config.get("layer_types")
+    if types is not None:
+        return window, sum(t == "sliding_attention" for t in types)
+    if config.get("model_type") == "qwen2":  # windowed from layer max_window_layers on
+        return window, max(0, layers - config.get("max_window_layers", layers))
+    pattern = config.get("sliding_window_pattern")
+    if pattern is None and config.get("model_type") == "gemma2":
+        pattern = 2  # sliding, global, sliding, ...
+    if pattern:
+        return window, sum((i + 1) % pattern != 0 for i in range(layers))
+    return window, layers  # Mistral: every layer
+
+
+def _checkpoint_dtype(config: Mapping) -> str | None:
+    value = _dtype_keys(config)
+    try:
+        return dtype_name(next(iter(value.values()))) if value else None
+    except (TypeError, ValueError):  # a dtype the cache table does not list: the caller picks
+        return None

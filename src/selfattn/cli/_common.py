@@ -26,21 +26,30 @@ MODEL_HELP = "a sentence-transformers folder (default: the bundled all-MiniLM-L6
 # ------------------------------------------------------------------------------------------------
 
 
+def rich_module(module: str):
+    """``rich.<module>`` where the ``[cli]`` extra is installed, else None: rich only dresses
+    output up, so every subcommand also runs without it (plain text, no progress bars)."""
+    from selfattn import _optional
+
+    return _optional.require(f"rich.{module}") if _optional.available("rich") else None
+
+
 class Printer:
-    """Writes headings, lines and tables to stdout; uses rich only when stdout is a terminal."""
+    """Writes headings, lines and tables to stdout; uses rich only when stdout is a terminal (and
+    rich is installed: ``pip install 'selfattn[cli]'``)."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdout
         self.console = None
         if self.stream.isatty():
-            from rich.console import Console
-
-            self.console = Console(file=self.stream, highlight=False)
+            console = rich_module("console")
+            self.console = (
+                None if console is None else console.Console(file=self.stream, highlight=False)
+            )
 
     def heading(self, text: str) -> None:
         if self.console is not None:
-            from rich.markup import escape
-
+            escape = rich_module("markup").escape
             self.console.print(f"\n[bold]{escape(text)}[/bold]")
         else:
             print(f"\n{text}", file=self.stream)
@@ -53,9 +62,7 @@ class Printer:
 
     def table(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
         if self.console is not None:
-            from rich.table import Table
-
-            table = Table(title=title or None, title_justify="left")
+            table = rich_module("table").Table(title=title or None, title_justify="left")
             for c in columns:
                 table.add_column(c)
             for r in rows:
@@ -114,7 +121,7 @@ def add_max_bytes(parser: argparse.ArgumentParser, refused: str) -> None:
 
 
 # `NAME:N`, the mask terms `selfattn backends --mask` took before every subcommand shared the
-# expression grammar of `selfattn mask` (issue 12): refused, with the expression to write instead.
+# expression grammar of `selfattn mask`: refused, with the expression to write instead.
 # A match starts only where a name starts (the lookbehind), so the search stays linear.
 _OLD_MASK_TERM = re.compile(r"(?<!\w)(?P<name>[A-Za-z_]\w*)\s*:\s*(?P<n>[+-]?\d+)")
 _SHOWN = 100  # characters of a suggested expression shown in an error
@@ -176,16 +183,16 @@ def picture_path(text: str) -> str:
 
 
 def stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False)
+    """A rich console on stderr when stderr is a terminal and rich is installed, else None."""
+    console = rich_module("console") if sys.stderr.isatty() else None
+    return None if console is None else console.Console(stderr=True, highlight=False)
 
 
 @contextlib.contextmanager
 def spinner(text: str):
     """A transient spinner on stderr while the block runs (nothing when stderr is redirected)."""
     console = stderr_console()
-    if not console.is_terminal:
+    if console is None or not console.is_terminal:
         yield
         return
     with console.status(text):

@@ -1,10 +1,12 @@
-"""``selfattn bench``: run the benchmark scripts of a checkout (benchmarks/*.py), with a progress
-bar, and print their ratio tables or collect their JSON."""
+"""``selfattn bench``: run the benchmarks (the package's :mod:`selfattn.benchmarks`, plus the
+scripts of a source checkout's ``benchmarks/`` folder that are not packaged), with a progress bar,
+and print their ratio tables or collect their JSON."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from selfattn.cli import _common
@@ -13,75 +15,111 @@ from selfattn.cli import _common
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "bench",
-        help="run the benchmark scripts (benchmarks/*.py) and print their ratio tables",
+        help="run the benchmarks (selfattn.benchmarks) and print their ratio tables",
         description=(
-            "Run each script of the checkout's benchmarks/ folder with --quick (default) or at "
-            "full size, with a progress bar; print their tables, or collect their JSON."
+            "Run each benchmark with --quick (default) or at full size, with a progress bar; "
+            "print their tables, or collect their JSON. The benchmarks ship with the package; "
+            "in a source checkout the scripts of benchmarks/ that are not packaged run too."
         ),
     )
-    p.add_argument("--full", action="store_true", help="the issues' sizes (minutes each)")
+    p.add_argument("--full", action="store_true", help="full sizes (minutes each)")
     p.add_argument(
-        "--only", action="append", metavar="NAME", help="run this script only (repeatable)"
+        "--only", action="append", metavar="NAME", help="run this benchmark only (repeatable)"
     )
-    p.add_argument("--dir", metavar="PATH", help="the benchmarks folder (default ./benchmarks)")
+    p.add_argument(
+        "--dir",
+        metavar="PATH",
+        help="run the scripts of this folder instead (default: the packaged benchmarks, and "
+        "./benchmarks where it exists)",
+    )
     p.add_argument(
         "--timeout",
         type=_common.positive_int,
         metavar="S",
-        help="seconds per script (default none)",
+        help="seconds per benchmark (default none)",
     )
-    p.add_argument("--json", action="store_true", help="collect the scripts' JSON results")
+    p.add_argument("--json", action="store_true", help="collect the benchmarks' JSON results")
     p.set_defaults(run=run, subparser=p)
     return p
 
 
-def _benchmarks_dir(given: str | None) -> Path:
-    """``--dir``, else ``./benchmarks``, else the checkout this package is installed from."""
+@dataclass(frozen=True)
+class _Bench:
+    name: str
+    command: tuple[str, ...]  # after the interpreter: ("-m", module) or (script path,)
+    cwd: Path | None = None
+
+
+def _scripts(folder: Path) -> list[_Bench]:
+    """The benchmark scripts of ``folder`` (``_helpers.py`` are not benchmarks)."""
+    return [
+        _Bench(p.stem, (str(p),), p.parent.parent)
+        for p in sorted(folder.glob("*.py"))
+        if not p.name.startswith("_")
+    ]
+
+
+def _checkout_folder() -> Path | None:
+    """``./benchmarks``, else the folder beside the source tree this package runs from (an
+    editable install); None for an installed wheel run elsewhere."""
     import selfattn
 
-    candidates = [Path(given)] if given else [Path.cwd() / "benchmarks"]
-    if not given:
-        candidates.append(Path(selfattn.__file__).resolve().parents[2] / "benchmarks")
-    for c in candidates:
+    for c in (
+        Path.cwd() / "benchmarks",
+        Path(selfattn.__file__).resolve().parents[2] / "benchmarks",
+    ):
         if c.is_dir() and any(c.glob("*.py")):
             return c
-    tried = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(
-        f"no benchmarks folder found (tried {tried}); the benchmark scripts live in the selfattn "
-        "source checkout: run from its root or pass --dir PATH/benchmarks"
-    )
+    return None
 
 
-def _bench_scripts(folder: Path, only: list[str] | None) -> tuple[list[Path], list[str]]:
-    """The scripts to run and notes on those skipped (``gpu.py`` without CUDA)."""
+def _benchmarks(given: str | None) -> tuple[list[_Bench], Path | None]:
+    """What ``selfattn bench`` runs, and the scripts folder it read (None: packaged only)."""
+    from selfattn.benchmarks import NAMES
+
+    if given:
+        folder = Path(given)
+        if not (folder.is_dir() and any(folder.glob("*.py"))):
+            raise FileNotFoundError(
+                f"no benchmarks folder at {str(folder)!r}: --dir takes a folder of benchmark "
+                "scripts (without --dir the packaged benchmarks run)"
+            )
+        return _scripts(folder), folder
+    packaged = [_Bench(n, ("-m", f"selfattn.benchmarks.{n}")) for n in NAMES]
+    folder = _checkout_folder()
+    extra = [] if folder is None else [b for b in _scripts(folder) if b.name not in NAMES]
+    return sorted(packaged + extra, key=lambda b: b.name), folder
+
+
+def _select(benches: list[_Bench], only: list[str] | None) -> tuple[list[_Bench], list[str]]:
+    """The benchmarks to run and notes on those skipped (``gpu`` without CUDA)."""
     import torch
 
-    scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
-    names = [p.stem for p in scripts]
+    names = [b.name for b in benches]
     if only:
         unknown = [n for n in only if n not in names]
         if unknown:
-            raise ValueError(f"unknown benchmark(s) {unknown}; {folder} has {names}")
-        scripts = [p for p in scripts if p.stem in only]
+            raise ValueError(f"unknown benchmark(s) {unknown}; choose from {names}")
+        benches = [b for b in benches if b.name in only]
     notes = []
-    if not torch.cuda.is_available() and any(p.stem == "gpu" for p in scripts):
-        scripts = [p for p in scripts if p.stem != "gpu"]
+    if not torch.cuda.is_available() and any(b.name == "gpu" for b in benches):
+        benches = [b for b in benches if b.name != "gpu"]
         notes.append("gpu: skipped, no CUDA device (torch.cuda.is_available() is False)")
-    return scripts, notes
+    return benches, notes
 
 
-def _run_script(path: Path, argv: list[str], timeout: float | None) -> dict:
+def _run_one(bench: _Bench, argv: list[str], timeout: float | None) -> dict:
     import subprocess
     import time
 
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, str(path), *argv],
+            [sys.executable, *bench.command, *argv],
             capture_output=True,
             text=True,
             timeout=timeout,
-            cwd=path.parent.parent,
+            cwd=bench.cwd,
         )
     except subprocess.TimeoutExpired:
         return {"returncode": None, "seconds": timeout, "stdout": "", "stderr": "timed out"}
@@ -94,23 +132,45 @@ def _run_script(path: Path, argv: list[str], timeout: float | None) -> dict:
     }
 
 
-def run(args) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+def _progress(console, total: int):
+    """A rich progress bar on a terminal (``[cli]`` extra), else a stand-in that shows nothing."""
+    if console is None or not console.is_terminal:
+        return _NoProgress()
+    p = _common.rich_module("progress")
+    columns = (p.SpinnerColumn(), p.TextColumn("{task.description}"), p.BarColumn())
+    return p.Progress(*columns, p.TimeElapsedColumn(), console=console)
 
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, description: str, total: int) -> int:
+        return 0
+
+    def update(self, task: int, description: str) -> None:
+        pass
+
+    def advance(self, task: int) -> None:
+        pass
+
+
+def run(args) -> int:
     try:
-        folder = _benchmarks_dir(args.dir)
-        scripts, notes = _bench_scripts(folder, args.only)
+        benches, folder = _benchmarks(args.dir)
+        benches, notes = _select(benches, args.only)
     except ValueError as e:
         args.subparser.error(str(e))
     argv = ([] if args.full else ["--quick"]) + (["--json"] if args.json else [])
     runs = []
-    console = _common.stderr_console()
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        task = progress.add_task("benchmarks", total=len(scripts))
-        for path in scripts:
-            progress.update(task, description=f"{path.stem} ({'full' if args.full else 'quick'})")
-            runs.append({"name": path.stem, **_run_script(path, argv, args.timeout)})
+    with _progress(_common.stderr_console(), len(benches)) as progress:
+        task = progress.add_task("benchmarks", total=len(benches))
+        for b in benches:
+            progress.update(task, description=f"{b.name} ({'full' if args.full else 'quick'})")
+            runs.append({"name": b.name, **_run_one(b, argv, args.timeout)})
             progress.advance(task)
     failed = [r["name"] for r in runs if r["returncode"] != 0]
     if args.json:
@@ -119,9 +179,8 @@ def run(args) -> int:
                 r["result"] = json.loads(r.pop("stdout")) if r["returncode"] == 0 else None
             except json.JSONDecodeError:
                 r["result"] = None
-        _common.print_json(
-            {"folder": str(folder), "quick": not args.full, "notes": notes, "runs": runs}
-        )
+        where = None if folder is None else str(folder)
+        _common.print_json({"folder": where, "quick": not args.full, "notes": notes, "runs": runs})
     else:
         out = _common.Printer()
         for r in runs:

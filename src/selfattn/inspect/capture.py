@@ -1,7 +1,7 @@
 """``capture_attention``: record per-layer, per-head attention weights of any selfattn model.
 
-The explicit form ``softmax(QKᵀ/√d + M)`` is what makes attention maps available at all (seed
-page 003, section 4): a fused kernel never materialises them. Inside the context manager every
+The explicit form ``softmax(QKᵀ/√d + M)`` is what makes attention maps available at all: a
+fused kernel never materialises them. Inside the context manager every
 :class:`selfattn.nn.MultiHeadAttention` of the model (numbered in ``model.modules()`` order: the
 "layers") still computes its output exactly as before; the selected layers additionally recompute
 ``selfattn.attention_weights`` on the same q, k, v, mask and score mod, for the selected query

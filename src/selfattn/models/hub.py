@@ -27,6 +27,8 @@ from pathlib import Path, PurePath
 import torch
 from torch import nn
 
+from selfattn._optional import require
+
 __all__ = [
     "CheckpointError",
     "ConfigKeyError",
@@ -196,12 +198,12 @@ def _shard_path(folder: Path, name: str, index: Path) -> Path:
 
 
 def _load_shard(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    safetensors = require("safetensors", purpose="loading a checkpoint")
+    load_file = require("safetensors.torch", purpose="loading a checkpoint").load_file
 
     try:
         return load_file(str(path))
-    except (SafetensorError, OSError) as e:
+    except (safetensors.SafetensorError, OSError) as e:
         raise CheckpointError(
             f"shard {str(path)!r} cannot be read ({e}); it is truncated or not a safetensors "
             "file: download or convert it again"

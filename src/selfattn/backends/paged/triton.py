@@ -4,10 +4,12 @@ CPU in Triton's interpreter only."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from selfattn._log import log_once
 from selfattn.backends import Backend, register
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
@@ -48,7 +50,15 @@ def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
             "Triton kernel reads K and V of one dtype, q's or int8/fp8"
         )
     if not triton_kernels.available():
-        return "Triton is not installed (pip install selfattn[triton])"
+        why = "Triton is not installed (pip install 'selfattn[triton]')"
+        if q.device.type == "cuda":  # the kernel this device would run: say it once
+            log_once(
+                "paged triton missing",
+                logging.WARNING,
+                "selfattn paged_attention on CUDA: %s; the PyTorch path runs instead",
+                why,
+            )
+        return why
     return None
 
 

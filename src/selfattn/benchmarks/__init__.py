@@ -1,0 +1,13 @@
+"""The benchmarks, shipped with the package so that ``selfattn bench`` runs from an installed
+wheel: each module has a ``main(argv)`` and runs as ``python -m selfattn.benchmarks.NAME
+[--quick] [--json]``; ``benchmarks/NAME.py`` in a source checkout is a thin entry point to it.
+
+Speed is measured here, never asserted in tests (tests/test_benchmarks_smoke.py checks only that
+each runs and that its ratios and verdicts follow from what it measured). Importing this package
+imports no benchmark.
+"""
+
+# In the order `selfattn bench` runs them; gpu needs a CUDA device.
+NAMES = ("attention", "decode", "gpu", "layers", "ring")
+
+__all__ = ["NAMES"]

@@ -1,0 +1,222 @@
+"""Timing, memory and printing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Timing",
+    "machine",
+    "matmul_gflops",
+    "memory_available_bytes",
+    "peak_rss_mib",
+    "print_table",
+    "reset_peak_rss",
+    "run_in_fresh_process",
+    "time_call",
+    "time_pair",
+]
+
+
+@dataclass
+class Timing:
+    """Steady-state median of ``runs`` timed calls and the first call's extra cost (compiles)."""
+
+    median_s: float
+    first_call_s: float
+    runs: int
+    result: object = None  # what the last timed call returned
+
+    @property
+    def warmup_s(self) -> float:
+        """What the first call cost beyond a steady one: compilation, caches, lazy set-up."""
+        return max(0.0, self.first_call_s - self.median_s)
+
+
+def time_call(fn: Callable[[], object], repeat: int = 5, budget_s: float = 30.0) -> Timing:
+    """Median wall time of ``fn()`` over up to ``repeat`` calls after one untimed warm-up call.
+
+    The warm-up call is timed separately (it carries compilation). Timed calls stop early, after at
+    least two, once they have used ``budget_s`` seconds, so that a slow peer does not dominate.
+    """
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    times: list[float] = []
+    result = None
+    while len(times) < repeat:
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 2 and sum(times) > budget_s:
+            break
+    return Timing(statistics.median(times), first, len(times), result)
+
+
+def time_pair(
+    fn_a: Callable[[], object], fn_b: Callable[[], object], repeat: int = 5, budget_s: float = 30.0
+) -> tuple[Timing, Timing]:
+    """Time two calls interleaved (a, b, a, b, ...) so that drifting machine load hits both alike.
+
+    Each side gets one untimed warm-up call first (its compile cost is reported as ``warmup_s``).
+    Rounds stop early, after at least two, once they have used ``2 · budget_s`` seconds.
+    """
+    firsts, results = [], [None, None]
+    for fn in (fn_a, fn_b):
+        t0 = time.perf_counter()
+        fn()
+        firsts.append(time.perf_counter() - t0)
+    times: tuple[list[float], list[float]] = ([], [])
+    while len(times[0]) < repeat:
+        for i, fn in enumerate((fn_a, fn_b)):
+            t0 = time.perf_counter()
+            results[i] = fn()
+            times[i].append(time.perf_counter() - t0)
+        if len(times[0]) >= 2 and sum(times[0]) + sum(times[1]) > 2 * budget_s:
+            break
+    return tuple(
+        Timing(statistics.median(ts), first, len(ts), res)
+        for ts, first, res in zip(times, firsts, results)
+    )
+
+
+def matmul_gflops(n: int, repeat: int = 3, dtype=torch.float32) -> float:
+    """Best ``n × n`` matmul throughput in GFLOP/s (``2 n³`` FLOPs per product): the ceiling."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g, dtype=dtype)
+    b = torch.randn(n, n, generator=g, dtype=dtype)
+    with torch.inference_mode():
+        a @ b  # warm-up: thread pool, BLAS dispatch
+        best = min(_once(lambda: a @ b) for _ in range(repeat))
+    return 2 * n**3 / best / 1e9
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _proc_status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # reported in kB
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's peak RSS to its current RSS where Linux allows; return that RSS (MiB).
+
+    ``ru_maxrss`` cannot serve as a baseline: Linux carries it across ``exec``, so a spawned child
+    starts with its parent's peak. ``VmHWM`` in /proc/self/status can be reset (clear_refs "5").
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    rss = _proc_status_mib("VmRSS")
+    return rss if rss is not None else peak_rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process in MiB (``VmHWM``, else ``ru_maxrss``)."""
+    hwm = _proc_status_mib("VmHWM")
+    if hwm is not None:
+        return hwm
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024 if sys.platform != "darwin" else kib / 2**20  # macOS reports bytes
+
+
+def memory_available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo, or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException as e:  # report every failure to the parent, then exit non-zero
+        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+
+
+def run_in_fresh_process(fn: Callable, *args, timeout_s: float = 900.0):
+    """``fn(*args)`` in a new spawned interpreter; its return value, or RuntimeError on failure.
+
+    A fresh process gives a clean peak-RSS baseline for each memory measurement and keeps an
+    out-of-memory kill from taking the whole benchmark run down with it. ``fn`` must be importable
+    (a module-level function).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            proc.kill()
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s")
+        status, *payload = parent.recv()
+    except EOFError:
+        status, payload = "died", []
+    proc.join()
+    if status == "ok":
+        return payload[0]
+    if status == "error":
+        raise RuntimeError(payload[0])
+    hint = " (killed: out of memory?)" if proc.exitcode and proc.exitcode < 0 else ""
+    raise RuntimeError(f"child process exited with code {proc.exitcode}{hint}")
+
+
+def machine() -> dict:
+    """CPU model, cores, torch threads and versions: the header of every benchmark table."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    cpu_capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": cpu_capability,
+        "memory_gib": round((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) / 2**30, 1),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
+    """A rich table when stdout is a terminal, aligned plain text otherwise (the CLI's printer)."""
+    from selfattn.cli._common import Printer
+
+    Printer().table(columns, rows, title=title)

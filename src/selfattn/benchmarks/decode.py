@@ -1,0 +1,242 @@
+"""Decode over a paged KV cache on CPU: ``selfattn.cache.paged_attention`` vs SDPA.
+
+    python -m selfattn.benchmarks.decode           # B=32, 4,096-token contexts, fp32 and bf16
+    python -m selfattn.benchmarks.decode --quick   # B=4, 512-token contexts: a smoke run
+    python -m selfattn.benchmarks.decode --json
+
+Decode: one new query per sequence (Sq = 1), 32 query / 8 kv heads, D = 128, page size 16. Every
+sequence holds exactly ``S`` tokens (no ragged lengths); the block table is a random permutation
+of the pool's ``B · S / 16`` pages, so consecutive logical pages sit anywhere in memory. Peers:
+``F.scaled_dot_product_attention(enable_gqa=True)`` on the same K/V already made contiguous
+``(B, Hkv, S, D)`` (the gather is not timed), and the same SDPA with the gather timed. Ours and
+each peer are timed interleaved after one warm-up call each; the table shows medians. GB/s counts
+the K/V bytes a call must read (``2 · B · S · Hkv · D · itemsize``); the copy rate is a large
+tensor copy's bytes read plus written per second (``dst.copy_(src)`` of 512 MiB, preallocated),
+timed interleaved with a fp32 paged decode call for the bandwidth row.
+
+These calls take ``paged_attention``'s C kernel (its ``cpu`` backend); the line under the table
+says so, with the kernel's one-time build (or cache load) cost, which no timed call includes.
+``SELFATTN_DECODE_KERNEL=0`` measures the PyTorch path instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from selfattn.benchmarks import _util
+from selfattn.cache import paged_attention
+from selfattn.cache.quant import quantize_int8
+from selfattn.cache.size import kv_cache_bytes
+from selfattn.kernels import paged_decode
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def make_cache(B: int, S: int, dtype, seed: int = 0):
+    """Random pages, a permuted block table and the same K/V made contiguous for SDPA.
+
+    Returns ``q (B, Hq, 1, D)``, ``k_pages, v_pages (N, P, Hkv, D)``, ``table (B, S/P)`` int32,
+    ``lens (B,)`` int32 and ``k, v (B, Hkv, S, D)`` contiguous.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n_pages = B * S // PAGE
+    k_pages = torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype)
+    v_pages = torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype)
+    table = torch.randperm(n_pages, generator=g).view(B, S // PAGE).to(torch.int32)
+    lens = torch.full((B,), S, dtype=torch.int32)
+    q = torch.randn(B, HQ, 1, D, generator=g).to(dtype)
+    k, v = gather(k_pages, v_pages, table)
+    return q, k_pages, v_pages, table, lens, k, v
+
+
+def gather(k_pages, v_pages, table):
+    """Pages in table order as contiguous ``(B, Hkv, S, D)`` K and V (what a dense peer needs)."""
+    B, n = table.shape
+    ids = table.reshape(-1).long()
+    out = []
+    for pages in (k_pages, v_pages):
+        x = pages.index_select(0, ids).view(B, n * PAGE, HKV, D)  # (B·n, P, Hkv, D) -> (B, S, ·)
+        out.append(x.transpose(1, 2).contiguous())  # (B, S, Hkv, D) -> (B, Hkv, S, D)
+    return out
+
+
+def bandwidth_vs_copy(B: int, S: int, repeat: int) -> tuple[float, float]:
+    """fp32 paged decode's K/V bytes read per second, and a copy's bytes read plus written per
+    second (``dst.copy_(src)``, 512 MiB float32, preallocated), timed interleaved so that a
+    drifting machine load hits both alike."""
+    q, kp, vp, table, lens, _, _ = make_cache(B, S, torch.float32)
+    kv_bytes = 2 * kp.numel() * kp.element_size()
+    src = torch.ones(1 << 27)  # 512 MiB
+    dst = torch.empty_like(src)
+    with torch.inference_mode():
+        mine, copy = _util.time_pair(
+            lambda: paged_attention(q, kp, vp, table, lens), lambda: dst.copy_(src), repeat
+        )
+    return kv_bytes / mine.median_s / 1e9, 2 * src.numel() * 4 / copy.median_s / 1e9
+
+
+def _row(case, ours_s, peer, peer_s, target, limit, diff=None, kv_bytes=None):
+    ratio = ours_s / peer_s
+    return {
+        "case": case,
+        "ours_ms": ours_s * 1e3,
+        "peer": peer,
+        "peer_ms": peer_s * 1e3,
+        "ratio": ratio,
+        "target": target,
+        "met": ratio <= limit,
+        "kv_gbs": None if kv_bytes is None else kv_bytes / ours_s / 1e9,
+        "max_abs_diff": diff,
+    }
+
+
+def speed_rows(B: int, S: int, dtype, limit: float, repeat: int) -> list[dict]:
+    """Ours vs SDPA on contiguous K/V; for fp32 also vs gather + SDPA (the gather timed)."""
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    shape = f"B={B} S={S} Hq={HQ} Hkv={HKV} D={D} P={PAGE}"
+    q, kp, vp, table, lens, k, v = make_cache(B, S, dtype)
+    kv_bytes = 2 * kp.numel() * kp.element_size()
+
+    def ours():
+        return paged_attention(q, kp, vp, table, lens)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def gather_sdpa():
+        kk, vv = gather(kp, vp, table)
+        return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+    peers = [("SDPA enable_gqa, contiguous K/V (gather not timed)", sdpa, limit)]
+    if dtype == torch.float32:
+        peers.append(("gather pages + SDPA (gather timed)", gather_sdpa, 0.25))
+    rows = []
+    with torch.inference_mode():
+        for peer, fn, lim in peers:
+            mine, theirs = _util.time_pair(ours, fn, repeat)
+            diff = float((mine.result.float() - theirs.result.float()).abs().max())
+            rows.append(
+                _row(
+                    f"{name} decode, paged, {shape}",
+                    mine.median_s,
+                    peer,
+                    theirs.median_s,
+                    f"<= {lim}",
+                    lim,
+                    diff,
+                    kv_bytes,
+                )
+            )
+    return rows
+
+
+def rows_for(B: int, S: int, repeat: int) -> list[dict]:
+    rows = speed_rows(B, S, torch.float32, 0.7, repeat)
+    rows += speed_rows(B, S, torch.bfloat16, 0.2, repeat)
+
+    fp32_gbs, copy = bandwidth_vs_copy(B, S, repeat)
+    rows.append(
+        {
+            "case": "fp32 paged decode: K/V bytes read per second",
+            "ours_ms": None,
+            "peer": "large-tensor copy, bytes read + written per second",
+            "peer_ms": None,
+            "ours_gbs": fp32_gbs,
+            "peer_gbs": copy,
+            "ratio": fp32_gbs / copy,
+            "target": ">= 0.40",
+            "met": fp32_gbs / copy >= 0.40,
+            "kv_gbs": fp32_gbs,
+            "max_abs_diff": None,
+        }
+    )
+
+    # Cache size: the formula and the tensors quantize_int8 actually returns must agree.
+    int8_formula = kv_cache_bytes(1, HKV, D, S, "int8", batch=B)
+    bf16_formula = kv_cache_bytes(1, HKV, D, S, "bf16", batch=B)
+    x = torch.randn(B * S // PAGE, PAGE, HKV, D, dtype=torch.bfloat16)
+    data, scales = quantize_int8(x)
+    int8_tensors = 2 * (data.numel() * data.element_size() + scales.numel() * 4)
+    bf16_tensors = 2 * x.numel() * x.element_size()
+    if (int8_formula, bf16_formula) != (int8_tensors, bf16_tensors):
+        raise RuntimeError(
+            f"kv_cache_bytes ({int8_formula}, {bf16_formula}) disagrees with the tensors "
+            f"({int8_tensors}, {bf16_tensors})"
+        )
+    ratio = int8_tensors / bf16_tensors
+    rows.append(
+        {
+            "case": f"int8 cache bytes (scales included), B={B} S={S}",
+            "ours_ms": None,
+            "peer": "bf16 cache bytes",
+            "peer_ms": None,
+            "ours_bytes": int8_tensors,
+            "peer_bytes": bf16_tensors,
+            "ratio": ratio,
+            "target": "<= 0.53",
+            "met": ratio <= 0.53,
+            "kv_gbs": None,
+            "max_abs_diff": None,
+        }
+    )
+    return rows
+
+
+def _value(r: dict, side: str) -> str:
+    if r.get(f"{side}_ms") is not None:
+        return f"{r[f'{side}_ms']:.1f} ms"
+    if r.get(f"{side}_gbs") is not None:
+        return f"{r[f'{side}_gbs']:.1f} GB/s"
+    return f"{r[f'{side}_bytes'] / 2**20:.1f} MiB"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="B=4, 512-token contexts: a smoke run")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--repeat", type=int, default=5, help="timed calls per side (5)")
+    args = p.parse_args(argv)
+    B, S = (4, 512) if args.quick else (32, 4096)
+    t0 = time.perf_counter()
+    built = paged_decode.library() is not None  # compiled on first use, then cached on disk
+    path = (
+        f"C kernel (build or cache load: {time.perf_counter() - t0:.1f} s, not timed)"
+        if built
+        else "PyTorch (the C kernel is off or could not be built)"
+    )
+    rows = rows_for(B, S, args.repeat)
+    if args.json:
+        out = {"machine": _util.machine(), "path": path, "rows": rows}
+        json.dump(out, sys.stdout, indent=2)
+        print()
+        return 0
+    table = [
+        [
+            r["case"],
+            _value(r, "ours"),
+            r["peer"],
+            _value(r, "peer"),
+            f"{r['ratio']:.2f}",
+            r["target"],
+            "met" if r["met"] else "missed",
+            "-" if r["kv_gbs"] is None else f"{r['kv_gbs']:.1f}",
+            "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}",
+        ]
+        for r in rows
+    ]
+    cols = ["case", "ours", "peer", "peer value", "ratio", "target", "met?", "K/V GB/s", "max |Δ|"]
+    m = _util.machine()
+    title = f"paged decode ({m['cpu']}, {m['torch_threads']} threads, torch {m['torch']})"
+    _util.print_table(cols, table, title=title)
+    print(f"paged_attention path: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
