@@ -23,12 +23,12 @@ from torch import nn
 
 from selfattn import masks
 from selfattn._validate import positive_int
+from selfattn.models.hf_mapping import bert_fields, bert_state
 from selfattn.models.hub import (
     CheckpointError,
     UnsupportedConfigError,
     read_json,
     register,
-    unsupported,
 )
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
 from selfattn.nn.mlp import ACTIVATIONS
@@ -70,49 +70,9 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> BertConfig:
-        """From a transformers ``config.json`` dict; options we do not implement raise."""
-        if config.get("position_embedding_type", "absolute") != "absolute":
-            raise unsupported(
-                config, "position_embedding_type", "only 'absolute' learned positions exist here"
-            )
-        if config.get("is_decoder") or config.get("add_cross_attention"):
-            key = "is_decoder" if config.get("is_decoder") else "add_cross_attention"
-            raise unsupported(config, key, "BertModel here is the bidirectional encoder only")
-        if config.get("hidden_act", "gelu") not in ACTIVATIONS:
-            raise unsupported(config, "hidden_act", f"supported: {sorted(ACTIVATIONS)}")
-        return cls(
-            vocab_size=config["vocab_size"],
-            d_model=config.get("hidden_size", 768),
-            n_layers=config.get("num_hidden_layers", 12),
-            n_heads=config.get("num_attention_heads", 12),
-            d_ff=config.get("intermediate_size", 3072),
-            max_positions=config.get("max_position_embeddings", 512),
-            type_vocab_size=config.get("type_vocab_size", 2),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            activation=config.get("hidden_act", "gelu"),
-            dropout=config.get("hidden_dropout_prob", 0.1),
-            attention_dropout=config.get("attention_probs_dropout_prob", 0.1),
-        )
-
-
-# transformers' per-layer names -> ours under ``layers.{i}.`` (the block's own parts).
-_LAYER_NAMES = {
-    "attention.self.query": "attention.q_proj",
-    "attention.self.key": "attention.k_proj",
-    "attention.self.value": "attention.v_proj",
-    "attention.output.dense": "attention.out_proj",
-    "attention.output.LayerNorm": "attn_res.norm",
-    "intermediate.dense": "mlp.fc1",
-    "output.dense": "mlp.fc2",
-    "output.LayerNorm": "mlp_res.norm",
-}
-_EMBEDDING_NAMES = {
-    "embeddings.word_embeddings": "tokens",
-    "embeddings.position_embeddings": "positions",
-    "embeddings.token_type_embeddings": "token_types",
-    "embeddings.LayerNorm": "embed_norm",
-    "pooler.dense": "pooler",
-}
+        """From a transformers ``config.json`` dict (the mapping lives in
+        :mod:`selfattn.models.hf_mapping`); options we do not implement raise."""
+        return cls(**bert_fields(config))
 
 
 @register("bert")
@@ -155,24 +115,9 @@ class BertModel(nn.Module):
         return cls(BertConfig.from_hf(config))
 
     def convert_hf_state_dict(self, state: dict) -> dict:
-        """transformers' names -> ours. Drops ``position_ids`` (a buffer, not a weight); a
-        ``bert.`` prefix (task models) is stripped and the task heads beside it are dropped;
-        without pooler weights the model drops its pooler. Unknown names pass through unchanged
-        (``load_state`` reports them as unexpected)."""
-        if any(k.startswith("bert.") for k in state):
-            state = {k[5:]: t for k, t in state.items() if k.startswith("bert.")}
-        out = {}
-        for name, t in state.items():
-            if name == "embeddings.position_ids":
-                continue
-            stem, _, leaf = name.rpartition(".")
-            if stem in _EMBEDDING_NAMES:
-                name = f"{_EMBEDDING_NAMES[stem]}.{leaf}"
-            elif stem.startswith("encoder.layer."):
-                i, _, part = stem[len("encoder.layer.") :].partition(".")
-                if part in _LAYER_NAMES:
-                    name = f"layers.{i}.{_LAYER_NAMES[part]}.{leaf}"
-            out[name] = t
+        """transformers' names -> ours (:func:`~selfattn.models.hf_mapping.bert_state`; takes the
+        tensors out of ``state``); without pooler weights the model drops its pooler."""
+        out = bert_state(state)
         if not any(k.startswith("pooler.") for k in out):
             self.pooler = None
         return out
