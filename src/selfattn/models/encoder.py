@@ -14,6 +14,7 @@ when the folder lists a Normalize module.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import LearnedPositions
 
 __all__ = ["BertConfig", "BertModel", "SentenceEncoder"]
+
+log = logging.getLogger("selfattn")
 
 
 @dataclass(frozen=True)
@@ -343,30 +346,69 @@ class SentenceEncoder(nn.Module):
         return torch.cat(out, dim=-1)
 
     @torch.inference_mode()
-    def encode(self, sentences: list[str], batch_size: int = 32) -> torch.Tensor:
-        """Embeddings ``(n, dim)`` float (the model's dtype) of ``n`` sentences, in input order.
+    def encode(
+        self,
+        sentences: str | list[str],
+        batch_size: int = 32,
+        *,
+        show_progress_bar: bool | None = None,
+        convert_to_numpy: bool | None = None,
+        convert_to_tensor: bool | None = None,
+        device: torch.device | str | None = None,
+        normalize_embeddings: bool = False,
+    ):
+        """Embeddings of ``sentences`` in input order, as sentence-transformers' ``encode``.
 
-        Sentences are batched by length (longest first), as sentence-transformers does, so
-        batches carry little padding; the result does not depend on ``batch_size`` (beyond
-        float rounding).
+        A string gives one vector ``(dim,)``, a list ``(n, dim)``. Sentences are batched by
+        length (longest first), as sentence-transformers does, so batches carry little padding;
+        the result does not depend on ``batch_size`` (beyond float rounding).
+
+        Args:
+            show_progress_bar: a tqdm bar over batches (None: when the ``selfattn`` logger
+                shows INFO, sentence-transformers' rule).
+            convert_to_tensor: one tensor on the model's device (in the model's dtype).
+            convert_to_numpy: a numpy array on the CPU (bfloat16 upcast to float32); it is
+                sentence-transformers' default, with ``convert_to_tensor`` taking precedence.
+                Both False: a list of 1-D tensors. Neither given: one tensor, selfattn's
+                default (sentence-transformers would return numpy).
+            device: move the model there first (None: where it is).
+            normalize_embeddings: L2-normalise (the folder's Normalize module does it anyway).
         """
-        if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
-            raise TypeError("encode() takes a list of strings; wrap a single sentence as [text]")
+        single = isinstance(sentences, str)
+        items = [sentences] if single else list(sentences)
+        bad = [type(s).__name__ for s in items if not isinstance(s, str)]
+        if bad:
+            raise TypeError(
+                f"encode() takes a string or a list of strings, got a {bad[0]} in the list"
+            )
         positive_int(batch_size, "batch_size")
-        sentences = list(sentences)
-        dtype = self.model.tokens.weight.dtype
-        if not sentences:
-            return torch.empty(0, self.dim, dtype=dtype)
-        order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
-        out = torch.empty(len(sentences), self.dim, dtype=dtype)
-        for start in range(0, len(order), batch_size):
+        if device is not None:
+            self.model.to(device)
+        weight = self.model.tokens.weight
+        out = torch.empty(len(items), self.dim, dtype=weight.dtype, device=weight.device)
+        order = sorted(range(len(items)), key=lambda i: -len(items[i]))
+        if show_progress_bar is None:
+            show_progress_bar = log.getEffectiveLevel() in (logging.INFO, logging.DEBUG)
+        starts = range(0, len(order), batch_size)
+        if show_progress_bar:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc="Batches")
+        for start in starts:
             idx = order[start : start + batch_size]
-            ids, mask = self.tokenize([sentences[i] for i in idx])
+            ids, mask = self.tokenize([items[i] for i in idx])
+            ids, mask = ids.to(weight.device), mask.to(weight.device)
             emb = self.pool(self.model(ids, attention_mask=mask), mask)
-            if self.normalize:
+            if self.normalize or normalize_embeddings:
                 emb = F.normalize(emb, p=2, dim=1)
-            out[torch.tensor(idx)] = emb
-        return out
+            out[torch.tensor(idx, device=weight.device)] = emb
+        if convert_to_tensor or (convert_to_tensor is None and convert_to_numpy is None):
+            result = out
+        elif convert_to_numpy is not False:
+            result = (out.float() if out.dtype == torch.bfloat16 else out).cpu().numpy()
+        else:
+            result = list(out)
+        return result[0] if single else result
 
     def forward(self, sentences: list[str]) -> torch.Tensor:
         return self.encode(sentences)
