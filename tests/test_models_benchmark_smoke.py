@@ -7,6 +7,7 @@ that ratios and verdicts follow from the measured values, and that ours and the 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ WANT = [
     ("Llama-shaped decoder, GQA 12/4, B=2, prefill 32 + decode 8", "<= 0.8"),
     ("MiniLM sentence encoding, 8 sentences", "<= 1.0"),
 ]
+LOAD = r"load [0-9.]+ M-param Llama, {} \(\d+ shard\(s\)\) -> bf16"
+LOAD_LAYOUTS = ["bf16 sharded"]  # --quick loads one layout
 
 
 def test_quick_json_has_every_row():
@@ -38,8 +41,18 @@ def test_quick_json_has_every_row():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["machine"]["torch"]
-    rows = report["rows"]
+    rows, loads = report["rows"][: len(WANT)], report["rows"][len(WANT) :]
     assert [(r["case"], r["target"]) for r in rows] == WANT
+    assert len(loads) == len(LOAD_LAYOUTS)
+    for row, layout in zip(loads, LOAD_LAYOUTS):
+        assert re.fullmatch(LOAD.format(layout), row["case"]), row["case"]
+        assert row["ours_dtypes"] == row["peer_dtypes"] == ["torch.bfloat16"]
+        assert row["ours_ms"] > 0 and row["peer_ms"] > 0 and row["weights_mib"] > 0
+        bound = 1.15 * row["weights_mib"] + 16
+        if layout.startswith("fp32"):  # informational: a cast holds a float32 tensor in flight
+            assert row["target"] == "informational" and row["met"] is None, row
+        else:
+            assert row["met"] == (row["ours_peak_mib"] <= bound), row
     for row in rows:
         if row["skipped"] is not None:  # only the decoders may be missing
             assert row["case"].endswith("decode 8"), row

@@ -226,3 +226,38 @@ def test_hub_id_missing_from_the_cache_says_so(tmp_path, offline):
     # not a repo id (absolute, or more than one slash): a plain missing folder
     with pytest.raises(FileNotFoundError, match="does not exist"):
         from_pretrained("a/b/c")
+
+
+def test_assign_gives_untied_parameters_their_own_tensor():
+    """One checkpoint tensor for two untied parameters: each gets its own storage (assigning
+    the same tensor twice would tie them behind the model's back)."""
+    from selfattn.models.hub import load_state
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3))
+    w = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    load_state(model, {"0.weight": w, "1.weight": w, "1.bias": torch.zeros(3)}, assign=True)
+    assert torch.equal(model[0].weight, w) and torch.equal(model[1].weight, w)
+    assert model[0].weight.data_ptr() != model[1].weight.data_ptr()
+    assert isinstance(model[1].bias, torch.nn.Parameter)
+
+
+def test_older_safetensors_without_pread_still_loads(tmp_path, monkeypatch, caplog):
+    import safetensors
+
+    save_llama(tmp_path)
+    real = safetensors.safe_open
+
+    def no_backend(path, framework, **kw):
+        if "backend" in kw:
+            raise TypeError("safe_open() got an unexpected keyword argument 'backend'")
+        return real(path, framework, **kw)
+
+    from selfattn.models import hub
+
+    monkeypatch.setattr(safetensors, "safe_open", no_backend)
+    hub._log_mmap_fallback.cache_clear()  # logged once per process: forget earlier tests
+    with caplog.at_level("INFO", logger="selfattn"):
+        model = from_pretrained(tmp_path, dtype="bfloat16")
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert caplog.text.count("no pread backend") == 1

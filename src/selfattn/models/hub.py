@@ -31,6 +31,7 @@ from pathlib import Path, PurePath
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "CheckpointError",
@@ -250,7 +251,7 @@ def _unreadable(path: Path, e: Exception) -> CheckpointError:
 def _log_mmap_fallback(e: str) -> None:
     log.info(
         "safetensors has no pread backend (%s): shards are read through mmap, which holds a "
-        "second copy of a shard while its tensors are cast; pip install 'safetensors>=0.7'",
+        "second copy of a shard while its tensors are cast; pip install -U safetensors",
         e,
     )
 
@@ -264,15 +265,20 @@ def _open(path: Path):
     try:
         try:
             return safe_open(str(path), framework="pt", backend="pread")
-        except TypeError as e:  # safetensors < 0.7: mmap only
+        except TypeError as e:  # an older safetensors: mmap only
             _log_mmap_fallback(str(e))
             return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
         raise _unreadable(path, e) from None
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16}
-_SAFETENSORS_DTYPES["BF16"] = torch.bfloat16
+# safetensors' names of the floating dtypes a model is loaded in
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
 
 
 def first_float_dtype(files: list[Path]) -> torch.dtype | None:
@@ -319,12 +325,19 @@ def read_safetensors(
                             f"tensor {name!r} appears in more than one shard ({origin[name]!r} "
                             f"and {f.name!r}" + listed
                         )
-                    t = handle.get_tensor(name)
-                    cast = dtype if dtype is not None and t.is_floating_point() else None
-                    state[name], origin[name] = t.to(device=device, dtype=cast), f.name
+                    state[name], origin[name] = _read_tensor(handle, name, dtype, device), f.name
             except (SafetensorError, OSError) as e:
                 raise _unreadable(f, e) from None
     return state
+
+
+def _read_tensor(handle, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """Tensor ``name`` of an open shard, a floating one cast to ``dtype``, on ``device``. A cast
+    holds the source tensor in flight: the peak of a float32 checkpoint loaded as bfloat16 is the
+    bfloat16 weights plus its largest float32 tensor (safetensors' pread reads a whole tensor
+    even for a slice of rows, so reading by blocks would cost more than it saves)."""
+    t = handle.get_tensor(name)
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
 
 def _progress(files: list[Path], enabled: bool):
@@ -526,6 +539,29 @@ def resolve(
     return Path(folder)
 
 
+# In-place random fills (and the nn.init functions made of them) that a module's constructor runs.
+_RANDOM_FILLS = frozenset(
+    {
+        *("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_"),
+        *("xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_", "random_", "bernoulli_"),
+    }
+)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Random initialisation of a meta tensor is skipped: it fills nothing, yet torch runs it
+    through ``torch._refs``, whose first call imports ``torch._dynamo`` (measured: 150 MiB of RSS
+    and seconds, more than loading a small model)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+        name = getattr(func, "__name__", "")
+        if name in _RANDOM_FILLS and isinstance(t, torch.Tensor) and t.is_meta:
+            return t
+        return func(*args, **kwargs)
+
+
 def from_pretrained(
     path_or_repo_id,
     dtype: torch.dtype | str | None = "auto",
@@ -570,7 +606,8 @@ def from_pretrained(
         )
     cls = families[model_type]
     try:
-        with torch.device("meta"):  # shapes only: the checkpoint fills every tensor
+        # shapes only: the checkpoint fills every tensor
+        with torch.device("meta"), _SkipMetaInit():
             model = cls.from_config(config)
     except (CheckpointError, UnsupportedConfigError):
         raise
