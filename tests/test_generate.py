@@ -113,6 +113,71 @@ def test_streamer_sees_each_step(runs):
     assert torch.equal(torch.stack(steps, 1), got[:, 6:])
 
 
+class Recorder:
+    """A streamer with transformers' put/end protocol that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        assert self.ends == 0, "put after end"
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_put_end_streamer_is_called_as_transformers_calls_it(runs):
+    """The prompt first (B, S), then each step's tokens (B,), then end(): the same calls, with
+    the same tensors, as transformers' generate makes on the same prompt."""
+    r = runs["llama"]
+    theirs, ours = Recorder(), Recorder()
+    r.hf.generate(
+        r.ids, attention_mask=r.mask, max_new_tokens=NEW, do_sample=False, streamer=theirs
+    )
+    got = generate(r.ours, r.ids, NEW, attention_mask=r.mask, streamer=ours)
+    assert ours.ends == theirs.ends == 1
+    assert [tuple(p.shape) for p in ours.puts] == [tuple(p.shape) for p in theirs.puts]
+    assert all(torch.equal(a, b) for a, b in zip(ours.puts, theirs.puts))
+    assert ours.puts[0].shape == r.ids.shape and len(ours.puts) == 1 + NEW
+    assert torch.equal(torch.cat([ours.puts[0]] + [p[:, None] for p in ours.puts[1:]], 1), got)
+
+
+def word_tokenizer(folder):
+    """A WordLevel tokenizer over the tiny models' VOCAB ids ("w0" .. "w127", id 1 = </s>),
+    saved by transformers and read back by load_tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from selfattn.models import load_tokenizer
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab["</s>"] = vocab.pop("w1")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    hf.save_pretrained(folder)
+    return load_tokenizer(folder)
+
+
+def test_text_in_text_out_and_textstreamer(runs, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    r = runs["qwen2"]
+    tok = word_tokenizer(tmp_path)
+    prompts = ["w5 w9 w17", "w3 w4 w5 w6 w7"]
+    batch = tok(prompts)
+    ids = generate(r.ours, batch["input_ids"], NEW, attention_mask=batch["attention_mask"])
+    want = [
+        tok.decode(row, skip_special_tokens=True) for row in ids[:, batch["input_ids"].shape[1] :]
+    ]
+    assert generate(r.ours, prompts, NEW, tokenizer=tok) == want
+    # transformers' TextStreamer decodes with our tokenizer and prints the same continuation
+    streamer = transformers.TextStreamer(tok, skip_prompt=True)
+    assert generate(r.ours, prompts[0], NEW, tokenizer=tok, streamer=streamer) == want[0]
+    assert capsys.readouterr().out.strip() == want[0].strip()
+    with pytest.raises(TypeError, match="a text prompt needs tokenizer="):
+        generate(r.ours, "w5 w6", NEW)
+
+
 def test_seeded_generator_is_reproducible(runs):
     r = runs["gpt2"]
 
@@ -234,7 +299,11 @@ def test_seq2seq_needs_a_start_token():
         ({"top_p": 1.5}, ValueError, r"top_p must be a number in \(0, 1\], got 1.5"),
         ({"top_k": 0}, ValueError, "top_k must be an int >= 1, got 0"),
         ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be an int >= 0, got -1"),
-        ({"streamer": 3}, TypeError, "streamer must be callable"),
+        (
+            {"streamer": 3},
+            TypeError,
+            r"streamer must have put\(tokens\) and end\(\).* or be callable",
+        ),
         ({"eos_token_id": [1, "x"]}, ValueError, "eos_token_id must hold non-negative int"),
         ({"do_sample": 1}, TypeError, "do_sample must be a bool"),
         ({"attention_mask": torch.ones(2, 4)}, ValueError, r"attention_mask must match .*\(2, 4\)"),

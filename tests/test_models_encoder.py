@@ -278,13 +278,59 @@ def test_unsupported_sentence_transformers_modules(tmp_path):
 
 
 def test_encode_input_errors_and_empty(encoder):
-    with pytest.raises(TypeError, match=r"wrap a single sentence as \[text\]"):
-        encoder.encode("just one string")
-    with pytest.raises(TypeError, match="list of strings"):
+    with pytest.raises(TypeError, match="a string or a list of strings, got a int in the list"):
         encoder.encode(["ok", 3])
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         encoder.encode(["ok"], batch_size=0)
     assert encoder.encode([]).shape == (0, 384)
+
+
+@pytest.fixture(scope="module")
+def st_minilm():
+    return st.SentenceTransformer(str(minilm.get_model_path()), device="cpu")
+
+
+def test_encode_output_kinds_follow_sentence_transformers(encoder, st_minilm):
+    """A string gives a vector, a list a matrix; numpy / tensor / list of tensors as asked."""
+    short = SENTENCES[:3]
+    cases = [
+        (dict(convert_to_numpy=True), short),
+        (dict(convert_to_numpy=True), SENTENCES[0]),
+        (dict(convert_to_tensor=True), SENTENCES[0]),
+        (dict(convert_to_numpy=True, convert_to_tensor=True), short),  # the tensor wins
+        (dict(convert_to_numpy=False), short),  # a list of (dim,) tensors
+    ]
+    for kw, inputs in cases:
+        ours = encoder.encode(inputs, batch_size=2, device="cpu", **kw)
+        want = st_minilm.encode(inputs, batch_size=2, **kw)
+        assert type(ours) is type(want), (kw, inputs)
+        if isinstance(want, list):
+            assert all(type(o) is type(w) for o, w in zip(ours, want))
+            ours, want = torch.stack(ours), torch.stack(want)
+        ours, want = torch.as_tensor(ours), torch.as_tensor(want)
+        assert ours.shape == want.shape and ours.dtype == want.dtype, (kw, inputs)
+        torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5)
+    # selfattn's own default: one tensor (1-D for a string)
+    assert encoder.encode(SENTENCES[0]).shape == (384,)
+    assert isinstance(encoder.encode(SENTENCES[:2]), torch.Tensor)
+
+
+def test_encode_normalize_embeddings_and_progress_bar(tmp_path, capsys):
+    folder = variant(tmp_path, ("mean_tokens",), normalize=False)
+    enc = SentenceEncoder.from_pretrained(folder)
+    theirs = st.SentenceTransformer(str(folder), device="cpu")
+    for normalize in (False, True):
+        ours = enc.encode(SENTENCES[:3], normalize_embeddings=normalize, convert_to_numpy=True)
+        want = theirs.encode(SENTENCES[:3], normalize_embeddings=normalize)
+        torch.testing.assert_close(
+            torch.as_tensor(ours), torch.as_tensor(want), rtol=1e-4, atol=1e-5
+        )
+    norms = torch.as_tensor(ours).norm(dim=1)  # the last one: normalised
+    torch.testing.assert_close(norms, torch.ones(3))
+    enc.encode(SENTENCES[:3], batch_size=2, show_progress_bar=True)
+    assert "Batches" in capsys.readouterr().err
+    enc.encode(SENTENCES[:3], batch_size=2, show_progress_bar=False)
+    assert "Batches" not in capsys.readouterr().err
 
 
 def test_missing_package_says_how_to_install(monkeypatch):

@@ -1,8 +1,10 @@
 """Models built from selfattn's parts, and loading of transformers-format checkpoints.
 
-``from_pretrained(path)`` reads ``config.json`` + ``*.safetensors`` into the family registered for
-the config's ``model_type`` (see :mod:`selfattn.models.hub`); ``generate`` runs any causal LM or
-encoder-decoder through one of the library's KV caches.
+``from_pretrained(path_or_repo_id)`` reads ``config.json`` + ``*.safetensors`` into the family
+registered for the config's ``model_type`` (see :mod:`selfattn.models.hub`; transformers' names
+are mapped in :mod:`selfattn.models.hf_mapping`); ``load_tokenizer`` reads its tokenizer and chat
+template; ``generate`` runs any causal LM or encoder-decoder through one of the library's KV
+caches, on ids or on text.
 """
 
 from selfattn.models.hub import (
@@ -17,6 +19,7 @@ from selfattn.models.decoder import GPT2, CausalLM, DecoderConfig, LayerCaches, 
 from selfattn.models.generate import generate, next_token  # isort: skip
 from selfattn.models.graph import GATLayer  # isort: skip
 from selfattn.models.seq2seq import T5, Bart  # isort: skip
+from selfattn.models.tokenizer import Tokenizer, load_tokenizer  # isort: skip
 from selfattn.models.vision import SwinBlock, ViT, ViTConfig  # isort: skip
 
 __all__ = [
@@ -34,10 +37,12 @@ __all__ = [
     "Llama",
     "SentenceEncoder",
     "SwinBlock",
+    "Tokenizer",
     "UnsupportedConfigError",
     "ViT",
     "ViTConfig",
     "from_pretrained",
     "generate",
+    "load_tokenizer",
     "next_token",
 ]

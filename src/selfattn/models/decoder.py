@@ -54,7 +54,6 @@ return 0 (transformers returns other values there; they are never used).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -66,17 +65,13 @@ from selfattn import masks as _masks
 from selfattn import scores as _scores
 from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
+from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
 from selfattn.models.hub import register, unsupported
 from selfattn.nn import MLP, DecoderBlock, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import (
-    DynamicNTK,
     LearnedPositions,
-    Linear,
-    Llama3,
-    LongRoPE,
     RoPE,
-    YaRN,
 )
 
 __all__ = ["GPT2", "CausalLM", "DecoderConfig", "LayerCaches", "Llama"]
@@ -186,12 +181,9 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, config: Mapping) -> DecoderConfig:
         """From a transformers ``config.json`` dict (``model_type`` gpt2, llama, mistral, qwen2,
-        gemma2); options we do not implement raise ``UnsupportedConfigError``."""
-        if config.get("model_type") == "gpt2":
-            return _gpt2_config(config)
-        if config.get("model_type") in ("llama", "mistral", "qwen2", "gemma2"):
-            return _llama_config(config)
-        raise unsupported(config, "model_type", "not a decoder family of this module")
+        gemma2; the mapping lives in :mod:`selfattn.models.hf_mapping`); options we do not
+        implement raise ``UnsupportedConfigError``."""
+        return cls(**decoder_fields(config))
 
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: global)."""
@@ -201,144 +193,6 @@ class DecoderConfig:
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"DecoderConfig {name} must be a positive int, got {value!r}")
-
-
-# -- transformers config.json -> DecoderConfig ----------------------------------------------------
-
-
-def _rope_from_hf(config: Mapping, head_dim: int) -> tuple[float, object, int]:
-    """``(base, scaling, rotary_dim)`` from transformers 5's ``rope_parameters`` (or the older
-    top-level ``rope_theta`` + ``rope_scaling``)."""
-    params = config.get("rope_parameters")
-    if not params:
-        params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta")}
-    if "full_attention" in params and isinstance(params["full_attention"], Mapping):
-        raise unsupported(config, "rope_parameters", "per-layer-type RoPE parameters")
-    base = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
-    kind = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * partial)
-    max_pos = config.get("max_position_embeddings")
-    original = params.get("original_max_position_embeddings", max_pos)
-    factor = params.get("factor")
-    if kind == "default":
-        return base, None, rotary_dim
-    if kind == "linear":
-        return base, Linear(factor), rotary_dim
-    if kind == "dynamic":  # transformers scales from max_position_embeddings
-        return base, DynamicNTK(factor, max_pos), rotary_dim
-    if kind == "yarn":
-        if params.get("truncate", True) is False:
-            raise unsupported(config, "rope_parameters", "YaRN with truncate=False")
-        scaling = YaRN(
-            factor if factor is not None else max_pos / original,
-            original,
-            beta_fast=params.get("beta_fast") or 32.0,
-            beta_slow=params.get("beta_slow") or 1.0,
-            mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"),
-            attention_factor=params.get("attention_factor"),
-        )
-        return base, scaling, rotary_dim
-    if kind == "llama3":
-        scaling = Llama3(
-            factor,
-            original,
-            low_freq_factor=params.get("low_freq_factor", 1.0),
-            high_freq_factor=params.get("high_freq_factor", 4.0),
-        )
-        return base, scaling, rotary_dim
-    if kind == "longrope":
-        attention_factor = params.get("attention_factor")
-        if factor is not None and attention_factor is None and factor != max_pos / original:
-            raise unsupported(
-                config, "rope_parameters", "LongRoPE with a factor other than max/original length"
-            )
-        scaling = LongRoPE(
-            params["short_factor"], params["long_factor"], original, attention_factor, max_pos
-        )
-        return base, scaling, rotary_dim
-    raise unsupported(config, "rope_parameters", f"rope_type {kind!r} is not implemented")
-
-
-def _eos(config: Mapping):
-    eos = config.get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else eos
-
-
-def _gpt2_config(config: Mapping) -> DecoderConfig:
-    if config.get("add_cross_attention"):
-        raise unsupported(config, "add_cross_attention", "GPT-2 here is decoder-only")
-    d = config["n_embd"]
-    return DecoderConfig(
-        vocab_size=config["vocab_size"],
-        d_model=d,
-        n_layers=config["n_layer"],
-        n_heads=config["n_head"],
-        d_ff=config.get("n_inner") or 4 * d,
-        positions="learned",
-        max_positions=config.get("n_positions", 1024),
-        norm_eps=config.get("layer_norm_epsilon", 1e-5),
-        activation=config.get("activation_function", "gelu_new"),
-        attention_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        attn_scale=None if config.get("scale_attn_weights", True) else 1.0,
-        scale_by_layer=bool(config.get("scale_attn_by_inverse_layer_idx", False)),
-        tie_embeddings=config.get("tie_word_embeddings", True),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=_eos(config),
-        pad_token_id=config.get("pad_token_id"),
-    )
-
-
-def _llama_config(config: Mapping) -> DecoderConfig:
-    model_type = config.get("model_type")
-    d, n_heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or d // n_heads
-    base, scaling, rotary_dim = _rope_from_hf(config, head_dim)
-    n_layers = config["num_hidden_layers"]
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types")
-    if model_type == "qwen2" and not config.get("use_sliding_window", False):
-        window, layer_types = None, None
-    if layer_types is None and window is not None:
-        layer_types = ["sliding_attention"] * n_layers  # Mistral: every layer is windowed
-    gemma = model_type == "gemma2"
-    if gemma and config.get("use_bidirectional_attention"):
-        raise unsupported(config, "use_bidirectional_attention", "decoders here are causal")
-    qkv_bias = config.get("attention_bias", model_type == "qwen2")
-    pre_attn = config.get("query_pre_attn_scalar")
-    return DecoderConfig(
-        vocab_size=config["vocab_size"],
-        d_model=d,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        d_ff=config["intermediate_size"],
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=head_dim,
-        positions="rope",
-        max_positions=config.get("max_position_embeddings", 2048),
-        rope_base=base,
-        rope_scaling=scaling,
-        rotary_dim=rotary_dim,
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        activation=config.get("hidden_activation") or config.get("hidden_act", "silu"),
-        attention_bias=qkv_bias,
-        out_bias=qkv_bias and model_type != "qwen2",  # Qwen2: bias on q/k/v only
-        mlp_bias=config.get("mlp_bias", False),
-        sliding_window=window if layer_types and "sliding_attention" in layer_types else None,
-        layer_types=None if layer_types is None else tuple(layer_types),
-        attn_scale=None if not (gemma and pre_attn) else pre_attn**-0.5,
-        attn_softcap=config.get("attn_logit_softcapping") if gemma else None,
-        final_softcap=config.get("final_logit_softcapping") if gemma else None,
-        embed_scale=math.sqrt(d) if gemma else 1.0,
-        sandwich_norm=gemma,
-        tie_embeddings=config.get("tie_word_embeddings", gemma),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=_eos(config),
-        pad_token_id=config.get("pad_token_id"),
-    )
 
 
 # -- parts the stack does not find in selfattn.nn ------------------------------------------------
@@ -549,18 +403,6 @@ class CausalLM(nn.Module):
                 layers.append(StaticCache(batch, max_len, *shape, **fk))
         return LayerCaches(kind, layers, w.device)
 
-    def convert_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """transformers' tensor names -> ours; the tied LM head is filled from the embedding."""
-        out = self._rename(state)
-        if self.config.tie_embeddings:
-            out.setdefault("lm_head.weight", out.get("embed.weight"))
-            if out["lm_head.weight"] is None:
-                del out["lm_head.weight"]
-        return out
-
-    def _rename(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
 
 def _layer_mask(window, starts, keep):
     """The mask a layer ANDs with causal(): its window and the key padding (absolute key
@@ -594,48 +436,10 @@ class GPT2(CausalLM):
         mlp = MLP(c.d_model, c.d_ff, bias=c.mlp_bias, activation=ACTIVATIONS[c.activation])
         return DecoderBlock(attention, mlp, self._norm(), self._norm())
 
-    def _rename(self, state):
-        out = {}
-        for name, t in state.items():
-            name = name.removeprefix("transformer.")
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # old checkpoints store the causal mask as a buffer
-            parts = name.split(".")
-            if parts[0] == "h":
-                rest = ".".join(parts[2:])
-                ours = _GPT2_LAYER.get(rest)
-                if ours is None:
-                    out[name] = t  # load_state names it as unexpected
-                    continue
-                # Conv1D stores (in, out): a Linear wants (out, in).
-                if rest.endswith("weight") and not rest.startswith("ln_"):
-                    t = t.t()
-                out[f"layers.{parts[1]}.{ours}"] = t
-            else:
-                out[_GPT2_TOP.get(name, name)] = t
-        return out
-
-
-_GPT2_TOP = {
-    "wte.weight": "embed.weight",
-    "wpe.weight": "pos_embed.weight",
-    "ln_f.weight": "norm.weight",
-    "ln_f.bias": "norm.bias",
-}
-_GPT2_LAYER = {
-    "ln_1.weight": "self_res.norm.weight",
-    "ln_1.bias": "self_res.norm.bias",
-    "attn.c_attn.weight": "self_attention.qkv_proj.weight",
-    "attn.c_attn.bias": "self_attention.qkv_proj.bias",
-    "attn.c_proj.weight": "self_attention.out_proj.weight",
-    "attn.c_proj.bias": "self_attention.out_proj.bias",
-    "ln_2.weight": "mlp_res.norm.weight",
-    "ln_2.bias": "mlp_res.norm.bias",
-    "mlp.c_fc.weight": "mlp.fc1.weight",
-    "mlp.c_fc.bias": "mlp.fc1.bias",
-    "mlp.c_proj.weight": "mlp.fc2.weight",
-    "mlp.c_proj.bias": "mlp.fc2.bias",
-}
+    def convert_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' tensor names -> ours (:func:`~selfattn.models.hf_mapping.gpt2_state`;
+        takes the tensors out of ``state``). A tied LM head is filled by ``load_state``."""
+        return gpt2_state(state)
 
 
 @register("llama", "mistral", "qwen2", "gemma2")
@@ -670,63 +474,7 @@ class Llama(CausalLM):
             attention, mlp = PostNormed(attention, self._norm()), PostNormed(mlp, self._norm())
         return DecoderBlock(attention, mlp, self._norm(), self._norm())
 
-    def _rename(self, state):
-        names = _llama_layer_names(self.config.sandwich_norm)
-        plus_one = self.config.sandwich_norm  # Gemma's RMSNorm weight w means (1 + w)
-        out = {}
-        for name, t in state.items():
-            name = name.removeprefix("model.")
-            parts = name.split(".")
-            if parts[0] == "layers" and len(parts) > 3:
-                module, leaf = ".".join(parts[2:-1]), parts[-1]
-                ours = names.get(module)
-                if ours is None:
-                    out[name] = t  # load_state names it as unexpected
-                    continue
-                if plus_one and module.endswith("layernorm"):
-                    t = t + 1
-                out[f"layers.{parts[1]}.{ours}.{leaf}"] = t
-            elif name == "embed_tokens.weight":
-                out["embed.weight"] = t
-            elif name == "norm.weight":
-                out["norm.weight"] = t + 1 if plus_one else t
-            else:
-                out[name] = t  # lm_head.weight keeps its name
-        return _stack_qkv(out, "self_attention.inner" if plus_one else "self_attention")
-
-
-def _stack_qkv(state: dict, attn: str) -> dict:
-    """Each layer's ``q_proj``, ``k_proj``, ``v_proj`` tensors stacked into ``qkv_proj`` (rows
-    q, then k, then v: MultiHeadAttention's fused layout). Incomplete triples stay as they are,
-    so loading names them."""
-    for key in [k for k in state if k.endswith(".q_proj.weight") or k.endswith(".q_proj.bias")]:
-        head, leaf = key.rsplit(".q_proj.", 1)
-        parts = [f"{head}.{p}_proj.{leaf}" for p in "qkv"]
-        if head.endswith(attn) and all(p in state for p in parts):
-            state[f"{head}.qkv_proj.{leaf}"] = torch.cat([state.pop(p) for p in parts], 0)
-    return state
-
-
-def _llama_layer_names(sandwich: bool) -> dict[str, str]:
-    """Llama-family module names inside a layer -> ours. With Gemma-2's sandwich norms the
-    attention and MLP sit inside :class:`PostNormed` (``.inner``), their output norms beside."""
-    attn, mlp = ("self_attention.inner", "mlp.inner") if sandwich else ("self_attention", "mlp")
-    names = {
-        "input_layernorm": "self_res.norm",
-        "self_attn.q_proj": f"{attn}.q_proj",
-        "self_attn.k_proj": f"{attn}.k_proj",
-        "self_attn.v_proj": f"{attn}.v_proj",
-        "self_attn.o_proj": f"{attn}.out_proj",
-        "mlp.gate_proj": f"{mlp}.gate",
-        "mlp.up_proj": f"{mlp}.up",
-        "mlp.down_proj": f"{mlp}.down",
-    }
-    if sandwich:
-        names.update(
-            post_attention_layernorm="self_attention.norm",
-            pre_feedforward_layernorm="mlp_res.norm",
-            post_feedforward_layernorm="mlp.norm",
-        )
-    else:
-        names["post_attention_layernorm"] = "mlp_res.norm"
-    return names
+    def convert_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' tensor names -> ours (:func:`~selfattn.models.hf_mapping.llama_state`;
+        takes the tensors out of ``state``). A tied LM head is filled by ``load_state``."""
+        return llama_state(state, sandwich_norm=self.config.sandwich_norm)

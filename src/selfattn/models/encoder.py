@@ -14,6 +14,7 @@ when the folder lists a Normalize module.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,18 +25,20 @@ from torch import nn
 from selfattn import masks
 from selfattn._optional import require
 from selfattn._validate import positive_int
+from selfattn.models.hf_mapping import bert_fields, bert_state
 from selfattn.models.hub import (
     CheckpointError,
     UnsupportedConfigError,
     read_json,
     register,
-    unsupported,
 )
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import LearnedPositions
 
 __all__ = ["BertConfig", "BertModel", "SentenceEncoder"]
+
+log = logging.getLogger("selfattn")
 
 
 @dataclass(frozen=True)
@@ -71,49 +74,9 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> BertConfig:
-        """From a transformers ``config.json`` dict; options we do not implement raise."""
-        if config.get("position_embedding_type", "absolute") != "absolute":
-            raise unsupported(
-                config, "position_embedding_type", "only 'absolute' learned positions exist here"
-            )
-        if config.get("is_decoder") or config.get("add_cross_attention"):
-            key = "is_decoder" if config.get("is_decoder") else "add_cross_attention"
-            raise unsupported(config, key, "BertModel here is the bidirectional encoder only")
-        if config.get("hidden_act", "gelu") not in ACTIVATIONS:
-            raise unsupported(config, "hidden_act", f"supported: {sorted(ACTIVATIONS)}")
-        return cls(
-            vocab_size=config["vocab_size"],
-            d_model=config.get("hidden_size", 768),
-            n_layers=config.get("num_hidden_layers", 12),
-            n_heads=config.get("num_attention_heads", 12),
-            d_ff=config.get("intermediate_size", 3072),
-            max_positions=config.get("max_position_embeddings", 512),
-            type_vocab_size=config.get("type_vocab_size", 2),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            activation=config.get("hidden_act", "gelu"),
-            dropout=config.get("hidden_dropout_prob", 0.1),
-            attention_dropout=config.get("attention_probs_dropout_prob", 0.1),
-        )
-
-
-# transformers' per-layer names -> ours under ``layers.{i}.`` (the block's own parts).
-_LAYER_NAMES = {
-    "attention.self.query": "attention.q_proj",
-    "attention.self.key": "attention.k_proj",
-    "attention.self.value": "attention.v_proj",
-    "attention.output.dense": "attention.out_proj",
-    "attention.output.LayerNorm": "attn_res.norm",
-    "intermediate.dense": "mlp.fc1",
-    "output.dense": "mlp.fc2",
-    "output.LayerNorm": "mlp_res.norm",
-}
-_EMBEDDING_NAMES = {
-    "embeddings.word_embeddings": "tokens",
-    "embeddings.position_embeddings": "positions",
-    "embeddings.token_type_embeddings": "token_types",
-    "embeddings.LayerNorm": "embed_norm",
-    "pooler.dense": "pooler",
-}
+        """From a transformers ``config.json`` dict (the mapping lives in
+        :mod:`selfattn.models.hf_mapping`); options we do not implement raise."""
+        return cls(**bert_fields(config))
 
 
 @register("bert")
@@ -156,24 +119,9 @@ class BertModel(nn.Module):
         return cls(BertConfig.from_hf(config))
 
     def convert_hf_state_dict(self, state: dict) -> dict:
-        """transformers' names -> ours. Drops ``position_ids`` (a buffer, not a weight); a
-        ``bert.`` prefix (task models) is stripped and the task heads beside it are dropped;
-        without pooler weights the model drops its pooler. Unknown names pass through unchanged
-        (``load_state`` reports them as unexpected)."""
-        if any(k.startswith("bert.") for k in state):
-            state = {k[5:]: t for k, t in state.items() if k.startswith("bert.")}
-        out = {}
-        for name, t in state.items():
-            if name == "embeddings.position_ids":
-                continue
-            stem, _, leaf = name.rpartition(".")
-            if stem in _EMBEDDING_NAMES:
-                name = f"{_EMBEDDING_NAMES[stem]}.{leaf}"
-            elif stem.startswith("encoder.layer."):
-                i, _, part = stem[len("encoder.layer.") :].partition(".")
-                if part in _LAYER_NAMES:
-                    name = f"layers.{i}.{_LAYER_NAMES[part]}.{leaf}"
-            out[name] = t
+        """transformers' names -> ours (:func:`~selfattn.models.hf_mapping.bert_state`; takes the
+        tensors out of ``state``); without pooler weights the model drops its pooler."""
+        out = bert_state(state)
         if not any(k.startswith("pooler.") for k in out):
             self.pooler = None
         return out
@@ -396,30 +344,68 @@ class SentenceEncoder(nn.Module):
         return torch.cat(out, dim=-1)
 
     @torch.inference_mode()
-    def encode(self, sentences: list[str], batch_size: int = 32) -> torch.Tensor:
-        """Embeddings ``(n, dim)`` float (the model's dtype) of ``n`` sentences, in input order.
+    def encode(
+        self,
+        sentences: str | list[str],
+        batch_size: int = 32,
+        *,
+        show_progress_bar: bool | None = None,
+        convert_to_numpy: bool | None = None,
+        convert_to_tensor: bool | None = None,
+        device: torch.device | str | None = None,
+        normalize_embeddings: bool = False,
+    ):
+        """Embeddings of ``sentences`` in input order, as sentence-transformers' ``encode``.
 
-        Sentences are batched by length (longest first), as sentence-transformers does, so
-        batches carry little padding; the result does not depend on ``batch_size`` (beyond
-        float rounding).
+        A string gives one vector ``(dim,)``, a list ``(n, dim)``. Sentences are batched by
+        length (longest first), as sentence-transformers does, so batches carry little padding;
+        the result does not depend on ``batch_size`` (beyond float rounding).
+
+        Args:
+            show_progress_bar: a tqdm bar over batches (None: when the ``selfattn`` logger
+                shows INFO, sentence-transformers' rule).
+            convert_to_tensor: one tensor on the model's device (in the model's dtype).
+            convert_to_numpy: a numpy array on the CPU (bfloat16 upcast to float32); it is
+                sentence-transformers' default, with ``convert_to_tensor`` taking precedence.
+                Both False: a list of 1-D tensors. Neither given: one tensor, selfattn's
+                default (sentence-transformers would return numpy).
+            device: move the model there first (None: where it is).
+            normalize_embeddings: L2-normalise (the folder's Normalize module does it anyway).
         """
-        if isinstance(sentences, str) or not all(isinstance(s, str) for s in sentences):
-            raise TypeError("encode() takes a list of strings; wrap a single sentence as [text]")
+        single = isinstance(sentences, str)
+        items = [sentences] if single else list(sentences)
+        bad = [type(s).__name__ for s in items if not isinstance(s, str)]
+        if bad:
+            raise TypeError(
+                f"encode() takes a string or a list of strings, got a {bad[0]} in the list"
+            )
         positive_int(batch_size, "batch_size")
-        sentences = list(sentences)
-        dtype = self.model.tokens.weight.dtype
-        if not sentences:
-            return torch.empty(0, self.dim, dtype=dtype)
-        order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
-        out = torch.empty(len(sentences), self.dim, dtype=dtype)
-        for start in range(0, len(order), batch_size):
+        if device is not None:
+            self.model.to(device)
+        weight = self.model.tokens.weight
+        out = torch.empty(len(items), self.dim, dtype=weight.dtype, device=weight.device)
+        order = sorted(range(len(items)), key=lambda i: -len(items[i]))
+        if show_progress_bar is None:
+            show_progress_bar = log.getEffectiveLevel() in (logging.INFO, logging.DEBUG)
+        starts = range(0, len(order), batch_size)
+        if show_progress_bar:
+            tqdm = require("tqdm.auto", purpose="show_progress_bar").tqdm
+            starts = tqdm(starts, desc="Batches")
+        for start in starts:
             idx = order[start : start + batch_size]
-            ids, mask = self.tokenize([sentences[i] for i in idx])
+            ids, mask = self.tokenize([items[i] for i in idx])
+            ids, mask = ids.to(weight.device), mask.to(weight.device)
             emb = self.pool(self.model(ids, attention_mask=mask), mask)
-            if self.normalize:
+            if self.normalize or normalize_embeddings:
                 emb = F.normalize(emb, p=2, dim=1)
-            out[torch.tensor(idx)] = emb
-        return out
+            out[torch.tensor(idx, device=weight.device)] = emb
+        if convert_to_tensor or (convert_to_tensor is None and convert_to_numpy is None):
+            result = out
+        elif convert_to_numpy is not False:
+            result = (out.float() if out.dtype == torch.bfloat16 else out).cpu().numpy()
+        else:
+            result = list(out)
+        return result[0] if single else result
 
     def forward(self, sentences: list[str]) -> torch.Tensor:
         return self.encode(sentences)

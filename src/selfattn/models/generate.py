@@ -15,11 +15,15 @@ likely tokens whose probability reaches ``top_p``; then the argmax (``do_sample=
 draw from the softmax (``torch.multinomial`` with ``generator``: seeded and reproducible).
 A row that emitted an ``eos_token_id`` is finished: it emits ``pad_token_id`` from then on, and
 generation stops when every row is finished.
+
+Text in, text out: given a ``tokenizer`` (:func:`selfattn.models.load_tokenizer`), the prompt
+may be a string or a list of strings (left-padded into a batch) and the continuation comes back
+as text. A ``streamer`` with transformers' protocol (``put``/``end``, e.g.
+``transformers.TextStreamer``) gets the prompt ids ``(B, S)`` first, then each step's tokens
+``(B,)``, then ``end()``, as transformers' ``generate`` calls it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -92,10 +96,50 @@ def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
+def _streamer_calls(streamer):
+    """``(put, end)`` of a streamer: transformers' ``put``/``end`` protocol, or a plain callable
+    (called with each step's tokens only; ``end`` None)."""
+    if streamer is None:
+        return None, None
+    put, end = getattr(streamer, "put", None), getattr(streamer, "end", None)
+    if callable(put) and callable(end):
+        return put, end
+    if callable(streamer):
+        return streamer, None
+    raise TypeError(
+        f"streamer must have put(tokens) and end() (transformers' protocol) or be "
+        f"callable(step_tokens), got {type(streamer).__name__}"
+    )
+
+
+def _generate_text(model, prompts, tokenizer, max_new_tokens, attention_mask, **kw):
+    """``generate`` for a string or a list of strings: the continuation(s) as text."""
+    if tokenizer is None:
+        raise TypeError(
+            "a text prompt needs tokenizer= (selfattn.models.load_tokenizer(path)); or pass "
+            "input_ids (B, S)"
+        )
+    if attention_mask is not None:
+        raise ValueError("attention_mask comes from the tokenizer for text prompts; drop it")
+    batch = tokenizer(prompts)
+    device = next(model.parameters()).device
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    if kw.get("eos_token_id") is None:
+        eos = getattr(model, "eos_token_id", None)
+        kw["eos_token_id"] = eos if eos is not None else tokenizer.eos_token_id
+    if kw.get("pad_token_id") is None:
+        kw["pad_token_id"] = tokenizer.pad_token_id
+    out = generate(model, ids, max_new_tokens, attention_mask=mask, **kw)
+    # a decoder returns prompt + new tokens; an encoder-decoder [start] + new tokens
+    prefix = 1 if getattr(model, "is_encoder_decoder", False) else ids.shape[1]
+    texts = tokenizer.batch_decode(out[:, prefix:], skip_special_tokens=True)
+    return texts[0] if isinstance(prompts, str) else texts
+
+
 @torch.no_grad()
 def generate(
     model,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | str | list[str],
     max_new_tokens: int = 20,
     *,
     attention_mask: torch.Tensor | None = None,
@@ -107,9 +151,10 @@ def generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
-    streamer: Callable[[torch.Tensor], object] | None = None,
+    streamer=None,
     page_size: int = 16,
-) -> torch.Tensor:
+    tokenizer=None,
+) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids (B, S)`` by up to ``max_new_tokens`` tokens.
 
     Args:
@@ -122,13 +167,26 @@ def generate(
         do_sample, temperature, top_k, top_p, generator: see :func:`next_token`.
         eos_token_id: an int or a list; a row stops after emitting one (None: never stop).
         pad_token_id: what finished rows emit (default the first ``eos_token_id``).
-        streamer: called with each step's tokens ``(B,)`` as soon as they are chosen.
+        streamer: an object with transformers' ``put``/``end`` (``put`` gets the prompt ids
+            first, as in transformers), or a callable given each step's tokens ``(B,)``.
+        tokenizer: needed when ``input_ids`` is text (a string or a list of strings);
+            ``eos_token_id`` / ``pad_token_id`` then default to the model's / tokenizer's.
 
     Returns:
         ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
         every row finished early). Encoder-decoders return the decoder's ``(B, 1 + n)`` tokens,
-        starting with ``decoder_start_token_id``, as transformers does.
+        starting with ``decoder_start_token_id``, as transformers does. For a text prompt: the
+        generated text (a string, or a list for a list of prompts), special tokens skipped.
     """
+    if isinstance(input_ids, str) or (
+        isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str)
+    ):
+        return _generate_text(
+            model, input_ids, tokenizer, max_new_tokens, attention_mask,
+            cache=cache, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            streamer=streamer, page_size=page_size,
+        )  # fmt: skip
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"input_ids must be a (B, S) int tensor, got {got!r}")
@@ -141,8 +199,7 @@ def generate(
     if cache is not None and cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS} or None, got {cache!r}")
     _check_sampling(do_sample, temperature, top_k, top_p)
-    if streamer is not None and not callable(streamer):
-        raise TypeError(f"streamer must be callable(step_tokens), got {type(streamer).__name__}")
+    put, end = _streamer_calls(streamer)
     B, S = input_ids.shape
     if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
         raise ValueError(
@@ -166,8 +223,19 @@ def generate(
     out = prefix.new_empty(B, prefix.shape[1] + max_new_tokens)
     out[:, : prefix.shape[1]] = prefix
     n = prefix.shape[1]
+    if end is not None:
+        put(prefix.cpu())  # transformers streams the prompt (decoder: the input ids) first
+    out = _decode_loop(step, out, n, max_new_tokens, eos, pad_token_id, pick, put)
+    if end is not None:
+        end()
+    return out
+
+
+def _decode_loop(step, out, n: int, max_new_tokens: int, eos, pad_token_id, pick, put):
+    """Prefill, then choose, record and stream one token per step into ``out (B, n + new)``."""
     if max_new_tokens == 0:
         return out
+    B = out.shape[0]
     eos_t = torch.tensor(eos, device=out.device)
     unfinished = torch.ones(B, dtype=torch.bool, device=out.device)
     logits = step(None, n)  # prefill
@@ -177,8 +245,8 @@ def generate(
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad_token_id))
         out[:, n] = tok
         n += 1
-        if streamer is not None:
-            streamer(tok)
+        if put is not None:
+            put(tok.cpu())
         if eos:
             unfinished &= ~torch.isin(tok, eos_t)
             if not bool(unfinished.any()):

@@ -19,15 +19,21 @@ truncated shard, a shard name that leaves the folder.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
+import logging
+import os
+import re
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePath
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from selfattn._optional import require
+from selfattn._optional import available, require
 
 __all__ = [
     "CheckpointError",
@@ -38,6 +44,7 @@ __all__ = [
     "read_config",
     "read_safetensors",
     "register",
+    "resolve",
 ]
 
 # Modules under selfattn.models whose import registers model families (imported on first lookup,
@@ -45,6 +52,7 @@ __all__ = [
 _FAMILY_MODULES = ("encoder", "decoder", "seq2seq", "vision")
 _REGISTRY: dict[str, type] = {}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+log = logging.getLogger("selfattn")
 
 
 class CheckpointError(ValueError):
@@ -197,28 +205,11 @@ def _shard_path(folder: Path, name: str, index: Path) -> Path:
     return path
 
 
-def _load_shard(path: Path) -> dict[str, torch.Tensor]:
-    safetensors = require("safetensors", purpose="loading a checkpoint")
-    load_file = require("safetensors.torch", purpose="loading a checkpoint").load_file
-
-    try:
-        return load_file(str(path))
-    except (safetensors.SafetensorError, OSError) as e:
-        raise CheckpointError(
-            f"shard {str(path)!r} cannot be read ({e}); it is truncated or not a safetensors "
-            "file: download or convert it again"
-        ) from None
-
-
-def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors file(s), optionally cast to floating ``dtype``.
-
-    Shards listed in ``model.safetensors.index.json`` must be files inside the folder (links
-    into a Hugging Face cache's ``blobs/`` are followed); without an index every
-    ``*.safetensors`` file of the folder is read, links included."""
-    folder = _folder(path)
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder``: the shards its ``model.safetensors.index.json``
+    lists (each a file inside the folder; links into a Hugging Face cache's ``blobs/`` are
+    followed), else every ``*.safetensors`` file of the folder, links included."""
     index = folder / "model.safetensors.index.json"
-    listed_in = None  # the index, when there is one
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -236,10 +227,9 @@ def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.
             raise CheckpointError(
                 f"{str(index)!r} lists shard(s) {missing} that are not in the folder"
             )
-        listed_in = index
-    else:
-        # the folder's own files, links included (a folder may link weights kept elsewhere)
-        files = sorted(folder.glob("*.safetensors"))
+        return files
+    # the folder's own files, links included (a folder may link weights kept elsewhere)
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         hint = (
@@ -249,19 +239,118 @@ def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.
             else ""
         )
         raise CheckpointError(f"{str(folder)!r} has no *.safetensors file{hint}")
+    return files
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"shard {str(path)!r} cannot be read ({e}); it is truncated or not a safetensors "
+        "file: download or convert it again"
+    )
+
+
+@functools.cache
+def _log_mmap_fallback(e: str) -> None:
+    log.info(
+        "safetensors has no pread backend (%s): shards are read through mmap, which holds a "
+        "second copy of a shard while its tensors are cast; pip install -U safetensors",
+        e,
+    )
+
+
+def _open(path: Path):
+    """``safe_open`` on a shard, reading tensors with ``pread`` into memory of their own: through
+    the default mmap a cast tensor and the mapped pages of its source would both count, twice the
+    shard's bytes at the peak."""
+    safetensors = require("safetensors", purpose="loading a checkpoint")
+    SafetensorError, safe_open = safetensors.SafetensorError, safetensors.safe_open
+
+    try:
+        try:
+            return safe_open(str(path), framework="pt", backend="pread")
+        except TypeError as e:  # an older safetensors: mmap only
+            _log_mmap_fallback(str(e))
+            return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
+# safetensors' names of the floating dtypes a model is loaded in
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+def first_float_dtype(files: list[Path]) -> torch.dtype | None:
+    """The dtype of the first floating tensor of the first shard that has one (read from the
+    headers only), as transformers' ``dtype="auto"`` does for a config without ``dtype``."""
+    for f in files:
+        with _open(f) as handle:
+            names = handle.keys()  # safe_open is not iterable
+            for name in names:
+                dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+def read_safetensors(
+    path,
+    dtype: torch.dtype | None = None,
+    *,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors file(s) (see :func:`checkpoint_files`).
+
+    Shard by shard, tensor by tensor: each is read, cast to floating ``dtype`` (integer and bool
+    tensors keep theirs) and moved to ``device`` before the next is read, so the result is the
+    only copy in memory (a float32 checkpoint loaded as bfloat16 never exists whole in float32).
+    ``progress`` shows a tqdm bar over the shards when there are several.
+    """
+    SafetensorError = require("safetensors", purpose="loading a checkpoint").SafetensorError
+
+    files = checkpoint_files(_folder(path))
+    listed_in = files[0].parent / "model.safetensors.index.json"
+    listed = f", listed in {str(listed_in)!r})" if listed_in.is_file() else ")"
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
-    for f in files:
-        for name, t in _load_shard(f).items():
-            if name in state:
-                raise CheckpointError(
-                    f"tensor {name!r} appears in more than one shard ({origin[name]!r} and "
-                    f"{f.name!r}" + (f", listed in {str(listed_in)!r})" if listed_in else ")")
-                )
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
-            state[name], origin[name] = t, f.name
+    for f in _progress(files, progress):
+        with _open(f) as handle:
+            try:
+                names = handle.keys()  # safe_open is not iterable
+                for name in names:
+                    if name in state:
+                        raise CheckpointError(
+                            f"tensor {name!r} appears in more than one shard ({origin[name]!r} "
+                            f"and {f.name!r}" + listed
+                        )
+                    state[name], origin[name] = _read_tensor(handle, name, dtype, device), f.name
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(f, e) from None
     return state
+
+
+def _read_tensor(handle, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """Tensor ``name`` of an open shard, a floating one cast to ``dtype``, on ``device``. A cast
+    holds the source tensor in flight: the peak of a float32 checkpoint loaded as bfloat16 is the
+    bfloat16 weights plus its largest float32 tensor (safetensors' pread reads a whole tensor
+    even for a slice of rows, so reading by blocks would cost more than it saves)."""
+    t = handle.get_tensor(name)
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+
+def _progress(files: list[Path], enabled: bool):
+    if not enabled or len(files) < 2:
+        return files
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is a nicety: load without it
+        return files
+    return tqdm(files, desc="Loading checkpoint shards", unit="shard")
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -270,26 +359,54 @@ def _kind(t: torch.Tensor) -> str:
     return "float" if t.is_floating_point() else "complex" if t.is_complex() else "integer"
 
 
+def _fill_aliases(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every name of a tied tensor filled from the first of its names that
+    ``state`` holds (transformers saves a tied LM head once, under the embedding's name); the
+    others are dropped, so the first name wins, as transformers ties to the input embeddings."""
+    state = dict(state)
+    groups: dict[int, list[str]] = {}
+    named = [*model.named_parameters(remove_duplicate=False)]
+    named += model.named_buffers(remove_duplicate=False)
+    for name, t in named:
+        groups.setdefault(id(t), []).append(name)
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if len(names) > 1 and present:
+            for n in names:
+                state[n] = state[present[0]]
+    return state
+
+
 def load_state(
     model: nn.Module,
     state: Mapping[str, torch.Tensor],
     sources: Mapping[str, str] | None = None,
+    *,
+    assign: bool = False,
+    device: torch.device | str | None = None,
 ) -> None:
-    """Copy ``state`` into ``model``'s parameters and buffers, all or nothing.
+    """Load ``state`` into ``model``'s parameters and buffers, all or nothing.
 
     Raises :class:`CheckpointError` naming every missing, unexpected, mis-shaped (with both
     shapes) and mis-typed tensor (an integer or bool tensor for a float parameter, or the
-    reverse: ``copy_`` would silently convert it) before anything is copied. ``sources`` maps a
+    reverse: a cast would silently convert it) before anything is loaded. ``sources`` maps a
     converted name to the checkpoint's own name, so errors name the tensor as the file spells it
-    too.
+    too. Tied tensors (one tensor under several names) need only one of their names.
     Non-persistent buffers are not expected in ``state``.
+
+    ``assign=False`` copies into the model's tensors. ``assign=True`` (``load_state_dict(...,
+    assign=True)``-style) makes ``state``'s tensors the model's own, cast to each model tensor's
+    dtype and moved to ``device`` (None: where they are): the model may live on the meta device,
+    and no second copy of the weights is ever made. Ties survive: a tied group gets one
+    :class:`~torch.nn.Parameter`.
     """
     sources = sources or {}
 
     def named(k: str) -> str:
         return f"{k} (checkpoint {sources[k]!r})" if k in sources else k
 
-    own = model.state_dict()
+    state = _fill_aliases(model, state)
+    own = model.state_dict(keep_vars=True)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     common = sorted(set(own) & set(state))
@@ -318,23 +435,171 @@ def load_state(
             f"checkpoint does not fit {type(model).__name__}: " + "; ".join(problems)
         )
     with torch.no_grad():
-        for k, t in own.items():
-            t.copy_(state[k])
+        if not assign:
+            for k, t in own.items():
+                t.copy_(state[k])
+            return
+        made: dict[int, torch.Tensor] = {}  # id(old tensor) -> its replacement (ties)
+        used: set[int] = set()  # state tensors already given to a model tensor
+        for k, old in own.items():
+            new = made.get(id(old))
+            if new is None:
+                t = state[k]
+                if id(t) in used:  # one checkpoint tensor for two untied model tensors
+                    t = t.clone()
+                used.add(id(t))
+                t = t.to(device=device, dtype=old.dtype if old.is_floating_point() else None)
+                if isinstance(old, nn.Parameter):
+                    t = nn.Parameter(t, requires_grad=old.requires_grad)
+                new = made[id(old)] = t
+            module_name, _, leaf = k.rpartition(".")
+            module = model.get_submodule(module_name)
+            slot = module._parameters if leaf in module._parameters else module._buffers
+            slot[leaf] = new
 
 
-def from_pretrained(path, dtype: torch.dtype | None = None) -> nn.Module:
-    """Build the model a transformers-format folder describes and load its weights.
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def _dtype(dtype, config: Mapping, files: list[Path]) -> torch.dtype:
+    """The floating dtype ``from_pretrained`` builds: ``dtype`` itself, a name from ``_DTYPES``,
+    or ``"auto"``/None: the config's ``dtype`` (transformers 5) or ``torch_dtype``, else the
+    checkpoint's first floating tensor's, else float32."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        return dtype
+    if dtype is None or dtype == "auto":
+        named = config.get("dtype") or config.get("torch_dtype")
+        if named is None:
+            return first_float_dtype(files) or torch.float32
+        if named not in _DTYPES:
+            raise CheckpointError(
+                f"{_where(config)}config dtype {named!r} is not a floating dtype; expected one "
+                f"of {sorted(_DTYPES)}, or pass dtype= to from_pretrained"
+            )
+        return _DTYPES[named]
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(
+        f"dtype must be 'auto', a torch floating dtype or one of {sorted(_DTYPES)}, got {dtype!r}"
+    )
+
+
+# Files of a Hub repository that loading a model or its tokenizer reads.
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def resolve(
+    path_or_repo_id,
+    *,
+    revision: str | None = None,
+    cache_dir=None,
+    local_files_only: bool = False,
+) -> Path:
+    """The local folder of ``path_or_repo_id``: the folder itself when it exists, else the
+    snapshot of the Hugging Face Hub repository ``"owner/name"`` through ``huggingface_hub``'s
+    cache (downloading what is missing unless offline: ``local_files_only``, ``HF_HUB_OFFLINE``;
+    huggingface_hub falls back to the cache when the network fails)."""
+    path = Path(path_or_repo_id)
+    text = str(path_or_repo_id)
+    if path.exists() or not isinstance(path_or_repo_id, str) or not _REPO_ID.fullmatch(text):
+        return _folder(path)
+    if not available("huggingface_hub"):
+        raise FileNotFoundError(
+            f"checkpoint folder {text!r} does not exist; to load it as a Hugging Face Hub "
+            "repository id, pip install 'selfattn[models]' (it brings huggingface_hub)"
+        )
+    hub = require("huggingface_hub", purpose="loading a Hub repository id")
+    constants, snapshot_download = hub.constants, hub.snapshot_download
+    EntryNotFoundError = require("huggingface_hub.errors").EntryNotFoundError
+    offline = local_files_only or constants.is_offline_mode()
+    offline = offline or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        folder = snapshot_download(
+            text,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=offline,
+            allow_patterns=_HUB_FILES,
+        )
+    except (OSError, ValueError, EntryNotFoundError) as e:
+        cache = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
+        how = "offline (HF_HUB_OFFLINE or local_files_only)" if offline else "online"
+        raise FileNotFoundError(
+            f"{text!r} is not a folder, and as a Hugging Face Hub repository id it was not found "
+            f"({how}, cache {str(cache)!r}): {type(e).__name__}: {e}"
+        ) from None
+    return Path(folder)
+
+
+# In-place random fills (and the nn.init functions made of them) that a module's constructor runs.
+_RANDOM_FILLS = frozenset(
+    {
+        *("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_"),
+        *("xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_", "random_", "bernoulli_"),
+    }
+)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Random initialisation of a meta tensor is skipped: it fills nothing, yet torch runs it
+    through ``torch._refs``, whose first call imports ``torch._dynamo`` (measured: 150 MiB of RSS
+    and seconds, more than loading a small model)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+        name = getattr(func, "__name__", "")
+        if name in _RANDOM_FILLS and isinstance(t, torch.Tensor) and t.is_meta:
+            return t
+        return func(*args, **kwargs)
+
+
+def from_pretrained(
+    path_or_repo_id,
+    dtype: torch.dtype | str | None = "auto",
+    *,
+    device: torch.device | str | None = None,
+    revision: str | None = None,
+    cache_dir=None,
+    local_files_only: bool = False,
+    progress: bool = True,
+) -> nn.Module:
+    """Build the model a transformers-format checkpoint describes and load its weights.
 
     Args:
-        path: folder with ``config.json`` and ``*.safetensors`` (sharded index included).
-        dtype: cast floating weights and the model to this dtype (default: float32, the
-            dtype the model classes build their parameters in; checkpoint values are cast).
+        path_or_repo_id: a folder with ``config.json`` and ``*.safetensors`` (sharded index
+            included), or a Hub id ``"owner/name"`` resolved through huggingface_hub's cache
+            (:func:`resolve`; ``revision``, ``cache_dir``, ``local_files_only`` go there).
+        dtype: ``"auto"`` (default, as transformers 5; None means the same): the config's
+            ``dtype`` / ``torch_dtype``, else the checkpoint's first floating tensor's dtype;
+            or a floating ``torch.dtype`` or its name (``"bfloat16"``, ``"float16"``,
+            ``"float32"``, ...). Floating weights are cast to it tensor by tensor.
+        device: where the weights go (default CPU); each tensor moves there as it is read.
+        progress: a tqdm bar over the shards of a sharded checkpoint.
+
+    The model is built on the meta device (no memory, no random init) and takes the checkpoint's
+    tensors as its own (:func:`load_state` with ``assign=True``): peak memory is one copy of the
+    weights in ``dtype`` plus one tensor in flight, whatever the checkpoint's own dtype.
 
     Returns:
         The model in eval mode. A causal LM is called as ``model(input_ids (B, S),
         attention_mask=None) -> logits (B, S, vocab)``.
     """
-    config = read_config(path)
+    folder = resolve(
+        path_or_repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
+    )
+    config = read_config(folder)
     model_type = config.get("model_type")
     families = registered()
     if not isinstance(model_type, str) or model_type not in families:
@@ -344,7 +609,9 @@ def from_pretrained(path, dtype: torch.dtype | None = None) -> nn.Module:
         )
     cls = families[model_type]
     try:
-        model = cls.from_config(config)
+        # shapes only: the checkpoint fills every tensor
+        with torch.device("meta"), _SkipMetaInit():
+            model = cls.from_config(config)
     except (CheckpointError, UnsupportedConfigError):
         raise
     except (KeyError, AttributeError, TypeError, IndexError, ValueError) as e:
@@ -354,14 +621,28 @@ def from_pretrained(path, dtype: torch.dtype | None = None) -> nn.Module:
             f"{str(config.file)!r} does not describe a valid {cls.__name__} ({model_type}): "
             f"{type(e).__name__}: {e}"
         ) from e
-    state = read_safetensors(path, dtype=dtype)
-    names = {id(t): k for k, t in state.items()}  # tensors a conversion only renames keep their id
+    dtype = _dtype(dtype, config, checkpoint_files(folder))
+    device = torch.device("cpu") if device is None else torch.device(device)
+    model = model.to(dtype)
+    state = read_safetensors(folder, dtype, device=device, progress=progress)
+    # tensors a conversion only renames keep their identity: errors then name both spellings
+    names = {id(t): (k, weakref.ref(t)) for k, t in state.items()}
     try:
-        converted = model.convert_hf_state_dict(state)
-        sources = {k: names[id(t)] for k, t in converted.items() if names.get(id(t), k) != k}
-        load_state(model, converted, sources)
+        converted = model.convert_hf_state_dict(state)  # may take the tensors out of `state`
+        del state
+        sources = {}
+        for k, t in converted.items():
+            source, ref = names.get(id(t), (k, None))
+            if source != k and ref is not None and ref() is t:
+                sources[k] = source
+        load_state(model, converted, sources, assign=True, device=device)
     except CheckpointError as e:  # about the folder's tensors: say which folder
-        raise CheckpointError(f"{str(config.file.parent)!r}: {e}") from None
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
+        raise CheckpointError(f"{str(folder)!r}: {e}") from None
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(
+            f"{type(model).__name__} still has tensors on the meta device after loading {left}: "
+            "a module makes state that is neither in the checkpoint nor computed on the CPU "
+            "when built under torch.device('meta'); compute it there (see positions/rope.py)"
+        )
+    return model.to(device).eval()

@@ -69,9 +69,15 @@ def _check_length(owner: str, name: str, value) -> None:
         )
 
 
+# Frequencies are host data derived from the config, made on the CPU even under a
+# ``torch.device("meta")`` context: a model built on meta for loading keeps real tables, the only
+# state a checkpoint does not hold.
+_HOST = torch.device("cpu")
+
+
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     """``base^(-2i/dim)`` for ``i < dim/2``, float64 ``(dim/2,)``."""
-    return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64, device=_HOST) / dim)
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,9 @@ class YaRN:
         high = min(math.ceil(dim_of(self.beta_slow)), dim - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = (
+            (torch.arange(dim // 2, dtype=torch.float64, device=_HOST) - low) / (high - low)
+        ).clamp(0, 1)
         extrapolation = _default_inv_freq(base, dim)
         interpolation = extrapolation / self.factor
         # ramp 0 (fast dims): keep; ramp 1 (slow dims): interpolate.
@@ -287,7 +295,9 @@ class LongRoPE:
                 math.sqrt(1 + math.log(s) / math.log(self.original_max_position)) if s > 1 else 1.0
             )
         factors = self.long_factor if seq_len > self.original_max_position else self.short_factor
-        return _default_inv_freq(base, dim) / torch.tensor(factors, dtype=torch.float64), attn
+        return _default_inv_freq(base, dim) / torch.tensor(
+            factors, dtype=torch.float64, device=_HOST
+        ), attn
 
 
 _LENGTH_DEPENDENT = (DynamicNTK, LongRoPE)

@@ -1,0 +1,362 @@
+"""transformers' vocabulary -> selfattn's: ``config.json`` keys to our config fields, checkpoint
+tensor names to our ``state_dict`` names, for the decoder families (GPT-2; Llama, Mistral, Qwen2,
+Gemma-2) and BERT.
+
+The model modules stay free of transformers' names: ``DecoderConfig.from_hf(config)`` is
+``DecoderConfig(**decoder_fields(config))`` and a family's ``convert_hf_state_dict(state)`` calls
+:func:`gpt2_state` / :func:`llama_state` / :func:`bert_state`. The state functions take the
+tensors out of ``state`` as they go (it is left empty): the loader hands over a dict it no longer
+needs, so a fused q/k/v tensor never lives beside all its parts and the peak memory of a load stays
+one copy of the weights. Names no rule matches pass through unchanged, so ``load_state`` reports
+them as unexpected. (T5/BART and ViT keep their tables in ``seq2seq.py`` / ``vision.py``.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from selfattn.models.hub import unsupported
+from selfattn.nn.mlp import ACTIVATIONS
+from selfattn.positions import DynamicNTK, Linear, Llama3, LongRoPE, YaRN
+
+__all__ = ["bert_fields", "bert_state", "decoder_fields", "gpt2_state", "llama_state"]
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "gemma2")
+
+
+# -- decoders: config.json -> DecoderConfig fields -------------------------------------------------
+def decoder_fields(config: Mapping) -> dict:
+    """``DecoderConfig`` keyword arguments from a transformers ``config.json`` dict (``model_type``
+    gpt2, llama, mistral, qwen2, gemma2); options we do not implement raise
+    ``UnsupportedConfigError``."""
+    if config.get("model_type") == "gpt2":
+        return _gpt2_fields(config)
+    if config.get("model_type") in LLAMA_FAMILY:
+        return _llama_fields(config)
+    raise unsupported(config, "model_type", "not a decoder family")
+
+
+def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
+    """``(base, scaling, rotary_dim)`` from transformers 5's ``rope_parameters`` (or the older
+    top-level ``rope_theta`` + ``rope_scaling``)."""
+    params = config.get("rope_parameters")
+    if not params:
+        params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta")}
+    if "full_attention" in params and isinstance(params["full_attention"], Mapping):
+        raise unsupported(config, "rope_parameters", "per-layer-type RoPE parameters")
+    base = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    max_pos = config.get("max_position_embeddings")
+    original = params.get("original_max_position_embeddings", max_pos)
+    factor = params.get("factor")
+    if kind == "default":
+        return base, None, rotary_dim
+    if kind == "linear":
+        return base, Linear(factor), rotary_dim
+    if kind == "dynamic":  # transformers scales from max_position_embeddings
+        return base, DynamicNTK(factor, max_pos), rotary_dim
+    if kind == "yarn":
+        if params.get("truncate", True) is False:
+            raise unsupported(config, "rope_parameters", "YaRN with truncate=False")
+        scaling = YaRN(
+            factor if factor is not None else max_pos / original,
+            original,
+            beta_fast=params.get("beta_fast") or 32.0,
+            beta_slow=params.get("beta_slow") or 1.0,
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=params.get("attention_factor"),
+        )
+        return base, scaling, rotary_dim
+    if kind == "llama3":
+        scaling = Llama3(
+            factor,
+            original,
+            low_freq_factor=params.get("low_freq_factor", 1.0),
+            high_freq_factor=params.get("high_freq_factor", 4.0),
+        )
+        return base, scaling, rotary_dim
+    if kind == "longrope":
+        attention_factor = params.get("attention_factor")
+        if factor is not None and attention_factor is None and factor != max_pos / original:
+            raise unsupported(
+                config, "rope_parameters", "LongRoPE with a factor other than max/original length"
+            )
+        scaling = LongRoPE(
+            params["short_factor"], params["long_factor"], original, attention_factor, max_pos
+        )
+        return base, scaling, rotary_dim
+    raise unsupported(config, "rope_parameters", f"rope_type {kind!r} is not implemented")
+
+
+def _eos(config: Mapping):
+    eos = config.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else eos
+
+
+def _gpt2_fields(config: Mapping) -> dict:
+    if config.get("add_cross_attention"):
+        raise unsupported(config, "add_cross_attention", "GPT-2 here is decoder-only")
+    d = config["n_embd"]
+    return dict(
+        vocab_size=config["vocab_size"],
+        d_model=d,
+        n_layers=config["n_layer"],
+        n_heads=config["n_head"],
+        d_ff=config.get("n_inner") or 4 * d,
+        positions="learned",
+        max_positions=config.get("n_positions", 1024),
+        norm_eps=config.get("layer_norm_epsilon", 1e-5),
+        activation=config.get("activation_function", "gelu_new"),
+        attention_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        attn_scale=None if config.get("scale_attn_weights", True) else 1.0,
+        scale_by_layer=bool(config.get("scale_attn_by_inverse_layer_idx", False)),
+        tie_embeddings=config.get("tie_word_embeddings", True),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_eos(config),
+        pad_token_id=config.get("pad_token_id"),
+    )
+
+
+def _llama_fields(config: Mapping) -> dict:
+    model_type = config.get("model_type")
+    d, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or d // n_heads
+    base, scaling, rotary_dim = _rope(config, head_dim)
+    n_layers = config["num_hidden_layers"]
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    if model_type == "qwen2" and not config.get("use_sliding_window", False):
+        window, layer_types = None, None
+    if layer_types is None and window is not None:
+        layer_types = ["sliding_attention"] * n_layers  # Mistral: every layer is windowed
+    gemma = model_type == "gemma2"
+    if gemma and config.get("use_bidirectional_attention"):
+        raise unsupported(config, "use_bidirectional_attention", "decoders here are causal")
+    qkv_bias = config.get("attention_bias", model_type == "qwen2")
+    pre_attn = config.get("query_pre_attn_scalar")
+    return dict(
+        vocab_size=config["vocab_size"],
+        d_model=d,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_ff=config["intermediate_size"],
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        positions="rope",
+        max_positions=config.get("max_position_embeddings", 2048),
+        rope_base=base,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        activation=config.get("hidden_activation") or config.get("hidden_act", "silu"),
+        attention_bias=qkv_bias,
+        out_bias=qkv_bias and model_type != "qwen2",  # Qwen2: bias on q/k/v only
+        mlp_bias=config.get("mlp_bias", False),
+        sliding_window=window if layer_types and "sliding_attention" in layer_types else None,
+        layer_types=None if layer_types is None else tuple(layer_types),
+        attn_scale=None if not (gemma and pre_attn) else pre_attn**-0.5,
+        attn_softcap=config.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=config.get("final_logit_softcapping") if gemma else None,
+        embed_scale=math.sqrt(d) if gemma else 1.0,
+        sandwich_norm=gemma,
+        tie_embeddings=config.get("tie_word_embeddings", gemma),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_eos(config),
+        pad_token_id=config.get("pad_token_id"),
+    )
+
+
+def _drain(state: dict):
+    """``(name, tensor)`` pairs taken out of ``state`` one by one (see the module docstring)."""
+    while state:
+        name = next(iter(state))
+        yield name, state.pop(name)
+
+
+# -- decoders: checkpoint names -> ours ------------------------------------------------------------
+_GPT2_TOP = {
+    "wte.weight": "embed.weight",
+    "wpe.weight": "pos_embed.weight",
+    "ln_f.weight": "norm.weight",
+    "ln_f.bias": "norm.bias",
+}
+_GPT2_LAYER = {
+    "ln_1.weight": "self_res.norm.weight",
+    "ln_1.bias": "self_res.norm.bias",
+    "attn.c_attn.weight": "self_attention.qkv_proj.weight",
+    "attn.c_attn.bias": "self_attention.qkv_proj.bias",
+    "attn.c_proj.weight": "self_attention.out_proj.weight",
+    "attn.c_proj.bias": "self_attention.out_proj.bias",
+    "ln_2.weight": "mlp_res.norm.weight",
+    "ln_2.bias": "mlp_res.norm.bias",
+    "mlp.c_fc.weight": "mlp.fc1.weight",
+    "mlp.c_fc.bias": "mlp.fc1.bias",
+    "mlp.c_proj.weight": "mlp.fc2.weight",
+    "mlp.c_proj.bias": "mlp.fc2.bias",
+}
+
+
+def gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' GPT-2 tensors -> :class:`~selfattn.models.GPT2`'s (``state`` is emptied)."""
+    out = {}
+    for name, t in _drain(state):
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # old checkpoints store the causal mask as a buffer
+        parts = name.split(".")
+        if parts[0] == "h":
+            rest = ".".join(parts[2:])
+            ours = _GPT2_LAYER.get(rest)
+            if ours is None:
+                out[name] = t  # load_state names it as unexpected
+                continue
+            # Conv1D stores (in, out): a Linear wants (out, in).
+            if rest.endswith("weight") and not rest.startswith("ln_"):
+                t = t.t()
+            out[f"layers.{parts[1]}.{ours}"] = t
+        else:
+            out[_GPT2_TOP.get(name, name)] = t
+    return out
+
+
+def llama_state(state: dict[str, torch.Tensor], *, sandwich_norm: bool) -> dict[str, torch.Tensor]:
+    """transformers' Llama-family tensors -> :class:`~selfattn.models.Llama`'s (``state`` is
+    emptied). ``sandwich_norm``: Gemma-2's layout, whose RMSNorm weight ``w`` means ``1 + w``."""
+    names = _llama_layer_names(sandwich_norm)
+    out = {}
+    for name, t in _drain(state):
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 3:
+            module, leaf = ".".join(parts[2:-1]), parts[-1]
+            ours = names.get(module)
+            if ours is None:
+                out[name] = t  # load_state names it as unexpected
+                continue
+            if sandwich_norm and module.endswith("layernorm"):
+                t = t + 1
+            out[f"layers.{parts[1]}.{ours}.{leaf}"] = t
+        elif name == "embed_tokens.weight":
+            out["embed.weight"] = t
+        elif name == "norm.weight":
+            out["norm.weight"] = t + 1 if sandwich_norm else t
+        else:
+            out[name] = t  # lm_head.weight keeps its name
+    return _stack_qkv(out, "self_attention.inner" if sandwich_norm else "self_attention")
+
+
+def _stack_qkv(state: dict, attn: str) -> dict:
+    """Each layer's ``q_proj``, ``k_proj``, ``v_proj`` tensors stacked into ``qkv_proj`` (rows
+    q, then k, then v: MultiHeadAttention's fused layout). Incomplete triples stay as they are,
+    so loading names them."""
+    for key in [k for k in state if k.endswith(".q_proj.weight") or k.endswith(".q_proj.bias")]:
+        head, leaf = key.rsplit(".q_proj.", 1)
+        parts = [f"{head}.{p}_proj.{leaf}" for p in "qkv"]
+        if head.endswith(attn) and all(p in state for p in parts):
+            state[f"{head}.qkv_proj.{leaf}"] = torch.cat([state.pop(p) for p in parts], 0)
+    return state
+
+
+def _llama_layer_names(sandwich: bool) -> dict[str, str]:
+    """Llama-family module names inside a layer -> ours. With Gemma-2's sandwich norms the
+    attention and MLP sit inside ``PostNormed`` (``.inner``), their output norms beside."""
+    attn, mlp = ("self_attention.inner", "mlp.inner") if sandwich else ("self_attention", "mlp")
+    names = {
+        "input_layernorm": "self_res.norm",
+        "self_attn.q_proj": f"{attn}.q_proj",
+        "self_attn.k_proj": f"{attn}.k_proj",
+        "self_attn.v_proj": f"{attn}.v_proj",
+        "self_attn.o_proj": f"{attn}.out_proj",
+        "mlp.gate_proj": f"{mlp}.gate",
+        "mlp.up_proj": f"{mlp}.up",
+        "mlp.down_proj": f"{mlp}.down",
+    }
+    if sandwich:
+        names.update(
+            post_attention_layernorm="self_attention.norm",
+            pre_feedforward_layernorm="mlp_res.norm",
+            post_feedforward_layernorm="mlp.norm",
+        )
+    else:
+        names["post_attention_layernorm"] = "mlp_res.norm"
+    return names
+
+
+# -- BERT ------------------------------------------------------------------------------------------
+def bert_fields(config: Mapping) -> dict:
+    """``BertConfig`` keyword arguments from a transformers ``config.json`` dict; options we do
+    not implement raise ``UnsupportedConfigError``."""
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise unsupported(
+            config, "position_embedding_type", "only 'absolute' learned positions exist here"
+        )
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        key = "is_decoder" if config.get("is_decoder") else "add_cross_attention"
+        raise unsupported(config, key, "BertModel here is the bidirectional encoder only")
+    if config.get("hidden_act", "gelu") not in ACTIVATIONS:
+        raise unsupported(config, "hidden_act", f"supported: {sorted(ACTIVATIONS)}")
+    return dict(
+        vocab_size=config["vocab_size"],
+        d_model=config.get("hidden_size", 768),
+        n_layers=config.get("num_hidden_layers", 12),
+        n_heads=config.get("num_attention_heads", 12),
+        d_ff=config.get("intermediate_size", 3072),
+        max_positions=config.get("max_position_embeddings", 512),
+        type_vocab_size=config.get("type_vocab_size", 2),
+        layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+        activation=config.get("hidden_act", "gelu"),
+        dropout=config.get("hidden_dropout_prob", 0.1),
+        attention_dropout=config.get("attention_probs_dropout_prob", 0.1),
+    )
+
+
+# transformers' per-layer names -> ours under ``layers.{i}.`` (the block's own parts).
+_BERT_LAYER = {
+    "attention.self.query": "attention.q_proj",
+    "attention.self.key": "attention.k_proj",
+    "attention.self.value": "attention.v_proj",
+    "attention.output.dense": "attention.out_proj",
+    "attention.output.LayerNorm": "attn_res.norm",
+    "intermediate.dense": "mlp.fc1",
+    "output.dense": "mlp.fc2",
+    "output.LayerNorm": "mlp_res.norm",
+}
+_BERT_TOP = {
+    "embeddings.word_embeddings": "tokens",
+    "embeddings.position_embeddings": "positions",
+    "embeddings.token_type_embeddings": "token_types",
+    "embeddings.LayerNorm": "embed_norm",
+    "pooler.dense": "pooler",
+}
+
+
+def bert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' BERT tensors -> :class:`~selfattn.models.BertModel`'s (``state`` is
+    emptied). Drops ``position_ids`` (a buffer, not a weight); with a ``bert.`` prefix (task
+    models) the prefix is stripped and the task heads beside it are dropped."""
+    prefixed = any(k.startswith("bert.") for k in state)
+    out = {}
+    for name, t in _drain(state):
+        if prefixed:
+            if not name.startswith("bert."):
+                continue
+            name = name[len("bert.") :]
+        if name == "embeddings.position_ids":
+            continue
+        stem, _, leaf = name.rpartition(".")
+        if stem in _BERT_TOP:
+            name = f"{_BERT_TOP[stem]}.{leaf}"
+        elif stem.startswith("encoder.layer."):
+            i, _, part = stem[len("encoder.layer.") :].partition(".")
+            if part in _BERT_LAYER:
+                name = f"layers.{i}.{_BERT_LAYER[part]}.{leaf}"
+        out[name] = t
+    return out
