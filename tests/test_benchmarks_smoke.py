@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -49,6 +50,11 @@ def script(name: str, *argv: str) -> tuple[str, ...]:
     return (str(SCRIPTS / f"{name}.py"), *argv)
 
 
+# A target on the ratio itself ("<= 0.7"); rows whose verdict is about something else (a load's
+# peak memory) are checked by their benchmark's own check.
+VERDICT_OF_RATIO = re.compile(r"(<=|>=) [0-9.]+")
+
+
 def verdict(ratio: float, target) -> bool:
     """Whether ``ratio`` meets ``target``: ``"<= 0.7"`` / ``">= 0.40"``."""
     op, limit = target.split()
@@ -66,8 +72,8 @@ def check_verdicts(rows: list[dict]) -> None:
         ours, peer = next((row[a], row[b]) for a, b in sides if a in row)
         assert ours > 0 and peer > 0, row
         assert row["ratio"] == pytest.approx(ours / peer, rel=1e-9), row
-        if "met" in row:
-            target = f"{row['op']} {row['target']}" if "op" in row else row["target"]
+        target = f"{row['op']} {row['target']}" if "op" in row else row.get("target", "")
+        if "met" in row and VERDICT_OF_RATIO.fullmatch(target):  # others check their own
             assert row["met"] == verdict(row["ratio"], target), row
 
 
@@ -166,6 +172,10 @@ MODEL_ROWS = [
 ]
 
 
+LOAD_CASE = r"load [0-9.]+ M-param Llama, {} \(\d+ shard\(s\)\) -> bf16"
+LOAD_LAYOUTS = ["bf16 sharded"]  # the layouts --quick loads
+
+
 def check_models(report: dict) -> None:
     rows = [r for r in report["rows"] if (r["case"], r["target"]) in MODEL_ROWS]
     assert [(r["case"], r["target"]) for r in rows] == MODEL_ROWS  # in order; more rows may follow
@@ -178,6 +188,13 @@ def check_models(report: dict) -> None:
             assert row["tokens_agree"] == 1.0, row  # tiny models, 8 new tokens: no drift
         else:
             assert row["min_cosine"] >= 0.99999, row
+    loads = [r for r in report["rows"] if r["case"].startswith("load ")]
+    assert len(loads) == len(LOAD_LAYOUTS), [r["case"] for r in loads]  # --quick: one layout
+    for row, layout in zip(loads, LOAD_LAYOUTS):
+        assert re.fullmatch(LOAD_CASE.format(layout), row["case"]), row["case"]
+        assert row["ours_dtypes"] == row["peer_dtypes"] == ["torch.bfloat16"]
+        assert row["ours_ms"] > 0 and row["peer_ms"] > 0 and row["weights_mib"] > 0
+        assert row["met"] == (row["ours_peak_mib"] <= 1.15 * row["weights_mib"] + 16), row
 
 
 SMOKES = {
