@@ -72,7 +72,8 @@ class ScoreMod:
     def bind(self, q_offset) -> ScoreMod:
         """This mod with its row-ordered tensors anchored: row ``i`` at position ``q_offset + i``
         (an int or a ``(B,)`` tensor); see :meth:`selfattn.masks.Mask.bind`. Every call binds its
-        score mod (:func:`selfattn.call.prepare`); the mod itself when it holds no such tensor."""
+        score mod (:func:`selfattn.call.prepare`); the mod itself when it holds no such tensor. A
+        mod that reads data by query row (``row_ordered``) overrides it, as :func:`bias` does."""
         return self
 
     def shifted(self, kv: int = 0, *, batch: int = 0) -> ScoreMod:

@@ -304,7 +304,8 @@ class Mask:
         :func:`selfattn.call.prepare` binds every call's mask, so ``mask_mod(b, h, q_idx,
         kv_idx)`` takes absolute positions whatever the mask holds. The mask itself when it holds
         no row-ordered tensor (a built-in's analytic tiles stay as they are); parts already bound
-        stay bound, so binding twice is binding once.
+        stay bound, so binding twice is binding once. A leaf that reads data by query row
+        (``row_ordered``) overrides it, as :class:`~selfattn.masks.TensorMask` does.
         """
         if not self.row_ordered:
             return self
