@@ -535,6 +535,68 @@ def test_relative_and_causal_claims_hold_elementwise(data, shift):
         )
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_shifted_mask_is_the_mask_at_moved_keys_and_rows(data):
+    """``mask.shifted(kv, batch=s)`` for a call whose key column c sits at position
+    ``kv_offset + c + kv`` and whose batch row b is the mask's row ``b + s``: tile kinds (sound),
+    dense form and key intervals agree with the formula at the moved positions."""
+    sc = data.draw(scenarios())
+    mask, f = data.draw(trees(sc, 2))
+    kv = data.draw(st.integers(-20, 30))
+    batch = data.draw(st.integers(0, sc["B"] - 1))
+    moved = dict(sc, B=sc["B"] - batch, kv_offset=sc["kv_offset"] - kv)
+    shifted = mask.shifted(kv, batch=batch)
+    assert shifted.analytic == mask.analytic and shifted.row_ordered == mask.row_ordered
+
+    def g(b, h, i, j):  # rows batch.. of the mask's whole batch (some formulas ignore b)
+        every = np.arange(sc["B"]).reshape(-1, 1, 1, 1)
+        out = f(every, h, i, j + kv)
+        out = np.broadcast_to(out, np.broadcast_shapes(out.shape, every.shape))
+        return out[batch : batch + b.shape[0]]
+
+    _check_tiles(shifted, g, moved, exact=False)
+    _check_key_interval(shifted, g, moved)
+
+
+def test_bind_anchors_row_ordered_tensors_only():
+    """bind(q_offset) puts row i of a from_tensor mask at position q_offset + i (one offset per
+    sequence with a tensor), leaves every other mask as it is, and binds once."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.rand(2, 1, 3, 7, generator=g) > 0.5
+    b = torch.arange(2).view(2, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    kv = torch.arange(7).view(1, 1, 1, 7)
+    q = (torch.arange(3) + 4).view(1, 1, 3, 1)  # rows 0..2 at positions 4..6
+    cau = M.causal()
+    bound = (cau & M.from_tensor(t)).bind(4)
+    assert torch.equal(bound.mask_mod(b, h, q, kv), t & (kv <= q))
+    assert bound.bind(9) is bound and cau.bind(4) is cau and bound.is_causal is False
+    per_seq = M.from_tensor(t).bind(torch.tensor([4, 1]))  # sequence 1's rows at 1..3
+    q1 = (torch.arange(3) + 1).view(1, 1, 3, 1)
+    assert torch.equal(per_seq.mask_mod(b[1:], h, q1, kv), t[1:])
+    assert torch.equal(per_seq.mask_mod(b[:1], h, q, kv), t[:1])
+    # unbound, a row-ordered tensor cannot say which row a position is
+    with pytest.raises(RuntimeError, match=r"read by query row.*\.bind\(q_offset\)"):
+        M.from_tensor(t).mask_mod(b, h, q, kv)
+    # bound to global rows (a ring block reads its slice); rows past the tensor name the fix
+    glob = M.from_tensor(t).bind(0)
+    glob.validate(2, 1, 2, 7, 1)
+    with pytest.raises(ValueError, match=r"no rows 2\.\.3 .* query positions 2\.\.3"):
+        glob.validate(2, 1, 2, 7, 2)
+
+
+def test_shifted_keeps_what_consumers_ask():
+    """A shifted mask keeps analytic tiles, relative and interval answers; causal only unshifted."""
+    cau, win = M.causal(), M.sliding_window(3)
+    assert cau.shifted(0, batch=1).is_causal and not cau.shifted(2).is_causal
+    assert win.shifted(5).relative and win.shifted(5).analytic and win.shifted(5).is_interval
+    assert not M.documents(torch.arange(9)).shifted(2).is_interval
+    assert repr(win.shifted(5, batch=1)) == "sliding_window(3).shifted(kv=5, batch=1)"
+    with pytest.raises(ValueError, match="shifted batch must be"):
+        cau.shifted(0, batch=-1)
+
+
 def test_questions_compose_through_and_or_not():
     """Leaves answer for themselves; &, | and ~ answer from their parts."""
     cau, win, chk = M.causal(), M.sliding_window(3), M.chunked(4)

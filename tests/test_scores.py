@@ -312,8 +312,8 @@ def test_compose_order_and_additivity():
     t = torch.randn(Sq, Sk, dtype=torch.float64)
     add = S.alibi(H) >> S.bias(t)
     assert add.additive and not (S.alibi(H) >> S.softcap(cap)).additive
-    # bias(tensor) is row ordered: row = position - q_offset
-    got = add.bias(b, h, i, j, q_offset=Sk - Sq)
+    # bias(tensor) is row ordered: bound at q_offset, row = position - q_offset
+    got = add.bind(Sk - Sq).bias(b, h, i, j)
     torch.testing.assert_close(got, ali + t, rtol=1e-6, atol=1e-6)
     with pytest.raises(TypeError, match=r"softcap\(2\) is not an additive"):
         (S.alibi(H) >> S.softcap(cap)).bias(b, h, i, j)

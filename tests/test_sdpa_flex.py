@@ -395,7 +395,7 @@ def _direct_flex(q, k, v, mask, score_mod, q_offset):
     """FlexAttention called directly with create_block_mask on the same mask_mod (row indices)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask = masks.as_mask(mask)
+    mask = masks.as_mask(mask).bind(q_offset)  # as attention() binds it: absolute positions
     off = torch.tensor(q_offset)
     mm = flex_backend._wrapped_mask_mod(mask, off)
     # batch / head dims as in our BlockMask (1 where the mask does not vary), so that both
@@ -522,6 +522,7 @@ def test_flex_block_mask_equals_create_block_mask(name, Sq, Sk, q_offset, block)
         "mask_mod": masks.as_mask(lambda b, h, q, kv: (kv % (h + 2)) == 0),
     }[name]
     off = Sk - Sq if q_offset is None else q_offset
+    mask = mask.bind(off)  # as attention() binds it: absolute positions
     ours = flex_backend.build_block_mask(mask, B, H, Sq, Sk, off, "cpu", block=block)
     mm = flex_backend._wrapped_mask_mod(mask, torch.tensor(off))
     theirs = create_block_mask(mm, B, H, Sq, Sk, device="cpu", BLOCK_SIZE=block)

@@ -22,6 +22,8 @@ class AttentionCall:
     """Everything about one attention call except the q/k/v tensors, normalised.
 
     ``q_offset`` is the absolute position of query row 0 (key ``j`` sits at position ``j``).
+    ``mask`` and ``score_mod`` are bound to these positions (tensors given in query-row order
+    included: :meth:`selfattn.masks.Mask.bind`), so they take absolute ``q_idx``/``kv_idx``.
     ``dropout_seed`` is drawn once per call (from ``generator`` or torch's default one) so that the
     forward and the recomputing backward see the same dropout pattern.
     """
@@ -114,7 +116,8 @@ def prepare(
     return_lse=False,
 ):
     """Validate and normalise :func:`selfattn.attention`'s arguments into
-    ``(q, k, v, AttentionCall)``. K/V of batch 1 come back expanded to q's batch."""
+    ``(q, k, v, AttentionCall)``, the mask and score mod bound to the call's positions. K/V of
+    batch 1 come back expanded to q's batch."""
     k, v = _broadcast_kv_batch(q, k, v)
     check_tensors(q, k, v)
     B, Hq, Sq, D = q.shape
@@ -145,12 +148,17 @@ def prepare(
         raise TypeError(f"q_offset must be an int (position of query row 0), got {q_offset!r}")
     _check_position_span(q_offset, Sq, "q_offset")
 
+    # Tensors given in query-row order are bound to absolute positions here, once: every backend
+    # then calls mask_mod(b, h, q_idx, kv_idx) / score_mod(score, b, h, q_idx, kv_idx) on
+    # positions, FlexAttention's signatures, and never passes q_offset to them.
     mask_obj = None if mask is None else as_mask(mask)
     if mask_obj is not None:
         mask_obj.validate(B, Hq, Sq, Sk, q_offset)
+        mask_obj = mask_obj.bind(q_offset)
     mod_obj = None if score_mod is None else as_score_mod(score_mod)
     if mod_obj is not None:
         mod_obj.validate(B, Hq, Sq, Sk, q_offset)
+        mod_obj = mod_obj.bind(q_offset)
 
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")

@@ -192,9 +192,11 @@ def paged_attention(
 
     ``mask`` (a :class:`selfattn.masks.Mask` or a ``mask_mod`` callable) and ``score_mod`` (a
     :class:`selfattn.scores.ScoreMod` or callable) are evaluated at these absolute positions
-    with ``b`` the batch index. Masks given as tensors in row order are not meaningful here
-    (sequences have different offsets). ``mask=None`` attends every valid key. GQA/MQA: query
-    head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
+    with ``b`` the batch index. Tensors given in query-row order (a bool ``mask``, a bias
+    ``score_mod``, ``(B, Hq, Sq, max(seq_lens))``) are read per sequence: row ``i`` of sequence
+    ``b`` is its query at ``seq_lens[b] - Sq + i``, column ``j`` its key at position ``j``.
+    ``mask=None`` attends every valid key. GQA/MQA: query head ``h`` reads kv head
+    ``h // (Hq // Hkv)``; K/V are never repeated.
 
     Returns ``out`` in ``q.dtype``, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` float32 (float64
     for fp64 inputs), ``-inf`` for a row with no allowed key (whose output is exactly 0; also

@@ -10,14 +10,20 @@ is (see :func:`as_score_mod`).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
 import torch
 
 from selfattn._validate import checked_int
-from selfattn.masks import _call_elementwise, _check_arity, _fn_name, _ReturnTypeError
+from selfattn.masks import (
+    _call_elementwise,
+    _check_arity,
+    _check_position_span,
+    _fn_name,
+    _ReturnTypeError,
+    _RowTensor,
+)
 
 __all__ = [
     "CallableScoreMod",
@@ -42,23 +48,41 @@ class ScoreMod:
     #: so shifting queries and keys by the same amount leaves it unchanged (ring attention).
     relative: bool = False
     #: True when the mod reads a tensor by query *row* (:func:`bias`), so its meaning depends on
-    #: the call's ``q_offset`` (like :attr:`selfattn.masks.Mask.row_ordered`).
+    #: the call's ``q_offset`` until :meth:`bind` anchors it (like
+    #: :attr:`selfattn.masks.Mask.row_ordered`).
     row_ordered: bool = False
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
-        """The modified score; all arguments broadcast (see module docstring)."""
+    def score_mod(self, score, b, h, q_idx, kv_idx) -> torch.Tensor:
+        """The modified score (FlexAttention's signature, on absolute positions); all arguments
+        broadcast (see module docstring)."""
         raise NotImplementedError
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
+    def bias(self, b, h, q_idx, kv_idx) -> torch.Tensor:
         """The additive term of an ``additive`` mod (float, broadcastable)."""
         raise TypeError(f"{self!r} is not an additive score mod")
 
-    def __call__(self, score, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
-        return self.score_mod(score, b, h, q_idx, kv_idx, q_offset)
+    def __call__(self, score, b, h, q_idx, kv_idx) -> torch.Tensor:
+        return self.score_mod(score, b, h, q_idx, kv_idx)
 
-    def as_score_mod(self, q_offset: int = 0) -> Callable:
-        """This mod as a 5-argument FlexAttention ``score_mod`` for a call with ``q_offset``."""
-        return functools.partial(self.score_mod, q_offset=q_offset)
+    def as_score_mod(self) -> Callable:
+        """This mod as a 5-argument FlexAttention ``score_mod`` on absolute positions (a user
+        callable is returned as it is)."""
+        return self.score_mod
+
+    def bind(self, q_offset) -> ScoreMod:
+        """This mod with its row-ordered tensors anchored: row ``i`` at position ``q_offset + i``
+        (an int or a ``(B,)`` tensor); see :meth:`selfattn.masks.Mask.bind`. Every call binds its
+        score mod (:func:`selfattn.call.prepare`); the mod itself when it holds no such tensor. A
+        mod that reads data by query row (``row_ordered``) overrides it, as :func:`bias` does."""
+        return self
+
+    def shifted(self, kv: int = 0, *, batch: int = 0) -> ScoreMod:
+        """This mod for a call over part of its keys and sequences: key column ``j`` at position
+        ``j + kv``, batch row ``b`` the mod's row ``b + batch``; the caller validates the whole
+        call (see :meth:`selfattn.masks.Mask.shifted`)."""
+        _check_position_span(checked_int(kv, "shifted kv"), 1, "shifted kv")
+        checked_int(batch, "shifted batch", 0)
+        return _Shifted(self, kv, batch)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Tensors the mod reads that may require gradients (backends route their gradients)."""
@@ -98,18 +122,22 @@ class Compose(ScoreMod):
         self.relative = all(m.relative for m in self.mods)
         self.row_ordered = any(m.row_ordered for m in self.mods)
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         for m in self.mods:
-            score = m.score_mod(score, b, h, q_idx, kv_idx, q_offset)
+            score = m.score_mod(score, b, h, q_idx, kv_idx)
         return score
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def bias(self, b, h, q_idx, kv_idx):
         if not self.additive:
-            return super().bias(b, h, q_idx, kv_idx, q_offset)
-        out = self.mods[0].bias(b, h, q_idx, kv_idx, q_offset)
+            return super().bias(b, h, q_idx, kv_idx)
+        out = self.mods[0].bias(b, h, q_idx, kv_idx)
         for m in self.mods[1:]:
-            out = out + m.bias(b, h, q_idx, kv_idx, q_offset)
+            out = out + m.bias(b, h, q_idx, kv_idx)
         return out
+
+    def bind(self, q_offset) -> ScoreMod:
+        bound = tuple(m.bind(q_offset) for m in self.mods)
+        return self if all(a is b for a, b in zip(bound, self.mods)) else Compose(*bound)
 
     def tensors(self):
         return tuple(t for m in self.mods for t in m.tensors())
@@ -177,10 +205,10 @@ class ALiBi(ScoreMod):
         slopes = self.slopes.to(device=h.device, dtype=dtype)[h]
         return -slopes * (q_idx - kv_idx).abs().to(dtype)
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def bias(self, b, h, q_idx, kv_idx):
         return self._bias(h, q_idx, kv_idx, torch.float32)
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         # fp64 scores get the (float32) slopes times the distance in fp64, so the fp64 oracle
         # computes exactly what a float32 kernel approximates; half scores still add a fp32 bias.
         dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
@@ -223,7 +251,7 @@ class SoftCap(ScoreMod):
             )
         self.cap = float(cap)
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         return self.cap * torch.tanh(score / self.cap)
 
     def __repr__(self) -> str:
@@ -238,30 +266,14 @@ def softcap(cap: float) -> ScoreMod:
     return SoftCap(cap)
 
 
-def _row_index(t: torch.Tensor, b, h, q_idx, kv_idx, q_offset: int):
-    """Index a ``(B?, H?, Sq, Sk)`` row-ordered tensor at broadcast index tensors."""
-    t = t.to(q_idx.device)  # differentiable, a no-op on the same device
-    idx = [
-        x if n > 1 else torch.zeros_like(x)
-        for x, n in zip((b, h, q_idx - q_offset, kv_idx), t.shape)
-    ]
-    return t[idx[0], idx[1], idx[2], idx[3]]
-
-
-def _check_broadcast(shape, B, H, Sq, Sk, what: str) -> None:
-    ok = len(shape) == 4 and all(n in (1, want) for n, want in zip(shape, (B, H, Sq, Sk)))
-    if not ok:
-        raise ValueError(
-            f"{what} of shape {tuple(shape)} does not broadcast to (B, Hq, Sq, Sk) = "
-            f"({B}, {H}, {Sq}, {Sk}); each dim must be 1 or the call's size"
-        )
-
-
 class Bias(ScoreMod):
     additive = True
     row_ordered = True
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, *, _rows: _RowTensor | None = None):
+        if _rows is not None:  # a bound copy (bind): the same tensor, gradients included
+            self.rows, self.tensor = _rows, _rows.tensor
+            return
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
                 f"bias must be a float torch.Tensor, got {type(tensor).__name__}; "
@@ -288,18 +300,28 @@ class Bias(ScoreMod):
             )
         # (…) -> (B or 1, Hq or 1, Sq or 1, Sk or 1); reshape keeps the autograd link to `tensor`
         self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+        self.rows = _RowTensor(self.tensor)
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return _row_index(self.tensor, b, h, q_idx, kv_idx, q_offset)
+    def bind(self, q_offset) -> ScoreMod:
+        rows = self.rows.bind(q_offset)
+        return self if rows is self.rows else Bias(self.tensor, _rows=rows)
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+    def dense(self, q_offset: int, Sq: int, Sk: int) -> torch.Tensor:
+        """The bias of a call's ``(Sq, Sk)`` scores with query row 0 at ``q_offset``: a view of
+        the tensor, ``(B or 1, Hq or 1, Sq or 1, Sk or 1)``."""
+        return self.rows.window(q_offset, Sq, 0, Sk, "bias")
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.rows.at(b, h, q_idx, kv_idx, self)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias(b, h, q_idx, kv_idx).to(score.dtype)
 
     def tensors(self):
         return (self.tensor,)
 
     def validate(self, B, H, Sq, Sk, q_offset):
-        _check_broadcast(self.tensor.shape, B, H, Sq, Sk, "bias")
+        self.rows.validate(B, H, Sq, Sk, q_offset, "bias")
 
     def __repr__(self) -> str:
         return f"bias(<{self.tensor.dtype} {tuple(self.tensor.shape)}>)"
@@ -381,12 +403,12 @@ class RelativePositionBias(torch.nn.Module, ScoreMod):
         large = large.clamp(max=n_buckets - 1)
         return out + torch.where(is_small, rel, large)
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def bias(self, b, h, q_idx, kv_idx):
         buckets = self.bucket(kv_idx - q_idx)
         return self.weight[buckets.to(self.weight.device), h.to(self.weight.device)]
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias(b, h, q_idx, kv_idx).to(score.dtype)
 
     def tensors(self):
         return (self.weight,)
@@ -434,7 +456,7 @@ class CallableScoreMod(ScoreMod):
         )
         self.fn = fn
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         out = _call_elementwise(self.fn, (score, b, h, q_idx, kv_idx), "score_mod")
         if not out.dtype.is_floating_point:
             raise _ReturnTypeError(
@@ -447,11 +469,47 @@ class CallableScoreMod(ScoreMod):
             out = out.expand(torch.broadcast_shapes(out.shape, score.shape))
         return out
 
-    def as_score_mod(self, q_offset: int = 0) -> Callable:
+    def as_score_mod(self) -> Callable:
         return self.fn
 
     def __repr__(self) -> str:
         return f"score_mod({_fn_name(self.fn)})"
+
+
+class _Shifted(ScoreMod):
+    """``inner`` seen from a call whose key ``j`` is at position ``j + kv`` and whose batch row
+    ``b`` is ``inner``'s row ``b + batch`` (:meth:`ScoreMod.shifted`)."""
+
+    def __init__(self, inner: ScoreMod, kv: int, batch: int):
+        self.inner, self.kv, self.batch = inner, kv, batch
+        self.additive, self.row_ordered = inner.additive, inner.row_ordered
+        self.relative = inner.relative  # f(q - kv - shift) still depends on q - kv alone
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return self.inner.score_mod(score, b + self.batch, h, q_idx, kv_idx + self.kv)
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.inner.bias(b + self.batch, h, q_idx, kv_idx + self.kv)
+
+    def bind(self, q_offset) -> ScoreMod:
+        inner = self.inner.bind(q_offset)
+        return self if inner is self.inner else _Shifted(inner, self.kv, self.batch)
+
+    def tensors(self):
+        return self.inner.tensors()
+
+    def to(self, device) -> ScoreMod:
+        moved = self.inner.to(device)
+        if moved is self.inner:
+            return self
+        return self._on_device(device, lambda: _Shifted(moved, self.kv, self.batch))
+
+    # validate: nothing to add, the caller checks the whole call (see selfattn.masks.Mask.shifted)
+
+    def __repr__(self) -> str:
+        args = [f"kv={self.kv}"] if self.kv else []
+        args += [f"batch={self.batch}"] if self.batch else []
+        return f"{self.inner!r}.shifted({', '.join(args)})"
 
 
 def as_score_mod(mod) -> ScoreMod:

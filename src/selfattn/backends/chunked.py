@@ -245,9 +245,7 @@ def _partial_masks(call, tiles, B, Hq, Hkv, Sq, Sk, bq, bk, device, dtype, safe)
     kv_idx = kv_pos.unsqueeze(1).expand(n, bq, bk).reshape(1, 1, n * bq, bk)
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
-    allowed = torch.as_tensor(
-        call.mask.mask_mod(b, h, q_idx, kv_idx, q_offset=call.q_offset), device=device
-    )
+    allowed = torch.as_tensor(call.mask.mask_mod(b, h, q_idx, kv_idx), device=device)
     if allowed.dtype != torch.bool:
         raise TypeError(
             f"mask_mod must return a bool tensor, got {allowed.dtype}; "
@@ -491,7 +489,7 @@ class _Setup:
             s_nat = s_nat.detach().requires_grad_(True)
         b, h, q_idx, kv_idx = self.positions(i, c0, c1)
         with torch.enable_grad() if leaf else torch.no_grad():
-            s_mod = call.score_mod.score_mod(s_nat, b, h, q_idx, kv_idx, q_offset=call.q_offset)
+            s_mod = call.score_mod.score_mod(s_nat, b, h, q_idx, kv_idx)
             s_mod = s_mod.expand(self.B, self.Hq, tq, span)
         s2 = (s_mod.detach() * LOG2E).to(self.cd).reshape(self.BH, R, span)
         return s2, ((s_nat, s_mod) if leaf else None)
@@ -825,7 +823,7 @@ def _unlisted_grad_source(mod, call: AttentionCall, q) -> bool:
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
     try:
         with torch.enable_grad():
-            r = mod.score_mod(score, zero, zero, zero + call.q_offset, zero, q_offset=call.q_offset)
+            r = mod.score_mod(score, zero, zero, zero + call.q_offset, zero)
     except Exception as e:
         if _callable_failure(e):  # out of memory or the user's own error: raise it once, here
             raise

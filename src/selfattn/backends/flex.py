@@ -1,9 +1,10 @@
 """The flex backend: PyTorch FlexAttention, compiled, with block masks from our tile classification.
 
 FlexAttention calls ``mask_mod`` / ``score_mod`` with query *row* indices; ours take absolute
-positions, so both are wrapped to add ``q_offset`` (held in a 0-d tensor, so that a new offset,
-e.g. the next decode step, does not recompile). The ``BlockMask`` comes from
-``mask.tile_kinds(...)`` on ``BLOCK × BLOCK`` tiles: EMPTY tiles are skipped, FULL tiles run
+positions (the call bound them: :meth:`selfattn.masks.Mask.bind`), so both are wrapped to add
+``q_offset`` to ``q_idx`` (held in a 0-d tensor, so that a new offset, e.g. the next decode step,
+does not recompile); a user's FlexAttention callable is called as it is. The ``BlockMask`` comes
+from ``mask.tile_kinds(...)`` on ``BLOCK × BLOCK`` tiles: EMPTY tiles are skipped, FULL tiles run
 without ``mask_mod``, PARTIAL tiles evaluate it. For the built-in masks that classification is
 analytic, O(tiles) instead of ``create_block_mask``'s O(Sq·Sk) evaluation; block masks are cached
 per (mask object, B, Hq, Sq, Sk, q_offset, device) in a small LRU. (It is ``Mask.to_block_mask``:
@@ -235,7 +236,7 @@ def build_block_mask(
 
 def _wrapped_score_mod(mod, off: torch.Tensor):
     """Our score mod (absolute query positions) as FlexAttention's ``score_mod`` (query rows)."""
-    inner = mod.as_score_mod(off)
+    inner = mod.as_score_mod()
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return inner(score, b, h, q_idx + off, kv_idx)
@@ -306,12 +307,10 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
     step = max(1, _GUARD_CHUNK // max(1, B * Hq * Sq))
     for c in cols.split(step):
         # evaluate the mask on columns c only: key index j of this sub-grid is position c[j]
-        def sub_mod(b, h, q_idx, kv_idx, q_offset=0, c=c):
-            return call.mask.mask_mod(b, h, q_idx, c[kv_idx], q_offset=q_offset)
+        def sub_mod(b, h, q_idx, kv_idx, c=c):
+            return call.mask.mask_mod(b, h, q_idx, c[kv_idx])
 
-        dense = _evaluate(
-            sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device, mask_q_offset=call.q_offset
-        )
+        dense = _evaluate(sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device)
         a = dense.expand(B, Hq, Sq, c.numel()).any(dim=2)  # (B, Hq, n)
         attended.append(a.view(B, Hkv, Hq // Hkv, c.numel()).any(dim=2))  # (B, Hkv, n)
     zero = torch.zeros_like(bad)

@@ -45,14 +45,14 @@ def scores_and_weights(
 
     allowed = None
     if call.mask is not None:
-        allowed = call.mask.mask_mod(b, h, qi, kvi, q_offset=call.q_offset)
+        allowed = call.mask.mask_mod(b, h, qi, kvi)
         k, v = unattended_columns_zeroed(k, v, allowed, Hq)
 
     # GQA: the G query heads of a kv head form one (G·Sq)-row matmul; K/V are never repeated.
     s = q.reshape(B, Hkv, G * Sq, D) @ k.transpose(-1, -2)  # (B, Hkv, G·Sq, Sk)
     s = s.view(B, Hq, Sq, Sk) * call.scale
     if call.score_mod is not None:
-        s = call.score_mod.score_mod(s, b, h, qi, kvi, q_offset=call.q_offset)
+        s = call.score_mod.score_mod(s, b, h, qi, kvi)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
 

@@ -154,18 +154,18 @@ def _additive_bias(mod, B, Hq, Sq, Sk, q_offset, device, dtype) -> torch.Tensor:
 
     Computed as ``mod.score_mod(0)`` in ``dtype`` (the accumulation dtype), i.e. with exactly the
     arithmetic the reference uses on real scores (ALiBi in fp64 for fp64 inputs, say). Bias
-    tensors are used as given (already in row order), so a ``(1, 1, Sq, Sk)`` bias is not blown up
-    to ``(B, Hq, Sq, Sk)`` by indexing.
+    tensors are sliced to the call's rows, not gathered, so a ``(1, 1, Sq, Sk)`` bias is not
+    blown up to ``(B, Hq, Sq, Sk)`` by indexing.
     """
     if isinstance(mod, Bias):
-        t = mod.tensor.to(device=device, dtype=dtype)
+        t = mod.dense(q_offset, Sq, Sk).to(device=device, dtype=dtype)
     elif isinstance(mod, Compose):
         parts = [_additive_bias(m, B, Hq, Sq, Sk, q_offset, device, dtype) for m in mod.mods]
         t = functools.reduce(torch.add, parts)
     else:
         b, h, qi, kvi = index_grids(B, Hq, Sq, Sk, q_offset, device)
         zero = torch.zeros((), dtype=dtype, device=device)
-        t = mod.score_mod(zero, b, h, qi, kvi, q_offset=q_offset)
+        t = mod.score_mod(zero, b, h, qi, kvi)
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
 

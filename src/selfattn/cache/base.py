@@ -39,8 +39,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from selfattn.masks import Mask, as_mask
-from selfattn.scores import ScoreMod, as_score_mod
+from selfattn.masks import as_mask
+from selfattn.scores import as_score_mod
 
 __all__ = ["KV", "InPlaceKVCache", "KVCache", "ModelKVCache", "Step"]
 
@@ -60,67 +60,29 @@ class KV(tuple):
         k = self[0]
         return torch.arange(self.start, self.start + k.shape[2], device=k.device)
 
-    def at_key_positions(self, mask, score_mod, q_offset: int | None, Sq: int):
+    def at_key_positions(self, mask, score_mod, q_offset: int | None, q: torch.Tensor):
         """``(mask, score_mod, q_offset)`` for ``attention(q, k, v, ...)`` over these keys such
         that masks and score mods see absolute positions: key ``j`` at ``start + j``, query row
-        ``i`` at ``q_offset + i`` (default bottom-right: the queries are the last ``Sq`` keys).
-        Unchanged when ``start`` is 0."""
+        ``i`` at ``q_offset + i`` (default bottom-right: the queries, ``q (B, Hq, Sq, D)``, are
+        the last ``Sq`` keys). Unchanged when ``start`` is 0.
+
+        The mask and score mod are checked here for the whole key range ``0 .. start + Sk - 1``
+        (a shifted mask cannot know where its keys end), then shifted
+        (:meth:`selfattn.masks.Mask.shifted`)."""
         if not self.start:
             return mask, score_mod, q_offset
-        Sk = self[0].shape[2]
-        q_offset = self.start + Sk - Sq if q_offset is None else q_offset
-        mask = None if mask is None else _KeysFromMask(as_mask(mask), self.start)
+        B, Hq, Sq, _ = q.shape
+        n = self.start + self[0].shape[2]  # keys 0 .. n - 1; these are the last ones
+        q_offset = n - Sq if q_offset is None else q_offset
+        if mask is not None:
+            mask = as_mask(mask)
+            mask.validate(B, Hq, Sq, n, q_offset)
+            mask = mask.shifted(self.start)
         if score_mod is not None:
-            score_mod = _KeysFromScoreMod(as_score_mod(score_mod), self.start)
+            score_mod = as_score_mod(score_mod)
+            score_mod.validate(B, Hq, Sq, n, q_offset)
+            score_mod = score_mod.shifted(self.start)
         return mask, score_mod, q_offset
-
-
-class _KeysFromMask(Mask):
-    """``inner`` seen from a call whose key column ``j`` sits at position ``start + j``."""
-
-    def __init__(self, inner: Mask, start: int):
-        self.inner, self.start = inner, start
-
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.mask_mod(b, h, q_idx, kv_idx + self.start, q_offset)
-
-    def tile_kinds(self, grid, B=1, H=1):
-        # Shifting the grid's keys keeps the inner mask's analytic classification.
-        return self.inner.tile_kinds(
-            dataclasses.replace(grid, kv_offset=grid.kv_offset + self.start), B, H
-        )
-
-    def validate(self, B, H, Sq, Sk, q_offset):
-        self.inner.validate(B, H, Sq, self.start + Sk, q_offset)  # keys 0 .. start + Sk - 1
-
-    def _batch_heads(self):
-        return self.inner._batch_heads()
-
-    def __repr__(self) -> str:
-        return f"{self.inner!r} (keys from {self.start})"
-
-
-class _KeysFromScoreMod(ScoreMod):
-    """``inner`` seen from a call whose key column ``j`` sits at position ``start + j``."""
-
-    def __init__(self, inner: ScoreMod, start: int):
-        self.inner, self.start = inner, start
-        self.additive = inner.additive
-
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.score_mod(score, b, h, q_idx, kv_idx + self.start, q_offset)
-
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.bias(b, h, q_idx, kv_idx + self.start, q_offset)
-
-    def tensors(self):
-        return self.inner.tensors()
-
-    def validate(self, B, H, Sq, Sk, q_offset):
-        self.inner.validate(B, H, Sq, self.start + Sk, q_offset)
-
-    def __repr__(self) -> str:
-        return f"{self.inner!r} (keys from {self.start})"
 
 
 @runtime_checkable

@@ -48,8 +48,8 @@ from selfattn.cache.base import Step
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
 from selfattn.functional import attention_weights, paged_attention
-from selfattn.masks import Mask, as_mask, from_tensor
-from selfattn.scores import ScoreMod, as_score_mod
+from selfattn.masks import as_mask, from_tensor
+from selfattn.scores import as_score_mod
 
 __all__ = ["PagedCache", "PagedCacheView", "PagedKV", "PagedLayer", "PagedPlan"]
 
@@ -685,10 +685,8 @@ class PagedLayer:
                 q[b : b + 1],
                 ks[None],
                 vs[None],
-                mask=None if mask is None else _BatchRowMask(as_mask(mask), b),
-                score_mod=None
-                if score_mod is None
-                else _BatchRowScoreMod(as_score_mod(score_mod), b),
+                mask=None if mask is None else as_mask(mask).shifted(batch=b),
+                score_mod=None if score_mod is None else as_score_mod(score_mod).shifted(batch=b),
                 scale=scale,
             )  # default q_offset: bottom-right, n - Sq, as in paged_attention
         return out, w
@@ -817,16 +815,15 @@ class PagedCacheView:
 
 
 # -- tensors in query-row order ----------------------------------------------------------------
-# paged_attention evaluates masks and score mods at absolute positions with q_offset=0, which is
-# right for every built-in; a bool tensor mask or a bias tensor is indexed by query ROW, so it
-# needs each sequence's own offset. Only such trees are wrapped: a wrapper hides the analytic
-# tile classification that lets a sliding window skip pages.
+# Masks and score mods see absolute positions. A bool tensor mask or a bias tensor is read by
+# query ROW, so it is bound to each sequence's own first query position (Mask.bind with one
+# offset per sequence); built-ins are returned as they are, analytic page trimming intact.
 
 
 def _per_sequence_rows(obj, offsets: torch.Tensor, shape: tuple[int, int, int, int]):
-    """``obj`` (a mask or score mod, any accepted form), evaluated with ``q_offset =
-    offsets[b]`` when it holds row-ordered tensors, which must broadcast to ``shape``
-    ``(B, Hq, Sq, max length)``; otherwise ``obj`` as given."""
+    """``obj`` (a mask or score mod, any accepted form) with row ``i`` of sequence ``b`` at
+    position ``offsets[b] + i`` when it holds row-ordered tensors, which must broadcast to
+    ``shape`` ``(B, Hq, Sq, max length)`` (checked here, before anything changes)."""
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):
@@ -835,43 +832,4 @@ def _per_sequence_rows(obj, offsets: torch.Tensor, shape: tuple[int, int, int, i
         return obj
     B, H, Sq, Sk = shape
     obj.validate(B, H, Sq, Sk, Sk - Sq)
-    wrap = _RowsMask if isinstance(obj, Mask) else _RowsScoreMod
-    return wrap(obj, offsets, Sk)
-
-
-class _RowsMask(Mask):
-    def __init__(self, inner: Mask, offsets: torch.Tensor, Sk: int):
-        self.inner, self.offsets, self.last = inner, offsets, max(Sk - 1, 0)
-
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        off = self.offsets.to(q_idx.device)[b]  # b broadcasts like the index grids
-        # Slots past the longest sequence (the rest of its last page) are masked out by
-        # paged_attention whatever this says; clamping keeps them inside the tensor.
-        kv = kv_idx.clamp(max=self.last)
-        return self.inner.mask_mod(b, h, q_idx, kv, q_offset=off)
-
-
-class _RowsScoreMod(ScoreMod):
-    def __init__(self, inner: ScoreMod, offsets: torch.Tensor, Sk: int):
-        self.inner, self.offsets, self.last = inner, offsets, max(Sk - 1, 0)
-
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        off = self.offsets.to(q_idx.device)[b]
-        return self.inner.score_mod(score, b, h, q_idx, kv_idx.clamp(max=self.last), q_offset=off)
-
-
-# A mask or score mod of a batch restricted to its row ``b``, for a batch-1 call.
-class _BatchRowMask(Mask):
-    def __init__(self, inner: Mask, b: int):
-        self.inner, self.b = inner, b
-
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.mask_mod(b + self.b, h, q_idx, kv_idx, q_offset=q_offset)
-
-
-class _BatchRowScoreMod(ScoreMod):
-    def __init__(self, inner: ScoreMod, b: int):
-        self.inner, self.b = inner, b
-
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.score_mod(score, b + self.b, h, q_idx, kv_idx, q_offset=q_offset)
+    return obj.bind(offsets)

@@ -92,9 +92,10 @@ class _Packing:
         q_pos = (cu_k[:-1] + n_k - n_q)[q_seq] + row
         return _Packing(q_seq, q_pos, k_seq)
 
-    def rows(self, q_idx, q_offset: int):
-        """``(position, sequence)`` of query rows ``q_idx - q_offset``."""
-        row = q_idx - q_offset
+    def rows(self, q_idx):
+        """``(position, sequence)`` of query rows ``q_idx`` (packed calls run at q_offset 0, so
+        a query's absolute position is its row)."""
+        row = q_idx
         return self.q_pos.to(row.device)[row], self.q_seq.to(row.device)[row]
 
 
@@ -120,13 +121,13 @@ class _Window(Mask):
     def is_interval(self) -> bool:
         return self.packing is None
 
-    def _position(self, b, q_idx, q_offset):
+    def _position(self, b, q_idx):
         if self.packing is None:
             return q_idx, None
-        return self.packing.rows(q_idx, q_offset)
+        return self.packing.rows(q_idx)
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        pos, seq = self._position(b, q_idx, q_offset)
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        pos, seq = self._position(b, q_idx)
         ok = torch.ones((), dtype=torch.bool, device=kv_idx.device)
         if seq is not None:
             ok = ok & (seq == self.packing.k_seq.to(kv_idx.device)[kv_idx])
@@ -152,7 +153,7 @@ class _Window(Mask):
         else:
             # per tile: the range of query positions and of the sequences on each axis
             pk = self.packing
-            r0, c0 = grid.first_row, grid.kv_offset
+            r0, c0 = grid.q_offset, grid.kv_offset  # packed: q_offset 0, rows = positions
             qpos = pk.q_pos.to(grid.device)[r0 : r0 + grid.Sq].unsqueeze(0)
             qseq = pk.q_seq.to(grid.device)[r0 : r0 + grid.Sq].unsqueeze(0)
             kseq = pk.k_seq.to(grid.device)[c0 : c0 + grid.Sk].unsqueeze(0)
@@ -198,22 +199,22 @@ class _Alibi(ScoreMod):
             return self
         return self._on_device(device, lambda: _Alibi(self.slopes.to(device), self.packing))
 
-    def _bias(self, b, h, q_idx, kv_idx, q_offset, dtype):
+    def _bias(self, b, h, q_idx, kv_idx, dtype):
         if self.packing is None:
             pos, seq = q_idx, b
         else:
-            pos, seq = self.packing.rows(q_idx, q_offset)
+            pos, seq = self.packing.rows(q_idx)
         slopes = self.slopes.to(device=h.device, dtype=dtype)
         slope = slopes[h] if slopes.dim() == 1 else slopes[seq, h]
         return -slope * (pos - kv_idx).abs().to(dtype)
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self._bias(b, h, q_idx, kv_idx, q_offset, torch.float32)
+    def bias(self, b, h, q_idx, kv_idx):
+        return self._bias(b, h, q_idx, kv_idx, torch.float32)
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         # fp64 scores (the oracle) get the bias in fp64; every other score adds a float32 bias
         dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
-        return score + self._bias(b, h, q_idx, kv_idx, q_offset, dtype).to(score.dtype)
+        return score + self._bias(b, h, q_idx, kv_idx, dtype).to(score.dtype)
 
     def __repr__(self) -> str:
         return f"flash_attn_alibi(<slopes {tuple(self.slopes.shape)}>)"

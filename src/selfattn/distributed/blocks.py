@@ -8,16 +8,16 @@ key run starting at global position ``g`` needs its positions shifted by ``g``:
 - masks and score mods that only see ``q_idx - kv_idx`` (their ``relative``: causal, sliding
   window, ALiBi, softcap, T5 relative bias) are called unchanged with ``q_offset = gq - g``:
   the backends then recognise them (SDPA's causal kernel, chunked's analytic tiles);
-- any other mask or mod is wrapped by :class:`ShiftedMask` / :class:`ShiftedScoreMod`, which add
-  ``g`` to ``kv_idx`` and see rows at their global positions (``q_offset = 0`` for masks given
-  in row order, such as ``from_tensor`` of a global ``(S, S)`` tensor).
+- any other mask or mod is called at global positions: ``q_offset = gq`` and
+  ``mask.shifted(g)`` (key ``j`` at ``j + g``). Tensors given in query-row order (a global
+  ``(S, S)`` ``from_tensor`` or bias) were bound to global rows once, by ring attention's
+  ``prepare`` (row ``i`` at position ``i``), so every block reads its own slice.
 
 Pairs the mask leaves EMPTY are never computed; FULL ones drop the mask.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,53 +25,8 @@ import torch
 
 from selfattn.functional import attention
 from selfattn.masks import EMPTY, FULL, Mask, TileGrid
-from selfattn.scores import ScoreMod
 
-__all__ = ["Pair", "ShiftedMask", "ShiftedScoreMod", "attend", "merge", "pairs"]
-
-
-class ShiftedMask(Mask):
-    """``inner`` seen from a call whose key ``j`` sits at global position ``j + shift``."""
-
-    def __init__(self, inner: Mask, shift: int):
-        self.inner, self.shift = inner, shift
-
-    def children(self) -> tuple[Mask, ...]:
-        return (self.inner,)
-
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        # rows are at global positions; row-order masks count rows from global position 0
-        return self.inner.mask_mod(b, h, q_idx, kv_idx + self.shift, 0)
-
-    def tile_kinds(self, grid, B=1, H=1):
-        shifted = dataclasses.replace(grid, kv_offset=grid.kv_offset + self.shift, row_offset=0)
-        return self.inner.tile_kinds(shifted, B, H)
-
-    def _batch_heads(self):
-        return self.inner._batch_heads()
-
-    def __repr__(self) -> str:
-        return f"{self.inner!r} (keys from {self.shift})"
-
-
-class ShiftedScoreMod(ScoreMod):
-    """``inner`` seen from a call whose key ``j`` sits at global position ``j + shift``."""
-
-    def __init__(self, inner: ScoreMod, shift: int):
-        self.inner, self.shift = inner, shift
-        self.additive = inner.additive
-
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.score_mod(score, b, h, q_idx, kv_idx + self.shift, 0)
-
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.bias(b, h, q_idx, kv_idx + self.shift, 0)
-
-    def tensors(self):
-        return self.inner.tensors()
-
-    def __repr__(self) -> str:
-        return f"{self.inner!r} (keys from {self.shift})"
+__all__ = ["Pair", "attend", "merge", "pairs"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +61,7 @@ def pairs(q_segs, kv_segs, mask: Mask | None, B: int, Hq: int, device) -> list[P
         for col, gk, nk in _runs(kv_segs):
             full = True
             if mask is not None:
-                grid = TileGrid(nq, nk, nq, nk, gq, gk, device=device, row_offset=0)
+                grid = TileGrid(nq, nk, nq, nk, gq, gk, device=device)
                 kinds = torch.as_tensor(mask.tile_kinds(grid, B, Hq))
                 if int(kinds.max()) == int(EMPTY):
                     continue
@@ -123,8 +78,8 @@ def attend(q, k, v, p: Pair, mask, score_mod, scale, backend):
         q_offset = p.gq - p.gk
     else:
         q_offset = p.gq
-        mask = None if mask is None else ShiftedMask(mask, p.gk)
-        score_mod = None if score_mod is None else ShiftedScoreMod(score_mod, p.gk)
+        mask = None if mask is None else mask.shifted(p.gk)
+        score_mod = None if score_mod is None else score_mod.shifted(p.gk)
     return attention(
         q,
         k,

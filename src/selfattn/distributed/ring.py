@@ -363,6 +363,10 @@ def prepare(
         mask = None if mask is None else as_mask(mask)
         score_mod = None if score_mod is None else as_score_mod(score_mod)
         _check_global(mask, score_mod, B, Hq, S, W, Sl)
+        # the whole call's rows are the global positions (q_offset 0): every block reads its
+        # slice of a row-ordered tensor from there
+        mask = None if mask is None else mask.bind(0)
+        score_mod = None if score_mod is None else score_mod.bind(0)
         if scale is None:
             scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
         scale = float(scale)

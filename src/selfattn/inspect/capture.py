@@ -139,8 +139,14 @@ class _HeadSubsetMask(Mask):
     def __init__(self, inner: Mask, heads: torch.Tensor, n_heads: int):
         self.inner, self.heads, self.n_heads = inner, heads, n_heads
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.mask_mod(b, self.heads.to(h.device)[h], q_idx, kv_idx, q_offset)
+    def children(self) -> tuple[Mask, ...]:
+        return (self.inner,)
+
+    def _with_children(self, parts):
+        return _HeadSubsetMask(parts[0], self.heads, self.n_heads)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.inner.mask_mod(b, self.heads.to(h.device)[h], q_idx, kv_idx)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         self.inner.validate(B, self.n_heads, Sq, Sk, q_offset)
@@ -154,12 +160,16 @@ class _HeadSubsetScoreMod(_scores.ScoreMod):
         self.inner, self.heads, self.n_heads = inner, heads, n_heads
         self.additive = inner.additive
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         h = self.heads.to(h.device)[h]
-        return self.inner.score_mod(score, b, h, q_idx, kv_idx, q_offset)
+        return self.inner.score_mod(score, b, h, q_idx, kv_idx)
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.inner.bias(b, self.heads.to(h.device)[h], q_idx, kv_idx, q_offset)
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.inner.bias(b, self.heads.to(h.device)[h], q_idx, kv_idx)
+
+    def bind(self, q_offset):
+        inner = self.inner.bind(q_offset)
+        return self if inner is self.inner else _HeadSubsetScoreMod(inner, self.heads, self.n_heads)
 
     def tensors(self):
         return self.inner.tensors()

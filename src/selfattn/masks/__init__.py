@@ -15,7 +15,10 @@ Every :class:`Mask` can
 - print: ``mask.render(Sq, Sk)`` (█ attend, · masked);
 - become a FlexAttention ``BlockMask``: ``mask.to_block_mask(B, H, Sq, Sk)``;
 - answer what a consumer asks of it: ``key_interval`` (one key interval per query row, for the
-  paged kernels), ``analytic``, ``relative``, ``is_causal``, ``row_ordered`` (see :class:`Mask`).
+  paged kernels), ``analytic``, ``relative``, ``is_causal``, ``row_ordered`` (see :class:`Mask`);
+- move to a call's positions: ``mask.bind(q_offset)`` anchors tensors given in query-row order
+  (``from_tensor``) at absolute positions (every call does it), ``mask.shifted(kv)`` serves a
+  call whose key column ``j`` sits at position ``j + kv`` (a window cache, a ring block).
 
 Masks combine with ``&``, ``|`` and ``~``. Plain callables
 ``mask_mod(b, h, q_idx, kv_idx) -> bool``, bool tensors and FlexAttention ``BlockMask`` objects are
@@ -90,7 +93,7 @@ from selfattn.masks.library import (
     prefix_lm,
     sliding_window,
 )
-from selfattn.masks.tensor import TensorMask, from_tensor
+from selfattn.masks.tensor import TensorMask, _RowTensor, from_tensor
 
 __all__ = [
     "EMPTY",

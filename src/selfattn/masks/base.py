@@ -8,7 +8,7 @@ or switches on mask classes.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,10 +63,6 @@ class TileGrid:
     i.e. positions ``kv_offset + column`` (``kv_offset`` is 0 except for a shard of a longer
     sequence, as in ring attention). The last tile of each axis is ragged when the block does not
     divide the length; ``Sq = 0`` or ``Sk = 0`` gives no tiles on that axis.
-
-    ``row_offset`` is the absolute position of query row 0 *of the call* when this grid covers only
-    part of the call's queries (``classify`` builds such grids); only masks given in row order
-    (bool tensors) read it. ``None`` means ``q_offset``: the grid starts at the call's row 0.
     """
 
     Sq: int
@@ -76,7 +72,6 @@ class TileGrid:
     q_offset: int = 0
     kv_offset: int = 0
     device: torch.device | str | None = None
-    row_offset: int | None = None
 
     def __post_init__(self):
         for name in ("Sq", "Sk"):
@@ -85,8 +80,6 @@ class TileGrid:
             checked_int(getattr(self, name), f"TileGrid {name}", 1)
         for name in ("q_offset", "kv_offset"):
             checked_int(getattr(self, name), f"TileGrid {name}")
-        if self.row_offset is not None:
-            checked_int(self.row_offset, "TileGrid row_offset")
         _check_position_span(self.q_offset, self.Sq, "TileGrid q_offset")
         _check_position_span(self.kv_offset, self.Sk, "TileGrid kv_offset")
 
@@ -97,11 +90,6 @@ class TileGrid:
     @property
     def n_k(self) -> int:
         return math.ceil(self.Sk / self.block_k)
-
-    @property
-    def first_row(self) -> int:
-        """Row (in the call's row order) of this grid's first query."""
-        return 0 if self.row_offset is None else self.q_offset - self.row_offset
 
     def q_first(self) -> torch.Tensor:
         """First absolute query position of each query tile, shape ``(1, 1, n_q, 1)``."""
@@ -164,23 +152,19 @@ def _tile_kinds_elementwise(mask: Mask, grid: TileGrid, B: int, H: int) -> torch
     Exact (tight), but costs one mask evaluation per element. The grid is evaluated in bands of
     whole query tiles of at most ``_BAND_ELEMENTS`` elements, so memory stays bounded at any length.
     """
-    row0 = grid.q_offset if grid.row_offset is None else grid.row_offset
     per_row = max(1, B * H * grid.Sk)
     band = max(1, _BAND_ELEMENTS // (per_row * grid.block_q)) * grid.block_q  # whole tiles
     if grid.Sq <= band:
         dense = _evaluate(
-            mask.mask_mod, B, H, grid.Sq, grid.Sk, grid.q_offset, grid.device, row0, grid.kv_offset
+            mask.mask_mod, B, H, grid.Sq, grid.Sk, grid.q_offset, grid.device, grid.kv_offset
         )
         return _reduce_tiles(dense, grid)
     parts = []
     for r in range(0, grid.Sq, band):
         n = min(band, grid.Sq - r)
-        sub = TileGrid(
-            n, grid.Sk, grid.block_q, grid.block_k, grid.q_offset + r, grid.kv_offset,
-            grid.device, row0,
-        )  # fmt: skip
+        sub = dataclasses.replace(grid, Sq=n, q_offset=grid.q_offset + r)
         dense = _evaluate(
-            mask.mask_mod, B, H, n, grid.Sk, sub.q_offset, grid.device, row0, grid.kv_offset
+            mask.mask_mod, B, H, n, grid.Sk, sub.q_offset, grid.device, grid.kv_offset
         )
         parts.append(_reduce_tiles(dense, sub))
     lead = (max(t.shape[0] for t in parts), max(t.shape[1] for t in parts))
@@ -196,19 +180,21 @@ class Mask:
     """Base class of all masks. Subclasses implement ``mask_mod`` and, ideally, ``tile_kinds``."""
 
     # -- elementwise ---------------------------------------------------------------------------
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0) -> torch.Tensor:
-        """True where query at absolute position ``q_idx`` may attend key ``kv_idx``.
+    def mask_mod(self, b, h, q_idx, kv_idx) -> torch.Tensor:
+        """True where query at absolute position ``q_idx`` may attend key ``kv_idx``
+        (FlexAttention's signature, on absolute positions).
 
         Arguments are integer tensors that broadcast against each other (``b (B,1,1,1)``,
         ``h (1,H,1,1)``, ``q_idx (1,1,Sq,1)``, ``kv_idx (1,1,1,Sk)`` for a whole call, or 0-d
-        tensors under FlexAttention's vmap). ``q_offset`` is only needed by masks given as tensors
-        in row order (``from_tensor``), which index row ``q_idx - q_offset``.
+        tensors under FlexAttention's vmap). Masks given as tensors in row order
+        (``from_tensor``) answer once bound to the call's positions (:meth:`bind`).
         """
         raise NotImplementedError
 
-    def as_mask_mod(self, q_offset: int = 0) -> Callable:
-        """This mask as a 4-argument FlexAttention ``mask_mod`` for a call with ``q_offset``."""
-        return functools.partial(self.mask_mod, q_offset=q_offset)
+    def as_mask_mod(self) -> Callable:
+        """This mask as a 4-argument FlexAttention ``mask_mod`` on absolute positions (a user
+        callable is returned as it is)."""
+        return self.mask_mod
 
     # -- tiles ---------------------------------------------------------------------------------
     def tile_kinds(self, grid: TileGrid, B: int = 1, H: int = 1) -> torch.Tensor:
@@ -231,8 +217,8 @@ class Mask:
         """Kind of one tile given half-open absolute ranges ``[q_lo, q_hi)`` and ``[kv_lo, kv_hi)``.
 
         Over all batches and heads: FULL only if full for every (b, h), EMPTY only if empty for
-        all. ``q_offset`` is the position of the call's query row 0; only masks given as tensors in
-        row order need it (the default 0 makes rows and positions the same).
+        all. ``q_offset`` is the position of the call's query row 0: masks given as tensors in
+        row order are bound there (:meth:`bind`; the default 0 makes rows and positions the same).
         """
         (q_lo, q_hi), (kv_lo, kv_hi) = q_range, kv_range
         for name, x in (("q_range", q_lo), ("q_range", q_hi), ("kv_range", kv_lo)):
@@ -244,8 +230,8 @@ class Mask:
                 "pass half-open ranges (lo, hi) with lo < hi"
             )
         nq, nk = q_hi - q_lo, kv_hi - kv_lo
-        grid = TileGrid(nq, nk, nq, nk, q_offset=q_lo, kv_offset=kv_lo, row_offset=q_offset)
-        kinds = self.tile_kinds(grid, B, H)
+        grid = TileGrid(nq, nk, nq, nk, q_offset=q_lo, kv_offset=kv_lo)
+        kinds = self.bind(q_offset).tile_kinds(grid, B, H)
         lo, hi = int(kinds.min()), int(kinds.max())
         return TileKind(lo) if lo == hi else PARTIAL
 
@@ -258,6 +244,13 @@ class Mask:
         """The masks this one is built from (``&``, ``|``, ``~``, wrappers); ``()`` for a leaf."""
         return ()
 
+    def _with_children(self, parts: tuple[Mask, ...]) -> Mask:
+        """This mask built from ``parts`` instead of :meth:`children` (same structure)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has parts but no _with_children; implement it so that "
+            "bind() can rebuild the mask"
+        )
+
     @property
     def analytic(self) -> bool:
         """True when :meth:`tile_kinds` costs O(tiles), not one evaluation per element: the mask
@@ -267,8 +260,9 @@ class Mask:
 
     @property
     def row_ordered(self) -> bool:
-        """True when the mask reads a tensor by query *row* (``from_tensor``), so its meaning
-        depends on the call's ``q_offset`` and it cannot be reused across calls unchanged."""
+        """True when the mask reads a tensor by query *row* (``from_tensor``): its meaning depends
+        on the call's ``q_offset`` until :meth:`bind` anchors it, and a per-call tensor makes
+        the mask a poor cache key."""
         return any(c.row_ordered for c in self.children())
 
     @property
@@ -302,6 +296,40 @@ class Mask:
         overrides = type(self).key_interval is not Mask.key_interval
         return overrides and all(c.is_interval for c in self.children())
 
+    # -- positions -----------------------------------------------------------------------------
+    def bind(self, q_offset) -> Mask:
+        """This mask with its row-ordered tensors anchored to absolute positions: row ``i`` at
+        ``q_offset + i`` (an int, or a ``(B,)`` tensor with one offset per sequence).
+
+        :func:`selfattn.call.prepare` binds every call's mask, so ``mask_mod(b, h, q_idx,
+        kv_idx)`` takes absolute positions whatever the mask holds. The mask itself when it holds
+        no row-ordered tensor (a built-in's analytic tiles stay as they are); parts already bound
+        stay bound, so binding twice is binding once. A leaf that reads data by query row
+        (``row_ordered``) overrides it, as :class:`~selfattn.masks.TensorMask` does.
+        """
+        if not self.row_ordered:
+            return self
+        parts = self.children()
+        bound = tuple(p.bind(q_offset) for p in parts)
+        if all(a is b for a, b in zip(bound, parts)):
+            return self
+        return self._with_children(bound)
+
+    def shifted(self, kv: int = 0, *, batch: int = 0) -> Mask:
+        """This mask for a call over part of its keys and sequences: the call's key column ``j``
+        sits at position ``j + kv`` and its batch row ``b`` is row ``b + batch`` of the mask's.
+
+        A cache that keeps the keys from ``kv`` on (a sliding window), a ring-attention block of
+        keys from global position ``kv``, one sequence of a batch. Query positions are the
+        call's ``q_offset + i`` as ever. Analytic tile classification and key intervals carry
+        over (the shift moves the grid). The shifted mask cannot know where the whole call's
+        keys or rows end, so its :meth:`validate` checks nothing: the caller validates this
+        mask for the whole call first.
+        """
+        _check_position_span(checked_int(kv, "shifted kv"), 1, "shifted kv")
+        checked_int(batch, "shifted batch", 0)
+        return _Shifted(self, kv, batch)
+
     # -- checks --------------------------------------------------------------------------------
     def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
         """Raise ``ValueError`` naming the values if this mask cannot describe such a call."""
@@ -330,8 +358,9 @@ class Mask:
             checked_int(x, f"to_dense {name}", 0)
         q_offset = Sk - Sq if q_offset is None else checked_int(q_offset, "to_dense q_offset")
         _check_position_span(q_offset, Sq, "to_dense q_offset")
-        self.validate(B, H, Sq, Sk, q_offset)
-        dense = _evaluate(self.mask_mod, B, H, Sq, Sk, q_offset, device, mask_q_offset=q_offset)
+        mask = self.bind(q_offset)
+        mask.validate(B, H, Sq, Sk, q_offset)
+        dense = _evaluate(mask.mask_mod, B, H, Sq, Sk, q_offset, device)
         return dense.expand(B, H, Sq, Sk)
 
     def to_block_mask(
@@ -412,6 +441,9 @@ class _Combine(Mask):
     def children(self) -> tuple[Mask, ...]:
         return self.parts
 
+    def _with_children(self, parts):
+        return type(self)(*parts)
+
     def validate(self, B, H, Sq, Sk, q_offset):
         for part in self.parts:
             part.validate(B, H, Sq, Sk, q_offset)
@@ -433,10 +465,8 @@ class And(_Combine):
         super().__init__(a, b)
         self.a, self.b = a, b
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.a.mask_mod(b, h, q_idx, kv_idx, q_offset) & self.b.mask_mod(
-            b, h, q_idx, kv_idx, q_offset
-        )
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.a.mask_mod(b, h, q_idx, kv_idx) & self.b.mask_mod(b, h, q_idx, kv_idx)
 
     def tile_kinds(self, grid, B=1, H=1):
         # sound: EMPTY if either side is, FULL only if both are (per (b, h))
@@ -461,10 +491,8 @@ class Or(_Combine):
         super().__init__(a, b)
         self.a, self.b = a, b
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return self.a.mask_mod(b, h, q_idx, kv_idx, q_offset) | self.b.mask_mod(
-            b, h, q_idx, kv_idx, q_offset
-        )
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.a.mask_mod(b, h, q_idx, kv_idx) | self.b.mask_mod(b, h, q_idx, kv_idx)
 
     def tile_kinds(self, grid, B=1, H=1):
         # sound: FULL if either side is, EMPTY only if both are (per (b, h))
@@ -484,14 +512,68 @@ class Not(_Combine):
         super().__init__(a)
         self.a = a
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return ~self.a.mask_mod(b, h, q_idx, kv_idx, q_offset)
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return ~self.a.mask_mod(b, h, q_idx, kv_idx)
 
     def tile_kinds(self, grid, B=1, H=1):
         # exact: swaps EMPTY and FULL, keeps PARTIAL
         return int(FULL) - self.a.tile_kinds(grid, B, H)
 
     # key_interval: a complement of an interval is two (the default None)
+
+
+def _shift_bound(x: torch.Tensor, by: int) -> torch.Tensor:
+    """``x - by`` for an interval bound, keeping the unbounded sentinels as they are (and int64
+    from wrapping)."""
+    return torch.where(x.abs() >= _KEY_UNBOUNDED, x, x - by)
+
+
+class _Shifted(Mask):
+    """``inner`` seen from a call whose key ``j`` is at position ``j + kv`` and whose batch row
+    ``b`` is ``inner``'s row ``b + batch`` (:meth:`Mask.shifted`)."""
+
+    def __init__(self, inner: Mask, kv: int, batch: int):
+        self.inner, self.kv, self.batch = inner, kv, batch
+
+    def children(self) -> tuple[Mask, ...]:
+        return (self.inner,)
+
+    def _with_children(self, parts):
+        return _Shifted(parts[0], self.kv, self.batch)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.inner.mask_mod(b + self.batch, h, q_idx, kv_idx + self.kv)
+
+    def tile_kinds(self, grid, B=1, H=1):
+        moved = dataclasses.replace(grid, kv_offset=grid.kv_offset + self.kv)
+        kinds = self.inner.tile_kinds(moved, B + self.batch, H)
+        if self.batch and kinds.dim() == 4 and kinds.shape[0] > 1:
+            kinds = kinds[self.batch : self.batch + B]
+        return kinds
+
+    def key_interval(self, b, q_idx):
+        interval = self.inner.key_interval(b + self.batch, q_idx)
+        if interval is None:
+            return None
+        return _shift_bound(interval[0], self.kv), _shift_bound(interval[1], self.kv)
+
+    @property
+    def is_causal(self) -> bool:
+        return self.kv == 0 and self.inner.is_causal
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        """Nothing to add: the call is part of a larger one (keys from ``kv`` on, a ring block
+        in the middle of the sequence, one row of a batch) that its caller checks as a whole;
+        the shifted mask cannot know where that call's keys or rows end."""
+
+    def _batch_heads(self):
+        b, h = self.inner._batch_heads()
+        return max(b - self.batch, 1), h
+
+    def __repr__(self) -> str:
+        args = [f"kv={self.kv}"] if self.kv else []
+        args += [f"batch={self.batch}"] if self.batch else []
+        return f"{self.inner!r}.shifted({', '.join(args)})"
 
 
 def as_mask(mask) -> Mask:

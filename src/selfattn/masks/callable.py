@@ -29,10 +29,10 @@ class CallableMask(Mask):
         )
         self.fn = fn
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         return _check_bool(_call_elementwise(self.fn, (b, h, q_idx, kv_idx), "mask_mod"), self.fn)
 
-    def as_mask_mod(self, q_offset: int = 0) -> Callable:
+    def as_mask_mod(self) -> Callable:
         return self.fn
 
     def __repr__(self) -> str:

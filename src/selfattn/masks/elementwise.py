@@ -159,13 +159,12 @@ def _check_bool(out: torch.Tensor, fn) -> torch.Tensor:
     return out
 
 
-def _evaluate(fn, B, H, Sq, Sk, q_offset, device, mask_q_offset=None, kv_offset=0):
-    """Evaluate a mask_mod on the whole grid -> bool, 4-D, broadcastable to ``(B, H, Sq, Sk)``.
+def _evaluate(fn, B, H, Sq, Sk, q_offset, device, kv_offset=0):
+    """Evaluate a mask_mod on the whole grid -> bool, 4-D, broadcastable to ``(B, H, Sq, Sk)``:
+    queries at positions ``q_offset + row``, keys at ``kv_offset + column``.
 
     Broadcasting is tried first, then FlexAttention-style vmap (see :func:`_call_elementwise`).
-    ``mask_q_offset`` is passed to ``fn`` as ``q_offset=`` when given (a :meth:`Mask.mask_mod`).
     """
     b, h, q, kv = _index_grids(B, H, Sq, Sk, q_offset, device, kv_offset)
-    f = fn if mask_q_offset is None else functools.partial(fn, q_offset=mask_q_offset)
-    out = _check_bool(_call_elementwise(f, (b, h, q, kv), "mask_mod"), fn)
+    out = _check_bool(_call_elementwise(fn, (b, h, q, kv), "mask_mod"), fn)
     return out.to(q.device)

@@ -70,7 +70,7 @@ def _block_sizes(block_size) -> tuple[int, int]:
 
 def wrapped_mask_mod(mask: Mask, off: torch.Tensor):
     """Our mask (absolute query positions) as FlexAttention's ``mask_mod`` (query rows)."""
-    inner = mask.as_mask_mod(off)
+    inner = mask.as_mask_mod()
 
     def mask_mod(b, h, q_idx, kv_idx):
         return inner(b, h, q_idx + off, kv_idx)
@@ -155,9 +155,11 @@ class FlexBlockMask(Mask):
 
     row_ordered = True
 
-    def __init__(self, block_mask):
+    def __init__(self, block_mask, *, rows_at=None):
         if not is_block_mask(block_mask):
             raise TypeError(f"expected a FlexAttention BlockMask, got {type(block_mask).__name__}")
+        # query position of row 0: None until bound (Mask.bind), an int or a (B,) tensor
+        self.rows_at = rows_at
         self.block_mask = block_mask
         self.fn = block_mask.mask_mod  # what the flex backend keys its compiled kernels on
         self.block_q, self.block_k = _block_sizes(block_mask.BLOCK_SIZE)
@@ -178,8 +180,25 @@ class FlexBlockMask(Mask):
             self._kinds_on[key] = kinds.to(key)
         return self._kinds_on[key]
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
-        row = q_idx - q_offset
+    def bind(self, q_offset) -> Mask:
+        if self.rows_at is not None:
+            return self
+        bound = FlexBlockMask(self.block_mask, rows_at=q_offset)
+        bound._kinds_on = self._kinds_on  # the same blocks
+        return bound
+
+    def _first_row(self, b) -> torch.Tensor | int:
+        if self.rows_at is None:
+            raise RuntimeError(
+                f"{self!r} is read by query row, so it needs the call's positions: bind it with "
+                ".bind(q_offset) (row 0 at position q_offset; attention() binds it itself)"
+            )
+        if isinstance(self.rows_at, torch.Tensor):
+            return self.rows_at.to(b.device)[b]  # one offset per sequence; b broadcasts
+        return self.rows_at
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        row = q_idx - self._first_row(b)
         kinds = self.kinds(q_idx.device)
         bi = b if kinds.shape[0] > 1 else torch.zeros_like(b)
         hi = h if kinds.shape[1] > 1 else torch.zeros_like(h)
@@ -192,8 +211,11 @@ class FlexBlockMask(Mask):
     def tile_kinds(self, grid, B=1, H=1):
         # A tile is FULL when every block it touches is full, EMPTY when every one is empty;
         # partial blocks (mask_mod decides) make it PARTIAL, which is always sound.
+        if isinstance(self.rows_at, torch.Tensor):  # per-sequence rows: no single slice
+            return super().tile_kinds(grid, B, H)
+        first_row = grid.q_offset - (0 if self.rows_at is None else self.rows_at)
         kinds = self.kinds(grid.device)
-        lo, hi = _range_min_max(kinds, 2, grid.first_row, grid.Sq, grid.block_q, self.block_q)
+        lo, hi = _range_min_max(kinds, 2, first_row, grid.Sq, grid.block_q, self.block_q)
         lo, _ = _range_min_max(lo, 3, grid.kv_offset, grid.Sk, grid.block_k, self.block_k)
         _, hi = _range_min_max(hi, 3, grid.kv_offset, grid.Sk, grid.block_k, self.block_k)
         out = torch.full_like(lo, int(PARTIAL))

@@ -45,7 +45,7 @@ def _preview(t: torch.Tensor, n: int = 8) -> str:
 class Causal(Mask):
     """Key ``j`` is visible from query position ``i`` when ``j <= i``."""
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
     relative = True
@@ -79,7 +79,7 @@ class SlidingWindow(Mask):
             size, "sliding_window size", "size counts the query's own token: 1 = only itself"
         )
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx > q_idx - self.size)
 
     relative = True
@@ -122,7 +122,7 @@ class Chunked(Mask):
             raise TypeError(f"chunked causal must be True or False, got {causal!r}")
         self.causal = causal
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         same = torch.div(q_idx, self.size, rounding_mode="floor") == torch.div(
             kv_idx, self.size, rounding_mode="floor"
         )
@@ -184,7 +184,7 @@ class Padding(Mask):
         n = self.lengths.to(device)
         return n[b] if self.per_batch else n[0]
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         return kv_idx < self._n(b, kv_idx.device)
 
     def key_interval(self, b, q_idx):
@@ -236,7 +236,7 @@ class Documents(Mask):
         # Sorted ids (the packing case) make the cheap interval test exact (see tile_kinds).
         self._monotone = bool(((d >= 0).all(-1) | (d <= 0).all(-1)).all())
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         ids = self.ids.to(q_idx.device)
         bi = b if ids.shape[0] > 1 else torch.zeros_like(b)
         return ids[bi, q_idx] == ids[bi, kv_idx]
@@ -329,7 +329,7 @@ class PrefixLM(Mask):
     def __init__(self, length):
         self.length, self.per_batch = _per_batch_values(length, "prefix_lm length")
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         n = self.length.to(kv_idx.device)
         n = n[b] if self.per_batch else n[0]
         return (kv_idx <= q_idx) | (kv_idx < n)
@@ -397,7 +397,7 @@ class BlockSparse(Mask):
         self.block_q = _check_positive_int(bs[0], "block_sparse block_size")
         self.block_k = _check_positive_int(bs[1], "block_sparse block_size")
 
-    def mask_mod(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def mask_mod(self, b, h, q_idx, kv_idx):
         lay = self.layout.to(q_idx.device)
         bi = b if lay.shape[0] > 1 else torch.zeros_like(b)
         hi = h if lay.shape[1] > 1 else torch.zeros_like(h)

@@ -43,7 +43,7 @@ class LeakyReLUScore(ScoreMod):
     def __init__(self, negative_slope: float = 0.2):
         self.negative_slope = float(negative_slope)
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def score_mod(self, score, b, h, q_idx, kv_idx):
         return F.leaky_relu(score, self.negative_slope)
 
     def __repr__(self) -> str:

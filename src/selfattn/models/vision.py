@@ -293,15 +293,15 @@ class WindowBias(ScoreMod):
     def __init__(self, table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, window: int):
         self.table, self.rows, self.cols, self.window = table, rows, cols, window
 
-    def bias(self, b, h, q_idx, kv_idx, q_offset: int = 0):
+    def bias(self, b, h, q_idx, kv_idx):
         w = self.window
         rows, cols = self.rows.to(q_idx.device), self.cols.to(q_idx.device)
         dr = (rows[q_idx] - rows[kv_idx] + w - 1).clamp(0, 2 * w - 2)
         dc = (cols[q_idx] - cols[kv_idx] + w - 1).clamp(0, 2 * w - 2)
         return self.table[dr * (2 * w - 1) + dc, h]  # -> (…, Hq, Sq, Sk) by broadcasting
 
-    def score_mod(self, score, b, h, q_idx, kv_idx, q_offset: int = 0):
-        return score + self.bias(b, h, q_idx, kv_idx, q_offset).to(score.dtype)
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias(b, h, q_idx, kv_idx).to(score.dtype)
 
     def tensors(self):
         return (self.table,)

@@ -266,7 +266,7 @@ class MultiHeadAttention(nn.Module):
                 kv = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, Sk, D)
                 k, v = kv
                 if isinstance(kv, KV):  # masks see the keys' true positions (a ring's start)
-                    mask, mod, q_offset = kv.at_key_positions(mask, mod, q_offset, Sq)
+                    mask, mod, q_offset = kv.at_key_positions(mask, mod, q_offset, q)
             if self.attention_observer is not None:  # selfattn.inspect.capture_attention
                 self.attention_observer(
                     q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset

@@ -52,13 +52,25 @@ def prepare(
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite number, got {scale!r}")
     return PagedCall(
-        mask=None if mask is None else as_mask(mask),
-        score_mod=None if score_mod is None else as_score_mod(score_mod),
+        mask=None if mask is None else _bound(as_mask(mask), q, seq_lens),
+        score_mod=None if score_mod is None else _bound(as_score_mod(score_mod), q, seq_lens),
         scale=float(scale),
         k_scales=k_scales,
         v_scales=v_scales,
         return_lse=return_lse,
     )
+
+
+def _bound(obj, q, seq_lens):
+    """``obj`` (a mask or score mod) on absolute positions: tensors it reads in query-row order
+    are bound to each sequence's rows (row ``i`` of sequence ``b`` at ``seq_lens[b] - Sq + i``),
+    after a check that they broadcast to ``(B, Hq, Sq, max(seq_lens))``."""
+    if not obj.row_ordered:
+        return obj
+    B, Hq, Sq, _ = q.shape
+    Sk = int(seq_lens.max()) if B else 0
+    obj.validate(B, Hq, Sq, Sk, Sk - Sq)
+    return obj.bind(seq_lens.long() - Sq)
 
 
 def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:

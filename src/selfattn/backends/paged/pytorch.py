@@ -81,6 +81,8 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     b_idx = torch.arange(B, device=device).view(B, 1, 1, 1)
     h_idx = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
     q_pos = (lens.view(B, 1) - Sq + torch.arange(Sq, device=device)).view(B, 1, Sq, 1)
+    last_key = (lens - 1).clamp(min=0).view(B, 1, 1, 1)
+    no_mods = mask_obj is None and mod_obj is None
     # State in (Hkv, B, ·) order: one kv head's slice is a contiguous (B, ·, ·) batch. Gathered
     # pages stay (B, L, Hkv, ·); a kv head of them is a strided (B, L, D) view that bmm reads
     # without a copy (row stride Hkv·D), so one bmm per kv head replaces a transposing copy.
@@ -143,16 +145,19 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
                 vs = _group_scales(v_scales, ids, B, L, Hkv, cd)
                 v = v * vs if vc_buf is None else v.mul_(vs)
             kv_pos = (cols[:, :1] * P + torch.arange(L, device=device)).view(B, 1, 1, L)
+            # Mods see slots past a sequence's end (masked below whatever they say) as its last
+            # key, so a tensor read by key position is never indexed past the sequence.
+            kv_mod = kv_pos if no_mods else torch.minimum(kv_pos, last_key)
             # (B, G·Sq, D) @ (B, D, L) per kv head, stacked: (Hkv, B, G·Sq, L)
             s = torch.stack([torch.bmm(qg[h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)])
             if mod_obj is not None:
                 s4 = s.transpose(0, 1).reshape(B, Hq, Sq, L)  # per query head, as mods expect
-                s4 = mod_obj.score_mod(s4, b_idx, h_idx, q_pos, kv_pos, q_offset=0)
+                s4 = mod_obj.score_mod(s4, b_idx, h_idx, q_pos, kv_mod)
                 s4 = torch.broadcast_to(s4, (B, Hq, Sq, L)).to(cd)
                 s = s4.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
             allowed = None  # None: every key of the group is valid and allowed (no work at all)
             if mask_obj is not None:
-                mm = torch.as_tensor(mask_obj.mask_mod(b_idx, h_idx, q_pos, kv_pos, q_offset=0))
+                mm = torch.as_tensor(mask_obj.mask_mod(b_idx, h_idx, q_pos, kv_mod))
                 if mm.dtype != torch.bool:
                     raise TypeError(f"mask_mod must return a bool tensor, got {mm.dtype}")
                 mm = (mm.to(device) & (kv_pos < ends.view(B, 1, 1, 1))).expand(B, Hq, Sq, L)
