@@ -307,7 +307,7 @@ def tiny_t5():
     [
         ({"feed_forward_proj": "gated-mish"}, r"feed_forward_proj='gated-mish'.*activation 'mish'"),
         ({"is_decoder": True}, r"is_decoder=True"),
-        ({"d_kv": 0}, r"config d_kv=0 \(t5\) must be an int >= 1"),
+        ({"d_kv": 0}, r"config d_kv \(t5\) must be an int >= 1, got 0"),
         ({"num_heads": None}, r"config has no 'num_heads'"),
     ],
 )

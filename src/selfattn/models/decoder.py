@@ -64,6 +64,7 @@ from torch import nn
 
 from selfattn import masks as _masks
 from selfattn import scores as _scores
+from selfattn._validate import positive_int
 from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
 from selfattn.models.hub import register, unsupported
@@ -132,9 +133,9 @@ class DecoderConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
-            _check_positive(name, getattr(self, name))
+            positive_int(getattr(self, name), f"DecoderConfig {name}")
         n_kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-        _check_positive("n_kv_heads", n_kv)
+        positive_int(n_kv, "DecoderConfig n_kv_heads")
         object.__setattr__(self, "n_kv_heads", n_kv)
         if self.n_heads % n_kv:
             raise ValueError(
@@ -148,7 +149,7 @@ class DecoderConfig:
                     f"({self.n_heads}), or pass head_dim"
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        _check_positive("head_dim", self.head_dim)
+        positive_int(self.head_dim, "DecoderConfig head_dim")
         if self.positions not in ("rope", "learned"):
             raise ValueError(
                 f"DecoderConfig positions must be 'rope' or 'learned', got {self.positions!r}"
@@ -175,7 +176,7 @@ class DecoderConfig:
                     "DecoderConfig layer_types has sliding_attention layers but sliding_window is "
                     "None; pass the window size (tokens, the query's own included)"
                 )
-            _check_positive("sliding_window", self.sliding_window)
+            positive_int(self.sliding_window, "DecoderConfig sliding_window")
         for name in ("attn_softcap", "final_softcap"):
             cap = getattr(self, name)
             if cap is not None and not cap > 0:
@@ -196,11 +197,6 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: global)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DecoderConfig {name} must be a positive int, got {value!r}")
 
 
 # -- transformers config.json -> DecoderConfig ----------------------------------------------------
@@ -527,8 +523,7 @@ class CausalLM(nn.Module):
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
         for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"make_cache {name} must be a positive int, got {value!r}")
+            positive_int(value, f"make_cache {name}")
         c = self.config
         w = self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfattn._validate import int_at_least
 from selfattn.cache import PagedKV, StaticCache
 from selfattn.cache.base import Step
 from selfattn.cache.layers import LayerCaches
@@ -129,11 +130,7 @@ def _int(config: Mapping, key: str, default=None, minimum: int = 1) -> int:
     value = config.get(key, default)
     if value is None:
         raise missing_key(config, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"config {key}={value!r} ({config.get('model_type', '?')}) must be an int >= {minimum}"
-        )
-    return value
+    return int_at_least(value, f"config {key} ({config.get('model_type', '?')})", minimum)
 
 
 def _activation(config: Mapping, key: str, name: str):
