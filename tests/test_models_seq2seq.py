@@ -345,7 +345,7 @@ def test_bad_inputs(tmp_path, tiny_t5):
     model = from_pretrained(_save(tmp_path, tiny_t5))
     ids = torch.randint(3, VOCAB, (2, 5))
     memory = model.encode(ids)
-    with pytest.raises(ValueError, match=r"attention_mask must be a \(B=2, Se=5\).*got \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must be \(B=2, Se=5\).*got \(2, 4\)"):
         model.encode(ids, torch.ones(2, 4))
     with pytest.raises(ValueError, match=rf"token ids 3\.\.{VOCAB} outside the vocabulary"):
         model.encode(torch.tensor([[3, VOCAB]]))

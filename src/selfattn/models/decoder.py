@@ -47,9 +47,11 @@ sits at cache position ``t`` (padding included), and masks work on those positio
     cache position    0   1   2 3    4      position_ids    -  -  0 1 2
     query c (pos 4) sees keys 2 3 4: causal() & ~padding(starts=2)
 
-Left padding (leading zeros only) becomes the analytic mask ``~padding(starts)``; any other
-pattern of zeros becomes a bool key mask. Query rows at padded positions attend to nothing and
-return 0 (transformers returns other values there; they are never used).
+Left padding (leading zeros only) becomes the analytic mask ``~padding(starts)``, right padding
+``padding(lengths)``, any other pattern of zeros a bool key mask
+(:func:`selfattn.models.masking.padding_mask`, shared with the encoders). Query rows at
+left-padded positions attend to nothing and return 0 (transformers returns other values there;
+they are never used).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from selfattn._validate import positive_int
 from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
 from selfattn.models.hub import register, unsupported
+from selfattn.models.masking import padding_mask
 from selfattn.nn import MLP, DecoderBlock, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import (
@@ -449,7 +452,9 @@ class CausalLM(nn.Module):
             )
         # A ragged paged cache has no single length: read it only where a mask needs it.
         past = 0 if cache is None or attention_mask is None else cache.length
-        starts, keep = self._key_padding(attention_mask, B, past + S)  # checked before planning
+        pad = None  # the key padding, checked before planning
+        if attention_mask is not None:
+            pad = padding_mask(attention_mask, B, past + S, length="S_past + S")
         step = None if cache is None else cache.plan(S)  # the cache's bookkeeping, once
         if position_ids is None:
             if attention_mask is not None:
@@ -464,7 +469,7 @@ class CausalLM(nn.Module):
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         # One mask per kind of layer (window or global), in absolute positions.
-        masks = {w: _layer_mask(w, starts, keep) for w in set(self._windows)}
+        masks = {w: _layer_mask(w, pad) for w in set(self._windows)}
         layer_caches = [None] * len(self.layers) if step is None else step.layers
         for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
             h = block(
@@ -481,30 +486,6 @@ class CausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    @staticmethod
-    def _key_padding(attention_mask, B: int, Sk: int):
-        """``(starts (B,) or None, keep (B, Sk) bool or None)`` from a 0/1 ``attention_mask``.
-
-        Left padding (zeros then ones in every row) gives ``starts``, the first real position of
-        each row: an analytic mask. Any other pattern gives the bool ``keep`` columns.
-        """
-        if attention_mask is None:
-            return None, None
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, Sk):
-            got = (
-                tuple(attention_mask.shape)
-                if isinstance(attention_mask, torch.Tensor)
-                else type(attention_mask).__name__
-            )
-            raise ValueError(
-                f"attention_mask must be (B={B}, S_past + S={Sk}) with 1 at tokens and 0 at "
-                f"padding (cached tokens included), got {got}"
-            )
-        keep = attention_mask.bool()
-        if Sk > 1 and not bool((keep[:, 1:] >= keep[:, :-1]).all()):
-            return None, keep
-        return Sk - keep.sum(-1), None
 
     # -- checkpoints and caches --------------------------------------------------------------------
     def make_cache(
@@ -557,16 +538,10 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
 
-def _layer_mask(window, starts, keep):
-    """The mask a layer ANDs with causal(): its window and the key padding (absolute key
+def _layer_mask(window, pad):
+    """The mask a layer ANDs with causal(): its window and the key padding ``pad`` (absolute key
     positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
-    pad = None
-    if starts is not None:
-        if bool((starts > 0).any()):
-            pad = ~_masks.padding(starts)
-    elif keep is not None:
-        pad = _masks.from_tensor(keep[:, None, None, :])  # (B, Sk) -> (B, 1, 1, Sk)
     if pad is None:
         return mask
     return pad if mask is None else mask & pad
