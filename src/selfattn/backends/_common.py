@@ -26,6 +26,7 @@ from selfattn.masks import _index_grids
 __all__ = [
     "accumulation_dtype",
     "all_finite",
+    "causal_as_flag",
     "dropout_keep",
     "fused_or_exact",
     "index_grids",
@@ -94,6 +95,18 @@ def grad_needed(q, k, v, call) -> bool:
     the score mod reads (a learnable bias) requires grad."""
     tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def causal_as_flag(k, call) -> bool:
+    """Whether the call has no mask, or a ``causal()`` that SDPA runs without a dense mask: with
+    ``is_causal`` (top-left, ``q_offset == 0``; SDPA refuses it together with a float mask, i.e.
+    an additive score mod) or with no mask at all (every row sees every key, ``q_offset >=
+    Sk - 1``: decoding). For the cost hooks: on such work PyTorch's fused kernels are fastest."""
+    if call.mask is None:
+        return True
+    if not call.mask.is_causal:
+        return False
+    return call.q_offset >= k.shape[2] - 1 or (call.q_offset == 0 and call.score_mod is None)
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
