@@ -30,6 +30,7 @@ __all__ = [
     "dropout_keep",
     "fused_or_exact",
     "index_grids",
+    "needs_grad",
     "nonfinite_v_part",
     "unattended_columns_zeroed",
 ]
@@ -90,11 +91,16 @@ def unattended_columns_zeroed(
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
 
 
-def grad_needed(q, k, v, call) -> bool:
-    """Whether autograd will run this call's backward: grad mode is on and q, k, v or a tensor
-    the score mod reads (a learnable bias) requires grad."""
-    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
+def needs_grad(tensors) -> bool:
+    """Whether autograd will differentiate through ``tensors``: grad mode is on and one of them
+    requires grad."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def grad_needed(q, k, v, call) -> bool:
+    """Whether autograd will run this call's backward: q, k, v or a tensor the score mod reads
+    (a learnable bias) needs grad."""
+    return needs_grad([q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())])
 
 
 def causal_as_flag(k, call) -> bool:

@@ -43,6 +43,7 @@ from selfattn.backends._common import (
     causal_as_flag,
     fused_or_exact,
     grad_needed,
+    needs_grad,
 )
 from selfattn.masks import FULL, PARTIAL, Mask, TileGrid, _callable_failure, _evaluate
 
@@ -166,11 +167,6 @@ def _cpu_reason() -> str | None:
     return None
 
 
-def _score_tensors_need_grad(call: AttentionCall) -> bool:
-    tensors = call.score_mod.tensors() if call.score_mod is not None else ()
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 # -- reject ------------------------------------------------------------------------------------
 
 
@@ -202,7 +198,8 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
     elif dev == "cuda":
         if D < 16 or Dv < 16:
             return f"FlexAttention's CUDA kernels need head dims >= 16 (got D={D}, Dv={Dv})"
-        if not _torch_at_least(2, 6) and _score_tensors_need_grad(call):
+        mod = call.score_mod
+        if not _torch_at_least(2, 6) and mod is not None and needs_grad(mod.tensors()):
             return (
                 f"FlexAttention before torch 2.6 (this is {torch.__version__}) cannot "
                 "differentiate tensors a score mod reads (learnable biases)"

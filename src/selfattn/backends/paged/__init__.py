@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from selfattn.backends._common import needs_grad
+
 __all__ = ["kernel_reject"]
 
 _KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,6 +53,6 @@ def kernel_reject(q, k_pages, v_pages, call) -> str | None:
         return f"an empty dimension (q {tuple(q.shape)}, v_pages {tuple(v_pages.shape)})"
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         return "pages whose last dim is not contiguous (the kernels read rows with unit stride)"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+    if needs_grad((q, k_pages, v_pages)):
         return "gradients: the kernels have no backward"
     return None
