@@ -66,7 +66,7 @@ from torch import nn
 
 from selfattn import masks as _masks
 from selfattn import scores as _scores
-from selfattn._validate import positive_int
+from selfattn._validate import one_of, positive_int, positive_number
 from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
 from selfattn.models.hub import register, unsupported
@@ -157,12 +157,8 @@ class DecoderConfig:
             raise ValueError(
                 f"DecoderConfig positions must be 'rope' or 'learned', got {self.positions!r}"
             )
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"DecoderConfig activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}"
-            )
-        if not self.norm_eps > 0:
-            raise ValueError(f"DecoderConfig norm_eps must be > 0, got {self.norm_eps}")
+        one_of(self.activation, "DecoderConfig activation", ACTIVATIONS)
+        positive_number(self.norm_eps, "DecoderConfig norm_eps")
         types = (
             ("full_attention",) * self.n_layers if self.layer_types is None else self.layer_types
         )
@@ -181,9 +177,8 @@ class DecoderConfig:
                 )
             positive_int(self.sliding_window, "DecoderConfig sliding_window")
         for name in ("attn_softcap", "final_softcap"):
-            cap = getattr(self, name)
-            if cap is not None and not cap > 0:
-                raise ValueError(f"DecoderConfig {name} must be > 0 or None, got {cap}")
+            if getattr(self, name) is not None:
+                positive_number(getattr(self, name), f"DecoderConfig {name}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 

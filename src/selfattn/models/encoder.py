@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn._validate import positive_int
+from selfattn._validate import one_of, positive_int, positive_number
 from selfattn.models.hub import (
     CheckpointError,
     UnsupportedConfigError,
@@ -61,12 +61,8 @@ class BertConfig:
                 f"BertConfig d_model ({self.d_model}) must be divisible by n_heads "
                 f"({self.n_heads}); change one of them"
             )
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"BertConfig activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}"
-            )
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"BertConfig layer_norm_eps must be > 0, got {self.layer_norm_eps}")
+        one_of(self.activation, "BertConfig activation", ACTIVATIONS)
+        positive_number(self.layer_norm_eps, "BertConfig layer_norm_eps")
 
     @classmethod
     def from_hf(cls, config: dict) -> BertConfig:
