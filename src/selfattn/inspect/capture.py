@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from selfattn import scores as _scores
-from selfattn._validate import positive_int
+from selfattn._validate import checked_int, positive_int
 from selfattn.cache.base import InPlaceKVCache
 from selfattn.cache.size import format_bytes
 from selfattn.functional import attention_weights
@@ -42,9 +42,7 @@ def _selection(value, n: int, what: str, fix: str) -> list[int]:
         raise ValueError(f"{what} selection is empty; pass None for all {n}, or some indices")
     out = []
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"{what} indices must be ints, got {i!r} ({type(i).__name__})")
-        if not -n <= i < n:
+        if not -n <= checked_int(i, f"{what} index") < n:
             raise ValueError(f"{what} {i} is out of range: {fix} has {n} (0..{n - 1})")
         out.append(i % n)
     return sorted(set(out))
