@@ -10,10 +10,12 @@ import numbers
 __all__ = ["checked_int", "int_at_least", "one_of", "positive_int", "positive_number"]
 
 
-def positive_int(value, name: str) -> int:
-    """``value`` if it is an int >= 1 (bools rejected), else ValueError naming ``name``."""
+def positive_int(value, name: str, fix: str = "") -> int:
+    """``value`` if it is an int >= 1 (bools rejected), else ValueError naming ``name``;
+    ``fix``, when given, ends the message."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        tail = f"; {fix}" if fix else ""
+        raise ValueError(f"{name} must be a positive int, got {value!r}{tail}")
     return value
 
 
