@@ -6,12 +6,18 @@ runs, that explain says so for paged calls too, and that every "no" comes with i
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 import torch
 
 import selfattn as sa
 from selfattn import masks, scores
+from selfattn.backends import AttentionCall, Cost, registry
+from selfattn.backends._auto import density, rank
 from selfattn.cache import paged_attention
+from selfattn.call import prepare
 from selfattn.kernels import paged_decode
 from selfattn.testing import make_qkv
 from test_paged import check, make_paged, spy_paged_backends
@@ -93,3 +99,159 @@ def test_paged_backend_by_name_that_cannot_run_says_why():
         paged_attention(q.double(), kp.double(), vp.double(), table, lens, backend="cpu")
     with pytest.raises(ValueError, match="unknown paged backend 'sdpa'"):
         paged_attention(q, kp, vp, table, lens, backend="sdpa")
+
+
+# -- auto: each backend's cost hook ---------------------------------------------------------------
+_S = 517  # odd, and long enough for a sliding window to leave most tiles empty
+_DOCS = torch.arange(_S) // 40
+
+
+@pytest.mark.parametrize(
+    "Sq, kwargs, chosen",
+    [
+        (_S, {}, "sdpa"),
+        (_S, dict(mask=masks.causal()), "sdpa"),
+        (_S, dict(mask=masks.causal(), q_offset=0), "sdpa"),
+        (1, dict(mask=masks.causal()), "sdpa"),
+        (1, dict(mask=masks.sliding_window(8)), "chunked"),  # decode: 8 of 517 keys
+        (33, dict(mask=masks.causal()), "sdpa"),
+        (_S, dict(mask=masks.sliding_window(8)), "chunked"),
+        (_S, dict(mask=masks.documents(_DOCS)), "chunked"),
+        (_S, dict(mask=masks.documents(torch.arange(_S) // 300)), "sdpa"),
+        (_S, dict(mask=lambda b, h, q, kv: (q - kv).abs() < 16), "chunked"),
+        (_S, dict(score_mod=scores.alibi(2), mask=masks.causal()), "sdpa"),
+        (_S, dict(score_mod=scores.softcap(5.0)), "chunked"),
+        (_S, dict(dropout_p=0.1), "chunked"),
+        (_S, dict(return_lse=True), "sdpa"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_auto_choices_on_cpu(Sq, kwargs, chosen):
+    """What auto picks on CPU (the measured rules of backends/_auto.py); unchanged since the
+    choice moved into the backends' cost hooks."""
+    q, k, v = make_qkv(1, 2, Sq, 16, Sk=_S, seed=Sq)
+    with torch.no_grad():
+        assert sa.backends.explain(q, k, v, print_table=False, **kwargs).chosen == chosen
+
+
+def _fake(device: str, *shape):
+    """What the cost hooks read of a tensor (device, shape): CUDA rules checked on any host."""
+    return types.SimpleNamespace(device=torch.device(device), shape=shape, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "mask, q_offset, score_mod, capable, chosen",
+    [
+        (masks.sliding_window(8), 0, None, ("sdpa", "chunked", "flex"), "flex"),
+        (masks.causal(), 63, None, ("sdpa", "chunked", "flex"), "sdpa"),  # decode
+        (masks.causal(), 63, scores.softcap(5.0), ("chunked", "flex"), "flex"),
+        (None, 0, None, ("chunked", "flex"), "chunked"),  # e.g. lse, which sdpa lacks on CUDA
+        (masks.sliding_window(8), 0, None, ("sdpa", "chunked"), "density"),
+    ],
+)
+def test_auto_choices_on_cuda_follow_the_cost_hooks(mask, q_offset, score_mod, capable, chosen):
+    """CUDA's rules from the same hooks: flex for masks, sdpa's flash kernel for dense and
+    causal work, flex before chunked for score mods; without flex, the mask's density decides."""
+    q, k = _fake("cuda", 1, 2, 1 if q_offset else 64, 16), _fake("cuda", 1, 2, 64, 16)
+    call = AttentionCall(mask=mask, score_mod=score_mod, q_offset=q_offset)
+    names = [n for n in sa.backends.names() if n in (*capable, "reference")]  # registry order
+    costs = {n: sa.backends.get(n).cost(q, k, None, call) for n in names}
+    if chosen != "density":
+        assert rank(costs, density=pytest.fail)[0] == chosen  # density never needed here
+        return
+    assert rank(costs, density=lambda: 0.49)[0] == "chunked"
+    assert rank(costs, density=lambda: 0.5)[0] == "sdpa"
+
+
+def test_auto_ranks_by_cost_hooks_and_asks_density_only_when_it_decides(monkeypatch):
+    """A backend whose hook says it is cheapest is picked, whatever its name; a sparse cost is
+    weighed against the mask's density only when the best sparse backend is not cheaper
+    outright (the estimate reads the mask's tiles)."""
+    reference = sa.backends.get("reference")
+    dense = registry()._backends
+    q, k, v = make_qkv(1, 2, _S, 16, seed=4)
+
+    def add(name, per_pair, sparse=False):
+        hook = lambda *args: Cost(per_pair, f"test backend at {per_pair}", sparse)  # noqa: E731
+        monkeypatch.setitem(dense, name, dataclasses.replace(reference, name=name, cost=hook))
+
+    estimates = []
+    real_density = registry()._density
+    monkeypatch.setattr(registry(), "_density", lambda *a: estimates.append(1) or real_density(*a))
+
+    add("mine", 0.5)  # dense, cheaper than sdpa's causal work (1 × density) unless tiles skip
+    ex = sa.backends.explain(q, k, v, mask=masks.causal(), print_table=False)
+    d = density(q, k, prepare(q, k, v, mask=masks.causal())[3])
+    assert 0.5 < d < 0.6  # a causal square: about half its tiles are empty
+    assert estimates == [1] and ex.why == f"test backend at 0.5 (mask density {d:.2f})"
+    assert ex.chosen == "mine" and ex.notes["sdpa"].endswith(f"costs {d:.3g} per pair vs 0.5")
+    ran = []
+    monkeypatch.setitem(dense, "mine", dataclasses.replace(dense["mine"], run=_spy(ran)))
+    sa.attention(q, k, v, mask=masks.causal())
+    assert ran == ["mine"] and len(estimates) == 2
+
+    add("mine", 0.6)  # now dearer than sdpa's causal tiles
+    assert sa.backends.explain(q, k, v, mask=masks.causal(), print_table=False).chosen == "sdpa"
+    assert len(estimates) == 3
+    add("tiles", 0.1, sparse=True)  # sparse and cheaper than every dense cost: no estimate
+    ex = sa.backends.explain(q, k, v, mask=masks.causal(), print_table=False)
+    assert ex.chosen == "tiles" and len(estimates) == 3
+    assert ex.notes["mine"].endswith("costs 0.6 per pair vs 0.1 × density")
+
+
+def _spy(ran):
+    def run(q, k, v, call):
+        ran.append("mine")
+        return sa.backends.get("reference").run(q, k, v, call)
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallWithSinks(AttentionCall):
+    """AttentionCall plus a field no built-in backend knows (as attention sinks would be)."""
+
+    sinks: torch.Tensor | None = None
+
+
+def test_a_call_field_a_backend_does_not_declare_makes_it_decline(monkeypatch):
+    """Opt-in support: a backend runs only the call fields it lists in ``supports``; a call that
+    sets another one is declined with a reason naming the field, by auto, select and explain
+    alike. Left at its default, the field asks nothing and changes nothing."""
+    q, k, v = make_qkv(1, 2, 7, 8, seed=9)
+    plain = sa.backends.available(q, k, v, _CallWithSinks())
+    assert plain == sa.backends.available(q, k, v, AttentionCall())
+    call = _CallWithSinks(sinks=torch.zeros(2))
+    reasons = sa.backends.available(q, k, v, call)
+    assert all("the call sets sinks" in why for why in reasons.values()), reasons
+    with pytest.raises(ValueError, match=r"no dense backend can run this call: .*sets sinks"):
+        sa.backends.select(q, k, v, call)
+    with pytest.raises(
+        ValueError, match="backend 'sdpa' cannot run this call: the call sets sinks"
+    ):
+        sa.backends.select(q, k, v, call, backend="sdpa")
+
+    reference = sa.backends.get("reference")
+    knows = dataclasses.replace(reference, supports=reference.supports | {"sinks"})
+    monkeypatch.setitem(registry()._backends, "reference", knows)
+    backend, ex = sa.backends.select(q, k, v, call)
+    assert backend is knows and ex.chosen == "reference" and ex.reasons["reference"] is None
+    assert "sets sinks" in ex.reasons["chunked"]  # explain says why the others did not run it
+
+
+def test_paged_backends_decline_unknown_fields_too(monkeypatch):
+    """The paged registry follows the same rule over PagedCall's fields."""
+    from selfattn.backends.paged.call import PagedCall, prepare
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class PagedCallWithSinks(PagedCall):
+        sinks: torch.Tensor | None = None
+
+    args = make_paged([9, 4], 4, 2, D=8, P=4, Sq=1, seed=11)
+    base = prepare(*args)
+    call = PagedCallWithSinks(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    assert registry("paged").available(*args, call) == registry("paged").available(*args, base)
+    call = dataclasses.replace(call, sinks=torch.zeros(4))
+    reasons = registry("paged").available(*args, call)
+    assert set(reasons) == {"torch", "cpu", "triton"}
+    assert all("the call sets sinks" in why for why in reasons.values()), reasons

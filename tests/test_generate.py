@@ -304,7 +304,7 @@ def test_seq2seq_needs_a_start_token():
             TypeError,
             r"streamer must have put\(tokens\) and end\(\).* or be callable",
         ),
-        ({"eos_token_id": [1, "x"]}, ValueError, "eos_token_id must hold non-negative int"),
+        ({"eos_token_id": [1, "x"]}, ValueError, "eos_token_id token id must be an int >= 0"),
         ({"do_sample": 1}, TypeError, "do_sample must be a bool"),
         ({"attention_mask": torch.ones(2, 4)}, ValueError, r"attention_mask must match .*\(2, 4\)"),
     ],

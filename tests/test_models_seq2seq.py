@@ -307,7 +307,7 @@ def tiny_t5():
     [
         ({"feed_forward_proj": "gated-mish"}, r"feed_forward_proj='gated-mish'.*activation 'mish'"),
         ({"is_decoder": True}, r"is_decoder=True"),
-        ({"d_kv": 0}, r"config d_kv=0 \(t5\) must be an int >= 1"),
+        ({"d_kv": 0}, r"config d_kv \(t5\) must be an int >= 1, got 0"),
         ({"num_heads": None}, r"config has no 'num_heads'"),
     ],
 )
@@ -345,7 +345,7 @@ def test_bad_inputs(tmp_path, tiny_t5):
     model = from_pretrained(_save(tmp_path, tiny_t5))
     ids = torch.randint(3, VOCAB, (2, 5))
     memory = model.encode(ids)
-    with pytest.raises(ValueError, match=r"attention_mask must be a \(B=2, Se=5\).*got \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must be \(B=2, Se=5\).*got \(2, 4\)"):
         model.encode(ids, torch.ones(2, 4))
     with pytest.raises(ValueError, match=rf"token ids 3\.\.{VOCAB} outside the vocabulary"):
         model.encode(torch.tensor([[3, VOCAB]]))

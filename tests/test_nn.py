@@ -352,6 +352,37 @@ def test_cached_decode_equals_full_forward(chunk, alibi):
     _close(torch.cat(steps, dim=1), full, torch.float64, f"chunks of {chunk}")
 
 
+def test_layer_picks_the_cache_protocol_by_contract_not_by_attribute():
+    """``InPlaceKVCache`` (``lengths`` + ``attend``) decides who attends: a contiguous cache that
+    happens to have an ``attend`` method still goes through ``update``, and a cache of the
+    in-place contract gets q, k, v (RoPE positions after its ``lengths``)."""
+    gen = torch.Generator().manual_seed(_seed("protocol"))
+    m = MultiHeadAttention(16, 4, 2, rope=rope_like, dtype=torch.float64).eval()
+    _randomise(m, gen)
+    x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+
+    class CacheWithAttend(ContiguousCache):
+        def attend(self, *args, **kwargs):
+            raise AssertionError("a KVCache must be updated, not asked to attend")
+
+    cache = CacheWithAttend(2, 8, 2, 4, dtype=torch.float64)
+    _close(m(x, mask=masks.causal(), cache=cache), m(x, mask=masks.causal()), torch.float64)
+    assert len(cache) == 5
+
+    seen = {}
+
+    class InPlace:
+        lengths = torch.tensor([3, 3])
+
+        def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights=False):
+            seen["q"] = q
+            return q
+
+    m(x, cache=InPlace())
+    q_at_3 = m.heads_qkv(x, positions=torch.arange(3, 8))[0]  # rows at positions 3..7
+    _close(seen["q"], q_at_3, torch.float64, "positions after lengths 3")
+
+
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_per_sample(side, alibi):

@@ -307,7 +307,7 @@ def test_pool_errors_change_nothing():
     with pytest.raises(ValueError, match="is free"):
         pool.fork([a[0], 2])
     assert [pool.refcount(p) for p in a] == [1, 1] and pool.refcount(2) == 0
-    with pytest.raises(ValueError, match="n=-1"):
+    with pytest.raises(ValueError, match="allocate n must be >= 0, got -1"):
         pool.allocate(-1)
     with pytest.raises(TypeError):
         BlockPool(2.0)

@@ -191,7 +191,7 @@ def test_errors_name_the_offending_values():
     index = PrefixIndex(pool, 2)
     with pytest.raises(TypeError, match=r"salt must be hashable .* got list"):
         index.match([1, 2, 3], salt=["a"])
-    with pytest.raises(TypeError, match=r"token ids must be ints, got float 1\.5"):
+    with pytest.raises(TypeError, match=r"token id must be an int, got float 1\.5"):
         index.match([1, 1.5])
     with pytest.raises(ValueError, match=r"tokens must be 1-D, got shape \(2, 2\)"):
         index.match(torch.zeros(2, 2, dtype=torch.long))
@@ -201,7 +201,7 @@ def test_errors_name_the_offending_values():
         index.insert([1, 2], [3])
     with pytest.raises(ValueError, match="n_pages must be >= 0, got -1"):
         index.evict(-1)
-    with pytest.raises(ValueError, match="n=-2"):
+    with pytest.raises(ValueError, match="allocate n must be >= 0, got -2"):
         index.allocate_with_eviction(-2)
     a = pool.allocate(1)
     index.insert([1, 2], a)

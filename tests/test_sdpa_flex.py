@@ -7,6 +7,7 @@ one geometry and few masks, and each test does everything it needs from one comp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -618,8 +619,6 @@ def test_auto_falls_back_when_flex_fails_to_compile(monkeypatch):
     """A flex compile failure (seen on an H200: NoValidChoicesError for some GQA shapes) makes
     backend="flex" raise BackendCompileError, flex then declines that case, and auto runs the
     next backend instead of failing."""
-    from selfattn.backends import _auto
-
     if flex_backend._reject(*make_qkv(1, 2, 8, 16), backends.AttentionCall()) is not None:
         pytest.skip("FlexAttention cannot run on this machine")
     monkeypatch.setattr(flex_backend, "_FAILED", {})
@@ -631,14 +630,10 @@ def test_auto_falls_back_when_flex_fails_to_compile(monkeypatch):
         return run
 
     monkeypatch.setattr(flex_backend, "_compiled", broken)
-    original = _auto._pick
-
-    def flex_first(q, k, v, call, reasons):
-        if reasons.get("flex") is None:
-            return "flex", "test: flex first"
-        return original(q, k, v, call, reasons)
-
-    monkeypatch.setattr(_auto, "_pick", flex_first)
+    flex_first = dataclasses.replace(
+        backends.get("flex"), cost=lambda *args: backends.Cost(0.0, "test: flex first")
+    )
+    monkeypatch.setitem(backends.registry()._backends, "flex", flex_first)
     q, k, v = make_qkv(1, 2, 9, 16, seed=3)
     with torch.no_grad():
         with pytest.raises(backends.BackendCompileError, match="NoValidChoicesError"):

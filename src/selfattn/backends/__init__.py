@@ -4,15 +4,19 @@ Two kinds of backend share the registry machinery (:class:`Registry`: register, 
 
 - ``"dense"``: ``run(q, k, v, call) -> (out, lse)`` on already-validated inputs
   ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and a normalised
-  :class:`selfattn.call.AttentionCall` (what :func:`selfattn.attention` runs). ``auto`` walks
-  them in the measured order of ``_auto.rank``.
+  :class:`selfattn.call.AttentionCall` (what :func:`selfattn.attention` runs).
 - ``"paged"``: ``run(q, k_pages, v_pages, block_table, seq_lens, call) -> (out, lse)`` with a
   :class:`selfattn.backends.paged.call.PagedCall` (what ``paged_attention`` runs; see
-  :mod:`selfattn.backends.paged`). ``auto`` takes the kernel for the device, else PyTorch.
+  :mod:`selfattn.backends.paged`).
 
 ``lse`` is ``None`` unless ``call.return_lse``. Every backend also has a ``reject(...)``
-predicate taking the same arguments as its ``run``: ``None`` when it can run the case, otherwise
-a sentence saying why not. :func:`explain` (dense) and :func:`explain_paged` take exactly the
+predicate and a ``cost(...)`` hook taking the same arguments as its ``run``: ``reject`` gives
+``None`` when it can run the case, otherwise a sentence saying why not; ``cost`` gives its
+:class:`Cost` for the case, and ``auto`` runs the cheapest backend that can run it
+(:mod:`selfattn.backends._auto`). A backend understands the call fields it lists in
+``supports`` (default: the fields the call had when the contract was written, ``BASE_FIELDS``);
+a call that sets any other field (a newer feature) is declined with a reason naming the field,
+before ``reject`` sees it. :func:`explain` (dense) and :func:`explain_paged` take exactly the
 arguments of the function they explain, which is why they are two functions and not a flag.
 
 A global override forces one dense backend wherever a call says ``backend="auto"``: the context
@@ -25,6 +29,7 @@ reports the override.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -33,9 +38,11 @@ from dataclasses import dataclass, field
 from selfattn.call import AttentionCall, prepare
 
 __all__ = [
+    "BASE_FIELDS",
     "ENV_VAR",
     "AttentionCall",
     "Backend",
+    "Cost",
     "Explanation",
     "Registry",
     "available",
@@ -54,15 +61,54 @@ __all__ = [
 # (q, k, v, call) for dense backends; (q, k_pages, v_pages, block_table, seq_lens, call) for paged.
 RunFn = Callable[..., tuple]
 RejectFn = Callable[..., "str | None"]
+CostFn = Callable[..., "Cost"]
+
+# The call fields every backend of a kind understands unless it says otherwise (``supports``):
+# those of AttentionCall / PagedCall when the backend contract was written. A field added later
+# is run only by the backends that list it.
+BASE_FIELDS = {
+    "dense": frozenset(
+        {"mask", "score_mod", "scale", "dropout_p", "dropout_seed", "q_offset", "return_lse"}
+    ),
+    "paged": frozenset({"mask", "score_mod", "scale", "k_scales", "v_scales", "return_lse"}),
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A backend's estimate of its time for one case, comparable within its kind.
+
+    ``per_pair``: time per (query, key) pair it computes, in units of the kind's yardstick
+    (dense: PyTorch's fused SDPA kernel on the same device; paged: the C decode kernel). A
+    ``sparse`` backend computes only the pairs in the mask's non-empty tiles, a fraction
+    ``density`` of them (``_auto.density``), so its time is ``per_pair · density``; a dense one
+    computes them all. ``why``: the estimate in words, as ``explain`` prints it.
+    """
+
+    per_pair: float
+    why: str
+    sparse: bool = False
 
 
 @dataclass(frozen=True)
 class Backend:
+    """A registered backend: ``run``, ``reject`` and ``cost`` take the same arguments (module
+    docstring). ``cost`` None: no estimate, so ``auto`` picks it only when nothing else can run
+    the case. ``supports``: the call fields it understands (None: ``BASE_FIELDS[kind]``)."""
+
     name: str
     run: RunFn
     reject: RejectFn
     doc: str = ""
     kind: str = "dense"  # "dense" or "paged": which registry, and which arguments run takes
+    cost: CostFn | None = None
+    supports: frozenset[str] | None = None
+
+    def __post_init__(self):
+        if self.supports is None:
+            object.__setattr__(self, "supports", BASE_FIELDS.get(self.kind, frozenset()))
+        else:
+            object.__setattr__(self, "supports", frozenset(self.supports))
 
 
 class BackendCompileError(RuntimeError):
@@ -78,7 +124,20 @@ class Explanation:
     chosen: str
     why: str
     reasons: dict[str, str | None]
-    notes: dict[str, str] = field(default_factory=dict)
+    costs: dict[str, Cost] = field(default_factory=dict)  # the capable backends' estimates
+    density: float | None = None  # the mask density auto estimated, where it decided
+    forced: str | None = None  # why no other backend was considered (an override), if so
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """For each capable backend not chosen, what it would cost (built when asked: a call
+        to attention() never reads it)."""
+        from selfattn.backends._auto import notes
+
+        if self.forced is not None:
+            return dict.fromkeys(self.reasons, self.forced)
+
+        return notes(self.costs, self.chosen, self.density)
 
     def __str__(self) -> str:
         lines = [f"auto -> {self.chosen}: {self.why}"]
@@ -94,13 +153,16 @@ class Registry:
     """The backends of one kind, by name, and how ``auto`` chooses among them.
 
     ``load`` imports the built-in backends (each registers itself) on first use, so importing
-    selfattn never probes hardware or compiles anything; ``rank(*args, reasons)`` returns
-    ``(name, why, notes)`` for the capable backends. ``args`` are the backends' own arguments.
+    selfattn never probes hardware or compiles anything. ``density(*args)`` estimates the
+    fraction of pairs a sparse backend computes (:class:`Cost`); None: every pair. ``args`` are
+    the backends' own arguments, the call last.
     """
 
-    def __init__(self, kind: str, load: Callable[[], None], rank: Callable[..., tuple]):
+    def __init__(
+        self, kind: str, load: Callable[[], None], density: Callable[..., float] | None = None
+    ):
         self.kind = kind
-        self._load, self._rank = load, rank
+        self._load, self._density = load, density
         self._loaded = False
         self._backends: dict[str, Backend] = {}
 
@@ -126,10 +188,26 @@ class Registry:
             )
         return self._backends[name]
 
+    @staticmethod
+    def reason(backend: Backend, *args) -> str | None:
+        """Why ``backend`` declines this case (``args`` its own arguments), or None: first a call
+        field it does not support, then its own ``reject``."""
+        call = args[-1]
+        defaults = _defaults(type(call))
+        if defaults.keys() <= backend.supports:  # every field understood (BASE_FIELDS' calls)
+            return backend.reject(*args)
+        for name in defaults.keys() - backend.supports:
+            if _in_use(getattr(call, name), defaults[name]):
+                return (
+                    f"the call sets {name}, which this backend does not support (it supports "
+                    f"{', '.join(sorted(backend.supports))})"
+                )
+        return backend.reject(*args)
+
     def available(self, *args) -> dict[str, str | None]:
         """Map every backend to ``None`` (can run this case) or its rejection reason."""
         self._ensure_loaded()
-        return {name: b.reject(*args) for name, b in self._backends.items()}
+        return {name: self.reason(b, *args) for name, b in self._backends.items()}
 
     def select(
         self, *args, backend: str = "auto", source: str = "requested explicitly"
@@ -140,7 +218,7 @@ class Registry:
         explanation and the error."""
         if backend != "auto":
             chosen = self.get(backend)
-            reason = chosen.reject(*args)
+            reason = self.reason(chosen, *args)
             if reason is not None:
                 how = "explain" if self.kind == "dense" else f"explain_{self.kind}"
                 by = "" if source == "requested explicitly" else f" ({source})"
@@ -150,34 +228,72 @@ class Registry:
                     "alternatives."
                 )
             return chosen, Explanation(backend, source, {backend: None})
+        from selfattn.backends._auto import rank
+
         reasons = self.available(*args)
-        name, why, notes = self._rank(*args, reasons)
-        return self._backends[name], Explanation(name, why, reasons, notes)
+        costs = {
+            name: _cost_of(self._backends[name], args)
+            for name, reason in reasons.items()
+            if reason is None
+        }
+        if not costs:
+            raise ValueError(
+                f"no {self.kind} backend can run this call: "
+                + "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+            )
+        density = (lambda: 1.0) if self._density is None else (lambda: self._density(*args))
+        name, why, d = rank(costs, density)
+        return self._backends[name], Explanation(name, why, reasons, costs, d)
+
+
+_NO_ESTIMATE = Cost(float("inf"), "no cost estimate (Backend.cost is None)")
+
+
+def _cost_of(backend: Backend, args) -> Cost:
+    return _NO_ESTIMATE if backend.cost is None else backend.cost(*args)
+
+
+_DEFAULTS: dict[type, dict] = {}
+
+
+def _defaults(call_type: type) -> dict:
+    """``{name: default}`` of the fields of a call dataclass that say what the call asks
+    (``compare=False`` fields are caches riding on it), once per type."""
+    found = _DEFAULTS.get(call_type)
+    if found is None:
+        found = _DEFAULTS[call_type] = {
+            f.name: None if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(call_type)
+            if f.compare
+        }
+    return found
+
+
+def _in_use(value, default) -> bool:
+    """Whether a call field asks for something: set away from its default (a field at its
+    default asks nothing of a backend)."""
+    if value is default:
+        return False
+    return default is None or value != default
 
 
 def _load_dense() -> None:
     from selfattn.backends import chunked, flex, reference, sdpa, triton  # noqa: F401
 
 
-def _rank_dense(q, k, v, call, reasons):
-    from selfattn.backends._auto import rank
+def _density_dense(q, k, v, call) -> float:
+    from selfattn.backends._auto import density
 
-    return rank(q, k, v, call, reasons)
+    return density(q, k, call)
 
 
 def _load_paged() -> None:
     from selfattn.backends.paged import cpu, pytorch, triton  # noqa: F401
 
 
-def _rank_paged(*args):
-    from selfattn.backends.paged import rank
-
-    return rank(*args)
-
-
 _REGISTRIES = {
-    "dense": Registry("dense", _load_dense, _rank_dense),
-    "paged": Registry("paged", _load_paged, _rank_paged),
+    "dense": Registry("dense", _load_dense, _density_dense),
+    "paged": Registry("paged", _load_paged),
 }
 
 
@@ -286,8 +402,8 @@ def explain(q, k, v, *, print_table: bool = True, **kwargs) -> Explanation:
         why = source
         if reasons[name] is not None:
             why += f", but it cannot run this call ({reasons[name]}): attention() raises"
-        notes = dict.fromkeys(reasons, f"not considered: {name!r} is {source}")
-        explanation = Explanation(name, why, reasons, notes)
+        forced = f"not considered: {name!r} is {source}"
+        explanation = Explanation(name, why, reasons, forced=forced)
     if print_table:
         print(explanation)
     return explanation

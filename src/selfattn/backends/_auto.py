@@ -1,32 +1,34 @@
-"""How ``auto`` ranks the backends that can run a case.
+"""How ``auto`` chooses: the cheapest backend that can run the case, by each backend's own cost.
 
-The rules are measured, not guessed (2-thread x86 CPU, torch 2.13, fp32, B=1, H=8, D=64; numbers in
-BENCHMARKS.md, ``benchmarks/attention.py``):
+Every backend that can run a case gives its :class:`~selfattn.backends.Cost` for it (its
+``cost`` hook, next to its ``run``): a time per (query, key) pair, and whether it computes only
+the pairs in the mask's non-empty tiles (``sparse``: time ``per_pair · density``) or all of them.
+``auto`` runs the cheapest. The density estimate reads the mask's tiles (a device sync on a GPU,
+a graph break under ``torch.compile``), so it is computed only when it decides: when the best
+sparse backend is not cheaper than the best dense one even at density 1. Equal costs go to the
+backend registered first.
 
-- Dense and causal work: PyTorch's fused CPU flash kernel (``sdpa``) is the fastest we have
-  (S=4096: sdpa 0.22 s, chunked 0.29 s, compiled flex 0.61 s; causal: sdpa 0.12 s, chunked
-  0.13 s, flex 0.45 s). It skips tiles only for ``is_causal``, so causal goes to sdpa only where
-  ``is_causal`` (or no mask at all) expresses it; other alignments are a mask like any other.
-- Sparse masks: ``sdpa`` with a dense mask does all ``Sq·Sk`` work, so when a mask leaves most
-  tiles empty the tile-skipping ``chunked`` backend wins by about the inverse density (sliding
-  window 256 at S=16384: chunked 0.12 s, compiled flex 0.14 s, sdpa with a dense mask 4.2 s;
-  8 packed causal documents: chunked 0.29 s, flex 0.36 s). The crossover sits near half the
-  tiles empty: ``_SPARSE_DENSITY``.
-- ``flex`` must be compiled per mask/score-mod code and shape (4–10 s cold on CPU) and has no CPU
-  backward, so on CPU it is never picked automatically; ask for it with ``backend="flex"``. On CUDA
-  its fused kernel beats the Python-tiled ``chunked`` for masks and score mods, so it ranks there.
-- ``reference`` is the last resort: it can run every case but materialises ``Sq·Sk`` scores.
+The dense costs are measured, not guessed (2-thread x86 CPU, torch 2.13, fp32, B=1, H=8, D=64;
+numbers in BENCHMARKS.md, ``benchmarks/attention.py``), each in its backend's module:
+
+- ``sdpa`` (the yardstick, 1 per pair): PyTorch's fused CPU flash kernel is the fastest we have
+  for dense and causal work (S=4096: sdpa 0.22 s, chunked 0.29 s, compiled flex 0.61 s; causal:
+  sdpa 0.12 s, chunked 0.13 s, flex 0.45 s). With any other mask it does all ``Sq·Sk`` work.
+- ``chunked`` (2 per pair, sparse): skips empty tiles, so for a sparse mask it wins by about the
+  inverse density (sliding window 256 at S=16384: chunked 0.12 s, compiled flex 0.14 s, sdpa with
+  a dense mask 4.2 s; 8 packed causal documents: chunked 0.29 s, flex 0.36 s). The crossover
+  with sdpa-with-a-mask sits near half the tiles empty: hence 2.
+- ``flex``: compiled per mask/score-mod code and shape (4-10 s cold on CPU) and no CPU backward,
+  so on CPU a last resort before ``reference``; on CUDA its fused block-sparse kernel beats
+  everything for masks and, after sdpa, for score mods.
+- ``reference``: runs every case but materialises ``Sq·Sk`` scores: the most expensive.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-# Fraction of (query, key) pairs in non-empty tiles below which skipping tiles beats the fused
-# dense kernel. Measured: at density 0.5 chunked and sdpa-with-mask take about the same time.
-_SPARSE_DENSITY = 0.5
-# Dense bool masks bigger than this are not worth materialising for sdpa when chunked can run.
-_DENSE_MASK_BYTES = 1 << 30
+__all__ = ["density", "notes", "rank"]
 
 
 def density(q, k, call) -> float:
@@ -43,68 +45,39 @@ def density(q, k, call) -> float:
     return float(fine_grid(call, B, Hq, Sq, Sk, G, q.device).nonempty.float().mean())
 
 
-def _causal_as_flag(q, k, call) -> bool:
-    """True when sdpa runs this causal mask without a dense mask (``is_causal`` or no mask)."""
-    if call.mask is None or not call.mask.is_causal:
-        return False
-    Sk = k.shape[2]
-    # sdpa drops the mask when every row sees every key, and uses is_causal for top-left
-    # alignment (which SDPA refuses together with a float mask, i.e. an additive score mod).
-    return call.q_offset >= Sk - 1 or (call.q_offset == 0 and call.score_mod is None)
-
-
-def _dense_mask_bytes(q, k) -> int:
-    B, Hq, Sq, _ = q.shape
-    return B * Hq * Sq * k.shape[2]
-
-
-def rank(q, k, v, call, reasons: dict) -> tuple[str, str, dict[str, str]]:
-    """``(backend name, why, notes)``: the measured-fastest backend that can run this case.
-
-    ``notes`` says, for capable backends that were not picked, why they rank lower.
-    """
-    name, why = _pick(q, k, v, call, reasons)
-    notes = {}
-    if call.mask is not None and not call.mask.is_causal:
-        notes["sdpa"] = "does all Sq·Sk work with a dense mask"
-    if q.device.type != "cuda":
-        notes["flex"] = "auto never picks it on CPU (compiles per shape, 4-10 s cold)"
-    notes["reference"] = "materialises the Sq·Sk scores (the oracle)"
-    notes["chunked"] = "a fused kernel is faster for this case"
-    notes.pop(name, None)
-    return name, why, notes
-
-
-def _pick(q, k, v, call, reasons: dict) -> tuple[str, str]:
-
-    def ok(name: str) -> bool:
-        return reasons.get(name, "unregistered") is None
-
-    on_cuda = q.device.type == "cuda"
-    if call.mask is None or _causal_as_flag(q, k, call):
-        if ok("sdpa"):
-            return "sdpa", "dense or causal work: PyTorch's fused kernel is fastest"
+def rank(costs: dict, density: Callable[[], float]) -> tuple[str, str, float | None]:
+    """``(backend name, why, density)``: the cheapest of ``costs`` (name -> Cost, the backends
+    that can run the case, in registration order). ``density()`` is called only when it
+    decides; the density returned is None otherwise."""
+    best: dict[bool, str] = {}  # the cheapest dense and sparse backends (first on ties)
+    for name, c in costs.items():
+        held = best.get(c.sparse)
+        if held is None or c.per_pair < costs[held].per_pair:
+            best[c.sparse] = name
+    d = None
+    if len(best) == 1:
+        name = next(iter(best.values()))
+    elif costs[best[True]].per_pair < costs[best[False]].per_pair:
+        name = best[True]  # cheaper even if it computed every pair
     else:
-        if on_cuda and ok("flex"):  # no density estimate: on a GPU it costs syncs per call
-            return "flex", "mask: compiled FlexAttention skips empty blocks"
-        if torch.compiler.is_compiling() and ok("sdpa"):
-            # the density estimate reads the mask's tiles (a graph break), and the choice must
-            # not depend on values while tracing: the fused kernel runs every mask
-            return "sdpa", "mask under torch.compile: fused kernel with a dense mask"
-        d = density(q, k, call)
-        if d < _SPARSE_DENSITY and ok("chunked"):
-            return "chunked", f"sparse mask (density {d:.2f} < {_SPARSE_DENSITY}): tiles skipped"
-        if ok("sdpa") and (_dense_mask_bytes(q, k) <= _DENSE_MASK_BYTES or not ok("chunked")):
-            return "sdpa", f"dense-ish mask (density {d:.2f}): fused kernel with a dense mask"
-        if ok("sdpa") and ok("chunked"):
-            gib = _dense_mask_bytes(q, k) / 2**30
-            return "chunked", f"a dense mask for sdpa would take {gib:.1f} GiB; tiles instead"
-    if call.score_mod is not None and on_cuda and ok("flex"):
-        return "flex", "score mod: compiled FlexAttention fuses it"
-    if ok("chunked"):
-        why = "sdpa cannot run this case" if not ok("sdpa") else "chunked is fastest here"
-        return "chunked", f"{why}; online softmax over tiles, O(S·tile) memory"
-    for name in ("sdpa", "flex"):
-        if ok(name):
-            return name, "the fastest backend able to run this case"
-    return "reference", "only the reference can run this case"
+        d = density()
+        sparse, dense = costs[best[True]], costs[best[False]]
+        name = best[True] if sparse.per_pair * d < dense.per_pair else best[False]
+    why = costs[name].why
+    return name, why if d is None else f"{why} (mask density {d:.2f})", d
+
+
+def notes(costs: dict, chosen: str, density: float | None) -> dict[str, str]:
+    """For each backend of ``costs`` but ``chosen``: its estimate against the chosen one's."""
+
+    def estimate(c) -> str:
+        if not c.sparse:
+            return f"{c.per_pair:g}"
+        return f"{c.per_pair:g} × density" if density is None else f"{c.per_pair * density:.3g}"
+
+    mine = estimate(costs[chosen])
+    return {
+        name: f"{c.why}; costs {estimate(c)} per pair vs {mine}"
+        for name, c in costs.items()
+        if name != chosen
+    }

@@ -28,9 +28,11 @@ from selfattn.masks import _index_grids
 __all__ = [
     "accumulation_dtype",
     "all_finite",
+    "causal_as_flag",
     "dropout_keep",
     "fused_or_exact",
     "index_grids",
+    "needs_grad",
     "nonfinite_v_part",
     "unattended_columns_zeroed",
 ]
@@ -91,11 +93,28 @@ def unattended_columns_zeroed(
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
 
 
-def grad_needed(q, k, v, call) -> bool:
-    """Whether autograd will run this call's backward: grad mode is on and q, k, v or a tensor
-    the score mod reads (a learnable bias) requires grad."""
-    tensors = [q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())]
+def needs_grad(tensors) -> bool:
+    """Whether autograd will differentiate through ``tensors``: grad mode is on and one of them
+    requires grad."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def grad_needed(q, k, v, call) -> bool:
+    """Whether autograd will run this call's backward: q, k, v or a tensor the score mod reads
+    (a learnable bias) needs grad."""
+    return needs_grad([q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())])
+
+
+def causal_as_flag(k, call) -> bool:
+    """Whether the call has no mask, or a ``causal()`` that SDPA runs without a dense mask: with
+    ``is_causal`` (top-left, ``q_offset == 0``; SDPA refuses it together with a float mask, i.e.
+    an additive score mod) or with no mask at all (every row sees every key, ``q_offset >=
+    Sk - 1``: decoding). For the cost hooks: on such work PyTorch's fused kernels are fastest."""
+    if call.mask is None:
+        return True
+    if not call.mask.is_causal:
+        return False
+    return call.q_offset >= k.shape[2] - 1 or (call.q_offset == 0 and call.score_mod is None)
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from selfattn._validate import positive_int
-from selfattn.backends import AttentionCall, Backend, register
+from selfattn.backends import AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -861,11 +861,25 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
     return None
 
 
+# Per pair against sdpa's 1 (backends/_auto.py): chunked on the non-empty tiles and sdpa with a
+# dense mask on every pair take about the same time at half the tiles empty.
+_COST = Cost(2.0, "online softmax over tiles, skipping empty ones", sparse=True)
+# Under torch.compile its tile plan reads the mask's values (a graph break), and the density
+# estimate that would rank it does too: it goes after every fused kernel, before the last resorts
+# (flex on CPU, reference).
+_TRACED = Cost(10.0, "under torch.compile its tile plan reads mask values")
+
+
+def cost(q, k, v, call: AttentionCall) -> Cost:
+    return _TRACED if torch.compiler.is_compiling() else _COST
+
+
 register(
     Backend(
         "chunked",
         run,
         reject,
+        cost=cost,
         doc=(
             "online softmax over tiles (FlashAttention's algorithm in PyTorch ops): skips empty "
             "tiles, no mask work on full ones; O(S·tile) memory; recomputing backward; any device"

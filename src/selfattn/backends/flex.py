@@ -40,12 +40,14 @@ import threading
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import AttentionCall, Backend, BackendCompileError, register
+from selfattn.backends import AttentionCall, Backend, BackendCompileError, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
+    causal_as_flag,
     fused_or_exact,
     grad_needed,
+    needs_grad,
 )
 from selfattn.masks import Mask, _callable_failure, _evaluate
 from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
@@ -160,11 +162,6 @@ def _cpu_reason() -> str | None:
     return None
 
 
-def _score_tensors_need_grad(call: AttentionCall) -> bool:
-    tensors = call.score_mod.tensors() if call.score_mod is not None else ()
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 # -- reject ------------------------------------------------------------------------------------
 
 
@@ -196,7 +193,8 @@ def _reject(q, k, v, call: AttentionCall) -> str | None:
     elif dev == "cuda":
         if D < 16 or Dv < 16:
             return f"FlexAttention's CUDA kernels need head dims >= 16 (got D={D}, Dv={Dv})"
-        if not _torch_at_least(2, 6) and _score_tensors_need_grad(call):
+        mod = call.score_mod
+        if not _torch_at_least(2, 6) and mod is not None and needs_grad(mod.tensors()):
             return (
                 f"FlexAttention before torch 2.6 (this is {torch.__version__}) cannot "
                 "differentiate tensors a score mod reads (learnable biases)"
@@ -398,11 +396,32 @@ def _attend(q, k, v, call: AttentionCall):
     return out, lse.to(accumulation_dtype(q.dtype))
 
 
+# -- cost (per pair against sdpa's 1: backends/_auto.py) ------------------------------------------
+
+# On CUDA its fused block-sparse kernel beats sdpa with a dense mask and the Python-tiled
+# chunked for masks; for plain or causal work with a score mod it beats chunked but not SDPA's
+# flash kernel (which runs additive mods); with nothing to fuse it goes after chunked. On CPU it
+# compiles per shape (4-10 s cold) and has no backward: a last resort before reference.
+_CUDA_MASK = Cost(0.5, "mask: compiled FlexAttention skips empty blocks", sparse=True)
+_CUDA_SCORE_MOD = Cost(1.5, "score mod: compiled FlexAttention fuses it", sparse=True)
+_CUDA_PLAIN = Cost(20.0, "no mask or score mod to fuse: a compile for nothing")
+_CPU = Cost(100.0, "on CPU a last resort: compiles per shape (4-10 s cold), no backward")
+
+
+def _cost(q, k, v, call: AttentionCall) -> Cost:
+    if q.device.type != "cuda":
+        return _CPU
+    if not causal_as_flag(k, call):
+        return _CUDA_MASK
+    return _CUDA_PLAIN if call.score_mod is None else _CUDA_SCORE_MOD
+
+
 register(
     Backend(
         "flex",
         _run,
         _reject,
+        cost=_cost,
         doc=(
             "PyTorch FlexAttention (torch.compile): block-sparse over our tile classification, "
             "any mask and score mod; CPU: inference only, fp32/fp16/bf16, no lse"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.backends import AttentionCall, Backend, register
+from selfattn.backends import AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -123,11 +123,17 @@ def _reject(q, k, v, call):
     return None  # the oracle runs everything (memory permitting)
 
 
+# Per pair against sdpa's 1: it materialises the Sq·Sk scores and weights in fp32, so it runs
+# only where nothing else can.
+_COST = Cost(1000.0, "materialises the Sq·Sk scores (the oracle)")
+
+
 register(
     Backend(
         "reference",
         run,
         _reject,
+        cost=lambda q, k, v, call: _COST,
         doc="explicit softmax(QKᵀ·scale + M)V; the oracle; O(Sq·Sk) memory; returns weights",
     )
 )

@@ -32,10 +32,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from selfattn.backends import AttentionCall, Backend, register
+from selfattn.backends import AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
+    causal_as_flag,
     fused_or_exact,
     grad_needed,
     index_grids,
@@ -347,11 +348,36 @@ def _attend(q, k, v, call: AttentionCall, guard: bool = False):
     return out, None
 
 
+# -- cost (the yardstick of the dense costs: 1 per pair; see backends/_auto.py) -------------------
+
+# A dense bool mask bigger than this is not worth materialising when a backend that skips tiles
+# can run the case.
+_DENSE_MASK_BYTES = 1 << 30
+# Per pair past that size: above chunked's, so that tile skipping wins at any density, below the
+# last resorts (flex on CPU, reference).
+_BIG_MASK_PER_PAIR = 3.0
+
+
+_FLAG = Cost(1.0, "dense or causal work: PyTorch's fused kernel is fastest", sparse=True)
+_DENSE_MASK = Cost(1.0, "fused kernel with a dense mask: does all Sq·Sk work")
+
+
+def _cost(q, k, v, call: AttentionCall) -> Cost:
+    if causal_as_flag(k, call):
+        return _FLAG
+    B, Hq, Sq, _ = q.shape
+    n = B * Hq * Sq * k.shape[2]  # bytes of the dense bool mask
+    if n > _DENSE_MASK_BYTES:
+        return Cost(_BIG_MASK_PER_PAIR, f"a dense mask would take {n / 2**30:.1f} GiB")
+    return _DENSE_MASK
+
+
 register(
     Backend(
         "sdpa",
         _run,
         _reject,
+        cost=_cost,
         doc=(
             "torch.nn.functional.scaled_dot_product_attention: fused CPU/CUDA kernels; masks other "
             "than top-left causal are materialised densely; additive score mods only"

@@ -42,7 +42,7 @@ import torch
 from selfattn.masks import as_mask
 from selfattn.scores import as_score_mod
 
-__all__ = ["KV", "InPlaceKVCache", "KVCache", "ModelKVCache", "Step"]
+__all__ = ["KV", "InPlaceKVCache", "KVCache", "ModelKVCache", "Step", "next_positions"]
 
 
 class KV(tuple):
@@ -116,6 +116,19 @@ class InPlaceKVCache(Protocol):
     lengths: torch.Tensor
 
     def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights=False): ...
+
+
+def next_positions(past, n_tokens: int, device=None) -> torch.Tensor:
+    """Absolute positions of ``n_tokens`` new tokens appended after ``past`` cached ones.
+
+    ``past``: an int (on ``device``) or a 0-d tensor (every row alike) gives ``(S,)``
+    ``past + arange(S)``; a ``(B,)`` tensor of per-sequence lengths (a ragged paged batch) gives
+    ``(B, S)`` ``past[b] + arange(S)``. A tensor ``past`` keeps its device.
+    """
+    if not isinstance(past, torch.Tensor):
+        return torch.arange(past, past + n_tokens, device=device)
+    new = torch.arange(n_tokens, device=past.device)
+    return past[:, None] + new if past.dim() == 1 else new + past  # (B,) -> (B, S) | (S,)
 
 
 @dataclasses.dataclass(eq=False)

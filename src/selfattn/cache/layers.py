@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from selfattn.cache.base import Step
+from selfattn.cache.base import Step, next_positions
 
 __all__ = ["LayerCaches"]
 
@@ -35,7 +33,7 @@ class LayerCaches:
 
     def plan(self, n_tokens: int) -> Step:
         n = self.length
-        return Step(self.layers, torch.arange(n, n + n_tokens, device=self.device), n)
+        return Step(self.layers, next_positions(n, n_tokens, self.device), n)
 
     def reset(self) -> None:
         for c in self.layers:

@@ -43,8 +43,8 @@ import dataclasses
 
 import torch
 
-from selfattn._validate import positive_int
-from selfattn.cache.base import Step
+from selfattn._validate import checked_int, int_at_least, positive_int
+from selfattn.cache.base import Step, next_positions
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
 from selfattn.functional import attention_weights, paged_attention
@@ -172,8 +172,7 @@ class PagedKV:
         return self._lens[self._check_id(seq_id)]
 
     def _check_id(self, seq_id) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
-            raise TypeError(f"sequence ids are ints, got {type(seq_id).__name__} {seq_id!r}")
+        checked_int(seq_id, "sequence id")
         if seq_id not in self._pages:
             raise ValueError(
                 f"unknown sequence id {seq_id}; live ids are {sorted(self._pages)} (use "
@@ -319,8 +318,7 @@ class PagedKV:
         cases before changing anything.
         """
         ids = self._ids(seq_ids)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
+        int_at_least(n_tokens, "n_tokens", 0)
         S, P, M = n_tokens, self.page_size, self.max_pages_per_seq
         before = [(s, len(self._pages[s]), self._lens[s]) for s in ids]
         if S and ids:
@@ -341,7 +339,6 @@ class PagedKV:
         table = t[B * (S + 1) :].view(B, M).to(torch.int32)
         lens = {n for _, _, n in before}
         past = lens.pop() if len(lens) == 1 else None
-        new = torch.arange(S, device=t.device)
         return PagedPlan(
             seq_ids=ids,
             n_tokens=S,
@@ -349,7 +346,7 @@ class PagedKV:
             seq_lens=(lengths + S).to(torch.int32),
             block_table=table,
             slots=slots,
-            positions=new + past if past is not None else lengths[:, None] + new,  # (S,) | (B, S)
+            positions=next_positions(lengths if past is None else past, S, t.device),  # (S,)|(B, S)
             past=past if B else 0,
             max_len=max((n for _, _, n in before), default=0) + S,
             before=before,

@@ -18,6 +18,8 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterable
 
+from selfattn._validate import checked_int
+
 __all__ = ["BlockPool"]
 
 
@@ -30,11 +32,7 @@ class BlockPool:
     """
 
     def __init__(self, num_pages: int):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
-            raise TypeError(f"num_pages must be an int, got {type(num_pages).__name__}")
-        if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        self.num_pages = num_pages
+        self.num_pages = checked_int(num_pages, "num_pages", 0)
         self._refs = [0] * num_pages
         # A min-heap: the lowest free id comes out first, O(log N) per page either way.
         self._free = list(range(num_pages))
@@ -72,10 +70,7 @@ class BlockPool:
     # -- changes -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh pages with count 1; raises, changing nothing, if fewer are free."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n must be an int, got {type(n).__name__}")
-        if n < 0:
-            raise ValueError(f"cannot allocate n={n} pages; n must be >= 0")
+        checked_int(n, "allocate n", 0, "the number of pages to allocate")
         if n > len(self._free):
             raise RuntimeError(
                 f"cannot allocate {n} pages: only {len(self._free)} of {self.num_pages} are free; "
@@ -149,9 +144,7 @@ class BlockPool:
 
     def _check_ids(self, pages: list[int]) -> None:
         for p in pages:
-            if isinstance(p, bool) or not isinstance(p, int):
-                raise TypeError(f"page ids must be ints, got {type(p).__name__} {p!r}")
-            if not 0 <= p < self.num_pages:
+            if not 0 <= checked_int(p, "page id") < self.num_pages:
                 raise ValueError(
                     f"page id {p} is out of range for a pool of {self.num_pages} pages "
                     f"(valid ids are 0..{self.num_pages - 1})"

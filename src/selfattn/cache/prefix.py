@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from selfattn._validate import checked_int
 from selfattn.cache.pool import BlockPool
 
 __all__ = ["PrefixHit", "PrefixIndex"]
@@ -86,12 +87,8 @@ class PrefixIndex:
     def __init__(self, pool: BlockPool, page_size: int):
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a BlockPool, got {type(pool).__name__}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int):
-            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.pool = pool
-        self.page_size = page_size
+        self.page_size = checked_int(page_size, "page_size", 1)
         self._roots: dict[Hashable, _Node] = {}
         self._node_of_page: dict[int, _Node] = {}
         self._clock = 0  # bumped once per match/insert: ties only along one root-to-leaf path
@@ -217,10 +214,7 @@ class PrefixIndex:
     def evict(self, n_pages: int) -> list[int]:
         """Free up to ``n_pages`` pages referenced by the index alone, least recently used leaf
         first; returns the freed pages (fewer when fewer are evictable)."""
-        if isinstance(n_pages, bool) or not isinstance(n_pages, int):
-            raise TypeError(f"n_pages must be an int, got {type(n_pages).__name__}")
-        if n_pages < 0:
-            raise ValueError(f"n_pages must be >= 0, got {n_pages}")
+        checked_int(n_pages, "n_pages", 0)
         freed: list[int] = []
         while self._heap and len(freed) < n_pages:
             last_used, _, _, node = heapq.heappop(self._heap)
@@ -245,10 +239,7 @@ class PrefixIndex:
         Atomic: if even evicting every evictable page cannot make room, raises RuntimeError and
         neither the pool nor the index changes.
         """
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n must be an int, got {type(n).__name__}")
-        if n < 0:
-            raise ValueError(f"cannot allocate n={n} pages; n must be >= 0")
+        checked_int(n, "allocate n", 0, "the number of pages to allocate")
         short = n - self.pool.num_free
         if short > 0:
             evictable = self.num_evictable_pages
@@ -373,11 +364,7 @@ class PrefixIndex:
             if getattr(tokens, "ndim", 1) != 1:
                 raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
             tokens = tokens.tolist()
-        ids = list(tokens)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
-        return ids
+        return [checked_int(t, "token id") for t in tokens]
 
     def __repr__(self) -> str:
         return (

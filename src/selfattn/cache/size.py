@@ -8,6 +8,8 @@ from collections.abc import Mapping
 
 import torch
 
+from selfattn._validate import int_at_least, positive_int
+
 __all__ = [
     "KV_DTYPES",
     "KVShape",
@@ -43,9 +45,7 @@ def dtype_name(dtype) -> str:
 
 
 def _count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"kv_cache_bytes {name} must be a positive int, got {value!r}")
-    return value
+    return positive_int(value, f"kv_cache_bytes {name}")
 
 
 def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype, batch: int = 1):
@@ -81,8 +81,7 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype
 
 def format_bytes(n: int) -> str:
     """``n`` bytes in binary units: ``format_bytes(524288) == "512 KiB"``, ``"1.5 GiB"``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"format_bytes needs a non-negative int, got {n!r}")
+    int_at_least(n, "format_bytes n", 0)
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
     k = 0
     while k + 1 < len(units) and n >= 1024 ** (k + 1):

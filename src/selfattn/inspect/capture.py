@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from selfattn import scores as _scores
-from selfattn._validate import positive_int
+from selfattn._validate import checked_int, positive_int
+from selfattn.cache.base import InPlaceKVCache
 from selfattn.cache.size import format_bytes
 from selfattn.functional import attention_weights
 from selfattn.masks import Mask, as_mask
@@ -41,9 +42,7 @@ def _selection(value, n: int, what: str, fix: str) -> list[int]:
         raise ValueError(f"{what} selection is empty; pass None for all {n}, or some indices")
     out = []
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"{what} indices must be ints, got {i!r} ({type(i).__name__})")
-        if not -n <= i < n:
+        if not -n <= checked_int(i, f"{what} index") < n:
             raise ValueError(f"{what} {i} is out of range: {fix} has {n} (0..{n - 1})")
         out.append(i % n)
     return sorted(set(out))
@@ -210,14 +209,10 @@ def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
     )
 
 
-def _cached_tokens(cache) -> int:
-    """Tokens already in ``cache`` (the longest sequence for a paged view); 0 without one."""
-    if cache is None:
-        return 0
-    lengths = getattr(cache, "lengths", None)
-    if lengths is not None:
-        return int(torch.as_tensor(lengths).max()) if len(lengths) else 0
-    return int(getattr(cache, "length", 0))
+def _cached_tokens(cache: InPlaceKVCache) -> int:
+    """Tokens already in an in-place ``cache``: its longest sequence."""
+    lengths = cache.lengths
+    return int(lengths.max()) if len(lengths) else 0
 
 
 def _observer(layer: int, maps: AttentionMaps):
@@ -241,7 +236,7 @@ def _capturing_forward(m: MultiHeadAttention, original, layer: int, maps: Attent
 
     def forward(x, context=None, **kwargs):
         cache = kwargs.get("cache")
-        if cache is None or getattr(cache, "attend", None) is None:
+        if not isinstance(cache, InPlaceKVCache):
             return original(x, context, **kwargs)
         B, Sq = x.shape[:2]
         maps._reserve(layer, (B, m.n_heads, Sq, Sq + _cached_tokens(cache)), x.dtype)

@@ -47,9 +47,11 @@ sits at cache position ``t`` (padding included), and masks work on those positio
     cache position    0   1   2 3    4      position_ids    -  -  0 1 2
     query c (pos 4) sees keys 2 3 4: causal() & ~padding(starts=2)
 
-Left padding (leading zeros only) becomes the analytic mask ``~padding(starts)``; any other
-pattern of zeros becomes a bool key mask. Query rows at padded positions attend to nothing and
-return 0 (transformers returns other values there; they are never used).
+Left padding (leading zeros only) becomes the analytic mask ``~padding(starts)``, right padding
+``padding(lengths)``, any other pattern of zeros a bool key mask
+(:func:`selfattn.models.masking.padding_mask`, shared with the encoders). Query rows at
+left-padded positions attend to nothing and return 0 (transformers returns other values there;
+they are never used).
 """
 
 from __future__ import annotations
@@ -63,10 +65,12 @@ from torch import nn
 
 from selfattn import masks as _masks
 from selfattn import scores as _scores
+from selfattn._validate import one_of, positive_int, positive_number
 from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
 from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
 from selfattn.models.hub import register, unsupported
+from selfattn.models.masking import padding_mask
 from selfattn.nn import MLP, DecoderBlock, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import (
@@ -127,9 +131,9 @@ class DecoderConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
-            _check_positive(name, getattr(self, name))
+            positive_int(getattr(self, name), f"DecoderConfig {name}")
         n_kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-        _check_positive("n_kv_heads", n_kv)
+        positive_int(n_kv, "DecoderConfig n_kv_heads")
         object.__setattr__(self, "n_kv_heads", n_kv)
         if self.n_heads % n_kv:
             raise ValueError(
@@ -143,17 +147,13 @@ class DecoderConfig:
                     f"({self.n_heads}), or pass head_dim"
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        _check_positive("head_dim", self.head_dim)
+        positive_int(self.head_dim, "DecoderConfig head_dim")
         if self.positions not in ("rope", "learned"):
             raise ValueError(
                 f"DecoderConfig positions must be 'rope' or 'learned', got {self.positions!r}"
             )
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"DecoderConfig activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}"
-            )
-        if not self.norm_eps > 0:
-            raise ValueError(f"DecoderConfig norm_eps must be > 0, got {self.norm_eps}")
+        one_of(self.activation, "DecoderConfig activation", ACTIVATIONS)
+        positive_number(self.norm_eps, "DecoderConfig norm_eps")
         types = (
             ("full_attention",) * self.n_layers if self.layer_types is None else self.layer_types
         )
@@ -170,11 +170,10 @@ class DecoderConfig:
                     "DecoderConfig layer_types has sliding_attention layers but sliding_window is "
                     "None; pass the window size (tokens, the query's own included)"
                 )
-            _check_positive("sliding_window", self.sliding_window)
+            positive_int(self.sliding_window, "DecoderConfig sliding_window")
         for name in ("attn_softcap", "final_softcap"):
-            cap = getattr(self, name)
-            if cap is not None and not cap > 0:
-                raise ValueError(f"DecoderConfig {name} must be > 0 or None, got {cap}")
+            if getattr(self, name) is not None:
+                positive_number(getattr(self, name), f"DecoderConfig {name}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
@@ -188,11 +187,6 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: global)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DecoderConfig {name} must be a positive int, got {value!r}")
 
 
 # -- parts the stack does not find in selfattn.nn ------------------------------------------------
@@ -307,7 +301,9 @@ class CausalLM(nn.Module):
             )
         # A ragged paged cache has no single length: read it only where a mask needs it.
         past = 0 if cache is None or attention_mask is None else cache.length
-        starts, keep = self._key_padding(attention_mask, B, past + S)  # checked before planning
+        pad = None  # the key padding, checked before planning
+        if attention_mask is not None:
+            pad = padding_mask(attention_mask, B, past + S, length="S_past + S")
         step = None if cache is None else cache.plan(S)  # the cache's bookkeeping, once
         if position_ids is None:
             if attention_mask is not None:
@@ -322,7 +318,7 @@ class CausalLM(nn.Module):
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         # One mask per kind of layer (window or global), in absolute positions.
-        masks = {w: _layer_mask(w, starts, keep) for w in set(self._windows)}
+        masks = {w: _layer_mask(w, pad) for w in set(self._windows)}
         layer_caches = [None] * len(self.layers) if step is None else step.layers
         for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
             h = block(
@@ -339,30 +335,6 @@ class CausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    @staticmethod
-    def _key_padding(attention_mask, B: int, Sk: int):
-        """``(starts (B,) or None, keep (B, Sk) bool or None)`` from a 0/1 ``attention_mask``.
-
-        Left padding (zeros then ones in every row) gives ``starts``, the first real position of
-        each row: an analytic mask. Any other pattern gives the bool ``keep`` columns.
-        """
-        if attention_mask is None:
-            return None, None
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, Sk):
-            got = (
-                tuple(attention_mask.shape)
-                if isinstance(attention_mask, torch.Tensor)
-                else type(attention_mask).__name__
-            )
-            raise ValueError(
-                f"attention_mask must be (B={B}, S_past + S={Sk}) with 1 at tokens and 0 at "
-                f"padding (cached tokens included), got {got}"
-            )
-        keep = attention_mask.bool()
-        if Sk > 1 and not bool((keep[:, 1:] >= keep[:, :-1]).all()):
-            return None, keep
-        return Sk - keep.sum(-1), None
 
     # -- checkpoints and caches --------------------------------------------------------------------
     def make_cache(
@@ -381,8 +353,7 @@ class CausalLM(nn.Module):
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
         for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"make_cache {name} must be a positive int, got {value!r}")
+            positive_int(value, f"make_cache {name}")
         c = self.config
         w = self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
@@ -404,16 +375,10 @@ class CausalLM(nn.Module):
         return LayerCaches(kind, layers, w.device)
 
 
-def _layer_mask(window, starts, keep):
-    """The mask a layer ANDs with causal(): its window and the key padding (absolute key
+def _layer_mask(window, pad):
+    """The mask a layer ANDs with causal(): its window and the key padding ``pad`` (absolute key
     positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
-    pad = None
-    if starts is not None:
-        if bool((starts > 0).any()):
-            pad = ~_masks.padding(starts)
-    elif keep is not None:
-        pad = _masks.from_tensor(keep[:, None, None, :])  # (B, Sk) -> (B, 1, 1, Sk)
     if pad is None:
         return mask
     return pad if mask is None else mask & pad

@@ -42,9 +42,9 @@ def _token_ids(name: str, value) -> tuple[int, ...]:
         values = tuple(values)
     except TypeError:
         raise TypeError(f"{name} must be an int or a list of ints, got {value!r}") from None
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-        raise ValueError(f"{name} must hold non-negative int token ids, got {value!r}")
-    return values
+    if not values:
+        raise ValueError(f"{name} must hold token ids, got {value!r}")
+    return tuple(int_at_least(v, f"{name} token id", 0) for v in values)
 
 
 def next_token(

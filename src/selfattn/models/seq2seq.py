@@ -42,11 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfattn._validate import int_at_least
 from selfattn.cache import PagedKV, StaticCache
 from selfattn.cache.base import Step
 from selfattn.cache.layers import LayerCaches
 from selfattn.functional import attention
 from selfattn.models.hub import CheckpointError, missing_key, register, unsupported
+from selfattn.models.masking import padding_mask
 from selfattn.nn import MLP, DecoderBlock, EncoderBlock, LayerNorm, MultiHeadAttention, RMSNorm
 from selfattn.nn.mlp import ACTIVATIONS, SwiGLU
 from selfattn.positions import LearnedPositions
@@ -129,11 +131,16 @@ def _int(config: Mapping, key: str, default=None, minimum: int = 1) -> int:
     value = config.get(key, default)
     if value is None:
         raise missing_key(config, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"config {key}={value!r} ({config.get('model_type', '?')}) must be an int >= {minimum}"
-        )
-    return value
+    return int_at_least(value, f"config {key} ({config.get('model_type', '?')})", minimum)
+
+
+def _key_mask(attention_mask, B: int, Se: int, name: str):
+    """The key mask of a 1/0 ``attention_mask (B, Se)`` over the encoder tokens (None: none)."""
+    return (
+        None
+        if attention_mask is None
+        else padding_mask(attention_mask, B, Se, name=name, length="Se")
+    )
 
 
 def _activation(config: Mapping, key: str, name: str):
@@ -193,26 +200,10 @@ class _EncoderDecoder(nn.Module):
                 f"{name} holds token ids {lo}..{hi} outside the vocabulary 0..{self.vocab_size - 1}"
             )
 
-    @staticmethod
-    def _key_mask(attention_mask, B: int, Se: int, name: str):
-        """``(B, Se)`` 1/0 (or bool) -> bool ``(B, 1, 1, Se)``, True = attend; None stays None."""
-        if attention_mask is None:
-            return None
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, Se):
-            got = (
-                tuple(attention_mask.shape)
-                if isinstance(attention_mask, torch.Tensor)
-                else type(attention_mask).__name__
-            )
-            raise ValueError(
-                f"{name} must be a (B={B}, Se={Se}) tensor with 1 at real tokens, got {got}"
-            )
-        return attention_mask.bool().view(B, 1, 1, Se)  # (B, Se) -> (B, 1, 1, Se)
-
     def encode(self, input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """``input_ids (B, Se)``, ``attention_mask (B, Se)`` -> ``memory (B, Se, d_model)``."""
         self._check_ids(input_ids, "input_ids")
-        mask = self._key_mask(attention_mask, *input_ids.shape, "attention_mask")
+        mask = _key_mask(attention_mask, *input_ids.shape, "attention_mask")
         h = self._embed_encoder(input_ids)
         for layer in self.encoder:
             h = layer(h, mask=mask, score_mod=self.encoder_score_mod)
@@ -236,7 +227,7 @@ class _EncoderDecoder(nn.Module):
                 f"memory must be (B={B}, Se, d_model={self.d_model}) from encode(), got "
                 f"{tuple(memory.shape)}"
             )
-        context_mask = self._key_mask(
+        context_mask = _key_mask(
             encoder_attention_mask, B, memory.shape[1], "encoder_attention_mask"
         )
         if isinstance(cache, (list, tuple)):  # the layers' own caches, one per decoder layer

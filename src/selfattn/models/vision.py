@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import masks
-from selfattn._validate import positive_int
+from selfattn._validate import one_of, positive_int
 from selfattn.models.hub import register, unsupported
 from selfattn.nn import MLP, EncoderBlock, LayerNorm, MultiHeadAttention
 from selfattn.nn.mlp import ACTIVATIONS
@@ -75,10 +75,7 @@ class ViTConfig:
                     "crop or pad the images"
                 )
         for name in ("activation", "pooler_activation"):
-            if getattr(self, name) not in ACTIVATIONS:
-                raise ValueError(
-                    f"{name} {getattr(self, name)!r} is not one of {sorted(ACTIVATIONS)}"
-                )
+            one_of(getattr(self, name), name, ACTIVATIONS)
 
     @property
     def grid(self) -> tuple[int, int]:

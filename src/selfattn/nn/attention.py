@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import scores as _scores
-from selfattn._validate import positive_int as _positive_int
-from selfattn.cache.base import KV
+from selfattn._validate import positive_int
+from selfattn.cache.base import KV, InPlaceKVCache, next_positions
 from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
@@ -24,23 +24,21 @@ ContiguousCache = StaticCache
 
 
 def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
-    """RoPE positions of ``Sq`` new tokens: ``(Sq,)`` after ``cache.length``, or ``(B, Sq)``
-    after each sequence's own length for a cache with per-sequence ``lengths`` (paged view)."""
-    new = torch.arange(Sq, device=device)
+    """RoPE positions of ``Sq`` new tokens: ``(Sq,)`` after ``cache.length``, or after each
+    sequence's own ``lengths`` for an :class:`InPlaceKVCache` (``(B, Sq)`` when they differ)."""
     if cache is None:
-        return new
-    lengths = getattr(cache, "lengths", None)
-    if lengths is None:
-        return new + cache.length
-    lengths = lengths.to(device)
+        return next_positions(0, Sq, device)
+    if not isinstance(cache, InPlaceKVCache):
+        return next_positions(cache.length, Sq, device)
+    lengths = cache.lengths.to(device)
     if lengths.shape != (B,):
         raise ValueError(
             f"the cache holds {lengths.numel()} sequence(s) but x has batch B={B}; pass a view "
             "over one sequence per row of x"
         )
     if lengths.numel() and bool((lengths == lengths[0]).all()):  # equal: one row serves all
-        return new + lengths[0]
-    return lengths.view(-1, 1) + new  # (B,) -> (B, Sq)
+        lengths = lengths[0]
+    return next_positions(lengths, Sq)
 
 
 class MultiHeadAttention(nn.Module):
@@ -90,9 +88,9 @@ class MultiHeadAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        _positive_int(d_model, "d_model")
-        _positive_int(n_heads, "n_heads")
-        n_kv_heads = n_heads if n_kv_heads is None else _positive_int(n_kv_heads, "n_kv_heads")
+        positive_int(d_model, "d_model")
+        positive_int(n_heads, "n_heads")
+        n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, "n_kv_heads")
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(
@@ -100,14 +98,14 @@ class MultiHeadAttention(nn.Module):
                     "or pass head_dim explicitly"
                 )
             head_dim = d_model // n_heads
-        _positive_int(head_dim, "head_dim")
+        positive_int(head_dim, "head_dim")
         if n_heads % n_kv_heads:
             raise ValueError(
                 f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); pick "
                 f"n_kv_heads among the divisors of {n_heads}"
             )
-        kdim = d_model if kdim is None else _positive_int(kdim, "kdim")
-        vdim = d_model if vdim is None else _positive_int(vdim, "vdim")
+        kdim = d_model if kdim is None else positive_int(kdim, "kdim")
+        vdim = d_model if vdim is None else positive_int(vdim, "vdim")
         if fused and (kdim != d_model or vdim != d_model):
             raise ValueError(
                 f"fused projections need kdim == vdim == d_model ({d_model}), got kdim={kdim}, "
@@ -214,11 +212,11 @@ class MultiHeadAttention(nn.Module):
                 :mod:`selfattn.cache.base`): this step's K/V are written after the cached ones
                 and the queries attend to all of them, query row ``i`` at absolute position
                 ``cache.length + i``; masks and score mods see absolute positions, also for the
-                keys of a ring buffer that returns only its window. A cache with
-                an ``attend(q, k, v, *, mask, score_mod, scale, return_weights)`` method (the
-                paged view) stores K/V and attends itself, reading its pages in place; its
-                sequences may differ in length (each sequence's queries follow its own length,
-                RoPE positions default to ``cache.lengths[b] + i``).
+                keys of a ring buffer that returns only its window. An
+                :class:`~selfattn.cache.base.InPlaceKVCache` (a paged step's layer, a paged
+                view) stores K/V and attends itself through ``attend``, reading its pages in
+                place; its sequences may differ in length (each sequence's queries follow its
+                own length, RoPE positions default to ``cache.lengths[b] + i``).
             q_offset: absolute position of query row 0 for masks (default bottom-right).
             return_weights: also return the per-head weights ``(B, Hq, Sq, Sk)`` (no dropout).
             value: the value input ``(B, Sk, vdim)`` when it differs from ``context``.
@@ -242,9 +240,8 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.heads_qkv(x, context, value=value, positions=positions)
         mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
-        attend = getattr(cache, "attend", None)
         w = None
-        if attend is not None:  # the cache attends over its own storage (paged: in place)
+        if isinstance(cache, InPlaceKVCache):  # it attends over its own storage (paged pages)
             if q_offset is not None:
                 raise ValueError(
                     f"q_offset={q_offset} cannot be combined with a cache that attends itself "
@@ -256,7 +253,7 @@ class MultiHeadAttention(nn.Module):
                     f"attention dropout ({p}) is not supported with {type(cache).__name__}; "
                     "call model.eval() for cached inference"
                 )
-            out = attend(
+            out = cache.attend(
                 q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights
             )
             if return_weights:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from selfattn._validate import positive_int
+from selfattn._validate import positive_int, positive_number
 
 __all__ = ["LayerNorm", "RMSNorm", "make_norm"]
 
@@ -32,8 +32,7 @@ class RMSNorm(nn.Module):
     ):
         super().__init__()
         positive_int(dim, "RMSNorm dim")
-        if not eps > 0:
-            raise ValueError(f"RMSNorm eps must be > 0, got {eps!r}")
+        positive_number(eps, "RMSNorm eps")
         self.dim = dim
         self.eps = float(eps)
         self.weight = (

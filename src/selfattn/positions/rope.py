@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfattn._validate import checked_int, int_at_least, positive_int
 from selfattn.positions.sinusoidal import _check_position_values
 
 __all__ = ["NTK", "DynamicNTK", "Linear", "Llama3", "LongRoPE", "RoPE", "RoPE2D", "YaRN"]
@@ -62,11 +63,8 @@ def _check_factor(owner: str, factor) -> None:
 
 
 def _check_length(owner: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{owner} {name} must be a positive int, got {value!r}; pass the context length the "
-            "model was pre-trained with (e.g. 4096)"
-        )
+    fix = "pass the context length the model was pre-trained with (e.g. 4096)"
+    positive_int(value, f"{owner} {name}", fix)
 
 
 # Frequencies are host data derived from the config, made on the CPU even under a
@@ -354,11 +352,8 @@ class RoPE(nn.Module):
         rotary_dim: int | None = None,
     ):
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2:
-            raise ValueError(f"RoPE head_dim must be an int >= 2, got {head_dim!r}")
-        rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-            raise TypeError(f"RoPE rotary_dim must be an int, got {rotary_dim!r}")
+        int_at_least(head_dim, "RoPE head_dim", 2)
+        rotary_dim = head_dim if rotary_dim is None else checked_int(rotary_dim, "RoPE rotary_dim")
         if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(
                 f"RoPE rotary_dim ({rotary_dim}) must be even and in 2..head_dim ({head_dim}); "

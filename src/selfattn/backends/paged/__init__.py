@@ -17,22 +17,22 @@ Each is ``run(q, k_pages, v_pages, block_table, seq_lens, call) -> (out, lse)`` 
 Both kernels take fp32/bf16/fp16 queries, pages with a contiguous last dim, no ``score_mod``, a mask
 that is one key interval per query row (``Mask.is_interval``: None, ``causal``, ``sliding_window``,
 ``chunked``, ``padding``, ``prefix_lm`` and their ``&``), and nothing autograd must differentiate.
-``auto`` picks ``triton`` for CUDA tensors, else ``cpu``, else ``torch``: decode is memory-bound,
-and every plain-PyTorch formulation over a permuted page pool either copies the pages first or pays
-a tiny matmul per page. Environment: ``SELFATTN_DECODE_KERNEL=0`` turns the C kernel off;
-``SELFATTN_PAGED_TRITON=1`` makes ``auto`` prefer ``triton`` for CPU tensors too, which runs only in
-Triton's interpreter (``TRITON_INTERPRET=1``): how the tests check the kernel without a GPU. All
-three give the same result within float32 rounding, and NaN/inf in V at a key a row does not attend
-never reaches that row.
+``auto`` picks ``triton`` for CUDA tensors, else ``cpu``, else ``torch`` (each backend's ``cost``
+hook): decode is memory-bound, and every plain-PyTorch formulation over a permuted page pool either
+copies the pages first or pays a tiny matmul per page. Environment: ``SELFATTN_DECODE_KERNEL=0``
+turns the C kernel off; ``SELFATTN_PAGED_TRITON=1`` makes ``auto`` prefer ``triton`` for CPU
+tensors too, which runs only in Triton's interpreter (``TRITON_INTERPRET=1``): how the tests check
+the kernel without a GPU. All three give the same result within float32 rounding, and NaN/inf in V
+at a key a row does not attend never reaches that row.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-__all__ = ["kernel_reject", "rank"]
+from selfattn.backends._common import needs_grad
+
+__all__ = ["kernel_reject"]
 
 _KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,30 +53,6 @@ def kernel_reject(q, k_pages, v_pages, call) -> str | None:
         return f"an empty dimension (q {tuple(q.shape)}, v_pages {tuple(v_pages.shape)})"
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         return "pages whose last dim is not contiguous (the kernels read rows with unit stride)"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+    if needs_grad((q, k_pages, v_pages)):
         return "gradients: the kernels have no backward"
     return None
-
-
-def rank(q, k_pages, v_pages, block_table, seq_lens, call, reasons: dict):
-    """``(backend name, why, notes)`` for ``auto``: the kernel for the device, else PyTorch."""
-
-    def ok(name: str) -> bool:
-        return reasons.get(name, "unregistered") is None
-
-    prefer_triton = q.device.type == "cuda" or os.environ.get("SELFATTN_PAGED_TRITON") == "1"
-    notes = {"torch": "gathers groups of pages before its matmuls (a copy the kernels avoid)"}
-    if q.device.type != "cuda":
-        notes["triton"] = (
-            "on CPU only in Triton's interpreter (slow; for tests): SELFATTN_PAGED_TRITON=1 "
-            "prefers it"
-        )
-    notes["cpu"] = "the Triton kernel was preferred"
-    if prefer_triton and ok("triton"):
-        name, why = "triton", "the Triton kernel reads the pages in place (flash-decoding)"
-    elif ok("cpu"):
-        name, why = "cpu", "the C kernel reads each page in place, once"
-    else:
-        name, why = "torch", "no kernel can run this case; PyTorch runs every case"
-    notes.pop(name, None)
-    return name, why, notes

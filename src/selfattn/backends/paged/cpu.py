@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from selfattn.backends import Backend, register
+from selfattn.backends import Backend, Cost, register
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import PagedCall
@@ -54,11 +54,16 @@ def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
     return None
 
 
+# The yardstick of the paged costs (1 per pair): every page read in place, once.
+_COST = Cost(1.0, "the C kernel reads each page in place, once")
+
+
 register(
     Backend(
         "cpu",
         run,
         _reject,
+        cost=lambda *args: _COST,
         doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
         kind="paged",
     )

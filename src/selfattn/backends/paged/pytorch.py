@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from selfattn.backends import Backend, register
+from selfattn.backends import Backend, Cost, register
 from selfattn.backends._common import accumulation_dtype, nonfinite_v_part
 from selfattn.backends.paged._intervals import _page_ranges
 from selfattn.backends.paged.call import PagedCall
@@ -201,11 +201,17 @@ def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
     return None  # runs every case
 
 
+# Per pair against the C kernel's 1: decode is memory-bound, and every plain-PyTorch form over a
+# permuted page pool either copies the pages first or pays a tiny matmul per page.
+_COST = Cost(10.0, "gathers groups of pages before its matmuls (a copy the kernels avoid)")
+
+
 register(
     Backend(
         "torch",
         run,
         _reject,
+        cost=lambda *args: _COST,
         doc="plain PyTorch: bounded groups of pages gathered, online softmax; every case",
         kind="paged",
     )

@@ -10,7 +10,7 @@ import os
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import Backend, register
+from selfattn.backends import Backend, Cost, register
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import QUANT_DTYPES, PagedCall
@@ -62,11 +62,27 @@ def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
     return None
 
 
+# Per pair against the C kernel's 1. On CUDA: in place, key splits over the pages. On CPU it
+# runs only in Triton's interpreter (TRITON_INTERPRET=1): far slower than plain PyTorch, unless
+# SELFATTN_PAGED_TRITON=1 asks for it (how the tests check the kernel without a GPU).
+_FAST = Cost(0.5, "the Triton kernel reads the pages in place (flash-decoding)")
+_INTERPRETED = Cost(
+    100.0,
+    "on CPU only in Triton's interpreter (slow; for tests): SELFATTN_PAGED_TRITON=1 prefers it",
+)
+
+
+def _cost(q, *args) -> Cost:
+    fast = q.device.type == "cuda" or os.environ.get("SELFATTN_PAGED_TRITON") == "1"
+    return _FAST if fast else _INTERPRETED
+
+
 register(
     Backend(
         "triton",
         run,
         _reject,
+        cost=_cost,
         doc="Triton kernel: pages read in place, flash-decoding key splits (CUDA)",
         kind="paged",
     )

@@ -191,6 +191,35 @@ static void weighted_sum(float *acc, int64_t G, int64_t Sq, int64_t Dv, const fl
   }
 }
 
+/* Rows of n consecutive slots from slot, kv head h, of a page laid out (P, Hkv, width) with
+   strides st = {page, slot, head} (the A_*SN, A_*SP, A_*SH arguments), as float32 pointers in
+   out; rows of other dtypes are converted into buf, width floats each. */
+static inline __attribute__((always_inline)) void slot_rows(const float **out, const void *pages,
+                                                            const int64_t *st, int64_t page,
+                                                            int64_t slot, int64_t h, int64_t n,
+                                                            int dt, int64_t width,
+                                                            const float *lut, float *buf) {
+  int64_t e;
+  for (e = 0; e < n; e++)
+    out[e] = row_f32(pages, page * st[0] + (slot + e) * st[1] + h * st[2], dt, width, lut,
+                     buf + e * width);
+}
+
+/* Multiply the row values of a page's slots [s0, s0 + ns) (rows r * P + s, the Rh rows of kv
+   head h contiguous) by their dequantisation scales: per (token, head) for int8 pages
+   (mode 1), per head for fp8. */
+static inline __attribute__((always_inline)) void scale_slots(float *sc, const float *scales,
+                                                              int64_t mode, int64_t page,
+                                                              int64_t s0, int64_t ns, int64_t P,
+                                                              int64_t Hkv, int64_t Rh) {
+  int64_t h, s, r;
+  for (h = 0; h < Hkv; h++)
+    for (s = 0; s < ns; s++) {
+      const float scale = mode == 1 ? scales[(page * P + s0 + s) * Hkv + h] : scales[h];
+      for (r = h * Rh; r < (h + 1) * Rh; r++) sc[r * P + s] *= scale;
+    }
+}
+
 /* Work item (b, split): the rows of sequence b (all Hq heads, all Sq queries) against the keys of
    one split of its pages; writes the partial max m, sum l and weighted V sum acc. Rows are
    (Hq, Sq)-ordered: row (h * G + g) * Sq + i, so the G * Sq rows of kv head h are contiguous.
@@ -239,19 +268,12 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
     for (s = 0; s < ns; s += kstep) {
       const int64_t nk = ns - s < kstep ? ns - s : kstep;
       for (h = 0; h < Hkv; h++) {
-        for (e = 0; e < nk; e++) {
-          const int64_t off = page * a[A_KSN] + (s0 + s + e) * a[A_KSP] + h * a[A_KSH];
-          kp[e] = row_f32(p[P_K], off, kdt, D, lut, kbuf + e * D);
-        }
+        slot_rows(kp, p[P_K], a + A_KSN, page, s0 + s, h, nk, kdt, D, lut, kbuf);
         dots(q + h * Rh * D, Rh, D, kp, nk, sc + h * Rh * P + s, P);
       }
     }
-    if (a[A_KSC]) /* dequantise the scores: int8 per (token, head), fp8 per head */
-      for (h = 0; h < Hkv; h++)
-        for (s = 0; s < ns; s++) {
-          const float scale = a[A_KSC] == 1 ? ksc[(page * P + s0 + s) * Hkv + h] : ksc[h];
-          for (r = h * Rh; r < (h + 1) * Rh; r++) sc[r * P + s] *= scale;
-        }
+    if (a[A_KSC]) /* dequantise the scores */
+      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh);
     /* each query's allowed slots of this page: [sa[i], sb[i]); -inf scores outside */
     for (i = 0; i < Sq; i++) {
       sa[i] = lo[i] > t0 ? (lo[i] - t0 < ns ? lo[i] - t0 : ns) : 0;
@@ -284,19 +306,12 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
       l[r] += sum;
     }
     if (a[A_VSC]) /* dequantisation scales of V folded into the weights */
-      for (h = 0; h < Hkv; h++)
-        for (s = 0; s < ns; s++) {
-          const float scale = a[A_VSC] == 1 ? vsc[(page * P + s0 + s) * Hkv + h] : vsc[h];
-          for (r = h * Rh; r < (h + 1) * Rh; r++) sc[r * P + s] *= scale;
-        }
+      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh);
     /* -- weighted V rows, VSTEP slots at a time across the kv heads (memory order again) */
     for (s = 0; s < ns; s += VSTEP) {
       const int64_t nv = ns - s < VSTEP ? ns - s : VSTEP;
       for (h = 0; h < Hkv; h++) {
-        for (e = 0; e < nv; e++) {
-          const int64_t off = page * a[A_VSN] + (s0 + s + e) * a[A_VSP] + h * a[A_VSH];
-          vp[e] = row_f32(p[P_V], off, vdt, Dv, lut, vbuf + e * Dv);
-        }
+        slot_rows(vp, p[P_V], a + A_VSN, page, s0 + s, h, nv, vdt, Dv, lut, vbuf);
         weighted_sum(acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, vp, s, nv, sa, sb);
       }
     }
