@@ -411,9 +411,17 @@ class RoPE(nn.Module):
         )
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
-        """cos and sin (attention factor included), each ``positions.shape + (rotary_dim/2,)``."""
-        length = int(positions.max()) + 1 if positions.numel() else 1
+        """cos and sin (attention factor included), each ``positions.shape + (rotary_dim/2,)``.
+
+        Under ``torch.compile`` the angles are computed from the positions in the graph (the
+        table's size would read the largest position, a graph break), in the same float64 steps
+        as the table; scalings whose frequencies depend on the length (DynamicNTK, LongRoPE)
+        still read it.
+        """
         scaling = self.scaling
+        if torch.compiler.is_compiling() and not isinstance(scaling, _LENGTH_DEPENDENT):
+            return self._angles(positions, self._inv64, dtype)
+        length = int(positions.max()) + 1 if positions.numel() else 1
         if isinstance(scaling, _LENGTH_DEPENDENT) and length > scaling.original_max_position:
             inv64, attn = self.frequencies(length)
         elif length > _MAX_CACHED:
@@ -432,6 +440,9 @@ class RoPE(nn.Module):
         per step instead of twice per layer. The memo is keyed on the tensor object and its
         version counter, so an in-place change of the positions is never missed.
         """
+        if torch.compiler.is_compiling():  # the graph computes them once; no memo to trace
+            _check_positions(positions, x)
+            return self.cos_sin(positions.to(x.device), work)
         # Inference-mode tensors have no version counter: they are never memoised.
         tensor = isinstance(positions, torch.Tensor)
         version = positions._version if tensor and not positions.is_inference() else None

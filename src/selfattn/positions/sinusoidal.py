@@ -20,7 +20,15 @@ _MAX_EXACT_POSITION = 1 << 53
 
 
 def _check_position_values(owner: str, positions: torch.Tensor) -> None:
-    """ValueError unless every position lies in ``0 .. 2**53`` (an int tensor)."""
+    """ValueError unless every position lies in ``0 .. 2**53`` (an int tensor).
+
+    Inside a compiled graph, where reading a value would break it, the same condition is an
+    assert the graph checks when it runs (RuntimeError, a generic message).
+    """
+    if torch.compiler.is_compiling():
+        ok = (positions >= 0) & (positions <= _MAX_EXACT_POSITION)
+        torch._assert_async(ok.all(), f"{owner} positions must be in 0..2**53")
+        return
     if not positions.numel():
         return
     low, high = (int(x) for x in positions.aminmax())
