@@ -12,8 +12,12 @@ Two kinds of backend share the registry machinery (:class:`Registry`: register, 
 
 ``lse`` is ``None`` unless ``call.return_lse``. Every backend also has a ``reject(...)``
 predicate taking the same arguments as its ``run``: ``None`` when it can run the case, otherwise
-a sentence saying why not. :func:`explain` (dense) and :func:`explain_paged` take exactly the
-arguments of the function they explain, which is why they are two functions and not a flag.
+a sentence saying why not. A paged backend may have a ``plan(...)`` hook, same arguments again,
+returning what it derives from the block table, lengths and mask (key intervals, page ranges):
+a planned step (:class:`selfattn.backends.paged.plan.PagedAttentionPlan`) asks it once and
+hands it to every layer's ``run`` as ``call.planned``. :func:`explain` (dense) and
+:func:`explain_paged` take exactly the arguments of the function they explain, which is why they
+are two functions and not a flag.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Backend:
     reject: RejectFn
     doc: str = ""
     kind: str = "dense"  # "dense" or "paged": which registry, and which arguments run takes
+    plan: RunFn | None = None  # paged: the per-step part of run, shared by a step's layers
 
 
 class BackendCompileError(RuntimeError):
