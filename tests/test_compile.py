@@ -106,10 +106,12 @@ def _no_breaks(fn, *args):
     assert explained.graph_count == 1
 
 
-@pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(6)], ids=str)
+@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(6)], ids=str)
 def test_paged_attention_decode_step_compiles_whole(mask):
-    """A ragged decode step over a shuffled page pool traces as one graph (the C kernel's custom
-    op through its fake) and the compiled call gives the eager answer."""
+    """A ragged, masked decode step over a shuffled page pool, with the step's plan, traces as
+    one graph (the C kernel's custom op through its fake; the plan, an eager cache, is left
+    out) and the compiled call gives the eager answer. tests/test_kernels.py compiles the
+    unmasked step with inductor."""
     g = torch.Generator().manual_seed(5)
     B, Hq, Hkv, D, P, N = 3, 4, 2, 16, 4, 13
     seq_lens = torch.tensor([9, 1, 14], dtype=torch.int32)
@@ -117,8 +119,10 @@ def test_paged_attention_decode_step_compiles_whole(mask):
     q = torch.randn(B, Hq, 1, D, generator=g)
     k_pages, v_pages = torch.randn(2, N, P, Hkv, D, generator=g)
 
+    plan = sa.cache.PagedAttentionPlan(table, seq_lens)
+
     def step(q, k_pages, v_pages):
-        return sa.cache.paged_attention(q, k_pages, v_pages, table, seq_lens, mask=mask)
+        return sa.cache.paged_attention(q, k_pages, v_pages, table, seq_lens, mask=mask, plan=plan)
 
     args = (q, k_pages, v_pages)
     if sa.backends.explain_paged(*args, table, seq_lens, mask=mask, print_table=False).chosen != (

@@ -76,4 +76,4 @@ def test_decode_step_profile_quick_json():
     ]
     for r in rows:
         parts = ("matmul_ms", "ops_ms", "attention_ms")
-        assert r["step_ms"] > 0 and all(r[k] >= 0 for k in parts), r
+        assert r["step_ms"] > 0 and r["cpu_ms"] > 0 and all(r[k] >= 0 for k in parts), r
