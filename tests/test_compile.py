@@ -93,10 +93,13 @@ def test_flex_traces_without_breaks(case):
 # which traces the custom op through its fake and runs the real kernel (inductor's code
 # generation is torch's to test, and costs seconds per graph here).
 
-LLAMA = dict(
-    model_type="llama", vocab_size=53, hidden_size=32, intermediate_size=40,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
+DECODERS = {
+    "llama": dict(
+        model_type="llama", vocab_size=53, hidden_size=32, intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "gpt2": dict(model_type="gpt2", vocab_size=53, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+}  # fmt: skip
 
 
 def _no_breaks(fn, *args):
@@ -138,34 +141,38 @@ def test_paged_attention_decode_step_compiles_whole(mask):
     assert_close_to_reference(eager, oracle, naive)
 
 
-def _prefilled(kind: str, dtype=torch.float32):
-    """A tiny Llama and its cache after a 7-token prefill of 2 sequences, and the next tokens."""
-    from selfattn.models.decoder import Llama
+def _prefilled(family: str, kind: str, dtype=torch.float32):
+    """A tiny decoder and its cache after a 7-token prefill of 2 sequences, and the next tokens."""
+    from selfattn.models.decoder import GPT2, Llama
 
     torch.manual_seed(3)
-    model = Llama.from_config(LLAMA).to(dtype).eval()
-    ids = torch.randint(0, LLAMA["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    config = DECODERS[family]
+    model = (GPT2 if family == "gpt2" else Llama).from_config(config).to(dtype).eval()
+    ids = torch.randint(0, config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
     cache = model.make_cache(kind, 2, 16, page_size=4)
     model(ids[:, :7], cache=cache)
     return model, cache, ids[:, 7:8]
 
 
-@pytest.mark.parametrize("kind", ["static", "paged"])
+@pytest.mark.parametrize(
+    "family,kind", [("llama", "static"), ("llama", "paged"), ("gpt2", "paged")]
+)
 @torch.no_grad()
-def test_llama_decode_step_compiles_whole(kind):
-    """One decode step of our Llama traces as one graph over a static cache and over the paged
-    KV, the cache planned eagerly before the compiled step (``cache.plan(1)``: the paged KV's
-    page allocation is Python bookkeeping that stays outside the graph)."""
+def test_decoder_step_compiles_whole(family, kind):
+    """One decode step of our Llama (RoPE) traces as one graph over a static cache and over the
+    paged KV, and GPT-2's (learned positions) too, the cache planned eagerly before the compiled
+    step (``cache.plan(1)``: the paged KV's page allocation is Python bookkeeping that stays
+    outside the graph)."""
 
     def step(model, planned, token):
         return model(token, cache=planned)
 
-    model, cache, token = _prefilled(kind)
+    model, cache, token = _prefilled(family, kind)
     _no_breaks(step, model, cache.plan(1), token)
-    model, cache, token = _prefilled(kind)  # explain ran the step: start again
+    model, cache, token = _prefilled(family, kind)  # explain ran the step: start again
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(model, cache.plan(1), token)
-    model, cache, token = _prefilled(kind)
+    model, cache, token = _prefilled(family, kind)
     eager = step(model, cache.plan(1), token)
-    model, cache, token = _prefilled(kind, torch.float64)
+    model, cache, token = _prefilled(family, kind, torch.float64)
     oracle = step(model, cache.plan(1), token)
     assert_close_to_reference(got, oracle, eager)

@@ -111,7 +111,10 @@ class LearnedPositions(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions (S,)`` or ``(B, S)`` -> ``(S, d_model)`` or ``(B, S, d_model)``."""
         _check_int_positions("LearnedPositions", positions)
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+        if torch.compiler.is_compiling():  # a graph assert: reading the max would break it
+            ok = (positions < self.max_positions).all()
+            torch._assert_async(ok, f"LearnedPositions: positions must be < {self.max_positions}")
+        elif positions.numel() and int(positions.max()) >= self.max_positions:
             top = int(positions.max())
             raise ValueError(
                 f"position {top} is past LearnedPositions' length {self.max_positions} (valid "
