@@ -363,3 +363,21 @@ def test_a_decode_step_prepares_paged_attention_once(family, monkeypatch):
     calls = _spy_backend_plans(monkeypatch)
     model(tokens(2, 1, seed=3), cache=cache)
     assert len(calls) == len(set(model._windows)), calls
+
+
+def test_a_plan_sees_its_table_changed_in_place():
+    """Writing into the planned table (or lengths) between layers makes the plan check again:
+    a page id outside the pool is refused, never read."""
+    q, k_pages = torch.randn(2, 4, 1, 8), torch.randn(6, 4, 2, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 6], dtype=torch.int32)
+    plan, causal = PagedAttentionPlan(table, seq_lens), masks.causal()
+    paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
+    table[1, 1] = 9
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\]=9 is out of range for N=6"):
+        paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
+    table[1, 1] = 4
+    seq_lens[0] = 3  # fewer keys for sequence 0: its key interval is planned again
+    got = paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
+    want = paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal)
+    assert torch.equal(got, want)

@@ -17,8 +17,10 @@ splits, the PyTorch path's page ranges). Masks are told apart by object identity
 that builds one mask per kind of layer for the step (``CausalLM``) prepares each once.
 
 A plan is an eager-mode cache: under ``torch.compile`` ``paged_attention`` ignores it and traces
-the unplanned call (the graph computes the intervals itself). A plan is valid for its step only:
-the table and lengths must not be changed in place while it is used.
+the unplanned call (the graph computes the intervals itself). An in-place change of the table or
+the lengths (seen by their version counters) makes the plan check and prepare again, so a page id
+outside the pool never reaches a kernel; inference-mode tensors have no version counter, and
+there the plan trusts that they do not change while it is used (build one per step).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class PagedAttentionPlan:
         # layer key -> (mask and score mod as given: they keep their ids unique while the plan
         # lives, the backend, the normalised mask and score mod, the backend's planned state)
         self._prepared: dict[tuple, tuple] = {}
+        self._versions = self._versions_now()
 
     def prepare(
         self, q, k_pages, v_pages, *, mask=None, score_mod=None, scale=None, k_scales=None,
@@ -61,6 +64,11 @@ class PagedAttentionPlan:
             k_pages.shape, k_pages.dtype, k_pages.device, k_pages.stride(),
             v_pages.shape, v_pages.dtype, v_pages.device, v_pages.stride(),
         )  # fmt: skip
+        versions = self._versions_now()
+        if versions != self._versions:  # changed in place: check and prepare again
+            self._prepared.clear()
+            self._values_checked.clear()
+            self._versions = versions
         hit = self._prepared.get(key)
         if hit is None:
             hit = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales,
@@ -71,6 +79,14 @@ class PagedAttentionPlan:
             q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales, return_lse, planned
         )
         return chosen, call
+
+    def _versions_now(self) -> tuple[int, int] | None:
+        t, n = self.block_table, self.seq_lens
+        if not isinstance(t, torch.Tensor) or not isinstance(n, torch.Tensor):
+            return None  # _check names them at the first call
+        if t.is_inference() or n.is_inference():
+            return None
+        return t._version, n._version
 
     def _prepare(self, q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, backend,
                  return_lse) -> tuple:  # fmt: skip
