@@ -176,3 +176,20 @@ def test_decoder_step_compiles_whole(family, kind):
     model, cache, token = _prefilled(family, kind, torch.float64)
     oracle = step(model, cache.plan(1), token)
     assert_close_to_reference(got, oracle, eager)
+
+
+@torch.no_grad()
+def test_paged_decode_steps_reuse_one_graph():
+    """Over the paged KV the step's bookkeeping lives in tensors (table, lengths, slots), so
+    later decode steps, new pages included, run the first step's graph: no recompilation. (A
+    static cache's Python length is a guard: each step compiles again.)"""
+    from torch._dynamo.utils import counters
+
+    model, cache, token = _prefilled("llama", "paged")
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda token, planned: model(token, cache=planned), fullgraph=True,
+                         backend="aot_eager")  # fmt: skip
+    for _ in range(4):  # lengths 8..11 with P=4: a new page at the second step
+        step(token, cache.plan(1))
+    assert counters["stats"]["unique_graphs"] == 1
