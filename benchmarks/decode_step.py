@@ -9,6 +9,9 @@ our model only) prefills a random 512-token prompt through ``model.make_cache(ki
 then runs single-token decode steps. Per step (median of ``--steps``):
 
 - ``step``: wall time of ``model(token, cache=cache)`` without a profiler;
+- ``cpu``: the same steps' CPU time on the calling thread: with ``--threads 1`` every op runs
+  there, so this is the step's work without the time the host took the CPU away (this
+  session's host stalls for seconds at random, which inflates every wall-clock column);
 - ``matmul``: self time of the matrix-product ops (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``)
   under ``torch.profiler``;
 - ``ops``: self time of every other op (aten ops and the C decode kernel): elementwise work,
@@ -106,11 +109,12 @@ def measure(model, kind: str, B: int, prompt: int, steps: int, page_size: int) -
     cache = model.make_cache(kind, B, prompt + 2 * steps + 2, page_size=page_size)
     model(ids, cache=cache, logits_to_keep=1)
     model(tokens[:, :1], cache=cache)  # warm-up decode step
-    walls = []
+    walls, cpus = [], []
     for t in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         model(tokens[:, t + 1 : t + 2], cache=cache)
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
     step_s = statistics.median(walls)
     acts = [torch.profiler.ProfilerActivity.CPU]
     with labelled_attention(), torch.profiler.profile(activities=acts) as prof:
@@ -135,6 +139,7 @@ def measure(model, kind: str, B: int, prompt: int, steps: int, page_size: int) -
         "batch": B,
         "prompt": prompt,
         "step_ms": step_s * 1e3,
+        "cpu_ms": statistics.median(cpus) * 1e3,
         "matmul_ms": matmul,
         "ops_ms": other,
         "python_ms": profiled_s * 1e3 - matmul - other,
@@ -167,8 +172,8 @@ def main(argv=None) -> int:
         json.dump({"machine": _util.machine(), "rows": rows}, sys.stdout, indent=2)
         print()
         return 0
-    cols = ["cache", "B", "step", "matmul", "ops", "python", "attention"]
-    keys = ("step_ms", "matmul_ms", "ops_ms", "python_ms", "attention_ms")
+    cols = ["cache", "B", "step", "cpu", "matmul", "ops", "python", "attention"]
+    keys = ("step_ms", "cpu_ms", "matmul_ms", "ops_ms", "python_ms", "attention_ms")
     table = [[r["cache"], str(r["batch"])] + [f"{r[k]:.2f} ms" for k in keys] for r in rows]
     m = _util.machine()
     title = f"decode step, prompt {prompt}, fp32 ({m['cpu']}, {m['torch_threads']} threads)"

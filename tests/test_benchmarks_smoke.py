@@ -160,7 +160,7 @@ def check_decode_step(report: dict) -> None:
     ]
     for r in rows:
         parts = ("matmul_ms", "ops_ms", "attention_ms")
-        assert r["step_ms"] > 0 and all(r[k] >= 0 for k in parts), r
+        assert r["step_ms"] > 0 and r["cpu_ms"] > 0 and all(r[k] >= 0 for k in parts), r
 
 
 MODEL_ROWS = [

@@ -86,3 +86,110 @@ def test_flex_traces_without_breaks(case):
     with torch.no_grad():  # CPU FlexAttention has no backward
         explained = torch._dynamo.explain(step)(q, k, v)
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+
+
+# -- decode steps: paged_attention, and one step of our Llama over each cache ------------------
+# Dynamo (explain) must see one graph; the compiled function runs under the aot_eager backend,
+# which traces the custom op through its fake and runs the real kernel (inductor's code
+# generation is torch's to test, and costs seconds per graph here).
+
+DECODERS = {
+    "llama": dict(
+        model_type="llama", vocab_size=53, hidden_size=32, intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "gpt2": dict(model_type="gpt2", vocab_size=53, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+}  # fmt: skip
+
+
+def _no_breaks(fn, *args):
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(6)], ids=str)
+def test_paged_attention_decode_step_compiles_whole(mask):
+    """A ragged, masked decode step over a shuffled page pool, with the step's plan, traces as
+    one graph (the C kernel's custom op through its fake; the plan, an eager cache, is left
+    out) and the compiled call gives the eager answer. tests/test_kernels.py compiles the
+    unmasked step with inductor."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, P, N = 3, 4, 2, 16, 4, 13
+    seq_lens = torch.tensor([9, 1, 14], dtype=torch.int32)
+    table = torch.randperm(N, generator=g)[: B * 4].view(B, 4).to(torch.int32)  # (B, max_pages)
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k_pages, v_pages = torch.randn(2, N, P, Hkv, D, generator=g)
+
+    plan = sa.cache.PagedAttentionPlan(table, seq_lens)
+
+    def step(q, k_pages, v_pages):
+        return sa.cache.paged_attention(q, k_pages, v_pages, table, seq_lens, mask=mask, plan=plan)
+
+    args = (q, k_pages, v_pages)
+    if sa.backends.explain_paged(*args, table, seq_lens, mask=mask, print_table=False).chosen != (
+        "cpu"
+    ):
+        pytest.skip("the C kernel cannot run here")
+    _no_breaks(step, *args)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    eager = step(*args)
+    oracle = step(*(t.double() for t in args))  # the PyTorch path in float64
+    naive = sa.cache.paged_attention(*args, table, seq_lens, mask=mask, backend="torch")
+    assert_close_to_reference(got, oracle, naive)
+    assert_close_to_reference(eager, oracle, naive)
+
+
+def _prefilled(family: str, kind: str, dtype=torch.float32):
+    """A tiny decoder and its cache after a 7-token prefill of 2 sequences, and the next tokens."""
+    from selfattn.models.decoder import GPT2, Llama
+
+    torch.manual_seed(3)
+    config = DECODERS[family]
+    model = (GPT2 if family == "gpt2" else Llama).from_config(config).to(dtype).eval()
+    ids = torch.randint(0, config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    cache = model.make_cache(kind, 2, 16, page_size=4)
+    model(ids[:, :7], cache=cache)
+    return model, cache, ids[:, 7:8]
+
+
+@pytest.mark.parametrize(
+    "family,kind", [("llama", "static"), ("llama", "paged"), ("gpt2", "paged")]
+)
+@torch.no_grad()
+def test_decoder_step_compiles_whole(family, kind):
+    """One decode step of our Llama (RoPE) traces as one graph over a static cache and over the
+    paged KV, and GPT-2's (learned positions) too, the cache planned eagerly before the compiled
+    step (``cache.plan(1)``: the paged KV's page allocation is Python bookkeeping that stays
+    outside the graph)."""
+
+    def step(model, planned, token):
+        return model(token, cache=planned)
+
+    model, cache, token = _prefilled(family, kind)
+    _no_breaks(step, model, cache.plan(1), token)
+    model, cache, token = _prefilled(family, kind)  # explain ran the step: start again
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(model, cache.plan(1), token)
+    model, cache, token = _prefilled(family, kind)
+    eager = step(model, cache.plan(1), token)
+    model, cache, token = _prefilled(family, kind, torch.float64)
+    oracle = step(model, cache.plan(1), token)
+    assert_close_to_reference(got, oracle, eager)
+
+
+@torch.no_grad()
+def test_paged_decode_steps_reuse_one_graph():
+    """Over the paged KV the step's bookkeeping lives in tensors (table, lengths, slots), so
+    later decode steps, new pages included, run the first step's graph: no recompilation. (A
+    static cache's Python length is a guard: each step compiles again.)"""
+    from torch._dynamo.utils import counters
+
+    model, cache, token = _prefilled("llama", "paged")
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda token, planned: model(token, cache=planned), fullgraph=True,
+                         backend="aot_eager")  # fmt: skip
+    for _ in range(4):  # lengths 8..11 with P=4: a new page at the second step
+        step(token, cache.plan(1))
+    assert counters["stats"]["unique_graphs"] == 1

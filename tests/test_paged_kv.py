@@ -2,16 +2,22 @@
 for every layer, planned once per step, inside our decoders.
 
 Tiny random decoders in float64 (so cached and uncached logits agree to ~1e-12): paged == static
-== no cache, ragged steps, fork / copy-on-write and prefix hits at model level, atomic failures.
+== no cache, ragged steps, fork / copy-on-write and prefix hits at model level, atomic failures;
+paged_attention planned once per step (PagedAttentionPlan) for every layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import selfattn as sa
 import selfattn.cache.paged as paged_mod
-from selfattn.cache import PagedKV, StaticCache
+from selfattn import masks, scores
+from selfattn.backends.paged.call import PagedCall
+from selfattn.cache import PagedAttentionPlan, PagedKV, StaticCache, paged_attention
 from selfattn.cache.base import InPlaceKVCache
 from selfattn.models.decoder import GPT2, Llama
 
@@ -270,3 +276,108 @@ def test_a_cache_of_another_model_is_refused_before_planning():
     with pytest.raises(ValueError, match="cache holds 2 layers but the model has 3"):
         model(tokens(1, 3, seed=11), cache=view)
     assert view.length == 0
+
+
+# -- paged_attention planned once per step (PagedAttentionPlan) --------------------------------
+
+
+def _spy_backend_plans(monkeypatch) -> list[str]:
+    """Record each call of a paged backend's ``plan`` hook (the per-step work) by name."""
+    registry = sa.backends.registry("paged")
+    calls: list[str] = []
+    for name in registry.names():
+        backend = registry.get(name)
+        if backend.plan is None:
+            continue
+
+        def plan(*args, _backend=backend):
+            calls.append(_backend.name)
+            return _backend.plan(*args)
+
+        monkeypatch.setitem(registry._backends, name, dataclasses.replace(backend, plan=plan))
+    return calls
+
+
+LAYER_CASES = {
+    "none": {},
+    "causal": dict(mask=masks.causal()),
+    "window": dict(mask=masks.sliding_window(5)),
+    "softcap": dict(mask=masks.causal(), score_mod=scores.softcap(2.0)),  # the PyTorch path
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_a_plan_prepares_once_for_every_layer(case, backend, monkeypatch):
+    """Three layers (own pages, own scale) over one ragged block table through one plan: each
+    layer's answer is the unplanned call's, and the backend's per-step work ran once (auto: the
+    C kernel where it builds; triton in its interpreter on CPU)."""
+    kw = LAYER_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    B, Hq, Hkv, D, P, N, L = 3, 4, 2, 8, 4, 13, 3
+    seq_lens = torch.tensor([7, 1, 13], dtype=torch.int32)
+    table = torch.randperm(N, generator=g)[: B * 4].view(B, 4).to(torch.int32)
+    pages = torch.randn(L, 2, N, P, Hkv, D, generator=g)
+    qs = torch.randn(L, B, Hq, 1, D, generator=g)
+    layers = [(qs[i], pages[i, 0], pages[i, 1], table, seq_lens) for i in range(L)]
+    if backend != "auto":
+        why = sa.backends.registry("paged").get(backend).reject(*layers[0], PagedCall(**kw))
+        if why is not None:
+            pytest.skip(why)
+    want = [paged_attention(*a, scale=0.3 + i, backend=backend, **kw) for i, a in enumerate(layers)]
+    calls = _spy_backend_plans(monkeypatch)
+    plan = PagedAttentionPlan(table, seq_lens)
+    for i, args in enumerate(layers):
+        got = paged_attention(*args, scale=0.3 + i, backend=backend, plan=plan, **kw)
+        assert torch.equal(got, want[i]), f"layer {i}"
+    assert len(calls) == 1, calls
+
+
+def test_a_plan_checks_its_tensors_and_each_layout():
+    """A plan serves only its own table and lengths; bad values and a layer of another layout
+    are refused with the unplanned call's errors."""
+    q, k_pages = torch.randn(2, 4, 1, 8), torch.randn(6, 4, 2, 8)
+    table = torch.tensor([[0, 1], [2, 7]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 6], dtype=torch.int32)
+    plan = PagedAttentionPlan(table, seq_lens)
+    with pytest.raises(ValueError, match="another block_table"):
+        paged_attention(q, k_pages, k_pages, table.clone(), seq_lens, plan=plan)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\]=7 is out of range for N=6"):
+        paged_attention(q, k_pages, k_pages, table, seq_lens, plan=plan)
+    table[1, 1] = 3
+    paged_attention(q, k_pages, k_pages, table, seq_lens, plan=plan)
+    with pytest.raises(ValueError, match="head dim D=9"):
+        paged_attention(torch.randn(2, 4, 1, 9), k_pages, k_pages, table, seq_lens, plan=plan)
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor"):
+        paged_attention(None, k_pages, k_pages, table, seq_lens, plan=plan)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@torch.no_grad()
+def test_a_decode_step_prepares_paged_attention_once(family, monkeypatch):
+    """Over the model-level paged KV, one step's layers share the per-step attention work: the
+    backend's plan (key intervals, key splits) runs once per kind of layer, not per layer."""
+    model = tiny(family).float()
+    cache = model.make_cache("paged", 2, 16, page_size=4)
+    model(tokens(2, 5, seed=2), cache=cache)
+    calls = _spy_backend_plans(monkeypatch)
+    model(tokens(2, 1, seed=3), cache=cache)
+    assert len(calls) == len(set(model._windows)), calls
+
+
+def test_a_plan_sees_its_table_changed_in_place():
+    """Writing into the planned table (or lengths) between layers makes the plan check again:
+    a page id outside the pool is refused, never read."""
+    q, k_pages = torch.randn(2, 4, 1, 8), torch.randn(6, 4, 2, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 6], dtype=torch.int32)
+    plan, causal = PagedAttentionPlan(table, seq_lens), masks.causal()
+    paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
+    table[1, 1] = 9
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\]=9 is out of range for N=6"):
+        paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
+    table[1, 1] = 4
+    seq_lens[0] = 3  # fewer keys for sequence 0: its key interval is planned again
+    got = paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
+    want = paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal)
+    assert torch.equal(got, want)

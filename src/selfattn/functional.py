@@ -9,6 +9,7 @@ import torch
 from selfattn import backends as _backends
 from selfattn._log import log_once
 from selfattn.backends.paged import call as _paged
+from selfattn.backends.paged import plan as _paged_plan
 from selfattn.call import prepare
 
 __all__ = ["attention", "attention_weights", "paged_attention"]
@@ -169,6 +170,7 @@ def paged_attention(
     v_scales: torch.Tensor | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    plan: _paged_plan.PagedAttentionPlan | None = None,
 ):
     """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``,
     reading the pages in place.
@@ -215,12 +217,26 @@ def paged_attention(
     ``"torch"``, plain PyTorch for every case); :func:`selfattn.backends.explain_paged` says
     what ``auto`` picks and why (:mod:`selfattn.backends.paged`). All give the same result
     within float32 rounding.
+
+    ``plan``: a :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` of ``block_table``
+    and ``seq_lens``, shared by the calls of one step (one per layer): the checks of the table
+    and lengths, the backend choice and the key intervals then run once per step, not per call.
+    Same results; ignored under ``torch.compile``, whose graph does that work.
     """
     args = (q, k_pages, v_pages, block_table, seq_lens)
-    call = _paged.prepare(
-        *args, mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-        v_scales=v_scales, return_lse=return_lse,
+    kwargs = dict(
+        mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales, v_scales=v_scales,
+        return_lse=return_lse,
     )  # fmt: skip
-    chosen, _ = _backends.registry("paged").select(*args, call, backend=backend)
+    if plan is not None and (plan.block_table is not block_table or plan.seq_lens is not seq_lens):
+        raise ValueError(
+            "plan was made for another block_table / seq_lens; pass the tensors it was built "
+            "from (PagedAttentionPlan(block_table, seq_lens)) or no plan"
+        )
+    if plan is not None and not torch.compiler.is_compiling():
+        chosen, call = plan.prepare(q, k_pages, v_pages, backend=backend, **kwargs)
+    else:
+        call = _paged.prepare(*args, **kwargs)
+        chosen, _ = _backends.registry("paged").select(*args, call, backend=backend)
     out, lse = chosen.run(*args, call)
     return (out, lse) if return_lse else out

@@ -16,7 +16,11 @@ predicate and a ``cost(...)`` hook taking the same arguments as its ``run``: ``r
 (:mod:`selfattn.backends._auto`). A backend understands the call fields it lists in
 ``supports`` (default: the fields the call had when the contract was written, ``BASE_FIELDS``);
 a call that sets any other field (a newer feature) is declined with a reason naming the field,
-before ``reject`` sees it. :func:`explain` (dense) and :func:`explain_paged` take exactly the
+before ``reject`` sees it. A paged backend may have a ``plan(...)`` hook, same arguments
+again, returning what it derives from the block table, lengths and mask (key intervals, page
+ranges): a planned step (:class:`selfattn.backends.paged.plan.PagedAttentionPlan`) asks it once
+and hands it to every layer's ``run`` as ``call.planned``. :func:`explain` (dense) and
+:func:`explain_paged` take exactly the
 arguments of the function they explain, which is why they are two functions and not a flag.
 
 A global override forces one dense backend wherever a call says ``backend="auto"``: the context
@@ -103,6 +107,7 @@ class Backend:
     kind: str = "dense"  # "dense" or "paged": which registry, and which arguments run takes
     cost: CostFn | None = None
     supports: frozenset[str] | None = None
+    plan: RunFn | None = None  # paged: the per-step part of run, shared by a step's layers
 
     def __post_init__(self):
         if self.supports is None:

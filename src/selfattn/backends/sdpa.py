@@ -51,9 +51,15 @@ _MATH = 0  # int(torch.nn.attention.SDPBackend.MATH), what aten._fused_sdp_choic
 # -- feature detection (what this torch has; never what hardware is present) --------------------
 
 
-@functools.cache
+# A property of this torch: asked once while tracing, not traced (Dynamo cannot walk a schema).
+@torch.compiler.assume_constant_result
 def _has_enable_gqa() -> bool:
     """Whether this torch's SDPA takes ``enable_gqa`` (added in torch 2.5)."""
+    return _schema_has_enable_gqa()
+
+
+@functools.cache
+def _schema_has_enable_gqa() -> bool:
     schema = torch.ops.aten.scaled_dot_product_attention.default._schema
     return any(a.name == "enable_gqa" for a in schema.arguments)
 
@@ -87,8 +93,9 @@ def _sdpa_would_use_math(q, k, v, attn_mask, is_causal: bool) -> bool:
     if not _has_enable_gqa():
         return True
     choice = getattr(torch.ops.aten, "_fused_sdp_choice", None)
-    if choice is None:
-        return False  # cannot ask: trust enable_gqa
+    if choice is None or torch.compiler.is_compiling():
+        # cannot ask (the choice is an int, which a graph cannot return): trust enable_gqa
+        return False
     try:
         return int(choice(q, k, v, attn_mask, 0.0, is_causal, enable_gqa=True)) == _MATH
     except (RuntimeError, TypeError):

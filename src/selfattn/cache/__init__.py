@@ -4,6 +4,7 @@ Every cache has ``update(k, v, positions) -> (k_all, v_all)``, ``length`` and ``
 plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
 """
 
+from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.paged import PagedCache, PagedCacheView, PagedKV
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixHit, PrefixIndex
@@ -15,6 +16,7 @@ from selfattn.functional import paged_attention
 
 __all__ = [
     "BlockPool",
+    "PagedAttentionPlan",
     "PagedCache",
     "PagedCacheView",
     "PagedKV",

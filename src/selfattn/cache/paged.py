@@ -44,6 +44,7 @@ import dataclasses
 import torch
 
 from selfattn._validate import checked_int, int_at_least, positive_int
+from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.base import Step, next_positions
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
@@ -63,7 +64,10 @@ class PagedPlan:
     sequence's pages; ``slots (B·S,)`` int64 flat slot ``page · P + t % P`` of each new token,
     row-major over ``(b, s)``; ``positions`` the new tokens' positions, ``(S,)`` when every
     sequence has the same length ``past`` (else ``past`` is None and they are ``(B, S)``);
-    ``max_len`` the longest sequence after the step.
+    ``max_len`` the longest sequence after the step; ``attention`` the
+    :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` of ``block_table`` and
+    ``seq_lens`` that every layer's ``paged_attention`` shares (checks, backend choice and key
+    intervals once per step).
     """
 
     seq_ids: list[int]
@@ -78,6 +82,7 @@ class PagedPlan:
     # (seq id, pages before, length before) per sequence, and the planner's epoch: for undo().
     before: list[tuple[int, int, int]]
     epoch: int
+    attention: PagedAttentionPlan
 
 
 class PagedKV:
@@ -339,11 +344,12 @@ class PagedKV:
         table = t[B * (S + 1) :].view(B, M).to(torch.int32)
         lens = {n for _, _, n in before}
         past = lens.pop() if len(lens) == 1 else None
+        seq_lens = (lengths + S).to(torch.int32)
         return PagedPlan(
             seq_ids=ids,
             n_tokens=S,
             lengths=lengths,
-            seq_lens=(lengths + S).to(torch.int32),
+            seq_lens=seq_lens,
             block_table=table,
             slots=slots,
             positions=next_positions(lengths if past is None else past, S, t.device),  # (S,)|(B, S)
@@ -351,6 +357,7 @@ class PagedKV:
             max_len=max((n for _, _, n in before), default=0) + S,
             before=before,
             epoch=self._epoch,
+            attention=PagedAttentionPlan(table, seq_lens),
         )
 
     def _reserve(self, ids: list[int], S: int) -> None:
@@ -667,6 +674,7 @@ class PagedLayer:
                 mask=mask,
                 score_mod=score_mod,
                 scale=scale,
+                plan=plan.attention,
             )
         except BaseException:
             kv.undo(plan)

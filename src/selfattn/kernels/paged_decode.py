@@ -133,6 +133,7 @@ def decode(
     scale: float,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
+    splits: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over pages, in float32: ``out (B, Hq, Sq, Dv)``, ``lse (B, Hq, Sq)``.
 
@@ -146,6 +147,8 @@ def decode(
 
     Sequences are split over their keys into ``n_split`` work items when there are fewer than
     ``ITEMS_PER_THREAD`` per thread; the kernel merges the splits' softmax partials in float32.
+    ``splits``: :func:`key_splits` of these ``lo, hi`` when the caller has them already (a
+    planned step computes them once for every layer).
     """
     lib = library()
     if lib is None:
@@ -161,7 +164,7 @@ def decode(
     k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
     B, Hq, Sq, D = q.shape
     P, Hkv, Dv = v_pages.shape[1:]
-    n_split, split_pages = key_splits(lo, hi, P)
+    n_split, split_pages = key_splits(lo, hi, P) if splits is None else splits
     # The kernel writes float32 CPU memory, whatever torch's default dtype is.
     out = torch.empty(B, Hq, Sq, Dv, dtype=torch.float32, device="cpu")
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device="cpu")

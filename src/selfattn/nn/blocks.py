@@ -33,6 +33,28 @@ class _Residual(nn.Module):
         return self.norm(x + self.dropout(f(x)))
 
 
+# Masks are immutable: one causal() serves every block. ``causal() & mask`` is kept for the last
+# few mask objects, so that the blocks of one step pass the same mask object to their caches (a
+# planned paged step prepares each mask object once, not once per layer).
+_CAUSAL = _masks.causal()
+_WITH_CAUSAL: dict[int, tuple] = {}  # id(mask) -> (mask, causal & mask)
+_WITH_CAUSAL_KEEP = 8  # masks a model uses in one step: one per kind of layer
+
+
+def _with_causal(mask):
+    """``causal() & mask`` (``causal()`` for None); the same object for the same ``mask``."""
+    if mask is None:
+        return _CAUSAL
+    if not isinstance(mask, _masks.Mask) or torch.compiler.is_compiling():
+        return _CAUSAL & mask
+    hit = _WITH_CAUSAL.get(id(mask))  # the entry holds the mask: its id is not reused
+    if hit is None:
+        if len(_WITH_CAUSAL) >= _WITH_CAUSAL_KEEP:
+            _WITH_CAUSAL.clear()  # masks of earlier steps
+        hit = _WITH_CAUSAL[id(mask)] = (mask, _CAUSAL & mask)
+    return hit[1]
+
+
 class EncoderBlock(nn.Module):
     """Bidirectional self-attention then feed-forward, each with a residual and a norm.
 
@@ -110,7 +132,7 @@ class DecoderBlock(nn.Module):
                 f"(has cross_attention: {self.cross_attention is not None}, "
                 f"context given: {context is not None})"
             )
-        causal = _masks.causal() if mask is None else _masks.causal() & mask
+        causal = _with_causal(mask)
         x = self.self_res(
             x,
             lambda h: self.self_attention(

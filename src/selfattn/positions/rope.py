@@ -416,9 +416,17 @@ class RoPE(nn.Module):
         )
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
-        """cos and sin (attention factor included), each ``positions.shape + (rotary_dim/2,)``."""
-        length = int(positions.max()) + 1 if positions.numel() else 1
+        """cos and sin (attention factor included), each ``positions.shape + (rotary_dim/2,)``.
+
+        Under ``torch.compile`` the angles are computed from the positions in the graph (the
+        table's size would read the largest position, a graph break), in the same float64 steps
+        as the table; scalings whose frequencies depend on the length (DynamicNTK, LongRoPE)
+        still read it.
+        """
         scaling = self.scaling
+        if torch.compiler.is_compiling() and not isinstance(scaling, _LENGTH_DEPENDENT):
+            return self._angles(positions, self._inv64, dtype)
+        length = int(positions.max()) + 1 if positions.numel() else 1
         if isinstance(scaling, _LENGTH_DEPENDENT) and length > scaling.original_max_position:
             inv64, attn = self.frequencies(length)
         elif length > _MAX_CACHED:
@@ -429,14 +437,23 @@ class RoPE(nn.Module):
         angles = positions.to(torch.float64)[..., None] * inv64.to(positions.device)
         return (angles.cos() * attn).to(dtype), (angles.sin() * attn).to(dtype)
 
-    def _memo_cos_sin(self, positions, x: torch.Tensor, work: torch.dtype):
-        """cos/sin for ``positions``, memoised for the last positions tensor seen.
+    def _factors(self, positions, x: torch.Tensor, work: torch.dtype):
+        """The rotation's factors for ``positions``, memoised for the last positions tensor seen.
+
+        Half-split layout: ``cos2 = [cos, cos]`` and ``sin2 = [-sin, sin]`` over the ``r``
+        rotated dims, so that the rotation is ``rot · cos2 + swap(rot) · sin2`` with ``swap``
+        exchanging the halves (the same products and sums as ``[a·cos - b·sin, b·cos + a·sin]``,
+        bit for bit, in four ops instead of seven). Interleaved: ``cos``, ``sin``. Each
+        ``(1, S, ·)`` or ``(B, 1, S, ·)``, broadcasting over heads.
 
         A layer rotates q and k at the same positions, and a model passes one positions tensor
         to every layer: the checks and the table lookup (a device sync for the max) then run once
         per step instead of twice per layer. The memo is keyed on the tensor object and its
         version counter, so an in-place change of the positions is never missed.
         """
+        if torch.compiler.is_compiling():  # the graph computes them once; no memo to trace
+            _check_positions(positions, x)
+            return self._rotation(*self.cos_sin(positions.to(x.device), work))
         # Inference-mode tensors have no version counter: they are never memoised.
         tensor = isinstance(positions, torch.Tensor)
         version = positions._version if tensor and not positions.is_inference() else None
@@ -445,9 +462,16 @@ class RoPE(nn.Module):
         if version is not None and memo is not None and memo[0] is positions and memo[1] == key:
             return memo[2]
         _check_positions(positions, x)
-        cos_sin = self.cos_sin(positions.to(x.device), work)
-        self._memo = (positions, key, cos_sin) if version is not None else None
-        return cos_sin
+        factors = self._rotation(*self.cos_sin(positions.to(x.device), work))
+        self._memo = (positions, key, factors) if version is not None else None
+        return factors
+
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor):
+        cos = cos.unsqueeze(-3)  # (S, r/2) -> (1, S, r/2); (B, S, r/2) -> (B, 1, S, r/2)
+        sin = sin.unsqueeze(-3)
+        if self.interleaved:
+            return cos, sin
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # (..., r/2) -> (..., r)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x (B, H, S, D)`` at int ``positions (S,)`` or ``(B, S)``; same shape, dtype."""
@@ -456,19 +480,19 @@ class RoPE(nn.Module):
                 f"RoPE expects x (B, H, S, D={self.head_dim}), got shape {tuple(x.shape)}"
             )
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self._memo_cos_sin(positions, x, work)
-        cos = cos.unsqueeze(-3)  # (S, r/2) -> (1, S, r/2); (B, S, r/2) -> (B, 1, S, r/2)
-        sin = sin.unsqueeze(-3)
+        cos, sin = self._factors(positions, x, work)
         r = self.rotary_dim
-        rot, tail = x[..., :r].to(work), x[..., r:]
+        rot = x[..., :r].to(work) if r < self.head_dim else x.to(work)
         if self.interleaved:
             pairs = rot.unflatten(-1, (r // 2, 2))  # (B, H, S, r) -> (B, H, S, r/2, 2)
             a, b = pairs[..., 0], pairs[..., 1]
             out = torch.stack((a * cos - b * sin, b * cos + a * sin), -1).flatten(-2)
         else:
-            a, b = rot[..., : r // 2], rot[..., r // 2 :]
-            out = torch.cat((a * cos - b * sin, b * cos + a * sin), -1)
-        return torch.cat((out.to(x.dtype), tail), -1)
+            swapped = torch.cat((rot[..., r // 2 :], rot[..., : r // 2]), -1)  # [b, a]
+            out = rot * cos + swapped * sin  # [a·cos - b·sin, b·cos + a·sin]
+        if r == self.head_dim:
+            return out.to(x.dtype)
+        return torch.cat((out.to(x.dtype), x[..., r:]), -1)
 
 
 class RoPE2D(nn.Module):

@@ -20,7 +20,15 @@ _MAX_EXACT_POSITION = 1 << 53
 
 
 def _check_position_values(owner: str, positions: torch.Tensor) -> None:
-    """ValueError unless every position lies in ``0 .. 2**53`` (an int tensor)."""
+    """ValueError unless every position lies in ``0 .. 2**53`` (an int tensor).
+
+    Inside a compiled graph, where reading a value would break it, the same condition is an
+    assert the graph checks when it runs (RuntimeError, a generic message).
+    """
+    if torch.compiler.is_compiling():
+        ok = (positions >= 0) & (positions <= _MAX_EXACT_POSITION)
+        torch._assert_async(ok.all(), f"{owner} positions must be in 0..2**53")
+        return
     if not positions.numel():
         return
     low, high = (int(x) for x in positions.aminmax())
@@ -103,7 +111,10 @@ class LearnedPositions(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions (S,)`` or ``(B, S)`` -> ``(S, d_model)`` or ``(B, S, d_model)``."""
         _check_int_positions("LearnedPositions", positions)
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+        if torch.compiler.is_compiling():  # a graph assert: reading the max would break it
+            ok = (positions < self.max_positions).all()
+            torch._assert_async(ok, f"LearnedPositions: positions must be < {self.max_positions}")
+        elif positions.numel() and int(positions.max()) >= self.max_positions:
             top = int(positions.max())
             raise ValueError(
                 f"position {top} is past LearnedPositions' length {self.max_positions} (valid "

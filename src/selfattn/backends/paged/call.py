@@ -7,14 +7,14 @@ passed :func:`prepare`; see :func:`selfattn.functional.paged_attention` for the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["QUANT_DTYPES", "PagedCall", "prepare"]
+__all__ = ["QUANT_DTYPES", "PagedCall", "layer_call", "prepare"]
 
 # Page dtypes stored quantised, read with float32 scales (selfattn.cache.quant writes them).
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -25,7 +25,10 @@ class PagedCall:
     """Everything about one ``paged_attention`` call except q, the pages, the table and lengths.
 
     ``k_scales``/``v_scales``: float32 dequantisation scales of int8 / fp8 pages, None for float
-    pages.
+    pages. ``planned``: what the backend's ``plan`` hook derived from the block table, lengths
+    and mask (key intervals, page ranges), computed once per step by a
+    :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` for every layer; None: the
+    backend derives it in ``run``.
     """
 
     mask: Mask | None = None
@@ -34,6 +37,7 @@ class PagedCall:
     k_scales: torch.Tensor | None = None
     v_scales: torch.Tensor | None = None
     return_lse: bool = False
+    planned: object = field(default=None, compare=False)  # a per-step cache
 
 
 def prepare(
@@ -44,6 +48,18 @@ def prepare(
     offending values) and normalise them into a :class:`PagedCall`."""
     _check(q, k_pages, v_pages, block_table, seq_lens)
     _check_values(q, k_pages, block_table, seq_lens)
+    mask, score_mod = bound_objects(mask, score_mod, q, seq_lens)
+    return layer_call(
+        q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse
+    )  # fmt: skip
+
+
+def layer_call(
+    q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, planned=None
+) -> PagedCall:
+    """The :class:`PagedCall` of tensors that passed the shape checks, with ``mask`` and
+    ``score_mod`` already normalised and bound (:func:`bound_objects`): the scale and
+    dequantisation scales checked (what may differ between the layers of one step)."""
     k_scales = _check_scales("k_scales", k_pages, k_scales)
     v_scales = _check_scales("v_scales", v_pages, v_scales)
     D = q.shape[3]
@@ -51,13 +67,15 @@ def prepare(
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite number, got {scale!r}")
-    return PagedCall(
-        mask=None if mask is None else _bound(as_mask(mask), q, seq_lens),
-        score_mod=None if score_mod is None else _bound(as_score_mod(score_mod), q, seq_lens),
-        scale=float(scale),
-        k_scales=k_scales,
-        v_scales=v_scales,
-        return_lse=return_lse,
+    return PagedCall(mask, score_mod, float(scale), k_scales, v_scales, return_lse, planned)
+
+
+def bound_objects(mask, score_mod, q, seq_lens):
+    """``(mask, score_mod)`` as objects on absolute positions (None stays None): see
+    :func:`_bound`. Once per step: a planned step's layers share them."""
+    return (
+        None if mask is None else _bound(as_mask(mask), q, seq_lens),
+        None if score_mod is None else _bound(as_score_mod(score_mod), q, seq_lens),
     )
 
 

@@ -13,7 +13,7 @@ from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import PagedCall
 from selfattn.kernels import ops, paged_decode
 
-__all__ = ["KERNEL_MAX_SQ", "run"]
+__all__ = ["KERNEL_MAX_SQ", "plan", "run"]
 
 # Longest query chunk the C kernel takes. Measured (B=8, 2,048 keys, Hq=32, D=128, causal, one
 # thread, CPU time): the kernel costs 0.34x the PyTorch path at Sq=4, 0.56x at 16 and breaks even
@@ -21,14 +21,25 @@ __all__ = ["KERNEL_MAX_SQ", "run"]
 KERNEL_MAX_SQ = 16
 
 
+def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
+    """``(lo, hi, splits)``: each row's key interval ``(B, Sq)`` and the kernel's key splits,
+    the same for every layer of a step."""
+    lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+    return lo, hi, paged_decode.key_splits(lo, hi, k_pages.shape[1])
+
+
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
-    lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+    if call.planned is None:
+        lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+        splits = None
+    else:
+        lo, hi, splits = call.planned
     args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales)
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         out, lse = ops.paged_decode_cpu(*args)
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
-        out, lse = paged_decode.decode(*args)
+        out, lse = paged_decode.decode(*args, splits)
     return out.to(q.dtype), lse  # (B, Hq, Sq, Dv)
 
 
@@ -66,5 +77,6 @@ register(
         cost=lambda *args: _COST,
         doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
         kind="paged",
+        plan=plan,
     )
 )

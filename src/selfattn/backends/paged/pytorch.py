@@ -23,7 +23,7 @@ from selfattn.backends._common import accumulation_dtype, nonfinite_v_part
 from selfattn.backends.paged._intervals import _page_ranges
 from selfattn.backends.paged.call import PagedCall
 
-__all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "run"]
+__all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "plan", "run"]
 
 # Keys (logical pages × P) gathered per step, at most: bounds the score buffer per query row.
 GROUP_KEYS = 1024
@@ -59,6 +59,12 @@ def _group_scales(scales, ids, B: int, L: int, Hkv: int, cd) -> torch.Tensor:
     return scales.index_select(0, ids).to(cd).view(B, L, Hkv, 1)
 
 
+def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
+    """``(first, last)``: per sequence, the logical pages ``[first, last)`` holding an allowed
+    key, the same for every layer of a step."""
+    return _page_ranges(call.mask, seq_lens.tolist(), q.shape[2], k_pages.shape[1], q.shape[1])
+
+
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out, lse)``: out in ``q.dtype``; lse float32 (float64 for fp64 queries) or None unless
     ``call.return_lse``."""
@@ -72,7 +78,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     device = q.device
 
-    first, last = _page_ranges(mask_obj, seq_lens.tolist(), Sq, P, Hq)
+    first, last = call.planned or plan(q, k_pages, v_pages, block_table, seq_lens, call)
     span = max((b - a for a, b in zip(first, last)), default=0)  # logical pages to walk
     keys = min(GROUP_KEYS, GATHER_ELEMENTS // max(B * Hkv * max(D, Dv), 1))
     group = max(1, keys // max(P, 1))  # logical pages per step
@@ -214,5 +220,6 @@ register(
         cost=lambda *args: _COST,
         doc="plain PyTorch: bounded groups of pages gathered, online softmax; every case",
         kind="paged",
+        plan=plan,
     )
 )

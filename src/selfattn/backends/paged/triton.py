@@ -17,12 +17,17 @@ from selfattn.backends.paged.call import QUANT_DTYPES, PagedCall
 from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
 
-__all__ = ["run"]
+__all__ = ["plan", "run"]
+
+
+def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
+    """``(lo, hi)``: each row's key interval ``(B, Sq)``, the same for every layer of a step."""
+    return _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
-    lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+    lo, hi = call.planned or plan(q, k_pages, v_pages, block_table, seq_lens, call)  # (B, Sq)
     args = (q.contiguous(), k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales,
             call.v_scales)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
@@ -85,5 +90,6 @@ register(
         cost=_cost,
         doc="Triton kernel: pages read in place, flash-decoding key splits (CUDA)",
         kind="paged",
+        plan=plan,
     )
 )

@@ -1,0 +1,115 @@
+"""Plan once per step, run per layer: :class:`PagedAttentionPlan`.
+
+A decode step over a model's paged KV calls ``paged_attention`` once per layer with the same
+block table, lengths and (layer kinds aside) mask; only ``q`` and the layer's pages change. A
+plan does the shared part once::
+
+    plan = PagedAttentionPlan(block_table, seq_lens)        # once per step
+    for i in range(L):                                      # per layer: q and the pages only
+        out = paged_attention(q_i, k_pages[i], v_pages[i], block_table, seq_lens, mask=m,
+                              plan=plan)
+
+What it keeps per step: the value checks of the table and lengths (per pool shape), and per
+distinct ``(mask, score_mod)`` object and layer layout (shapes, dtypes, strides, devices,
+gradients) the normalised mask and score mod, the backend ``auto`` picks, and what that backend's
+``plan`` hook derives from the table, lengths and mask (the kernels' key intervals and key
+splits, the PyTorch path's page ranges). Masks are told apart by object identity: a model
+that builds one mask per kind of layer for the step (``CausalLM``) prepares each once.
+
+A plan is an eager-mode cache: under ``torch.compile`` ``paged_attention`` ignores it and traces
+the unplanned call (the graph computes the intervals itself). An in-place change of the table or
+the lengths (seen by their version counters) makes the plan check and prepare again, so a page id
+outside the pool never reaches a kernel; inference-mode tensors have no version counter, and
+there the plan trusts that they do not change while it is used (build one per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.backends import registry
+from selfattn.backends.paged.call import (
+    PagedCall,
+    _check,
+    _check_values,
+    bound_objects,
+    layer_call,
+)
+
+__all__ = ["PagedAttentionPlan"]
+
+
+class PagedAttentionPlan:
+    """The per-step half of ``paged_attention`` over ``block_table (B, max_pages)`` int32 and
+    ``seq_lens (B,)`` (module docstring); pass it as ``paged_attention(..., plan=plan)`` with
+    these very tensors."""
+
+    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor):
+        self.block_table, self.seq_lens = block_table, seq_lens
+        self._values_checked: set[tuple[int, int, int]] = set()  # (N, P, Sq) found valid
+        # layer key -> (mask and score mod as given: they keep their ids unique while the plan
+        # lives, the backend, the normalised mask and score mod, the backend's planned state)
+        self._prepared: dict[tuple, tuple] = {}
+        self._versions = self._versions_now()
+
+    def prepare(
+        self, q, k_pages, v_pages, *, mask=None, score_mod=None, scale=None, k_scales=None,
+        v_scales=None, backend: str = "auto", return_lse: bool = False,
+    ):  # fmt: skip
+        """``(backend, PagedCall)`` for one layer's call: checked and chosen at the first layer
+        of each layout, then only the layer's scale and dequantisation scales."""
+        if not all(isinstance(t, torch.Tensor) for t in (q, k_pages, v_pages)):
+            _check(q, k_pages, v_pages, self.block_table, self.seq_lens)  # names the bad one
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k_pages.requires_grad or v_pages.requires_grad
+        )
+        key = (
+            id(mask), id(score_mod), backend, grad, q.shape, q.dtype, q.device,
+            k_pages.shape, k_pages.dtype, k_pages.device, k_pages.stride(),
+            v_pages.shape, v_pages.dtype, v_pages.device, v_pages.stride(),
+        )  # fmt: skip
+        versions = self._versions_now()
+        if versions != self._versions:  # changed in place: check and prepare again
+            self._prepared.clear()
+            self._values_checked.clear()
+            self._versions = versions
+        hit = self._prepared.get(key)
+        if hit is None:
+            hit = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales,
+                                backend, return_lse)  # fmt: skip
+            self._prepared[key] = hit
+        _, _, chosen, mask_obj, mod_obj, planned = hit
+        call = layer_call(
+            q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales, return_lse, planned
+        )
+        return chosen, call
+
+    def _versions_now(self) -> tuple[int, int] | None:
+        t, n = self.block_table, self.seq_lens
+        if not isinstance(t, torch.Tensor) or not isinstance(n, torch.Tensor):
+            return None  # _check names them at the first call
+        if t.is_inference() or n.is_inference():
+            return None
+        return t._version, n._version
+
+    def _prepare(self, q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, backend,
+                 return_lse) -> tuple:  # fmt: skip
+        args = (q, k_pages, v_pages, self.block_table, self.seq_lens)
+        _check(*args)
+        shape = (k_pages.shape[0], k_pages.shape[1], q.shape[2])  # (N, P, Sq)
+        if shape not in self._values_checked:
+            _check_values(q, k_pages, self.block_table, self.seq_lens)
+            self._values_checked.add(shape)
+        mask_obj, mod_obj = bound_objects(mask, score_mod, q, self.seq_lens)
+        call: PagedCall = layer_call(
+            q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales, return_lse
+        )
+        chosen, _ = registry("paged").select(*args, call, backend=backend)
+        planned = None if chosen.plan is None else chosen.plan(*args, call)
+        return mask, score_mod, chosen, mask_obj, mod_obj, planned
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedAttentionPlan(B={self.block_table.shape[0]}, "
+            f"max_pages={self.block_table.shape[1]}, prepared={len(self._prepared)})"
+        )
