@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from _no_extras import EXTRAS, last_json, run_without
 from selfattn import _optional
 from selfattn.benchmarks import NAMES
+from tests._no_extras import EXTRAS, last_json, run_without
 
 ROOT = Path(__file__).resolve().parents[1]
 # Building a wheel of this tree takes 2-4 s; a stuck build is stopped long before the suite's.

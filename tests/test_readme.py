@@ -58,7 +58,7 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
 def test_readme_context_parallel_example_runs_on_two_ranks(tmp_path):
     """The context-parallel example runs for real on 2 gloo ranks and matches one process (its
     own assert): sharding (B, H, S, D) along the wrong dimension would fail it."""
-    import _dist_helpers as helpers
+    from tests import _dist_helpers as helpers
 
     blocks = _python_blocks(on_ranks=True)
     assert blocks, f"README lost its context-parallel example (a block starting {RANKS_MARK!r})"

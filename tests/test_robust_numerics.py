@@ -18,7 +18,7 @@ import torch
 import selfattn
 from selfattn import masks
 from selfattn.testing import make_qkv
-from test_attention import (
+from tests.test_attention import (
     BACKENDS,
     check_backend,
     forward_lse,

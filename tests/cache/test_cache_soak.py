@@ -8,7 +8,9 @@ import random
 import torch
 from hypothesis import settings
 
-from _cache_helpers import (
+from selfattn import masks
+from selfattn.cache import PagedCache
+from tests._cache_helpers import (
     DV,
     F64,
     HKV,
@@ -21,8 +23,6 @@ from _cache_helpers import (
     kv,
     tables,
 )
-from selfattn import masks
-from selfattn.cache import PagedCache
 
 
 def assert_attention_unshared(cache, tabs, seqs, salts, g) -> None:

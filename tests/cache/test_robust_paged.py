@@ -30,7 +30,7 @@ from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.kernels import build, paged_decode
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
-from test_paged import check, contiguous, make_paged, spy_paged_backends
+from tests.cache.test_paged import check, contiguous, make_paged, spy_paged_backends
 
 
 @pytest.fixture(params=["cpu", "torch", "triton"])

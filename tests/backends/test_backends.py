@@ -20,7 +20,7 @@ from selfattn.cache import paged_attention
 from selfattn.call import prepare
 from selfattn.kernels import paged_decode
 from selfattn.testing import make_qkv
-from test_paged import check, make_paged, spy_paged_backends
+from tests.cache.test_paged import check, make_paged, spy_paged_backends
 
 needs_c_kernel = pytest.mark.skipif(
     paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"

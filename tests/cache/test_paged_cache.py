@@ -7,11 +7,11 @@ import gc
 import pytest
 import torch
 
-from _cache_helpers import assert_same, snapshot
 from selfattn import attention, masks
 from selfattn.cache import BlockPool, PagedCache, PrefixIndex, StaticCache, paged_attention
 from selfattn.nn import MultiHeadAttention
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
+from tests._cache_helpers import assert_same, snapshot
 
 F64 = torch.float64
 

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import selfattn as sa
-from _no_extras import PYTHONPATH
 from selfattn.benchmarks import NAMES
 from selfattn.benchmarks import attention as bench_attention
 from selfattn.cli import main
+from tests._no_extras import PYTHONPATH
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from selfattn.models.generate import generate, next_token  # noqa: E402
-from test_models_decoder import VOCAB, left_padded, tiny_pair  # noqa: E402
+from tests.models.test_models_decoder import VOCAB, left_padded, tiny_pair  # noqa: E402
 
 NEW = 9  # new tokens per run: past the windows of 5, so ring buffers wrap
 

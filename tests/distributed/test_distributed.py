@@ -13,7 +13,6 @@ import pytest
 import torch
 from filelock import FileLock
 
-import _dist_helpers as helpers
 from selfattn import masks
 from selfattn.distributed import (
     position_ids,
@@ -24,6 +23,7 @@ from selfattn.distributed import (
 )
 from selfattn.distributed.blocks import pairs
 from selfattn.testing import make_qkv
+from tests import _dist_helpers as helpers
 
 _RESULTS: dict[str, dict] = {}
 
@@ -172,27 +172,11 @@ def test_bad_length_names_the_fix():
         segments(10, "zigzag", 0, 2)
 
 
-def _load_bench():
-    """benchmarks/ring.py as a module (it imports its sibling ``_util``)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_ring", bench / "ring.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(bench))
-
-
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_benchmark_work_counts_causal_pairs(layout):
     """The benchmark's per-rank causal work adds up to the whole causal triangle."""
-    bench = _load_bench()
+    from selfattn.benchmarks import ring as bench
+
     S, W = 48, 4
     work = [bench._theory_work(layout, S, W, r) for r in range(W)]
     assert sum(work) == S * (S + 1) // 2

@@ -528,7 +528,7 @@ def test_info_says_whether_each_kernel_runs_here(capsys):
 
 def test_info_without_a_compiler_triton_or_rich(tmp_path):
     """Nothing missing makes info fail: each kernel says why it cannot run."""
-    from _no_extras import run_without
+    from tests._no_extras import run_without
 
     code = "from selfattn.cli import main; main(['info', '--json']); print('@@'); main(['info'])"
     env = {"PATH": str(tmp_path), "CC": "", "SELFATTN_CACHE_DIR": str(tmp_path / "cache")}

@@ -22,9 +22,9 @@ from selfattn.cache.quant import quantize_int8
 from selfattn.kernels import ops, paged_decode
 from selfattn.kernels.paged_twin import paged_attention_twin
 from selfattn.testing import assert_close_to_reference
-from test_paged import make_paged
+from tests.cache.test_paged import make_paged
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src" / "selfattn" / "kernels"
 
 needs_c_kernel = pytest.mark.skipif(

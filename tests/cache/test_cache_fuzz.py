@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
-from _cache_helpers import HQ, D, PagedCacheMachine, assert_attention
 from selfattn import masks, scores
 from selfattn.kernels import paged_decode as _decode_kernels
+from tests._cache_helpers import HQ, D, PagedCacheMachine, assert_attention
 
 SEED = int(os.environ.get("SELFATTN_FUZZ_SEED", "11"))
 MIN_STEPS = 10_000  # rule executions over the whole run (issue 11)
