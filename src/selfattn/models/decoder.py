@@ -71,7 +71,15 @@ from selfattn.cache.layers import LayerCaches
 from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
 from selfattn.models.hub import register, unsupported
 from selfattn.models.masking import padding_mask
-from selfattn.nn import MLP, DecoderBlock, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU
+from selfattn.nn import (
+    MLP,
+    DecoderBlock,
+    DiffAttention,
+    LayerNorm,
+    MultiHeadAttention,
+    RMSNorm,
+    SwiGLU,
+)
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import (
     LearnedPositions,
@@ -124,6 +132,14 @@ class DecoderConfig:
     final_softcap: float | None = None
     embed_scale: float = 1.0
     sandwich_norm: bool = False
+    # Variants (issue 15): q/k norms ("rms"; scope "head" or OLMo-2's "all"), OLMo-2's norms on
+    # the sublayer outputs only, Gemma-3's RoPE base of the sliding layers, DiffLlama's
+    # differential attention.
+    qk_norm: str | None = None
+    qk_norm_scope: str = "head"
+    post_norm: bool = False
+    rope_local_base: float | None = None
+    diff_attention: bool = False
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -176,6 +192,27 @@ class DecoderConfig:
                 positive_number(getattr(self, name), f"DecoderConfig {name}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.qk_norm is not None:
+            one_of(self.qk_norm, "DecoderConfig qk_norm", ("rms", "layer"))
+        one_of(self.qk_norm_scope, "DecoderConfig qk_norm_scope", ("head", "all"))
+        if self.sandwich_norm and self.post_norm:
+            raise ValueError(
+                "DecoderConfig sandwich_norm and post_norm exclude each other (post_norm drops "
+                "the input norms sandwich_norm keeps); pass one"
+            )
+        if self.rope_local_base is not None:
+            positive_number(self.rope_local_base, "DecoderConfig rope_local_base")
+        if self.diff_attention and self.n_kv_heads % 2:
+            raise ValueError(
+                f"DecoderConfig diff_attention pairs the kv heads' values, so n_kv_heads must be "
+                f"even, got {self.n_kv_heads}"
+            )
+
+    @property
+    def value_dim(self) -> int:
+        """Width of a cached value head: ``head_dim``, or ``2 · head_dim`` with
+        ``diff_attention`` (:class:`~selfattn.nn.DiffAttention` caches its paired values)."""
+        return 2 * self.head_dim if self.diff_attention else self.head_dim
 
     @classmethod
     def from_hf(cls, config: Mapping) -> DecoderConfig:
@@ -357,7 +394,7 @@ class CausalLM(nn.Module):
         c = self.config
         w = self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
-        shape = (c.n_kv_heads, c.head_dim)
+        shape = (c.n_kv_heads, c.head_dim, c.value_dim)
         if kind == "paged":
             pages = -(-max_len // page_size)
             kv = PagedKV(
@@ -407,18 +444,35 @@ class GPT2(CausalLM):
         return gpt2_state(state)
 
 
-@register("llama", "mistral", "qwen2", "gemma2")
-class Llama(CausalLM):
-    """The Llama family: RoPE, GQA, RMSNorm, gated MLP; Mistral/Qwen2/Gemma-2 options by config."""
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama")
 
-    model_types = ("llama", "mistral", "qwen2", "gemma2")
+
+@register(*_LLAMA_TYPES)
+class Llama(CausalLM):
+    """The Llama family: RoPE, GQA, RMSNorm, gated MLP; Mistral/Qwen2/Gemma-2, Qwen-3/OLMo-2
+    (QK-norm), Gemma-3 (QK-norm, a second RoPE base on its sliding layers) and DiffLlama
+    (differential attention) options by config."""
+
+    model_types = _LLAMA_TYPES
+
+    def _layer_rope(self, layer: int, rope):
+        """Gemma-3: sliding layers rotate with their own base (one module shared by them)."""
+        c = self.config
+        if c.rope_local_base is None or c.layer_types[layer] != "sliding_attention":
+            return rope
+        if getattr(self, "rope_local", None) is None:
+            self.rope_local = RoPE(c.head_dim, c.rope_local_base, rotary_dim=c.rotary_dim)
+        return self.rope_local
 
     def _norm(self) -> nn.Module:
         return RMSNorm(self.config.d_model, self.config.norm_eps)
 
     def _block(self, layer: int, rope) -> DecoderBlock:
         c = self.config
-        attention = MultiHeadAttention(
+        kw = {}
+        if c.diff_attention:
+            kw = dict(lambda_init=DiffAttention.default_lambda_init(layer), norm_eps=c.norm_eps)
+        attention = (DiffAttention if c.diff_attention else MultiHeadAttention)(
             c.d_model,
             c.n_heads,
             c.n_kv_heads,
@@ -426,8 +480,12 @@ class Llama(CausalLM):
             fused=True,  # one q/k/v matmul instead of three (the checkpoint's are stacked)
             bias=c.attention_bias,
             out_bias=c.out_bias,
-            rope=rope,
+            qk_norm=c.qk_norm,
+            qk_norm_eps=c.norm_eps,
+            qk_norm_scope=c.qk_norm_scope,
+            rope=self._layer_rope(layer, rope),
             scale=self._scale(layer),
+            **kw,
         )
         act = ACTIVATIONS[c.activation]
         mlp = (
@@ -435,11 +493,14 @@ class Llama(CausalLM):
             if act is F.silu
             else SwiGLU(c.d_model, c.d_ff, bias=c.mlp_bias, activation=act)
         )
-        if c.sandwich_norm:
+        if c.sandwich_norm or c.post_norm:
             attention, mlp = PostNormed(attention, self._norm()), PostNormed(mlp, self._norm())
+        if c.post_norm:  # OLMo-2: x + norm(f(x)), no norm on the sublayer's input
+            return DecoderBlock(attention, mlp, nn.Identity(), nn.Identity())
         return DecoderBlock(attention, mlp, self._norm(), self._norm())
 
     def convert_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' tensor names -> ours (:func:`~selfattn.models.hf_mapping.llama_state`;
         takes the tensors out of ``state``). A tied LM head is filled by ``load_state``."""
-        return llama_state(state, sandwich_norm=self.config.sandwich_norm)
+        c = self.config
+        return llama_state(state, sandwich_norm=c.sandwich_norm, post_norm=c.post_norm)

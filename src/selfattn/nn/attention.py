@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn import scores as _scores
-from selfattn._validate import positive_int
+from selfattn._validate import one_of, positive_int
 from selfattn.cache.base import KV, InPlaceKVCache, next_positions
 from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
@@ -57,7 +57,10 @@ class MultiHeadAttention(nn.Module):
             still works: the query rows of the weight read ``x``, the K/V rows read the context.
         bias: bias on the input projections; ``out_bias`` (default ``bias``) on ``out_proj``.
         qk_norm: ``None``, ``"rms"`` or ``"layer"``: normalise each head of q and k over ``D``
-            before positions are applied (OLMo-2, Qwen-3, ViT-22B).
+            before positions are applied (Qwen-3, Gemma-3, ViT-22B).
+        qk_norm_scope: ``"head"`` (default: one norm of width ``D`` shared by the heads) or
+            ``"all"``: one norm over the whole projected q (``Hq·D``) and k (``Hkv·D``) before
+            the head split, as OLMo-2 does (its statistics mix the heads).
         dropout: attention-weight dropout probability, active in training mode only.
         rope: a callable ``rope(x (B, H, S, D), positions (S,) or (B, S)) -> x`` rotating q and k
             of self-attention at their positions (e.g. ``selfattn.positions.RoPE``).
@@ -79,6 +82,7 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool | None = None,
         qk_norm: str | None = None,
         qk_norm_eps: float = 1e-6,
+        qk_norm_scope: str = "head",
         dropout: float = 0.0,
         rope=None,
         alibi: bool = False,
@@ -137,11 +141,15 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_out, bias=bias, **fk)
             self.v_proj = nn.Linear(vdim, kv_out, bias=bias, **fk)
         self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias, **fk)
+        one_of(qk_norm_scope, "qk_norm_scope", ("head", "all"))
+        self.qk_norm_scope = qk_norm_scope
         if qk_norm is None:
             self.q_norm = self.k_norm = None
         else:
-            self.q_norm = make_norm(qk_norm, head_dim, qk_norm_eps, **fk)
-            self.k_norm = make_norm(qk_norm, head_dim, qk_norm_eps, **fk)
+            whole = qk_norm_scope == "all"
+            q_dim, k_dim = (q_out, kv_out) if whole else (head_dim, head_dim)
+            self.q_norm = make_norm(qk_norm, q_dim, qk_norm_eps, **fk)
+            self.k_norm = make_norm(qk_norm, k_dim, qk_norm_eps, **fk)
 
     # -- projections -----------------------------------------------------------------------------
     def _project(self, x, key, value):
@@ -168,16 +176,25 @@ class MultiHeadAttention(nn.Module):
         key = context if cross else x
         value = key if value is None else value
         q, k, v = self._project(x, key, value)
+        whole = self.q_norm is not None and self.qk_norm_scope == "all"
+        if whole:  # OLMo-2: the norm sees every head of the projection at once
+            q, k = self.q_norm(q), self.k_norm(k)
         q = self._heads(q, self.n_heads)  # (B, Sq, Hq·D) -> (B, Hq, Sq, D)
         k = self._heads(k, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
         v = self._heads(v, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None and not cross:
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             q, k = self.rope(q, positions), self.rope(k, positions)
         return q, k, v
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention output ``(B, Hq, Sq, Dv)`` as the out projection's input ``(B, Sq,
+        Hq·Dv)`` (variants that combine heads, :class:`~selfattn.nn.DiffAttention`, override)."""
+        B, _, Sq, _ = out.shape
+        return out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, Dv) -> (B, Sq, Hq·Dv)
 
     def score_mod_for(self, score_mod=None):
         """The layer's own score mod (ALiBi) composed with a call's ``score_mod``, or None."""
@@ -283,8 +300,7 @@ class MultiHeadAttention(nn.Module):
                 w = attention_weights(
                     q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
                 )
-        out = out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, D) -> (B, Sq, Hq·D)
-        out = self.out_proj(out)
+        out = self.out_proj(self.merge_heads(out))
         return (out, w) if return_weights else out
 
     @classmethod
