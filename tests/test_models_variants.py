@@ -1,8 +1,11 @@
 """The attention variants of issue 15 sections 4-5: QK-norm (Qwen-3, OLMo-2), Gemma-3's two RoPE
-bases, differential attention (DiffLlama); layers against float64 oracles, families against
+bases, Llama-4 (chunked RoPE / NoPE layers, query temperature, L2 qk-norm, MoE), differential
+attention (DiffLlama); layers against float64 oracles, families against
 transformers (tiny perturbed random configs saved with save_pretrained)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from selfattn.cache import StaticCache  # noqa: E402
 from selfattn.models.decoder import DecoderConfig  # noqa: E402
 from selfattn.models.generate import generate  # noqa: E402
 from selfattn.nn import DiffAttention, MultiHeadAttention  # noqa: E402
+from selfattn.nn.attention import QueryTemperature  # noqa: E402
 from selfattn.testing import GRAD_FACTOR, assert_close_to_reference  # noqa: E402
 from test_models_decoder import (  # noqa: E402
     _COMMON,
@@ -45,7 +49,29 @@ VARIANTS = {
         ),
     ),
     "diffllama": ("DiffLlamaConfig", dict(_COMMON, num_attention_heads=8, num_key_value_heads=4)),
+    # Layers: chunked RoPE (dense MLP), global NoPE (MoE), twice. Chunks of 4 and a temperature
+    # floor of 3 make both change within the test sequences.
+    "llama4_text": (
+        "Llama4TextConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=48,
+            intermediate_size_mlp=80,
+            num_local_experts=3,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=4,
+            no_rope_layer_interval=2,
+            floor_scale=3,
+            attn_scale=0.3,
+            eos_token_id=None,
+            bos_token_id=None,
+        ),
+    ),
 }
+LEFT_PADDED = [f for f in VARIANTS if f != "llama4_text"]  # Llama-4 refuses left padding
 NEW = 9  # generated tokens: past the windows of 5, so rings wrap
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -62,7 +88,7 @@ def pairs(tmp_path_factory):
 # -- families against transformers ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", list(VARIANTS))
+@pytest.mark.parametrize("family", LEFT_PADDED)
 def test_logits_match_transformers_left_padded(pairs, family):
     hf, ours = pairs[family]
     ids, mask = left_padded(3, 11, [4, 0, 1], seed=31)
@@ -76,10 +102,37 @@ def test_logits_match_transformers_left_padded(pairs, family):
 @pytest.mark.parametrize("family", list(VARIANTS))
 def test_greedy_equals_transformers(pairs, family, cache):
     hf, ours = pairs[family]
-    ids, mask = left_padded(2, 6, [3, 0], seed=32)
+    ids, mask = left_padded(2, 6, [3, 0] if family in LEFT_PADDED else [0, 0], seed=32)
     ref = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     got = generate(ours, ids, NEW, attention_mask=mask, cache=cache, page_size=4)
     assert torch.equal(got, ref)
+
+
+def test_llama4_logits_match_transformers(pairs):
+    """Chunked RoPE layers, NoPE layers with the query temperature, the MoE (unpadded)."""
+    hf, ours = pairs["llama4_text"]
+    ids, mask = left_padded(3, 13, [0, 0, 0], seed=33)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        got = ours(ids)
+    assert rel_err(got, theirs, mask.bool()) <= RTOL
+
+
+def test_llama4_refuses_left_padding(pairs):
+    _, ours = pairs["llama4_text"]
+    ids, mask = left_padded(2, 6, [2, 0], seed=34)
+    with pytest.raises(ValueError, match="left-padded attention_mask"):
+        ours(ids, attention_mask=mask)
+
+
+def test_query_temperature_values():
+    """1 until position floor_scale - 1, then 1 + attn_scale · log1p(floor((p + 1) / floor))."""
+    t = QueryTemperature(4, 0.5)(torch.arange(12))
+    want = [1.0] * 3 + [1 + 0.5 * math.log(2)] * 4 + [1 + 0.5 * math.log(3)] * 4
+    want += [1 + 0.5 * math.log(4)]
+    torch.testing.assert_close(t, torch.tensor(want))
+    with pytest.raises(ValueError, match="floor_scale"):
+        QueryTemperature(0, 0.1)
 
 
 def test_family_options_are_mapped(pairs):
@@ -94,6 +147,10 @@ def test_family_options_are_mapped(pairs):
     assert c["gemma3_text"].rope_local_base == 1e2 and c["gemma3_text"].rope_base == 1e6
     assert c["gemma3_text"].layer_types == ("sliding_attention",) * 2 + ("full_attention",)
     assert c["diffllama"].diff_attention and c["diffllama"].value_dim == 2 * c["diffllama"].head_dim
+    l4 = c["llama4_text"]
+    assert l4.nope_layers == (False, True) * 2 and l4.moe_layers == (1, 3)
+    assert l4.layer_types == ("chunked_attention", "full_attention") * 2
+    assert l4.rope_interleaved and l4.temperature == (3, 0.3)
     gemma = pairs["gemma3_text"][1]
     assert gemma.layers[0].self_attention.inner.rope is gemma.rope_local
     assert gemma.layers[2].self_attention.inner.rope is gemma.rope
@@ -106,6 +163,7 @@ def test_family_options_are_mapped(pairs):
         (dict(sandwich_norm=True, post_norm=True), "exclude each other"),
         (dict(qk_norm="l3"), "qk_norm"),
         (dict(qk_norm="rms", qk_norm_scope="token"), "qk_norm_scope"),
+        (dict(layer_types=("chunked_attention",)), "attention_chunk_size is None"),
     ],
 )
 def test_variant_config_validation(kw, match):

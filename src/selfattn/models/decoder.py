@@ -88,7 +88,7 @@ from selfattn.positions import (
 
 __all__ = ["GPT2", "CausalLM", "DecoderConfig", "LayerCaches", "Llama"]
 
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 CACHE_KINDS = ("static", "window", "paged")
 
 
@@ -140,6 +140,8 @@ class DecoderConfig:
     post_norm: bool = False
     rope_local_base: float | None = None
     diff_attention: bool = False
+    attention_chunk_size: int | None = None  # "chunked_attention" layers (Llama-4)
+    rope_interleaved: bool = False  # RoPE on (x[2i], x[2i+1]) pairs (Llama-4's complex RoPE)
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -180,20 +182,24 @@ class DecoderConfig:
                 f"got {list(types)}"
             )
         object.__setattr__(self, "layer_types", types)
-        if "sliding_attention" in types:
-            if self.sliding_window is None:
+        for kind, field, what in (
+            ("sliding_attention", "sliding_window", "the window size (tokens, its own included)"),
+            ("chunked_attention", "attention_chunk_size", "the chunk size (tokens)"),
+        ):
+            if kind not in types:
+                continue
+            if getattr(self, field) is None:
                 raise ValueError(
-                    "DecoderConfig layer_types has sliding_attention layers but sliding_window is "
-                    "None; pass the window size (tokens, the query's own included)"
+                    f"DecoderConfig layer_types has {kind} layers but {field} is None; pass {what}"
                 )
-            positive_int(self.sliding_window, "DecoderConfig sliding_window")
+            positive_int(getattr(self, field), f"DecoderConfig {field}")
         for name in ("attn_softcap", "final_softcap"):
             if getattr(self, name) is not None:
                 positive_number(getattr(self, name), f"DecoderConfig {name}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.qk_norm is not None:
-            one_of(self.qk_norm, "DecoderConfig qk_norm", ("rms", "layer"))
+            one_of(self.qk_norm, "DecoderConfig qk_norm", ("rms", "layer", "l2"))
         one_of(self.qk_norm_scope, "DecoderConfig qk_norm_scope", ("head", "all"))
         if self.sandwich_norm and self.post_norm:
             raise ValueError(
@@ -222,8 +228,27 @@ class DecoderConfig:
         return cls(**decoder_fields(config))
 
     def window(self, layer: int) -> int | None:
-        """The attention window of ``layer`` (None: global)."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        """The attention window of ``layer`` (None: global; a chunked layer's chunk size, as a
+        :class:`_Chunk`)."""
+        kind = self.layer_types[layer]
+        if kind == "chunked_attention":
+            return _Chunk(self.attention_chunk_size)
+        return self.sliding_window if kind == "sliding_attention" else None
+
+
+class _Chunk(int):
+    """A chunked layer's entry in ``CausalLM._windows``: an int, since a query never sees more
+    than the chunk size of keys (a window cache of that size serves the layer), that keys its
+    own mask (:func:`_layer_mask`): it never equals a sliding window of the same size."""
+
+    def __eq__(self, other):
+        return type(other) is _Chunk and int(self) == int(other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(("chunk", int(self)))
 
 
 # -- parts the stack does not find in selfattn.nn ------------------------------------------------
@@ -266,7 +291,13 @@ class CausalLM(nn.Module):
         )
         rope = None
         if c.positions == "rope":
-            rope = RoPE(c.head_dim, c.rope_base, c.rope_scaling, rotary_dim=c.rotary_dim)
+            rope = RoPE(
+                c.head_dim,
+                c.rope_base,
+                c.rope_scaling,
+                rotary_dim=c.rotary_dim,
+                interleaved=c.rope_interleaved,
+            )
         self.rope = rope  # one module shared by the layers: one cos/sin table
         self.layers = nn.ModuleList(self._block(i, rope) for i in range(c.n_layers))
         self.norm = self._norm()
@@ -416,6 +447,8 @@ def _layer_mask(window, pad):
     """The mask a layer ANDs with causal(): its window and the key padding ``pad`` (absolute key
     positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
+    if isinstance(window, _Chunk):  # Llama-4's chunks, on absolute (cache) positions
+        mask = _masks.chunked(int(window))
     if pad is None:
         return mask
     return pad if mask is None else mask & pad

@@ -394,3 +394,65 @@ def bert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 name = f"layers.{i}.{_BERT_LAYER[part]}.{leaf}"
         out[name] = t
     return out
+
+
+# -- Llama-4 (text) --------------------------------------------------------------------------------
+def llama4_fields(config: Mapping) -> dict:
+    """``Llama4Config`` keyword arguments from a transformers ``llama4_text`` config.json."""
+    if config.get("model_type") != "llama4_text":
+        raise unsupported(config, "model_type", "not llama4_text")
+    n_layers = config["num_hidden_layers"]
+    no_rope = config.get("no_rope_layers") or [
+        int((i + 1) % config.get("no_rope_layer_interval", 4) != 0) for i in range(n_layers)
+    ]
+    chunk = config.get("attention_chunk_size")
+    types = config.get("layer_types") or [
+        "chunked_attention" if r and chunk is not None else "full_attention" for r in no_rope
+    ]
+    fields = _llama_fields(config)  # the config itself: a missing key names its file
+    qkv_bias = bool(config.get("attention_bias", False))
+    step = config.get("interleave_moe_layer_step", 1)
+    moe = config.get("moe_layers")
+    tuning = config.get("attn_temperature_tuning", True)
+    return dict(
+        fields,
+        out_bias=qkv_bias,
+        sliding_window=None,
+        layer_types=tuple(types),
+        attention_chunk_size=chunk if "chunked_attention" in types else None,
+        rope_interleaved=True,  # transformers' complex RoPE pairs x[2i] with x[2i+1]
+        nope_layers=tuple(not r for r in no_rope),
+        l2_qk_norm=bool(config.get("use_qk_norm", True)),
+        temperature=(config.get("floor_scale", 8192), config.get("attn_scale", 0.1))
+        if tuning
+        else None,
+        moe_layers=tuple(moe if moe is not None else range(step - 1, n_layers, step)),
+        n_experts=config.get("num_local_experts", 16),
+        experts_per_token=config.get("num_experts_per_tok", 1),
+        d_ff_dense=config.get("intermediate_size_mlp") or config["intermediate_size"],
+    )
+
+
+_LLAMA4_FF = {  # feed_forward.<theirs> -> mlp.<ours>
+    "router.weight": "router.weight",
+    "experts.gate_up_proj": "gate_up",
+    "experts.down_proj": "down",
+    "shared_expert.gate_proj.weight": "shared.gate.weight",
+    "shared_expert.up_proj.weight": "shared.up.weight",
+    "shared_expert.down_proj.weight": "shared.down.weight",
+    "gate_proj.weight": "gate.weight",
+    "up_proj.weight": "up.weight",
+    "down_proj.weight": "down.weight",
+}
+
+
+def llama4_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' Llama-4 text tensors -> :class:`~selfattn.models.llama4.Llama4`'s
+    (``state`` is emptied): the Llama names, and ``feed_forward`` (MoE or dense) as ``mlp``."""
+    moved = {}
+    for name, t in _drain(state):
+        head, sep, rest = name.partition(".feed_forward.")
+        if sep and rest in _LLAMA4_FF:
+            name = f"{head.removeprefix('model.')}.mlp.{_LLAMA4_FF[rest]}"
+        moved[name] = t
+    return llama_state(moved, sandwich_norm=False)

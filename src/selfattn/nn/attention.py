@@ -4,19 +4,21 @@ drop-in built by :meth:`MultiHeadAttention.from_torch`. ``ContiguousCache`` is
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from selfattn import scores as _scores
-from selfattn._validate import one_of, positive_int
+from selfattn._validate import one_of, positive_int, positive_number
 from selfattn.cache.base import KV, InPlaceKVCache, next_positions
 from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
 from selfattn.nn.norms import make_norm
 
-__all__ = ["ContiguousCache", "MultiHeadAttention", "TorchMultiheadAttention"]
+__all__ = ["ContiguousCache", "MultiHeadAttention", "QueryTemperature", "TorchMultiheadAttention"]
 
 
 # The layer's name for the preallocated cache; the class lives with the other caches.
@@ -39,6 +41,25 @@ def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
     if lengths.numel() and bool((lengths == lengths[0]).all()):  # equal: one row serves all
         lengths = lengths[0]
     return next_positions(lengths, Sq)
+
+
+class QueryTemperature:
+    """Llama-4's attention temperature for long context (Nakanishi, 2025, arXiv 2501.19399):
+    query row at position ``p`` scaled by ``1 + attn_scale · log1p(floor((p + 1) / floor_scale))``
+    (1 below ``floor_scale - 1``, growing with the log of the length). Computed in float32."""
+
+    def __init__(self, floor_scale: float, attn_scale: float):
+        positive_number(floor_scale, "QueryTemperature floor_scale")
+        if not (isinstance(attn_scale, int | float) and math.isfinite(attn_scale)):
+            raise ValueError(f"QueryTemperature attn_scale must be finite, got {attn_scale!r}")
+        self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        p = positions.to(torch.float32)
+        return torch.log1p(torch.floor((p + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+    def __repr__(self) -> str:
+        return f"QueryTemperature(floor_scale={self.floor_scale}, attn_scale={self.attn_scale})"
 
 
 class MultiHeadAttention(nn.Module):
@@ -66,6 +87,10 @@ class MultiHeadAttention(nn.Module):
             of self-attention at their positions (e.g. ``selfattn.positions.RoPE``).
         alibi: add ALiBi biases (``selfattn.scores.alibi(n_heads)``) to the scores.
         scale: score scale (default ``1/sqrt(D)``); ``backend``: passed to ``selfattn.attention``.
+        q_temperature: a callable ``t(positions) -> scales`` of the same shape (e.g.
+            :class:`QueryTemperature`, Llama-4's long-context tuning) multiplying each query row
+            by a factor of its cache position (``cache.length + i``, padding included, as
+            transformers counts), after positions and qk-norm.
     """
 
     def __init__(
@@ -88,6 +113,7 @@ class MultiHeadAttention(nn.Module):
         alibi: bool = False,
         scale: float | None = None,
         backend: str = "auto",
+        q_temperature=None,
         device=None,
         dtype=None,
     ):
@@ -128,6 +154,11 @@ class MultiHeadAttention(nn.Module):
         self.kdim, self.vdim, self.fused = kdim, vdim, fused
         self.dropout, self.scale, self.backend = float(dropout), scale, backend
         self.rope = rope
+        if q_temperature is not None and not callable(q_temperature):
+            raise TypeError(
+                f"q_temperature must be callable as t(positions), got {type(q_temperature)}"
+            )
+        self.q_temperature = q_temperature
         # Called with the exact q, k, v (and mask, score mod, scale, q_offset) of each call that
         # attends through selfattn.attention; set by selfattn.inspect.capture_attention.
         self.attention_observer = None
@@ -255,6 +286,10 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None and not cross and positions is None:
             positions = _next_positions(cache, B, Sq, x.device)
         q, k, v = self.heads_qkv(x, context, value=value, positions=positions)
+        if self.q_temperature is not None:  # at cache positions, not the (padded) position ids
+            t = self.q_temperature(_next_positions(cache, B, Sq, x.device))  # (Sq,) or (B, Sq)
+            t = t.view(-1, 1, Sq, 1) if t.dim() == 2 else t.view(1, 1, Sq, 1)
+            q = (q * t).to(q.dtype)
         mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
         w = None
