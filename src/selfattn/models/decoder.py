@@ -14,6 +14,13 @@ local layers       none                           Mistral: every layer windowed;
                                                   ``layer_types`` alternating window/global
 =================  =============================  ==============================================
 
+Issue 15's variants, each a config field: QK-norm (``qk_norm``: Qwen-3 and Gemma-3 per head,
+OLMo-2 over the whole projection, ``qk_norm_scope="all"``), OLMo-2's norms on the sublayer outputs
+only (``post_norm``), Gemma-3's second RoPE base on its sliding layers (``rope_local_base``),
+DiffLlama's differential attention (``diff_attention``; :class:`~selfattn.nn.DiffAttention`),
+chunked layers (``"chunked_attention"`` with ``attention_chunk_size``) and interleaved RoPE for
+Llama-4 (:mod:`selfattn.models.llama4`).
+
 Gemma-2 extras, each a config field: soft-capped attention scores (``attn_softcap``, a
 :func:`selfattn.scores.softcap` score mod) and final logits (``final_softcap``),
 ``query_pre_attn_scalar`` (``attn_scale``), embeddings scaled by ``sqrt(d_model)``, and norms after

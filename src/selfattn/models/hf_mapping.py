@@ -31,7 +31,8 @@ _GEMMA = ("gemma2", "gemma3_text")  # (1 + weight) norms, sandwich norms, scaled
 # -- decoders: config.json -> DecoderConfig fields -------------------------------------------------
 def decoder_fields(config: Mapping) -> dict:
     """``DecoderConfig`` keyword arguments from a transformers ``config.json`` dict (``model_type``
-    gpt2, llama, mistral, qwen2, gemma2); options we do not implement raise
+    gpt2, llama, mistral, qwen2, gemma2, qwen3, olmo2, gemma3_text, diffllama; llama4_text has
+    :func:`llama4_fields`); options we do not implement raise
     ``UnsupportedConfigError``."""
     if config.get("model_type") == "gpt2":
         return _gpt2_fields(config)
