@@ -220,10 +220,17 @@ def _check_layer_against_oracle(m, oracle, x):
     assert_close_to_reference(grads[0], grads[1], dnaive, factor=GRAD_FACTOR, what="dx")
 
 
+# The CPU backends a layer's call can take (flex compiles per shape on CPU: seconds per test).
+BACKENDS = ["reference", "chunked", "sdpa"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scope", ["head", "all"])
-def test_qk_norm_matches_float64_oracle_with_gradients(scope):
+def test_qk_norm_matches_float64_oracle_with_gradients(scope, backend):
     torch.manual_seed(41)
-    m = MultiHeadAttention(40, 4, 2, qk_norm="rms", qk_norm_scope=scope, qk_norm_eps=1e-5)
+    m = MultiHeadAttention(
+        40, 4, 2, qk_norm="rms", qk_norm_scope=scope, qk_norm_eps=1e-5, backend=backend
+    )
     with torch.no_grad():  # norms off their init, so a norm over the wrong width shows
         m.q_norm.weight.uniform_(0.5, 1.5)
         m.k_norm.weight.uniform_(0.5, 1.5)
@@ -264,10 +271,13 @@ def _diff_oracle(m: DiffAttention, x, dtype):
     return out @ p["out_proj.weight"].T + p["out_proj.bias"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_diff_attention_matches_float64_oracle_with_gradients(n_heads, n_kv_heads):
+def test_diff_attention_matches_float64_oracle_with_gradients(n_heads, n_kv_heads, backend):
     torch.manual_seed(43)
-    m = DiffAttention(48, n_heads, n_kv_heads, head_dim=6, lambda_init=0.35, lambda_std=0.3)
+    m = DiffAttention(
+        48, n_heads, n_kv_heads, head_dim=6, lambda_init=0.35, lambda_std=0.3, backend=backend
+    )
     x = torch.randn(2, 9, 48)
     _check_layer_against_oracle(m, lambda t, d: _diff_oracle(m, t, d), x)
 
