@@ -393,7 +393,7 @@ class CausalLM(nn.Module):
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         # One mask per kind of layer (window or global), in absolute positions.
-        masks = {w: _layer_mask(w, pad) for w in set(self._windows)}
+        masks = {w: _layer_mask(w, pad, attention_mask) for w in set(self._windows)}
         layer_caches = [None] * len(self.layers) if step is None else step.layers
         for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
             h = block(
@@ -450,15 +450,29 @@ class CausalLM(nn.Module):
         return LayerCaches(kind, layers, w.device)
 
 
-def _layer_mask(window, pad):
+def _layer_mask(window, pad, attention_mask=None):
     """The mask a layer ANDs with causal(): its window and the key padding ``pad`` (absolute key
     positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
-    if isinstance(window, _Chunk):  # Llama-4's chunks, on absolute (cache) positions
-        mask = _masks.chunked(int(window))
+    if isinstance(window, _Chunk):
+        mask = _chunks(int(window), attention_mask)
     if pad is None:
         return mask
     return pad if mask is None else mask & pad
+
+
+def _chunks(size: int, attention_mask):
+    """Llama-4's chunks of ``size`` tokens counted from each row's first token (transformers
+    subtracts the row's leading padding): :func:`~selfattn.masks.chunked` on absolute positions
+    without left padding, else document ids ``(position - lead) // size`` over the ``(B, S_past
+    + S)`` mask's columns (padding shares chunk 0; the key padding hides it anyway)."""
+    if attention_mask is None:
+        return _masks.chunked(size)
+    lead = (attention_mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1)
+    if not bool(lead.any()):
+        return _masks.chunked(size)
+    pos = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return _masks.documents(torch.div((pos - lead).clamp(min=0), size, rounding_mode="floor"))
 
 
 @register("gpt2")

@@ -14,9 +14,8 @@ A Llama-family decoder with these differences, each from transformers' ``modelin
 - ``moe_layers`` use :class:`Llama4MoE` (sigmoid top-k router whose scores scale the expert's
   *input*, plus a shared expert), the others a dense SwiGLU of ``intermediate_size_mlp``.
 
-Chunks are counted from cache position 0, also in a left-padded row; transformers counts them
-from the row's first token, so a left-padded batch through a chunked layer raises (pad on the
-right, or run the rows one by one) rather than answer differently.
+Chunks are counted from each row's first token, as transformers counts them: from cache position
+0 without an attention_mask, from the first unmasked column of a left-padded row.
 """
 
 from __future__ import annotations
@@ -160,17 +159,6 @@ class Llama4(Llama):
         else:
             mlp = SwiGLU(c.d_model, c.d_ff_dense, activation=act)
         return DecoderBlock(attention, mlp, self._norm(), self._norm())
-
-    def forward(self, input_ids, attention_mask=None, **kw):
-        if attention_mask is not None and "chunked_attention" in self.config.layer_types:
-            first = attention_mask[:, :1]
-            if bool((first == 0).any()) and bool((attention_mask != 0).any()):
-                raise ValueError(
-                    "Llama-4's chunked layers count chunks from cache position 0, transformers "
-                    "from each row's first token: a left-padded attention_mask would give other "
-                    "answers. Pad on the right, or run the rows one by one"
-                )
-        return super().forward(input_ids, attention_mask, **kw)
 
     def convert_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' tensor names -> ours (:func:`~selfattn.models.hf_mapping.llama4_state`;
