@@ -144,6 +144,33 @@ def test_query_temperature_values():
         QueryTemperature(0, 0.1)
 
 
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        (  # Gemma-3 4B and up: linear RoPE scaling on the global layers only
+            "gemma3_text",
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e2},
+                }
+            ),
+        ),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    ],
+    ids=["gemma3-linear-global", "qwen3-windowed-upper-layers"],
+)
+def test_family_options_match_transformers(tmp_path, family, overrides):
+    hf, ours = tiny_pair(family, tmp_path, seed=36, families=VARIANTS, **overrides)
+    c = ours.config
+    assert c.rope_scaling is not None if family == "gemma3_text" else c.window(1) == 4
+    ids, mask = left_padded(2, 11, [3, 0], seed=36)
+    with torch.no_grad():
+        theirs = hf(ids, attention_mask=mask, position_ids=hf_positions(mask)).logits
+        got = ours(ids, attention_mask=mask)
+    assert rel_err(got, theirs, mask.bool()) <= RTOL
+
+
 def test_family_options_are_mapped(pairs):
     """Each family gets its variant (and nothing else's)."""
     c = {f: ours.config for f, (_, ours) in pairs.items()}
