@@ -54,9 +54,10 @@ FAMILIES = {
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def tiny_pair(family: str, folder, seed: int = 0, **overrides):
-    """``(transformers model, our model)`` of a tiny random ``family`` config, in eval mode."""
-    cls_name, options = FAMILIES[family]
+def tiny_pair(family: str, folder, seed: int = 0, *, families=FAMILIES, **overrides):
+    """``(transformers model, our model)`` of a tiny random ``family`` config (from
+    ``families``: name -> (config class name, options)), in eval mode."""
+    cls_name, options = families[family]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = getattr(transformers, cls_name)(**{**options, **overrides})

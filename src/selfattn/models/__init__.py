@@ -16,6 +16,7 @@ from selfattn.models.hub import (
 
 from selfattn.models.encoder import BertConfig, BertModel, SentenceEncoder  # isort: skip
 from selfattn.models.decoder import GPT2, CausalLM, DecoderConfig, LayerCaches, Llama  # isort: skip
+from selfattn.models.llama4 import Llama4  # isort: skip
 from selfattn.models.generate import generate, next_token  # isort: skip
 from selfattn.models.graph import GATLayer  # isort: skip
 from selfattn.models.seq2seq import T5, Bart  # isort: skip
@@ -35,6 +36,7 @@ __all__ = [
     "GATLayer",
     "LayerCaches",
     "Llama",
+    "Llama4",
     "SentenceEncoder",
     "SwinBlock",
     "Tokenizer",

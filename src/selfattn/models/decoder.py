@@ -14,6 +14,13 @@ local layers       none                           Mistral: every layer windowed;
                                                   ``layer_types`` alternating window/global
 =================  =============================  ==============================================
 
+Issue 15's variants, each a config field: QK-norm (``qk_norm``: Qwen-3 and Gemma-3 per head,
+OLMo-2 over the whole projection, ``qk_norm_scope="all"``), OLMo-2's norms on the sublayer outputs
+only (``post_norm``), Gemma-3's second RoPE base on its sliding layers (``rope_local_base``),
+DiffLlama's differential attention (``diff_attention``; :class:`~selfattn.nn.DiffAttention`),
+chunked layers (``"chunked_attention"`` with ``attention_chunk_size``) and interleaved RoPE for
+Llama-4 (:mod:`selfattn.models.llama4`).
+
 Gemma-2 extras, each a config field: soft-capped attention scores (``attn_softcap``, a
 :func:`selfattn.scores.softcap` score mod) and final logits (``final_softcap``),
 ``query_pre_attn_scalar`` (``attn_scale``), embeddings scaled by ``sqrt(d_model)``, and norms after
@@ -71,7 +78,15 @@ from selfattn.cache.layers import LayerCaches
 from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
 from selfattn.models.hub import register, unsupported
 from selfattn.models.masking import padding_mask
-from selfattn.nn import MLP, DecoderBlock, LayerNorm, MultiHeadAttention, RMSNorm, SwiGLU
+from selfattn.nn import (
+    MLP,
+    DecoderBlock,
+    DiffAttention,
+    LayerNorm,
+    MultiHeadAttention,
+    RMSNorm,
+    SwiGLU,
+)
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import (
     LearnedPositions,
@@ -80,7 +95,7 @@ from selfattn.positions import (
 
 __all__ = ["GPT2", "CausalLM", "DecoderConfig", "LayerCaches", "Llama"]
 
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 CACHE_KINDS = ("static", "window", "paged")
 
 
@@ -124,6 +139,16 @@ class DecoderConfig:
     final_softcap: float | None = None
     embed_scale: float = 1.0
     sandwich_norm: bool = False
+    # Variants (issue 15): q/k norms ("rms"; scope "head" or OLMo-2's "all"), OLMo-2's norms on
+    # the sublayer outputs only, Gemma-3's RoPE base of the sliding layers, DiffLlama's
+    # differential attention.
+    qk_norm: str | None = None
+    qk_norm_scope: str = "head"
+    post_norm: bool = False
+    rope_local_base: float | None = None
+    diff_attention: bool = False
+    attention_chunk_size: int | None = None  # "chunked_attention" layers (Llama-4)
+    rope_interleaved: bool = False  # RoPE on (x[2i], x[2i+1]) pairs (Llama-4's complex RoPE)
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -164,18 +189,43 @@ class DecoderConfig:
                 f"got {list(types)}"
             )
         object.__setattr__(self, "layer_types", types)
-        if "sliding_attention" in types:
-            if self.sliding_window is None:
+        for kind, field, what in (
+            ("sliding_attention", "sliding_window", "the window size (tokens, its own included)"),
+            ("chunked_attention", "attention_chunk_size", "the chunk size (tokens)"),
+        ):
+            if kind not in types:
+                continue
+            if getattr(self, field) is None:
                 raise ValueError(
-                    "DecoderConfig layer_types has sliding_attention layers but sliding_window is "
-                    "None; pass the window size (tokens, the query's own included)"
+                    f"DecoderConfig layer_types has {kind} layers but {field} is None; pass {what}"
                 )
-            positive_int(self.sliding_window, "DecoderConfig sliding_window")
+            positive_int(getattr(self, field), f"DecoderConfig {field}")
         for name in ("attn_softcap", "final_softcap"):
             if getattr(self, name) is not None:
                 positive_number(getattr(self, name), f"DecoderConfig {name}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.qk_norm is not None:
+            one_of(self.qk_norm, "DecoderConfig qk_norm", ("rms", "layer", "l2"))
+        one_of(self.qk_norm_scope, "DecoderConfig qk_norm_scope", ("head", "all"))
+        if self.sandwich_norm and self.post_norm:
+            raise ValueError(
+                "DecoderConfig sandwich_norm and post_norm exclude each other (post_norm drops "
+                "the input norms sandwich_norm keeps); pass one"
+            )
+        if self.rope_local_base is not None:
+            positive_number(self.rope_local_base, "DecoderConfig rope_local_base")
+        if self.diff_attention and self.n_kv_heads % 2:
+            raise ValueError(
+                f"DecoderConfig diff_attention pairs the kv heads' values, so n_kv_heads must be "
+                f"even, got {self.n_kv_heads}"
+            )
+
+    @property
+    def value_dim(self) -> int:
+        """Width of a cached value head: ``head_dim``, or ``2 · head_dim`` with
+        ``diff_attention`` (:class:`~selfattn.nn.DiffAttention` caches its paired values)."""
+        return 2 * self.head_dim if self.diff_attention else self.head_dim
 
     @classmethod
     def from_hf(cls, config: Mapping) -> DecoderConfig:
@@ -185,8 +235,27 @@ class DecoderConfig:
         return cls(**decoder_fields(config))
 
     def window(self, layer: int) -> int | None:
-        """The attention window of ``layer`` (None: global)."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        """The attention window of ``layer`` (None: global; a chunked layer's chunk size, as a
+        :class:`_Chunk`)."""
+        kind = self.layer_types[layer]
+        if kind == "chunked_attention":
+            return _Chunk(self.attention_chunk_size)
+        return self.sliding_window if kind == "sliding_attention" else None
+
+
+class _Chunk(int):
+    """A chunked layer's entry in ``CausalLM._windows``: an int, since a query never sees more
+    than the chunk size of keys (a window cache of that size serves the layer), that keys its
+    own mask (:func:`_layer_mask`): it never equals a sliding window of the same size."""
+
+    def __eq__(self, other):
+        return type(other) is _Chunk and int(self) == int(other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(("chunk", int(self)))
 
 
 # -- parts the stack does not find in selfattn.nn ------------------------------------------------
@@ -229,7 +298,13 @@ class CausalLM(nn.Module):
         )
         rope = None
         if c.positions == "rope":
-            rope = RoPE(c.head_dim, c.rope_base, c.rope_scaling, rotary_dim=c.rotary_dim)
+            rope = RoPE(
+                c.head_dim,
+                c.rope_base,
+                c.rope_scaling,
+                rotary_dim=c.rotary_dim,
+                interleaved=c.rope_interleaved,
+            )
         self.rope = rope  # one module shared by the layers: one cos/sin table
         self.layers = nn.ModuleList(self._block(i, rope) for i in range(c.n_layers))
         self.norm = self._norm()
@@ -318,7 +393,7 @@ class CausalLM(nn.Module):
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         # One mask per kind of layer (window or global), in absolute positions.
-        masks = {w: _layer_mask(w, pad) for w in set(self._windows)}
+        masks = {w: _layer_mask(w, pad, attention_mask) for w in set(self._windows)}
         layer_caches = [None] * len(self.layers) if step is None else step.layers
         for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
             h = block(
@@ -357,7 +432,7 @@ class CausalLM(nn.Module):
         c = self.config
         w = self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
-        shape = (c.n_kv_heads, c.head_dim)
+        shape = (c.n_kv_heads, c.head_dim, c.value_dim)
         if kind == "paged":
             pages = -(-max_len // page_size)
             kv = PagedKV(
@@ -375,13 +450,29 @@ class CausalLM(nn.Module):
         return LayerCaches(kind, layers, w.device)
 
 
-def _layer_mask(window, pad):
+def _layer_mask(window, pad, attention_mask=None):
     """The mask a layer ANDs with causal(): its window and the key padding ``pad`` (absolute key
     positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)
+    if isinstance(window, _Chunk):
+        mask = _chunks(int(window), attention_mask)
     if pad is None:
         return mask
     return pad if mask is None else mask & pad
+
+
+def _chunks(size: int, attention_mask):
+    """Llama-4's chunks of ``size`` tokens counted from each row's first token (transformers
+    subtracts the row's leading padding): :func:`~selfattn.masks.chunked` on absolute positions
+    without left padding, else document ids ``(position - lead) // size`` over the ``(B, S_past
+    + S)`` mask's columns (padding shares chunk 0; the key padding hides it anyway)."""
+    if attention_mask is None:
+        return _masks.chunked(size)
+    lead = (attention_mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)  # (B, 1)
+    if not bool(lead.any()):
+        return _masks.chunked(size)
+    pos = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return _masks.documents(torch.div((pos - lead).clamp(min=0), size, rounding_mode="floor"))
 
 
 @register("gpt2")
@@ -407,18 +498,35 @@ class GPT2(CausalLM):
         return gpt2_state(state)
 
 
-@register("llama", "mistral", "qwen2", "gemma2")
-class Llama(CausalLM):
-    """The Llama family: RoPE, GQA, RMSNorm, gated MLP; Mistral/Qwen2/Gemma-2 options by config."""
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama")
 
-    model_types = ("llama", "mistral", "qwen2", "gemma2")
+
+@register(*_LLAMA_TYPES)
+class Llama(CausalLM):
+    """The Llama family: RoPE, GQA, RMSNorm, gated MLP; Mistral/Qwen2/Gemma-2, Qwen-3/OLMo-2
+    (QK-norm), Gemma-3 (QK-norm, a second RoPE base on its sliding layers) and DiffLlama
+    (differential attention) options by config."""
+
+    model_types = _LLAMA_TYPES
+
+    def _layer_rope(self, layer: int, rope):
+        """Gemma-3: sliding layers rotate with their own base (one module shared by them)."""
+        c = self.config
+        if c.rope_local_base is None or c.layer_types[layer] != "sliding_attention":
+            return rope
+        if getattr(self, "rope_local", None) is None:
+            self.rope_local = RoPE(c.head_dim, c.rope_local_base, rotary_dim=c.rotary_dim)
+        return self.rope_local
 
     def _norm(self) -> nn.Module:
         return RMSNorm(self.config.d_model, self.config.norm_eps)
 
     def _block(self, layer: int, rope) -> DecoderBlock:
         c = self.config
-        attention = MultiHeadAttention(
+        kw = {}
+        if c.diff_attention:
+            kw = dict(lambda_init=DiffAttention.default_lambda_init(layer), norm_eps=c.norm_eps)
+        attention = (DiffAttention if c.diff_attention else MultiHeadAttention)(
             c.d_model,
             c.n_heads,
             c.n_kv_heads,
@@ -426,8 +534,12 @@ class Llama(CausalLM):
             fused=True,  # one q/k/v matmul instead of three (the checkpoint's are stacked)
             bias=c.attention_bias,
             out_bias=c.out_bias,
-            rope=rope,
+            qk_norm=c.qk_norm,
+            qk_norm_eps=c.norm_eps,
+            qk_norm_scope=c.qk_norm_scope,
+            rope=self._layer_rope(layer, rope),
             scale=self._scale(layer),
+            **kw,
         )
         act = ACTIVATIONS[c.activation]
         mlp = (
@@ -435,11 +547,14 @@ class Llama(CausalLM):
             if act is F.silu
             else SwiGLU(c.d_model, c.d_ff, bias=c.mlp_bias, activation=act)
         )
-        if c.sandwich_norm:
+        if c.sandwich_norm or c.post_norm:
             attention, mlp = PostNormed(attention, self._norm()), PostNormed(mlp, self._norm())
+        if c.post_norm:  # OLMo-2: x + norm(f(x)), no norm on the sublayer's input
+            return DecoderBlock(attention, mlp, nn.Identity(), nn.Identity())
         return DecoderBlock(attention, mlp, self._norm(), self._norm())
 
     def convert_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' tensor names -> ours (:func:`~selfattn.models.hf_mapping.llama_state`;
         takes the tensors out of ``state``). A tied LM head is filled by ``load_state``."""
-        return llama_state(state, sandwich_norm=self.config.sandwich_norm)
+        c = self.config
+        return llama_state(state, sandwich_norm=c.sandwich_norm, post_norm=c.post_norm)

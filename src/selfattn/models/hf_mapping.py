@@ -24,13 +24,15 @@ from selfattn.positions import DynamicNTK, Linear, Llama3, LongRoPE, YaRN
 
 __all__ = ["bert_fields", "bert_state", "decoder_fields", "gpt2_state", "llama_state"]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "gemma2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama")
+_GEMMA = ("gemma2", "gemma3_text")  # (1 + weight) norms, sandwich norms, scaled embeddings
 
 
 # -- decoders: config.json -> DecoderConfig fields -------------------------------------------------
 def decoder_fields(config: Mapping) -> dict:
     """``DecoderConfig`` keyword arguments from a transformers ``config.json`` dict (``model_type``
-    gpt2, llama, mistral, qwen2, gemma2); options we do not implement raise
+    gpt2, llama, mistral, qwen2, gemma2, qwen3, olmo2, gemma3_text, diffllama; llama4_text has
+    :func:`llama4_fields`); options we do not implement raise
     ``UnsupportedConfigError``."""
     if config.get("model_type") == "gpt2":
         return _gpt2_fields(config)
@@ -45,8 +47,8 @@ def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
     params = config.get("rope_parameters")
     if not params:
         params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta")}
-    if "full_attention" in params and isinstance(params["full_attention"], Mapping):
-        raise unsupported(config, "rope_parameters", "per-layer-type RoPE parameters")
+    if isinstance(params.get("full_attention"), Mapping):  # per layer type (Gemma-3)
+        params = params["full_attention"]  # the sliding layers' base: _local_rope_base
     base = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
@@ -94,6 +96,19 @@ def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
     raise unsupported(config, "rope_parameters", f"rope_type {kind!r} is not implemented")
 
 
+def _local_rope_base(config: Mapping) -> float | None:
+    """Gemma-3's RoPE base of the sliding layers (``rope_parameters["sliding_attention"]``, or
+    the older ``rope_local_base_freq``); None where every layer shares one RoPE."""
+    params = config.get("rope_parameters") or {}
+    local = params.get("sliding_attention")
+    if not isinstance(local, Mapping):
+        base = config.get("rope_local_base_freq")
+        return None if base is None else float(base)
+    if local.get("rope_type", "default") != "default":
+        raise unsupported(config, "rope_parameters", "a scaled RoPE on the sliding layers")
+    return float(local["rope_theta"])
+
+
 def _eos(config: Mapping):
     eos = config.get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else eos
@@ -133,11 +148,11 @@ def _llama_fields(config: Mapping) -> dict:
     n_layers = config["num_hidden_layers"]
     window = config.get("sliding_window")
     layer_types = config.get("layer_types")
-    if model_type == "qwen2" and not config.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         window, layer_types = None, None
     if layer_types is None and window is not None:
         layer_types = ["sliding_attention"] * n_layers  # Mistral: every layer is windowed
-    gemma = model_type == "gemma2"
+    gemma = model_type in _GEMMA
     if gemma and config.get("use_bidirectional_attention"):
         raise unsupported(config, "use_bidirectional_attention", "decoders here are causal")
     qkv_bias = config.get("attention_bias", model_type == "qwen2")
@@ -163,6 +178,11 @@ def _llama_fields(config: Mapping) -> dict:
         sliding_window=window if layer_types and "sliding_attention" in layer_types else None,
         layer_types=None if layer_types is None else tuple(layer_types),
         attn_scale=None if not (gemma and pre_attn) else pre_attn**-0.5,
+        qk_norm="rms" if model_type in ("qwen3", "olmo2", "gemma3_text") else None,
+        qk_norm_scope="all" if model_type == "olmo2" else "head",  # OLMo-2: before the split
+        post_norm=model_type == "olmo2",
+        rope_local_base=_local_rope_base(config) if model_type == "gemma3_text" else None,
+        diff_attention=model_type == "diffllama",
         attn_softcap=config.get("attn_logit_softcapping") if gemma else None,
         final_softcap=config.get("final_logit_softcapping") if gemma else None,
         embed_scale=math.sqrt(d) if gemma else 1.0,
@@ -227,10 +247,13 @@ def gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def llama_state(state: dict[str, torch.Tensor], *, sandwich_norm: bool) -> dict[str, torch.Tensor]:
+def llama_state(
+    state: dict[str, torch.Tensor], *, sandwich_norm: bool, post_norm: bool = False
+) -> dict[str, torch.Tensor]:
     """transformers' Llama-family tensors -> :class:`~selfattn.models.Llama`'s (``state`` is
-    emptied). ``sandwich_norm``: Gemma-2's layout, whose RMSNorm weight ``w`` means ``1 + w``."""
-    names = _llama_layer_names(sandwich_norm)
+    emptied). ``sandwich_norm``: Gemma-2/3's layout, whose RMSNorm weight ``w`` means ``1 + w``
+    (the q/k norms' too); ``post_norm``: OLMo-2's, norms on the sublayer outputs only."""
+    names = _llama_layer_names(sandwich_norm, post_norm)
     out = {}
     for name, t in _drain(state):
         name = name.removeprefix("model.")
@@ -241,7 +264,7 @@ def llama_state(state: dict[str, torch.Tensor], *, sandwich_norm: bool) -> dict[
             if ours is None:
                 out[name] = t  # load_state names it as unexpected
                 continue
-            if sandwich_norm and module.endswith("layernorm"):
+            if sandwich_norm and module.endswith(("layernorm", "q_norm", "k_norm")):
                 t = t + 1
             out[f"layers.{parts[1]}.{ours}.{leaf}"] = t
         elif name == "embed_tokens.weight":
@@ -250,7 +273,8 @@ def llama_state(state: dict[str, torch.Tensor], *, sandwich_norm: bool) -> dict[
             out["norm.weight"] = t + 1 if sandwich_norm else t
         else:
             out[name] = t  # lm_head.weight keeps its name
-    return _stack_qkv(out, "self_attention.inner" if sandwich_norm else "self_attention")
+    wrapped = sandwich_norm or post_norm
+    return _stack_qkv(out, "self_attention.inner" if wrapped else "self_attention")
 
 
 def _stack_qkv(state: dict, attn: str) -> dict:
@@ -265,11 +289,16 @@ def _stack_qkv(state: dict, attn: str) -> dict:
     return state
 
 
-def _llama_layer_names(sandwich: bool) -> dict[str, str]:
-    """Llama-family module names inside a layer -> ours. With Gemma-2's sandwich norms the
-    attention and MLP sit inside ``PostNormed`` (``.inner``), their output norms beside."""
-    attn, mlp = ("self_attention.inner", "mlp.inner") if sandwich else ("self_attention", "mlp")
+def _llama_layer_names(sandwich: bool, post_norm: bool = False) -> dict[str, str]:
+    """Llama-family module names inside a layer -> ours. With Gemma-2's sandwich norms (or
+    OLMo-2's output norms) the attention and MLP sit inside ``PostNormed`` (``.inner``), their
+    output norms beside."""
+    wrapped = sandwich or post_norm
+    attn, mlp = ("self_attention.inner", "mlp.inner") if wrapped else ("self_attention", "mlp")
     names = {
+        "self_attn": attn,  # DiffLlama's lambda_q1 ... (parameters of the attention itself)
+        "self_attn.q_norm": f"{attn}.q_norm",  # Qwen-3, OLMo-2, Gemma-3
+        "self_attn.k_norm": f"{attn}.k_norm",
         "input_layernorm": "self_res.norm",
         "self_attn.q_proj": f"{attn}.q_proj",
         "self_attn.k_proj": f"{attn}.k_proj",
@@ -279,7 +308,13 @@ def _llama_layer_names(sandwich: bool) -> dict[str, str]:
         "mlp.up_proj": f"{mlp}.up",
         "mlp.down_proj": f"{mlp}.down",
     }
-    if sandwich:
+    if post_norm:  # OLMo-2: no input norms
+        del names["input_layernorm"]
+        names.update(
+            post_attention_layernorm="self_attention.norm",
+            post_feedforward_layernorm="mlp.norm",
+        )
+    elif sandwich:
         names.update(
             post_attention_layernorm="self_attention.norm",
             pre_feedforward_layernorm="mlp_res.norm",
@@ -360,3 +395,65 @@ def bert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 name = f"layers.{i}.{_BERT_LAYER[part]}.{leaf}"
         out[name] = t
     return out
+
+
+# -- Llama-4 (text) --------------------------------------------------------------------------------
+def llama4_fields(config: Mapping) -> dict:
+    """``Llama4Config`` keyword arguments from a transformers ``llama4_text`` config.json."""
+    if config.get("model_type") != "llama4_text":
+        raise unsupported(config, "model_type", "not llama4_text")
+    n_layers = config["num_hidden_layers"]
+    no_rope = config.get("no_rope_layers") or [
+        int((i + 1) % config.get("no_rope_layer_interval", 4) != 0) for i in range(n_layers)
+    ]
+    chunk = config.get("attention_chunk_size")
+    types = config.get("layer_types") or [
+        "chunked_attention" if r and chunk is not None else "full_attention" for r in no_rope
+    ]
+    fields = _llama_fields(config)  # the config itself: a missing key names its file
+    qkv_bias = bool(config.get("attention_bias", False))
+    step = config.get("interleave_moe_layer_step", 1)
+    moe = config.get("moe_layers")
+    tuning = config.get("attn_temperature_tuning", True)
+    return dict(
+        fields,
+        out_bias=qkv_bias,
+        sliding_window=None,
+        layer_types=tuple(types),
+        attention_chunk_size=chunk if "chunked_attention" in types else None,
+        rope_interleaved=True,  # transformers' complex RoPE pairs x[2i] with x[2i+1]
+        nope_layers=tuple(not r for r in no_rope),
+        l2_qk_norm=bool(config.get("use_qk_norm", True)),
+        temperature=(config.get("floor_scale", 8192), config.get("attn_scale", 0.1))
+        if tuning
+        else None,
+        moe_layers=tuple(moe if moe is not None else range(step - 1, n_layers, step)),
+        n_experts=config.get("num_local_experts", 16),
+        experts_per_token=config.get("num_experts_per_tok", 1),
+        d_ff_dense=config.get("intermediate_size_mlp") or config["intermediate_size"],
+    )
+
+
+_LLAMA4_FF = {  # feed_forward.<theirs> -> mlp.<ours>
+    "router.weight": "router.weight",
+    "experts.gate_up_proj": "gate_up",
+    "experts.down_proj": "down",
+    "shared_expert.gate_proj.weight": "shared.gate.weight",
+    "shared_expert.up_proj.weight": "shared.up.weight",
+    "shared_expert.down_proj.weight": "shared.down.weight",
+    "gate_proj.weight": "gate.weight",
+    "up_proj.weight": "up.weight",
+    "down_proj.weight": "down.weight",
+}
+
+
+def llama4_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' Llama-4 text tensors -> :class:`~selfattn.models.llama4.Llama4`'s
+    (``state`` is emptied): the Llama names, and ``feed_forward`` (MoE or dense) as ``mlp``."""
+    moved = {}
+    for name, t in _drain(state):
+        head, sep, rest = name.partition(".feed_forward.")
+        if sep and rest in _LLAMA4_FF:
+            name = f"{head.removeprefix('model.')}.mlp.{_LLAMA4_FF[rest]}"
+        moved[name] = t
+    return llama_state(moved, sandwich_norm=False)

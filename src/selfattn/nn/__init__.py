@@ -1,8 +1,10 @@
-"""Modules: ``MultiHeadAttention`` (+ its ``ContiguousCache`` and torch drop-in), norms, MLPs,
-encoder and decoder blocks. Inputs and outputs are ``(B, S, d_model)``."""
+"""Modules: ``MultiHeadAttention`` (+ its ``ContiguousCache`` and torch drop-in),
+``DiffAttention``, norms, MLPs, encoder and decoder blocks. Inputs and outputs are
+``(B, S, d_model)``."""
 
 from selfattn.nn.attention import ContiguousCache, MultiHeadAttention, TorchMultiheadAttention
 from selfattn.nn.blocks import DecoderBlock, EncoderBlock
+from selfattn.nn.diff_attention import DiffAttention
 from selfattn.nn.mlp import MLP, SwiGLU
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
@@ -10,6 +12,7 @@ __all__ = [
     "MLP",
     "ContiguousCache",
     "DecoderBlock",
+    "DiffAttention",
     "EncoderBlock",
     "LayerNorm",
     "MultiHeadAttention",

@@ -4,19 +4,21 @@ drop-in built by :meth:`MultiHeadAttention.from_torch`. ``ContiguousCache`` is
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from selfattn import scores as _scores
-from selfattn._validate import positive_int
+from selfattn._validate import one_of, positive_int, positive_number
 from selfattn.cache.base import KV, InPlaceKVCache, next_positions
 from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
 from selfattn.nn.norms import make_norm
 
-__all__ = ["ContiguousCache", "MultiHeadAttention", "TorchMultiheadAttention"]
+__all__ = ["ContiguousCache", "MultiHeadAttention", "QueryTemperature", "TorchMultiheadAttention"]
 
 
 # The layer's name for the preallocated cache; the class lives with the other caches.
@@ -41,6 +43,25 @@ def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
     return next_positions(lengths, Sq)
 
 
+class QueryTemperature:
+    """Llama-4's attention temperature for long context (Nakanishi, 2025, arXiv 2501.19399):
+    query row at position ``p`` scaled by ``1 + attn_scale · log1p(floor((p + 1) / floor_scale))``
+    (1 below ``floor_scale - 1``, growing with the log of the length). Computed in float32."""
+
+    def __init__(self, floor_scale: float, attn_scale: float):
+        positive_number(floor_scale, "QueryTemperature floor_scale")
+        if not (isinstance(attn_scale, int | float) and math.isfinite(attn_scale)):
+            raise ValueError(f"QueryTemperature attn_scale must be finite, got {attn_scale!r}")
+        self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        p = positions.to(torch.float32)
+        return torch.log1p(torch.floor((p + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+    def __repr__(self) -> str:
+        return f"QueryTemperature(floor_scale={self.floor_scale}, attn_scale={self.attn_scale})"
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over ``(B, S, d_model)`` sequences: self or cross, MHA / GQA / MQA.
 
@@ -57,12 +78,19 @@ class MultiHeadAttention(nn.Module):
             still works: the query rows of the weight read ``x``, the K/V rows read the context.
         bias: bias on the input projections; ``out_bias`` (default ``bias``) on ``out_proj``.
         qk_norm: ``None``, ``"rms"`` or ``"layer"``: normalise each head of q and k over ``D``
-            before positions are applied (OLMo-2, Qwen-3, ViT-22B).
+            before positions are applied (Qwen-3, Gemma-3, ViT-22B).
+        qk_norm_scope: ``"head"`` (default: one norm of width ``D`` shared by the heads) or
+            ``"all"``: one norm over the whole projected q (``Hq·D``) and k (``Hkv·D``) before
+            the head split, as OLMo-2 does (its statistics mix the heads).
         dropout: attention-weight dropout probability, active in training mode only.
         rope: a callable ``rope(x (B, H, S, D), positions (S,) or (B, S)) -> x`` rotating q and k
             of self-attention at their positions (e.g. ``selfattn.positions.RoPE``).
         alibi: add ALiBi biases (``selfattn.scores.alibi(n_heads)``) to the scores.
         scale: score scale (default ``1/sqrt(D)``); ``backend``: passed to ``selfattn.attention``.
+        q_temperature: a callable ``t(positions) -> scales`` of the same shape (e.g.
+            :class:`QueryTemperature`, Llama-4's long-context tuning) multiplying each query row
+            by a factor of its cache position (``cache.length + i``, padding included, as
+            transformers counts), after positions and qk-norm.
     """
 
     def __init__(
@@ -79,11 +107,13 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool | None = None,
         qk_norm: str | None = None,
         qk_norm_eps: float = 1e-6,
+        qk_norm_scope: str = "head",
         dropout: float = 0.0,
         rope=None,
         alibi: bool = False,
         scale: float | None = None,
         backend: str = "auto",
+        q_temperature=None,
         device=None,
         dtype=None,
     ):
@@ -124,6 +154,11 @@ class MultiHeadAttention(nn.Module):
         self.kdim, self.vdim, self.fused = kdim, vdim, fused
         self.dropout, self.scale, self.backend = float(dropout), scale, backend
         self.rope = rope
+        if q_temperature is not None and not callable(q_temperature):
+            raise TypeError(
+                f"q_temperature must be callable as t(positions), got {type(q_temperature)}"
+            )
+        self.q_temperature = q_temperature
         # Called with the exact q, k, v (and mask, score mod, scale, q_offset) of each call that
         # attends through selfattn.attention; set by selfattn.inspect.capture_attention.
         self.attention_observer = None
@@ -137,11 +172,15 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_out, bias=bias, **fk)
             self.v_proj = nn.Linear(vdim, kv_out, bias=bias, **fk)
         self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias, **fk)
+        one_of(qk_norm_scope, "qk_norm_scope", ("head", "all"))
+        self.qk_norm_scope = qk_norm_scope
         if qk_norm is None:
             self.q_norm = self.k_norm = None
         else:
-            self.q_norm = make_norm(qk_norm, head_dim, qk_norm_eps, **fk)
-            self.k_norm = make_norm(qk_norm, head_dim, qk_norm_eps, **fk)
+            whole = qk_norm_scope == "all"
+            q_dim, k_dim = (q_out, kv_out) if whole else (head_dim, head_dim)
+            self.q_norm = make_norm(qk_norm, q_dim, qk_norm_eps, **fk)
+            self.k_norm = make_norm(qk_norm, k_dim, qk_norm_eps, **fk)
 
     # -- projections -----------------------------------------------------------------------------
     def _project(self, x, key, value):
@@ -168,16 +207,25 @@ class MultiHeadAttention(nn.Module):
         key = context if cross else x
         value = key if value is None else value
         q, k, v = self._project(x, key, value)
+        whole = self.q_norm is not None and self.qk_norm_scope == "all"
+        if whole:  # OLMo-2: the norm sees every head of the projection at once
+            q, k = self.q_norm(q), self.k_norm(k)
         q = self._heads(q, self.n_heads)  # (B, Sq, Hq·D) -> (B, Hq, Sq, D)
         k = self._heads(k, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
         v = self._heads(v, self.n_kv_heads)  # (B, Sk, Hkv·D) -> (B, Hkv, Sk, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None and not cross:
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             q, k = self.rope(q, positions), self.rope(k, positions)
         return q, k, v
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention output ``(B, Hq, Sq, Dv)`` as the out projection's input ``(B, Sq,
+        Hq·Dv)`` (variants that combine heads, :class:`~selfattn.nn.DiffAttention`, override)."""
+        B, _, Sq, _ = out.shape
+        return out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, Dv) -> (B, Sq, Hq·Dv)
 
     def score_mod_for(self, score_mod=None):
         """The layer's own score mod (ALiBi) composed with a call's ``score_mod``, or None."""
@@ -238,6 +286,10 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None and not cross and positions is None:
             positions = _next_positions(cache, B, Sq, x.device)
         q, k, v = self.heads_qkv(x, context, value=value, positions=positions)
+        if self.q_temperature is not None:  # at cache positions, not the (padded) position ids
+            t = self.q_temperature(_next_positions(cache, B, Sq, x.device))  # (Sq,) or (B, Sq)
+            t = t.view(-1, 1, Sq, 1) if t.dim() == 2 else t.view(1, 1, Sq, 1)
+            q = (q * t).to(q.dtype)
         mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
         w = None
@@ -283,8 +335,7 @@ class MultiHeadAttention(nn.Module):
                 w = attention_weights(
                     q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
                 )
-        out = out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, D) -> (B, Sq, Hq·D)
-        out = self.out_proj(out)
+        out = self.out_proj(self.merge_heads(out))
         return (out, w) if return_weights else out
 
     @classmethod

@@ -56,9 +56,12 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int, eps: float = 1e-6, *, device=None, dtype=None) -> nn.Module:
-    """``"rms"`` -> :class:`RMSNorm`, ``"layer"`` -> :class:`LayerNorm`, over the last ``dim``."""
+    """``"rms"`` -> :class:`RMSNorm`, ``"layer"`` -> :class:`LayerNorm`, over the last ``dim``;
+    ``"l2"``: an :class:`RMSNorm` without weight (Llama-4's ``L2Norm``: ``x / rms(x)``)."""
     if kind == "rms":
         return RMSNorm(dim, eps, device=device, dtype=dtype)
+    if kind == "l2":
+        return RMSNorm(dim, eps, elementwise_affine=False, device=device, dtype=dtype)
     if kind == "layer":
         return LayerNorm(dim, eps=eps, device=device, dtype=dtype)
-    raise ValueError(f"norm must be 'rms' or 'layer', got {kind!r}")
+    raise ValueError(f"norm must be 'rms' or 'layer', got {kind!r} (or 'l2': rms without weight)")
