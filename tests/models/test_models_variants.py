@@ -19,7 +19,7 @@ from selfattn.models.generate import generate  # noqa: E402
 from selfattn.nn import DiffAttention, MultiHeadAttention  # noqa: E402
 from selfattn.nn.attention import QueryTemperature  # noqa: E402
 from selfattn.testing import GRAD_FACTOR, assert_close_to_reference  # noqa: E402
-from test_models_decoder import (  # noqa: E402
+from tests.models.test_models_decoder import (  # noqa: E402
     _COMMON,
     RTOL,
     hf_positions,
