@@ -22,6 +22,8 @@ def _empty(q, k, v, call):
     zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
     out = q.new_zeros(B, Hq, Sq, Dv) + zero
     lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=_lse_dtype(q))
+    if call.sinks is not None:  # no key: the sink takes all the weight, output stays 0
+        lse = lse + call.sinks.to(lse.dtype).view(1, Hq, 1)
     return out, (lse if call.return_lse else None)
 
 
@@ -42,6 +44,7 @@ def attention(
     q_offset: int | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Scaled dot-product attention ``softmax(score_mod(Q Kᵀ · scale) + M) V``.
 
@@ -73,6 +76,14 @@ def attention(
         backend: ``"auto"`` or one of ``selfattn.backends.names()``; see
             :func:`selfattn.backends.explain` for what ``auto`` picks and why.
         return_lse: also return the log-sum-exp of each row's (masked) scores.
+        sinks: ``(Hq,)`` learned attention-sink logits (gpt-oss; Xiao et al. 2023's sink as a
+            parameter): each row of head ``h`` gets one more term ``exp(sinks[h])`` in its softmax
+            denominator, a key with no value, so the weights may sum to less than 1 and the lse
+            includes it. A keyword, not a score mod: it changes the denominator, not any score.
+            Gradients reach ``sinks``. A row with no allowed key gives output 0 and lse
+            ``sinks[h]``. Backends that run it: ``explain`` (reference, chunked; sdpa and flex
+            where they return the lse: merged exactly afterwards, see
+            ``backends._common.merge_sinks``).
 
     Returns:
         ``out (B, Hq, Sq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` in
@@ -104,6 +115,7 @@ def attention(
         generator=generator,
         q_offset=q_offset,
         return_lse=return_lse,
+        sinks=sinks,
     )
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
         if backend != "auto":
