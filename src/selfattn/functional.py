@@ -8,6 +8,7 @@ import torch
 
 from selfattn import backends as _backends
 from selfattn._log import log_once
+from selfattn.backends._common import merge_sinks
 from selfattn.backends.paged import call as _paged
 from selfattn.call import prepare
 
@@ -23,7 +24,7 @@ def _empty(q, k, v, call):
     out = q.new_zeros(B, Hq, Sq, Dv) + zero
     lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=_lse_dtype(q))
     if call.sinks is not None:  # no key: the sink takes all the weight, output stays 0
-        lse = lse + call.sinks.to(lse.dtype).view(1, Hq, 1)
+        out, lse = merge_sinks(out, lse, call.sinks)
     return out, (lse if call.return_lse else None)
 
 
@@ -153,15 +154,19 @@ def attention_weights(
     score_mod=None,
     scale: float | None = None,
     q_offset: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention weights ``softmax(...)`` ``(B, Hq, Sq, Sk)`` of :func:`attention` (no dropout).
 
     Same arguments and semantics as :func:`attention`; each row sums to 1, or is all 0 when the
-    mask allows no key. Computed by the reference backend (the weights are quadratic anyway).
+    mask allows no key; with ``sinks``, each row sums to 1 minus its sink's weight. Computed by
+    the reference backend (the weights are quadratic anyway).
     """
     from selfattn.backends import reference
 
-    q, k, v, call = prepare(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset)
+    q, k, v, call = prepare(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, sinks=sinks
+    )
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return reference.weights(q, k, v, call)
@@ -181,6 +186,7 @@ def paged_attention(
     v_scales: torch.Tensor | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``,
     reading the pages in place.
@@ -227,11 +233,14 @@ def paged_attention(
     ``"torch"``, plain PyTorch for every case); :func:`selfattn.backends.explain_paged` says
     what ``auto`` picks and why (:mod:`selfattn.backends.paged`). All give the same result
     within float32 rounding.
+
+    ``sinks (Hq,)``: learned attention-sink logits, as in :func:`attention`; every paged backend
+    runs them (its kernel's exact lse, the sink merged after it: ``backends._common.merge_sinks``).
     """
     args = (q, k_pages, v_pages, block_table, seq_lens)
     call = _paged.prepare(
         *args, mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-        v_scales=v_scales, return_lse=return_lse,
+        v_scales=v_scales, return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
     chosen, _ = _backends.registry("paged").select(*args, call, backend=backend)
     out, lse = chosen.run(*args, call)

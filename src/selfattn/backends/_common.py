@@ -40,6 +40,9 @@ __all__ = [
     "merge_sinks",
     "needs_grad",
     "nonfinite_v_part",
+    "run_with_sinks",
+    "sinkless",
+    "sinks_merged",
     "unattended_columns_zeroed",
 ]
 
@@ -117,7 +120,7 @@ def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     merged = torch.logaddexp(lse, s)
     dead = merged == -math.inf  # both -inf: exp(-inf - -inf) would be NaN
     w = torch.exp(lse.masked_fill(dead, 0) - merged.masked_fill(dead, 0)).masked_fill(dead, 0)
-    return (out * w.unsqueeze(-1).to(out.dtype)), merged
+    return (out.to(acc) * w.unsqueeze(-1)).to(out.dtype), merged  # one rounding, as the kernels'
 
 
 def sinkless(call):
@@ -125,12 +128,24 @@ def sinkless(call):
     return dataclasses.replace(call, sinks=None, return_lse=True)
 
 
-def run_with_sinks(run, q, k, v, call):
-    """``run(q, k, v, call)`` for a call with sinks, through the lse of the call without them: what
-    chunked, sdpa and flex do (a backend whose kernel has its own lse, merged after it)."""
-    out, lse = run(q, k, v, sinkless(call))
+def run_with_sinks(run, *args):
+    """``run(*args)`` (a backend's arguments, the call last) for a call with sinks, through the lse
+    of the call without them: what chunked, sdpa, flex and the paged backends do (a kernel whose
+    lse is exact, the sink merged after it)."""
+    call = args[-1]
+    out, lse = run(*args[:-1], sinkless(call))
     out, lse = merge_sinks(out, lse, call.sinks)
     return out, (lse if call.return_lse else None)
+
+
+def sinks_merged(run):
+    """``run`` that also runs calls with sinks (:func:`run_with_sinks`): a paged backend's."""
+
+    @functools.wraps(run)
+    def wrapped(*args):
+        return run(*args) if args[-1].sinks is None else run_with_sinks(run, *args)
+
+    return wrapped
 
 
 def needs_grad(tensors) -> bool:

@@ -62,6 +62,9 @@ class MultiHeadAttention(nn.Module):
         rope: a callable ``rope(x (B, H, S, D), positions (S,) or (B, S)) -> x`` rotating q and k
             of self-attention at their positions (e.g. ``selfattn.positions.RoPE``).
         alibi: add ALiBi biases (``selfattn.scores.alibi(n_heads)``) to the scores.
+        sinks: own a learned attention-sink logit per query head (``self.sinks (n_heads,)``,
+            zeros at init; gpt-oss), passed as ``selfattn.attention(..., sinks=)``: it joins
+            every row's softmax denominator with no value.
         scale: score scale (default ``1/sqrt(D)``); ``backend``: passed to ``selfattn.attention``.
     """
 
@@ -82,6 +85,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope=None,
         alibi: bool = False,
+        sinks: bool = False,
         scale: float | None = None,
         backend: str = "auto",
         device=None,
@@ -129,6 +133,8 @@ class MultiHeadAttention(nn.Module):
         self.attention_observer = None
         self.alibi = _scores.alibi(n_heads) if alibi else None
         fk = {"device": device, "dtype": dtype}
+        # zeros: every row starts as if one extra key scored 0 (gpt-oss loads trained values)
+        self.sinks = nn.Parameter(torch.zeros(n_heads, **fk)) if sinks else None
         q_out, kv_out = n_heads * head_dim, n_kv_heads * head_dim
         if fused:
             self.qkv_proj = nn.Linear(d_model, q_out + 2 * kv_out, bias=bias, **fk)
@@ -254,8 +260,9 @@ class MultiHeadAttention(nn.Module):
                     "call model.eval() for cached inference"
                 )
             out = cache.attend(
-                q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights
-            )
+                q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights,
+                **({} if self.sinks is None else {"sinks": self.sinks}),
+            )  # fmt: skip
             if return_weights:
                 out, w = out
         else:
@@ -278,11 +285,13 @@ class MultiHeadAttention(nn.Module):
                 dropout_p=p,
                 q_offset=q_offset,
                 backend=self.backend,
+                sinks=self.sinks,
             )
             if return_weights:
                 w = attention_weights(
-                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
-                )
+                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset,
+                    sinks=self.sinks,
+                )  # fmt: skip
         out = out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, D) -> (B, Sq, Hq·D)
         out = self.out_proj(out)
         return (out, w) if return_weights else out

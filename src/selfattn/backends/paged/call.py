@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfattn.call import check_sinks
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
@@ -25,7 +26,7 @@ class PagedCall:
     """Everything about one ``paged_attention`` call except q, the pages, the table and lengths.
 
     ``k_scales``/``v_scales``: float32 dequantisation scales of int8 / fp8 pages, None for float
-    pages.
+    pages. ``sinks (Hq,)``: learned attention-sink logits (:func:`selfattn.attention`).
     """
 
     mask: Mask | None = None
@@ -34,11 +35,12 @@ class PagedCall:
     k_scales: torch.Tensor | None = None
     v_scales: torch.Tensor | None = None
     return_lse: bool = False
+    sinks: torch.Tensor | None = None
 
 
 def prepare(
     q, k_pages, v_pages, block_table, seq_lens, *, mask=None, score_mod=None, scale=None,
-    k_scales=None, v_scales=None, return_lse=False,
+    k_scales=None, v_scales=None, return_lse=False, sinks=None,
 ) -> PagedCall:  # fmt: skip
     """Validate the arguments of ``paged_attention`` (TypeError / ValueError naming the
     offending values) and normalise them into a :class:`PagedCall`."""
@@ -58,6 +60,7 @@ def prepare(
         k_scales=k_scales,
         v_scales=v_scales,
         return_lse=return_lse,
+        sinks=check_sinks(sinks, q),
     )
 
 

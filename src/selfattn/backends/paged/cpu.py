@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from selfattn.backends import Backend, Cost, register
+from selfattn.backends import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends._common import sinks_merged
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import PagedCall
@@ -61,10 +62,11 @@ _COST = Cost(1.0, "the C kernel reads each page in place, once")
 register(
     Backend(
         "cpu",
-        run,
+        sinks_merged(run),  # the kernel's exact lse, the sink merged after it
         _reject,
         cost=lambda *args: _COST,
         doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
         kind="paged",
+        supports=BASE_FIELDS["paged"] | {"sinks"},
     )
 )

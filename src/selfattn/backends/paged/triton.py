@@ -10,7 +10,8 @@ import os
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import Backend, Cost, register
+from selfattn.backends import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends._common import sinks_merged
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import QUANT_DTYPES, PagedCall
@@ -80,10 +81,11 @@ def _cost(q, *args) -> Cost:
 register(
     Backend(
         "triton",
-        run,
+        sinks_merged(run),  # the kernel's exact lse, the sink merged after it
         _reject,
         cost=_cost,
         doc="Triton kernel: pages read in place, flash-decoding key splits (CUDA)",
         kind="paged",
+        supports=BASE_FIELDS["paged"] | {"sinks"},
     )
 )
