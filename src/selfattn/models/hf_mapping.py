@@ -36,6 +36,8 @@ def decoder_fields(config: Mapping) -> dict:
         return _gpt2_fields(config)
     if config.get("model_type") in LLAMA_FAMILY:
         return _llama_fields(config)
+    if config.get("model_type") == "gpt_oss":
+        return _gpt_oss_fields(config)
     raise unsupported(config, "model_type", "not a decoder family")
 
 
@@ -61,8 +63,6 @@ def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
     if kind == "dynamic":  # transformers scales from max_position_embeddings
         return base, DynamicNTK(factor, max_pos), rotary_dim
     if kind == "yarn":
-        if params.get("truncate", True) is False:
-            raise unsupported(config, "rope_parameters", "YaRN with truncate=False")
         scaling = YaRN(
             factor if factor is not None else max_pos / original,
             original,
@@ -71,6 +71,7 @@ def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
             attention_factor=params.get("attention_factor"),
+            truncate=params.get("truncate", True) is not False,
         )
         return base, scaling, rotary_dim
     if kind == "llama3":
@@ -171,6 +172,19 @@ def _llama_fields(config: Mapping) -> dict:
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=_eos(config),
         pad_token_id=config.get("pad_token_id"),
+    )
+
+
+def _gpt_oss_fields(config: Mapping) -> dict:
+    """gpt-oss: the Llama fields (q/k/v/o biases from ``attention_bias``, ``layer_types``
+    alternating window/global) plus its sinks and experts."""
+    return dict(
+        _llama_fields(config),
+        attn_sinks=True,
+        n_experts=config["num_local_experts"],
+        experts_per_token=config.get("num_experts_per_tok", 4),
+        swiglu_alpha=config.get("swiglu_alpha", 1.702),
+        swiglu_limit=config.get("swiglu_limit", 7.0),
     )
 
 
@@ -278,6 +292,10 @@ def _llama_layer_names(sandwich: bool) -> dict[str, str]:
         "mlp.gate_proj": f"{mlp}.gate",
         "mlp.up_proj": f"{mlp}.up",
         "mlp.down_proj": f"{mlp}.down",
+        # gpt-oss: its sinks (self_attn.sinks) and its experts keep their names
+        "self_attn": attn,
+        "mlp.router": f"{mlp}.router",
+        "mlp.experts": f"{mlp}.experts",
     }
     if sandwich:
         names.update(
