@@ -147,6 +147,18 @@ def test_minus_inf_sink_is_no_sink(backend):
     assert not bool(out.isnan().any()) and lse[0, 0, 2] == -math.inf and lse[0, 1, 2] == 0.5
 
 
+def test_dropout_with_sinks_drops_the_same_pairs():
+    """Dropout is counter-based: chunked with sinks equals the reference for one seed."""
+    q, k, v = make_qkv(2, 4, 9, 8, Hkv=2, Sk=9, seed=23)
+    sinks = _sinks(4, 24)
+    outs = [
+        sa.attention(q, k, v, mask=masks.causal(), sinks=sinks, dropout_p=0.3, backend=b,
+                     generator=torch.Generator().manual_seed(5))
+        for b in ("reference", "chunked")
+    ]  # fmt: skip
+    torch.testing.assert_close(outs[0], outs[1])
+
+
 def test_no_keys_at_all():
     q, k, v = make_qkv(1, 3, 2, 8, Sk=0, seed=11)
     sinks = _sinks(3, 12)
@@ -256,3 +268,34 @@ def test_multihead_attention_paged_decode_equals_full_forward():
         steps = [m(x[:, :3], mask=masks.causal(), cache=view)]
         steps += [m(x[:, i : i + 1], mask=masks.causal(), cache=view) for i in range(3, 6)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_c_kernel_starts_each_row_from_its_sink():
+    """The C kernel merges the sink once per row (key splits included) == its PyTorch twin."""
+    if paged_decode.library() is None:
+        pytest.skip("no C compiler here: the decode kernel cannot be built")
+    from selfattn.kernels.paged_twin import paged_attention_twin
+
+    q, kp, vp, table, lens = make_paged([40, 3, 17], 4, 2, 8, 4, Sq=2, seed=25)
+    lo = torch.tensor([[0, 0], [2, 3], [20, 20]])  # sequence 2's rows attend nothing
+    hi = torch.stack([lens - 1, lens]).T.clamp(max=lens.view(-1, 1)).long()
+    hi[2] = 20
+    sinks = _sinks(4, 26)
+    out, lse = paged_decode.decode(q, kp, vp, table, lo, hi, 0.3, None, None, sinks)
+    ref, ref_lse = paged_attention_twin(q, kp, vp, table, lo, hi, 0.3, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert bool((out[2] == 0).all()) and torch.equal(lse[2], sinks.view(4, 1).expand(4, 2))
+    torch.library.opcheck(
+        torch.ops.selfattn.paged_decode_cpu.default,
+        (q, kp, vp, table, lo, hi, 0.3, None, None, sinks),
+    )
+
+
+def test_paged_sinks_with_gradients_take_the_pytorch_path():
+    q, kp, vp, table, lens = make_paged([6, 9], 2, 1, 8, 4, Sq=1, seed=27)
+    sinks = _sinks(2, 28).requires_grad_(True)
+    why = sa.backends.explain_paged(q, kp, vp, table, lens, sinks=sinks, print_table=False)
+    assert "gradients" in why.reasons["cpu"]
+    paged_attention(q, kp, vp, table, lens, sinks=sinks).sum().backward()
+    assert sinks.grad is not None and bool((sinks.grad != 0).all())

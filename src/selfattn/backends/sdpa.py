@@ -102,6 +102,11 @@ def _sdpa_would_use_math(q, k, v, attn_mask, is_causal: bool) -> bool:
 
 def _reject(q, k, v, call: AttentionCall) -> str | None:
     if call.sinks is not None:
+        if grad_needed(q, k, v, call):
+            return (
+                "sinks are merged through SDPA's log-sum-exp, which its CPU flash kernel returns "
+                "without gradients, and this call needs gradients (chunked runs it)"
+            )
         reason = _reject(q, k, v, sinkless(call))
         return None if reason is None else f"sinks are merged through the lse: {reason}"
     if q.dtype not in _DTYPES:

@@ -8,7 +8,6 @@ import os
 import torch
 
 from selfattn.backends import BASE_FIELDS, Backend, Cost, register
-from selfattn.backends._common import sinks_merged
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import PagedCall
@@ -25,7 +24,8 @@ KERNEL_MAX_SQ = 16
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
     lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
-    args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales)
+    args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales,
+            call.sinks)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         out, lse = ops.paged_decode_cpu(*args)
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
@@ -62,7 +62,7 @@ _COST = Cost(1.0, "the C kernel reads each page in place, once")
 register(
     Backend(
         "cpu",
-        sinks_merged(run),  # the kernel's exact lse, the sink merged after it
+        run,
         _reject,
         cost=lambda *args: _COST,
         doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
