@@ -11,7 +11,6 @@ import torch
 
 from selfattn._log import log_once
 from selfattn.backends import BASE_FIELDS, Backend, Cost, register
-from selfattn.backends._common import sinks_merged
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import QUANT_DTYPES, PagedCall
@@ -25,7 +24,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
     lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
     args = (q.contiguous(), k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales,
-            call.v_scales)  # fmt: skip
+            call.v_scales, None, call.sinks)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         return ops.paged_decode_triton(*args)
     # The op's implementation itself, as the cpu backend does (the dispatcher's cost per call).
@@ -81,7 +80,7 @@ def _cost(q, *args) -> Cost:
 register(
     Backend(
         "triton",
-        sinks_merged(run),  # the kernel's exact lse, the sink merged after it
+        run,
         _reject,
         cost=_cost,
         doc="Triton kernel: pages read in place, flash-decoding key splits (CUDA)",
