@@ -130,8 +130,9 @@ def sinkless(call):
 
 def run_with_sinks(run, *args):
     """``run(*args)`` (a backend's arguments, the call last) for a call with sinks, through the lse
-    of the call without them: what chunked, sdpa, flex and the paged backends do (a kernel whose
-    lse is exact, the sink merged after it)."""
+    of the call without them: what chunked, sdpa, flex and the PyTorch paged path do (their lse
+    is exact and differentiable, the sink merged after it; the C and Triton decode kernels merge
+    it where their key splits merge)."""
     call = args[-1]
     out, lse = run(*args[:-1], sinkless(call))
     out, lse = merge_sinks(out, lse, call.sinks)
@@ -139,7 +140,8 @@ def run_with_sinks(run, *args):
 
 
 def sinks_merged(run):
-    """``run`` that also runs calls with sinks (:func:`run_with_sinks`): a paged backend's."""
+    """``run`` that also runs calls with sinks (:func:`run_with_sinks`): the PyTorch paged
+    backend's."""
 
     @functools.wraps(run)
     def wrapped(*args):
@@ -158,7 +160,7 @@ def grad_needed(q, k, v, call) -> bool:
     """Whether autograd will run this call's backward: q, k, v or a tensor the score mod reads
     (a learnable bias) or the sinks need grad."""
     mod = call.score_mod.tensors() if call.score_mod is not None else ()
-    sinks = () if getattr(call, "sinks", None) is None else (call.sinks,)
+    sinks = () if call.sinks is None else (call.sinks,)
     return needs_grad([q, k, v, *mod, *sinks])
 
 
