@@ -185,8 +185,12 @@ def make_mod(kind: str, Hq: int, S: int = S_DEFAULT):
 def compare(
     rank, W, *, layout="zigzag", mask="causal", mod="none", dtype="float32", method="ring",
     B=2, Hq=4, Hkv=2, S=S_DEFAULT, D=16, Dv=8, seed=0, lse_grad=False, group_ranks=None,
+    sinks=False,
 ):  # fmt: skip
     """Ring vs the single-process oracle: out, lse, dq, dk, dv by the ratio rule.
+
+    ``sinks``: with learned attention sinks, whose gradient (each rank's share, summed over the
+    group as a data-parallel optimizer would) is checked too.
 
     ``group_ranks``: run on a new process group of these (global) ranks only; the others skip.
     Returns the max abs errors of ``out`` and of the gradients (for the error-growth check).
@@ -203,6 +207,8 @@ def compare(
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(B, Hq, S, Dv, generator=g, dtype=torch.float64)
     dlse = torch.randn(B, Hq, S, generator=g, dtype=torch.float64) if lse_grad else None
+    sk = (2 * torch.randn(Hq, generator=g, dtype=torch.float64)).float() if sinks else None
+    leaf = None if sk is None else sk.clone().requires_grad_(True)
 
     def shard(t):
         return shard_sequence(t, layout, group, dim=2)
@@ -210,7 +216,7 @@ def compare(
     ql, kl, vl = (shard(t).detach().requires_grad_(True) for t in (q, k, v))
     out, lse = ring_attention(
         ql, kl, vl, group=group, mask=m, score_mod=s, layout=layout, method=method,
-        return_lse=True,
+        return_lse=True, sinks=leaf,
     )  # fmt: skip
     loss = (out.double() * shard(dout)).sum()
     if dlse is not None:
@@ -219,8 +225,13 @@ def compare(
     grads = [t.grad for t in (ql, kl, vl)]
 
     # the oracle (float64) and the naive baseline (same formula in the test dtype), full length
-    o64, l64, leaves64 = reference_attention(*(t.requires_grad_(True) for t in (q, k, v)), **kw)
-    on, ln, leavesn = naive_attention(q, k, v, **kw)
+    s64 = sn = None
+    if sk is not None:
+        s64, sn = sk.double().requires_grad_(True), sk.to(dt).requires_grad_(True)
+    o64, l64, leaves64 = reference_attention(
+        *(t.requires_grad_(True) for t in (q, k, v)), **kw, sinks=s64
+    )
+    on, ln, leavesn = naive_attention(q, k, v, **kw, sinks=sn)
     for o, lse_ in ((o64, l64), (on, ln)):
         total = (o.double() * dout).sum()
         if dlse is not None:
@@ -235,6 +246,12 @@ def compare(
             a, shard(o.grad), shard(n.grad), factor=GRAD_FACTOR, dtype=dt, what=name
         )
         errors[name] = (a.double() - shard(o.grad)).abs().max().item()
+    if leaf is not None:
+        dsinks = leaf.grad.clone()
+        dist.all_reduce(dsinks, group=group)  # every rank's rows add to the shared logits
+        assert_close_to_reference(
+            dsinks, s64.grad, sn.grad, factor=GRAD_FACTOR, dtype=dt, what="dsinks"
+        )
     return errors
 
 
@@ -534,6 +551,11 @@ _CORE = {
 }
 _EXTRA = {
     "padding-empty-rows": (compare, {"mask": "padding-empty"}),
+    "sinks-causal-gqa": (compare, {"sinks": True, "Hkv": 1, "lse_grad": True}),
+    "sinks-allgather-padding-empty": (
+        compare,
+        {"sinks": True, "method": "allgather", "mask": "padding-empty", "dtype": "bfloat16"},
+    ),
     "callable-mask": (compare, {"mask": "callable"}),
     "tensor-bias-documents": (compare, {"mask": "documents", "mod": "bias"}),
     "tensor-mask-bf16": (compare, {"mask": "tensor", "dtype": "bfloat16", "layout": "contiguous"}),

@@ -14,7 +14,7 @@ import torch
 from selfattn.masks import Mask, _check_position_span, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["AttentionCall", "check_tensors", "prepare"]
+__all__ = ["AttentionCall", "check_sinks", "check_tensors", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class AttentionCall:
     ``mask`` and ``score_mod`` are bound to these positions (tensors given in query-row order
     included: :meth:`selfattn.masks.Mask.bind`), so they take absolute ``q_idx``/``kv_idx``.
     ``dropout_seed`` is drawn once per call (from ``generator`` or torch's default one) so that the
-    forward and the recomputing backward see the same dropout pattern.
+    forward and the recomputing backward see the same dropout pattern. ``sinks (Hq,)``: learned
+    attention-sink logits (gpt-oss), one per query head, in the accumulation dtype's units of the
+    scaled scores; each joins its head's softmax denominators as a key with no value.
     """
 
     mask: Mask | None = None
@@ -35,6 +37,7 @@ class AttentionCall:
     dropout_seed: int = 0
     q_offset: int = 0
     return_lse: bool = False
+    sinks: torch.Tensor | None = None
     tile_kinds_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
@@ -90,6 +93,33 @@ def check_tensors(q, k, v) -> None:
         )
 
 
+def check_sinks(sinks, q):
+    """``sinks`` checked against ``q (B, Hq, Sq, D)``: None, or a float tensor of shape ``(Hq,)``
+    on q's device (any float dtype: it is used in the accumulation dtype, and its gradient flows
+    back in its own)."""
+    if sinks is None:
+        return None
+    Hq = q.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(
+            f"sinks must be a float tensor of shape (Hq,) = ({Hq},), got {type(sinks).__name__}"
+        )
+    if not sinks.is_floating_point():
+        raise TypeError(
+            f"sinks must be a float tensor, got dtype {sinks.dtype}; cast with .float()"
+        )
+    if tuple(sinks.shape) != (Hq,):
+        raise ValueError(
+            f"sinks must have shape (Hq,) = ({Hq},), one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks are on {sinks.device} but q is on {q.device}; move them with .to(q.device)"
+        )
+    return sinks
+
+
 def _broadcast_kv_batch(q, k, v):
     """K and V of batch 1 against a larger query batch as stride-0 views of q's batch (no copy;
     FlexAttention allows the same). Anything else passes unchanged, for check_tensors to judge."""
@@ -114,6 +144,7 @@ def prepare(
     generator=None,
     q_offset=None,
     return_lse=False,
+    sinks=None,
 ):
     """Validate and normalise :func:`selfattn.attention`'s arguments into
     ``(q, k, v, AttentionCall)``, the mask and score mod bound to the call's positions. K/V of
@@ -167,6 +198,7 @@ def prepare(
         dev = generator.device if generator is not None else "cpu"
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=dev))
     call = AttentionCall(
+        sinks=check_sinks(sinks, q),
         mask=mask_obj,
         score_mod=mod_obj,
         scale=float(scale),

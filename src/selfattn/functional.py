@@ -8,6 +8,7 @@ import torch
 
 from selfattn import backends as _backends
 from selfattn._log import log_once
+from selfattn.backends._common import merge_sinks
 from selfattn.backends.paged import call as _paged
 from selfattn.backends.paged import plan as _paged_plan
 from selfattn.call import prepare
@@ -23,6 +24,8 @@ def _empty(q, k, v, call):
     zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
     out = q.new_zeros(B, Hq, Sq, Dv) + zero
     lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=_lse_dtype(q))
+    if call.sinks is not None:  # no key: the sink takes all the weight, output stays 0
+        out, lse = merge_sinks(out, lse, call.sinks)
     return out, (lse if call.return_lse else None)
 
 
@@ -43,6 +46,7 @@ def attention(
     q_offset: int | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Scaled dot-product attention ``softmax(score_mod(Q Kᵀ · scale) + M) V``.
 
@@ -74,6 +78,14 @@ def attention(
         backend: ``"auto"`` or one of ``selfattn.backends.names()``; see
             :func:`selfattn.backends.explain` for what ``auto`` picks and why.
         return_lse: also return the log-sum-exp of each row's (masked) scores.
+        sinks: ``(Hq,)`` learned attention-sink logits (gpt-oss; Xiao et al. 2023's sink as a
+            parameter): each row of head ``h`` gets one more term ``exp(sinks[h])`` in its softmax
+            denominator, a key with no value, so the weights may sum to less than 1 and the lse
+            includes it. A keyword, not a score mod: it changes the denominator, not any score.
+            Gradients reach ``sinks``. A row with no allowed key gives output 0 and lse
+            ``sinks[h]``. Backends that run it: ``explain`` (reference, chunked; sdpa and flex
+            where they return the lse: merged exactly afterwards, see
+            ``backends._common.merge_sinks``).
 
     Returns:
         ``out (B, Hq, Sq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` in
@@ -105,6 +117,7 @@ def attention(
         generator=generator,
         q_offset=q_offset,
         return_lse=return_lse,
+        sinks=sinks,
     )
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
         if backend != "auto":
@@ -142,15 +155,19 @@ def attention_weights(
     score_mod=None,
     scale: float | None = None,
     q_offset: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention weights ``softmax(...)`` ``(B, Hq, Sq, Sk)`` of :func:`attention` (no dropout).
 
     Same arguments and semantics as :func:`attention`; each row sums to 1, or is all 0 when the
-    mask allows no key. Computed by the reference backend (the weights are quadratic anyway).
+    mask allows no key; with ``sinks``, each row sums to 1 minus its sink's weight. Computed by
+    the reference backend (the weights are quadratic anyway).
     """
     from selfattn.backends import reference
 
-    q, k, v, call = prepare(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset)
+    q, k, v, call = prepare(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, sinks=sinks
+    )
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return reference.weights(q, k, v, call)
@@ -171,6 +188,7 @@ def paged_attention(
     backend: str = "auto",
     return_lse: bool = False,
     plan: _paged_plan.PagedAttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``,
     reading the pages in place.
@@ -222,11 +240,14 @@ def paged_attention(
     and ``seq_lens``, shared by the calls of one step (one per layer): the checks of the table
     and lengths, the backend choice and the key intervals then run once per step, not per call.
     Same results; ignored under ``torch.compile``, whose graph does that work.
+
+    ``sinks (Hq,)``: learned attention-sink logits, as in :func:`attention`; every paged backend
+    runs them (its kernel's exact lse, the sink merged after it: ``backends._common.merge_sinks``).
     """
     args = (q, k_pages, v_pages, block_table, seq_lens)
     kwargs = dict(
         mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales, v_scales=v_scales,
-        return_lse=return_lse,
+        return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
     if plan is not None and (plan.block_table is not block_table or plan.seq_lens is not seq_lens):
         raise ValueError(

@@ -208,10 +208,10 @@ def _spy(ran):
 
 
 @dataclasses.dataclass(frozen=True)
-class _CallWithSinks(AttentionCall):
-    """AttentionCall plus a field no built-in backend knows (as attention sinks would be)."""
+class _CallWithNewField(AttentionCall):
+    """AttentionCall plus a field no built-in backend knows (as sinks were, once)."""
 
-    sinks: torch.Tensor | None = None
+    novel: torch.Tensor | None = None
 
 
 def test_a_call_field_a_backend_does_not_declare_makes_it_decline(monkeypatch):
@@ -219,24 +219,24 @@ def test_a_call_field_a_backend_does_not_declare_makes_it_decline(monkeypatch):
     sets another one is declined with a reason naming the field, by auto, select and explain
     alike. Left at its default, the field asks nothing and changes nothing."""
     q, k, v = make_qkv(1, 2, 7, 8, seed=9)
-    plain = sa.backends.available(q, k, v, _CallWithSinks())
+    plain = sa.backends.available(q, k, v, _CallWithNewField())
     assert plain == sa.backends.available(q, k, v, AttentionCall())
-    call = _CallWithSinks(sinks=torch.zeros(2))
+    call = _CallWithNewField(novel=torch.zeros(2))
     reasons = sa.backends.available(q, k, v, call)
-    assert all("the call sets sinks" in why for why in reasons.values()), reasons
-    with pytest.raises(ValueError, match=r"no dense backend can run this call: .*sets sinks"):
+    assert all("the call sets novel" in why for why in reasons.values()), reasons
+    with pytest.raises(ValueError, match=r"no dense backend can run this call: .*sets novel"):
         sa.backends.select(q, k, v, call)
     with pytest.raises(
-        ValueError, match="backend 'sdpa' cannot run this call: the call sets sinks"
+        ValueError, match="backend 'sdpa' cannot run this call: the call sets novel"
     ):
         sa.backends.select(q, k, v, call, backend="sdpa")
 
     reference = sa.backends.get("reference")
-    knows = dataclasses.replace(reference, supports=reference.supports | {"sinks"})
+    knows = dataclasses.replace(reference, supports=reference.supports | {"novel"})
     monkeypatch.setitem(registry()._backends, "reference", knows)
     backend, ex = sa.backends.select(q, k, v, call)
     assert backend is knows and ex.chosen == "reference" and ex.reasons["reference"] is None
-    assert "sets sinks" in ex.reasons["chunked"]  # explain says why the others did not run it
+    assert "sets novel" in ex.reasons["chunked"]  # explain says why the others did not run it
 
 
 def test_paged_backends_decline_unknown_fields_too(monkeypatch):
@@ -244,14 +244,16 @@ def test_paged_backends_decline_unknown_fields_too(monkeypatch):
     from selfattn.backends.paged.call import PagedCall, prepare
 
     @dataclasses.dataclass(frozen=True, eq=False)
-    class PagedCallWithSinks(PagedCall):
-        sinks: torch.Tensor | None = None
+    class PagedCallWithNewField(PagedCall):
+        novel: torch.Tensor | None = None
 
     args = make_paged([9, 4], 4, 2, D=8, P=4, Sq=1, seed=11)
     base = prepare(*args)
-    call = PagedCallWithSinks(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    call = PagedCallWithNewField(
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    )
     assert registry("paged").available(*args, call) == registry("paged").available(*args, base)
-    call = dataclasses.replace(call, sinks=torch.zeros(4))
+    call = dataclasses.replace(call, novel=torch.zeros(4))
     reasons = registry("paged").available(*args, call)
     assert set(reasons) == {"torch", "cpu", "triton"}
-    assert all("the call sets sinks" in why for why in reasons.values()), reasons
+    assert all("the call sets novel" in why for why in reasons.values()), reasons

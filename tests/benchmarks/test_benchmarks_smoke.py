@@ -197,6 +197,16 @@ def check_models(report: dict) -> None:
         assert row["met"] == (row["ours_peak_mib"] <= 1.15 * row["weights_mib"] + 16), row
 
 
+SINKS_ROWS = ["chunked forward", "sdpa forward", "chunked forward+backward", "paged decode"]
+
+
+def check_variants(report: dict) -> None:
+    rows = [r for r in report["rows"] if r["section"] == "sinks"]
+    assert [r["case"].split(",")[0].rsplit(" B=", 1)[0] for r in rows] == SINKS_ROWS, rows
+    assert [r["target"] for r in rows] == ["<= 1.05"] * 3 + ["<= 1.1"]
+    assert all(r["ours_ms"] > 0 and r["peer"] == "no sinks" for r in rows), rows
+
+
 SMOKES = {
     "attention": pytest.param(
         Smoke(
@@ -207,6 +217,7 @@ SMOKES = {
         marks=pytest.mark.slow,
     ),
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
+    "variants": Smoke(packaged("variants", "--repeat", "2"), check_variants),
     "layers": pytest.param(
         Smoke(packaged("layers", "--repeat", "1"), check_layers), marks=pytest.mark.slow
     ),

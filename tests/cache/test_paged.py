@@ -102,9 +102,9 @@ def kernel_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = paged_decode.decode
 
-    def spy(q, k_pages, v_pages, table, lo, hi, *rest):
+    def spy(q, k_pages, v_pages, table, lo, hi, *rest, **kw):
         calls.append(paged_decode.key_splits(lo, hi, k_pages.shape[1])[0])
-        return real(q, k_pages, v_pages, table, lo, hi, *rest)
+        return real(q, k_pages, v_pages, table, lo, hi, *rest, **kw)
 
     monkeypatch.setattr(paged_decode, "decode", spy)
     return calls

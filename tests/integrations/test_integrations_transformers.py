@@ -567,5 +567,5 @@ def test_errors_name_the_shapes_and_the_fix(folders):
         st.attention_forward(layer, q, k, k, stale)
     with pytest.raises(TypeError, match="attention_mask of type list"):
         st.attention_forward(layer, q, k, k, [1, 2])
-    with pytest.raises(ValueError, match=r"3 values.*Hq=4"):
+    with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\) = \(4,\).*got \(3,\)"):
         st.attention_forward(layer, q, k, k, None, s_aux=torch.zeros(3))

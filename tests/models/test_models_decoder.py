@@ -193,6 +193,12 @@ ROPE_CASES = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 3.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    "yarn-untruncated": {  # gpt-oss's: the correction range is not rounded
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "truncate": False,
+    },
     "llama3": {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -303,19 +309,6 @@ def _config_dict(family: str, **overrides) -> dict:
         (
             "llama",
             {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}},
-            "rope_parameters",
-        ),
-        (
-            "llama",
-            {
-                "rope_parameters": {
-                    "rope_type": "yarn",
-                    "factor": 2.0,
-                    "original_max_position_embeddings": 64,
-                    "truncate": False,
-                    "rope_theta": 1e4,
-                }
-            },
             "rope_parameters",
         ),
     ],

@@ -254,6 +254,10 @@ MINIMAL_CONFIGS = {
         decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,
         max_position_embeddings=16,
     ),
+    "gpt_oss": dict(
+        vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
+        intermediate_size=12, num_local_experts=4,
+    ),
 }  # fmt: skip
 FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "gemma2": "llama", "mt5": "t5"}
 _LLAMA_LIKE = ["qwen3", "olmo2", "gemma3_text", "diffllama", "llama4_text"]  # issue 15's variants

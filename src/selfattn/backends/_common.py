@@ -12,10 +12,15 @@ How non-finite inputs behave, on every backend (each guard below serves this rul
   That is what the C decode kernel computes, which reads every key of a row's interval and no
   other.
 - NaN in a query row, or in the K of a key it attends, makes that row NaN (output and lse).
+
+Learned attention sinks (``sinks``, :func:`merge_sinks`) add a key with no value to every row: a
+row with no attended key and a finite sink gives output 0 and lse ``sink`` (the sink takes all
+the weight, so "no key" still means output 0, as above); a ``-inf`` sink is no sink.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -32,8 +37,12 @@ __all__ = [
     "dropout_keep",
     "fused_or_exact",
     "index_grids",
+    "merge_sinks",
     "needs_grad",
     "nonfinite_v_part",
+    "run_with_sinks",
+    "sinkless",
+    "sinks_merged",
     "unattended_columns_zeroed",
 ]
 
@@ -93,6 +102,54 @@ def unattended_columns_zeroed(
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
 
 
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """``(out', lse')`` of attention whose rows also have the learned sink logit of their head in
+    the softmax denominator, from ``(out, lse)`` computed without it: exact, not an approximation.
+
+    ``out (B, Hq, Sq, Dv)``, ``lse (B, Hq, Sq)`` (its dtype is the accumulation dtype), ``sinks
+    (Hq,)``. The sink is one more key with score ``sink`` and value 0, so the weights of the real
+    keys shrink by ``w = exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``, i.e. ``w =
+    sigmoid(lse - sink)``, and nothing is added to the output. Differentiable in ``out``, ``lse``
+    and ``sinks`` (the backends whose lse has gradients run sinks this way, a ring merges them
+    once after its blocks): ``d sink = -Σ (1 - w) · (rowsum(dO' ∘ O') - dlse')``, the sink's
+    weight times ``-Δ`` of the flash backward. Rows with ``lse' = -inf`` (no key, sink ``-inf``)
+    keep output 0 with zero gradients.
+    """
+    acc = lse.dtype
+    s = sinks.to(acc).view(1, -1, 1)  # (Hq,) -> (1, Hq, 1)
+    merged = torch.logaddexp(lse, s)
+    dead = merged == -math.inf  # both -inf: exp(-inf - -inf) would be NaN
+    w = torch.exp(lse.masked_fill(dead, 0) - merged.masked_fill(dead, 0)).masked_fill(dead, 0)
+    return (out.to(acc) * w.unsqueeze(-1)).to(out.dtype), merged  # one rounding, as the kernels'
+
+
+def sinkless(call):
+    """The call without its sinks and with the lse it needs to merge them (:func:`merge_sinks`)."""
+    return dataclasses.replace(call, sinks=None, return_lse=True)
+
+
+def run_with_sinks(run, *args):
+    """``run(*args)`` (a backend's arguments, the call last) for a call with sinks, through the lse
+    of the call without them: what chunked, sdpa, flex and the PyTorch paged path do (their lse
+    is exact and differentiable, the sink merged after it; the C and Triton decode kernels merge
+    it where their key splits merge)."""
+    call = args[-1]
+    out, lse = run(*args[:-1], sinkless(call))
+    out, lse = merge_sinks(out, lse, call.sinks)
+    return out, (lse if call.return_lse else None)
+
+
+def sinks_merged(run):
+    """``run`` that also runs calls with sinks (:func:`run_with_sinks`): the PyTorch paged
+    backend's."""
+
+    @functools.wraps(run)
+    def wrapped(*args):
+        return run(*args) if args[-1].sinks is None else run_with_sinks(run, *args)
+
+    return wrapped
+
+
 def needs_grad(tensors) -> bool:
     """Whether autograd will differentiate through ``tensors``: grad mode is on and one of them
     requires grad."""
@@ -101,8 +158,10 @@ def needs_grad(tensors) -> bool:
 
 def grad_needed(q, k, v, call) -> bool:
     """Whether autograd will run this call's backward: q, k, v or a tensor the score mod reads
-    (a learnable bias) needs grad."""
-    return needs_grad([q, k, v, *(call.score_mod.tensors() if call.score_mod is not None else ())])
+    (a learnable bias) or the sinks need grad."""
+    mod = call.score_mod.tensors() if call.score_mod is not None else ()
+    sinks = () if call.sinks is None else (call.sinks,)
+    return needs_grad([q, k, v, *mod, *sinks])
 
 
 def causal_as_flag(k, call) -> bool:

@@ -31,6 +31,7 @@ weights from them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,13 +40,14 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from selfattn._validate import positive_int
-from selfattn.backends import AttentionCall, Backend, Cost, register
+from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     dropout_keep,
     grad_needed,
     nonfinite_v_part,
+    run_with_sinks,
     unattended_columns_zeroed,
 )
 from selfattn.masks import FULL, TileGrid, _callable_failure
@@ -776,6 +778,9 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
     tile boundaries at small sizes. Any positive ints are valid. ``exact``: go straight to the
     exact path for NaN/Inf (other backends hand such inputs here, known to be non-finite).
     """
+    if call.sinks is not None:  # merged after the tiles, from the lse (_common.merge_sinks)
+        tiles = {"block_q": block_q, "block_k": block_k, "max_chunk": max_chunk}
+        return run_with_sinks(functools.partial(run, **tiles, exact=exact), q, k, v, call)
     B, Hq, Sq, _ = q.shape
     Sk, G = k.shape[2], Hq // k.shape[1]
     if 0 in (B, Hq, Sq, Sk):  # nothing to tile (attention() handles these before dispatch)
@@ -880,6 +885,7 @@ register(
         run,
         reject,
         cost=cost,
+        supports=BASE_FIELDS["dense"] | {"sinks"},
         doc=(
             "online softmax over tiles (FlashAttention's algorithm in PyTorch ops): skips empty "
             "tiles, no mask work on full ones; O(S·tile) memory; recomputing backward; any device"

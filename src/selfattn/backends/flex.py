@@ -40,7 +40,14 @@ import threading
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import AttentionCall, Backend, BackendCompileError, Cost, register
+from selfattn.backends import (
+    BASE_FIELDS,
+    AttentionCall,
+    Backend,
+    BackendCompileError,
+    Cost,
+    register,
+)
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -48,6 +55,8 @@ from selfattn.backends._common import (
     fused_or_exact,
     grad_needed,
     needs_grad,
+    run_with_sinks,
+    sinkless,
 )
 from selfattn.masks import Mask, _callable_failure, _evaluate
 from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
@@ -166,6 +175,9 @@ def _cpu_reason() -> str | None:
 
 
 def _reject(q, k, v, call: AttentionCall) -> str | None:
+    if call.sinks is not None:
+        reason = _reject(q, k, v, sinkless(call))
+        return None if reason is None else f"sinks are merged through the lse: {reason}"
     if _api() is None:
         return f"this torch ({torch.__version__}) has no FlexAttention (needs torch >= 2.5)"
     if call.dropout_p > 0:
@@ -323,6 +335,8 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
 
 
 def _run(q, k, v, call: AttentionCall):
+    if call.sinks is not None:  # merged after the kernel, from its lse (_common.merge_sinks)
+        return run_with_sinks(_run, q, k, v, call)
     if not torch.is_grad_enabled():
         # CPU FlexAttention refuses inputs that merely require grad, even under no_grad.
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -422,6 +436,7 @@ register(
         _run,
         _reject,
         cost=_cost,
+        supports=BASE_FIELDS["dense"] | {"sinks"},
         doc=(
             "PyTorch FlexAttention (torch.compile): block-sparse over our tile classification, "
             "any mask and score mod; CPU: inference only, fp32/fp16/bf16, no lse"

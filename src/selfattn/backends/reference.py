@@ -4,7 +4,8 @@
 
 computed in fp32 (fp64 for fp64 inputs) with the full ``(B, Hq, Sq, Sk)`` score matrix, so memory
 is quadratic in the sequence length. Rows with no attended key (masked, or ``-inf`` from the score
-mod) give weights 0, output 0 and lse ``-inf``; ``P V`` reads only the keys a row attends
+mod) give weights 0, output 0 and lse ``-inf`` (``sink`` with learned sinks: the sink's weight
+is 1, its value 0); ``P V`` reads only the keys a row attends
 (``_common``'s rule for NaN/Inf). Gradients come from autograd through this very formula.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.backends import AttentionCall, Backend, Cost, register
+from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -59,8 +60,14 @@ def scores_and_weights(
     # -- safe softmax: the max is detached (softmax is shift invariant), empty rows give 0, not NaN
     m = s.detach().amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    sink = None
+    if call.sinks is not None:  # a key with score `sink` and no value: only the denominator
+        sink = call.sinks.to(acc).view(1, Hq, 1, 1)
+        m = torch.maximum(m, sink.detach().masked_fill(~torch.isfinite(sink.detach()), 0))
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
     nonempty = denom != 0  # NaN (a NaN score) counts: the row's output and lse are NaN
     safe = torch.where(nonempty, denom, torch.ones_like(denom))
     p = e / safe
@@ -134,6 +141,7 @@ register(
         run,
         _reject,
         cost=lambda q, k, v, call: _COST,
+        supports=BASE_FIELDS["dense"] | {"sinks"},
         doc="explicit softmax(QKᵀ·scale + M)V; the oracle; O(Sq·Sk) memory; returns weights",
     )
 )

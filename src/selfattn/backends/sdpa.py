@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from selfattn.backends import AttentionCall, Backend, Cost, register
+from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -40,6 +40,8 @@ from selfattn.backends._common import (
     fused_or_exact,
     grad_needed,
     index_grids,
+    run_with_sinks,
+    sinkless,
     unattended_columns_zeroed,
 )
 from selfattn.scores import Bias, Compose
@@ -106,6 +108,14 @@ def _sdpa_would_use_math(q, k, v, attn_mask, is_causal: bool) -> bool:
 
 
 def _reject(q, k, v, call: AttentionCall) -> str | None:
+    if call.sinks is not None:
+        if grad_needed(q, k, v, call):
+            return (
+                "sinks are merged through SDPA's log-sum-exp, which its CPU flash kernel returns "
+                "without gradients, and this call needs gradients (chunked runs it)"
+            )
+        reason = _reject(q, k, v, sinkless(call))
+        return None if reason is None else f"sinks are merged through the lse: {reason}"
     if q.dtype not in _DTYPES:
         return f"SDPA supports float16, bfloat16, float32 and float64, not {q.dtype}"
     if call.dropout_p > 0:
@@ -277,6 +287,9 @@ def _float_mask(attn_mask, q: torch.Tensor):
 
 
 def _run(q, k, v, call: AttentionCall):
+    if call.sinks is not None:  # merged after the kernel, from its lse (_common.merge_sinks)
+        return run_with_sinks(_run, q, k, v, call)
+
     def attend_zeroed():
         try:
             return _attend(q, k, v, call, guard=True)
@@ -385,6 +398,7 @@ register(
         _run,
         _reject,
         cost=_cost,
+        supports=BASE_FIELDS["dense"] | {"sinks"},
         doc=(
             "torch.nn.functional.scaled_dot_product_attention: fused CPU/CUDA kernels; masks other "
             "than top-left causal are materialised densely; additive score mods only"

@@ -107,7 +107,8 @@ class InPlaceKVCache(Protocol):
     """A layer's cache that attends over its own storage (the paged caches).
 
     ``attend(q (B, Hq, Sq, D), k (B, Hkv, Sq, D), v (B, Hkv, Sq, Dv), *, mask, score_mod, scale,
-    return_weights) -> out (B, Hq, Sq, Dv)`` (or ``(out, weights)``): append ``k``, ``v`` after
+    return_weights[, sinks]) -> out (B, Hq, Sq, Dv)`` (or ``(out, weights)``; ``sinks (Hq,)``:
+    learned attention-sink logits, passed only when set): append ``k``, ``v`` after
     each sequence's cached tokens, then attend ``q``, query row ``i`` of sequence ``b`` at
     position ``lengths[b] + i``. ``lengths (B,)`` int64: tokens cached per sequence before the
     step (sequences may differ: a ragged batch).

@@ -635,6 +635,7 @@ class PagedLayer:
         score_mod=None,
         scale: float | None = None,
         return_weights: bool = False,
+        sinks: torch.Tensor | None = None,
     ):
         """Write ``k (B, Hkv, Sq, D)`` / ``v (B, Hkv, Sq, Dv)``, then attend ``q (B, Hq, Sq, D)``
         (query row ``i`` of sequence ``b`` at position ``lengths[b] + i``).
@@ -658,9 +659,9 @@ class PagedLayer:
         except BaseException:
             self.kv.undo(plan)
             raise
-        return self._run(q, k, v, mask, score_mod, scale, return_weights)
+        return self._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
 
-    def _run(self, q, k, v, mask, score_mod, scale, return_weights):
+    def _run(self, q, k, v, mask, score_mod, scale, return_weights, sinks=None):
         """:meth:`attend` once its inputs are checked (masks already per sequence)."""
         kv, plan = self.kv, self.plan
         try:
@@ -675,6 +676,7 @@ class PagedLayer:
                 score_mod=score_mod,
                 scale=scale,
                 plan=plan.attention,
+                sinks=sinks,
             )
         except BaseException:
             kv.undo(plan)
@@ -693,6 +695,7 @@ class PagedLayer:
                 mask=None if mask is None else as_mask(mask).shifted(batch=b),
                 score_mod=None if score_mod is None else as_score_mod(score_mod).shifted(batch=b),
                 scale=scale,
+                sinks=sinks,
             )  # default q_offset: bottom-right, n - Sq, as in paged_attention
         return out, w
 
@@ -804,6 +807,7 @@ class PagedCacheView:
         score_mod=None,
         scale: float | None = None,
         return_weights: bool = False,
+        sinks: torch.Tensor | None = None,
     ):
         """Plan one step of a one-layer cache and run it (:meth:`PagedLayer.attend`); bad input
         is refused before anything changes."""
@@ -816,7 +820,7 @@ class PagedCacheView:
         mask = _per_sequence_rows(mask, lengths, shape)
         score_mod = _per_sequence_rows(score_mod, lengths, shape)
         layer = PagedLayer(self.cache, self.cache.plan(self.seq_ids, Sq), 0)
-        return layer._run(q, k, v, mask, score_mod, scale, return_weights)
+        return layer._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
 
 
 # -- tensors in query-row order ----------------------------------------------------------------

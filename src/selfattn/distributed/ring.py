@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from selfattn.call import check_tensors
+from selfattn.backends._common import merge_sinks
+from selfattn.call import check_sinks, check_tensors
 from selfattn.distributed.blocks import Pair, attend, merge, pairs
 from selfattn.distributed.checks import dtype_code, dtype_name, rank_checks
 from selfattn.distributed.shard import LAYOUTS, check_layout, check_length, segments, world
@@ -289,6 +290,7 @@ def ring_attention(
     return_lse: bool = False,
     method: str = "ring",
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ):
     """Self-attention over a sequence sharded across the ranks of ``group`` (context parallelism).
 
@@ -321,6 +323,10 @@ def ring_attention(
         backend: the :func:`selfattn.attention` backend of each block; the ring's backward
             differentiates blocks through their lse, so it must support ``return_lse`` with
             gradients (``"auto"`` picks one that does).
+        sinks: ``(Hq,)`` learned attention-sink logits (as in :func:`selfattn.attention`, the
+            same on every rank). A sink is one term of a row's GLOBAL denominator, so the blocks
+            run without it and it is merged once into the merged ``(out, lse)``
+            (``backends._common.merge_sinks``), not once per shard.
 
     Returns:
         ``out (B, Hq, S/W, Dv)`` or ``(out, lse)``. Gradients flow to q, k, v (the ring method
@@ -338,7 +344,8 @@ def ring_attention(
         cfg = prepare(q, k, v, group=group, mask=mask, score_mod=score_mod, scale=scale,
                       layout=layout, method=method, backend=backend)  # fmt: skip
         check.summary = summary(q, k, v, cfg)
-    return run(q, k, v, cfg, return_lse)
+        sinks = check_sinks(sinks, q)
+    return run(q, k, v, cfg, return_lse, sinks)
 
 
 def prepare(
@@ -411,15 +418,17 @@ RING_CHECKS = (16, _describe, "shard every tensor with shard_sequence(..., dim=2
           "torch.no_grad() / requires_grad on every rank")  # fmt: skip
 
 
-def run(q, k, v, cfg: _Config, return_lse: bool):
+def run(q, k, v, cfg: _Config, return_lse: bool, sinks: torch.Tensor | None = None):
     """:func:`ring_attention` on arguments that passed :func:`prepare` on every rank."""
     if cfg.W == 1:
         return attention(
             q, k, v, mask=cfg.mask, score_mod=cfg.score_mod, scale=cfg.scale, q_offset=0,
-            return_lse=return_lse, backend=cfg.backend,
+            return_lse=return_lse, backend=cfg.backend, sinks=sinks,
         )  # fmt: skip
     if cfg.method == "allgather":
         out, lse = _allgather(q, k, v, cfg)
     else:
         out, lse = _RingAttention.apply(q, k, v, cfg)
+    if sinks is not None:  # once, into the global (out, lse) of the merged blocks
+        out, lse = merge_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

@@ -295,30 +295,21 @@ def attention_forward(
     packed row: each sequence attends only itself); the rest (``position_ids``, ``use_cache``,
     ...) are not needed here.
     """
-    B, Hq, Sq, _ = query.shape
+    B, _, Sq, _ = query.shape
     Sk = key.shape[2]
     mask, q_offset, additive = _layer_mask(module, attention_mask, B, Sq, Sk, kwargs)
     if kwargs.get("cu_seq_lens_q") is not None:  # flash-attn's varlen packing, asked for as such
         mask = _and(mask, _varlen_documents(kwargs, B, Sq, Sk))
     score_mod = _score_mod(kwargs.get("softcap"), additive, kwargs.get("position_bias"))
-    sinks = kwargs.get("s_aux")
-    call = dict(mask=mask, score_mod=score_mod, scale=scaling, q_offset=q_offset)
-    if sinks is None:
-        out = attention(query, key, value, dropout_p=dropout, backend=backend, **call)
-        keep = None
-    else:
-        out, lse = attention(
-            query, key, value, dropout_p=dropout, backend=backend, return_lse=True, **call
-        )
-        keep = _sink_share(sinks, lse, Hq)  # (B, Hq, Sq)
-        out = (out.to(keep.dtype) * keep[..., None]).to(query.dtype)
+    # gpt-oss's sinks join the denominator in every backend that runs them (attention(sinks=))
+    call = dict(
+        mask=mask, score_mod=score_mod, scale=scaling, q_offset=q_offset, sinks=kwargs.get("s_aux")
+    )
+    out = attention(query, key, value, dropout_p=dropout, backend=backend, **call)
     weights = None
     if _wants_weights(module, kwargs):
         # without dropout, as selfattn.attention_weights gives them
-        weights = attention_weights(query, key, value, **call)
-        if keep is not None:
-            weights = weights.to(keep.dtype) * keep[..., None]
-        weights = weights.to(query.dtype)
+        weights = attention_weights(query, key, value, **call).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights  # (B, Hq, Sq, Dv) -> (B, Sq, Hq, Dv)
 
 
@@ -370,18 +361,6 @@ def _score_mod(softcap, additive, position_bias):
         mods.append(scores.softcap(softcap))
     mods += [scores.bias(t) for t in (additive, position_bias) if t is not None]
     return functools.reduce(lambda a, b: a >> b, mods) if mods else None
-
-
-def _sink_share(sinks: torch.Tensor, lse: torch.Tensor, Hq: int) -> torch.Tensor:
-    """The share of each row's softmax that is left to the keys when a sink logit joins the
-    denominator: ``e^lse / (e^lse + e^sink) = sigmoid(lse - sink)``, in lse's float32/64.
-    A row with no keys (lse = -inf) gets 0, as in the model's own softmax over keys and sink."""
-    if sinks.numel() != Hq:
-        raise ValueError(
-            f"s_aux (attention sinks) has {sinks.numel()} values (shape {tuple(sinks.shape)}) but "
-            f"the query has Hq={Hq} heads; pass one sink logit per query head"
-        )
-    return torch.sigmoid(lse - sinks.to(lse.dtype).view(1, Hq, 1))  # (B, Hq, Sq)
 
 
 def _wants_weights(module, kwargs) -> bool:

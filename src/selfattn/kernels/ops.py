@@ -16,7 +16,8 @@ op                                     kernel                              outpu
 
 Both take ``q (B, Hq, Sq, D)``, pages ``(N, P, Hkv, D|Dv)``, ``block_table (B, max_pages)``,
 ``lo, hi (B, Sq)`` (row ``i`` of sequence ``b`` attends keys ``lo <= t < hi``), the softmax
-scale and the dequantisation scales of int8/fp8 pages (None for float pages), and return
+scale and the dequantisation scales of int8/fp8 pages (None for float pages), learned
+attention-sink logits ``sinks (Hq,)`` (None: none; the Triton op after ``num_splits``), and return
 ``out (B, Hq, Sq, Dv)`` and ``lse (B, Hq, Sq)``. Neither has an autograd formula: they are
 decode kernels, and the paged backends send calls that need gradients to PyTorch.
 """
@@ -41,12 +42,15 @@ def paged_decode_cpu(
     scale: float,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return paged_decode.decode(q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales)
+    return paged_decode.decode(
+        q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, sinks
+    )
 
 
 @paged_decode_cpu.register_fake
-def _(q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales):
+def _(q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, sinks=None):
     (B, Hq, Sq, _), Dv = q.shape, v_pages.shape[3]
     out = q.new_empty((B, Hq, Sq, Dv), dtype=torch.float32, device="cpu")
     return out, q.new_empty((B, Hq, Sq), dtype=torch.float32, device="cpu")
@@ -64,16 +68,20 @@ def paged_decode_triton(
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from selfattn.kernels.triton import paged  # imports Triton (seconds, once)
 
     return paged.paged_attention_triton(
-        q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits
+        q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits, sinks
     )
 
 
 @paged_decode_triton.register_fake
-def _(q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits=None):
+def _(
+    q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits=None,
+    sinks=None,
+):  # fmt: skip
     (B, Hq, Sq, _), Dv = q.shape, v_pages.shape[3]
     out = q.new_empty((B, Hq, Sq, Dv))  # q's dtype and device
     return out, q.new_empty((B, Hq, Sq), dtype=torch.float32)

@@ -75,7 +75,9 @@ INT_ARGS = (
     "B", "HQ", "HKV", "SQ", "D", "DV", "P", "MAXP", "NSPLIT", "SPLIT_PAGES",
     "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT",
 )  # fmt: skip
-PTR_ARGS = ("Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE")
+PTR_ARGS = (
+    "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS",
+)  # fmt: skip
 # Work items per thread the key splits aim for, so that ragged lengths still balance.
 ITEMS_PER_THREAD = 4
 
@@ -133,6 +135,7 @@ def decode(
     scale: float,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
     splits: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over pages, in float32: ``out (B, Hq, Sq, Dv)``, ``lse (B, Hq, Sq)``.
@@ -143,7 +146,9 @@ def decode(
     ``[0, N)``; ``lo, hi (B, Sq)`` integer: query row ``i`` of sequence ``b`` attends keys
     ``lo[b, i] <= t < hi[b, i]`` (``hi <= max_pages * P``). Scales: int8 ``(N, P, Hkv)``, fp8
     ``(Hkv,)``, float32, or None for float pages. A row with no allowed key gets ``out = 0``,
-    ``lse = -inf``. CPU tensors only; index tensors and scales are made contiguous here.
+    ``lse = -inf``. ``sinks (Hq,)``: learned attention-sink logits joining each row's softmax
+    denominator once, where the splits merge (a row with no key then gets ``lse = sink``). CPU
+    tensors only; index tensors, scales and sinks are made contiguous here.
 
     Sequences are split over their keys into ``n_split`` work items when there are fewer than
     ``ITEMS_PER_THREAD`` per thread; the kernel merges the splits' softmax partials in float32.
@@ -162,6 +167,8 @@ def decode(
     table = table.to(torch.int32).contiguous()
     lo, hi = (t.to(torch.int64).contiguous() for t in (lo, hi))
     k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
     B, Hq, Sq, D = q.shape
     P, Hkv, Dv = v_pages.shape[1:]
     n_split, split_pages = key_splits(lo, hi, P) if splits is None else splits
@@ -180,6 +187,7 @@ def decode(
     tensors = {
         "Q": q, "K": k_pages, "V": v_pages, "KSCALE": k_scales, "VSCALE": v_scales,
         "LUT": _fp8_table(), "TABLE": table, "LO": lo, "HI": hi, "OUT": out, "LSE": lse,
+        "SINKS": sinks,
     }  # fmt: skip
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]

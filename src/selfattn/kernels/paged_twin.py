@@ -13,11 +13,13 @@ __all__ = ["paged_attention_twin"]
 
 def paged_attention_twin(
     q, k_pages, v_pages, block_table, lo, hi, scale, k_scales=None, v_scales=None,
-    compute_dtype=None,
+    compute_dtype=None, sinks=None,
 ):  # fmt: skip
     """The kernels' computation in plain PyTorch: ``(out in q.dtype, lse)``.
 
-    Computes in ``compute_dtype`` (default float32, float64 for fp64 queries).
+    Computes in ``compute_dtype`` (default float32, float64 for fp64 queries). ``sinks (Hq,)``:
+    one more score per row, of its head's sink logit, with no value (a softmax column dropped
+    after the normalisation).
     """
     cd = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     Hq, Hkv, P = q.shape[1], k_pages.shape[2], k_pages.shape[1]
@@ -38,7 +40,11 @@ def paged_attention_twin(
     s = q.to(cd) @ k.transpose(-1, -2) * scale  # (B, Hq, Sq, L)
     allowed = (t >= lo.long().unsqueeze(-1)) & (t < hi.long().unsqueeze(-1))  # (B, Sq, L)
     s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is not None:  # (B, Hq, Sq, L) -> (B, Hq, Sq, L + 1); the extra column has no value
+        col = sinks.to(cd).view(1, Hq, 1, 1).expand(*s.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
     if bool(torch.isfinite(v).all()):
         return (p @ v).to(q.dtype), lse

@@ -27,8 +27,13 @@ Gemma-2 extras, each a config field: soft-capped attention scores (``attn_softca
 the attention and feed-forward outputs (``sandwich_norm``). Gemma-2's RMSNorm multiplies by ``(1 +
 weight)`` *before* casting back to the input dtype; we store ``1 + weight`` in
 :class:`~selfattn.nn.RMSNorm`, which multiplies after the cast: identical in fp32, one rounding
-apart in fp16/bf16. Not implemented (loading raises): GPT-2 cross-attention, YaRN with
-``truncate=False``, bidirectional Gemma attention.
+apart in fp16/bf16. Not implemented (loading raises): GPT-2 cross-attention, bidirectional Gemma
+attention.
+
+gpt-oss (:class:`GptOss`): the Llama layout with q/k/v/o biases, learned attention sinks (``sinks=``
+of :func:`selfattn.attention`, owned by each layer's MultiHeadAttention), ``layer_types``
+alternating window/global, YaRN without rounding (``truncate=False``) and a top-k mixture of
+clamped SwiGLU experts in place of the MLP.
 
 Model protocol (generation, serving and benchmarks rely on it)::
 
@@ -93,7 +98,7 @@ from selfattn.positions import (
     RoPE,
 )
 
-__all__ = ["GPT2", "CausalLM", "DecoderConfig", "LayerCaches", "Llama"]
+__all__ = ["GPT2", "CausalLM", "DecoderConfig", "GptOss", "LayerCaches", "Llama"]
 
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 CACHE_KINDS = ("static", "window", "paged")
@@ -153,6 +158,12 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # gpt-oss: learned attention sinks, a top-k mixture of clamped-SwiGLU experts
+    attn_sinks: bool = False
+    n_experts: int | None = None
+    experts_per_token: int = 1
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
@@ -220,6 +231,14 @@ class DecoderConfig:
                 f"DecoderConfig diff_attention pairs the kv heads' values, so n_kv_heads must be "
                 f"even, got {self.n_kv_heads}"
             )
+        if self.n_experts is not None:
+            positive_int(self.n_experts, "DecoderConfig n_experts")
+            positive_int(self.experts_per_token, "DecoderConfig experts_per_token")
+            if self.experts_per_token > self.n_experts:
+                raise ValueError(
+                    f"DecoderConfig experts_per_token ({self.experts_per_token}) must be at most "
+                    f"n_experts ({self.n_experts})"
+                )
 
     @property
     def value_dim(self) -> int:
@@ -558,3 +577,73 @@ class Llama(CausalLM):
         takes the tensors out of ``state``). A tied LM head is filled by ``load_state``."""
         c = self.config
         return llama_state(state, sandwich_norm=c.sandwich_norm, post_norm=c.post_norm)
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's feed-forward: a router picks ``k`` of ``E`` experts per token (softmax over the
+    top-k logits), each a SwiGLU with clamped inputs, ``(up + 1) · gate · σ(α · gate)``.
+
+    The parameters keep transformers' layout (``gate_up_proj (E, d, 2F)`` with gate and up
+    interleaved in the last dim, ``down_proj (E, F, d)``, their biases), so a checkpoint loads
+    without copies. Experts run on the tokens routed to them only (a loop over the experts hit).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int, alpha: float, limit: float):
+        super().__init__()
+        self.k, self.alpha, self.limit = k, alpha, limit
+        self.router = nn.Linear(d_model, n_experts)
+        self.experts = nn.Module()
+        ex = self.experts
+        ex.gate_up_proj = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_ff))
+        ex.gate_up_proj_bias = nn.Parameter(torch.zeros(n_experts, 2 * d_ff))
+        ex.down_proj = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        ex.down_proj_bias = nn.Parameter(torch.zeros(n_experts, d_model))
+        for w in (ex.gate_up_proj, ex.down_proj):
+            nn.init.normal_(w, std=d_model**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, d = x.shape
+        x = x.reshape(B * S, d)  # (B, S, d) -> (T, d)
+        top, idx = self.router(x).topk(self.k, dim=-1)  # (T, k) each
+        weights = top.softmax(dim=-1)
+        out = torch.zeros_like(x)
+        ex = self.experts
+        for e in idx.unique().tolist():
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            gate_up = x[tok] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # (n, 2F)
+            gate = gate_up[:, ::2].clamp(max=self.limit)
+            up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+            y = h @ ex.down_proj[e] + ex.down_proj_bias[e]  # (n, F) -> (n, d)
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
+        return out.view(B, S, d)
+
+
+@register("gpt_oss")
+class GptOss(CausalLM):
+    """gpt-oss (OpenAI, 2025): GQA with learned attention sinks and q/k/v/o biases, alternating
+    sliding-window and global layers, YaRN RoPE, RMSNorm, a top-k mixture of clamped SwiGLU
+    experts (:class:`ClampedSwiGLUExperts`)."""
+
+    model_types = ("gpt_oss",)
+
+    def _norm(self) -> nn.Module:
+        return RMSNorm(self.config.d_model, self.config.norm_eps)
+
+    def _block(self, layer: int, rope) -> DecoderBlock:
+        c = self.config
+        attention = MultiHeadAttention(
+            c.d_model, c.n_heads, c.n_kv_heads, head_dim=c.head_dim, fused=True,
+            bias=c.attention_bias, out_bias=c.out_bias, rope=rope, scale=self._scale(layer),
+            sinks=c.attn_sinks,
+        )  # fmt: skip
+        mlp = ClampedSwiGLUExperts(
+            c.d_model, c.d_ff, c.n_experts or 1, c.experts_per_token, c.swiglu_alpha,
+            c.swiglu_limit,
+        )  # fmt: skip
+        return DecoderBlock(attention, mlp, self._norm(), self._norm())
+
+    def convert_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' tensor names -> ours (``llama_state``: the sinks and the experts keep
+        their names under ``self_attention`` / ``mlp``)."""
+        return llama_state(state, sandwich_norm=False)

@@ -38,6 +38,8 @@ def decoder_fields(config: Mapping) -> dict:
         return _gpt2_fields(config)
     if config.get("model_type") in LLAMA_FAMILY:
         return _llama_fields(config)
+    if config.get("model_type") == "gpt_oss":
+        return _gpt_oss_fields(config)
     raise unsupported(config, "model_type", "not a decoder family")
 
 
@@ -63,8 +65,6 @@ def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
     if kind == "dynamic":  # transformers scales from max_position_embeddings
         return base, DynamicNTK(factor, max_pos), rotary_dim
     if kind == "yarn":
-        if params.get("truncate", True) is False:
-            raise unsupported(config, "rope_parameters", "YaRN with truncate=False")
         scaling = YaRN(
             factor if factor is not None else max_pos / original,
             original,
@@ -73,6 +73,7 @@ def _rope(config: Mapping, head_dim: int) -> tuple[float, object, int]:
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
             attention_factor=params.get("attention_factor"),
+            truncate=params.get("truncate", True) is not False,
         )
         return base, scaling, rotary_dim
     if kind == "llama3":
@@ -194,6 +195,19 @@ def _llama_fields(config: Mapping) -> dict:
     )
 
 
+def _gpt_oss_fields(config: Mapping) -> dict:
+    """gpt-oss: the Llama fields (q/k/v/o biases from ``attention_bias``, ``layer_types``
+    alternating window/global) plus its sinks and experts."""
+    return dict(
+        _llama_fields(config),
+        attn_sinks=True,
+        n_experts=config["num_local_experts"],
+        experts_per_token=config.get("num_experts_per_tok", 4),
+        swiglu_alpha=config.get("swiglu_alpha", 1.702),
+        swiglu_limit=config.get("swiglu_limit", 7.0),
+    )
+
+
 def _drain(state: dict):
     """``(name, tensor)`` pairs taken out of ``state`` one by one (see the module docstring)."""
     while state:
@@ -296,7 +310,8 @@ def _llama_layer_names(sandwich: bool, post_norm: bool = False) -> dict[str, str
     wrapped = sandwich or post_norm
     attn, mlp = ("self_attention.inner", "mlp.inner") if wrapped else ("self_attention", "mlp")
     names = {
-        "self_attn": attn,  # DiffLlama's lambda_q1 ... (parameters of the attention itself)
+        # parameters of the attention itself: DiffLlama's lambda_q1 ..., gpt-oss's sinks
+        "self_attn": attn,
         "self_attn.q_norm": f"{attn}.q_norm",  # Qwen-3, OLMo-2, Gemma-3
         "self_attn.k_norm": f"{attn}.k_norm",
         "input_layernorm": "self_res.norm",
@@ -307,6 +322,9 @@ def _llama_layer_names(sandwich: bool, post_norm: bool = False) -> dict[str, str
         "mlp.gate_proj": f"{mlp}.gate",
         "mlp.up_proj": f"{mlp}.up",
         "mlp.down_proj": f"{mlp}.down",
+        # gpt-oss: its experts keep their names
+        "mlp.router": f"{mlp}.router",
+        "mlp.experts": f"{mlp}.experts",
     }
     if post_norm:  # OLMo-2: no input norms
         del names["input_layernorm"]

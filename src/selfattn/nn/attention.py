@@ -86,6 +86,9 @@ class MultiHeadAttention(nn.Module):
         rope: a callable ``rope(x (B, H, S, D), positions (S,) or (B, S)) -> x`` rotating q and k
             of self-attention at their positions (e.g. ``selfattn.positions.RoPE``).
         alibi: add ALiBi biases (``selfattn.scores.alibi(n_heads)``) to the scores.
+        sinks: own a learned attention-sink logit per query head (``self.sinks (n_heads,)``,
+            zeros at init; gpt-oss), passed as ``selfattn.attention(..., sinks=)``: it joins
+            every row's softmax denominator with no value.
         scale: score scale (default ``1/sqrt(D)``); ``backend``: passed to ``selfattn.attention``.
         q_temperature: a callable ``t(positions) -> scales`` of the same shape (e.g.
             :class:`QueryTemperature`, Llama-4's long-context tuning) multiplying each query row
@@ -111,6 +114,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope=None,
         alibi: bool = False,
+        sinks: bool = False,
         scale: float | None = None,
         backend: str = "auto",
         q_temperature=None,
@@ -164,6 +168,8 @@ class MultiHeadAttention(nn.Module):
         self.attention_observer = None
         self.alibi = _scores.alibi(n_heads) if alibi else None
         fk = {"device": device, "dtype": dtype}
+        # zeros: every row starts as if one extra key scored 0 (gpt-oss loads trained values)
+        self.sinks = nn.Parameter(torch.zeros(n_heads, **fk)) if sinks else None
         q_out, kv_out = n_heads * head_dim, n_kv_heads * head_dim
         if fused:
             self.qkv_proj = nn.Linear(d_model, q_out + 2 * kv_out, bias=bias, **fk)
@@ -306,8 +312,9 @@ class MultiHeadAttention(nn.Module):
                     "call model.eval() for cached inference"
                 )
             out = cache.attend(
-                q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights
-            )
+                q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights,
+                **({} if self.sinks is None else {"sinks": self.sinks}),
+            )  # fmt: skip
             if return_weights:
                 out, w = out
         else:
@@ -330,11 +337,13 @@ class MultiHeadAttention(nn.Module):
                 dropout_p=p,
                 q_offset=q_offset,
                 backend=self.backend,
+                sinks=self.sinks,
             )
             if return_weights:
                 w = attention_weights(
-                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
-                )
+                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset,
+                    sinks=self.sinks,
+                )  # fmt: skip
         out = self.out_proj(self.merge_heads(out))
         return (out, w) if return_weights else out
 

@@ -152,6 +152,7 @@ class YaRN:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
+    truncate: bool = True  # round the correction range outwards (gpt-oss: False, kept exact)
 
     def __post_init__(self):
         _check_factor("YaRN", self.factor)
@@ -181,8 +182,10 @@ class YaRN:
                 / (2 * math.log(base))
             )
 
-        low = max(math.floor(dim_of(self.beta_fast)), 0)
-        high = min(math.ceil(dim_of(self.beta_slow)), dim - 1)
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp
         ramp = (

@@ -53,6 +53,7 @@ def kernel_reject(q, k_pages, v_pages, call) -> str | None:
         return f"an empty dimension (q {tuple(q.shape)}, v_pages {tuple(v_pages.shape)})"
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         return "pages whose last dim is not contiguous (the kernels read rows with unit stride)"
-    if needs_grad((q, k_pages, v_pages)):
+    sinks = () if call.sinks is None else (call.sinks,)
+    if needs_grad((q, k_pages, v_pages, *sinks)):
         return "gradients: the kernels have no backward"
     return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfattn.call import check_sinks
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
@@ -28,7 +29,8 @@ class PagedCall:
     pages. ``planned``: what the backend's ``plan`` hook derived from the block table, lengths
     and mask (key intervals, page ranges), computed once per step by a
     :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` for every layer; None: the
-    backend derives it in ``run``.
+    backend derives it in ``run``. ``sinks (Hq,)``: learned attention-sink logits
+    (:func:`selfattn.attention`).
     """
 
     mask: Mask | None = None
@@ -37,12 +39,13 @@ class PagedCall:
     k_scales: torch.Tensor | None = None
     v_scales: torch.Tensor | None = None
     return_lse: bool = False
+    sinks: torch.Tensor | None = None
     planned: object = field(default=None, compare=False)  # a per-step cache
 
 
 def prepare(
     q, k_pages, v_pages, block_table, seq_lens, *, mask=None, score_mod=None, scale=None,
-    k_scales=None, v_scales=None, return_lse=False,
+    k_scales=None, v_scales=None, return_lse=False, sinks=None,
 ) -> PagedCall:  # fmt: skip
     """Validate the arguments of ``paged_attention`` (TypeError / ValueError naming the
     offending values) and normalise them into a :class:`PagedCall`."""
@@ -50,13 +53,14 @@ def prepare(
     _check_values(q, k_pages, block_table, seq_lens)
     mask, score_mod = bound_objects(mask, score_mod, q, seq_lens)
     return layer_call(
-        q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse
+        q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, sinks=sinks
     )  # fmt: skip
 
 
 def layer_call(
-    q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, planned=None
-) -> PagedCall:
+    q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, planned=None,
+    sinks=None,
+) -> PagedCall:  # fmt: skip
     """The :class:`PagedCall` of tensors that passed the shape checks, with ``mask`` and
     ``score_mod`` already normalised and bound (:func:`bound_objects`): the scale and
     dequantisation scales checked (what may differ between the layers of one step)."""
@@ -67,7 +71,16 @@ def layer_call(
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite number, got {scale!r}")
-    return PagedCall(mask, score_mod, float(scale), k_scales, v_scales, return_lse, planned)
+    return PagedCall(
+        mask=mask,
+        score_mod=score_mod,
+        scale=float(scale),
+        k_scales=k_scales,
+        v_scales=v_scales,
+        return_lse=return_lse,
+        sinks=check_sinks(sinks, q),
+        planned=planned,
+    )
 
 
 def bound_objects(mask, score_mod, q, seq_lens):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from selfattn.backends import Backend, Cost, register
+from selfattn.backends import BASE_FIELDS, Backend, Cost, register
 from selfattn.backends.paged import kernel_reject
 from selfattn.backends.paged._intervals import _key_intervals
 from selfattn.backends.paged.call import PagedCall
@@ -35,11 +35,12 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
         splits = None
     else:
         lo, hi, splits = call.planned
-    args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales)
+    args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales,
+            call.sinks)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         out, lse = ops.paged_decode_cpu(*args)
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
-        out, lse = paged_decode.decode(*args, splits)
+        out, lse = paged_decode.decode(*args, splits=splits)
     return out.to(q.dtype), lse  # (B, Hq, Sq, Dv)
 
 
@@ -78,5 +79,6 @@ register(
         doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
         kind="paged",
         plan=plan,
+        supports=BASE_FIELDS["paged"] | {"sinks"},
     )
 )

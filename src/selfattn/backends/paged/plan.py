@@ -54,7 +54,7 @@ class PagedAttentionPlan:
 
     def prepare(
         self, q, k_pages, v_pages, *, mask=None, score_mod=None, scale=None, k_scales=None,
-        v_scales=None, backend: str = "auto", return_lse: bool = False,
+        v_scales=None, backend: str = "auto", return_lse: bool = False, sinks=None,
     ):  # fmt: skip
         """``(backend, PagedCall)`` for one layer's call: checked and chosen at the first layer
         of each layout, then only the layer's scale and dequantisation scales."""
@@ -63,8 +63,11 @@ class PagedAttentionPlan:
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k_pages.requires_grad or v_pages.requires_grad
         )
+        # sinks are per layer (checked in layer_call); whether they are given or need gradients
+        # can change the backend (the kernels have no backward)
+        sink_kind = None if sinks is None else bool(torch.is_grad_enabled() and sinks.requires_grad)
         key = (
-            id(mask), id(score_mod), backend, grad, q.shape, q.dtype, q.device,
+            id(mask), id(score_mod), backend, grad, sink_kind, q.shape, q.dtype, q.device,
             k_pages.shape, k_pages.dtype, k_pages.device, k_pages.stride(),
             v_pages.shape, v_pages.dtype, v_pages.device, v_pages.stride(),
         )  # fmt: skip
@@ -76,11 +79,21 @@ class PagedAttentionPlan:
         hit = self._prepared.get(key)
         if hit is None:
             hit = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales,
-                                backend, return_lse)  # fmt: skip
+                                backend, return_lse, sinks)  # fmt: skip
             self._prepared[key] = hit
         _, _, chosen, mask_obj, mod_obj, planned = hit
         call = layer_call(
-            q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales, return_lse, planned
+            q,
+            k_pages,
+            v_pages,
+            mask_obj,
+            mod_obj,
+            scale,
+            k_scales,
+            v_scales,
+            return_lse,
+            planned,
+            sinks=sinks,
         )
         return chosen, call
 
@@ -93,7 +106,7 @@ class PagedAttentionPlan:
         return t._version, n._version
 
     def _prepare(self, q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, backend,
-                 return_lse) -> tuple:  # fmt: skip
+                 return_lse, sinks) -> tuple:  # fmt: skip
         args = (q, k_pages, v_pages, self.block_table, self.seq_lens)
         _check(*args)
         shape = (k_pages.shape[0], k_pages.shape[1], q.shape[2])  # (N, P, Sq)
@@ -102,7 +115,16 @@ class PagedAttentionPlan:
             self._values_checked.add(shape)
         mask_obj, mod_obj = bound_objects(mask, score_mod, q, self.seq_lens)
         call: PagedCall = layer_call(
-            q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales, return_lse
+            q,
+            k_pages,
+            v_pages,
+            mask_obj,
+            mod_obj,
+            scale,
+            k_scales,
+            v_scales,
+            return_lse,
+            sinks=sinks,
         )
         chosen, _ = registry("paged").select(*args, call, backend=backend)
         planned = None if chosen.plan is None else chosen.plan(*args, call)

@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from selfattn.backends import Backend, Cost, register
-from selfattn.backends._common import accumulation_dtype, nonfinite_v_part
+from selfattn.backends import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends._common import accumulation_dtype, nonfinite_v_part, sinks_merged
 from selfattn.backends.paged._intervals import _page_ranges
 from selfattn.backends.paged.call import PagedCall
 
@@ -215,11 +215,12 @@ _COST = Cost(10.0, "gathers groups of pages before its matmuls (a copy the kerne
 register(
     Backend(
         "torch",
-        run,
+        sinks_merged(run),  # the kernel's exact lse, the sink merged after it
         _reject,
         cost=lambda *args: _COST,
         doc="plain PyTorch: bounded groups of pages gathered, online softmax; every case",
         kind="paged",
         plan=plan,
+        supports=BASE_FIELDS["paged"] | {"sinks"},
     )
 )

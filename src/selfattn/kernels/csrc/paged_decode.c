@@ -20,7 +20,7 @@ enum {
   A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_NARGS
 };
 /* ptrs, in order */
-enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_NPTRS };
+enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_NPTRS };
 
 typedef struct {
   const int64_t *a;
@@ -343,16 +343,21 @@ static void *worker(void *arg) {
 }
 
 /* -- merge the key splits of each row: rescale each to the common max, then out = acc / l and
-   lse = max + log l; a row with no allowed key gets out = 0, lse = -inf. */
+   lse = max + log l; a row with no allowed key gets out = 0, lse = -inf. Learned attention sinks
+   (float32 (Hq,), or NULL) join here, once per row: the running max and sum start from the
+   row's sink, a key with no value (a row with no key then gets out = 0, lse = sink). */
 static void merge(const Job *job) {
   const int64_t *a = job->a;
-  const int64_t R = a[A_HQ] * a[A_SQ], Dv = a[A_DV], ns = a[A_NSPLIT];
+  const int64_t R = a[A_HQ] * a[A_SQ], Dv = a[A_DV], ns = a[A_NSPLIT], Sq = a[A_SQ];
   float *out = (float *)job->p[P_OUT], *lse = (float *)job->p[P_LSE];
+  const float *sinks = (const float *)job->p[P_SINKS];
   for (int64_t b = 0; b < a[A_B]; b++)
     for (int64_t r = 0; r < R; r++) {
-      float mx = -INFINITY, sum = 0.0f, *o = out + (b * R + r) * Dv;
+      const float sink = sinks ? sinks[r / Sq] : -INFINITY; /* row r = head * Sq + query */
+      float mx = sink, sum = 0.0f, *o = out + (b * R + r) * Dv;
       int64_t k, d;
       for (k = 0; k < ns; k++) mx = fmaxf(mx, job->m[(b * ns + k) * R + r]);
+      if (sink > -INFINITY) sum = expf(sink - mx);
       memset(o, 0, sizeof(float) * Dv);
       for (k = 0; k < ns && mx > -INFINITY; k++) {
         const int64_t it = b * ns + k;

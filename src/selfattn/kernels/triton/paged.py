@@ -220,6 +220,7 @@ def paged_attention_triton(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hq, Sq, Dv), lse (B, Hq, Sq) float32)`` of the queries over their pages.
 
@@ -230,6 +231,7 @@ def paged_attention_triton(
         block_table: ``(B, max_pages)`` int page ids.
         lo, hi: ``(B, Sq)`` int: row ``i`` of sequence ``b`` attends keys ``lo <= t < hi``.
         num_splits: key-axis splits (default: enough programs for the GPU).
+        sinks: ``(Hq,)`` learned attention-sink logits, joining where the splits merge.
     """
     B, Hq, Sq, D = q.shape
     Hkv, Dv, P = k_pages.shape[2], v_pages.shape[3], k_pages.shape[1]
@@ -277,15 +279,23 @@ def paged_attention_triton(
         BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), SCALES=mode,
         IEEE=q.dtype == torch.float32 or _interpreted(),
     )  # fmt: skip
-    return merge_splits(out, lse / LOG2E, q.dtype)  # base-2 lse -> natural log
+    return merge_splits(out, lse / LOG2E, q.dtype, sinks)  # base-2 lse -> natural log
 
 
-def merge_splits(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype):
+def merge_splits(
+    out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, sinks: torch.Tensor | None = None
+):
     """Merge per-split ``out (B, Hq, Sq, n, Dv)`` and ``lse (B, Hq, Sq, n)`` through the lse.
 
     Splits with lse ``-inf`` weigh 0; a row with no allowed key anywhere gives 0 and ``-inf``.
+    ``sinks (Hq,)``: each row's sink joins the merge as one more split with no value (output
+    0, lse ``sink`` for a row with no key).
     """
-    total = torch.logsumexp(lse, dim=-1)  # (B, Hq, Sq)
+    parts = lse
+    if sinks is not None:  # (B, Hq, Sq, n) -> (B, Hq, Sq, n + 1)
+        sink = sinks.detach().to(lse.device, lse.dtype).view(1, -1, 1, 1)
+        parts = torch.cat([lse, sink.expand(*lse.shape[:3], 1)], dim=-1)
+    total = torch.logsumexp(parts, dim=-1)  # (B, Hq, Sq)
     finite = torch.isfinite(total)
     w = torch.exp(lse - torch.where(finite, total, 0.0).unsqueeze(-1))  # (B, Hq, Sq, n)
     w = torch.where(torch.isfinite(lse), w, 0.0)
