@@ -3,6 +3,7 @@ encoder and decoder blocks. Inputs and outputs are ``(B, S, d_model)``."""
 
 from selfattn.nn.attention import ContiguousCache, MultiHeadAttention, TorchMultiheadAttention
 from selfattn.nn.blocks import DecoderBlock, EncoderBlock
+from selfattn.nn.latent import LatentAttention
 from selfattn.nn.mlp import MLP, SwiGLU
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
@@ -11,6 +12,7 @@ __all__ = [
     "ContiguousCache",
     "DecoderBlock",
     "EncoderBlock",
+    "LatentAttention",
     "LayerNorm",
     "MultiHeadAttention",
     "RMSNorm",
