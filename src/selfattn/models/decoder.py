@@ -111,6 +111,7 @@ class DecoderConfig:
     rope_base: float = 10000.0
     rope_scaling: object = None
     rotary_dim: int | None = None
+    rope_interleaved: bool = False  # pairs (x[2i], x[2i+1]) (DeepSeek's rope_interleave)
     norm_eps: float = 1e-6
     activation: str = "silu"
     attention_bias: bool = False
@@ -229,7 +230,9 @@ class CausalLM(nn.Module):
         )
         rope = None
         if c.positions == "rope":
-            rope = RoPE(c.head_dim, c.rope_base, c.rope_scaling, rotary_dim=c.rotary_dim)
+            rope = RoPE(
+                c.head_dim, c.rope_base, c.rope_scaling, c.rope_interleaved, rotary_dim=c.rotary_dim
+            )
         self.rope = rope  # one module shared by the layers: one cos/sin table
         self.layers = nn.ModuleList(self._block(i, rope) for i in range(c.n_layers))
         self.norm = self._norm()
