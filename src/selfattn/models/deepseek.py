@@ -39,7 +39,7 @@ from selfattn.models.hub import register, unsupported
 from selfattn.nn import DecoderBlock, LatentAttention, RMSNorm, SwiGLU
 from selfattn.nn.mlp import ACTIVATIONS
 
-__all__ = ["MoE", "DeepseekConfig", "DeepseekV3"]
+__all__ = ["DeepseekConfig", "DeepseekV3", "MoE"]
 
 # Added to the sum of the chosen experts' scores before normalising them (transformers' value):
 # keeps a row whose scores all underflow to 0 finite.

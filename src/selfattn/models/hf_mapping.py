@@ -391,9 +391,9 @@ def deepseek_fields(config: Mapping) -> dict:
     qk_dim = config["qk_nope_head_dim"] + rope_dim
     scale = qk_dim**-0.5
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        if params.get("mscale_all_dim"):
-            scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    scaled = params.get("rope_type", params.get("type", "default")) != "default"
+    if scaled and params.get("mscale_all_dim"):
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
     n_heads = config["num_attention_heads"]
     if (config.get("num_key_value_heads") or n_heads) != n_heads:
         raise unsupported(config, "num_key_value_heads", "MLA decompresses every query head")
