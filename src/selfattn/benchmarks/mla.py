@@ -99,12 +99,18 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="512 cached tokens: a smoke run")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--repeat", type=int, default=5, help="timed calls per side (5)")
+    p.add_argument(
+        "--threads", type=int, help="torch threads (default torch's); 1 steadies a shared machine"
+    )
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     S = 512 if args.quick else 4096
     decode = decode_rows(S, args.repeat)
     sizes = cache_rows()
     if args.json:
-        out = {"machine": _util.machine(), "decode": [decode], "cache": sizes}
+        out = {"machine": _util.machine(), "threads": torch.get_num_threads()}
+        out |= {"decode": [decode], "cache": sizes}
         json.dump(out, sys.stdout, indent=2)
         print()
         return 0
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
                 f"{decode['max_abs_diff']:.1e}",
             ]
         ],
-        title="MLA decode, one layer, fp32, B = 1",
+        title=f"MLA decode, one layer, fp32, B = 1, {torch.get_num_threads()} thread(s)",
     )
     print()
     _util.print_table(
