@@ -70,7 +70,7 @@ def test_gradients_agree_and_gradcheck():
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
     m.order = "absorbed"
     small = torch.randn(1, 3, SIZES["d"], dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: m(t, mask=masks.causal()), (small,))
+    torch.autograd.gradcheck(lambda t: m(t, mask=masks.causal()), (small,), fast_mode=True)
 
 
 def test_auto_order_absorbs_for_decode_only():
@@ -156,3 +156,16 @@ def test_kv_size_cli_mla(capsys, tmp_path):
     argv = ["kv-size", "--layers", "2", "--kv-lora-rank", "16", "--rope-dim", "8", "--json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 2 * 24 * 2
+
+
+def test_auto_avoids_sdpa_math_kernel_for_latent_values_on_cpu():
+    """The absorbed call has Dv (r) != D (r + dr): SDPA's CPU flash kernel cannot run it and
+    its math kernel is slower than chunked (benchmarks/mla.py), so auto takes chunked."""
+    import selfattn as sa
+
+    torch.manual_seed(5)
+    q, rows = torch.randn(1, 4, 1, 24), torch.randn(1, 1, 33, 24)
+    ex = sa.backends.explain(q, rows, rows[..., :20], print_table=False)
+    assert ex.chosen == "chunked" and "Dv != D" in str(ex.costs["sdpa"])
+    same = sa.backends.explain(q, rows, rows, print_table=False)
+    assert same.chosen == "sdpa"
