@@ -156,6 +156,8 @@ def test_kv_size_cli_mla(capsys, tmp_path):
     argv = ["kv-size", "--layers", "2", "--kv-lora-rank", "16", "--rope-dim", "8", "--json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 2 * 24 * 2
+    assert main(["kv-size", "--preset", "deepseek-v3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes"] == result["bytes"]  # the same shape
 
 
 def test_auto_avoids_sdpa_math_kernel_for_latent_values_on_cpu():
@@ -169,3 +171,32 @@ def test_auto_avoids_sdpa_math_kernel_for_latent_values_on_cpu():
     assert ex.chosen == "chunked" and "Dv != D" in str(ex.costs["sdpa"])
     same = sa.backends.explain(q, rows, rows, print_table=False)
     assert same.chosen == "sdpa"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_paged_attention_reads_latent_pages_in_place(backend):
+    """Latent pages ``(N, P, 1, r + dr)`` with values the view ``[..., :r]``: every paged
+    backend (Triton in its interpreter on CPU) equals the float64 oracle over the gathered rows."""
+    import os
+
+    import selfattn as sa
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    torch.manual_seed(6)
+    r, dr, P, N = SIZES["r"], SIZES["dr"], 4, 9
+    kv = PagedLatentKV(1, N, P, r, dr, max_seqs=2, max_pages_per_seq=4)
+    kv.k_store.normal_()
+    pages, values = kv.k_layers[0], kv.v_layers[0]
+    table = torch.tensor([[5, 0, 7, -1], [2, 8, 1, 3]], dtype=torch.int32)
+    lens = torch.tensor([11, 14], dtype=torch.int32)
+    q = torch.randn(2, SIZES["H"], 1, r + dr)
+    out = sa.cache.paged_attention(q, pages, values, table, lens, scale=0.3, backend=backend)
+    for b in range(2):
+        rows = pages[table[b, table[b] >= 0].long()].flatten(0, 1)[: lens[b]]  # (n, 1, r + dr)
+        k = rows.transpose(0, 1)[None].double()  # (1, 1, n, r + dr)
+        want = sa.attention(q[b : b + 1].double(), k, k[..., :r], scale=0.3, backend="reference")
+        naive = sa.attention(q[b : b + 1], k.float(), k.float()[..., :r], scale=0.3)
+        assert_close_to_reference(out[b : b + 1], want, naive)

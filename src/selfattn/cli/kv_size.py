@@ -19,6 +19,12 @@ _KV_PRESETS = {
     "mistral-7b": (32, 32, 8, 128),
     "qwen2-7b": (28, 28, 4, 128),
 }
+# Multi-head latent attention: (layers, query heads, kv_lora_rank, qk_rope_head_dim,
+# qk_nope_head_dim, v_head_dim), from the same configs.
+_MLA_PRESETS = {
+    "deepseek-v2-lite": (27, 16, 512, 64, 128, 128),
+    "deepseek-v3": (61, 128, 512, 64, 128, 128),
+}
 
 
 _MLA_ROPE_DIM = 64  # DeepSeek-V2/V3's qk_rope_head_dim
@@ -34,9 +40,9 @@ def _kv_dtype(text: str) -> str:
 
 
 def _kv_preset(text: str) -> str:
-    if text.lower() not in _KV_PRESETS:
+    if text.lower() not in _KV_PRESETS | _MLA_PRESETS:
         raise argparse.ArgumentTypeError(
-            f"unknown preset {text!r}; choose one of {', '.join(_KV_PRESETS)}"
+            f"unknown preset {text!r}; choose one of {', '.join(_KV_PRESETS | _MLA_PRESETS)}"
         )
     return text.lower()
 
@@ -75,7 +81,10 @@ def add_parser(subparsers):
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
-        "--preset", type=_kv_preset, metavar="NAME", help=f"one of {', '.join(_KV_PRESETS)}"
+        "--preset",
+        type=_kv_preset,
+        metavar="NAME",
+        help=f"one of {', '.join(_KV_PRESETS | _MLA_PRESETS)}",
     )
     source.add_argument(
         "--config",
@@ -118,6 +127,10 @@ def _shape(args):
             shape = kv_shape_from_config(args.config)
         except (TypeError, ValueError) as e:
             args.subparser.error(f"--config {args.config['__file__']}: {e}")
+    elif args.preset in _MLA_PRESETS:
+        L, Hq, rank, rope, nope, dv = _MLA_PRESETS[args.preset]
+        shape = KVShape(layers=L, kv_heads=Hq, head_dim=nope + rope, heads=Hq, value_dim=dv,
+                        kv_lora_rank=rank, rope_dim=rope)  # fmt: skip
     else:
         L, Hq, Hkv, D = _KV_PRESETS[args.preset] if args.preset else (32, None, 32, 128)
         shape = KVShape(layers=L, kv_heads=Hkv, head_dim=D, heads=Hq or Hkv)
