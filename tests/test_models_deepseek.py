@@ -58,10 +58,14 @@ def test_logits_equal_transformers(tmp_path, kwargs):
 @pytest.mark.parametrize("cache", ["static", "paged"])
 def test_greedy_generation_equals_transformers(tmp_path, cache):
     hf, ours = _pair(tmp_path, CONFIGS["yarn-qlora-interleave"], seed=1)
-    ids = torch.randint(0, VOCAB, (2, 5))
-    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7,
-                       do_sample=False, pad_token_id=0)  # fmt: skip
-    got = generate(ours, ids, max_new_tokens=7, cache=cache, page_size=4)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # row 0 left-padded
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
+                       pad_token_id=0)  # fmt: skip
+    eos = hf.generation_config.eos_token_id  # transformers stops a row there, then pads
+    got = generate(ours, ids, attention_mask=mask, max_new_tokens=7, cache=cache, page_size=4,
+                   eos_token_id=eos, pad_token_id=0)  # fmt: skip
     assert torch.equal(got, want)
 
 
