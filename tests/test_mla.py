@@ -200,3 +200,23 @@ def test_paged_attention_reads_latent_pages_in_place(backend):
         want = sa.attention(q[b : b + 1].double(), k, k[..., :r], scale=0.3, backend="reference")
         naive = sa.attention(q[b : b + 1], k.float(), k.float()[..., :r], scale=0.3)
         assert_close_to_reference(out[b : b + 1], want, naive)
+
+
+def test_paged_latent_fork_copies_on_write():
+    """A forked sequence shares the latent pages; the next writes copy the shared last page and
+    each sequence reads its own token, values still the view of its rows."""
+    torch.manual_seed(7)
+    kv = PagedLatentKV(2, 8, 4, 6, 2, max_seqs=3, max_pages_per_seq=4)
+    a = kv.add_sequence()
+    plan, rows = kv.plan([a], 6), torch.randn(1, 1, 6, 8)
+    for layer in range(2):
+        kv.write(layer, plan, rows, rows[..., :6])
+    b = kv.fork(a)
+    plan, new = kv.plan([a, b], 1), torch.randn(2, 1, 1, 8)
+    for layer in range(2):
+        kv.write(layer, plan, new, new[..., :6])
+    for i, s in enumerate((a, b)):
+        k, v = kv.gather(s, 1)
+        assert torch.equal(k[0, :6], rows[0, 0]) and torch.equal(k[0, 6], new[i, 0, 0])
+        assert torch.equal(v, k[..., :6])
+    kv.check()
