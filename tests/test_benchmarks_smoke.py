@@ -197,6 +197,18 @@ def check_models(report: dict) -> None:
         assert row["met"] == (row["ours_peak_mib"] <= 1.15 * row["weights_mib"] + 16), row
 
 
+def check_mla(report: dict) -> None:
+    """Both orders measured and equal; verdicts follow from the speedup and the byte ratios."""
+    (row,) = report["decode"]
+    assert row["naive_s"] > 0 and row["absorbed_s"] > 0 and row["max_abs_diff"] < 1e-4, row
+    assert row["speedup"] == pytest.approx(row["naive_s"] / row["absorbed_s"], rel=1e-9)
+    assert row["met"] == verdict(row["speedup"], row["target"]), row
+    for size in report["cache"]:
+        assert size["smaller"] == pytest.approx(size["per_head_bytes"] / size["latent_bytes"])
+        if size["met"] is not None:
+            assert size["met"] == verdict(size["smaller"], size["target"]), size
+
+
 SMOKES = {
     "attention": pytest.param(
         Smoke(
@@ -220,6 +232,7 @@ SMOKES = {
         marks=pytest.mark.slow,
     ),
     "decode_step": Smoke(script("decode_step", "--threads", "1"), check_decode_step),
+    "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
     "models": Smoke(
         script("models", "--repeat", "1"),
         check_models,
