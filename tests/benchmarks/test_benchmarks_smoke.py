@@ -207,6 +207,18 @@ def check_variants(report: dict) -> None:
     assert all(r["ours_ms"] > 0 and r["peer"] == "no sinks" for r in rows), rows
 
 
+def check_mla(report: dict) -> None:
+    """Both orders measured and equal; verdicts follow from the speedup and the byte ratios."""
+    (row,) = report["decode"]
+    assert row["naive_s"] > 0 and row["absorbed_s"] > 0 and row["max_abs_diff"] < 1e-4, row
+    assert row["speedup"] == pytest.approx(row["naive_s"] / row["absorbed_s"], rel=1e-9)
+    assert row["met"] == verdict(row["speedup"], row["target"]), row
+    for size in report["cache"]:
+        assert size["smaller"] == pytest.approx(size["per_head_bytes"] / size["latent_bytes"])
+        if size["met"] is not None:
+            assert size["met"] == verdict(size["smaller"], size["target"]), size
+
+
 SMOKES = {
     "attention": pytest.param(
         Smoke(
@@ -231,6 +243,7 @@ SMOKES = {
         marks=pytest.mark.slow,
     ),
     "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
+    "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

@@ -249,6 +249,11 @@ MINIMAL_CONFIGS = {
         intermediate_size=12,
     ),
     "t5": dict(vocab_size=11, d_model=8, d_kv=4, d_ff=12, num_heads=2, num_layers=1),
+    "deepseek_v3": dict(
+        vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
+        intermediate_size=12, kv_lora_rank=4, qk_rope_head_dim=2, qk_nope_head_dim=2,
+        v_head_dim=2, moe_intermediate_size=4, n_routed_experts=4, num_experts_per_tok=2,
+    ),
     "bart": dict(
         vocab_size=11, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,

@@ -378,11 +378,17 @@ _DENSE_MASK_BYTES = 1 << 30
 _BIG_MASK_PER_PAIR = 3.0
 
 
+# Dv != D on CPU: SDPA's CPU flash kernel needs Dv == D, so it runs its unfused math kernel,
+# measured 2-3x slower than chunked (benchmarks/mla.py's absorbed MLA decode: D 576, Dv 512):
+# ranked just above chunked's 2 per pair.
+_MATH_PER_PAIR = 2.5
 _FLAG = Cost(1.0, "dense or causal work: PyTorch's fused kernel is fastest", sparse=True)
 _DENSE_MASK = Cost(1.0, "fused kernel with a dense mask: does all Sq·Sk work")
 
 
 def _cost(q, k, v, call: AttentionCall) -> Cost:
+    if q.device.type == "cpu" and v.shape[3] != q.shape[3]:
+        return Cost(_MATH_PER_PAIR, "Dv != D: on CPU only SDPA's unfused math kernel runs it")
     if causal_as_flag(k, call):
         return _FLAG
     B, Hq, Sq, _ = q.shape

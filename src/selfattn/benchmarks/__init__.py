@@ -8,6 +8,16 @@ imports no benchmark.
 """
 
 # In the order `selfattn bench` runs them; gpu needs a CUDA device.
-NAMES = ("attention", "decode", "decode_step", "gpu", "layers", "models", "ring", "variants")
+NAMES = (
+    "attention",
+    "decode",
+    "decode_step",
+    "gpu",
+    "layers",
+    "mla",
+    "models",
+    "ring",
+    "variants",
+)
 
 __all__ = ["NAMES"]

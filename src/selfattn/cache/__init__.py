@@ -5,21 +5,24 @@ plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
 """
 
 from selfattn.backends.paged.plan import PagedAttentionPlan
+from selfattn.cache.latent import LatentCache, PagedLatentKV
 from selfattn.cache.paged import PagedCache, PagedCacheView, PagedKV
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixHit, PrefixIndex
 from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_quantized
-from selfattn.cache.size import format_bytes, kv_cache_bytes
+from selfattn.cache.size import format_bytes, kv_cache_bytes, latent_cache_bytes
 from selfattn.cache.static import StaticCache
 from selfattn.cache.window import SlidingWindowCache
 from selfattn.functional import paged_attention
 
 __all__ = [
     "BlockPool",
+    "LatentCache",
     "PagedAttentionPlan",
     "PagedCache",
     "PagedCacheView",
     "PagedKV",
+    "PagedLatentKV",
     "PrefixHit",
     "PrefixIndex",
     "SlidingWindowCache",
@@ -27,6 +30,7 @@ __all__ = [
     "dequantize",
     "format_bytes",
     "kv_cache_bytes",
+    "latent_cache_bytes",
     "paged_attention",
     "quantize_fp8",
     "quantize_int8",

@@ -17,6 +17,7 @@ __all__ = [
     "format_bytes",
     "kv_cache_bytes",
     "kv_shape_from_config",
+    "latent_cache_bytes",
 ]
 
 # Storage bytes per element of each dtype name; int8 and fp8 also carry float32 scales (below).
@@ -48,10 +49,14 @@ def _count(value, name: str) -> int:
     return positive_int(value, f"kv_cache_bytes {name}")
 
 
-def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype, batch: int = 1):
+def kv_cache_bytes(
+    layers: int, kv_heads: int, head_dim: int, tokens: int, dtype, batch: int = 1, *,
+    value_dim: int | None = None,
+):  # fmt: skip
     """Bytes a KV cache of ``batch`` sequences of ``tokens`` tokens occupies.
 
-    ``2 × layers × kv_heads × head_dim × tokens × bytes(dtype) × batch``: the 2 is K and V. Query
+    ``2 × layers × kv_heads × head_dim × tokens × bytes(dtype) × batch``: the 2 is K and V
+    (with ``value_dim`` ``Dv != D``: ``layers × kv_heads × (head_dim + value_dim) × ...``). Query
     heads do not appear: only KV heads are cached, which is why GQA and MQA shrink the cache by
     ``Hq / Hkv``. ``dtype`` is a torch dtype or one of ``fp64 fp32 fp16 bf16 int8 fp8``.
     Quantised storage adds its float32 scales: int8 keeps one per token and KV head
@@ -70,12 +75,45 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype
         _count(value, name)
     _count(tokens, "tokens")
     _count(batch, "batch")
+    width = 2 * head_dim if value_dim is None else head_dim + _count(value_dim, "value_dim")
     name = dtype_name(dtype)
-    total = 2 * layers * kv_heads * head_dim * tokens * KV_DTYPES[name] * batch
+    total = layers * kv_heads * width * tokens * KV_DTYPES[name] * batch
     if name == "int8":
         total += 2 * layers * kv_heads * tokens * _SCALE_BYTES * batch
     elif name == "fp8":
         total += 2 * layers * kv_heads * _SCALE_BYTES
+    return total
+
+
+def latent_cache_bytes(
+    layers: int, kv_lora_rank: int, rope_dim: int, tokens: int, dtype, batch: int = 1
+) -> int:
+    """Bytes a multi-head latent attention cache (DeepSeek-V2/V3, :mod:`selfattn.cache.latent`)
+    of ``batch`` sequences of ``tokens`` tokens occupies.
+
+    ``layers × (kv_lora_rank + rope_dim) × tokens × bytes(dtype) × batch``: one latent row per
+    token and layer, shared by every head, with no separate V (the values are the latent's
+    first ``kv_lora_rank`` columns). Quantised storage adds float32 scales as
+    :func:`kv_cache_bytes` does, for one tensor of one head. DeepSeek-V3 (61 layers,
+    ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64) needs 68.6 KiB per token in bf16, against
+    4.8 MiB for the same heads cached as MHA (128 heads of K 192 + V 128):
+
+    >>> latent_cache_bytes(61, 512, 64, 1, "bf16")
+    70272
+    >>> kv_cache_bytes(61, 128, 192, 1, "bf16", value_dim=128)
+    4997120
+    """
+    for name, value in (("layers", layers), ("kv_lora_rank", kv_lora_rank)):
+        positive_int(value, f"latent_cache_bytes {name}")
+    positive_int(rope_dim, "latent_cache_bytes rope_dim")
+    _count(tokens, "tokens")
+    _count(batch, "batch")
+    name = dtype_name(dtype)
+    total = layers * (kv_lora_rank + rope_dim) * tokens * KV_DTYPES[name] * batch
+    if name == "int8":
+        total += layers * tokens * _SCALE_BYTES * batch
+    elif name == "fp8":
+        total += layers * _SCALE_BYTES
     return total
 
 
@@ -94,7 +132,11 @@ def format_bytes(n: int) -> str:
 class KVShape:
     """What a model's KV cache holds per token: ``layers`` x ``kv_heads`` x ``head_dim`` for K and
     for V; ``sliding_layers`` of the layers keep only the last ``sliding_window`` tokens.
-    ``heads`` (query heads) does not change the size; ``dtype`` is the checkpoint's, if known."""
+    ``heads`` (query heads) does not change the size; ``dtype`` is the checkpoint's, if known.
+    ``value_dim``: V's width when it differs from ``head_dim``. Multi-head latent attention
+    sets ``kv_lora_rank`` and ``rope_dim``: the cache then holds one latent row of ``kv_lora_rank
+    + rope_dim`` per token and layer (:func:`latent_cache_bytes`), and ``kv_heads`` ×
+    (``head_dim``, ``value_dim``) describe the equivalent per-head cache (:meth:`mha_bytes`)."""
 
     layers: int
     kv_heads: int
@@ -103,13 +145,30 @@ class KVShape:
     sliding_window: int | None = None
     sliding_layers: int = 0
     dtype: str | None = None
+    value_dim: int | None = None
+    kv_lora_rank: int | None = None
+    rope_dim: int | None = None
+
+    @property
+    def latent(self) -> bool:
+        """Whether the cache holds MLA latents (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
 
     def bytes(self, tokens: int, dtype, batch: int = 1) -> int:
-        """Bytes for ``batch`` sequences of ``tokens`` tokens (:func:`kv_cache_bytes` per kind of
-        layer: the sliding ones cache ``min(tokens, sliding_window)``)."""
+        """Bytes for ``batch`` sequences of ``tokens`` tokens (:func:`latent_cache_bytes` for a
+        latent cache, else :func:`kv_cache_bytes` per kind of layer: the sliding ones cache
+        ``min(tokens, sliding_window)``)."""
+        if self.latent:
+            args = (self.layers, self.kv_lora_rank, self.rope_dim, tokens, dtype)
+            return latent_cache_bytes(*args, batch=batch)
+        return self.mha_bytes(tokens, dtype, batch)
+
+    def mha_bytes(self, tokens: int, dtype, batch: int = 1) -> int:
+        """Bytes of the per-head cache of ``kv_heads`` K/V heads (for a latent cache: the cache
+        its heads would need without the latent compression)."""
         full = self.layers - self.sliding_layers
         size = lambda layers, n: kv_cache_bytes(  # noqa: E731
-            layers, self.kv_heads, self.head_dim, n, dtype, batch=batch
+            layers, self.kv_heads, self.head_dim, n, dtype, batch=batch, value_dim=self.value_dim
         )
         total = size(full, tokens) if full else 0
         if self.sliding_layers:
@@ -146,13 +205,9 @@ def kv_shape_from_config(config: Mapping) -> KVShape:
         config.get("text_config"), Mapping
     ):
         return kv_shape_from_config({**config["text_config"], **_dtype_keys(config)})
-    if config.get("kv_lora_rank"):
-        raise ValueError(
-            f"config has kv_lora_rank={config['kv_lora_rank']}: multi-head latent attention "
-            "caches one compressed latent per token, not per-head K/V; give --layers, "
-            "--kv-heads 1 and --head-dim (kv_lora_rank + qk_rope_head_dim) to size it"
-        )
     model = config.get("model_type", "?")
+    if config.get("kv_lora_rank"):
+        return _latent_shape(config, model)
     layers = _first(config, _DECODER_LAYER_KEYS) or _first(config, _LAYER_KEYS)
     heads = _first(config, _HEAD_KEYS)
     for name, value, keys in (("layers", layers, _LAYER_KEYS), ("heads", heads, _HEAD_KEYS)):
@@ -177,6 +232,35 @@ def kv_shape_from_config(config: Mapping) -> KVShape:
         sliding_window=window,
         sliding_layers=sliding,
         dtype=_checkpoint_dtype(config),
+    )
+
+
+def _latent_shape(config: Mapping, model: str) -> KVShape:
+    """Multi-head latent attention (DeepSeek-V2/V3): one latent of ``kv_lora_rank`` plus the
+    shared rope key of ``qk_rope_head_dim`` per token and layer; the equivalent per-head cache
+    has K of ``qk_nope_head_dim + qk_rope_head_dim`` and V of ``v_head_dim`` per KV head."""
+    missing = [
+        k for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim") if config.get(k) is None
+    ]
+    if missing:
+        raise ValueError(
+            f"config ({model}) has kv_lora_rank={config['kv_lora_rank']} (multi-head latent "
+            f"attention) but no {', '.join(missing)}: the latent cache needs them"
+        )
+    layers, heads = _first(config, _LAYER_KEYS), _first(config, _HEAD_KEYS)
+    for name, value, keys in (("layers", layers, _LAYER_KEYS), ("heads", heads, _HEAD_KEYS)):
+        if value is None:
+            raise ValueError(f"config ({model}) has none of {', '.join(keys)}: its {name}")
+    rope = _count(config["qk_rope_head_dim"], "qk_rope_head_dim")
+    return KVShape(
+        layers=_count(layers, "layers"),
+        kv_heads=_count(_first(config, _KV_HEAD_KEYS) or heads, "kv_heads"),
+        head_dim=_count(config["qk_nope_head_dim"], "qk_nope_head_dim") + rope,
+        heads=_count(heads, "heads"),
+        dtype=_checkpoint_dtype(config),
+        value_dim=_count(config["v_head_dim"], "v_head_dim"),
+        kv_lora_rank=_count(config["kv_lora_rank"], "kv_lora_rank"),
+        rope_dim=rope,
     )
 
 

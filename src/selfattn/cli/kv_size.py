@@ -1,5 +1,7 @@
 """``selfattn kv-size``: KV cache memory of a model shape (:func:`selfattn.cache.kv_cache_bytes`)
-per token, per sequence, with MHA/GQA/MQA and other storage dtypes."""
+per token, per sequence, with MHA/GQA/MQA and other storage dtypes; for multi-head latent
+attention (a ``kv_lora_rank`` config, or ``--kv-lora-rank``/``--rope-dim``) the latent cache
+(:func:`selfattn.cache.latent_cache_bytes`) and its ratio to the per-head caches."""
 
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ _KV_PRESETS = {
     "mistral-7b": (32, 32, 8, 128),
     "qwen2-7b": (28, 28, 4, 128),
 }
+# Multi-head latent attention: (layers, query heads, kv_lora_rank, qk_rope_head_dim,
+# qk_nope_head_dim, v_head_dim), from the same configs.
+_MLA_PRESETS = {
+    "deepseek-v2-lite": (27, 16, 512, 64, 128, 128),
+    "deepseek-v3": (61, 128, 512, 64, 128, 128),
+}
+
+
+_MLA_ROPE_DIM = 64  # DeepSeek-V2/V3's qk_rope_head_dim
 
 
 def _kv_dtype(text: str) -> str:
@@ -29,9 +40,9 @@ def _kv_dtype(text: str) -> str:
 
 
 def _kv_preset(text: str) -> str:
-    if text.lower() not in _KV_PRESETS:
+    if text.lower() not in _KV_PRESETS | _MLA_PRESETS:
         raise argparse.ArgumentTypeError(
-            f"unknown preset {text!r}; choose one of {', '.join(_KV_PRESETS)}"
+            f"unknown preset {text!r}; choose one of {', '.join(_KV_PRESETS | _MLA_PRESETS)}"
         )
     return text.lower()
 
@@ -70,7 +81,10 @@ def add_parser(subparsers):
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
-        "--preset", type=_kv_preset, metavar="NAME", help=f"one of {', '.join(_KV_PRESETS)}"
+        "--preset",
+        type=_kv_preset,
+        metavar="NAME",
+        help=f"one of {', '.join(_KV_PRESETS | _MLA_PRESETS)}",
     )
     source.add_argument(
         "--config",
@@ -83,6 +97,13 @@ def add_parser(subparsers):
     p.add_argument("--heads", type=positive, metavar="Hq", help="query heads (default Hkv)")
     p.add_argument("--kv-heads", type=positive, metavar="Hkv", help="default 32")
     p.add_argument("--head-dim", type=positive, metavar="D", help="default 128")
+    p.add_argument(
+        "--kv-lora-rank",
+        type=positive,
+        metavar="R",
+        help="multi-head latent attention: cache one latent of R (+ --rope-dim) per token",
+    )
+    p.add_argument("--rope-dim", type=positive, metavar="DR", help="MLA's rope key (default 64)")
     p.add_argument("--tokens", type=positive, default=4096, metavar="T", help="default 4096")
     p.add_argument("--batch", type=positive, default=1, metavar="B", help="default 1")
     p.add_argument(
@@ -106,6 +127,10 @@ def _shape(args):
             shape = kv_shape_from_config(args.config)
         except (TypeError, ValueError) as e:
             args.subparser.error(f"--config {args.config['__file__']}: {e}")
+    elif args.preset in _MLA_PRESETS:
+        L, Hq, rank, rope, nope, dv = _MLA_PRESETS[args.preset]
+        shape = KVShape(layers=L, kv_heads=Hq, head_dim=nope + rope, heads=Hq, value_dim=dv,
+                        kv_lora_rank=rank, rope_dim=rope)  # fmt: skip
     else:
         L, Hq, Hkv, D = _KV_PRESETS[args.preset] if args.preset else (32, None, 32, 128)
         shape = KVShape(layers=L, kv_heads=Hkv, head_dim=D, heads=Hq or Hkv)
@@ -115,6 +140,12 @@ def _shape(args):
         shape = dataclasses.replace(shape, heads=args.heads)
     elif args.config is None and args.kv_heads is not None and not args.preset:
         shape = dataclasses.replace(shape, heads=shape.kv_heads)  # default Hq: Hkv
+    if args.kv_lora_rank is not None or (args.rope_dim is not None and shape.latent):
+        rank = args.kv_lora_rank or shape.kv_lora_rank
+        rope = args.rope_dim or shape.rope_dim or _MLA_ROPE_DIM
+        shape = dataclasses.replace(shape, kv_lora_rank=rank, rope_dim=rope)
+    elif args.rope_dim is not None:
+        args.subparser.error("--rope-dim sizes a latent cache: give --kv-lora-rank too")
     if shape.sliding_layers > shape.layers:  # --layers below the config's windowed layers
         shape = dataclasses.replace(shape, sliding_layers=shape.layers)
     return shape
@@ -132,8 +163,9 @@ def run(args) -> int:
     T, B = args.tokens, args.batch
     dtype = args.dtype or shape.dtype or "bf16"
 
-    def size(kv_heads=Hkv, tokens=T, dt=dtype, batch=B) -> int:
-        return dataclasses.replace(shape, kv_heads=kv_heads).bytes(tokens, dt, batch=batch)
+    def size(kv_heads=Hkv, tokens=T, dt=dtype, batch=B, latent=shape.latent) -> int:
+        s = dataclasses.replace(shape, kv_heads=kv_heads)
+        return s.bytes(tokens, dt, batch=batch) if latent else s.mha_bytes(tokens, dt, batch)
 
     model = {"preset": args.preset, "layers": L, "heads": Hq, "kv_heads": Hkv, "head_dim": D}
     if args.config is not None:
@@ -143,8 +175,17 @@ def run(args) -> int:
     # The same model with MHA (one KV head per query head), GQA (Hq / 4 KV heads), MQA (one).
     heads = [("MHA", Hq), ("GQA", Hq // 4 if Hq % 4 == 0 else None), ("MQA", 1)]
     attention = [
-        {"kind": kind, "kv_heads": h, "bytes": size(h), "ratio": h} for kind, h in heads if h
+        {"kind": kind, "kv_heads": h, "bytes": size(h, latent=False), "ratio": h}
+        for kind, h in heads
+        if h
     ]
+    if shape.latent:  # the latent first; each per-head cache's ratio is to it
+        latent = {"kind": "MLA", "kv_heads": 1, "bytes": total, "ratio": 1.0}
+        for a in attention:
+            a["ratio"] = a["bytes"] / total
+        attention.insert(0, latent)
+        model |= {"kv_lora_rank": shape.kv_lora_rank, "rope_dim": shape.rope_dim}
+        model |= {"value_dim": shape.value_dim}
     storage = [
         {"dtype": d, "bytes": size(dt=d), "vs_16bit": size(dt=d) / size(dt="bf16")}
         for d in ("fp32", "bf16", "int8", "fp8")
@@ -167,10 +208,18 @@ def run(args) -> int:
     name = f"{args.preset}: " if args.preset else ""
     if args.config is not None:
         name = f"{args.config.get('model_type') or args.config['__file__']}: "
-    out.line(
-        f"{name}{L} layers, {Hkv} KV heads of dimension {D} ({Hq} query heads), {dtype}: "
-        f"{fmt(result['bytes_per_token'])} per token"
-    )
+    if shape.latent:
+        r, dr = shape.kv_lora_rank, shape.rope_dim
+        out.line(
+            f"{name}{L} layers, multi-head latent attention: one latent of {r} + rope key of "
+            f"{dr} per token and layer ({Hq} query heads), {dtype}: "
+            f"{fmt(result['bytes_per_token'])} per token"
+        )
+    else:
+        out.line(
+            f"{name}{L} layers, {Hkv} KV heads of dimension {D} ({Hq} query heads), {dtype}: "
+            f"{fmt(result['bytes_per_token'])} per token"
+        )
     if shape.sliding_layers:
         out.line(
             f"{shape.sliding_layers} of the {L} layers keep only the last "
@@ -179,13 +228,22 @@ def run(args) -> int:
     seqs = f"{B} sequences" if B > 1 else "one sequence"
     out.line(f"{T:,} tokens x {seqs}: {fmt(total)} ({total:,} bytes)")
     out.line()
-    ratio = " : ".join(str(a["ratio"]) for a in attention)
-    out.table(
-        ["attention", "KV heads", "cache", "bytes"],
-        [[a["kind"], str(a["kv_heads"]), fmt(a["bytes"]), f"{a['bytes']:,}"] for a in attention],
-        title=f"same model, {Hq} query heads ({' : '.join(a['kind'] for a in attention)} = "
-        f"{ratio})",
-    )
+    rows = [[a["kind"], str(a["kv_heads"]), fmt(a["bytes"]), f"{a['bytes']:,}"] for a in attention]
+    if shape.latent:
+        dv = shape.value_dim or D
+        out.table(
+            ["attention", "KV heads", "cache", "bytes", "vs MLA"],
+            [[*row, f"{a['ratio']:.1f}x"] for row, a in zip(rows, attention)],
+            title=f"same model, {Hq} query heads; per-head caches hold K of {D} and V of {dv}",
+        )
+    else:
+        ratio = " : ".join(str(a["ratio"]) for a in attention)
+        out.table(
+            ["attention", "KV heads", "cache", "bytes"],
+            rows,
+            title=f"same model, {Hq} query heads ({' : '.join(a['kind'] for a in attention)} = "
+            f"{ratio})",
+        )
     out.line()
     out.table(
         ["storage", "cache", "vs bf16"],

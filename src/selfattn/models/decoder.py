@@ -153,7 +153,7 @@ class DecoderConfig:
     rope_local_base: float | None = None
     diff_attention: bool = False
     attention_chunk_size: int | None = None  # "chunked_attention" layers (Llama-4)
-    rope_interleaved: bool = False  # RoPE on (x[2i], x[2i+1]) pairs (Llama-4's complex RoPE)
+    rope_interleaved: bool = False  # RoPE on (x[2i], x[2i+1]) pairs (Llama-4, DeepSeek)
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -22,7 +22,15 @@ from selfattn.models.hub import unsupported
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import DynamicNTK, Linear, Llama3, LongRoPE, YaRN
 
-__all__ = ["bert_fields", "bert_state", "decoder_fields", "gpt2_state", "llama_state"]
+__all__ = [
+    "bert_fields",
+    "bert_state",
+    "decoder_fields",
+    "deepseek_fields",
+    "deepseek_state",
+    "gpt2_state",
+    "llama_state",
+]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama")
 _GEMMA = ("gemma2", "gemma3_text")  # (1 + weight) norms, sandwich norms, scaled embeddings
@@ -475,3 +483,134 @@ def llama4_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             name = f"{head.removeprefix('model.')}.mlp.{_LLAMA4_FF[rest]}"
         moved[name] = t
     return llama_state(moved, sandwich_norm=False)
+
+
+# -- DeepSeek-V3 (multi-head latent attention + MoE) -----------------------------------------------
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature ``0.1 · mscale · ln(factor) + 1`` (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_fields(config: Mapping) -> dict:
+    """``DeepseekConfig`` keyword arguments from a transformers DeepSeek-V3 ``config.json``.
+
+    The RoPE covers the ``qk_rope_head_dim`` dims only (``head_dim`` here, as transformers sets
+    it). With a YaRN scaling that has ``mscale_all_dim``, transformers multiplies the softmax
+    scale ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`` by ``mscale(factor,
+    mscale_all_dim)²`` (``yarn_apply_mscale``): so does ``attn_scale``.
+    """
+    if config.get("model_type") != "deepseek_v3":
+        raise unsupported(config, "model_type", "DeepSeek-V3 mapping")
+    rope_dim = config["qk_rope_head_dim"]
+    base, scaling, _ = _rope(config, rope_dim)
+    qk_dim = config["qk_nope_head_dim"] + rope_dim
+    scale = qk_dim**-0.5
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    scaled = params.get("rope_type", params.get("type", "default")) != "default"
+    if scaled and params.get("mscale_all_dim"):
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    n_heads = config["num_attention_heads"]
+    if (config.get("num_key_value_heads") or n_heads) != n_heads:
+        raise unsupported(config, "num_key_value_heads", "MLA decompresses every query head")
+    experts, groups = config["n_routed_experts"], config.get("n_group") or 1
+    if experts % groups or experts // groups < 2:
+        raise unsupported(config, "n_group", f"{experts} experts in {groups} groups of >= 2")
+    return dict(
+        vocab_size=config["vocab_size"],
+        d_model=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        d_ff=config["intermediate_size"],
+        head_dim=rope_dim,
+        positions="rope",
+        max_positions=config.get("max_position_embeddings", 4096),
+        rope_base=base,
+        rope_scaling=scaling,
+        rope_interleaved=bool(config.get("rope_interleave", True)),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        activation=config.get("hidden_act", "silu"),
+        attention_bias=bool(config.get("attention_bias", False)),
+        attn_scale=scale,
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_eos(config),
+        pad_token_id=config.get("pad_token_id"),
+        kv_lora_rank=config["kv_lora_rank"],
+        q_lora_rank=config.get("q_lora_rank"),
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        moe_d_ff=config["moe_intermediate_size"],
+        n_experts=experts,
+        n_shared_experts=config.get("n_shared_experts") or 0,
+        experts_per_token=config["num_experts_per_tok"],
+        n_groups=groups,
+        groups_per_token=config.get("topk_group") or groups,
+        norm_topk=bool(config.get("norm_topk_prob", True)),
+        routed_scale=float(config.get("routed_scaling_factor", 1.0)),
+        first_dense=config.get("first_k_dense_replace") or 0,
+    )
+
+
+# transformers' DeepSeek-V3 module names inside a layer -> ours (leaf names kept).
+_DEEPSEEK_LAYER = {
+    "input_layernorm": "self_res.norm",
+    "post_attention_layernorm": "mlp_res.norm",
+    "self_attn.q_proj": "self_attention.q_proj",
+    "self_attn.q_a_proj": "self_attention.q_a_proj",
+    "self_attn.q_a_layernorm": "self_attention.q_a_norm",
+    "self_attn.q_b_proj": "self_attention.q_b_proj",
+    "self_attn.kv_a_proj_with_mqa": "self_attention.kv_a_proj",
+    "self_attn.kv_a_layernorm": "self_attention.kv_a_norm",
+    "self_attn.kv_b_proj": "self_attention.kv_b_proj",
+    "self_attn.o_proj": "self_attention.out_proj",
+    "mlp.gate_proj": "mlp.gate",  # a dense layer's gated MLP
+    "mlp.up_proj": "mlp.up",
+    "mlp.down_proj": "mlp.down",
+    "mlp.gate": "mlp.router",  # an MoE layer's router (weight, e_score_correction_bias)
+    "mlp.experts": "mlp.experts",  # gate_up_proj (E, 2I, d), down_proj (E, d, I)
+    "mlp.shared_experts.gate_proj": "mlp.shared.gate",
+    "mlp.shared_experts.up_proj": "mlp.shared.up",
+    "mlp.shared_experts.down_proj": "mlp.shared.down",
+}
+
+
+def deepseek_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """transformers' DeepSeek-V3 tensors -> :class:`~selfattn.models.deepseek.DeepseekV3`'s
+    (``state`` is emptied). Layers from ``n_layers`` on are the multi-token-prediction
+    modules of the released checkpoints, which a causal LM does not run: dropped, as
+    transformers drops them."""
+    out, experts = {}, {}
+    for name, t in _drain(state):
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 3:
+            if int(parts[1]) >= n_layers:
+                continue
+            if parts[2:4] == ["mlp", "experts"] and parts[4].isdigit():  # one tensor per expert
+                experts.setdefault(parts[1], {})[name] = t
+                continue
+            ours = _DEEPSEEK_LAYER.get(".".join(parts[2:-1]))
+            out[name if ours is None else f"layers.{parts[1]}.{ours}.{parts[-1]}"] = t
+        elif name == "embed_tokens.weight":
+            out["embed.weight"] = t
+        else:
+            out[name] = t  # norm.weight, lm_head.weight keep their names
+    for layer, tensors in experts.items():
+        out |= _stack_experts(layer, tensors)
+    return out
+
+
+def _stack_experts(layer: str, tensors: dict) -> dict:
+    """A layer's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (the released
+    checkpoints' layout) -> our ``mlp.experts.gate_up_proj (E, 2·I, d)`` and ``down_proj
+    (E, d, I)``. An incomplete set keeps its names, so loading names what is missing."""
+    head = f"layers.{layer}.mlp.experts"
+    n = 1 + max(int(k.split(".")[4]) for k in tensors)
+    names = [[f"{head}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in range(n)]
+    if any(k not in tensors for row in names for k in row):
+        return tensors
+    gate_up = [torch.cat([tensors[g], tensors[u]], 0) for g, u, _ in names]  # (2·I, d) each
+    return {
+        f"{head}.gate_up_proj": torch.stack(gate_up),  # E × (2·I, d) -> (E, 2·I, d)
+        f"{head}.down_proj": torch.stack([tensors[d] for _, _, d in names]),
+    }

@@ -5,6 +5,7 @@
 from selfattn.nn.attention import ContiguousCache, MultiHeadAttention, TorchMultiheadAttention
 from selfattn.nn.blocks import DecoderBlock, EncoderBlock
 from selfattn.nn.diff_attention import DiffAttention
+from selfattn.nn.latent import LatentAttention
 from selfattn.nn.mlp import MLP, SwiGLU
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
@@ -14,6 +15,7 @@ __all__ = [
     "DecoderBlock",
     "DiffAttention",
     "EncoderBlock",
+    "LatentAttention",
     "LayerNorm",
     "MultiHeadAttention",
     "RMSNorm",
