@@ -1,0 +1,173 @@
+"""StreamingCache: StreamingLLM's sinks plus a rolling window, at slot ("cache") and text
+("absolute") RoPE positions, against full forwards with the equivalent mask (float64 oracle,
+ratio rule)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from selfattn import masks
+from selfattn.cache import StreamingCache
+from selfattn.models.decoder import DecoderConfig, Llama
+from selfattn.positions import DynamicNTK, RoPE, YaRN
+from selfattn.testing import assert_close_to_reference
+
+VOCAB, N_SINK, WINDOW = 37, 3, 5
+PREFILL, TOTAL = 7, 23  # past n_sink + window: the ring wraps and tokens are evicted
+
+
+def tiny_llama(seed: int, n_layers: int = 2) -> Llama:
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(
+        vocab_size=VOCAB, d_model=24, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=40
+    )
+    return Llama(cfg).eval()
+
+
+def streamed(model, ids, **kw) -> torch.Tensor:
+    """Logits of a prefill of PREFILL tokens, then one token a step, with a streaming cache."""
+    cache = model.make_cache("streaming", ids.shape[0], n_sink=N_SINK, window=WINDOW, **kw)
+    out = [model(ids[:, :PREFILL], cache=cache)]
+    out += [model(ids[:, t : t + 1], cache=cache) for t in range(PREFILL, ids.shape[1])]
+    return torch.cat(out, 1)
+
+
+def masked_forward(model, ids, mask, positions) -> torch.Tensor:
+    """The model's full forward under ``mask`` (ANDed with causal by the blocks)."""
+    h = model.embed(ids)
+    for block in model.layers:
+        h = block(h, mask=mask, positions=positions)
+    return model.lm_head(model.norm(h))
+
+
+@torch.no_grad()
+def test_absolute_positions_equal_full_forward_with_sink_window_mask():
+    """Every layer's keys at text positions: the cache decode is the full forward whose mask
+    lets each query see the first N_SINK keys and its WINDOW (oracle in float64)."""
+    model = tiny_llama(seed=1)
+    ids = torch.randint(0, VOCAB, (2, TOTAL), generator=torch.Generator().manual_seed(11))
+    actual = streamed(model, ids, positions="absolute")
+    mask = masks.padding(N_SINK) | masks.sliding_window(WINDOW)
+    pos = torch.arange(TOTAL)
+    naive = masked_forward(model, ids, mask, pos)
+    oracle = masked_forward(copy.deepcopy(model).double(), ids, mask, pos)
+    assert_close_to_reference(actual, oracle, naive)
+    # the sinks matter: plain windowing differs
+    windowed = masked_forward(model, ids, masks.sliding_window(WINDOW), pos)
+    assert not torch.allclose(naive, windowed)
+
+
+@torch.no_grad()
+def test_cache_positions_equal_forward_over_kept_tokens_at_slot_positions():
+    """The paper's positions: a one-layer model's decode step at text position t equals a full
+    forward over the tokens the cache keeps (sinks, then the window), at positions 0..n-1 (the
+    slots), the query last. (With more layers the cached K/V also remember the contexts they
+    were made in, so one layer is the exact statement.)"""
+    model = tiny_llama(seed=2, n_layers=1)
+    ids = torch.randint(0, VOCAB, (2, TOTAL), generator=torch.Generator().manual_seed(12))
+    actual = streamed(model, ids, positions="cache")[:, PREFILL:]
+    oracle64 = copy.deepcopy(model).double()
+    rows_naive, rows_oracle = [], []
+    for t in range(PREFILL, TOTAL):
+        kept = [*range(N_SINK), *range(max(N_SINK, t - WINDOW + 1), t + 1)]
+        sub, pos = ids[:, kept], torch.arange(len(kept))
+        rows_naive.append(masked_forward(model, sub, None, pos)[:, -1:])
+        rows_oracle.append(masked_forward(oracle64, sub, None, pos)[:, -1:])
+    assert_close_to_reference(actual, torch.cat(rows_oracle, 1), torch.cat(rows_naive, 1))
+    # and the slot positions are not the text positions
+    assert not torch.allclose(actual, streamed(model, ids, positions="absolute")[:, PREFILL:])
+
+
+ROPES = {
+    "half": lambda: RoPE(8),
+    "interleaved-partial": lambda: RoPE(8, interleaved=True, rotary_dim=6),
+    "yarn": lambda: RoPE(8, scaling=YaRN(factor=4.0, original_max_position=16)),
+}
+
+
+@pytest.mark.parametrize("rope_kind", list(ROPES))
+def test_rerotated_keys_equal_explicit_rotation_at_slots(rope_kind):
+    """Keys handed over rotated at next_positions come back rotated at their current slots:
+    exactly rope(raw keys of the kept tokens, arange(n)), whatever the layout and the YaRN
+    attention factor, step after step as the window slides."""
+    rope = ROPES[rope_kind]()
+    g = torch.Generator().manual_seed(3)
+    B, H, D = 2, 3, 8
+    cache = StreamingCache(B, N_SINK, WINDOW, H, D, rope=rope, dtype=torch.float64)
+    raw = torch.randn(B, H, TOTAL, D, generator=g, dtype=torch.float64)
+    vals = torch.randn(B, H, TOTAL, D, generator=g, dtype=torch.float64)
+    steps = [(0, PREFILL), *((t, t + 1) for t in range(PREFILL, TOTAL))]
+    for a, b in steps:
+        pos = cache.next_positions(b - a)
+        kv = cache.update(rope(raw[:, :, a:b], pos), vals[:, :, a:b], positions=pos)
+        kept = [*range(min(b, N_SINK)), *range(max(N_SINK, a - WINDOW + 1), b)]
+        slots = torch.arange(len(kept))
+        torch.testing.assert_close(kv[0], rope(raw[:, :, kept], slots), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(kv[1], vals[:, :, kept], rtol=0, atol=0)
+        assert torch.equal(kv.positions, slots)
+        assert torch.equal(pos, slots[-(b - a) :])  # the queries sit at the last slots
+
+
+def test_absolute_mode_reports_text_positions_and_stays_bounded():
+    """Memory is n_sink + window tokens however many steps: the storage tensors never grow and
+    each step returns at most n_sink + window keys, labelled with their text positions."""
+    B, H, D, steps = 1, 2, 4, 300
+    cache = StreamingCache(B, N_SINK, WINDOW, H, D, positions="absolute")
+    sizes = [t.shape for t in (cache.sinks.k, cache.sinks.v, cache.ring.k, cache.ring.v)]
+    x = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(4))
+    for _ in range(steps):
+        kv = cache.update(x, x)
+    assert [t.shape for t in (cache.sinks.k, cache.sinks.v, cache.ring.k, cache.ring.v)] == sizes
+    assert kv[0].shape[2] == N_SINK + WINDOW == cache.capacity
+    want = [*range(N_SINK), *range(steps - WINDOW, steps)]
+    assert kv.positions.tolist() == want and cache.length == steps
+
+
+@torch.no_grad()
+def test_model_cache_memory_is_flat_in_generated_length():
+    model = tiny_llama(seed=5)
+    cache = model.make_cache("streaming", 1, n_sink=2, window=4)
+    before = cache.memory_bytes
+    ids = torch.randint(0, VOCAB, (1, 1), generator=torch.Generator().manual_seed(5))
+    for _ in range(40):
+        model(ids, cache=cache)
+    assert cache.memory_bytes == before and cache.length == 40
+    assert cache.plan(1).positions.tolist() == [2 + 4 - 1]  # the query at the cache length
+
+
+def test_zero_sinks_is_plain_windowing():
+    cache = StreamingCache(1, 0, 4, 1, 2, positions="absolute")
+    kv = None
+    for _ in range(9):
+        kv = cache.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    assert cache.sinks is None and kv.positions.tolist() == [5, 6, 7, 8]
+
+
+@torch.no_grad()
+def test_bad_uses_raise_clear_errors():
+    model = tiny_llama(seed=6)
+    with pytest.raises(ValueError, match="needs window="):
+        model.make_cache("streaming", 1)
+    with pytest.raises(ValueError, match="StreamingCache positions"):
+        model.make_cache("streaming", 1, window=4, positions="text")
+    with pytest.raises(ValueError, match="needs max_len"):
+        model.make_cache("static", 1)
+    cache = model.make_cache("streaming", 2, window=4)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="takes no other"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), cache=cache)
+    layer = StreamingCache(1, 2, 4, 1, 2)
+    with pytest.raises(ValueError, match="appends only"):
+        layer.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), positions=[5])
+    with pytest.raises(ValueError, match="length-dependent"):
+        StreamingCache(1, 2, 4, 1, 8, rope=RoPE(8, scaling=DynamicNTK(2.0, 16)))
+    with pytest.raises(ValueError, match="n_sink"):
+        StreamingCache(1, -1, 4, 1, 2)
+    only_windows = ("sliding_attention",)
+    cfg = DecoderConfig(9, 8, 1, 2, 8, sliding_window=3, layer_types=only_windows)
+    windowed = Llama(cfg)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        windowed.make_cache("streaming", 1, window=4)
