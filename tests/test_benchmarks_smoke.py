@@ -163,6 +163,17 @@ def check_decode_step(report: dict) -> None:
         assert r["step_ms"] > 0 and all(r[k] >= 0 for k in parts), r
 
 
+def check_streaming(report: dict) -> None:
+    setup, rows = report["setup"], report["rows"]
+    assert len(rows) == 7 and setup["n_sink"] > 0, rows
+    ppl = setup["perplexity"]
+    # the static cache decodes exactly what the one causal forward computes
+    assert ppl["static (full attention)"] == pytest.approx(ppl["full attention"], rel=1e-4)
+    assert all(p >= 1.0 for p in ppl.values()), ppl
+    flat = rows[3]  # the streaming cache's bytes: flat by construction
+    assert flat["case"].startswith("streaming K/V bytes after") and flat["ratio"] == 1.0, flat
+
+
 MODEL_ROWS = [
     ("GPT-2-small-shaped decoder, B=1, prefill 32 + decode 8", "<= 0.8"),
     ("GPT-2-small-shaped decoder, B=2, prefill 32 + decode 8", "<= 0.8"),
@@ -220,6 +231,7 @@ SMOKES = {
         marks=pytest.mark.slow,
     ),
     "decode_step": Smoke(script("decode_step", "--threads", "1"), check_decode_step),
+    "streaming": Smoke(packaged("streaming"), check_streaming),
     "models": Smoke(
         script("models", "--repeat", "1"),
         check_models,

@@ -8,6 +8,6 @@ imports no benchmark.
 """
 
 # In the order `selfattn bench` runs them; gpu needs a CUDA device.
-NAMES = ("attention", "decode", "gpu", "layers", "ring")
+NAMES = ("attention", "decode", "gpu", "layers", "ring", "streaming")
 
 __all__ = ["NAMES"]

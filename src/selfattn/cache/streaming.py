@@ -81,6 +81,10 @@ class StreamingKV(KV):
                 f"q_offset={q_offset} cannot be combined with StreamingCache: its queries are "
                 "the last keys it returns; drop q_offset"
             )
+        if self[0].shape[2] - self.n_sinks <= self.window:
+            # The run fits the window (every decode step): each query sees every key up to its
+            # own, and a plain causal mask keeps the fused no-mask kernels.
+            return _masks.causal(), score_mod, None
         visible = _masks.sliding_window(self.window)
         if self.n_sinks:
             visible = _masks.padding(self.n_sinks) | visible
