@@ -171,3 +171,82 @@ def test_bad_uses_raise_clear_errors():
     windowed = Llama(cfg)
     with pytest.raises(ValueError, match="sliding-window layers"):
         windowed.make_cache("streaming", 1, window=4)
+
+
+# -- paged pages: sink pages pinned, passed window pages back to the pool ------------------------
+
+
+@pytest.mark.parametrize("page_size", [2, 4])
+@torch.no_grad()
+def test_paged_equals_full_forward_and_frees_passed_pages(page_size):
+    """The paged streaming cache (text positions) decodes what the full forward with the
+    sink/window mask computes; after every step the pool's accounting holds (PagedKV.check),
+    a sequence never holds more than its pinned + window pages, and freeing it returns them
+    all."""
+    model = tiny_llama(seed=7)
+    ids = torch.randint(0, VOCAB, (2, TOTAL), generator=torch.Generator().manual_seed(17))
+    view = model.make_cache(
+        "streaming", 2, PREFILL, n_sink=N_SINK, window=WINDOW, positions="absolute", paged=True,
+        page_size=page_size,
+    )  # fmt: skip
+    kv = view.cache
+    out = [model(ids[:, :PREFILL], cache=view)]
+    held = []
+    for t in range(PREFILL, TOTAL):
+        out.append(model(ids[:, t : t + 1], cache=view))
+        kv.check()
+        held.append(len(kv.pages(view.seq_ids[0])))
+    mask = masks.padding(N_SINK) | masks.sliding_window(WINDOW)
+    pos = torch.arange(TOTAL)
+    naive = masked_forward(model, ids, mask, pos)
+    oracle = masked_forward(copy.deepcopy(model).double(), ids, mask, pos)
+    assert_close_to_reference(torch.cat(out, 1), oracle, naive)
+    assert view.length == TOTAL and kv.dropped(view.seq_ids[0]) > 0  # pages were freed
+    bound = kv.sink_pages + -(-(WINDOW + 1) // page_size) + 1
+    assert max(held[-5:]) <= bound
+    for s in view.seq_ids:
+        kv.free(s)
+    kv.check()
+    assert kv.pool.num_free == kv.num_pages  # no leak
+
+
+def test_paged_fork_shares_and_frees_pages_once():
+    """A forked streaming sequence shares its pages; each holder drops them on its own, and a
+    page returns to the pool only when its last holder lets go."""
+    kv = sa_streaming_paged(page_size=2)
+    a = kv.add_sequence()
+    kv.plan([a], 6)
+    b = kv.fork(a)
+    for _ in range(12):
+        kv.plan([a, b], 1)
+        kv.check()
+    assert kv.dropped(a) == kv.dropped(b) > 0
+    kv.free(a)
+    kv.check()
+    kv.free(b)
+    kv.check()
+    assert kv.pool.num_free == kv.num_pages
+
+
+def sa_streaming_paged(page_size: int):
+    from selfattn.cache import StreamingPagedKV
+
+    pages = StreamingPagedKV.pages_needed(N_SINK, WINDOW, page_size, 6)
+    return StreamingPagedKV(
+        1, 2 * pages, page_size, 1, 2, n_sink=N_SINK, window=WINDOW, max_seqs=2,
+        max_pages_per_seq=pages,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def test_paged_bad_uses_raise():
+    model = tiny_llama(seed=8)
+    with pytest.raises(ValueError, match="positions='absolute'"):
+        model.make_cache("streaming", 1, n_sink=2, window=4, paged=True)
+    view = model.make_cache("streaming", 2, n_sink=2, window=4, paged=True, positions="absolute")
+    with pytest.raises(ValueError, match="takes no other"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[0, 1, 1], [1, 1, 1]]), cache=view)
+    view.cache.check()
+    assert view.length == 0  # the failed step was undone
+    with pytest.raises(TypeError, match="no prefix caching"):
+        view.cache.add_sequence_from_prefix([1, 2, 3])

@@ -11,6 +11,7 @@ from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_
 from selfattn.cache.size import format_bytes, kv_cache_bytes
 from selfattn.cache.static import StaticCache
 from selfattn.cache.streaming import StreamingCache, StreamingCaches
+from selfattn.cache.streaming_paged import StreamingPagedKV
 from selfattn.cache.window import SlidingWindowCache
 from selfattn.functional import paged_attention
 
@@ -25,6 +26,7 @@ __all__ = [
     "StaticCache",
     "StreamingCache",
     "StreamingCaches",
+    "StreamingPagedKV",
     "dequantize",
     "format_bytes",
     "kv_cache_bytes",

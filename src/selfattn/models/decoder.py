@@ -73,6 +73,7 @@ from selfattn.cache import (
     StaticCache,
     StreamingCache,
     StreamingCaches,
+    StreamingPagedKV,
 )
 from selfattn.cache.layers import LayerCaches
 from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
@@ -355,6 +356,7 @@ class CausalLM(nn.Module):
         n_sink: int = 4,
         window: int | None = None,
         positions: str = "cache",
+        paged: bool = False,
     ) -> LayerCaches | PagedCacheView:
         """The model's KV cache for ``batch`` sequences of up to ``max_len`` tokens.
 
@@ -369,8 +371,15 @@ class CausalLM(nn.Module):
         ``"streaming"``: StreamingLLM's sinks plus a rolling window (Xiao et al., 2023), a
         :class:`~selfattn.cache.StreamingCache` of ``n_sink`` sinks and ``window`` recent tokens
         per layer, for any length (``max_len`` unused): RoPE ``positions="cache"`` (slots in the
-        cache, the paper's) or ``"absolute"`` (text positions).
+        cache, the paper's) or ``"absolute"`` (text positions). ``paged=True``: a
+        :class:`~selfattn.cache.StreamingPagedKV` of ``page_size``-token pages instead (sink
+        pages pinned, passed window pages freed; ``positions="absolute"`` only; ``max_len``
+        then bounds one step's new tokens, default ``window``).
         """
+        if kind == "streaming" and paged:
+            return self._streaming_pages(
+                batch, max_len, n_sink, window, positions, dtype, page_size
+            )
         if kind == "streaming":
             return self._streaming_cache(batch, n_sink, window, positions, dtype)
         if max_len is None:
@@ -398,6 +407,25 @@ class CausalLM(nn.Module):
             else:
                 layers.append(StaticCache(batch, max_len, *shape, **fk))
         return LayerCaches(kind, layers, w.device)
+
+    def _streaming_pages(self, batch, max_step, n_sink, window, positions, dtype, page_size):
+        self._streaming_cache(1, n_sink, window, "cache", dtype)  # the same checks
+        if positions != "absolute":
+            raise ValueError(
+                f"make_cache('streaming', paged=True) keeps text positions: pass "
+                f"positions='absolute' (got {positions!r}; slot positions need the dense cache)"
+            )
+        for name, value in (("batch", batch), ("page_size", page_size)):
+            positive_int(value, f"make_cache {name}")
+        step = window if max_step is None else positive_int(max_step, "make_cache max_len")
+        c, w = self.config, self.lm_head.weight
+        pages = StreamingPagedKV.pages_needed(n_sink, window, page_size, step)
+        kv = StreamingPagedKV(
+            c.n_layers, batch * pages, page_size, c.n_kv_heads, c.head_dim, n_sink=n_sink,
+            window=window, max_seqs=batch, max_pages_per_seq=pages, dtype=dtype or w.dtype,
+            device=w.device,
+        )  # fmt: skip
+        return kv.view(kv.add_sequences(batch))
 
     def _streaming_cache(self, batch, n_sink, window, positions, dtype) -> StreamingCaches:
         if window is None:
