@@ -17,7 +17,8 @@ Rows:
   forward; its positions run past the trained length). Each row's ratio is streaming's
   perplexity over the row's.
 - memory: the streaming cache's K/V bytes after the whole text over its bytes after one
-  trained length (target <= 1.0: flat), and a static cache of the whole text for contrast.
+  trained length (target <= 1.0: flat), the same for the paged streaming cache's pages in use
+  (passed window pages go back to the pool), and a static cache of the whole text for contrast.
 - time per token: the median decode step over the last stretch of the text over the median
   over the first stretch after the window filled (target <= 1.25: flat), streaming and static.
 """
@@ -38,6 +39,7 @@ from selfattn.benchmarks import _util
 from selfattn.models.decoder import DecoderConfig, Llama
 
 BOS, N_PHRASES, PHRASE_LEN = 0, 12, (3, 7)  # the synthetic text's shape
+PAGE_SIZE = 8  # the paged streaming cache's page
 FLAT_TIME = 1.25  # "bounded per-token time": late steps at most this much slower than early ones
 
 
@@ -88,8 +90,14 @@ def decode(model, ids: torch.Tensor, cache) -> tuple[float, list[float], list[in
 
 
 def cache_bytes(cache) -> int:
+    """K/V bytes a cache holds: its storage, or a paged cache's pages in use (all layers)."""
     if hasattr(cache, "memory_bytes"):
         return cache.memory_bytes
+    if hasattr(cache, "cache"):  # a paged view: the pages its sequences hold now
+        kv = cache.cache
+        page = kv.k_store[:, 0].numel() * kv.k_store.element_size()
+        page += kv.v_store[:, 0].numel() * kv.v_store.element_size()
+        return kv.pool.num_used * page
     return sum(t.numel() * t.element_size() for c in cache.layers for t in (c.k, c.v))
 
 
@@ -108,6 +116,9 @@ def run(args) -> dict:
         "streaming": model.make_cache("streaming", 1, **stream),
         "streaming, text positions": model.make_cache(
             "streaming", 1, **stream, positions="absolute"
+        ),
+        "streaming, paged (text positions)": model.make_cache(
+            "streaming", 1, **stream, positions="absolute", paged=True, page_size=PAGE_SIZE
         ),
         "plain window": model.make_cache("streaming", 1, n_sink=0, window=args.window),
         "static (full attention)": model.make_cache("static", 1, n),
@@ -129,6 +140,14 @@ def run(args) -> dict:
         "case": f"streaming K/V bytes after {n} tokens vs after {args.train_len}",
         "ours_bytes": last, "peer": f"after {args.train_len}", "peer_bytes": first,
         "ratio": last / first, "target": "<= 1.0", "met": last <= first,
+    })  # fmt: skip
+    paged = runs["streaming, paged (text positions)"][2]
+    rows.append({
+        "case": f"paged streaming: bytes of pages held after {n} tokens vs after "
+        f"{args.train_len} ({PAGE_SIZE}-token pages, passed ones freed)",
+        "ours_bytes": paged[-1], "peer": f"after {args.train_len}",
+        "peer_bytes": paged[args.train_len - 1], "ratio": paged[-1] / paged[args.train_len - 1],
+        "target": "<= 1.0", "met": paged[-1] <= paged[args.train_len - 1],
     })  # fmt: skip
     static_bytes = cache_bytes(caches["static (full attention)"])
     rows.append({
