@@ -250,3 +250,30 @@ def test_paged_bad_uses_raise():
     assert view.length == 0  # the failed step was undone
     with pytest.raises(TypeError, match="no prefix caching"):
         view.cache.add_sequence_from_prefix([1, 2, 3])
+
+
+@torch.no_grad()
+def test_paged_ragged_batch_matches_each_sequence_alone():
+    """Two sequences of different lengths (so different dropped pages) decoded in one batch:
+    each row equals that sequence decoded alone, RoPE at its own text positions."""
+    model = tiny_llama(seed=9)
+    g = torch.Generator().manual_seed(19)
+    ids = torch.randint(0, VOCAB, (2, TOTAL), generator=g)
+    kw = dict(n_sink=N_SINK, window=WINDOW, positions="absolute", paged=True, page_size=2)
+    view = model.make_cache("streaming", 2, TOTAL, **kw)
+    kv, (a, b) = view.cache, view.seq_ids
+    model(ids[:1, :PREFILL], cache=kv.view([a]))  # a is PREFILL - 2 tokens ahead of b
+    model(ids[1:, :2], cache=kv.view([b]))
+    rows = []
+    for t in range(8):  # both rows in one batch, each at its own length
+        step = torch.stack([ids[0, PREFILL + t], ids[1, 2 + t]])[:, None]
+        rows.append(model(step, cache=view))
+    kv.check()
+    assert kv.dropped(a) != kv.dropped(b)
+    for r, (row_ids, start) in enumerate(((ids[0], PREFILL), (ids[1], 2))):
+        alone = model.make_cache("streaming", 1, TOTAL, **kw)
+        model(row_ids[None, :start], cache=alone)
+        want = torch.cat([model(row_ids[None, start + t : start + t + 1], cache=alone)
+                          for t in range(8)], 1)  # fmt: skip
+        got = torch.cat([x[r : r + 1] for x in rows], 1)
+        torch.testing.assert_close(got, want)
