@@ -277,3 +277,26 @@ def test_paged_ragged_batch_matches_each_sequence_alone():
                           for t in range(8)], 1)  # fmt: skip
         got = torch.cat([x[r : r + 1] for x in rows], 1)
         torch.testing.assert_close(got, want)
+
+
+@torch.no_grad()
+def test_layer_defaults_to_the_caches_slot_positions():
+    """A MultiHeadAttention over a StreamingCache rotates at the cache's next_positions by
+    default (slots in "cache" mode), as a model's planned step does: same outputs as passing
+    them explicitly, and not the text positions."""
+    from selfattn.nn import MultiHeadAttention
+
+    torch.manual_seed(10)
+    rope = RoPE(6)
+    layer = MultiHeadAttention(24, 4, n_kv_heads=2, rope=rope).eval()
+    x = torch.randn(1, TOTAL, 24, generator=torch.Generator().manual_seed(20))
+    runs = {}
+    for how in ("default", "explicit", "text"):
+        cache = StreamingCache(1, N_SINK, WINDOW, 2, 6, rope=rope)
+        out = []
+        for t in range(TOTAL):
+            pos = {"default": None, "explicit": cache.next_positions(1), "text": torch.tensor([t])}
+            out.append(layer(x[:, t : t + 1], mask=masks.causal(), cache=cache, positions=pos[how]))
+        runs[how] = torch.cat(out, 1)
+    torch.testing.assert_close(runs["default"], runs["explicit"], rtol=0, atol=0)
+    assert not torch.allclose(runs["default"], runs["text"])
