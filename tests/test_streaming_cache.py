@@ -241,8 +241,9 @@ def sa_streaming_paged(page_size: int):
 @torch.no_grad()
 def test_paged_bad_uses_raise():
     model = tiny_llama(seed=8)
-    with pytest.raises(ValueError, match="positions='absolute'"):
-        model.make_cache("streaming", 1, n_sink=2, window=4, paged=True)
+    slots = model.make_cache("streaming", 1, n_sink=2, window=4, paged=True)
+    with pytest.raises(TypeError, match="cannot fork"):
+        slots.cache.fork(slots.seq_ids[0])
     view = model.make_cache("streaming", 2, n_sink=2, window=4, paged=True, positions="absolute")
     with pytest.raises(ValueError, match="takes no other"):
         model(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[0, 1, 1], [1, 1, 1]]), cache=view)
@@ -300,3 +301,31 @@ def test_layer_defaults_to_the_caches_slot_positions():
         runs[how] = torch.cat(out, 1)
     torch.testing.assert_close(runs["default"], runs["explicit"], rtol=0, atol=0)
     assert not torch.allclose(runs["default"], runs["text"])
+
+
+@pytest.mark.parametrize("page_size", [2, 4])
+@torch.no_grad()
+def test_paged_cache_positions_rerotate_pages_as_they_shift(page_size):
+    """positions="cache" over pages: RoPE at the kernel's key index, the window pages'
+    keys re-rotated in place each time pages before them are freed. A one-layer model's step
+    at text position t equals a full forward over the visible tokens at their kernel indices
+    (sinks first, the query last)."""
+    model = tiny_llama(seed=11, n_layers=1)
+    ids = torch.randint(0, VOCAB, (2, TOTAL), generator=torch.Generator().manual_seed(21))
+    kw = dict(n_sink=N_SINK, window=WINDOW, paged=True, page_size=page_size)
+    view = model.make_cache("streaming", 2, PREFILL, **kw)
+    kv, seq = view.cache, view.seq_ids[0]
+    model(ids[:, :PREFILL], cache=view)
+    pinned = kv.sink_pages * page_size
+    oracle64 = copy.deepcopy(model).double()
+    actual, rows_naive, rows_oracle = [], [], []
+    for t in range(PREFILL, TOTAL):
+        actual.append(model(ids[:, t : t + 1], cache=view))
+        kept = [*range(N_SINK), *range(max(N_SINK, t - WINDOW + 1), t + 1)]
+        at = torch.tensor([p if p < pinned else p - kv.dropped(seq) for p in kept])
+        rows_naive.append(masked_forward(model, ids[:, kept], None, at)[:, -1:])
+        rows_oracle.append(masked_forward(oracle64, ids[:, kept], None, at)[:, -1:])
+        kv.check()
+    assert kv.dropped(seq) > 0
+    actual = torch.cat(actual, 1)
+    assert_close_to_reference(actual, torch.cat(rows_oracle, 1), torch.cat(rows_naive, 1))

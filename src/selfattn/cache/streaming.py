@@ -91,10 +91,25 @@ class StreamingKV(KV):
         return _masks.causal() & visible, score_mod, None
 
 
-def _unrotate(rope, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``k = a R(p) x`` (rotated by ``rope`` at ``positions``, ``a`` its attention factor:
-    YaRN's) back to ``x``: ``R(-p) = F R(p) F`` with ``F`` the reflection negating each pair's
-    second coordinate (RoPE takes positions >= 0 only), so ``F rope(F k, p) = a² x``."""
+def check_rerotatable(owner: str, rope) -> None:
+    """ValueError unless ``rope`` (None: no RoPE) rotates by a fixed angle per position."""
+    if rope is not None and not callable(rope):
+        raise TypeError(f"{owner} rope must be a RoPE module, got {type(rope)}")
+    if rope is not None and isinstance(rope.scaling, (DynamicNTK, LongRoPE)):
+        # DynamicNTK/LongRoPE change their frequencies with the length: no fixed rotation to
+        # undo, and slot positions never reach the lengths they were made for anyway.
+        raise ValueError(
+            f"{owner} cannot re-rotate keys under a length-dependent RoPE scaling "
+            f"({type(rope.scaling).__name__}); use positions='absolute' or a fixed scaling"
+        )
+
+
+def rotate_back(rope, k: torch.Tensor, positions: torch.Tensor, *, undo_factor: bool = True):
+    """``k`` rotated by ``R(-p)`` at ``positions`` ``p``: with ``undo_factor`` (``k = a R(p) x``
+    as ``rope`` made it, ``a`` its attention factor: YaRN's) back to ``x``, else ``a R(q - p) x``
+    for a ``k = a R(q) x`` (a key moved ``p`` slots down). ``R(-p) = F R(p) F`` with ``F`` the
+    reflection negating each pair's second coordinate (RoPE takes positions >= 0 only), so
+    ``F rope(F k, p) = a R(-p) k``."""
     r = rope.rotary_dim
     flip = torch.ones(k.shape[-1], dtype=k.dtype, device=k.device)
     if rope.interleaved:
@@ -102,8 +117,8 @@ def _unrotate(rope, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     else:
         flip[r // 2 : r] = -1
     out = rope(k * flip, positions) * flip
-    factor = float(rope.attention_factor)
-    return out if factor == 1.0 else torch.cat((out[..., :r] / factor**2, out[..., r:]), -1)
+    factor = float(rope.attention_factor) ** (2 if undo_factor else 1)
+    return out if factor == 1.0 else torch.cat((out[..., :r] / factor, out[..., r:]), -1)
 
 
 class StreamingCache:
@@ -141,15 +156,7 @@ class StreamingCache:
         int_at_least(n_sink, "StreamingCache n_sink", 0)
         positive_int(window, "StreamingCache window")
         self.mode = one_of(positions, "StreamingCache positions", POSITION_MODES)
-        if rope is not None and not callable(rope):
-            raise TypeError(f"StreamingCache rope must be a RoPE module, got {type(rope)}")
-        if rope is not None and isinstance(rope.scaling, (DynamicNTK, LongRoPE)):
-            # DynamicNTK/LongRoPE change their frequencies with the length: no fixed rotation
-            # to undo, and slot positions never reach the lengths they were made for anyway.
-            raise ValueError(
-                f"StreamingCache cannot re-rotate keys under a length-dependent RoPE scaling "
-                f"({type(rope.scaling).__name__}); use positions='absolute' or a fixed scaling"
-            )
+        check_rerotatable(type(self).__name__, rope)
         self.n_sink, self.rope = n_sink, rope
         shape = (n_kv_heads, head_dim, value_dim)
         fk = {"dtype": dtype, "device": device}
@@ -208,7 +215,7 @@ class StreamingCache:
                 )
         rerotate = self.mode == "cache" and self.rope is not None
         if rerotate:  # keys are cached un-rotated: the slots move as the window slides
-            k = _unrotate(self.rope, k, want)
+            k = rotate_back(self.rope, k, want)
         n_new_sinks = min(max(self.n_sink - self.length, 0), S)
         parts_k, parts_v, n_sinks = [], [], min(self.length + S, self.n_sink)
         if self.sinks is not None:

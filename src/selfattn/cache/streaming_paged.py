@@ -12,14 +12,24 @@ ceil((window + S) / P) + 1`` pages at any length (``S`` the step's new tokens)::
 The kernels read a sequence's pages in block-table order, so a key's index there (the "kernel
 index") runs over the pinned pages, then the window pages; a sequence's ``length`` here is that
 index range (what :func:`paged_attention` reads) and ``dropped(seq)`` the tokens freed before
-it. RoPE positions are the text positions (``positions="absolute"``: the kernel index plus the
-dropped tokens; the plan's ``positions`` are those). The mask, in kernel indices, is
-``causal() & (padding(n_sink) | (~padding(gap) & sliding_window(window)))``: the sinks, and the
-window among the window pages, whose kernel-index differences are text-position differences;
-``gap[b]`` masks the non-sink tokens of the pinned pages once pages have been dropped (they
-are out of every later window by then). Slot positions (the dense cache's ``"cache"`` mode) are
-not offered here: the pinned pages' extra tokens and the first window page's stale ones would
-count as slots.
+it. RoPE positions (``positions=``):
+
+- ``"cache"`` (the paper's, the default of ``make_cache``): the kernel index. Keys are stored
+  rotated at their index; when pages before them are freed the window pages' keys move down
+  and are re-rotated in place, in every layer (``R(-shift)``, at most ``window / P + 1`` times
+  per page before it is freed itself, so rounding does not pile up). Unlike the dense
+  :class:`~selfattn.cache.StreamingCache`, whose slots hold only visible tokens, the masked
+  non-sink tokens of the pinned pages and the passed tokens of the first window page keep their
+  indices here, so the distances are up to ``sink_pages · P - n_sink + P - 1`` larger. Forks
+  are refused (a shared page would be re-rotated once per holder).
+- ``"absolute"``: the text positions (kernel index plus the dropped tokens); keys are never
+  re-rotated, and the result equals the dense cache's ``"absolute"`` mode.
+
+The mask, in kernel indices, is ``causal() & (padding(n_sink) | (~padding(gap) &
+sliding_window(window)))``: the sinks, and the window among the window pages, whose
+kernel-index differences are text-position differences; ``gap[b]`` masks the non-sink tokens
+of the pinned pages once pages have been dropped (they are out of every later window by then).
+Score mods see kernel indices.
 
 Pages are dropped when a step is planned (once for every layer), before the new tokens'
 pages are reserved; a dropped page is freed even if the step then fails (no later query could
@@ -35,6 +45,7 @@ from selfattn import masks as _masks
 from selfattn._validate import int_at_least, one_of, positive_int
 from selfattn.cache.base import Step
 from selfattn.cache.paged import PagedCacheView, PagedKV, PagedLayer, PagedPlan
+from selfattn.cache.streaming import POSITION_MODES, check_rerotatable, rotate_back
 
 __all__ = ["StreamingPagedKV"]
 
@@ -48,13 +59,17 @@ class StreamingPagedKV(PagedKV):
     prefix of anything). :meth:`pages_needed` sizes ``max_pages_per_seq``.
     """
 
-    def __init__(self, *args, n_sink: int, window: int, positions: str = "absolute", **kwargs):
+    def __init__(
+        self, *args, n_sink: int, window: int, positions: str = "absolute", rope=None, **kwargs
+    ):
         if kwargs.get("prefix_caching"):
             raise ValueError("StreamingPagedKV has no prefix caching (its pages are not a prefix)")
         super().__init__(*args, **kwargs)
         self.n_sink = int_at_least(n_sink, "StreamingPagedKV n_sink", 0)
         self.window = positive_int(window, "StreamingPagedKV window")
-        one_of(positions, "StreamingPagedKV positions", ("absolute",))
+        self.mode = one_of(positions, "StreamingPagedKV positions", POSITION_MODES)
+        check_rerotatable(type(self).__name__, rope)
+        self.rope = rope
         self.sink_pages = -(-n_sink // self.page_size)
         self._dropped: dict[int, int] = {}
 
@@ -78,6 +93,10 @@ class StreamingPagedKV(PagedKV):
         self._dropped.pop(seq_id, None)
 
     def fork(self, seq_id: int) -> int:
+        if self.mode == "cache":
+            # Each holder re-rotates its window pages in place as it drops pages: shared pages
+            # would be rotated once per holder.
+            raise TypeError("a StreamingPagedKV with positions='cache' cannot fork sequences")
         sid = super().fork(seq_id)
         self._dropped[sid] = self._dropped.get(seq_id, 0)
         return sid
@@ -98,11 +117,21 @@ class StreamingPagedKV(PagedKV):
         dropped = self._dropped.get(seq_id, 0)
         text_len = self._lens[seq_id] + dropped
         # page sp holds kernel indices sp·P .. sp·P + P - 1, i.e. those + dropped in the text
+        n_before = dropped
         while len(pages) > sp and sp * P + P - 1 + dropped <= text_len - self.window:
             self.pool.decref([pages.pop(sp)])
             self._lens[seq_id] -= P
             dropped += P
         self._dropped[seq_id] = dropped
+        shift = dropped - n_before
+        if shift and self.mode == "cache" and self.rope is not None and len(pages) > sp:
+            # The window pages moved `shift` kernel slots down: re-rotate their keys in every
+            # layer (a page is re-rotated at most window / P + 1 times before it is dropped).
+            ids = torch.tensor(pages[sp:], device=self.k_store.device)
+            keys = self.k_store[:, ids]  # (L, n, P, Hkv, D)
+            flat = keys.reshape(1, -1, 1, keys.shape[-1])  # every key a "head" at one position
+            at = torch.tensor([shift], device=keys.device)
+            self.k_store[:, ids] = rotate_back(self.rope, flat, at, undo_factor=False).view_as(keys)
 
     def plan(self, seq_ids, n_tokens: int) -> PagedPlan:
         """:meth:`PagedKV.plan` after dropping the pages the window has passed; the plan's
@@ -111,6 +140,8 @@ class StreamingPagedKV(PagedKV):
         for s in ids:
             self._drop_passed_pages(s)
         plan = super().plan(ids, n_tokens)
+        if self.mode == "cache":  # RoPE at the kernel indices; past stays the kernel length
+            return plan
         offsets = [self._dropped[s] for s in ids]
         if plan.past is not None and len(set(offsets)) <= 1:
             shift = offsets[0] if offsets else 0
@@ -157,6 +188,11 @@ class StreamingPagedLayer(PagedLayer):
     def __init__(self, kv, plan, layer, gap):
         super().__init__(kv, plan, layer)
         self.gap = gap
+
+    def next_positions(self, n_tokens: int, device=None) -> torch.Tensor:
+        """The planned RoPE positions (a layer's default: text positions in ``"absolute"``
+        mode are not the kernel lengths)."""
+        return self.plan.positions.to(device)
 
     def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights=False):
         kv = self.kv

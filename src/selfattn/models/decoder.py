@@ -373,8 +373,8 @@ class CausalLM(nn.Module):
         per layer, for any length (``max_len`` unused): RoPE ``positions="cache"`` (slots in the
         cache, the paper's) or ``"absolute"`` (text positions). ``paged=True``: a
         :class:`~selfattn.cache.StreamingPagedKV` of ``page_size``-token pages instead (sink
-        pages pinned, passed window pages freed; ``positions="absolute"`` only; ``max_len``
-        then bounds one step's new tokens, default ``window``).
+        pages pinned, passed window pages freed; ``"cache"`` positions are the kernel's key
+        indices there; ``max_len`` then bounds one step's new tokens, default ``window``).
         """
         if kind == "streaming" and paged:
             return self._streaming_pages(
@@ -409,12 +409,7 @@ class CausalLM(nn.Module):
         return LayerCaches(kind, layers, w.device)
 
     def _streaming_pages(self, batch, max_step, n_sink, window, positions, dtype, page_size):
-        self._streaming_cache(1, n_sink, window, "cache", dtype)  # the same checks
-        if positions != "absolute":
-            raise ValueError(
-                f"make_cache('streaming', paged=True) keeps text positions: pass "
-                f"positions='absolute' (got {positions!r}; slot positions need the dense cache)"
-            )
+        self._streaming_cache(1, n_sink, window, positions, dtype)  # the same checks
         for name, value in (("batch", batch), ("page_size", page_size)):
             positive_int(value, f"make_cache {name}")
         step = window if max_step is None else positive_int(max_step, "make_cache max_len")
@@ -422,8 +417,8 @@ class CausalLM(nn.Module):
         pages = StreamingPagedKV.pages_needed(n_sink, window, page_size, step)
         kv = StreamingPagedKV(
             c.n_layers, batch * pages, page_size, c.n_kv_heads, c.head_dim, n_sink=n_sink,
-            window=window, max_seqs=batch, max_pages_per_seq=pages, dtype=dtype or w.dtype,
-            device=w.device,
+            window=window, positions=positions, rope=self.rope, max_seqs=batch,
+            max_pages_per_seq=pages, dtype=dtype or w.dtype, device=w.device,
         )  # fmt: skip
         return kv.view(kv.add_sequences(batch))
 
