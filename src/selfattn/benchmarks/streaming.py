@@ -15,7 +15,8 @@ Rows:
   streaming (``n_sink`` sinks + window, RoPE positions by cache slot, the paper's), the same at
   text positions, plain windowing (no sinks, slot positions) and full attention (one causal
   forward; its positions run past the trained length). Each row's ratio is streaming's
-  perplexity over the row's.
+  perplexity over the row's. The paged streaming cache's perplexities (text positions, and
+  kernel-index positions: the paged form of the paper's) are in the setup.
 - memory: the streaming cache's K/V bytes after the whole text over its bytes after one
   trained length (target <= 1.0: flat), the same for the paged streaming cache's pages in use
   (passed window pages go back to the pool), and a static cache of the whole text for contrast.
@@ -119,6 +120,9 @@ def run(args) -> dict:
         ),
         "streaming, paged (text positions)": model.make_cache(
             "streaming", 1, **stream, positions="absolute", paged=True, page_size=PAGE_SIZE
+        ),
+        "streaming, paged (kernel-index positions)": model.make_cache(
+            "streaming", 1, **stream, paged=True, page_size=PAGE_SIZE
         ),
         "plain window": model.make_cache("streaming", 1, n_sink=0, window=args.window),
         "static (full attention)": model.make_cache("static", 1, n),
