@@ -18,7 +18,8 @@ Positions (``positions=``):
   once) and rotated at their current slots on every read, so relative distances never exceed
   the cache size however long the text: what lets a model run past its trained length.
 - ``"absolute"``: RoPE positions are the tokens' places in the text (keys cached as rotated).
-  Past the trained length the queries then meet distances the model never saw.
+  RoPE sees distances only, so the window is unaffected, but the sinks drift ever further from
+  the queries, past any distance the model was trained on.
 
 Masks: a query sees the sinks and the keys of its window (``masks.sliding_window(window)``, its
 own token included), causally. The returned keys are in slot order, so the mask is built from
@@ -29,6 +30,7 @@ rule at absolute positions. Nothing dense is built per step.
 
 :class:`StreamingCaches` is the model-level cache (``CausalLM.make_cache("streaming",
 n_sink=, window=)``): one StreamingCache per layer, planned with the slot positions.
+:class:`~selfattn.cache.StreamingPagedKV` is the same policy over paged K/V.
 """
 
 from __future__ import annotations
