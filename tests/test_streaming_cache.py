@@ -155,6 +155,8 @@ def test_bad_uses_raise_clear_errors():
         model.make_cache("streaming", 1, window=4, positions="text")
     with pytest.raises(ValueError, match="needs max_len"):
         model.make_cache("static", 1)
+    with pytest.raises(ValueError, match="they are for 'streaming'"):
+        model.make_cache("window", 1, 16, window=8)  # not silently ignored
     cache = model.make_cache("streaming", 2, window=4)
     ids = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="takes no other"):

@@ -382,6 +382,11 @@ class CausalLM(nn.Module):
             )
         if kind == "streaming":
             return self._streaming_cache(batch, n_sink, window, positions, dtype)
+        streaming_only = {"n_sink": n_sink != 4, "window": window is not None, "paged": paged,
+                          "positions": positions != "cache"}  # fmt: skip
+        if any(streaming_only.values()):
+            given = [name for name, set_ in streaming_only.items() if set_]
+            raise ValueError(f"make_cache({kind!r}) takes no {given}: they are for 'streaming'")
         if max_len is None:
             raise ValueError(f"make_cache({kind!r}) needs max_len, the most tokens it holds")
         if kind not in CACHE_KINDS:
