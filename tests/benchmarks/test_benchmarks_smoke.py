@@ -163,6 +163,20 @@ def check_decode_step(report: dict) -> None:
         assert r["step_ms"] > 0 and r["cpu_ms"] > 0 and all(r[k] >= 0 for k in parts), r
 
 
+def check_streaming(report: dict) -> None:
+    setup, rows = report["setup"], report["rows"]
+    assert len(rows) == 8 and setup["n_sink"] > 0, rows
+    ppl = setup["perplexity"]
+    # paged and dense streaming at text positions decode the same thing
+    dense, paged = ppl["streaming, text positions"], ppl["streaming, paged (text positions)"]
+    assert paged == pytest.approx(dense, rel=1e-4)
+    # the static cache decodes exactly what the one causal forward computes
+    assert ppl["static (full attention)"] == pytest.approx(ppl["full attention"], rel=1e-4)
+    assert all(p >= 1.0 for p in ppl.values()), ppl
+    for flat in rows[3:5]:  # the streaming caches' bytes: flat by construction
+        assert "bytes" in flat["case"] and flat["ratio"] == 1.0, flat
+
+
 MODEL_ROWS = [
     ("GPT-2-small-shaped decoder, B=1, prefill 32 + decode 8", "<= 0.8"),
     ("GPT-2-small-shaped decoder, B=2, prefill 32 + decode 8", "<= 0.8"),
@@ -244,6 +258,7 @@ SMOKES = {
     ),
     "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
     "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
+    "streaming": Smoke(packaged("streaming"), check_streaming),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

@@ -12,6 +12,8 @@ from selfattn.cache.prefix import PrefixHit, PrefixIndex
 from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8, write_quantized
 from selfattn.cache.size import format_bytes, kv_cache_bytes, latent_cache_bytes
 from selfattn.cache.static import StaticCache
+from selfattn.cache.streaming import StreamingCache, StreamingCaches
+from selfattn.cache.streaming_paged import StreamingPagedKV
 from selfattn.cache.window import SlidingWindowCache
 from selfattn.functional import paged_attention
 
@@ -27,6 +29,9 @@ __all__ = [
     "PrefixIndex",
     "SlidingWindowCache",
     "StaticCache",
+    "StreamingCache",
+    "StreamingCaches",
+    "StreamingPagedKV",
     "dequantize",
     "format_bytes",
     "kv_cache_bytes",

@@ -78,7 +78,15 @@ from torch import nn
 from selfattn import masks as _masks
 from selfattn import scores as _scores
 from selfattn._validate import one_of, positive_int, positive_number
-from selfattn.cache import PagedCacheView, PagedKV, SlidingWindowCache, StaticCache
+from selfattn.cache import (
+    PagedCacheView,
+    PagedKV,
+    SlidingWindowCache,
+    StaticCache,
+    StreamingCache,
+    StreamingCaches,
+    StreamingPagedKV,
+)
 from selfattn.cache.layers import LayerCaches
 from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
 from selfattn.models.hub import register, unsupported
@@ -432,7 +440,17 @@ class CausalLM(nn.Module):
 
     # -- checkpoints and caches --------------------------------------------------------------------
     def make_cache(
-        self, kind: str, batch: int, max_len: int, *, dtype=None, page_size: int = 16
+        self,
+        kind: str,
+        batch: int,
+        max_len: int | None = None,
+        *,
+        dtype=None,
+        page_size: int = 16,
+        n_sink: int = 4,
+        window: int | None = None,
+        positions: str = "cache",
+        paged: bool = False,
     ) -> LayerCaches | PagedCacheView:
         """The model's KV cache for ``batch`` sequences of up to ``max_len`` tokens.
 
@@ -443,7 +461,28 @@ class CausalLM(nn.Module):
         allocator and block table, per-layer pages), viewed over ``batch`` fresh sequences
         (``cache.cache`` is the PagedKV, ``cache.seq_ids`` the rows' sequences). ``dtype``
         defaults to the model's.
+
+        ``"streaming"``: StreamingLLM's sinks plus a rolling window (Xiao et al., 2023), a
+        :class:`~selfattn.cache.StreamingCache` of ``n_sink`` sinks and ``window`` recent tokens
+        per layer, for any length (``max_len`` unused): RoPE ``positions="cache"`` (slots in the
+        cache, the paper's) or ``"absolute"`` (text positions). ``paged=True``: a
+        :class:`~selfattn.cache.StreamingPagedKV` of ``page_size``-token pages instead (sink
+        pages pinned, passed window pages freed; ``"cache"`` positions are the kernel's key
+        indices there; ``max_len`` then bounds one step's new tokens, default ``window``).
         """
+        if kind == "streaming" and paged:
+            return self._streaming_pages(
+                batch, max_len, n_sink, window, positions, dtype, page_size
+            )
+        if kind == "streaming":
+            return self._streaming_cache(batch, n_sink, window, positions, dtype)
+        streaming_only = {"n_sink": n_sink != 4, "window": window is not None, "paged": paged,
+                          "positions": positions != "cache"}  # fmt: skip
+        if any(streaming_only.values()):
+            given = [name for name, set_ in streaming_only.items() if set_]
+            raise ValueError(f"make_cache({kind!r}) takes no {given}: they are for 'streaming'")
+        if max_len is None:
+            raise ValueError(f"make_cache({kind!r}) needs max_len, the most tokens it holds")
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
         for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
@@ -467,6 +506,38 @@ class CausalLM(nn.Module):
             else:
                 layers.append(StaticCache(batch, max_len, *shape, **fk))
         return LayerCaches(kind, layers, w.device)
+
+    def _streaming_pages(self, batch, max_step, n_sink, window, positions, dtype, page_size):
+        self._streaming_cache(1, n_sink, window, positions, dtype)  # the same checks
+        for name, value in (("batch", batch), ("page_size", page_size)):
+            positive_int(value, f"make_cache {name}")
+        step = window if max_step is None else positive_int(max_step, "make_cache max_len")
+        c, w = self.config, self.lm_head.weight
+        pages = StreamingPagedKV.pages_needed(n_sink, window, page_size, step)
+        kv = StreamingPagedKV(
+            c.n_layers, batch * pages, page_size, c.n_kv_heads, c.head_dim, n_sink=n_sink,
+            window=window, positions=positions, rope=self.rope, max_seqs=batch,
+            max_pages_per_seq=pages, dtype=dtype or w.dtype, device=w.device,
+        )  # fmt: skip
+        return kv.view(kv.add_sequences(batch))
+
+    def _streaming_cache(self, batch, n_sink, window, positions, dtype) -> StreamingCaches:
+        if window is None:
+            raise ValueError("make_cache('streaming') needs window=, the recent tokens kept")
+        if any(w is not None for w in self._windows):
+            # A sliding-window layer's own mask sits at text positions, which slot-ordered
+            # streaming keys cannot honour: such layers need the plain window cache.
+            raise ValueError(
+                f"make_cache('streaming') needs a model without sliding-window layers (layer "
+                f"windows {self._windows}); use make_cache('window', ...)"
+            )
+        positive_int(batch, "make_cache batch")
+        c, w = self.config, self.lm_head.weight
+        fk = {"dtype": dtype or w.dtype, "device": w.device}
+        shape = (c.n_kv_heads, c.head_dim)
+        kw = {"positions": positions, "rope": self.rope, **fk}
+        layers = [StreamingCache(batch, n_sink, window, *shape, **kw) for _ in range(c.n_layers)]
+        return StreamingCaches(layers, w.device)
 
 
 def _layer_mask(window, pad, attention_mask=None):

@@ -30,6 +30,8 @@ def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
     sequence's own ``lengths`` for an :class:`InPlaceKVCache` (``(B, Sq)`` when they differ)."""
     if cache is None:
         return next_positions(0, Sq, device)
+    if callable(getattr(cache, "next_positions", None)):  # a cache that assigns them (streaming)
+        return cache.next_positions(Sq, device)
     if not isinstance(cache, InPlaceKVCache):
         return next_positions(cache.length, Sq, device)
     lengths = cache.lengths.to(device)
@@ -258,9 +260,11 @@ class MultiHeadAttention(nn.Module):
                 bool tensor broadcastable to ``(B, Hq, Sq, Sk)``, True = attend).
             positions: int ``(Sq,)`` or ``(B, Sq)`` position ids of ``x`` for ``rope``; default
                 ``cache.length + arange(Sq)`` (``arange(Sq)`` without a cache; per sequence
-                ``cache.lengths[b] + arange(Sq)`` for a cache with ``lengths``). Left-padded
-                batches pass ``attention_mask.cumsum(-1) - 1`` here. Unused without ``rope``
-                (ALiBi and masks work on cache/index positions, whose differences padding keeps).
+                ``cache.lengths[b] + arange(Sq)`` for a cache with ``lengths``;
+                ``cache.next_positions(Sq)`` for one that assigns them, a StreamingCache).
+                Left-padded batches pass ``attention_mask.cumsum(-1) - 1`` here. Unused
+                without ``rope`` (ALiBi and masks work on cache/index positions, whose
+                differences padding keeps).
             cache: a :class:`ContiguousCache`, ``StaticCache``, ``SlidingWindowCache`` or
                 ``PagedCache.view(seq_ids)`` (self-attention only; the contract is
                 :mod:`selfattn.cache.base`): this step's K/V are written after the cached ones
