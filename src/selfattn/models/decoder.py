@@ -439,6 +439,16 @@ class CausalLM(nn.Module):
         return logits
 
     # -- checkpoints and caches --------------------------------------------------------------------
+    def _cache_request(self, kind, batch, max_len, page_size, dtype) -> dict:
+        """Check a ``make_cache`` request; the ``dtype``/``device`` keywords of its storage
+        (the model's unless ``dtype`` says otherwise)."""
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
+        for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
+            positive_int(value, f"make_cache {name}")
+        w = self.lm_head.weight
+        return {"dtype": dtype or w.dtype, "device": w.device}
+
     def make_cache(
         self,
         kind: str,
@@ -483,13 +493,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"make_cache({kind!r}) takes no {given}: they are for 'streaming'")
         if max_len is None:
             raise ValueError(f"make_cache({kind!r}) needs max_len, the most tokens it holds")
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
-        for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-            positive_int(value, f"make_cache {name}")
-        c = self.config
-        w = self.lm_head.weight
-        fk = {"dtype": dtype or w.dtype, "device": w.device}
+        c, fk = self.config, self._cache_request(kind, batch, max_len, page_size, dtype)
         shape = (c.n_kv_heads, c.head_dim, c.value_dim)
         if kind == "paged":
             pages = -(-max_len // page_size)
@@ -505,7 +509,7 @@ class CausalLM(nn.Module):
                 layers.append(SlidingWindowCache(batch, min(window, max_len + 1), *shape, **fk))
             else:
                 layers.append(StaticCache(batch, max_len, *shape, **fk))
-        return LayerCaches(kind, layers, w.device)
+        return LayerCaches(kind, layers, fk["device"])
 
     def _streaming_pages(self, batch, max_step, n_sink, window, positions, dtype, page_size):
         self._streaming_cache(1, n_sink, window, positions, dtype)  # the same checks

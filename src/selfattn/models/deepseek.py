@@ -33,7 +33,7 @@ from torch import nn
 from selfattn._validate import positive_int
 from selfattn.cache.latent import LatentCache, PagedLatentKV
 from selfattn.cache.layers import LayerCaches
-from selfattn.models.decoder import CACHE_KINDS, CausalLM, DecoderConfig
+from selfattn.models.decoder import CausalLM, DecoderConfig
 from selfattn.models.hf_mapping import deepseek_fields, deepseek_state
 from selfattn.models.hub import register, unsupported
 from selfattn.nn import DecoderBlock, LatentAttention, RMSNorm, SwiGLU
@@ -213,13 +213,7 @@ class DeepseekV3(CausalLM):
         windowed) give a :class:`~selfattn.cache.latent.LatentCache` per layer, ``"paged"`` one
         :class:`~selfattn.cache.latent.PagedLatentKV` viewed over ``batch`` fresh sequences.
         Each holds ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer."""
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
-        for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-            positive_int(value, f"make_cache {name}")
-        c = self.config
-        w = self.lm_head.weight
-        fk = {"dtype": dtype or w.dtype, "device": w.device}
+        c, fk = self.config, self._cache_request(kind, batch, max_len, page_size, dtype)
         if kind == "paged":
             pages = -(-max_len // page_size)
             kv = PagedLatentKV(
@@ -230,4 +224,4 @@ class DeepseekV3(CausalLM):
         layers = [
             LatentCache(batch, max_len, c.kv_lora_rank, c.head_dim, **fk) for _ in self.layers
         ]
-        return LayerCaches(kind, layers, w.device)
+        return LayerCaches(kind, layers, fk["device"])
