@@ -143,9 +143,9 @@ def test_fuzz_paged_cache(monkeypatch, single_thread):
     seen: Counter = Counter()
     kernel = _decode_kernels.decode
 
-    def counted(*args):
+    def counted(*args, **kw):
         seen["C kernel calls"] += 1
-        return kernel(*args)
+        return kernel(*args, **kw)
 
     monkeypatch.setattr(_decode_kernels, "decode", counted)
 

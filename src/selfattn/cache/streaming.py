@@ -72,7 +72,7 @@ class StreamingKV(KV):
         ``attention_mask``): the streaming cache decides which keys survive, so a mask at text
         positions (padding, documents, another window) cannot be honoured. Score mods see cache
         slots (ALiBi over slots is the paper's choice for ALiBi models)."""
-        if mask is not None and not isinstance(mask, _masks.Causal):
+        if mask is not None and not _masks.as_mask(mask).is_causal:
             raise ValueError(
                 f"StreamingCache applies its own mask (causal, {self.n_sinks} sinks, window "
                 f"{self.window}) and takes no other, got {mask!r}; run rows of equal length "

@@ -196,7 +196,7 @@ class StreamingPagedLayer(PagedLayer):
 
     def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights=False):
         kv = self.kv
-        if mask is not None and not isinstance(mask, _masks.Causal):
+        if mask is not None and not _masks.as_mask(mask).is_causal:
             kv.undo(self.plan)
             raise ValueError(
                 f"StreamingPagedKV applies its own mask (causal, {kv.n_sink} sinks, window "
