@@ -17,13 +17,24 @@ import os
 import sys
 from collections.abc import Sequence
 
-from selfattn.cli import _common, backends, bench, demo, embed, explain, info, kv_size, mask
+from selfattn.cli import (
+    _common,
+    backends,
+    bench,
+    demo,
+    embed,
+    explain,
+    generate,
+    info,
+    kv_size,
+    mask,
+)
 from selfattn.cli import map as map_  # the subcommand module; `map` stays the builtin
 
 __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
-SUBCOMMANDS = (explain, backends, kv_size, info, map_, embed, mask, bench, demo)
+SUBCOMMANDS = (explain, backends, kv_size, info, map_, embed, generate, mask, bench, demo)
 
 
 class _Version(argparse.Action):
