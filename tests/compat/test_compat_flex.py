@@ -137,7 +137,10 @@ def test_block_mask_full_blocks_skip_mask_mod():
     with torch.no_grad():
         for backend in runs:
             out = sa.attention(q, k, v, mask=bm, backend=backend)
-            _check(out, q, k, v, mask=dense)
+            try:
+                _check(out, q, k, v, mask=dense)
+            except AssertionError as e:
+                raise AssertionError(f"backend {backend}: {e}") from None
     assert sa.masks.as_mask(bm).to_dense(Sq, Sk, q_offset=0)[0, 0].equal(dense)
 
 
