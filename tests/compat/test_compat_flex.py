@@ -134,6 +134,10 @@ def test_block_mask_full_blocks_skip_mask_mod():
     dense = (qi // blk == ki // blk) | ((ki // blk == (qi // blk + 1) % n_k) & (ki % 2 == 0))
     q, k, v = make_qkv(1, 2, Sq, D, Sk=Sk, seed=9)
     runs = [b for b in DENSE if not (b == "flex" and NO_CPU_FLEX)]
+    # Late in a long process torch.compile may have hit its recompile limit for flex_attention
+    # and run it eagerly, and eager FlexAttention applies mask_mod inside full blocks too: a
+    # fresh compile cache tests the compiled kernel's rule (NOTES: a known gap to close).
+    torch._dynamo.reset()
     with torch.no_grad():
         for backend in runs:
             out = sa.attention(q, k, v, mask=bm, backend=backend)
