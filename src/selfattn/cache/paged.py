@@ -31,6 +31,24 @@ With a prefix index (``prefix_caching=True``, :mod:`selfattn.cache.prefix`), ful
 finished or prefilled sequences stay cached for later requests (for every layer at once), and a
 step short of free pages evicts the least recently used of those the index alone holds.
 
+Quantised pages (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, :mod:`selfattn.cache.quant`):
+each token's K/V is quantised when written and read back through ``paged_attention``'s scales.
+int8 keeps one float32 scale per (layer, page slot, kv head), ``k_scales (L, N, P, Hkv)``, copied
+with its page on copy-on-write; fp8 one per (layer, kv head), ``k_scales (L, Hkv)``, fixed by
+the first write into the layer (its absolute maximum × :data:`FP8_HEADROOM` / 448; larger values
+saturate). Queries may then be any float dtype.
+
+A packed step (:meth:`PagedKV.plan_packed`) runs sequences with different numbers of new tokens
+in one forward: a continuous-batching step of prefill chunks and decode tokens::
+
+    seq_ids = [4, 9, 2]   counts = [3, 1, 1]    T = 5 tokens, the model's input (1, T)
+    token rows            4 4 4 9 2             each token is a row of the plan: its own
+    seq_lens              6 7 8 3 12            length (position + 1) and its sequence's pages
+
+Every token is one query row of ``paged_attention`` over its sequence's pages, ending at its
+own position, so causal order inside a chunk needs no mask and the decode kernels serve
+prefill chunks too.
+
 Every change is planned and validated before anything is touched: a step that would exceed a
 sequence's ``max_pages_per_seq × P`` tokens or the free (plus evictable) pages raises and leaves
 pages, block tables, lengths, reference counts and the index as they were. A layer that fails
@@ -44,15 +62,23 @@ import dataclasses
 import torch
 
 from selfattn._validate import positive_int
+from selfattn.backends.paged.call import QUANT_DTYPES
 from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.base import Step
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
+from selfattn.cache.quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
 from selfattn.functional import attention_weights, paged_attention
 from selfattn.masks import Mask, as_mask, from_tensor
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["PagedCache", "PagedCacheView", "PagedKV", "PagedLayer", "PagedPlan"]
+__all__ = ["FP8_HEADROOM", "PackedLayer", "PagedCache", "PagedCacheView", "PagedKV", "PagedLayer",
+           "PagedPlan"]  # fmt: skip
+
+# fp8 pages: the per-head scale leaves room for values this many times the first write's
+# largest before they saturate (e4m3 keeps 3 mantissa bits at any exponent, so the headroom
+# costs no precision above 448 / FP8_HEADROOM / 2**6 of the scale's range).
+FP8_HEADROOM = 8.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,6 +94,11 @@ class PagedPlan:
     :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` of ``block_table`` and
     ``seq_lens`` that every layer's ``paged_attention`` shares (checks, backend choice and key
     intervals once per step).
+
+    A packed plan (:meth:`PagedKV.plan_packed`) has one row per new token instead of one per
+    sequence: ``seq_ids`` then names each token's sequence, ``n_tokens`` is 1, and ``lengths``
+    / ``seq_lens`` / ``block_table`` are each token's position, position + 1 and its sequence's
+    pages.
     """
 
     seq_ids: list[int]
@@ -94,6 +125,9 @@ class PagedKV:
     ``max_pages_per_seq`` pages long (the width of the block table). Sequence ids are ints handed
     out by :meth:`add_sequence` and :meth:`fork`; they are never reused. ``k_layers[i]`` /
     ``v_layers[i]`` are layer ``i``'s pages (views of ``k_store`` / ``v_store``).
+
+    ``dtype`` int8 or float8_e4m3fn stores quantised pages with float32 ``k_scales`` /
+    ``v_scales`` (module docstring); ``nbytes`` is the storage the pages and scales take.
 
     ``prefix_caching=True`` builds ``kv.index``, a :class:`PrefixIndex` over the pool (one passed
     to :meth:`add_sequence_from_prefix` / :meth:`cache_prefix` is adopted the same way). With an
@@ -136,6 +170,13 @@ class PagedKV:
         # under autograd)
         self.k_layers = [self.k_store[i] for i in range(n_layers)]
         self.v_layers = [self.v_store[i] for i in range(n_layers)]
+        # Quantised pages: float32 scales, int8 (L, N, P, Hkv), fp8 (L, Hkv); None for floats.
+        self.k_scales = self.v_scales = None
+        if dtype in QUANT_DTYPES:
+            per = shape if dtype == torch.int8 else (n_layers, n_kv_heads)
+            sk = {"dtype": torch.float32, "device": device}
+            self.k_scales, self.v_scales = torch.ones(*per, **sk), torch.ones(*per, **sk)
+        self._scaled = [False] * n_layers  # fp8: the layer's scales are set (first write)
         self.pool = BlockPool(num_pages)
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
@@ -159,6 +200,18 @@ class PagedKV:
     @property
     def page_size(self) -> int:
         return self.k_store.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V pages of every layer, with their quantisation scales."""
+        scales = (self.k_scales, self.v_scales) if self.k_scales is not None else ()
+        return sum(t.nbytes for t in (self.k_store, self.v_store, *scales))
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scales, v_scales)`` of ``layer`` for ``paged_attention`` (None for float pages)."""
+        if self.k_scales is None:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
 
     @property
     def max_len(self) -> int:
@@ -363,16 +416,71 @@ class PagedKV:
             attention=PagedAttentionPlan(table, seq_lens),
         )
 
-    def _reserve(self, ids: list[int], S: int) -> None:
-        """Pages for ``S`` more tokens of each sequence (copy-on-write of a shared last page in
-        every layer) and the new lengths; validated in full before anything changes."""
+    def plan_packed(self, seq_ids, counts) -> Step:
+        """Plan one step that appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` (module
+        docstring: a packed step), for every layer.
+
+        The model's input is the ``T = sum(counts)`` tokens in that order as one row ``(1, T)``;
+        the returned :class:`~selfattn.cache.base.Step` has ``positions (1, T)`` and
+        ``layers[i]`` a :class:`PackedLayer`. Pages, copy-on-write and errors as :meth:`plan`
+        (nothing changes when it raises).
+        """
+        ids = self._ids(seq_ids)
+        counts = list(counts)
+        if len(counts) != len(ids) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
+        ):
+            raise ValueError(
+                f"counts must hold one int >= 1 per sequence ({len(ids)}), got {counts!r}"
+            )
+        P, M = self.page_size, self.max_pages_per_seq
+        before = [(s, len(self._pages[s]), self._lens[s]) for s in ids]
+        if ids:
+            self._reserve(ids, counts)
+        self._epoch += 1
+        # One host tensor, one copy: slots (T), positions (T), row of each token (T), table (B·M).
+        slots, pos, rows, table = [], [], [], []
+        for b, ((s, _, n), c) in enumerate(zip(before, counts)):
+            pages = self._pages[s]
+            slots += [pages[t // P] * P + t % P for t in range(n, n + c)]
+            pos += range(n, n + c)
+            rows += [b] * c
+            table += pages + [-1] * (M - len(pages))
+        T = len(slots)
+        t = torch.tensor(slots + pos + rows + table, dtype=torch.long)
+        t = t.to(self.k_store.device, non_blocking=True)
+        positions = t[T : 2 * T]
+        tok_table = t[3 * T :].view(len(ids), M).to(torch.int32)[t[2 * T : 3 * T]]  # (T, M)
+        seq_lens = (positions + 1).to(torch.int32)
+        plan = PagedPlan(
+            seq_ids=[s for s, c in zip(ids, counts) for _ in range(c)],
+            n_tokens=1,
+            lengths=positions,
+            seq_lens=seq_lens,
+            block_table=tok_table,
+            slots=t[:T],
+            positions=positions.view(T, 1),
+            past=None,
+            max_len=max((n + c for (_, _, n), c in zip(before, counts)), default=0),
+            before=before,
+            epoch=self._epoch,
+            attention=PagedAttentionPlan(tok_table, seq_lens),
+        )
+        layers = [PackedLayer(self, plan, i) for i in range(self.n_layers)]
+        return Step(layers, positions.view(1, T), None)
+
+    def _reserve(self, ids: list[int], S) -> None:
+        """Pages for ``S`` more tokens of each sequence (an int, or one count per sequence;
+        copy-on-write of a shared last page in every layer) and the new lengths; validated in
+        full before anything changes."""
         P = self.page_size
+        counts = [S] * len(ids) if isinstance(S, int) else list(S)
         # Plan: per sequence, does its last page need a copy, and how many new pages? Holders
         # of a shared page that copy it away leave fewer behind: when every sharer writes in
         # this step, the last one finds itself the sole holder and writes in place.
         n_new, cow = [], []
         holders: dict[int, int] = {}
-        for s in ids:
+        for s, S in zip(ids, counts):
             n = self._lens[s]
             if n + S > self.max_len:
                 raise ValueError(
@@ -392,12 +500,12 @@ class PagedKV:
         evictable = 0 if self.index is None else self.index.num_evictable_pages
         if need > self.pool.num_free + evictable:
             raise RuntimeError(
-                f"appending {S} token(s) to sequences {ids} needs {need} free page(s) but the "
+                f"appending {counts} token(s) to sequences {ids} needs {need} free page(s) but the "
                 f"pool has {self.pool.num_free} of {self.num_pages} (+{evictable} evictable "
                 "cached); free sequences or build a larger pool"
             )
         fresh = self._allocate(need)  # cannot fail now: checked above
-        for s, copy, m in zip(ids, cow, n_new):
+        for s, copy, m, S in zip(ids, cow, n_new, counts):
             mine, fresh = fresh[:m], fresh[m:]
             pages = self._pages[s]
             if copy:
@@ -405,6 +513,9 @@ class PagedKV:
                 old, new = pages[-1], mine.pop(0)
                 self.k_store[:, new].copy_(self.k_store[:, old])  # every layer at once
                 self.v_store[:, new].copy_(self.v_store[:, old])
+                if self.k_scales is not None and self.k_scales.dim() == 4:  # int8: per slot
+                    self.k_scales[:, new].copy_(self.k_scales[:, old])
+                    self.v_scales[:, new].copy_(self.v_scales[:, old])
                 self.pool.decref([old])
                 pages[-1] = new
             pages.extend(mine)
@@ -425,8 +536,28 @@ class PagedKV:
         kr = self.k_store[layer].view(-1, Hkv, D)
         vr = self.v_store[layer].view(-1, *self.v_store.shape[3:])
         # (B, Hkv, S, ·) -> (B·S, Hkv, ·): row b·S + s is slot slots[b·S + s]
-        kr.index_copy_(0, plan.slots, k.transpose(1, 2).reshape(B * S, Hkv, D).to(kr.dtype))
-        vr.index_copy_(0, plan.slots, v.transpose(1, 2).reshape(B * S, *vr.shape[1:]).to(vr.dtype))
+        k_rows = k.transpose(1, 2).reshape(B * S, Hkv, D)
+        v_rows = v.transpose(1, 2).reshape(B * S, *vr.shape[1:])
+        if self.k_scales is None:
+            kr.index_copy_(0, plan.slots, k_rows.to(kr.dtype))
+            vr.index_copy_(0, plan.slots, v_rows.to(vr.dtype))
+            return
+        if kr.dtype != torch.int8 and not self._scaled[layer]:
+            for rows, scales in ((k_rows, self.k_scales), (v_rows, self.v_scales)):
+                amax = rows.detach().abs().float().amax(dim=(0, 2)) * (FP8_HEADROOM / FP8_MAX)
+                scales[layer] = torch.where(amax > 0, amax, torch.ones_like(amax))  # (Hkv,)
+            self._scaled[layer] = True
+        for rows, flat, scales in (
+            (k_rows, kr, self.k_scales[layer]),
+            (v_rows, vr, self.v_scales[layer]),
+        ):
+            if flat.dtype == torch.int8:
+                q, s = quantize_int8(rows)  # (T, Hkv, ·) int8, (T, Hkv) float32
+                flat.index_copy_(0, plan.slots, q)
+                scales.view(-1, Hkv).index_copy_(0, plan.slots, s)
+            else:  # fp8: the layer's per-head scales; index_copy_ moves the bytes
+                q, _ = quantize_fp8(rows, scales)
+                flat.view(torch.uint8).index_copy_(0, plan.slots, q.view(torch.uint8))
 
     def undo(self, plan: PagedPlan) -> None:
         """Return the sequences of ``plan`` (the latest plan) to their lengths and pages before
@@ -465,6 +596,12 @@ class PagedKV:
         ids = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.k_store.device)
         k = self.k_layers[layer].index_select(0, ids).flatten(0, 1)[:n]  # (pages·P, Hkv, D)
         v = self.v_layers[layer].index_select(0, ids).flatten(0, 1)[:n]
+        if self.k_scales is not None:  # quantised: values in float32
+            ks, vs = self.layer_scales(layer)
+            if ks.dim() == 3:  # int8: the slots' scales, gathered like the pages
+                ks = ks.index_select(0, ids).flatten(0, 1)[:n]
+                vs = vs.index_select(0, ids).flatten(0, 1)[:n]
+            k, v = dequantize(k, ks), dequantize(v, vs)
         return k.transpose(0, 1), v.transpose(0, 1)  # (n, Hkv, ·) -> (Hkv, n, ·)
 
     def view(self, seq_ids) -> PagedCacheView:
@@ -600,7 +737,7 @@ def _check_attend(kv: PagedKV, seq_ids: list[int], q, k, v) -> None:
         got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
         raise ValueError(f"k must hold one new token per query: q {tuple(q.shape)}, k {got}")
     _check_new_kv(kv, B, k, v)
-    if q.dtype != kv.k_store.dtype:
+    if q.dtype != kv.k_store.dtype and kv.k_scales is None:
         raise TypeError(
             f"q is {q.dtype} but the cache stores {kv.k_store.dtype}; build the "
             f"{type(kv).__name__} with the model's dtype"
@@ -668,6 +805,7 @@ class PagedLayer:
         kv, plan = self.kv, self.plan
         try:
             kv.write(self.layer, plan, k, v)
+            k_scales, v_scales = kv.layer_scales(self.layer)
             out = paged_attention(
                 q,
                 kv.k_layers[self.layer],
@@ -677,6 +815,8 @@ class PagedLayer:
                 mask=mask,
                 score_mod=score_mod,
                 scale=scale,
+                k_scales=k_scales,
+                v_scales=v_scales,
                 plan=plan.attention,
             )
         except BaseException:
@@ -700,6 +840,48 @@ class PagedLayer:
                 scale=scale,
             )  # default q_offset: bottom-right, n - Sq, as in paged_attention
         return out, w
+
+
+class PackedLayer(PagedLayer):
+    """Layer ``layer``'s cache for one packed step (:meth:`PagedKV.plan_packed`): the model's
+    batch is one row of ``T`` tokens from several sequences; token ``t`` is row ``t`` of the
+    plan (its sequence's pages, its own length)."""
+
+    __slots__ = ()
+
+    def attend(
+        self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights: bool = False
+    ):
+        """Write ``k (1, Hkv, T, D)`` / ``v (1, Hkv, T, Dv)`` and attend ``q (1, Hq, T, D)``,
+        each token over its own sequence up to its own position; returns ``(1, Hq, T, Dv)``.
+        Masks and score mods see absolute positions (tensor masks in row order are refused:
+        the rows are not one sequence's)."""
+        T = len(self.plan.seq_ids)
+        try:
+            if return_weights:
+                raise ValueError("a packed step does not return attention weights")
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[::2] != (1, T):
+                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(
+                        f"{name} must be (1, H, T={T}, ·) for this packed step of {T} tokens, "
+                        f"got {got}"
+                    )
+            for name, obj in (("mask", mask), ("score_mod", score_mod)):
+                if isinstance(obj, torch.Tensor) or getattr(obj, "row_ordered", False):
+                    raise ValueError(
+                        f"a packed step takes {name}s of positions only (causal, windows, "
+                        "soft-caps): its rows are tokens of several sequences"
+                    )
+        except BaseException:
+            self.kv.undo(self.plan)
+            raise
+
+        def rows(x):  # (1, H, T, ·) -> (T, H, 1, ·): every token is a row of length 1
+            return x[0].transpose(0, 1).unsqueeze(2)
+
+        out = super().attend(rows(q), rows(k), rows(v), mask=mask, score_mod=score_mod, scale=scale)
+        return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, Hq, T, Dv)
 
 
 def _ragged(seq_ids, lengths) -> str:
