@@ -103,8 +103,9 @@ def test_greedy_equals_generate_and_transformers(models, family):
         (p, SamplingParams(max_tokens=g.randint(1, 12), n=2 if i in (3, 6) else 1, **GREEDY))
         for i, p in enumerate(prompts)
     ]
-    # 14 pages of 4 tokens for up to 6 sequences of up to 42 tokens: preemption is certain.
-    engine = engine_for(ours, 14, max_batch_tokens=16, max_num_seqs=6)
+    # 14 pages of 4 tokens for up to 6 sequences of up to 42 tokens: preemption is certain;
+    # chunks of up to 24 tokens attend as rows (<= 16) or as query blocks.
+    engine = engine_for(ours, 14, max_batch_tokens=24, max_num_seqs=6)
     outs = run_arriving(engine, requests, seed=2)
     for i, (prompt, params) in enumerate(requests):
         want = ours_alone(ours, prompt, params.max_tokens)

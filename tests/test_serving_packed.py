@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from selfattn.cache import PagedKV, dequantize, quantize_fp8, quantize_int8  # noqa: E402
-from selfattn.cache.paged import FP8_HEADROOM  # noqa: E402
+from selfattn.cache.paged import FP8_HEADROOM, PACKED_ROWS_MAX  # noqa: E402
 from selfattn.cache.quant import FP8_MAX  # noqa: E402
 from test_models_decoder import RTOL, VOCAB, rel_err, tiny_pair  # noqa: E402
 
@@ -30,15 +30,17 @@ def model_kv(model, pages=40, P=4, **kw) -> PagedKV:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "gemma2"])
 def test_packed_steps_equal_each_sequence_alone(pairs, family):
-    """Three sequences advance by different chunks each step (prefill chunks of 7 and 5 next to
-    decode tokens, a window of 5 that drops keys, Gemma's soft-cap on the PyTorch path): the
-    logits of every token equal a full forward of its sequence alone."""
+    """Three sequences advance by different chunks each step (a long chunk of 20 that attends
+    as one query block, short ones of 7, 5 and 3 whose tokens attend as rows, decode tokens; a
+    window of 5 that drops keys; Gemma's soft-cap on the PyTorch path): the logits of every
+    token equal a full forward of its sequence alone."""
     _, ours = pairs[family]
     g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(2, VOCAB, (n,), generator=g) for n in (14, 9, 6)]
+    seqs = [torch.randint(2, VOCAB, (n,), generator=g) for n in (30, 9, 6)]
     kv = model_kv(ours)
     ids = kv.add_sequences(3)
-    schedule = [(7, 5, 1), (7, 1, 1), (0, 3, 4)]  # tokens per sequence per step (0: idle)
+    assert PACKED_ROWS_MAX < 20
+    schedule = [(20, 5, 1), (7, 1, 1), (3, 3, 4)]  # tokens per sequence per step
     done = [0, 0, 0]
     got = [[] for _ in seqs]
     with torch.no_grad():

@@ -45,9 +45,12 @@ in one forward: a continuous-batching step of prefill chunks and decode tokens::
     token rows            4 4 4 9 2             each token is a row of the plan: its own
     seq_lens              6 7 8 3 12            length (position + 1) and its sequence's pages
 
-Every token is one query row of ``paged_attention`` over its sequence's pages, ending at its
-own position, so causal order inside a chunk needs no mask and the decode kernels serve
-prefill chunks too.
+A short chunk's tokens (decode tokens, chunks of at most :data:`PACKED_ROWS_MAX`) are query
+rows of one ``paged_attention`` call together, each over its sequence's pages up to its own
+position: causal order inside the chunk needs no mask, and the decode kernels serve them all at
+once. A longer chunk attends as one query block of its own call (``Sq`` = its length, over its
+sequence's pages): its queries share each page read and the attention is matrix products,
+where ``Sq`` rows of one token each would read the sequence's keys ``Sq`` times.
 
 Every change is planned and validated before anything is touched: a step that would exceed a
 sequence's ``max_pages_per_seq × P`` tokens or the free (plus evictable) pages raises and leaves
@@ -72,13 +75,17 @@ from selfattn.functional import attention_weights, paged_attention
 from selfattn.masks import Mask, as_mask, from_tensor
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["FP8_HEADROOM", "PackedLayer", "PagedCache", "PagedCacheView", "PagedKV", "PagedLayer",
-           "PagedPlan"]  # fmt: skip
+__all__ = ["FP8_HEADROOM", "PACKED_ROWS_MAX", "PackedLayer", "PagedCache", "PagedCacheView",
+           "PagedKV", "PagedLayer", "PagedPlan"]  # fmt: skip
 
 # fp8 pages: the per-head scale leaves room for values this many times the first write's
 # largest before they saturate (e4m3 keeps 3 mantissa bits at any exponent, so the headroom
 # costs no precision above 448 / FP8_HEADROOM / 2**6 of the scale's range).
 FP8_HEADROOM = 8.0
+# Packed steps: chunks of at most this many tokens attend as rows of one call (module
+# docstring), longer ones as a query block of their own. Measured on the serving benchmark's
+# model (2-core EPYC): a 1,024-token prompt's rows took 0.2 s per layer re-reading its keys.
+PACKED_ROWS_MAX = 16
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,10 +102,11 @@ class PagedPlan:
     ``seq_lens`` that every layer's ``paged_attention`` shares (checks, backend choice and key
     intervals once per step).
 
-    A packed plan (:meth:`PagedKV.plan_packed`) has one row per new token instead of one per
-    sequence: ``seq_ids`` then names each token's sequence, ``n_tokens`` is 1, and ``lengths``
-    / ``seq_lens`` / ``block_table`` are each token's position, position + 1 and its sequence's
-    pages.
+    A packed plan (:meth:`PagedKV.plan_packed`) covers ``T`` tokens of several sequences:
+    ``seq_ids`` names each token's sequence, ``n_tokens`` is 1, ``slots`` and ``lengths`` (each
+    token's position) cover all ``T``; ``rows`` are the tokens of short chunks, whose
+    ``seq_lens`` (position + 1), ``block_table`` (their sequence's pages) and ``attention``
+    describe one call with a row per token; ``blocks`` the long chunks, one call each.
     """
 
     seq_ids: list[int]
@@ -113,6 +121,20 @@ class PagedPlan:
     # (seq id, pages before, length before) per sequence, and the planner's epoch: for undo().
     before: list[tuple[int, int, int]]
     epoch: int
+    attention: PagedAttentionPlan
+    rows: torch.Tensor | None = None  # packed plans: (T_rows,) indices of the row tokens
+    blocks: tuple[PackedBlock, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class PackedBlock:
+    """A long chunk of a packed step: tokens ``start .. start + n - 1`` of the step, the last
+    ``n`` of a sequence with ``block_table (1, max_pages_per_seq)`` and ``seq_lens (1,)``."""
+
+    start: int
+    n: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
     attention: PagedAttentionPlan
 
 
@@ -438,33 +460,48 @@ class PagedKV:
         if ids:
             self._reserve(ids, counts)
         self._epoch += 1
-        # One host tensor, one copy: slots (T), positions (T), row of each token (T), table (B·M).
-        slots, pos, rows, table = [], [], [], []
+        # One host tensor, one copy: slots (T), positions (T), table (B·M), for the row tokens
+        # their index in T and their sequence's row of the table, then each block's length.
+        slots, pos, table, rows, row_of, spans = [], [], [], [], [], []
         for b, ((s, _, n), c) in enumerate(zip(before, counts)):
             pages = self._pages[s]
+            start = len(slots)
             slots += [pages[t // P] * P + t % P for t in range(n, n + c)]
             pos += range(n, n + c)
-            rows += [b] * c
             table += pages + [-1] * (M - len(pages))
-        T = len(slots)
-        t = torch.tensor(slots + pos + rows + table, dtype=torch.long)
+            if c <= PACKED_ROWS_MAX:
+                rows += range(start, start + c)
+                row_of += [b] * c
+            else:
+                spans.append((start, c, b, n + c))
+        T, B, R = len(slots), len(ids), len(rows)
+        t = torch.tensor(slots + pos + table + rows + row_of + [n for *_, n in spans])
         t = t.to(self.k_store.device, non_blocking=True)
         positions = t[T : 2 * T]
-        tok_table = t[3 * T :].view(len(ids), M).to(torch.int32)[t[2 * T : 3 * T]]  # (T, M)
-        seq_lens = (positions + 1).to(torch.int32)
+        tables = t[2 * T : 2 * T + B * M].view(B, M).to(torch.int32)
+        rows_t = t[2 * T + B * M : 2 * T + B * M + R]
+        row_table = tables[t[2 * T + B * M + R : 2 * T + B * M + 2 * R]]  # (R, M)
+        row_lens = (positions[rows_t] + 1).to(torch.int32)
+        ends = t[2 * T + B * M + 2 * R :].to(torch.int32)
+        blocks = []
+        for j, (start, c, b, _) in enumerate(spans):
+            row, lens = tables[b : b + 1], ends[j : j + 1]  # the plan checks identity
+            blocks.append(PackedBlock(start, c, row, lens, PagedAttentionPlan(row, lens)))
         plan = PagedPlan(
             seq_ids=[s for s, c in zip(ids, counts) for _ in range(c)],
             n_tokens=1,
             lengths=positions,
-            seq_lens=seq_lens,
-            block_table=tok_table,
+            seq_lens=row_lens,
+            block_table=row_table,
             slots=t[:T],
             positions=positions.view(T, 1),
             past=None,
             max_len=max((n + c for (_, _, n), c in zip(before, counts)), default=0),
             before=before,
             epoch=self._epoch,
-            attention=PagedAttentionPlan(tok_table, seq_lens),
+            attention=PagedAttentionPlan(row_table, row_lens),
+            rows=rows_t,
+            blocks=tuple(blocks),
         )
         layers = [PackedLayer(self, plan, i) for i in range(self.n_layers)]
         return Step(layers, positions.view(1, T), None)
@@ -877,11 +914,41 @@ class PackedLayer(PagedLayer):
             self.kv.undo(self.plan)
             raise
 
-        def rows(x):  # (1, H, T, ·) -> (T, H, 1, ·): every token is a row of length 1
+        return self._run_packed(q, k, v, mask, score_mod, scale)
+
+    def _run_packed(self, q, k, v, mask, score_mod, scale):
+        kv, plan, layer = self.kv, self.plan, self.layer
+        T, Hq, Dv = q.shape[2], q.shape[1], v.shape[3]
+        k_scales, v_scales = kv.layer_scales(layer)
+        pages = (kv.k_layers[layer], kv.v_layers[layer])
+        kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
+                  v_scales=v_scales)  # fmt: skip
+
+        def as_rows(x):  # (1, H, T, ·) -> (T, H, 1, ·): every token a row of length 1
             return x[0].transpose(0, 1).unsqueeze(2)
 
-        out = super().attend(rows(q), rows(k), rows(v), mask=mask, score_mod=score_mod, scale=scale)
-        return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, Hq, T, Dv)
+        try:
+            kv.write(layer, plan, as_rows(k), as_rows(v))
+            R = plan.rows.numel()
+            if R == T:  # no long chunk: the whole step is one call
+                out = paged_attention(as_rows(q), *pages, plan.block_table, plan.seq_lens,
+                                      plan=plan.attention, **kw)  # fmt: skip
+                return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, ·)
+            out = q.new_empty(Hq, T, Dv)
+            if R:
+                qr = q[0].index_select(1, plan.rows).transpose(0, 1).unsqueeze(2)  # (R, Hq, 1, D)
+                o = paged_attention(qr, *pages, plan.block_table, plan.seq_lens,
+                                    plan=plan.attention, **kw)  # fmt: skip
+                out.index_copy_(1, plan.rows, o.squeeze(2).transpose(0, 1))  # (Hq, R, Dv)
+            for blk in plan.blocks:  # one query block per long chunk: (1, Hq, n, D)
+                qb = q[:, :, blk.start : blk.start + blk.n]
+                o = paged_attention(qb, *pages, blk.block_table, blk.seq_lens,
+                                    plan=blk.attention, **kw)  # fmt: skip
+                out[:, blk.start : blk.start + blk.n] = o[0]
+            return out.unsqueeze(0)  # (Hq, T, Dv) -> (1, Hq, T, Dv)
+        except BaseException:
+            kv.undo(plan)
+            raise
 
 
 def _ragged(seq_ids, lengths) -> str:

@@ -277,6 +277,7 @@ class Engine:
                         self._fail(seq.request, e, touched)
             self.metrics.preemptions = self.scheduler.num_preemptions
             self.metrics.computed_tokens = self.scheduler.computed_tokens
+            self.metrics.prefill_tokens = self.scheduler.prefill_tokens
             return self._outputs(touched)
 
     def _take_inbox(self, touched: dict[int, Request]) -> None:
@@ -323,6 +324,8 @@ class Engine:
                 samplers.append(seq)
         device = self.kv.k_store.device
         step = self.kv.plan_packed(ids, counts)
+        m = self.metrics
+        m.peak_pages_used = max(m.peak_pages_used, self.kv.pool.num_used)  # pages are taken now
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
             rows = torch.tensor(keep, dtype=torch.long, device=device)

@@ -2,7 +2,8 @@
 
 Gauges (set after every step): running and waiting requests, pool pages used and free, pool
 bytes. Counters (since the engine started): prompt tokens, prompt tokens served from the prefix
-cache, tokens computed by the model, tokens generated, preemptions, finished and aborted
+cache, tokens computed by the model (all, and prefill: prompts and recomputed outputs), tokens
+generated, the most pages ever in use, preemptions, finished and aborted
 requests. Latencies: time to first token (arrival to first token of each sample) and
 inter-token latency (between consecutive tokens of a sample), each a cumulative
 :class:`Histogram` (Prometheus' kind) plus the most recent samples for percentiles.
@@ -76,6 +77,8 @@ class EngineMetrics:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     computed_tokens: int = 0
+    prefill_tokens: int = 0
+    peak_pages_used: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
     requests_finished: int = 0

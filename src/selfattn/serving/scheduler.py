@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by Sequence.key: oldest first
         self.num_preemptions = 0
         self.computed_tokens = 0  # tokens run through the model (prefill and decode)
+        self.prefill_tokens = 0  # of which prompt tokens, and output tokens recomputed
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -220,6 +221,8 @@ class Scheduler:
     def advance(self, batch: Batch) -> None:
         """After the step ran: count what was computed and offer full pages to the cache."""
         for seq, n in batch.chunks:
+            if n > 1 or seq.num_computed < seq.num_prompt:  # not a decode token
+                self.prefill_tokens += n
             seq.num_computed += n
             self.computed_tokens += n
             self.offer_pages(seq)
