@@ -319,6 +319,7 @@ def test_bad_requests_raise_and_change_nothing(models):
         (("text",), "a text prompt needs a tokenizer"),
         (([1] * 60, SamplingParams(max_tokens=8)), "exceed the engine's max_model_len=64"),
         (([1], SamplingParams(stop="x")), "stop strings .* need a tokenizer"),
+        (([1], SamplingParams(n=3)), "n=3 samples need 3 sequences .* max_num_seqs=2"),
         (([1], {"max_tokens": 3}), "params must be a SamplingParams"),
     ]
     for args, match in cases:

@@ -48,9 +48,10 @@ in one forward: a continuous-batching step of prefill chunks and decode tokens::
 A short chunk's tokens (decode tokens, chunks of at most :data:`PACKED_ROWS_MAX`) are query
 rows of one ``paged_attention`` call together, each over its sequence's pages up to its own
 position: causal order inside the chunk needs no mask, and the decode kernels serve them all at
-once. A longer chunk attends as one query block of its own call (``Sq`` = its length, over its
-sequence's pages): its queries share each page read and the attention is matrix products,
-where ``Sq`` rows of one token each would read the sequence's keys ``Sq`` times.
+once. A longer chunk attends as one query block: its sequence's K/V are gathered from the pages
+once (a copy of ``length`` keys) and :func:`~selfattn.functional.attention` runs over them
+(SDPA's fused kernel on CPU for causal and windowed layers), where ``Sq`` rows of one token
+each would read the sequence's keys ``Sq`` times.
 
 Every change is planned and validated before anything is touched: a step that would exceed a
 sequence's ``max_pages_per_seq × P`` tokens or the free (plus evictable) pages raises and leaves
@@ -71,7 +72,7 @@ from selfattn.cache.base import Step
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
 from selfattn.cache.quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
-from selfattn.functional import attention_weights, paged_attention
+from selfattn.functional import attention, attention_weights, paged_attention
 from selfattn.masks import Mask, as_mask, from_tensor
 from selfattn.scores import ScoreMod, as_score_mod
 
@@ -83,8 +84,10 @@ __all__ = ["FP8_HEADROOM", "PACKED_ROWS_MAX", "PackedLayer", "PagedCache", "Page
 # costs no precision above 448 / FP8_HEADROOM / 2**6 of the scale's range).
 FP8_HEADROOM = 8.0
 # Packed steps: chunks of at most this many tokens attend as rows of one call (module
-# docstring), longer ones as a query block of their own. Measured on the serving benchmark's
-# model (2-core EPYC): a 1,024-token prompt's rows took 0.2 s per layer re-reading its keys.
+# docstring), longer ones as a query block over their gathered K/V. The C kernel serves up to
+# 16 query rows of a sequence per page read (backends/paged/cpu.py KERNEL_MAX_SQ); as separate
+# rows a 1,024-token prompt took 0.2 s per layer re-reading its keys (serving benchmark model,
+# 2-core EPYC), and the paged PyTorch path over a 288-token block ran at 3.5 GFLOP/s.
 PACKED_ROWS_MAX = 16
 
 
@@ -106,7 +109,7 @@ class PagedPlan:
     ``seq_ids`` names each token's sequence, ``n_tokens`` is 1, ``slots`` and ``lengths`` (each
     token's position) cover all ``T``; ``rows`` are the tokens of short chunks, whose
     ``seq_lens`` (position + 1), ``block_table`` (their sequence's pages) and ``attention``
-    describe one call with a row per token; ``blocks`` the long chunks, one call each.
+    describe one call with a row per token; ``blocks`` the long chunks, attended one by one.
     """
 
     seq_ids: list[int]
@@ -129,13 +132,14 @@ class PagedPlan:
 @dataclasses.dataclass(eq=False)
 class PackedBlock:
     """A long chunk of a packed step: tokens ``start .. start + n - 1`` of the step, the last
-    ``n`` of a sequence with ``block_table (1, max_pages_per_seq)`` and ``seq_lens (1,)``."""
+    ``n`` of sequence ``seq_id`` (``ids``: its page ids, ``length``: its tokens after the
+    step)."""
 
     start: int
     n: int
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    attention: PagedAttentionPlan
+    seq_id: int
+    ids: torch.Tensor
+    length: int
 
 
 class PagedKV:
@@ -473,20 +477,20 @@ class PagedKV:
                 rows += range(start, start + c)
                 row_of += [b] * c
             else:
-                spans.append((start, c, b, n + c))
+                spans.append((start, c, s, len(table) - M, len(pages), n + c))
         T, B, R = len(slots), len(ids), len(rows)
-        t = torch.tensor(slots + pos + table + rows + row_of + [n for *_, n in spans])
+        t = torch.tensor(slots + pos + table + rows + row_of)
         t = t.to(self.k_store.device, non_blocking=True)
         positions = t[T : 2 * T]
         tables = t[2 * T : 2 * T + B * M].view(B, M).to(torch.int32)
         rows_t = t[2 * T + B * M : 2 * T + B * M + R]
         row_table = tables[t[2 * T + B * M + R : 2 * T + B * M + 2 * R]]  # (R, M)
         row_lens = (positions[rows_t] + 1).to(torch.int32)
-        ends = t[2 * T + B * M + 2 * R :].to(torch.int32)
-        blocks = []
-        for j, (start, c, b, _) in enumerate(spans):
-            row, lens = tables[b : b + 1], ends[j : j + 1]  # the plan checks identity
-            blocks.append(PackedBlock(start, c, row, lens, PagedAttentionPlan(row, lens)))
+        pages_of = t[2 * T : 2 * T + B * M]
+        blocks = tuple(
+            PackedBlock(start, c, s, pages_of[at : at + used], length)
+            for start, c, s, at, used, length in spans
+        )
         plan = PagedPlan(
             seq_ids=[s for s, c in zip(ids, counts) for _ in range(c)],
             n_tokens=1,
@@ -501,7 +505,7 @@ class PagedKV:
             epoch=self._epoch,
             attention=PagedAttentionPlan(row_table, row_lens),
             rows=rows_t,
-            blocks=tuple(blocks),
+            blocks=blocks,
         )
         layers = [PackedLayer(self, plan, i) for i in range(self.n_layers)]
         return Step(layers, positions.view(1, T), None)
@@ -629,8 +633,11 @@ class PagedKV:
         """Contiguous copies ``(Hkv, length, D)``, ``(Hkv, length, Dv)`` of one sequence's K/V
         in ``layer``."""
         self._check_id(seq_id)
-        n = self._lens[seq_id]
         ids = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.k_store.device)
+        return self.gather_pages(ids, self._lens[seq_id], layer)
+
+    def gather_pages(self, ids: torch.Tensor, n: int, layer: int = 0):
+        """:meth:`gather` of the first ``n`` tokens held by pages ``ids`` (int64, in order)."""
         k = self.k_layers[layer].index_select(0, ids).flatten(0, 1)[:n]  # (pages·P, Hkv, D)
         v = self.v_layers[layer].index_select(0, ids).flatten(0, 1)[:n]
         if self.k_scales is not None:  # quantised: values in float32
@@ -941,9 +948,12 @@ class PackedLayer(PagedLayer):
                                     plan=plan.attention, **kw)  # fmt: skip
                 out.index_copy_(1, plan.rows, o.squeeze(2).transpose(0, 1))  # (Hq, R, Dv)
             for blk in plan.blocks:  # one query block per long chunk: (1, Hq, n, D)
+                ks, vs = kv.gather_pages(blk.ids, blk.length, layer)  # (Hkv, length, ·)
                 qb = q[:, :, blk.start : blk.start + blk.n]
-                o = paged_attention(qb, *pages, blk.block_table, blk.seq_lens,
-                                    plan=blk.attention, **kw)  # fmt: skip
+                # keys from position 0, queries the last n: attention's default bottom-right
+                o = attention(qb, ks[None].to(qb.dtype), vs[None].to(qb.dtype), mask=mask,
+                              score_mod=score_mod,
+                              scale=scale)  # fmt: skip
                 out[:, blk.start : blk.start + blk.n] = o[0]
             return out.unsqueeze(0)  # (Hq, T, Dv) -> (1, Hq, T, Dv)
         except BaseException:

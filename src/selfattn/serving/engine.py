@@ -195,6 +195,11 @@ class Engine:
                 f"the engine's max_model_len={self.max_model_len}; shorten the prompt or lower "
                 "max_tokens"
             )
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples need {params.n} sequences at once but the engine runs at "
+                f"most max_num_seqs={self.scheduler.max_num_seqs}; lower n"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"stop strings {list(params.stop)} need a tokenizer; build the Engine with one "
@@ -414,7 +419,12 @@ class Engine:
             if out.finished:
                 self._requests.pop(req.request_id, None)
             if req.sink is not None:
-                req.sink(out)
+                try:
+                    req.sink(out)
+                except Exception:  # the consumer is gone (its event loop closed): stop it
+                    req.sink = None
+                    if not out.finished:
+                        self.abort(req.request_id)
             outs.append(out)
         m, s, pool = self.metrics, self.scheduler, self.kv.pool
         m.running = len({id(q.request) for q in s.running})
@@ -508,10 +518,13 @@ class Engine:
                     self._outputs(touched)
 
     def close(self) -> None:
-        """Stop the worker thread (after the step it runs, if any)."""
+        """Stop the worker thread (after the step it runs, if any), then apply the aborts that
+        no step took yet (streams left when their event loop closed): their pages are freed."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._aborts:
+            self.step()
 
     def check(self) -> None:
         """Raise AssertionError unless the pool and the scheduler agree (no page leaked: with
