@@ -335,6 +335,12 @@ def test_bad_requests_raise_and_change_nothing(models):
     with pytest.raises(ValueError, match="max_num_seqs must be a positive int"):
         Engine(ours, max_num_seqs=0)
     assert engine.generate([[2]], SamplingParams(max_tokens=1, **GREEDY))[0].finished
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.generate([[2, 3], []], SamplingParams(max_tokens=2, **GREEDY))
+    assert not engine.has_unfinished()  # the good prompt before it was aborted
+    engine.abort("a")
+    engine.step()
+    assert_drained(engine)
 
 
 # -- asyncio ---------------------------------------------------------------------------------------

@@ -457,7 +457,14 @@ class Engine:
         pending = list(zip(prompts, params))
         while pending or len(done) < len(ids):
             while pending and len(self.scheduler.waiting) + len(self._inbox) < self.max_waiting:
-                ids.append(self.add_request(*pending.pop(0)))
+                try:
+                    ids.append(self.add_request(*pending.pop(0)))
+                except (ValueError, TypeError):  # a bad prompt: the others do not run either
+                    for rid in ids:
+                        self.abort(rid)
+                    while self.has_unfinished():
+                        self.step()
+                    raise
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
