@@ -274,6 +274,33 @@ def test_abort_frees_pages_and_leaves_others_alone(models):
     assert_drained(engine)
 
 
+def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(models, monkeypatch):
+    _, ours = models["gpt2"]
+    engine = engine_for(ours, 32)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    real, calls = ours.forward, []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ours, "forward", flaky)
+    a = engine.add_request([5, 6, 7], params)
+    engine.step()  # A's prefill
+    b = engine.add_request([8, 9], params)
+    failed = {o.request_id: o for o in engine.step()}  # A's decode and B's prefill: raises
+    assert set(failed) == {a, b}
+    for out in failed.values():
+        assert out.finished and out.outputs[0].finish_reason == "error"
+        assert str(out.error) == "boom"
+    engine.check()  # the step's pages were given back
+    (out,) = engine.generate([[3, 4]], params)
+    assert list(out.outputs[0].token_ids) == ours_alone(ours, [3, 4], 4)
+    assert_drained(engine)
+
+
 def test_waiting_queue_is_bounded(models):
     _, ours = models["gpt2"]
     engine = engine_for(ours, 16, max_waiting=2)
