@@ -19,7 +19,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
 
 
 def test_smoke_json_rows_ratios_and_agreement():
-    skip = "transformers generate_batch,transformers one by one"  # slow to start; same checks
+    skip = "transformers generate_batch,transformers generate_batch (sized),transformers one by one"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--smoke", "--json", "--repeat", "1", "--only", "ab",
          "--threads", "1", "--skip", skip],
