@@ -290,7 +290,10 @@ def test_quick_json(smoke: Smoke, tmp_path):
 
 def test_every_benchmark_has_a_smoke_run():
     scripts = {p.stem for p in SCRIPTS.glob("*.py") if not p.name.startswith("_")}
-    assert set(SMOKES) == set(NAMES) | scripts
+    # a script not yet in the package may have its own smoke file here (serving, for now)
+    own = {p.name.removeprefix("test_").removesuffix("_benchmark_smoke.py")
+           for p in Path(__file__).parent.glob("test_*_benchmark_smoke.py")}  # fmt: skip
+    assert set(SMOKES) | own == set(NAMES) | scripts
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -121,7 +121,18 @@ def test_help_exits_zero(capsys, argv):
     assert out.startswith("usage: selfattn")
 
 
-COMMANDS = ["explain", "backends", "kv-size", "info", "map", "embed", "generate", "mask", "bench", "demo"]
+COMMANDS = [
+    "explain",
+    "backends",
+    "kv-size",
+    "info",
+    "map",
+    "embed",
+    "generate",
+    "mask",
+    "bench",
+    "demo",
+]
 
 
 def test_every_command_is_listed_and_answers_help(capsys):

@@ -31,6 +31,28 @@ With a prefix index (``prefix_caching=True``, :mod:`selfattn.cache.prefix`), ful
 finished or prefilled sequences stay cached for later requests (for every layer at once), and a
 step short of free pages evicts the least recently used of those the index alone holds.
 
+Quantised pages (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, :mod:`selfattn.cache.quant`):
+each token's K/V is quantised when written and read back through ``paged_attention``'s scales.
+int8 keeps one float32 scale per (layer, page slot, kv head), ``k_scales (L, N, P, Hkv)``, copied
+with its page on copy-on-write; fp8 one per (layer, kv head), ``k_scales (L, Hkv)``, fixed by
+the first write into the layer (its absolute maximum × :data:`FP8_HEADROOM` / 448; larger values
+saturate). Queries may then be any float dtype.
+
+A packed step (:meth:`PagedKV.plan_packed`) runs sequences with different numbers of new tokens
+in one forward: a continuous-batching step of prefill chunks and decode tokens::
+
+    seq_ids = [4, 9, 2]   counts = [3, 1, 1]    T = 5 tokens, the model's input (1, T)
+    token rows            4 4 4 9 2             each token is a row of the plan: its own
+    seq_lens              6 7 8 3 12            length (position + 1) and its sequence's pages
+
+A short chunk's tokens (decode tokens, chunks of at most :data:`PACKED_ROWS_MAX`) are query
+rows of one ``paged_attention`` call together, each over its sequence's pages up to its own
+position: causal order inside the chunk needs no mask, and the decode kernels serve them all at
+once. A longer chunk attends as one query block: its sequence's K/V are gathered from the pages
+once (a copy of ``length`` keys) and :func:`~selfattn.functional.attention` runs over them
+(SDPA's fused kernel on CPU for causal and windowed layers), where ``Sq`` rows of one token
+each would read the sequence's keys ``Sq`` times.
+
 Every change is planned and validated before anything is touched: a step that would exceed a
 sequence's ``max_pages_per_seq × P`` tokens or the free (plus evictable) pages raises and leaves
 pages, block tables, lengths, reference counts and the index as they were. A layer that fails
@@ -44,15 +66,29 @@ import dataclasses
 import torch
 
 from selfattn._validate import checked_int, int_at_least, positive_int
+from selfattn.backends.paged.call import QUANT_DTYPES
 from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.base import Step, next_positions
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
-from selfattn.functional import attention_weights, paged_attention
+from selfattn.cache.quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
+from selfattn.functional import attention, attention_weights, paged_attention
 from selfattn.masks import as_mask, from_tensor
 from selfattn.scores import as_score_mod
 
-__all__ = ["PagedCache", "PagedCacheView", "PagedKV", "PagedLayer", "PagedPlan"]
+__all__ = ["FP8_HEADROOM", "PACKED_ROWS_MAX", "PackedLayer", "PagedCache", "PagedCacheView",
+           "PagedKV", "PagedLayer", "PagedPlan"]  # fmt: skip
+
+# fp8 pages: the per-head scale leaves room for values this many times the first write's
+# largest before they saturate (e4m3 keeps 3 mantissa bits at any exponent, so the headroom
+# costs no precision above 448 / FP8_HEADROOM / 2**6 of the scale's range).
+FP8_HEADROOM = 8.0
+# Packed steps: chunks of at most this many tokens attend as rows of one call (module
+# docstring), longer ones as a query block over their gathered K/V. The C kernel serves up to
+# 16 query rows of a sequence per page read (backends/paged/cpu.py KERNEL_MAX_SQ); as separate
+# rows a 1,024-token prompt took 0.2 s per layer re-reading its keys (serving benchmark model,
+# 2-core EPYC), and the paged PyTorch path over a 288-token block ran at 3.5 GFLOP/s.
+PACKED_ROWS_MAX = 16
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,6 +104,12 @@ class PagedPlan:
     :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` of ``block_table`` and
     ``seq_lens`` that every layer's ``paged_attention`` shares (checks, backend choice and key
     intervals once per step).
+
+    A packed plan (:meth:`PagedKV.plan_packed`) covers ``T`` tokens of several sequences:
+    ``seq_ids`` names each token's sequence, ``n_tokens`` is 1, ``slots`` and ``lengths`` (each
+    token's position) cover all ``T``; ``rows`` are the tokens of short chunks, whose
+    ``seq_lens`` (position + 1), ``block_table`` (their sequence's pages) and ``attention``
+    describe one call with a row per token; ``blocks`` the long chunks, attended one by one.
     """
 
     seq_ids: list[int]
@@ -83,6 +125,21 @@ class PagedPlan:
     before: list[tuple[int, int, int]]
     epoch: int
     attention: PagedAttentionPlan
+    rows: torch.Tensor | None = None  # packed plans: (T_rows,) indices of the row tokens
+    blocks: tuple[PackedBlock, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class PackedBlock:
+    """A long chunk of a packed step: tokens ``start .. start + n - 1`` of the step, the last
+    ``n`` of sequence ``seq_id`` (``ids``: its page ids, ``length``: its tokens after the
+    step)."""
+
+    start: int
+    n: int
+    seq_id: int
+    ids: torch.Tensor
+    length: int
 
 
 class PagedKV:
@@ -94,6 +151,9 @@ class PagedKV:
     ``max_pages_per_seq`` pages long (the width of the block table). Sequence ids are ints handed
     out by :meth:`add_sequence` and :meth:`fork`; they are never reused. ``k_layers[i]`` /
     ``v_layers[i]`` are layer ``i``'s pages (views of ``k_store`` / ``v_store``).
+
+    ``dtype`` int8 or float8_e4m3fn stores quantised pages with float32 ``k_scales`` /
+    ``v_scales`` (module docstring); ``nbytes`` is the storage the pages and scales take.
 
     ``prefix_caching=True`` builds ``kv.index``, a :class:`PrefixIndex` over the pool (one passed
     to :meth:`add_sequence_from_prefix` / :meth:`cache_prefix` is adopted the same way). With an
@@ -136,6 +196,13 @@ class PagedKV:
         # under autograd)
         self.k_layers = [self.k_store[i] for i in range(n_layers)]
         self.v_layers = [self.v_store[i] for i in range(n_layers)]
+        # Quantised pages: float32 scales, int8 (L, N, P, Hkv), fp8 (L, Hkv); None for floats.
+        self.k_scales = self.v_scales = None
+        if dtype in QUANT_DTYPES:
+            per = shape if dtype == torch.int8 else (n_layers, n_kv_heads)
+            sk = {"dtype": torch.float32, "device": device}
+            self.k_scales, self.v_scales = torch.ones(*per, **sk), torch.ones(*per, **sk)
+        self._scaled = [False] * n_layers  # fp8: the layer's scales are set (first write)
         self.pool = BlockPool(num_pages)
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
@@ -159,6 +226,18 @@ class PagedKV:
     @property
     def page_size(self) -> int:
         return self.k_store.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V pages of every layer, with their quantisation scales."""
+        scales = (self.k_scales, self.v_scales) if self.k_scales is not None else ()
+        return sum(t.nbytes for t in (self.k_store, self.v_store, *scales))
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scales, v_scales)`` of ``layer`` for ``paged_attention`` (None for float pages)."""
+        if self.k_scales is None:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
 
     @property
     def max_len(self) -> int:
@@ -360,16 +439,86 @@ class PagedKV:
             attention=PagedAttentionPlan(table, seq_lens),
         )
 
-    def _reserve(self, ids: list[int], S: int) -> None:
-        """Pages for ``S`` more tokens of each sequence (copy-on-write of a shared last page in
-        every layer) and the new lengths; validated in full before anything changes."""
+    def plan_packed(self, seq_ids, counts) -> Step:
+        """Plan one step that appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` (module
+        docstring: a packed step), for every layer.
+
+        The model's input is the ``T = sum(counts)`` tokens in that order as one row ``(1, T)``;
+        the returned :class:`~selfattn.cache.base.Step` has ``positions (1, T)`` and
+        ``layers[i]`` a :class:`PackedLayer`. Pages, copy-on-write and errors as :meth:`plan`
+        (nothing changes when it raises).
+        """
+        ids = self._ids(seq_ids)
+        counts = list(counts)
+        if len(counts) != len(ids) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
+        ):
+            raise ValueError(
+                f"counts must hold one int >= 1 per sequence ({len(ids)}), got {counts!r}"
+            )
+        P, M = self.page_size, self.max_pages_per_seq
+        before = [(s, len(self._pages[s]), self._lens[s]) for s in ids]
+        if ids:
+            self._reserve(ids, counts)
+        self._epoch += 1
+        # One host tensor, one copy: slots (T), positions (T), table (B·M), for the row tokens
+        # their index in T and their sequence's row of the table, then each block's length.
+        slots, pos, table, rows, row_of, spans = [], [], [], [], [], []
+        for b, ((s, _, n), c) in enumerate(zip(before, counts)):
+            pages = self._pages[s]
+            start = len(slots)
+            slots += [pages[t // P] * P + t % P for t in range(n, n + c)]
+            pos += range(n, n + c)
+            table += pages + [-1] * (M - len(pages))
+            if c <= PACKED_ROWS_MAX:
+                rows += range(start, start + c)
+                row_of += [b] * c
+            else:
+                spans.append((start, c, s, len(table) - M, len(pages), n + c))
+        T, B, R = len(slots), len(ids), len(rows)
+        t = torch.tensor(slots + pos + table + rows + row_of)
+        t = t.to(self.k_store.device, non_blocking=True)
+        positions = t[T : 2 * T]
+        tables = t[2 * T : 2 * T + B * M].view(B, M).to(torch.int32)
+        rows_t = t[2 * T + B * M : 2 * T + B * M + R]
+        row_table = tables[t[2 * T + B * M + R : 2 * T + B * M + 2 * R]]  # (R, M)
+        row_lens = (positions[rows_t] + 1).to(torch.int32)
+        pages_of = t[2 * T : 2 * T + B * M]
+        blocks = tuple(
+            PackedBlock(start, c, s, pages_of[at : at + used], length)
+            for start, c, s, at, used, length in spans
+        )
+        plan = PagedPlan(
+            seq_ids=[s for s, c in zip(ids, counts) for _ in range(c)],
+            n_tokens=1,
+            lengths=positions,
+            seq_lens=row_lens,
+            block_table=row_table,
+            slots=t[:T],
+            positions=positions.view(T, 1),
+            past=None,
+            max_len=max((n + c for (_, _, n), c in zip(before, counts)), default=0),
+            before=before,
+            epoch=self._epoch,
+            attention=PagedAttentionPlan(row_table, row_lens),
+            rows=rows_t,
+            blocks=blocks,
+        )
+        layers = [PackedLayer(self, plan, i) for i in range(self.n_layers)]
+        return Step(layers, positions.view(1, T), None)
+
+    def _reserve(self, ids: list[int], S) -> None:
+        """Pages for ``S`` more tokens of each sequence (an int, or one count per sequence;
+        copy-on-write of a shared last page in every layer) and the new lengths; validated in
+        full before anything changes."""
         P = self.page_size
+        counts = [S] * len(ids) if isinstance(S, int) else list(S)
         # Plan: per sequence, does its last page need a copy, and how many new pages? Holders
         # of a shared page that copy it away leave fewer behind: when every sharer writes in
         # this step, the last one finds itself the sole holder and writes in place.
         n_new, cow = [], []
         holders: dict[int, int] = {}
-        for s in ids:
+        for s, S in zip(ids, counts):
             n = self._lens[s]
             if n + S > self.max_len:
                 raise ValueError(
@@ -389,12 +538,12 @@ class PagedKV:
         evictable = 0 if self.index is None else self.index.num_evictable_pages
         if need > self.pool.num_free + evictable:
             raise RuntimeError(
-                f"appending {S} token(s) to sequences {ids} needs {need} free page(s) but the "
+                f"appending {counts} token(s) to sequences {ids} needs {need} free page(s) but the "
                 f"pool has {self.pool.num_free} of {self.num_pages} (+{evictable} evictable "
                 "cached); free sequences or build a larger pool"
             )
         fresh = self._allocate(need)  # cannot fail now: checked above
-        for s, copy, m in zip(ids, cow, n_new):
+        for s, copy, m, S in zip(ids, cow, n_new, counts):
             mine, fresh = fresh[:m], fresh[m:]
             pages = self._pages[s]
             if copy:
@@ -402,6 +551,9 @@ class PagedKV:
                 old, new = pages[-1], mine.pop(0)
                 self.k_store[:, new].copy_(self.k_store[:, old])  # every layer at once
                 self.v_store[:, new].copy_(self.v_store[:, old])
+                if self.k_scales is not None and self.k_scales.dim() == 4:  # int8: per slot
+                    self.k_scales[:, new].copy_(self.k_scales[:, old])
+                    self.v_scales[:, new].copy_(self.v_scales[:, old])
                 self.pool.decref([old])
                 pages[-1] = new
             pages.extend(mine)
@@ -422,8 +574,28 @@ class PagedKV:
         kr = self.k_store[layer].view(-1, Hkv, D)
         vr = self.v_store[layer].view(-1, *self.v_store.shape[3:])
         # (B, Hkv, S, ·) -> (B·S, Hkv, ·): row b·S + s is slot slots[b·S + s]
-        kr.index_copy_(0, plan.slots, k.transpose(1, 2).reshape(B * S, Hkv, D).to(kr.dtype))
-        vr.index_copy_(0, plan.slots, v.transpose(1, 2).reshape(B * S, *vr.shape[1:]).to(vr.dtype))
+        k_rows = k.transpose(1, 2).reshape(B * S, Hkv, D)
+        v_rows = v.transpose(1, 2).reshape(B * S, *vr.shape[1:])
+        if self.k_scales is None:
+            kr.index_copy_(0, plan.slots, k_rows.to(kr.dtype))
+            vr.index_copy_(0, plan.slots, v_rows.to(vr.dtype))
+            return
+        if kr.dtype != torch.int8 and not self._scaled[layer]:
+            for rows, scales in ((k_rows, self.k_scales), (v_rows, self.v_scales)):
+                amax = rows.detach().abs().float().amax(dim=(0, 2)) * (FP8_HEADROOM / FP8_MAX)
+                scales[layer] = torch.where(amax > 0, amax, torch.ones_like(amax))  # (Hkv,)
+            self._scaled[layer] = True
+        for rows, flat, scales in (
+            (k_rows, kr, self.k_scales[layer]),
+            (v_rows, vr, self.v_scales[layer]),
+        ):
+            if flat.dtype == torch.int8:
+                q, s = quantize_int8(rows)  # (T, Hkv, ·) int8, (T, Hkv) float32
+                flat.index_copy_(0, plan.slots, q)
+                scales.view(-1, Hkv).index_copy_(0, plan.slots, s)
+            else:  # fp8: the layer's per-head scales; index_copy_ moves the bytes
+                q, _ = quantize_fp8(rows, scales)
+                flat.view(torch.uint8).index_copy_(0, plan.slots, q.view(torch.uint8))
 
     def undo(self, plan: PagedPlan) -> None:
         """Return the sequences of ``plan`` (the latest plan) to their lengths and pages before
@@ -458,10 +630,19 @@ class PagedKV:
         """Contiguous copies ``(Hkv, length, D)``, ``(Hkv, length, Dv)`` of one sequence's K/V
         in ``layer``."""
         self._check_id(seq_id)
-        n = self._lens[seq_id]
         ids = torch.tensor(self._pages[seq_id], dtype=torch.long, device=self.k_store.device)
+        return self.gather_pages(ids, self._lens[seq_id], layer)
+
+    def gather_pages(self, ids: torch.Tensor, n: int, layer: int = 0):
+        """:meth:`gather` of the first ``n`` tokens held by pages ``ids`` (int64, in order)."""
         k = self.k_layers[layer].index_select(0, ids).flatten(0, 1)[:n]  # (pages·P, Hkv, D)
         v = self.v_layers[layer].index_select(0, ids).flatten(0, 1)[:n]
+        if self.k_scales is not None:  # quantised: values in float32
+            ks, vs = self.layer_scales(layer)
+            if ks.dim() == 3:  # int8: the slots' scales, gathered like the pages
+                ks = ks.index_select(0, ids).flatten(0, 1)[:n]
+                vs = vs.index_select(0, ids).flatten(0, 1)[:n]
+            k, v = dequantize(k, ks), dequantize(v, vs)
         return k.transpose(0, 1), v.transpose(0, 1)  # (n, Hkv, ·) -> (Hkv, n, ·)
 
     def view(self, seq_ids) -> PagedCacheView:
@@ -597,7 +778,7 @@ def _check_attend(kv: PagedKV, seq_ids: list[int], q, k, v) -> None:
         got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
         raise ValueError(f"k must hold one new token per query: q {tuple(q.shape)}, k {got}")
     _check_new_kv(kv, B, k, v)
-    if q.dtype != kv.k_store.dtype:
+    if q.dtype != kv.k_store.dtype and kv.k_scales is None:
         raise TypeError(
             f"q is {q.dtype} but the cache stores {kv.k_store.dtype}; build the "
             f"{type(kv).__name__} with the model's dtype"
@@ -666,6 +847,7 @@ class PagedLayer:
         kv, plan = self.kv, self.plan
         try:
             kv.write(self.layer, plan, k, v)
+            k_scales, v_scales = kv.layer_scales(self.layer)
             out = paged_attention(
                 q,
                 kv.k_layers[self.layer],
@@ -675,6 +857,8 @@ class PagedLayer:
                 mask=mask,
                 score_mod=score_mod,
                 scale=scale,
+                k_scales=k_scales,
+                v_scales=v_scales,
                 plan=plan.attention,
                 sinks=sinks,
             )
@@ -698,6 +882,81 @@ class PagedLayer:
                 sinks=sinks,
             )  # default q_offset: bottom-right, n - Sq, as in paged_attention
         return out, w
+
+
+class PackedLayer(PagedLayer):
+    """Layer ``layer``'s cache for one packed step (:meth:`PagedKV.plan_packed`): the model's
+    batch is one row of ``T`` tokens from several sequences; token ``t`` is row ``t`` of the
+    plan (its sequence's pages, its own length)."""
+
+    __slots__ = ()
+
+    def attend(
+        self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights: bool = False
+    ):
+        """Write ``k (1, Hkv, T, D)`` / ``v (1, Hkv, T, Dv)`` and attend ``q (1, Hq, T, D)``,
+        each token over its own sequence up to its own position; returns ``(1, Hq, T, Dv)``.
+        Masks and score mods see absolute positions (tensor masks in row order are refused:
+        the rows are not one sequence's)."""
+        T = len(self.plan.seq_ids)
+        try:
+            if return_weights:
+                raise ValueError("a packed step does not return attention weights")
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[::2] != (1, T):
+                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(
+                        f"{name} must be (1, H, T={T}, ·) for this packed step of {T} tokens, "
+                        f"got {got}"
+                    )
+            for name, obj in (("mask", mask), ("score_mod", score_mod)):
+                if isinstance(obj, torch.Tensor) or getattr(obj, "row_ordered", False):
+                    raise ValueError(
+                        f"a packed step takes {name}s of positions only (causal, windows, "
+                        "soft-caps): its rows are tokens of several sequences"
+                    )
+        except BaseException:
+            self.kv.undo(self.plan)
+            raise
+
+        return self._run_packed(q, k, v, mask, score_mod, scale)
+
+    def _run_packed(self, q, k, v, mask, score_mod, scale):
+        kv, plan, layer = self.kv, self.plan, self.layer
+        T, Hq, Dv = q.shape[2], q.shape[1], v.shape[3]
+        k_scales, v_scales = kv.layer_scales(layer)
+        pages = (kv.k_layers[layer], kv.v_layers[layer])
+        kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
+                  v_scales=v_scales)  # fmt: skip
+
+        def as_rows(x):  # (1, H, T, ·) -> (T, H, 1, ·): every token a row of length 1
+            return x[0].transpose(0, 1).unsqueeze(2)
+
+        try:
+            kv.write(layer, plan, as_rows(k), as_rows(v))
+            R = plan.rows.numel()
+            if R == T:  # no long chunk: the whole step is one call
+                out = paged_attention(as_rows(q), *pages, plan.block_table, plan.seq_lens,
+                                      plan=plan.attention, **kw)  # fmt: skip
+                return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, ·)
+            out = q.new_empty(Hq, T, Dv)
+            if R:
+                qr = q[0].index_select(1, plan.rows).transpose(0, 1).unsqueeze(2)  # (R, Hq, 1, D)
+                o = paged_attention(qr, *pages, plan.block_table, plan.seq_lens,
+                                    plan=plan.attention, **kw)  # fmt: skip
+                out.index_copy_(1, plan.rows, o.squeeze(2).transpose(0, 1))  # (Hq, R, Dv)
+            for blk in plan.blocks:  # one query block per long chunk: (1, Hq, n, D)
+                ks, vs = kv.gather_pages(blk.ids, blk.length, layer)  # (Hkv, length, ·)
+                qb = q[:, :, blk.start : blk.start + blk.n]
+                # keys from position 0, queries the last n: attention's default bottom-right
+                o = attention(qb, ks[None].to(qb.dtype), vs[None].to(qb.dtype), mask=mask,
+                              score_mod=score_mod,
+                              scale=scale)  # fmt: skip
+                out[:, blk.start : blk.start + blk.n] = o[0]
+            return out.unsqueeze(0)  # (Hq, T, Dv) -> (1, Hq, T, Dv)
+        except BaseException:
+            kv.undo(plan)
+            raise
 
 
 def _ragged(seq_ids, lengths) -> str:

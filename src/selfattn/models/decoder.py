@@ -39,7 +39,8 @@ Model protocol (generation, serving and benchmarks rely on it)::
 
     logits = model(input_ids (B, S) long, attention_mask=None, *, cache=None, position_ids=None,
                    logits_to_keep=None)
-    # -> (B, S, vocab); (B, n, vocab) for the last n = logits_to_keep positions only.
+    # -> (B, S, vocab); (B, n, vocab) for the last n = logits_to_keep positions only, or for
+    #    the positions a 1-D int tensor logits_to_keep lists (a packed serving step).
     #    attention_mask (B, S_past + S): 1 = token, 0 = padding, covering the cached tokens
     #    too. position_ids (B, S) or (S,): default attention_mask.cumsum(-1) - 1 (clipped at 0)
     #    for the last S columns, else S_past + arange(S).
@@ -378,7 +379,9 @@ class CausalLM(nn.Module):
 
         ``logits_to_keep=n`` computes the logits of the last ``n`` positions only, ``(B, n,
         vocab)``: generation needs one, and the LM head over a whole prompt costs as much as a
-        third of a GPT-2 prefill.
+        third of a GPT-2 prefill. A 1-D integer tensor keeps the positions it lists, ``(B,
+        len(logits_to_keep), vocab)`` (as transformers': the last token of each sequence of a
+        packed step).
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
@@ -395,11 +398,14 @@ class CausalLM(nn.Module):
                 "build it with this model's make_cache(...)"
             )
         B, S = input_ids.shape
-        if logits_to_keep is not None and not (
+        if isinstance(logits_to_keep, torch.Tensor):
+            _check_positions_to_keep(logits_to_keep, S)
+        elif logits_to_keep is not None and not (
             isinstance(logits_to_keep, int) and 1 <= logits_to_keep <= S
         ):
             raise ValueError(
-                f"logits_to_keep must be an int in 1..S={S} or None, got {logits_to_keep!r}"
+                f"logits_to_keep must be an int in 1..S={S} or None, got {logits_to_keep!r} (or "
+                "a 1-D tensor of the positions to keep)"
             )
         # A ragged paged cache has no single length: read it only where a mask needs it.
         past = 0 if cache is None or attention_mask is None else cache.length
@@ -430,7 +436,9 @@ class CausalLM(nn.Module):
                 positions=position_ids,
                 cache=layer_cache,
             )
-        if logits_to_keep is not None:
+        if isinstance(logits_to_keep, torch.Tensor):
+            h = h[:, logits_to_keep]  # (B, S, d_model) -> (B, n, d_model)
+        elif logits_to_keep is not None:
             h = h[:, -logits_to_keep:]  # (B, S, d_model) -> (B, n, d_model)
         logits = self.lm_head(self.norm(h))  # (B, S, d_model) -> (B, S, vocab)
         cap = self.config.final_softcap
@@ -542,6 +550,17 @@ class CausalLM(nn.Module):
         kw = {"positions": positions, "rope": self.rope, **fk}
         layers = [StreamingCache(batch, n_sink, window, *shape, **kw) for _ in range(c.n_layers)]
         return StreamingCaches(layers, w.device)
+
+
+def _check_positions_to_keep(index: torch.Tensor, S: int) -> None:
+    """ValueError unless ``index`` is a 1-D integer tensor of positions in ``0..S-1``."""
+    if index.dim() != 1 or index.is_floating_point() or index.dtype == torch.bool:
+        raise ValueError(
+            f"logits_to_keep as a tensor must be 1-D integer positions, got {index.dtype} "
+            f"{tuple(index.shape)}"
+        )
+    if index.numel() and not bool(((index >= 0) & (index < S)).all()):
+        raise ValueError(f"logits_to_keep positions must lie in 0..{S - 1}, got {index.tolist()}")
 
 
 def _layer_mask(window, pad, attention_mask=None):

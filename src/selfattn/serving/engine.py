@@ -1,0 +1,548 @@
+"""The serving engine: many requests at once over one paged KV cache, one model forward per step.
+
+::
+
+    engine = Engine(model, tokenizer, kv_cache_bytes=2**30)
+    outs = engine.generate(["Hello", "The capital of"], SamplingParams(max_tokens=32))
+
+    rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0))   # the loop, by hand
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+    async for out in engine.stream("Hi", SamplingParams(max_tokens=8)):  # asyncio
+        print(out.outputs[0].delta_text, end="")
+
+A step (:meth:`Engine.step`) takes new requests and aborts, asks the
+:class:`~selfattn.serving.scheduler.Scheduler` for a batch (decode tokens and prefill chunks under
+a token budget), runs the model ONCE over all of its tokens packed into one row
+(:meth:`~selfattn.cache.PagedKV.plan_packed`: each token attends over its own sequence's pages),
+keeps the logits of each sequence's last token only, and lets each sequence choose its next
+token (:func:`~selfattn.serving.sampling.choose`); finished sequences free their pages. Greedy
+output equals :func:`selfattn.models.generate` of each request alone.
+
+Pool: ``kv_cache_bytes`` buys ``kv_cache_bytes // page_bytes`` pages, ``page_bytes`` from the
+textbook's formula (:func:`selfattn.cache.kv_cache_bytes` of one page:
+``2 × layers × kv_heads × head_dim × page_size × bytes(kv_dtype)``, plus int8's scales).
+``kv_dtype`` int8 or float8_e4m3fn stores quantised pages (:mod:`selfattn.cache.quant`).
+
+Threads: :meth:`stream` runs steps on one worker thread while the event loop serves the streams;
+:meth:`add_request` and :meth:`abort` may be called from any thread (they queue, and the next
+step takes them), :meth:`step` from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as SequenceABC
+
+import torch
+
+from selfattn.cache import PagedKV
+from selfattn.cache.size import kv_cache_bytes as _kv_bytes
+from selfattn.models.decoder import CausalLM
+from selfattn.serving.metrics import EngineMetrics
+from selfattn.serving.request import Request, RequestOutput, Sequence, TokenLogprob
+from selfattn.serving.sampling import Choice, SamplingParams, choose
+from selfattn.serving.scheduler import Batch, Scheduler
+
+__all__ = ["DEFAULT_KV_CACHE_BYTES", "Engine", "QueueFull"]
+
+log = logging.getLogger("selfattn")
+
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_waiting``: retry later (a server answers 429/503)."""
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Engine {name} must be a positive int, got {value!r}")
+    return value
+
+
+class Engine:
+    """Continuous batching over ``model`` (a :class:`~selfattn.models.CausalLM`: GPT-2, Llama,
+    Mistral, Qwen2, Gemma-2) on its device and dtype; see the module docstring.
+
+    Args:
+        tokenizer: anything with ``encode(text) -> ids`` and ``decode(ids) -> text``; needed for
+            text prompts, outputs' ``text`` and stop strings. Token-id prompts never need one.
+        kv_cache_bytes: the pool's size in bytes (module docstring).
+        page_size: tokens per page. kv_dtype: None (the model's dtype), ``torch.int8`` or
+            ``torch.float8_e4m3fn``.
+        max_batch_tokens: tokens one step computes at most (decode tokens and prefill chunks).
+        max_num_seqs: sequences running at once. max_waiting: requests waiting at once;
+            :meth:`add_request` raises :class:`QueueFull` beyond it.
+        prefix_caching: reuse the K/V of cached page-aligned prompt prefixes.
+        max_model_len: longest prompt + output (default the model's ``max_positions``, at most
+            what the pool holds).
+        seed: seeds the generators of requests without a ``seed``.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer=None,
+        *,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        page_size: int = 16,
+        kv_dtype: torch.dtype | None = None,
+        max_batch_tokens: int = 512,
+        max_num_seqs: int = 64,
+        prefix_caching: bool = True,
+        max_waiting: int = 4096,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        if not isinstance(model, CausalLM):
+            raise TypeError(
+                f"Engine serves selfattn's decoder LMs (selfattn.models.from_pretrained of a "
+                f"GPT-2, Llama, Mistral, Qwen2 or Gemma-2 folder), got {type(model).__name__}"
+            )
+        for name, fn in (("encode", "encode"), ("decode", "decode")):
+            if tokenizer is not None and not callable(getattr(tokenizer, fn, None)):
+                raise TypeError(f"tokenizer must have an {name}() method, got {tokenizer!r}")
+        for name, value in (
+            ("kv_cache_bytes", kv_cache_bytes),
+            ("page_size", page_size),
+            ("max_batch_tokens", max_batch_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_waiting", max_waiting),
+        ):
+            _positive(name, value)
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"Engine prefix_caching must be a bool, got {prefix_caching!r}")
+        c = model.config
+        w = model.lm_head.weight
+        kv_dtype = w.dtype if kv_dtype is None else kv_dtype
+        page_bytes = _kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, page_size, kv_dtype)
+        num_pages = kv_cache_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no page: one page of {page_size} tokens "
+                f"takes {page_bytes} bytes for this model in {kv_dtype}; give more bytes"
+            )
+        limit = min(c.max_positions, num_pages * page_size)
+        if max_model_len is not None:
+            limit = min(limit, _positive("max_model_len", max_model_len))
+        self.max_model_len = limit
+        self.model, self.tokenizer = model, tokenizer
+        self.kv = PagedKV(
+            c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim,
+            max_seqs=max_num_seqs, max_pages_per_seq=-(-limit // page_size),
+            prefix_caching=prefix_caching, dtype=kv_dtype, device=w.device,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.kv, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs
+        )
+        self.max_waiting = max_waiting
+        eos = model.eos_token_id
+        self._eos = frozenset(() if eos is None else (eos,) if isinstance(eos, int) else eos)
+        self._rng = random.Random(seed)
+        self._order = itertools.count()
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._requests: dict[str, Request] = {}
+        self._lock = threading.Lock()
+        self._driver: asyncio.Task | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
+
+    @classmethod
+    def from_pretrained(cls, folder, tokenizer=None, **engine_kw) -> Engine:
+        """An engine over ``selfattn.models.from_pretrained(folder)`` in eval mode."""
+        from selfattn.models import from_pretrained
+
+        return cls(from_pretrained(folder).eval(), tokenizer, **engine_kw)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        sink: Callable[[RequestOutput], None] | None = None,
+    ) -> str:
+        """Queue a request; returns its id (``request_id`` or a fresh one).
+
+        ``prompt``: text (needs the tokenizer) or token ids (a list or a 1-D tensor). Raises
+        ValueError / TypeError for a bad prompt or parameters (an empty prompt, ids outside the
+        vocabulary, prompt + ``max_tokens`` beyond ``max_model_len``, stop strings without a
+        tokenizer, a repeated id) and :class:`QueueFull` when ``max_waiting`` requests wait.
+        ``sink(output)`` receives each of its outputs as :meth:`step` makes them (on the
+        stepping thread).
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self._prompt_ids(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt's {len(ids)} tokens plus max_tokens={params.max_tokens} exceed "
+                f"the engine's max_model_len={self.max_model_len}; shorten the prompt or lower "
+                "max_tokens"
+            )
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples need {params.n} sequences at once but the engine runs at "
+                f"most max_num_seqs={self.scheduler.max_num_seqs}; lower n"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"stop strings {list(params.stop)} need a tokenizer; build the Engine with one "
+                "or use stop_token_ids"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._order)}-{self._rng.getrandbits(32):08x}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; pick another")
+        waiting = len(self.scheduler.waiting) + len(self._inbox)
+        if waiting >= self.max_waiting:
+            raise QueueFull(
+                f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry when "
+                "running requests finish, or build the Engine with a larger max_waiting"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(request_id, text, ids, params, next(self._order), time.perf_counter(),
+                      seed, sink=sink)  # fmt: skip
+        self._requests[request_id] = req
+        self._inbox.append(req)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a text prompt needs a tokenizer: build the Engine with one, or pass token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+            ids = getattr(ids, "ids", ids)  # a tokenizers.Encoding
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point():
+                raise ValueError(f"a tensor prompt must be 1-D token ids, got {prompt.dtype} "
+                                 f"{tuple(prompt.shape)}")  # fmt: skip
+            ids = prompt.tolist()
+        else:
+            ids = prompt
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise TypeError(
+                f"a prompt is text or a list of token ids, got {type(prompt).__name__}"
+            ) from None
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        V = self.model.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                raise ValueError(
+                    f"prompt token ids must be ints in 0..{V - 1} (the vocabulary), got {t!r}"
+                )
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages are freed and its final output (``finish_reason
+        "abort"``) comes out of the next :meth:`step`. Unknown or finished ids are ignored."""
+        self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or bool(self._requests)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step (module docstring); returns the outputs of the requests it changed."""
+        with self._lock:
+            touched: dict[int, Request] = {}
+            self._take_inbox(touched)
+            batch = self.scheduler.schedule()
+            for req in batch.first_admitted:
+                self.metrics.prompt_tokens += len(req.prompt_ids)
+                self.metrics.cached_prompt_tokens += req.cached_tokens
+            if batch.chunks:
+                try:
+                    self._run(batch, touched)
+                except Exception as e:  # the batch fails, the engine goes on
+                    log.exception("selfattn.serving: a step failed; its requests end with it")
+                    for seq, _ in batch.chunks:
+                        self._fail(seq.request, e, touched)
+            self.metrics.preemptions = self.scheduler.num_preemptions
+            self.metrics.computed_tokens = self.scheduler.computed_tokens
+            self.metrics.prefill_tokens = self.scheduler.prefill_tokens
+            return self._outputs(touched)
+
+    def _take_inbox(self, touched: dict[int, Request]) -> None:
+        while self._inbox:
+            req = self._inbox.popleft()
+            if req.finished:  # aborted before it was taken
+                continue
+            self.scheduler.add(req.seqs[0])
+        while self._aborts:
+            req = self._requests.get(self._aborts.popleft())
+            if req is None or req.finished:
+                continue
+            self._end(req, "abort")
+            self.metrics.requests_aborted += 1
+            touched[id(req)] = req
+
+    def _end(self, req: Request, reason: str) -> None:
+        """Finish every unfinished sequence of ``req`` with ``reason`` (abort, error)."""
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+        if not req.forked:  # the n - 1 samples it never forked end too
+            req.seqs += [Sequence(req, i, list(req.prompt_ids)) for i in range(1, req.params.n)]
+            for seq in req.seqs[1:]:
+                seq.finish_reason = reason
+            req.forked = True
+
+    def _fail(self, req: Request, error: BaseException, touched) -> None:
+        if not req.finished:
+            req.error = error
+            self._end(req, "error")
+            touched[id(req)] = req
+
+    def _run(self, batch: Batch, touched: dict[int, Request]) -> None:
+        """One forward over the batch's packed tokens, then every sampling sequence's token."""
+        ids, counts, flat, keep, samplers = [], [], [], [], []
+        for seq, n in batch.chunks:
+            ids.append(seq.kv_id)
+            counts.append(n)
+            flat += seq.tokens[seq.num_computed : seq.num_computed + n]
+            if seq.num_computed + n == len(seq.tokens):  # the chunk ends the known tokens
+                keep.append(len(flat) - 1)
+                samplers.append(seq)
+        device = self.kv.k_store.device
+        step = self.kv.plan_packed(ids, counts)
+        m = self.metrics
+        m.peak_pages_used = max(m.peak_pages_used, self.kv.pool.num_used)  # pages are taken now
+        try:
+            x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
+            rows = torch.tensor(keep, dtype=torch.long, device=device)
+            with torch.no_grad():
+                logits = self.model(x, cache=step, logits_to_keep=rows)[0]  # (R, vocab)
+        except BaseException:
+            self._undo(step)
+            raise
+        self.scheduler.advance(batch)
+        # The prompt's last logits choose the first token of every sample: fork the rest now.
+        seqs, rows = [], []
+        for r, seq in enumerate(samplers):
+            req = seq.request
+            if not req.forked:
+                for i in range(1, req.params.n):
+                    req.seqs.append(self.scheduler.fork(seq, i))
+                req.forked = True
+                group = req.seqs
+            else:
+                group = [seq]
+            seqs += group
+            rows += [r] * len(group)
+        choices = choose(logits[rows], seqs) if seqs else []
+        now = time.perf_counter()
+        for seq, choice in zip(seqs, choices):
+            self._append(seq, choice, now)
+            touched[id(seq.request)] = seq.request
+        self.metrics.record_tokens(len(choices), now)
+
+    def _undo(self, step) -> None:
+        with contextlib.suppress(RuntimeError):  # a layer undid it before raising
+            self.kv.undo(step.layers[0].plan)
+
+    def _append(self, seq: Sequence, choice: Choice, now: float) -> None:
+        """Add the chosen token to ``seq``; finish it on a stop token, stop string or length."""
+        tok, p, req = choice.token, seq.params, seq.request
+        seq.tokens.append(tok)
+        if seq.logprobs is not None:
+            seq.logprobs.append(TokenLogprob(tok, choice.logprob, choice.top))
+        if seq.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival_time)
+            if req.first_token_time is None:
+                req.first_token_time = now
+        else:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos)
+        if self.tokenizer is not None:
+            out = seq.output_ids
+            seq.text = self.tokenizer.decode(out[:-1] if stop_token else out)
+            if p.stop and not stop_token:
+                hits = [(i, s) for s in p.stop if (i := seq.text.find(s)) >= 0]
+                if hits:
+                    at, s = min(hits)
+                    seq.text = seq.text[:at]
+                    return self._finish(seq, "stop", s)
+        if stop_token:
+            return self._finish(seq, "stop", tok)
+        if len(seq.tokens) - seq.num_prompt >= p.max_tokens or len(seq.tokens) >= (
+            self.max_model_len
+        ):
+            return self._finish(seq, "length", None)
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+        if seq.request.finished:
+            self.metrics.requests_finished += 1
+
+    def _outputs(self, touched: dict[int, Request]) -> list[RequestOutput]:
+        outs = []
+        for req in touched.values():
+            hold = max((len(s) for s in req.params.stop), default=1) - 1
+            out = RequestOutput(
+                request_id=req.request_id,
+                prompt=req.prompt,
+                prompt_token_ids=tuple(req.prompt_ids),
+                outputs=tuple(s.output(self.tokenizer, hold) for s in req.seqs),
+                finished=req.finished,
+                cached_tokens=req.cached_tokens or 0,
+                arrival_time=req.arrival_time,
+                first_token_time=req.first_token_time,
+                error=req.error,
+            )
+            if out.finished:
+                self._requests.pop(req.request_id, None)
+            if req.sink is not None:
+                try:
+                    req.sink(out)
+                except Exception:  # the consumer is gone (its event loop closed): stop it
+                    req.sink = None
+                    if not out.finished:
+                        self.abort(req.request_id)
+            outs.append(out)
+        m, s, pool = self.metrics, self.scheduler, self.kv.pool
+        m.running = len({id(q.request) for q in s.running})
+        m.waiting = len({id(q.request) for q in s.waiting}) + len(self._inbox)
+        m.pages_used, m.pages_free = pool.num_used, pool.num_free
+        return outs
+
+    # -- offline ----------------------------------------------------------------------------------
+    def generate(
+        self, prompts, params: SamplingParams | SequenceABC[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` (one prompt, or a list of texts / token-id lists) to completion;
+        returns their final outputs in order. ``params``: one for all, or one per prompt."""
+        if self._driver is not None and not self._driver.done():
+            raise RuntimeError(
+                "generate() cannot run while stream() requests are being served; await them, "
+                "or use stream()"
+            )
+        one = isinstance(prompts, (str, torch.Tensor)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        )
+        prompts = [prompts] if one else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        pending = list(zip(prompts, params))
+        while pending or len(done) < len(ids):
+            while pending and len(self.scheduler.waiting) + len(self._inbox) < self.max_waiting:
+                try:
+                    ids.append(self.add_request(*pending.pop(0)))
+                except (ValueError, TypeError):  # a bad prompt: the others do not run either
+                    for rid in ids:
+                        self.abort(rid)
+                    while self.has_unfinished():
+                        self.step()
+                    raise
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        for out in done.values():
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed") from out.error
+        return [done[i] for i in ids]
+
+    # -- asyncio --------------------------------------------------------------------------------
+    async def stream(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs as steps make them (the last has ``finished``).
+
+        Steps run on a worker thread while any stream is open. Leaving the ``async for`` early
+        (``break``, cancellation, a client gone) aborts the request: its pages are freed at the
+        next step. A failed request raises its error here.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = self.add_request(
+            prompt,
+            params,
+            request_id,
+            sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
+        )
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                if out.error is not None:
+                    raise RuntimeError(f"request {rid} failed") from out.error
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def _drive(self) -> None:
+        """Step on the worker thread while requests are unfinished."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="selfattn-engine"
+            )
+        while self.has_unfinished():
+            try:
+                await loop.run_in_executor(self._executor, self.step)
+            except Exception as e:  # never leave a stream waiting forever
+                log.exception("selfattn.serving: the engine step failed; failing open requests")
+                with self._lock:
+                    touched: dict[int, Request] = {}
+                    self._inbox.clear()
+                    for req in list(self._requests.values()):
+                        self._fail(req, e, touched)
+                    self._outputs(touched)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the step it runs, if any), then apply the aborts that
+        no step took yet (streams left when their event loop closed): their pages are freed."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._aborts:
+            self.step()
+
+    def check(self) -> None:
+        """Raise AssertionError unless the pool and the scheduler agree (no page leaked: with
+        nothing running, every page is free or held by the prefix cache alone)."""
+        with self._lock:
+            self.scheduler.check()
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine({type(self.model).__name__}, pages={self.kv.num_pages}x"
+            f"{self.kv.page_size}, kv_dtype={self.kv.k_store.dtype}, "
+            f"max_batch_tokens={self.scheduler.max_batch_tokens}, "
+            f"max_num_seqs={self.scheduler.max_num_seqs})"
+        )

@@ -1,0 +1,198 @@
+"""A request's state in the engine, and what the engine reports about it.
+
+A :class:`Request` (one prompt, one :class:`~selfattn.serving.sampling.SamplingParams`) owns
+``n`` :class:`Sequence` s. Until its prompt is computed it has one; then ``n - 1`` more are
+forked from it, sharing the prompt's pages (copy-on-write), and each continues on its own::
+
+    waiting ──admit──> running ──(last token of the prompt computed)──> sample, fork n - 1
+       ^                  │                                              │
+       └────preempt───────┘   (pages freed; recomputed when readmitted)  └─> finished
+
+A sequence's ``tokens`` are its prompt followed by its output; ``num_computed`` of them have
+K/V in the cache. A step computes the next ``tokens[num_computed:]`` chunk; when that reaches
+the end, the step's logits pick the next token. Preemption sets ``num_computed`` back to 0 (its
+pages freed, the full ones left in the prefix cache) and readmission recomputes them, so a
+resumed sequence continues exactly where it stopped.
+
+:class:`RequestOutput` is what :meth:`Engine.step`, :meth:`Engine.generate` and
+:meth:`Engine.stream` hand out: each :class:`CompletionOutput` holds the sample's tokens and
+text so far plus what is new since the request's previous output (``delta_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfattn.serving.sampling import SamplingParams
+
+__all__ = ["CompletionOutput", "Request", "RequestOutput", "Sequence", "TokenLogprob"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a chosen ``token`` and of the most likely tokens (``top``)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """Sample ``index`` of a request: ``token_ids`` and ``text`` (None without a tokenizer) so
+    far, ``logprobs`` (None unless asked), ``finish_reason`` (None while running; ``"stop"``,
+    ``"length"``, ``"abort"`` or ``"error"``) and ``stop_reason`` (the stop string or token id
+    that ended it). ``delta_token_ids`` / ``delta_text``: new since the previous output."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str | None
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    delta_token_ids: tuple[int, ...]
+    delta_text: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's state: its ``outputs`` (one per sample), ``finished`` when all are,
+    ``prompt_token_ids``, ``cached_tokens`` (prompt tokens served from the prefix cache at
+    admission), ``error`` (the exception that ended it, if one did) and times in seconds
+    (``time.perf_counter``): ``arrival_time``, ``first_token_time``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its parameters; ``seqs`` its sequences (one until the prompt is computed)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    order: int  # admission order: FIFO, and preemption takes the highest first
+    arrival_time: float
+    seed: int  # sample i draws from torch.Generator().manual_seed(seed + i)
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    cached_tokens: int | None = None  # set at the first admission
+    first_token_time: float | None = None
+    error: BaseException | None = None
+    sink: object = None  # where outputs go (an async stream's queue), or None
+
+    def __post_init__(self):
+        self.seqs = [Sequence(self, 0, list(self.prompt_ids))]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def slots(self) -> int:
+        """Cache sequences one of its sequences needs: all n before the fork, then one."""
+        return 1 if self.forked else self.params.n
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request (module docstring)."""
+
+    request: Request
+    index: int
+    tokens: list[int]
+    num_computed: int = 0
+    kv_id: int | None = None
+    cached_pages: int = 0  # full pages offered to the prefix cache so far
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    text: str = ""  # decoded output, cut at a stop string
+    last_token_time: float | None = None
+    sent_tokens: int = 0  # output tokens already reported
+    sent_text: int = 0  # characters of text already reported
+    generator: torch.Generator = None
+
+    def __post_init__(self):
+        r = self.request
+        self.generator = torch.Generator().manual_seed(r.seed + self.index)
+        if r.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next token can be chosen."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Age order: older requests first, then sample index."""
+        return (self.request.order, self.index)
+
+    def fork(self, index: int) -> Sequence:
+        """Sample ``index`` of the same request, at this sequence's state (a new generator)."""
+        return Sequence(self.request, index, list(self.tokens), self.num_computed)
+
+    def output(self, tokenizer, hold_back: int) -> CompletionOutput:
+        """This sample's :class:`CompletionOutput`, marking its new part as reported.
+
+        ``hold_back`` characters at the end of a running sample's text are not reported yet
+        (the longest stop string minus one: a stop string is never streamed in part), nor is
+        a trailing U+FFFD (an incomplete UTF-8 character the next token completes).
+        """
+        out = tuple(self.output_ids)
+        new_tokens = out[self.sent_tokens :]
+        self.sent_tokens = len(out)
+        text = delta = None
+        if tokenizer is not None:
+            text = self.text
+            shown = len(text)
+            if not self.finished:
+                shown = max(shown - hold_back, 0)
+                while shown and text[shown - 1] == "\ufffd":
+                    shown -= 1
+            shown = max(shown, self.sent_text)
+            delta = text[self.sent_text : shown]
+            self.sent_text = shown
+            text = text[:shown]
+        return CompletionOutput(
+            index=self.index,
+            token_ids=out,
+            text=text,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            delta_token_ids=new_tokens,
+            delta_text=delta,
+        )

@@ -1,0 +1,223 @@
+"""How a request picks its tokens: :class:`SamplingParams` (validated) and :func:`choose`.
+
+One step's logits are processed for every sequence of the batch at once, each row with its own
+parameters, in this order (transformers' and vLLM's)::
+
+    logits ─ penalties ─┬─ temperature == 0: argmax                     (greedy)
+                        └─ / temperature ─ top-k ─ top-p ─ min-p ─ draw  (sampling)
+
+- ``repetition_penalty`` r (CTRL, Keskar et al. 2019): the logit of every token already in the
+  prompt or the output is divided by r when positive, multiplied by r when negative.
+- ``presence_penalty`` a and ``frequency_penalty`` f (OpenAI's): ``logit -= a·[count > 0] +
+  f·count`` over the tokens of the output so far.
+- top-k keeps the k most likely tokens, top-p the smallest most-likely set whose probability
+  reaches p (the first token always stays), min-p the tokens at least ``min_p`` times as likely
+  as the most likely one (Nguyen et al. 2024).
+- The draw is one uniform number per sequence from the sequence's own ``torch.Generator``
+  mapped through the kept tokens' cumulative distribution (inverse CDF). A seeded sequence
+  therefore draws the same tokens whatever else shares its batch: nothing it reads depends on
+  the other rows.
+
+Log-probabilities (``logprobs=k``) are those of the model's distribution, before penalties,
+temperature and filters: the chosen token's and the ``k`` most likely tokens'.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MAX_LOGPROBS", "MAX_N", "Choice", "SamplingParams", "choose"]
+
+MAX_N = 128  # samples per request: each is a sequence with its own pages once it diverges
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+
+
+def _number(name: str, value, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"SamplingParams {name} must be a finite number, got {value!r}")
+    low_ok = value > lo if lo_open else value >= lo
+    high_ok = value < hi if hi_open else value <= hi
+    if not (low_ok and high_ok):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"SamplingParams {name} must lie in {rng}, got {value!r}")
+    return float(value)
+
+
+def _int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams {name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"SamplingParams {name} must be {rng}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for; every field is checked when built (ValueError / TypeError
+    naming the field, its value and the valid range: a server answers them with a 400).
+
+    ``n`` samples of up to ``max_tokens`` new tokens each. ``temperature=0`` is greedy decoding;
+    ``top_k`` (None: off), ``top_p``, ``min_p`` filter a sampled distribution; the penalties
+    are in the module docstring. ``seed``: sample ``i`` of the request draws from a
+    ``torch.Generator`` seeded with ``seed + i`` (unseeded requests get seeds from the engine's
+    own generator). ``stop``: strings that end a sample (not included in its text; needs a
+    tokenizer); ``stop_token_ids``: tokens that end it (included in its token ids, not in its
+    text), as does the model's end-of-sequence token unless ``ignore_eos``. ``logprobs=k``:
+    the log-probability of each chosen token and of the ``k`` most likely ones (0: the chosen
+    token's only; None: none).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        _int("n", self.n, 1, MAX_N)
+        _int("max_tokens", self.max_tokens, 1)
+        _number("temperature", self.temperature, 0.0, math.inf, hi_open=True)
+        if self.top_k is not None:
+            _int("top_k", self.top_k, 1)
+        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
+        _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, 2**63 - 1 - MAX_N)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            raise TypeError(
+                f"SamplingParams stop must be a string or a list of strings, got {self.stop!r}"
+            ) from None
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"SamplingParams stop must hold non-empty strings, got {stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = self.stop_token_ids
+        ids = (ids,) if isinstance(ids, int) and not isinstance(ids, bool) else tuple(ids)
+        for t in ids:
+            _int("stop_token_ids entries", t, 0)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sequence's pick: ``token``; with logprobs, ``logprob`` (the chosen token's) and
+    ``top`` (``(token, logprob)`` of the most likely tokens, most likely first)."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
+
+
+def _apply_penalties(x: torch.Tensor, seqs) -> None:
+    """Penalties of each row's sequence, in place on ``x (R, V)`` float32."""
+    V = x.shape[1]
+    for i, s in enumerate(seqs):
+        p = s.params
+        if not p.penalised:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.tokens)), dtype=torch.long, device=x.device)
+            vals = x[i, seen]
+            r = p.repetition_penalty
+            x[i, seen] = torch.where(vals > 0, vals / r, vals * r)
+        out = s.output_ids
+        if out and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(out, dtype=torch.long, device=x.device)
+            counts = torch.bincount(ids, minlength=V).to(x.dtype)  # (V,)
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
+    """Sampled tokens ``(R,)`` of rows ``x (R, V)`` (penalised logits), each row with its
+    sequence's temperature, filters and generator (module docstring)."""
+    R, V = x.shape
+    dev = x.device
+    temp = torch.tensor([s.params.temperature for s in seqs], device=dev).view(R, 1)
+    top_k = torch.tensor([s.params.top_k or V for s in seqs], device=dev).view(R, 1)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev).view(R, 1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev).view(R, 1)
+    # Shifted by the row maximum first: a tiny temperature then gives -inf, never inf - inf.
+    scaled = (x - x.amax(-1, keepdim=True)) / temp
+    vals, order = scaled.sort(dim=-1, descending=True)  # (R, V) most likely first
+    vals = vals.masked_fill(torch.arange(V, device=dev).view(1, V) >= top_k, -math.inf)
+    probs = vals.softmax(-1)
+    # Drop a token when the more likely ones already reach top_p; the first always stays.
+    drop = (probs.cumsum(-1) - probs) >= top_p
+    drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)  # kept tokens are a prefix of the sorted order
+    u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(dev)
+    j = torch.searchsorted(cdf, (u * cdf[:, -1]).view(R, 1), right=True)  # (R, 1)
+    kept = (probs > 0).sum(-1, keepdim=True)
+    j = torch.minimum(j, kept - 1)  # u · total rounding onto the last kept token's edge
+    return order.gather(1, j).view(R)
+
+
+def choose(logits: torch.Tensor, seqs) -> list[Choice]:
+    """The next token of each sequence from ``logits (R, V)`` (row ``i`` for ``seqs[i]``).
+
+    A sequence provides ``params`` (:class:`SamplingParams`), ``tokens`` (prompt and output
+    ids), ``output_ids`` and ``generator`` (a CPU ``torch.Generator``).
+    """
+    x = logits.float()
+    raw = x
+    if any(s.params.penalised for s in seqs):
+        x = x.clone()
+        _apply_penalties(x, seqs)
+    tokens = x.argmax(-1)  # (R,): greedy rows keep it
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, device=x.device)
+        tokens[idx] = _draw(x[idx], [seqs[i] for i in sampled])
+    picks = tokens.tolist()
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not want:
+        return [Choice(t) for t in picks]
+    choices = [Choice(t) for t in picks]
+    idx = torch.tensor(want, device=x.device)
+    lp = raw[idx].log_softmax(-1)  # (W, V): the model's distribution
+    k = max(seqs[i].params.logprobs for i in want)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, tokens[idx].view(-1, 1)).view(-1).tolist()
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for w, i in enumerate(want):
+        n = seqs[i].params.logprobs
+        top = tuple(zip(top_i[w][:n], top_v[w][:n]))
+        choices[i] = Choice(picks[i], chosen[w], top)
+    return choices
