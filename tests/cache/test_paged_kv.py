@@ -381,3 +381,21 @@ def test_a_plan_sees_its_table_changed_in_place():
     got = paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal, plan=plan)
     want = paged_attention(q, k_pages, k_pages, table, seq_lens, mask=causal)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["static", "window", "paged", "streaming"])
+def test_fast_in_place_check_agrees_with_the_protocol(kind):
+    # attends_in_place replaces typing's slow runtime protocol check on the decode path; it must
+    # classify every cache a model offers, and every layer of a planned paged step, alike.
+    from selfattn.cache.base import attends_in_place
+
+    model = tiny("mistral" if kind == "window" else "llama")
+    extra = {"n_sink": 2, "window": 4} if kind == "streaming" else {}
+    cache = model.make_cache(kind, 1, 16, **extra)
+    model(torch.randint(0, VOCAB, (1, 3)), cache=cache)
+    step = cache.plan(1)
+    objects = [cache, *step.layers]
+    assert [attends_in_place(c) for c in objects] == [
+        isinstance(c, InPlaceKVCache) for c in objects
+    ]
+    assert attends_in_place(step.layers[0]) == (kind == "paged")

@@ -119,6 +119,20 @@ class InPlaceKVCache(Protocol):
     def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None, return_weights=False): ...
 
 
+def attends_in_place(cache) -> bool:
+    """``isinstance(cache, InPlaceKVCache)`` at the cost of one attribute lookup.
+
+    typing's runtime protocol check walks the protocol's members on every call (about 40 µs on
+    Python 3.11), and a decode step asks it twice per layer: a third of a small model's
+    per-step Python time. The same contract is read off the class: an ``attend`` method and
+    ``lengths`` (a class attribute or property, or an instance attribute).
+    """
+    cls = type(cache)
+    if not callable(getattr(cls, "attend", None)):
+        return False
+    return hasattr(cls, "lengths") or "lengths" in getattr(cache, "__dict__", ())
+
+
 def next_positions(past, n_tokens: int, device=None) -> torch.Tensor:
     """Absolute positions of ``n_tokens`` new tokens appended after ``past`` cached ones.
 

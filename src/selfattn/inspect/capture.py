@@ -22,7 +22,7 @@ from torch import nn
 
 from selfattn import scores as _scores
 from selfattn._validate import checked_int, positive_int
-from selfattn.cache.base import InPlaceKVCache
+from selfattn.cache.base import InPlaceKVCache, attends_in_place
 from selfattn.cache.size import format_bytes
 from selfattn.functional import attention_weights
 from selfattn.masks import Mask, as_mask
@@ -236,7 +236,7 @@ def _capturing_forward(m: MultiHeadAttention, original, layer: int, maps: Attent
 
     def forward(x, context=None, **kwargs):
         cache = kwargs.get("cache")
-        if not isinstance(cache, InPlaceKVCache):
+        if not attends_in_place(cache):
             return original(x, context, **kwargs)
         B, Sq = x.shape[:2]
         maps._reserve(layer, (B, m.n_heads, Sq, Sq + _cached_tokens(cache)), x.dtype)

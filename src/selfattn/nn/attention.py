@@ -12,7 +12,7 @@ from torch import nn
 
 from selfattn import scores as _scores
 from selfattn._validate import one_of, positive_int, positive_number
-from selfattn.cache.base import KV, InPlaceKVCache, next_positions
+from selfattn.cache.base import KV, attends_in_place, next_positions
 from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
@@ -32,7 +32,7 @@ def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
         return next_positions(0, Sq, device)
     if callable(getattr(cache, "next_positions", None)):  # a cache that assigns them (streaming)
         return cache.next_positions(Sq, device)
-    if not isinstance(cache, InPlaceKVCache):
+    if not attends_in_place(cache):
         return next_positions(cache.length, Sq, device)
     lengths = cache.lengths.to(device)
     if lengths.shape != (B,):
@@ -303,7 +303,7 @@ class MultiHeadAttention(nn.Module):
         mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
         w = None
-        if isinstance(cache, InPlaceKVCache):  # it attends over its own storage (paged pages)
+        if attends_in_place(cache):  # it attends over its own storage (paged pages)
             if q_offset is not None:
                 raise ValueError(
                     f"q_offset={q_offset} cannot be combined with a cache that attends itself "

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from selfattn._validate import one_of, positive_int
-from selfattn.cache.base import KV, InPlaceKVCache
+from selfattn.cache.base import KV, attends_in_place
 from selfattn.cache.latent import latent_value
 from selfattn.functional import attention
 from selfattn.nn.attention import _next_positions
@@ -204,7 +204,7 @@ class LatentAttention(nn.Module):
         if positions is None:
             positions = _next_positions(cache, B, Sq, x.device)
         q, rows = self.latents(x, positions)
-        if isinstance(cache, InPlaceKVCache):  # paged latent pages: the absorbed order in place
+        if attends_in_place(cache):  # paged latent pages: the absorbed order in place
             if q_offset is not None:
                 raise ValueError(
                     f"q_offset={q_offset} cannot be combined with a cache that attends itself "

@@ -44,7 +44,7 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(d_model, d_hidden, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(d_hidden, d_model, bias=bias, device=device, dtype=dtype)
         self.activation = activation
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # no call cost at p=0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.dropout(self.activation(self.fc1(x)))  # (..., d_model) -> (..., d_hidden)
@@ -74,7 +74,7 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(d_model, d_hidden, bias=bias, device=device, dtype=dtype)
         self.up = nn.Linear(d_model, d_hidden, bias=bias, device=device, dtype=dtype)
         self.down = nn.Linear(d_hidden, d_model, bias=bias, device=device, dtype=dtype)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # no call cost at p=0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.activation(self.gate(x)) * self.up(x)  # (..., d_model) -> (..., d_hidden)
