@@ -9,10 +9,8 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
 from torch.func import functional_call
 
-from selfattn import masks
 from selfattn.inspect import (
     attention_flow,
     attention_gradients,
@@ -21,13 +19,7 @@ from selfattn.inspect import (
     head_importance,
     mask_heads,
 )
-from selfattn.nn import MultiHeadAttention
-
-D = 24
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+from tests._inspect_helpers import D, Stack, gen
 
 
 def random_maps(L, B, H, S, seed, empty_row=False) -> torch.Tensor:
@@ -36,24 +28,6 @@ def random_maps(L, B, H, S, seed, empty_row=False) -> torch.Tensor:
     if empty_row:
         w[1, 0, :, 2] = 0
     return w
-
-
-class Stack(nn.Module):
-    """Residual attention layers ``x + attn(x)``: MHA with a causal mask, then GQA."""
-
-    def __init__(self):
-        super().__init__()
-        self.attns = nn.ModuleList([MultiHeadAttention(D, 4), MultiHeadAttention(D, 4, 2)])
-
-    def forward(self, x):
-        x = x + self.attns[0](x, mask=masks.causal())
-        return x + self.attns[1](x)
-
-
-@pytest.fixture
-def stack():
-    torch.manual_seed(3)
-    return Stack().double().eval()
 
 
 def direct_forward(model: Stack, x, weights: list):

@@ -27,6 +27,7 @@ from selfattn.inspect.capture import AttentionMaps, attention_layers, capture_at
 from selfattn.inspect.mask_expr import MaskSyntaxError, parse_mask
 from selfattn.inspect.plot import plot_attention, plot_mask
 from selfattn.inspect.stats import head_stats, head_stats_table
+from selfattn.inspect.view import view_section, write_view
 from selfattn.inspect.worked_example import worked_example
 
 __all__ = [
@@ -48,5 +49,7 @@ __all__ = [
     "plot_attention",
     "plot_mask",
     "residual_attention",
+    "view_section",
     "worked_example",
+    "write_view",
 ]
