@@ -1,6 +1,13 @@
-"""Shared by the attribution and explorer tests: a two-layer residual attention stack."""
+"""Shared by the attribution and explorer tests: a two-layer residual attention stack, and the
+explorer page's embedded data read back."""
 
 from __future__ import annotations
+
+import base64
+import gzip
+import json
+import re
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,3 +32,17 @@ class Stack(nn.Module):
     def forward(self, x):
         x = x + self.attns[0](x, mask=masks.causal())
         return x + self.attns[1](x)
+
+
+def page_data(path: Path) -> dict:
+    html = path.read_text()
+    (blob,) = re.findall(r'<script id="selfattn-data" type="application/json">(.*?)</script>', html)
+    return json.loads(blob)
+
+
+def decode(b64: str, n: int) -> torch.Tensor:
+    """The page's codes back in Python (the inverse of view._encode, written out)."""
+    raw = gzip.decompress(base64.b64decode(b64))
+    planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int32)
+    z = planes[:n] | (planes[n:] << 8)
+    return (z >> 1) ^ -(z & 1)

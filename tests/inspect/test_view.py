@@ -4,9 +4,6 @@ mask picture, cross-attention sections and a ViT patch grid."""
 
 from __future__ import annotations
 
-import base64
-import gzip
-import json
 import re
 import shutil
 from pathlib import Path
@@ -21,7 +18,7 @@ from selfattn.inspect import (
     view_section,
     write_view,
 )
-from tests._inspect_helpers import D, Stack, gen
+from tests._inspect_helpers import D, Stack, decode, gen, page_data
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -34,20 +31,6 @@ CHROMIUM_ARGS = [
 ]
 THRESHOLD = 0.05  # the page's default line threshold
 READY = "document.body.dataset.ready === '1' && document.body.dataset.thumbs === 'done'"
-
-
-def page_data(path: Path) -> dict:
-    html = path.read_text()
-    (blob,) = re.findall(r'<script id="selfattn-data" type="application/json">(.*?)</script>', html)
-    return json.loads(blob)
-
-
-def decode(b64: str, n: int) -> torch.Tensor:
-    """The page's codes back in Python (the inverse of view._encode, written out)."""
-    raw = gzip.decompress(base64.b64decode(b64))
-    planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int32)
-    z = planes[:n] | (planes[n:] << 8)
-    return (z >> 1) ^ -(z & 1)
 
 
 def codes(x: torch.Tensor, decimals: int = 3) -> torch.Tensor:
