@@ -80,12 +80,13 @@ def test_view_minilm_page_with_weights_rollout_and_gradient(tmp_path, capsys):
 
 
 def test_view_causal_lm_folder(llama, tmp_path):
-    result = run_json(
-        ["view", "w3 w4 w5 w6", "--model", str(llama), "--out", str(tmp_path / "a.html")]
-    )
+    argv = ["view", "w3 w4 w5 w6", "--model", str(llama), "--decimals", "4"]
+    result = run_json([*argv, "--out", str(tmp_path / "a.html")])
     (s,) = result["sections"]
     assert s["name"] == "self-attention (causal)" and s["queries"] == ["w3", "w4", "w5", "w6"]
     (page,) = page_data(tmp_path / "a.html")["sections"]
+    assert page["scale"] == 10_000
+    assert page["scale"] == 10_000
     allowed = decode(page["mask"], 2 * 16).view(2, 4, 4).bool()
     assert torch.equal(allowed[0], torch.ones(4, 4, dtype=torch.bool).tril())  # causal, pictured
 
@@ -104,11 +105,42 @@ def test_view_encoder_decoder_sections(bart, tmp_path):
     assert {"weights", "gradient"} <= set(cross["kinds"])
 
 
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-vit")
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=24, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64,
+    )  # fmt: skip
+    transformers.ViTModel(config).save_pretrained(path)
+    return path
+
+
+def test_view_vit_folder_on_a_picture(vit, tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    g = torch.Generator().manual_seed(5)
+    pixels = torch.randint(0, 256, (40, 30, 3), dtype=torch.uint8, generator=g)
+    Image.fromarray(pixels.numpy()).save(tmp_path / "picture.png")
+    out = tmp_path / "vit.html"
+    argv = ["view", "--model", str(vit), "--image", str(tmp_path / "picture.png")]
+    result = run_json([*argv, "--out", str(out)])
+    assert result["sections"][0]["name"] == "ViT"
+    (s,) = page_data(out)["sections"]
+    assert s["grid"] == {"rows": 3, "cols": 3, "prefix": 1}
+    assert (
+        s["queries"][0] == "[CLS]" and s["queries"][-1] == "patch (2, 2)" and len(s["keys"]) == 10
+    )
+    assert s["image"].startswith("data:image/png;base64,")
+    assert set(s["kinds"]) == {"weights", "rollout", "gradient"}
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
         (["view", "  "], "TEXT is empty"),
         (["view", "a cat", "--out", "page.png"], "must end in .html"),
+        (["view", "--image", "cat.png"], "--image needs --model"),
     ],
 )
 def test_view_bad_input_exits_2(argv, words, capsys):

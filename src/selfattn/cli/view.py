@@ -17,7 +17,7 @@ _GRADIENT_HELP = (
     "attention x gradient explains: for a sentence encoder, the length of the pooled embedding "
     "along its own direction (or, with --compare, the cosine similarity to that text); for a "
     "language model, the logit of the token it predicts after TEXT (after --target for an "
-    "encoder-decoder)"
+    "encoder-decoder); for a ViT, the class token's final state along its own direction"
 )
 
 
@@ -34,7 +34,12 @@ def add_parser(subparsers):
             + "."
         ),
     )
-    p.add_argument("text", metavar="TEXT", help="the text to attend over")
+    p.add_argument("text", metavar="TEXT", nargs="?", help="the text to attend over")
+    p.add_argument(
+        "--image",
+        metavar="FILE",
+        help="a PNG/JPEG for a ViT checkpoint (--model): the page shows the patch grid over it",
+    )
     p.add_argument(
         "--model",
         metavar="PATH",
@@ -47,6 +52,15 @@ def add_parser(subparsers):
         "--target", metavar="TEXT", help="encoder-decoders: the decoder's text (default: none)"
     )
     p.add_argument("--title", help="the page's title (default: the model and the text)")
+    p.add_argument(
+        "--decimals",
+        type=int,
+        choices=range(1, 5),
+        default=3,
+        metavar="N",
+        help="round the embedded values to N decimals, 1-4 (default 3; 4 for long texts whose "
+        "heads spread thinly, at about twice the page size)",
+    )
     _common.add_max_bytes(p, "when the captured maps would exceed")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(run=run, subparser=p)
@@ -59,7 +73,7 @@ def _is_sentence_transformers(path: str | None) -> bool:
     )
 
 
-def encoder_sections(encoder, text: str, *, compare=None, max_bytes: int) -> list[dict]:
+def encoder_sections(encoder, text: str, *, compare=None, max_bytes: int, decimals: int = 3):
     """The page of a :class:`~selfattn.models.SentenceEncoder` on ``text`` (one section)."""
     import torch
 
@@ -79,10 +93,10 @@ def encoder_sections(encoder, text: str, *, compare=None, max_bytes: int) -> lis
         return pooled @ (pooled / pooled.norm()).detach()
 
     maps = attention_gradients(encoder.model, output, max_bytes=max_bytes)
-    return [view_section(maps, tokens, name="self-attention")]
+    return [view_section(maps, tokens, name="self-attention", decimals=decimals)]
 
 
-def checkpoint_sections(path: str, text: str, *, target=None, max_bytes: int) -> list[dict]:
+def checkpoint_sections(path: str, text: str, *, target=None, max_bytes: int, decimals: int = 3):
     """The page of a transformers checkpoint folder: a causal LM's self-attention, or an
     encoder-decoder's encoder, decoder and cross-attention sections."""
     import torch
@@ -98,7 +112,7 @@ def checkpoint_sections(path: str, text: str, *, target=None, max_bytes: int) ->
         maps = attention_gradients(
             model, lambda: model(ids)[0, -1].max(), max_bytes=max_bytes
         )  # the logit of the predicted next token
-        return [view_section(maps, names, name="self-attention (causal)")]
+        return [view_section(maps, names, name="self-attention (causal)", decimals=decimals)]
     start = getattr(model, "decoder_start_token_id", None)
     start = 0 if start is None else start
     dec = [start, *(tok.encode(target, add_special_tokens=False) if target else [])]
@@ -118,32 +132,93 @@ def checkpoint_sections(path: str, text: str, *, target=None, max_bytes: int) ->
         "cross-attention": (dec_names, names),
     }
     return [
-        view_section(maps, token_sides[g][0], key_tokens=token_sides[g][1], layers=ls, name=g)
+        view_section(
+            maps,
+            token_sides[g][0],
+            key_tokens=token_sides[g][1],
+            layers=ls,
+            name=g,
+            decimals=decimals,
+        )
         for g, ls in groups.items()
         if ls and g in token_sides
     ]
 
 
+def image_sections(path: str, image: str, *, max_bytes: int, decimals: int = 3) -> list[dict]:
+    """The page of a ViT checkpoint folder on the picture ``image``: one section whose keys
+    after the class token are the patch grid, drawn over the picture as the model saw it."""
+    import io
+
+    import torch
+
+    from selfattn._optional import require
+    from selfattn.inspect import attention_gradients, view_section
+    from selfattn.models import ViT, from_pretrained
+    from selfattn.models.hub import read_json
+
+    Image = require("PIL.Image", purpose="selfattn view --image")
+    model = from_pretrained(path).eval()
+    if not isinstance(model, ViT):
+        raise ValueError(
+            f"--image needs a ViT checkpoint, but {path!r} holds a {type(model).__name__}; "
+            "drop --image and pass TEXT"
+        )
+    c = model.config
+    pre = Path(path) / "preprocessor_config.json"
+    pre = read_json(pre, dict) if pre.is_file() else {}
+    mean = torch.tensor(pre.get("image_mean", [0.5] * c.num_channels)).view(-1, 1, 1)
+    std = torch.tensor(pre.get("image_std", [0.5] * c.num_channels)).view(-1, 1, 1)
+    picture = Image.open(image).convert("RGB").resize(c.image_size[::-1], Image.BILINEAR)
+    pixels = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)  # (H·W·3,)
+    pixels = pixels.view(*c.image_size, 3).permute(2, 0, 1) / 255.0  # -> (3, H, W) in [0, 1]
+    pixels = ((pixels - mean) / std).unsqueeze(0)  # -> (1, 3, H, W), the processor's scaling
+
+    def output():  # the class token's final state along its own direction
+        cls = model(pixels).last_hidden_state[0, 0]
+        return cls @ (cls / cls.norm()).detach()
+
+    maps = attention_gradients(model, output, max_bytes=max_bytes)
+    rows, cols = c.grid
+    tokens = ["[CLS]", *(f"patch ({r}, {q})" for r in range(rows) for q in range(cols))]
+    png = io.BytesIO()
+    picture.save(png, format="PNG")
+    section = view_section(
+        maps, tokens, grid=(rows, cols), prefix=1, image=png.getvalue(), name="ViT",
+        decimals=decimals,
+    )  # fmt: skip
+    return [section]
+
+
 def run(args) -> int:
-    if not args.text.strip():
+    if args.image is None and not (args.text or "").strip():
         args.subparser.error("TEXT is empty; pass a sentence, e.g. 'The cat sat on the mat.'")
+    if args.image is not None and args.model is None:
+        args.subparser.error("--image needs --model, the folder of a ViT checkpoint")
     if Path(args.out).suffix.lower() not in (".html", ".htm"):
         args.subparser.error(f"--out {args.out!r}: the page's name must end in .html")
     from selfattn.inspect import write_view
 
     with _common.spinner("capturing attention and its gradient"):
-        if _is_sentence_transformers(args.model):
+        if args.image is not None:
+            sections = image_sections(
+                args.model, args.image, max_bytes=args.max_bytes, decimals=args.decimals
+            )
+            model_name = Path(args.model).name
+        elif _is_sentence_transformers(args.model):
             encoder = _common.load_encoder(args.model)
             sections = encoder_sections(
-                encoder, args.text, compare=args.compare, max_bytes=args.max_bytes
-            )
+                encoder, args.text, compare=args.compare, max_bytes=args.max_bytes,
+                decimals=args.decimals,
+            )  # fmt: skip
             model_name = args.model or "all-MiniLM-L6-v2"
         else:
             sections = checkpoint_sections(
-                args.model, args.text, target=args.target, max_bytes=args.max_bytes
-            )
+                args.model, args.text, target=args.target, max_bytes=args.max_bytes,
+                decimals=args.decimals,
+            )  # fmt: skip
             model_name = Path(args.model).name
-    title = args.title or f"{model_name}: {args.text}"
+    title = args.title or f"{model_name}: {args.text or Path(args.image).name}"
     path = write_view(sections, None, args.out, title=title)
     summary = {
         "out": str(path),
