@@ -150,6 +150,9 @@ def test_page_renders_heads_lines_hover_values_and_the_switch(browser, captured,
     assert "masked by the call's mask" in page.inner_text("#hover")
     page.hover("#mask", position={"x": 0.5 * cell, "y": 8.5 * cell})
     assert "allowed by the call's mask" in page.inner_text("#hover")
+    page.focus("#matrix")  # the keyboard reads the same values: from (8, 0) one step right
+    page.keyboard.press("ArrowRight")
+    assert page.get_attribute("#hover", "data-value") == f"{w[2, 8, 1].item():.3f}"
     page.select_option("#layer", "1")
     page.wait_for_function(READY)
     assert hover_value(page, 3, 7) == f"{maps[1][0, 2, 3, 7].item():.3f}"  # head 2 kept
@@ -218,7 +221,8 @@ def test_minilm_page_from_a_real_capture(browser, tmp_path):
     tokens = [enc.tokenizer.id_to_token(int(i)) for i in ids[0]]
     page = open_page(browser, write_view(maps, tokens, tmp_path / "minilm.html"))
     assert page.locator("canvas.thumb").count() == 6 * 12
-    page.click('canvas.thumb[data-layer="4"][data-head="7"]')
+    page.focus('canvas.thumb[data-layer="4"][data-head="7"]')
+    page.keyboard.press("Enter")
     page.wait_for_function(READY)
     assert page.input_value("#layer") == "4"
     assert hover_value(page, 2, 5) == f"{maps[4][0, 7, 2, 5].item():.3f}"
