@@ -23,6 +23,7 @@ so a token keeps half of itself at every layer.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 
@@ -49,9 +50,10 @@ __all__ = [
 
 RESIDUAL = 0.5  # Abnar & Zuidema: Â = 0.5·A + 0.5·I, the residual's share of each token
 HEAD_REDUCTIONS = ("mean", "max", "min")
-# Attention flow solves S² max-flow problems on (L+1)·S nodes and L·S² edges in Python: past this
-# many tokens it takes minutes; rollout is the fast approximation (the paper's figures use ~20).
-FLOW_MAX_TOKENS = 64
+# Attention flow solves S² max-flow problems on (L+1)·S nodes and L·S² edges in Python (6 layers:
+# ~1 s at 16 tokens, ~10 s at 24, growing as S⁴ and beyond): past this many tokens it would take
+# minutes; rollout is the fast approximation (the paper's examples are short sentences).
+FLOW_MAX_TOKENS = 32
 _FLOW_EPS = 1e-12  # residual capacity below this (relative to 1) counts as saturated
 
 
@@ -151,8 +153,8 @@ def attention_flow(
     The layers form a graph with ``(L+1)·S`` nodes: node ``(l+1, i)`` sends to ``(l, j)`` along
     an edge of capacity ``Â_l[i, j]`` (:func:`residual_attention`). Unlike rollout, which
     multiplies along paths, flow is bounded by each path's narrowest edge and by the edges the
-    paths share. Solved by Edmonds-Karp (shortest augmenting paths, written here; no graph
-    library) once per pair: ``S²`` problems, so ``S`` is capped at ``max_tokens``.
+    paths share. Solved by Dinic's algorithm (written here; no graph library) once per pair:
+    ``S²`` problems, so ``S`` is capped at ``max_tokens``.
     """
     a = residual_attention(maps, residual=residual, head_reduce=head_reduce)
     L, B, S, _ = a.shape
@@ -172,49 +174,70 @@ def attention_flow(
 
 
 def _max_flow(cap: list, L: int, S: int, source: int, sink: int) -> float:
-    """Edmonds-Karp on the layered graph: from node ``(L, source)`` down to ``(0, sink)``.
+    """Dinic's algorithm on the layered graph: from node ``(L, source)`` down to ``(0, sink)``.
 
     ``flow[l][i][j]`` is the flow on edge ``(l+1, i) -> (l, j)``; the residual graph has that
     edge with ``cap - flow`` left and the reverse edge ``(l, j) -> (l+1, i)`` with ``flow``.
-    A node is ``(layer, token)``; breadth-first search finds a shortest augmenting path.
+    Each phase labels nodes by breadth-first distance from the source, then saturates every
+    shortest path with a depth-first search whose per-node pointer never revisits a dead edge
+    (a blocking flow). The first phase's paths run straight down the layers, so few phases
+    follow: far fewer searches than one breadth-first search per path (Edmonds-Karp).
     """
     flow = [[[0.0] * S for _ in range(S)] for _ in range(L)]
+
+    def residual(layer: int, t: int, k: int) -> tuple[int, int, float]:
+        """Edge ``k`` of node ``(layer, t)``: ``k < S`` down to ``(layer-1, k)``, else back up
+        to ``(layer+1, k-S)``; its head and residual capacity (0 where there is no edge)."""
+        if k < S:
+            if layer == 0:
+                return -1, k, 0.0
+            return layer - 1, k, cap[layer - 1][t][k] - flow[layer - 1][t][k]
+        if layer == L:
+            return -1, k - S, 0.0
+        return layer + 1, k - S, flow[layer][k - S][t]
+
     total = 0.0
-    start, goal = (L, source), (0, sink)
     while True:
-        parent = {start: None}
-        queue = deque([start])
-        while queue and goal not in parent:
-            layer, t = queue.popleft()
-            if layer > 0:  # down along edges (layer, t) -> (layer-1, j)
-                c, f = cap[layer - 1][t], flow[layer - 1][t]
-                for j in range(S):
-                    if (layer - 1, j) not in parent and c[j] - f[j] > _FLOW_EPS:
-                        parent[(layer - 1, j)] = (layer, t)
-                        queue.append((layer - 1, j))
-            if layer < L:  # back up along reverse edges (layer, t) -> (layer+1, i)
-                f = flow[layer]
-                for i in range(S):
-                    if (layer + 1, i) not in parent and f[i][t] > _FLOW_EPS:
-                        parent[(layer + 1, i)] = (layer, t)
-                        queue.append((layer + 1, i))
-        if goal not in parent:
+        level = [[-1] * S for _ in range(L + 1)]
+        level[L][source] = 0
+        queue = deque([(L, source)])
+        while queue:
+            u = queue.popleft()
+            for k in range(2 * S):
+                lv, v, room = residual(*u, k)
+                if room > _FLOW_EPS and level[lv][v] < 0:
+                    level[lv][v] = level[u[0]][u[1]] + 1
+                    queue.append((lv, v))
+        if level[0][sink] < 0:
             return total
-        path, node = [], goal
-        while parent[node] is not None:
-            path.append((parent[node], node))
-            node = parent[node]
-        room = []
-        for (lu, u), (lv, v) in path:
-            # down: residual capacity of (lu, u) -> (lv, v); up: the flow to undo
-            room.append(cap[lv][u][v] - flow[lv][u][v] if lv < lu else flow[lu][v][u])
-        push = min(room)
-        for (lu, u), (lv, v) in path:
-            if lv < lu:
-                flow[lv][u][v] += push
-            else:
-                flow[lu][v][u] -= push
-        total += push
+        pointer = [[0] * S for _ in range(L + 1)]
+        path = [(L, source)]
+        while path:
+            u = path[-1]
+            if u == (0, sink):  # augment along the path by its narrowest edge
+                steps = list(itertools.pairwise(path))
+                # edge k of a: down to token k, or (k - S) back up
+                push = min(residual(*a, b[1] + (S if b[0] > a[0] else 0))[2] for a, b in steps)
+                for a, b in steps:
+                    if b[0] < a[0]:
+                        flow[b[0]][a[1]][b[1]] += push
+                    else:
+                        flow[a[0]][b[1]][a[1]] -= push
+                total += push
+                path = [(L, source)]
+                continue
+            lu, tu = u
+            while pointer[lu][tu] < 2 * S:
+                lv, v, room = residual(lu, tu, pointer[lu][tu])
+                if room > _FLOW_EPS and level[lv][v] == level[lu][tu] + 1:
+                    path.append((lv, v))
+                    break
+                pointer[lu][tu] += 1
+            else:  # a dead end: no shortest path continues from u
+                level[lu][tu] = -1
+                path.pop()
+                if path:
+                    pointer[path[-1][0]][path[-1][1]] += 1
 
 
 # -- attention x gradient -------------------------------------------------------------------------
