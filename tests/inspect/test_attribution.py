@@ -19,6 +19,7 @@ from selfattn.inspect import (
     head_importance,
     mask_heads,
 )
+from selfattn.nn import MultiHeadAttention
 from tests._inspect_helpers import D, Stack, gen
 
 
@@ -277,3 +278,19 @@ def test_minilm_masking_the_most_important_head_changes_the_loss_more(minilm):
             with mask_heads(minilm.model, {flat // 12: gates}):
                 change.append(abs(loss().item() - base))
     assert change[0] > change[1], (score.flatten()[[top, bottom]], change)
+
+
+def test_maps_and_gradients_of_a_layer_with_sinks_are_its_own():
+    torch.manual_seed(17)
+    m = MultiHeadAttention(D, 4, 2, sinks=True).double().eval()
+    with torch.no_grad():
+        m.sinks.copy_(torch.randn(4, generator=gen(18), dtype=torch.float64))
+    x = torch.randn(1, 6, D, generator=gen(19), dtype=torch.float64)
+    _, w = m(x, return_weights=True)  # each row sums to 1 minus its sink's share
+    maps = attention_gradients(m, lambda: m(x)[0, 2].sum(), heads=[1, 3])
+    torch.testing.assert_close(maps[0], w[:, [1, 3]])
+    # y is linear in the heads' outputs A·V: the A ⊙ ∂y/∂A of all heads add up to y minus the
+    # out projection's bias, only when A are the very weights (with the sinks) the layer used
+    rest = attention_gradients(m, lambda: m(x)[0, 2].sum(), heads=[0, 2])
+    total = maps.times_gradient(0).sum() + rest.times_gradient(0).sum()
+    torch.testing.assert_close(total, (m(x)[0, 2] - m.out_proj.bias).sum(), rtol=1e-9, atol=1e-12)

@@ -250,7 +250,7 @@ class _HeadSubsetScoreMod(_scores.ScoreMod):
         return f"{self.inner!r}[heads={self.heads.tolist()}]"
 
 
-def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
+def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset, sinks=None):
     """``attention_weights`` for query heads ``heads`` only: ``(B, len(heads), Sq, Sk)``.
 
     ``q (B, Hq, Sq, D)``, ``k``/``v (B, Hkv, Sk, ·)``. Query head ``h`` reads kv head ``h // G``;
@@ -259,7 +259,7 @@ def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
     Hq, Hkv = q.shape[1], k.shape[1]
     if len(heads) == Hq:  # all heads: exactly the layer's own call
         return attention_weights(
-            q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset
+            q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, sinks=sinks
         )
     G = Hq // Hkv
     index = torch.tensor(heads, device=q.device)
@@ -276,6 +276,7 @@ def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
         score_mod=score_mod,
         scale=scale,
         q_offset=q_offset,
+        sinks=None if sinks is None else sinks.index_select(0, index),  # (Hq,) -> (|heads|,)
     )
 
 
@@ -301,13 +302,14 @@ def _cached_tokens(cache: InPlaceKVCache) -> int:
 def _observer(layer: int, maps: AttentionMaps):
     """Records the selected heads' weights from the exact q/k/v a layer attends with."""
 
-    def observe(q, k, v, *, mask, score_mod, scale, q_offset):
+    def observe(q, k, v, *, mask, score_mod, scale, q_offset, sinks=None):
         B, Hq, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         with torch.no_grad():
             maps._reserve(layer, (B, len(maps.heads), Sq, Sk), q.dtype)
             w = _weights_of_heads(
-                q, k, v, maps.heads, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset
-            )
+                q, k, v, maps.heads, mask=mask, score_mod=score_mod, scale=scale,
+                q_offset=q_offset, sinks=sinks,
+            )  # fmt: skip
             allowed = _allowed(mask, maps.heads, Hq, B, Sq, Sk, q_offset, q.device)
         maps._record(layer, w, allowed)
         if maps.record_gradients and torch.is_grad_enabled():

@@ -187,10 +187,10 @@ class MultiHeadAttention(nn.Module):
                 f"q_temperature must be callable as t(positions), got {type(q_temperature)}"
             )
         self.q_temperature = q_temperature
-        # Called with the exact q, k, v (and mask, score mod, scale, q_offset) of each call that
-        # attends through selfattn.attention; set by selfattn.inspect.capture_attention. What it
-        # returns, when not None, is called with the per-head output (B, Hq, Sq, Dv) before the
-        # heads merge (attention x gradient hooks the output's gradient there).
+        # Called with the exact q, k, v (and mask, score mod, scale, q_offset, sinks) of each call
+        # that attends through selfattn.attention; set by selfattn.inspect.capture_attention.
+        # What it returns, when not None, is called with the per-head output (B, Hq, Sq, Dv)
+        # before the heads merge (attention x gradient hooks the output's gradient there).
         self.attention_observer = None
         # Per-head gates xi_h (Michel et al. 2019) multiplying each head's output before the out
         # projection: None, or (Hq,) / (B, Hq); 0 removes a head. Set by
@@ -361,8 +361,9 @@ class MultiHeadAttention(nn.Module):
                     mask, mod, q_offset = kv.at_key_positions(mask, mod, q_offset, q)
             if self.attention_observer is not None:  # selfattn.inspect.capture_attention
                 out_hook = self.attention_observer(
-                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
-                )
+                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset,
+                    sinks=self.sinks,
+                )  # fmt: skip
             out = attention(
                 q,
                 k,
