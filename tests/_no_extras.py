@@ -24,6 +24,7 @@ EXTRAS = (
     "jinja2",
     "matplotlib",
     "numpy",
+    "PIL",
     "rich",
     "safetensors",
     "sentence_transformers",

@@ -84,6 +84,7 @@ def test_every_optional_import_has_its_extra(wheel):
 def test_wheel_ships_sources_types_benchmarks_and_licence(wheel):
     names = set(wheel.namelist())
     assert "selfattn/kernels/csrc/paged_decode.c" in names  # built on first use
+    assert "selfattn/inspect/view.html" in names  # the explorer page's template
     assert "selfattn/py.typed" in names
     for bench in ("__init__", "_util", *NAMES):
         assert f"selfattn/benchmarks/{bench}.py" in names

@@ -19,6 +19,7 @@ __all__ = ["EXTRAS", "MissingDependencyError", "available", "require"]
 EXTRAS = {
     "rich": ("rich", "cli"),
     "matplotlib": ("matplotlib", "plot"),
+    "PIL": ("pillow", "plot"),
     "safetensors": ("safetensors", "models"),
     "tokenizers": ("tokenizers", "models"),
     "jinja2": ("jinja2", "models"),

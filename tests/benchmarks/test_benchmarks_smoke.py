@@ -177,6 +177,20 @@ def check_streaming(report: dict) -> None:
         assert "bytes" in flat["case"] and flat["ratio"] == 1.0, flat
 
 
+def check_view(report: dict) -> None:
+    setup, rows = report["setup"], report["rows"]
+    assert setup["weights"] == setup["layers"] * setup["heads"] * setup["tokens"] ** 2
+    size = rows[0]
+    assert size["peer_bytes"] == 4 * setup["weights"] and size["ours_bytes"] > 0, size
+    assert rows[1]["ours_ms"] > 0
+    if "skipped" in rows[2]:  # no browser here: said so, nothing measured
+        assert len(rows) == 3 and setup["chromium"] is None, rows
+        return
+    assert len(rows) == 6 and all(r["ours_ms"] > 0 for r in rows[2:]), rows
+    gap = rows[-1]
+    assert gap["met"] == (gap["ours_ms"] <= float(gap["target"].split()[1])), gap
+
+
 MODEL_ROWS = [
     ("GPT-2-small-shaped decoder, B=1, prefill 32 + decode 8", "<= 0.8"),
     ("GPT-2-small-shaped decoder, B=2, prefill 32 + decode 8", "<= 0.8"),
@@ -259,6 +273,7 @@ SMOKES = {
     "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
     "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
     "streaming": Smoke(packaged("streaming"), check_streaming),
+    "view": Smoke(packaged("view"), check_view),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

@@ -127,6 +127,7 @@ COMMANDS = [
     "kv-size",
     "info",
     "map",
+    "view",
     "embed",
     "generate",
     "mask",

