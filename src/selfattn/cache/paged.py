@@ -456,10 +456,17 @@ class PagedKV:
             raise ValueError(
                 f"counts must hold one int >= 1 per sequence ({len(ids)}), got {counts!r}"
             )
-        P, M = self.page_size, self.max_pages_per_seq
         before = [(s, len(self._pages[s]), self._lens[s]) for s in ids]
         if ids:
             self._reserve(ids, counts)
+        return self._packed_step(ids, counts, before)
+
+    def _packed_step(self, ids: list[int], counts: list[int], before) -> Step:
+        """The :class:`Step` of a packed step whose pages are reserved: ``before`` holds each
+        sequence's ``(id, pages before, length before)``, ``self._pages`` its pages after.
+        (A tensor-parallel worker's mirror, :mod:`selfattn.serving.parallel`, sets the pages
+        rank 0 reserved and calls this.)"""
+        P, M = self.page_size, self.max_pages_per_seq
         self._epoch += 1
         # One host tensor, one copy: slots (T), positions (T), table (B·M), for the row tokens
         # their index in T and their sequence's row of the table, then each block's length.
@@ -549,15 +556,19 @@ class PagedKV:
             if copy:
                 # Copy-on-write: the shared last page goes to a fresh page this sequence owns.
                 old, new = pages[-1], mine.pop(0)
-                self.k_store[:, new].copy_(self.k_store[:, old])  # every layer at once
-                self.v_store[:, new].copy_(self.v_store[:, old])
-                if self.k_scales is not None and self.k_scales.dim() == 4:  # int8: per slot
-                    self.k_scales[:, new].copy_(self.k_scales[:, old])
-                    self.v_scales[:, new].copy_(self.v_scales[:, old])
+                self._copy_page(old, new)
                 self.pool.decref([old])
                 pages[-1] = new
             pages.extend(mine)
             self._lens[s] += S
+
+    def _copy_page(self, old: int, new: int) -> None:
+        """Page ``old``'s K/V (and int8 scales) into page ``new``, in every layer at once."""
+        self.k_store[:, new].copy_(self.k_store[:, old])
+        self.v_store[:, new].copy_(self.v_store[:, old])
+        if self.k_scales is not None and self.k_scales.dim() == 4:  # int8: per slot
+            self.k_scales[:, new].copy_(self.k_scales[:, old])
+            self.v_scales[:, new].copy_(self.v_scales[:, old])
 
     def _allocate(self, n: int) -> list[int]:
         """``n`` fresh pages, evicting least-recently-used cached pages when the pool is short."""

@@ -334,8 +334,7 @@ class Engine:
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
             rows = torch.tensor(keep, dtype=torch.long, device=device)
-            with torch.no_grad():
-                logits = self.model(x, cache=step, logits_to_keep=rows)[0]  # (R, vocab)
+            logits = self._forward(x, step, rows)
         except BaseException:
             self._undo(step)
             raise
@@ -359,6 +358,12 @@ class Engine:
             self._append(seq, choice, now)
             touched[id(seq.request)] = seq.request
         self.metrics.record_tokens(len(choices), now)
+
+    def _forward(self, x: torch.Tensor, step, rows: torch.Tensor) -> torch.Tensor:
+        """The model over a planned packed step: ``x (1, T)`` token ids -> the logits ``(R,
+        vocab)`` of the tokens ``rows`` lists (a tensor-parallel engine runs its peers here)."""
+        with torch.no_grad():
+            return self.model(x, cache=step, logits_to_keep=rows)[0]
 
     def _undo(self, step) -> None:
         with contextlib.suppress(RuntimeError):  # a layer undid it before raising
