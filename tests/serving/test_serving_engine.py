@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from selfattn.cache import kv_cache_bytes  # noqa: E402
+from selfattn.cache import PagedKV, kv_cache_bytes  # noqa: E402
 from selfattn.models.generate import generate  # noqa: E402
 from selfattn.serving import Engine, QueueFull, SamplingParams  # noqa: E402
 from tests.models.test_models_decoder import VOCAB, tiny_pair  # noqa: E402
@@ -430,6 +430,23 @@ def test_quantised_pool_serves_close_to_float(models, kv_dtype):
     assert quant.kv.k_store.dtype == kv_dtype
     assert quant.kv.num_pages > engine_for(ours, 64).kv.num_pages  # same bytes, more pages
     assert_drained(quant)
+
+
+@pytest.mark.parametrize("D", [24, 64])
+def test_int8_pool_bytes_follow_the_formula(D):
+    """An int8 pool takes ``kv_cache_bytes``'s bytes (a bfloat16 scale per token and head):
+    ``(D + 2) / 2D`` of a bf16 pool of the same pages, <= 0.53 for heads of 64 (issue 14)."""
+    L, N, Hkv = 3, 7, 2
+    pools = {
+        dt: PagedKV(L, N, P, Hkv, D, max_seqs=1, max_pages_per_seq=N, dtype=dt)
+        for dt in (torch.int8, torch.bfloat16)
+    }
+    for dt, kv in pools.items():
+        assert kv.nbytes == kv_cache_bytes(L, Hkv, D, N * P, dt)
+    ratio = pools[torch.int8].nbytes / pools[torch.bfloat16].nbytes
+    assert ratio == (D + 2) / (2 * D)
+    if D == 64:
+        assert ratio <= 0.53
 
 
 # -- soak ------------------------------------------------------------------------------------------
