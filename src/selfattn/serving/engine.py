@@ -383,20 +383,22 @@ class Engine:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos)
+        n_out = len(seq.tokens) - seq.num_prompt
+        length = n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len
         if self.tokenizer is not None:
-            out = seq.output_ids
-            seq.text = self.tokenizer.decode(out[:-1] if stop_token else out)
-            if p.stop and not stop_token:
-                hits = [(i, s) for s in p.stop if (i := seq.text.find(s)) >= 0]
+            new = seq.detokenize(self.tokenizer, n_out - stop_token, stop_token or length)
+            if p.stop and not stop_token and new:
+                # Only a stop string ending in the new text can be new: search from the
+                # longest stop string's length before it (the rest was searched before).
+                start = max(len(seq.text) - len(new) - max(map(len, p.stop)) + 1, 0)
+                hits = [(i, s) for s in p.stop if (i := seq.text.find(s, start)) >= 0]
                 if hits:
                     at, s = min(hits)
                     seq.text = seq.text[:at]
                     return self._finish(seq, "stop", s)
         if stop_token:
             return self._finish(seq, "stop", tok)
-        if len(seq.tokens) - seq.num_prompt >= p.max_tokens or len(seq.tokens) >= (
-            self.max_model_len
-        ):
+        if length:
             return self._finish(seq, "length", None)
         return None
 
