@@ -448,6 +448,8 @@ def _worker_main(rank, n, port, model_dir, dtype, device_type, timeout_s, start_
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     code = 0
     try:
+        if device_type == "cuda":
+            torch.cuda.set_device(device)  # NCCL runs on the current device
         model = _load(model_dir, dtype, device)
         store.set(f"{_KEY}/loaded/{rank}", "1")
         dist.init_process_group(_backend(device_type), store=store, rank=rank, world_size=n,
