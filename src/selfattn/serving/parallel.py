@@ -79,6 +79,7 @@ _POLL_S = 0.05  # rank 0 polls the workers' start at this interval
 # Step messages: a fixed header, then (for a step) one int64 payload.
 _STEP, _IDLE, _STOP = 1, 2, 3
 _HEADER = 6  # kind, T tokens, B sequences, R kept rows, pages listed, pages copied
+_GEOMETRY = 5  # rank 0's pool, sent once: ok, pages, page size, pages per sequence, dtype code
 _KEY = "selfattn/tp"  # the store keys of the workers' start and errors
 
 
@@ -243,7 +244,7 @@ class TensorParallelEngine(Engine):
         try:
             super().__init__(model, **kw)
         except BaseException:
-            _broadcast(torch.zeros(5, dtype=torch.long, device=device))  # the workers stop
+            _broadcast(torch.zeros(_GEOMETRY, dtype=torch.long, device=device))  # workers stop
             raise
         kv = self.kv
         geometry = [1, kv.num_pages, kv.page_size, kv.max_pages_per_seq, _dtype_code(kv)]
@@ -394,7 +395,7 @@ def _serve_steps(model: CausalLM) -> None:
     """Rank ``r > 0``: build the mirror pages rank 0 describes, then run every step it sends
     until it stops (or stopped: a geometry with status 0)."""
     device = model.lm_head.weight.device
-    geometry = torch.zeros(5, dtype=torch.long, device=device)
+    geometry = torch.zeros(_GEOMETRY, dtype=torch.long, device=device)
     _broadcast(geometry)
     ok, num_pages, page_size, max_pages, code = geometry.tolist()
     if not ok:
