@@ -224,8 +224,8 @@ def paged_attention(
     cannot reach the output, nor can NaN/Inf at a key a row does not attend (masked, or scored
     ``-inf`` by the score mod): it reaches only the rows that attend it.
 
-    Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with float32
-    ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with ``(Hkv,)``; the C kernel
+    Quantised pages (:mod:`selfattn.cache.quant`): ``k_pages``/``v_pages`` int8 with bfloat16
+    ``k_scales``/``v_scales (N, P, Hkv)``, or float8_e4m3fn with float32 ``(Hkv,)``; the C kernel
     dequantises a key row at a time, the Triton kernel a tile in registers, the PyTorch path
     each gathered group (times its scales, in the accumulation dtype), never the whole cache.
     Scales are required for quantised pages and rejected for float pages.

@@ -62,12 +62,18 @@ def test_int8_round_trip_bound_and_zero_rows():
     x = torch.randn(5, 7, 3, 33, dtype=torch.float64) * torch.rand(5, 7, 3, 1, dtype=torch.float64)
     x[1, 2, 0] = 0.0  # an all-zero (token, head) row
     q, s = quantize_int8(x)
-    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (5, 7, 3)
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16 and s.shape == (5, 7, 3)
     assert s[1, 2, 0] == 1.0 and bool((q[1, 2, 0] == 0).all())
     nonzero = x.abs().amax(-1) > 0
-    assert bool((q.abs().amax(-1)[nonzero] == 127).all())  # absmax maps to ±127
+    # absmax maps to ±127, or ±126 where the scale rounded up to bfloat16 by up to 2**-7
+    assert bool((q.abs().amax(-1)[nonzero] >= 126).all())
     err = (dequantize(q, s, torch.float64) - x).abs()
     assert bool((err <= s.double().unsqueeze(-1) / 2 * (1 + 1e-6)).all())
+    # bfloat16 scales rounded up: never below absmax / 127 (no saturation), within one ulp of it
+    exact = (x.abs().amax(-1) / 127).float()
+    ulp = 2.0**-7  # bfloat16 keeps 8 significant bits
+    assert bool((s.float()[nonzero] >= exact[nonzero]).all())
+    assert bool((s.float()[nonzero] <= exact[nonzero] * (1 + ulp)).all())
 
 
 def test_fp8_per_head_scales_bound_and_saturation():
@@ -105,7 +111,7 @@ def test_write_quantized_into_slots():
     x = torch.randn(3, Hkv, D)
     ids, offs = torch.tensor([4, 0, 4]), torch.tensor([1, 3, 2])
     pages = torch.zeros(N, P, Hkv, D, dtype=torch.int8)
-    scales = torch.zeros(N, P, Hkv)
+    scales = torch.zeros(N, P, Hkv, dtype=torch.bfloat16)
     write_quantized(pages, scales, ids, offs, x)
     q, s = quantize_int8(x)
     assert torch.equal(pages[ids, offs], q) and torch.equal(scales[ids, offs], s)
@@ -277,13 +283,16 @@ def _args(storage="int8"):
         ("int8", dict(k_scales=None), ValueError, "k_pages are torch.int8 but k_scales is None"),
         ("int8", dict(v_scales=None), ValueError, "v_pages are torch.int8 but v_scales is None"),
         ("fp8", dict(k_scales=None), ValueError, "torch.float8_e4m3fn but k_scales is None"),
-        ("int8", dict(k_scales=torch.ones(2)), ValueError, r"shape \(10, 4, 2\) .* got \(2,\)"),
+        ("int8", dict(k_scales=torch.ones(2, dtype=torch.bfloat16)), ValueError,
+         r"shape \(10, 4, 2\) .* got \(2,\)"),
+        ("int8", dict(k_scales=torch.ones(10, 4, 2)), TypeError,
+         "must be torch.bfloat16, got torch.float32"),
         ("fp8", dict(v_scales=torch.ones(10, 4, 2)), ValueError, r"shape \(2,\) .*\(10, 4, 2\)"),
         ("int8", dict(k_scales=torch.ones(10, 4, 2).half()), TypeError, "torch.float16"),
         ("int8", dict(k_scales=[1.0]), TypeError, "got list"),
         ("float", dict(k_scales=torch.ones(2)), ValueError, "k_scales given but k_pages are"),
     ],
-)
+)  # fmt: skip
 def test_scale_errors(storage, over, exc, match):
     q, kq, vq, table, sl, ks, vs = _args("int8" if storage == "float" else storage)
     if storage == "float":

@@ -183,13 +183,17 @@ def test_attention_does_not_depend_on_default_dtype(default_dtype, backend):
         assert g.dtype == w.dtype and torch.equal(g, w)
 
 
-@pytest.mark.parametrize("quantize", [quantize_int8, quantize_fp8])
-def test_quantised_scales_are_float32_whatever_the_default_dtype(default_dtype, quantize):
+@pytest.mark.parametrize(
+    "quantize, want", [(quantize_int8, torch.bfloat16), (quantize_fp8, torch.float32)]
+)
+def test_quantised_scales_keep_their_dtype_whatever_the_default_dtype(
+    default_dtype, quantize, want
+):
     """Scales of an empty page pool were made with the default dtype; paged_attention wants
-    float32 scales."""
+    int8's bfloat16 and fp8's float32 scales."""
     torch.set_default_dtype(default_dtype)
     _, scales = quantize(torch.zeros(0, 4, 2, 8, dtype=torch.float32))
-    assert scales.dtype == torch.float32
+    assert scales.dtype == want
 
 
 # -- the C kernel's build cache -----------------------------------------------------------------

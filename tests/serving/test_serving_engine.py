@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from selfattn.cache import kv_cache_bytes  # noqa: E402
+from selfattn.cache import PagedKV, kv_cache_bytes  # noqa: E402
 from selfattn.models.generate import generate  # noqa: E402
 from selfattn.serving import Engine, QueueFull, SamplingParams  # noqa: E402
 from tests.models.test_models_decoder import VOCAB, tiny_pair  # noqa: E402
@@ -233,6 +233,59 @@ def test_stop_strings_stop_tokens_eos_and_length(models):
     assert_drained(eos_engine)
 
 
+class CountingTokenizer(CharTokenizer):
+    """Counts the token ids it decodes."""
+
+    decoded = 0
+
+    def decode(self, ids) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_stop_strings_and_text_decode_linearly(models):
+    """Each new token decodes a window of a few tokens, not the whole output again (a sample of
+    n tokens used to decode n(n+1)/2 ids); the text and the stop strings come out the same."""
+    _, ours = models["llama"]
+    tok = CountingTokenizer()
+    n = 48
+    engine = engine_for(ours, 64, tokenizer=tok)
+    params = SamplingParams(max_tokens=n, stop=["never here", "nor this"], **GREEDY)
+    out = engine.generate(prompts_for(seed=16, count=1)[0], params)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == n
+    assert out.text == CharTokenizer().decode(out.token_ids)
+    assert tok.decoded <= 4 * n, tok.decoded  # two decodes of at most two tokens per token
+
+
+class ByteTokenizer:
+    """Token t <-> one byte; text is the bytes as UTF-8 (invalid ones replaced)."""
+
+    def decode(self, ids) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_detokenize_equals_one_decode(seed):
+    """Characters of 1-4 UTF-8 bytes, one byte per token, with stray bytes: the text grows by
+    prefixes of the whole decode (an unfinished character waits) and ends equal to it."""
+    from selfattn.serving.request import Request
+
+    g = random.Random(seed)
+    chars = [chr(g.choice([g.randrange(0x20, 0x7F), g.randrange(0xA0, 0x800),
+                           g.randrange(0x800, 0xD800), g.randrange(0x10000, 0x10FFFF)]))
+             for _ in range(60)]  # fmt: skip
+    data = b"".join(c.encode() for c in chars)
+    data = bytes(b if g.random() > 0.03 else g.randrange(0x80, 0x100) for b in data)  # strays
+    tok = ByteTokenizer()
+    seq = Request("r", None, [0x41], SamplingParams(), 0, 0.0, 0).seqs[0]
+    full = tok.decode(data)
+    for i, b in enumerate(data):
+        seq.tokens.append(b)
+        seq.detokenize(tok, i + 1, final=i + 1 == len(data))
+        assert full.startswith(seq.text)  # never a character the next byte would change
+    assert seq.text == full
+
+
 def test_logprobs_are_the_models_log_softmax(models):
     _, ours = models["gemma2"]
     prompt = prompts_for(seed=11, count=1)[0]
@@ -430,6 +483,23 @@ def test_quantised_pool_serves_close_to_float(models, kv_dtype):
     assert quant.kv.k_store.dtype == kv_dtype
     assert quant.kv.num_pages > engine_for(ours, 64).kv.num_pages  # same bytes, more pages
     assert_drained(quant)
+
+
+@pytest.mark.parametrize("D", [24, 64])
+def test_int8_pool_bytes_follow_the_formula(D):
+    """An int8 pool takes ``kv_cache_bytes``'s bytes (a bfloat16 scale per token and head):
+    ``(D + 2) / 2D`` of a bf16 pool of the same pages, <= 0.53 for heads of 64 (issue 14)."""
+    L, N, Hkv = 3, 7, 2
+    pools = {
+        dt: PagedKV(L, N, P, Hkv, D, max_seqs=1, max_pages_per_seq=N, dtype=dt)
+        for dt in (torch.int8, torch.bfloat16)
+    }
+    for dt, kv in pools.items():
+        assert kv.nbytes == kv_cache_bytes(L, Hkv, D, N * P, dt)
+    ratio = pools[torch.int8].nbytes / pools[torch.bfloat16].nbytes
+    assert ratio == (D + 2) / (2 * D)
+    if D == 64:
+        assert ratio <= 0.53
 
 
 # -- soak ------------------------------------------------------------------------------------------

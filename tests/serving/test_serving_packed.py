@@ -121,7 +121,7 @@ def test_int8_pages_store_each_tokens_quantised_values_and_copy_scales_on_write(
         for got, x in ((gk, keys), (gv, vals)):
             rows = x[0].transpose(0, 1)  # (n, Hkv, D)
             assert torch.equal(got.transpose(0, 1), dequantize(*quantize_int8(rows)))
-    assert kv.nbytes == 2 * 8 * 4 * 2 * (8 + 4)  # int8 values and float32 scales, K and V
+    assert kv.nbytes == 2 * 8 * 4 * 2 * (8 + 2)  # int8 values and bfloat16 scales, K and V
     kv.check()
 
 

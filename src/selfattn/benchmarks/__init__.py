@@ -17,6 +17,7 @@ NAMES = (
     "mla",
     "models",
     "ring",
+    "serving",
     "streaming",
     "variants",
     "view",

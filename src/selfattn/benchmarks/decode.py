@@ -162,7 +162,7 @@ def rows_for(B: int, S: int, repeat: int) -> list[dict]:
     bf16_formula = kv_cache_bytes(1, HKV, D, S, "bf16", batch=B)
     x = torch.randn(B * S // PAGE, PAGE, HKV, D, dtype=torch.bfloat16)
     data, scales = quantize_int8(x)
-    int8_tensors = 2 * (data.numel() * data.element_size() + scales.numel() * 4)
+    int8_tensors = 2 * (data.numel() * data.element_size() + scales.numel() * scales.element_size())
     bf16_tensors = 2 * x.numel() * x.element_size()
     if (int8_formula, bf16_formula) != (int8_tensors, bf16_tensors):
         raise RuntimeError(

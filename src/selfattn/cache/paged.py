@@ -31,11 +31,11 @@ With a prefix index (``prefix_caching=True``, :mod:`selfattn.cache.prefix`), ful
 finished or prefilled sequences stay cached for later requests (for every layer at once), and a
 step short of free pages evicts the least recently used of those the index alone holds.
 
-Quantised pages (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, :mod:`selfattn.cache.quant`):
-each token's K/V is quantised when written and read back through ``paged_attention``'s scales.
-int8 keeps one float32 scale per (layer, page slot, kv head), ``k_scales (L, N, P, Hkv)``, copied
-with its page on copy-on-write; fp8 one per (layer, kv head), ``k_scales (L, Hkv)``, fixed by
-the first write into the layer (its absolute maximum × :data:`FP8_HEADROOM` / 448; larger values
+Quantised pages (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, :mod:`selfattn.cache.quant`): each
+token's K/V is quantised when written and read back through ``paged_attention``'s scales. int8 keeps
+one bfloat16 scale per (layer, page slot, kv head), ``k_scales (L, N, P, Hkv)``, copied with its
+page on copy-on-write; fp8 one float32 per (layer, kv head), ``k_scales (L, Hkv)``, fixed by the
+first write into the layer (its absolute maximum × :data:`FP8_HEADROOM` / 448; larger values
 saturate). Queries may then be any float dtype.
 
 A packed step (:meth:`PagedKV.plan_packed`) runs sequences with different numbers of new tokens
@@ -71,7 +71,13 @@ from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.base import Step, next_positions
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
-from selfattn.cache.quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
+from selfattn.cache.quant import (
+    FP8_MAX,
+    INT8_SCALE_DTYPE,
+    dequantize,
+    quantize_fp8,
+    quantize_int8,
+)
 from selfattn.functional import attention, attention_weights, paged_attention
 from selfattn.masks import as_mask, from_tensor
 from selfattn.scores import as_score_mod
@@ -152,8 +158,8 @@ class PagedKV:
     out by :meth:`add_sequence` and :meth:`fork`; they are never reused. ``k_layers[i]`` /
     ``v_layers[i]`` are layer ``i``'s pages (views of ``k_store`` / ``v_store``).
 
-    ``dtype`` int8 or float8_e4m3fn stores quantised pages with float32 ``k_scales`` /
-    ``v_scales`` (module docstring); ``nbytes`` is the storage the pages and scales take.
+    ``dtype`` int8 or float8_e4m3fn stores quantised pages with ``k_scales`` / ``v_scales``
+    (module docstring); ``nbytes`` is the storage the pages and scales take.
 
     ``prefix_caching=True`` builds ``kv.index``, a :class:`PrefixIndex` over the pool (one passed
     to :meth:`add_sequence_from_prefix` / :meth:`cache_prefix` is adopted the same way). With an
@@ -196,11 +202,13 @@ class PagedKV:
         # under autograd)
         self.k_layers = [self.k_store[i] for i in range(n_layers)]
         self.v_layers = [self.v_store[i] for i in range(n_layers)]
-        # Quantised pages: float32 scales, int8 (L, N, P, Hkv), fp8 (L, Hkv); None for floats.
+        # Quantised pages: int8 bfloat16 scales (L, N, P, Hkv), fp8 float32 (L, Hkv); None for
+        # float pages.
         self.k_scales = self.v_scales = None
         if dtype in QUANT_DTYPES:
-            per = shape if dtype == torch.int8 else (n_layers, n_kv_heads)
-            sk = {"dtype": torch.float32, "device": device}
+            int8 = dtype == torch.int8
+            per = shape if int8 else (n_layers, n_kv_heads)
+            sk = {"dtype": INT8_SCALE_DTYPE if int8 else torch.float32, "device": device}
             self.k_scales, self.v_scales = torch.ones(*per, **sk), torch.ones(*per, **sk)
         self._scaled = [False] * n_layers  # fp8: the layer's scales are set (first write)
         self.pool = BlockPool(num_pages)
@@ -456,10 +464,17 @@ class PagedKV:
             raise ValueError(
                 f"counts must hold one int >= 1 per sequence ({len(ids)}), got {counts!r}"
             )
-        P, M = self.page_size, self.max_pages_per_seq
         before = [(s, len(self._pages[s]), self._lens[s]) for s in ids]
         if ids:
             self._reserve(ids, counts)
+        return self._packed_step(ids, counts, before)
+
+    def _packed_step(self, ids: list[int], counts: list[int], before) -> Step:
+        """The :class:`Step` of a packed step whose pages are reserved: ``before`` holds each
+        sequence's ``(id, pages before, length before)``, ``self._pages`` its pages after.
+        (A tensor-parallel worker's mirror, :mod:`selfattn.serving.parallel`, sets the pages
+        rank 0 reserved and calls this.)"""
+        P, M = self.page_size, self.max_pages_per_seq
         self._epoch += 1
         # One host tensor, one copy: slots (T), positions (T), table (B·M), for the row tokens
         # their index in T and their sequence's row of the table, then each block's length.
@@ -549,15 +564,19 @@ class PagedKV:
             if copy:
                 # Copy-on-write: the shared last page goes to a fresh page this sequence owns.
                 old, new = pages[-1], mine.pop(0)
-                self.k_store[:, new].copy_(self.k_store[:, old])  # every layer at once
-                self.v_store[:, new].copy_(self.v_store[:, old])
-                if self.k_scales is not None and self.k_scales.dim() == 4:  # int8: per slot
-                    self.k_scales[:, new].copy_(self.k_scales[:, old])
-                    self.v_scales[:, new].copy_(self.v_scales[:, old])
+                self._copy_page(old, new)
                 self.pool.decref([old])
                 pages[-1] = new
             pages.extend(mine)
             self._lens[s] += S
+
+    def _copy_page(self, old: int, new: int) -> None:
+        """Page ``old``'s K/V (and int8 scales) into page ``new``, in every layer at once."""
+        self.k_store[:, new].copy_(self.k_store[:, old])
+        self.v_store[:, new].copy_(self.v_store[:, old])
+        if self.k_scales is not None and self.k_scales.dim() == 4:  # int8: per slot
+            self.k_scales[:, new].copy_(self.k_scales[:, old])
+            self.v_scales[:, new].copy_(self.v_scales[:, old])
 
     def _allocate(self, n: int) -> list[int]:
         """``n`` fresh pages, evicting least-recently-used cached pages when the pool is short."""
@@ -590,7 +609,7 @@ class PagedKV:
             (v_rows, vr, self.v_scales[layer]),
         ):
             if flat.dtype == torch.int8:
-                q, s = quantize_int8(rows)  # (T, Hkv, ·) int8, (T, Hkv) float32
+                q, s = quantize_int8(rows)  # (T, Hkv, ·) int8, (T, Hkv) bfloat16
                 flat.index_copy_(0, plan.slots, q)
                 scales.view(-1, Hkv).index_copy_(0, plan.slots, s)
             else:  # fp8: the layer's per-head scales; index_copy_ moves the bytes

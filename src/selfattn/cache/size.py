@@ -20,11 +20,13 @@ __all__ = [
     "latent_cache_bytes",
 ]
 
-# Storage bytes per element of each dtype name; int8 and fp8 also carry float32 scales (below).
+# Storage bytes per element of each dtype name; int8 and fp8 also carry scales (below).
 KV_DTYPES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 _ALIASES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "half": "fp16"}
 _ALIASES |= {"bfloat16": "bf16", "float": "fp32", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
-_SCALE_BYTES = 4  # quantisation scales are stored as float32
+# Quantisation scales (selfattn.cache.quant): int8's one per token and head in bfloat16, fp8's
+# one per head in float32.
+_INT8_SCALE_BYTES, _FP8_SCALE_BYTES = 2, 4
 
 
 def dtype_name(dtype) -> str:
@@ -59,8 +61,8 @@ def kv_cache_bytes(
     (with ``value_dim`` ``Dv != D``: ``layers × kv_heads × (head_dim + value_dim) × ...``). Query
     heads do not appear: only KV heads are cached, which is why GQA and MQA shrink the cache by
     ``Hq / Hkv``. ``dtype`` is a torch dtype or one of ``fp64 fp32 fp16 bf16 int8 fp8``.
-    Quantised storage adds its float32 scales: int8 keeps one per token and KV head
-    (``2 × layers × kv_heads × tokens × 4 × batch``), fp8 one per KV head
+    Quantised storage adds its scales: int8 keeps a bfloat16 one per token and KV head
+    (``2 × layers × kv_heads × tokens × 2 × batch``), fp8 a float32 one per KV head
     (``2 × layers × kv_heads × 4``).
 
     A Llama-2-7B-shaped model (32 layers, 32 KV heads of dimension 128, 16-bit) needs 512 KiB
@@ -79,9 +81,9 @@ def kv_cache_bytes(
     name = dtype_name(dtype)
     total = layers * kv_heads * width * tokens * KV_DTYPES[name] * batch
     if name == "int8":
-        total += 2 * layers * kv_heads * tokens * _SCALE_BYTES * batch
+        total += 2 * layers * kv_heads * tokens * _INT8_SCALE_BYTES * batch
     elif name == "fp8":
-        total += 2 * layers * kv_heads * _SCALE_BYTES
+        total += 2 * layers * kv_heads * _FP8_SCALE_BYTES
     return total
 
 
@@ -93,7 +95,7 @@ def latent_cache_bytes(
 
     ``layers × (kv_lora_rank + rope_dim) × tokens × bytes(dtype) × batch``: one latent row per
     token and layer, shared by every head, with no separate V (the values are the latent's
-    first ``kv_lora_rank`` columns). Quantised storage adds float32 scales as
+    first ``kv_lora_rank`` columns). Quantised storage adds scales as
     :func:`kv_cache_bytes` does, for one tensor of one head. DeepSeek-V3 (61 layers,
     ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64) needs 68.6 KiB per token in bf16, against
     4.8 MiB for the same heads cached as MHA (128 heads of K 192 + V 128):
@@ -111,9 +113,9 @@ def latent_cache_bytes(
     name = dtype_name(dtype)
     total = layers * (kv_lora_rank + rope_dim) * tokens * KV_DTYPES[name] * batch
     if name == "int8":
-        total += layers * tokens * _SCALE_BYTES * batch
+        total += layers * tokens * _INT8_SCALE_BYTES * batch
     elif name == "fp8":
-        total += layers * _SCALE_BYTES
+        total += layers * _FP8_SCALE_BYTES
     return total
 
 

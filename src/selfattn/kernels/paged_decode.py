@@ -144,11 +144,11 @@ def decode(
     with unit stride on the last dim, of a dtype in :func:`supported_dtypes`; ``table
     (B, max_pages)`` integer page ids, those of the pages holding keys ``[lo, hi)`` in
     ``[0, N)``; ``lo, hi (B, Sq)`` integer: query row ``i`` of sequence ``b`` attends keys
-    ``lo[b, i] <= t < hi[b, i]`` (``hi <= max_pages * P``). Scales: int8 ``(N, P, Hkv)``, fp8
-    ``(Hkv,)``, float32, or None for float pages. A row with no allowed key gets ``out = 0``,
-    ``lse = -inf``. ``sinks (Hq,)``: learned attention-sink logits joining each row's softmax
-    denominator once, where the splits merge (a row with no key then gets ``lse = sink``). CPU
-    tensors only; index tensors, scales and sinks are made contiguous here.
+    ``lo[b, i] <= t < hi[b, i]`` (``hi <= max_pages * P``). Scales: int8 ``(N, P, Hkv)``
+    bfloat16, fp8 ``(Hkv,)`` float32, or None for float pages. A row with no allowed key gets
+    ``out = 0``, ``lse = -inf``. ``sinks (Hq,)``: learned attention-sink logits joining each
+    row's softmax denominator once, where the splits merge (a row with no key then gets ``lse =
+    sink``). CPU tensors only; index tensors, scales and sinks are made contiguous here.
 
     Sequences are split over their keys into ``n_split`` work items when there are fewer than
     ``ITEMS_PER_THREAD`` per thread; the kernel merges the splits' softmax partials in float32.
@@ -203,5 +203,6 @@ def decode(
 
 
 def _scales_code(scales: torch.Tensor | None) -> int:
-    """0: float pages; 1: int8 scales per token and head ``(N, P, Hkv)``; 2: fp8 per head."""
+    """0: float pages; 1: int8 scales per token and head ``(N, P, Hkv)`` bfloat16; 2: fp8 per
+    head, float32."""
     return 0 if scales is None else (1 if scales.dim() == 3 else 2)

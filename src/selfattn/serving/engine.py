@@ -334,8 +334,7 @@ class Engine:
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
             rows = torch.tensor(keep, dtype=torch.long, device=device)
-            with torch.no_grad():
-                logits = self.model(x, cache=step, logits_to_keep=rows)[0]  # (R, vocab)
+            logits = self._forward(x, step, rows)
         except BaseException:
             self._undo(step)
             raise
@@ -360,6 +359,12 @@ class Engine:
             touched[id(seq.request)] = seq.request
         self.metrics.record_tokens(len(choices), now)
 
+    def _forward(self, x: torch.Tensor, step, rows: torch.Tensor) -> torch.Tensor:
+        """The model over a planned packed step: ``x (1, T)`` token ids -> the logits ``(R,
+        vocab)`` of the tokens ``rows`` lists (a tensor-parallel engine runs its peers here)."""
+        with torch.no_grad():
+            return self.model(x, cache=step, logits_to_keep=rows)[0]
+
     def _undo(self, step) -> None:
         with contextlib.suppress(RuntimeError):  # a layer undid it before raising
             self.kv.undo(step.layers[0].plan)
@@ -378,20 +383,22 @@ class Engine:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos)
+        n_out = len(seq.tokens) - seq.num_prompt
+        length = n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len
         if self.tokenizer is not None:
-            out = seq.output_ids
-            seq.text = self.tokenizer.decode(out[:-1] if stop_token else out)
-            if p.stop and not stop_token:
-                hits = [(i, s) for s in p.stop if (i := seq.text.find(s)) >= 0]
+            new = seq.detokenize(self.tokenizer, n_out - stop_token, stop_token or length)
+            if p.stop and not stop_token and new:
+                # Only a stop string ending in the new text can be new: search from the
+                # longest stop string's length before it (the rest was searched before).
+                start = max(len(seq.text) - len(new) - max(map(len, p.stop)) + 1, 0)
+                hits = [(i, s) for s in p.stop if (i := seq.text.find(s, start)) >= 0]
                 if hits:
                     at, s = min(hits)
                     seq.text = seq.text[:at]
                     return self._finish(seq, "stop", s)
         if stop_token:
             return self._finish(seq, "stop", tok)
-        if len(seq.tokens) - seq.num_prompt >= p.max_tokens or len(seq.tokens) >= (
-            self.max_model_len
-        ):
+        if length:
             return self._finish(seq, "length", None)
         return None
 

@@ -122,7 +122,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
-    text: str = ""  # decoded output, cut at a stop string
+    text: str = ""  # decoded output (of the first read_offset tokens), cut at a stop string
+    prefix_offset: int = 0  # output tokens [prefix_offset, read_offset) give the next decode's
+    read_offset: int = 0  # context (detokenize)
     last_token_time: float | None = None
     sent_tokens: int = 0  # output tokens already reported
     sent_text: int = 0  # characters of text already reported
@@ -163,6 +165,27 @@ class Sequence:
     def fork(self, index: int) -> Sequence:
         """Sample ``index`` of the same request, at this sequence's state (a new generator)."""
         return Sequence(self.request, index, list(self.tokens), self.num_computed)
+
+    def detokenize(self, tokenizer, end: int, final: bool) -> str:
+        """Extend ``text`` to the first ``end`` output tokens; returns the text added.
+
+        Incremental, as vLLM's ``detokenize_incrementally``: each call decodes only the window
+        from ``prefix_offset`` (the tokens decoded last time, context for a tokenizer that
+        spaces or merges by neighbours) to ``end``, and keeps what the window adds beyond its
+        context, so a sample of ``n`` tokens costs O(n) decoding, not O(n²). Text ending in
+        U+FFFD (a UTF-8 character the next token may complete) waits, unless ``final``.
+        """
+        base = self.num_prompt
+        window = self.tokens[base + self.prefix_offset : base + end]
+        known = self.read_offset - self.prefix_offset
+        before = tokenizer.decode(window[:known]) if known else ""
+        text = tokenizer.decode(window)
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        new = text[len(before) :]
+        self.text += new
+        self.prefix_offset, self.read_offset = self.read_offset, end
+        return new
 
     def output(self, tokenizer, hold_back: int) -> CompletionOutput:
         """This sample's :class:`CompletionOutput`, marking its new part as reported.

@@ -17,17 +17,19 @@ from selfattn.scores import ScoreMod, as_score_mod
 
 __all__ = ["QUANT_DTYPES", "PagedCall", "layer_call", "prepare"]
 
-# Page dtypes stored quantised, read with float32 scales (selfattn.cache.quant writes them).
+# Page dtypes stored quantised, read with scales (selfattn.cache.quant writes them): int8's one
+# per token and head in bfloat16, fp8's one per head in float32.
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SCALE_DTYPES = {torch.int8: torch.bfloat16, torch.float8_e4m3fn: torch.float32}
 
 
 @dataclass(frozen=True, eq=False)
 class PagedCall:
     """Everything about one ``paged_attention`` call except q, the pages, the table and lengths.
 
-    ``k_scales``/``v_scales``: float32 dequantisation scales of int8 / fp8 pages, None for float
-    pages. ``planned``: what the backend's ``plan`` hook derived from the block table, lengths
-    and mask (key intervals, page ranges), computed once per step by a
+    ``k_scales``/``v_scales``: dequantisation scales of int8 (bfloat16) / fp8 (float32) pages,
+    None for float pages. ``planned``: what the backend's ``plan`` hook derived from the block
+    table, lengths and mask (key intervals, page ranges), computed once per step by a
     :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` for every layer; None: the
     backend derives it in ``run``. ``sinks (Hq,)``: learned attention-sink logits
     (:func:`selfattn.attention`).
@@ -188,10 +190,11 @@ def _check_values(q, k_pages, block_table, seq_lens) -> None:
 
 
 def _check_scales(name: str, pages: torch.Tensor, scales) -> torch.Tensor | None:
-    """Validate the scales of one page pool; return them as float32 or None for float pages.
+    """Validate the scales of one page pool; return them, or None for float pages.
 
-    int8 pages need ``(N, P, Hkv)`` (per token, per head), float8_e4m3fn pages ``(Hkv,)`` (per
-    head); both float32. Float pages take no scales: a given one would silently be ignored.
+    int8 pages need bfloat16 ``(N, P, Hkv)`` (per token, per head), float8_e4m3fn pages float32
+    ``(Hkv,)`` (per head): :data:`SCALE_DTYPES`. Float pages take no scales: a given one would
+    silently be ignored.
     """
     pname = name.replace("scales", "pages")
     if pages.dtype not in QUANT_DTYPES:
@@ -204,15 +207,19 @@ def _check_scales(name: str, pages: torch.Tensor, scales) -> torch.Tensor | None
     N, P, Hkv = pages.shape[:3]
     want = (N, P, Hkv) if pages.dtype == torch.int8 else (Hkv,)
     what = "per token, per head" if pages.dtype == torch.int8 else "per head"
+    dtype = SCALE_DTYPES[pages.dtype]
     if scales is None:
         raise ValueError(
-            f"{pname} are {pages.dtype} but {name} is None: pass float32 {name} of shape "
+            f"{pname} are {pages.dtype} but {name} is None: pass {dtype} {name} of shape "
             f"{want} ({what}), e.g. from selfattn.cache.quant"
         )
     if not isinstance(scales, torch.Tensor):
-        raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(scales).__name__}")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {scales.dtype}; use .float()")
+        raise TypeError(f"{name} must be a {dtype} torch.Tensor, got {type(scales).__name__}")
+    if scales.dtype != dtype:
+        raise TypeError(
+            f"{name} of {pages.dtype} pages must be {dtype}, got {scales.dtype}; quantise with "
+            "selfattn.cache.quant (int8: bfloat16 scales rounded up, see its docstring)"
+        )
     if tuple(scales.shape) != want:
         raise ValueError(
             f"{name} must have shape {want} ({what}) for {pages.dtype} {pname} of shape "

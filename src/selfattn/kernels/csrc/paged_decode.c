@@ -206,16 +206,22 @@ static inline __attribute__((always_inline)) void slot_rows(const float **out, c
 }
 
 /* Multiply the row values of a page's slots [s0, s0 + ns) (rows r * P + s, the Rh rows of kv
-   head h contiguous) by their dequantisation scales: per (token, head) for int8 pages
-   (mode 1), per head for fp8. */
-static inline __attribute__((always_inline)) void scale_slots(float *sc, const float *scales,
+   head h contiguous) by their dequantisation scales: per (token, head) in bfloat16 for int8
+   pages (mode 1), per head in float32 for fp8. */
+static inline __attribute__((always_inline)) void scale_slots(float *sc, const void *scales,
                                                               int64_t mode, int64_t page,
                                                               int64_t s0, int64_t ns, int64_t P,
                                                               int64_t Hkv, int64_t Rh) {
   int64_t h, s, r;
   for (h = 0; h < Hkv; h++)
     for (s = 0; s < ns; s++) {
-      const float scale = mode == 1 ? scales[(page * P + s0 + s) * Hkv + h] : scales[h];
+      float scale;
+      if (mode == 1) { /* bfloat16: the high half of a float32 */
+        const uint32_t bits = (uint32_t)((const uint16_t *)scales)[(page * P + s0 + s) * Hkv + h]
+                              << 16;
+        memcpy(&scale, &bits, 4);
+      } else
+        scale = ((const float *)scales)[h];
       for (r = h * Rh; r < (h + 1) * Rh; r++) sc[r * P + s] *= scale;
     }
 }
@@ -240,7 +246,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
   for (r = 0; r < R * D; r++) qbuf[r] *= job->scale;
   const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq, *hi = (const int64_t *)p[P_HI] + b * Sq;
   const int32_t *table = (const int32_t *)p[P_TABLE] + b * a[A_MAXP];
-  const float *ksc = (const float *)p[P_KSCALE], *vsc = (const float *)p[P_VSCALE];
+  const void *ksc = p[P_KSCALE], *vsc = p[P_VSCALE];
   const float *lut = (const float *)p[P_LUT];
   const int kdt = (int)a[A_KDT], vdt = (int)a[A_VDT];
   /* keys per dots() call: enough register blocks (rows x keys) to hide the FMA latency */

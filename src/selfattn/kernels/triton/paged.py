@@ -25,7 +25,8 @@ non-finite walks its keys again, this time summing V over each row's allowed key
 (:func:`_weighted_sum_attended`); a finite cache pays one check per program.
 
 Quantised pages are dequantised in registers, a tile at a time: int8 with per-token, per-head
-scales ``(N, P, Hkv)``, fp8 with per-head scales ``(Hkv,)`` (``selfattn.cache.quant``).
+bfloat16 scales ``(N, P, Hkv)``, fp8 with per-head float32 scales ``(Hkv,)``
+(``selfattn.cache.quant``).
 
 :func:`selfattn.kernels.paged_twin.paged_attention_twin` is the plain-PyTorch statement of the
 same computation (gather, mask, softmax) used to test the kernel.
@@ -102,8 +103,9 @@ def _attend_keys(
         v = tl.load(v_ptrs, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
         # -- dequantise in registers (int8: per token and head; fp8: per head)
         if SCALES == 1:
-            ks = tl.load(KS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
+            ks = tl.load(KS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)  # bf16
             vs = tl.load(VS + page * s_ksn + slot * s_ksp + kvh, mask=n_ok, other=0.0)
+            ks, vs = ks.to(tl.float32), vs.to(tl.float32)
             k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
             v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         elif SCALES == 2:
@@ -227,7 +229,8 @@ def paged_attention_triton(
     Args:
         q: ``(B, Hq, Sq, D)`` fp32 / fp16 / bf16.
         k_pages, v_pages: ``(N, P, Hkv, D)`` / ``(N, P, Hkv, Dv)`` in q's dtype, or int8 / fp8
-            with ``k_scales``/``v_scales`` (``(N, P, Hkv)`` for int8, ``(Hkv,)`` for fp8).
+            with ``k_scales``/``v_scales`` (bfloat16 ``(N, P, Hkv)`` for int8, float32
+            ``(Hkv,)`` for fp8).
         block_table: ``(B, max_pages)`` int page ids.
         lo, hi: ``(B, Sq)`` int: row ``i`` of sequence ``b`` attends keys ``lo <= t < hi``.
         num_splits: key-axis splits (default: enough programs for the GPU).
@@ -259,8 +262,9 @@ def paged_attention_triton(
     mode = SCALES_NONE
     if quant:
         mode = SCALES_PER_TOKEN if k_scales.dim() == 3 else SCALES_PER_HEAD
-    ks = k_scales.float().contiguous() if quant else q  # unused pointer when not quantised
-    vs = v_scales.float().contiguous() if quant else q
+    # as stored (int8: bfloat16, converted in registers); q: an unused pointer when not quantised
+    ks = k_scales.contiguous() if quant else q
+    vs = v_scales.contiguous() if quant else q
     s_ksn, s_ksp = (ks.stride(0), ks.stride(1)) if mode == SCALES_PER_TOKEN else (0, 0)
     table = block_table.to(q.device, torch.int32).contiguous()
     lo32, hi32 = (t.to(q.device, torch.int32).contiguous() for t in (lo, hi))

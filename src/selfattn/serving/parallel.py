@@ -1,0 +1,618 @@
+"""Tensor parallelism: one decoder served across ``N`` processes (issue 14, section 5).
+
+Megatron's split (Shoeybi et al., 2019, arXiv 1909.08053) with PyTorch's own engine,
+:mod:`torch.distributed.tensor.parallel`. In every block the q/k/v projection and the MLP's
+input projections are column-wise parallel (each rank computes its own heads' q, k, v and its
+slice of the hidden units) and the attention's output projection and the MLP's output projection
+row-wise parallel (each rank's partial product, summed by one all-reduce): two all-reduces per
+layer, nothing else crosses ranks. Rank ``r`` holds query heads ``r·Hq/N .. (r+1)·Hq/N - 1`` and
+kv heads ``r·Hkv/N ..`` (a GQA group never straddles ranks) and their K/V pages in its own
+:class:`~selfattn.cache.PagedKV`: ``kv_cache_bytes`` is per rank, so N ranks hold about N times the
+tokens of one. Embeddings, norms and the LM head are replicated::
+
+    engine = tensor_parallel_engine("path/to/model", 2, tokenizer=tok, kv_cache_bytes=2**30)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32))
+    engine.close()                                      # the workers exit
+
+Processes: rank 0 is the calling process and runs the :class:`~selfattn.serving.Engine`
+(scheduler, sampling, every page's bookkeeping). Each step it broadcasts the step's token ids,
+each sequence's page ids and length and the pages copied on write, then runs its forward; ranks
+1..N-1 mirror the pages (the same page ids in their own storage, no allocator) and run the same
+forward (their logits go unused). On one machine :func:`tensor_parallel_engine` spawns the N-1
+workers itself (gloo on CPU; NCCL with ``device="cuda"``, worker ``r`` on ``cuda:r``) and meets
+them over a TCP store on 127.0.0.1.
+
+Across machines, torchrun starts every rank with the same command and its rendezvous
+environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``);
+:func:`tensor_parallel_engine` then joins that group (``env://``) instead of spawning. Rank 0
+returns the engine (it serves HTTP); on every other rank the call serves steps until rank 0
+closes, then exits the process (``SystemExit(0)``)::
+
+    # on machine A (rank 0, serves), then on machine B with --node-rank 1
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --master-addr A --master-port 29500 \\
+        -m selfattn serve MODEL_DIR --tensor-parallel 2
+
+Failures: every collective waits at most ``timeout_s`` (the process group's timeout), and rank 0
+sends a heartbeat while idle so that waiting workers never reach it. A worker that raises or
+dies makes rank 0's step raise :class:`TensorParallelError` naming the rank and its error (not a
+hang): the step's requests fail, so does every later step, and the other workers are ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from selfattn.cache import PagedKV
+from selfattn.models.decoder import CausalLM
+from selfattn.nn import MLP, DiffAttention, MultiHeadAttention, SwiGLU
+from selfattn.serving.engine import Engine
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "TensorParallelEngine",
+    "TensorParallelError",
+    "tensor_parallel",
+    "tensor_parallel_engine",
+]
+
+# Each collective (and the workers' start) waits at most this long. A worker's first step may
+# compile nothing and load nothing: it only waits for rank 0's next step, which the heartbeat
+# keeps shorter than this while rank 0 is idle.
+DEFAULT_TIMEOUT_S = 120.0
+# The workers' start (loading the model, meeting rank 0) may take longer than a step.
+DEFAULT_START_TIMEOUT_S = 600.0
+HEARTBEATS_PER_TIMEOUT = 4  # an idle rank 0 pings the workers this often per timeout
+_POLL_S = 0.05  # rank 0 polls the workers' start at this interval
+# Step messages: a fixed header, then (for a step) one int64 payload.
+_STEP, _IDLE, _STOP = 1, 2, 3
+_HEADER = 6  # kind, T tokens, B sequences, R kept rows, pages listed, pages copied
+_GEOMETRY = 5  # rank 0's pool, sent once: ok, pages, page size, pages per sequence, dtype code
+_KEY = "selfattn/tp"  # the store keys of the workers' start and errors
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel peer failed (raised, died or timed out); the engine cannot step on."""
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+def _heads(attn: MultiHeadAttention, n: int, where: str) -> None:
+    """ValueError unless ``attn``'s heads split into ``n`` whole groups."""
+    if isinstance(attn, DiffAttention):
+        raise ValueError(
+            f"{where}: tensor parallelism does not split differential attention (DiffLlama); "
+            "serve it with one process"
+        )
+    for name, bad in (
+        ("attention sinks", attn.sinks is not None),
+        ("ALiBi", attn.alibi is not None),
+        ("a QK-norm over all heads (qk_norm_scope='all', OLMo-2)", attn.qk_norm_scope == "all"
+         and attn.q_norm is not None),
+    ):  # fmt: skip
+        if bad:
+            raise ValueError(
+                f"{where}: tensor parallelism does not split {name} yet; serve it with one process"
+            )
+    if attn.n_kv_heads % n:
+        raise ValueError(
+            f"{where}: n_kv_heads ({attn.n_kv_heads}) must be divisible by the tensor-parallel "
+            f"size ({n}): each rank holds whole kv heads; pick a size among the divisors of "
+            f"{attn.n_kv_heads}"
+        )
+
+
+def _rank_major_qkv(attn: MultiHeadAttention, n: int) -> None:
+    """Reorder the fused ``qkv_proj`` rows ``[q | k | v]`` into ``[q_0 k_0 v_0 | q_1 k_1 v_1 |
+    ...]`` so that the column-wise split gives rank ``r`` its own heads' q, k and v."""
+    D, Hq, Hkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
+    q, kv = Hq * D, Hkv * D
+    idx = []
+    for r in range(n):
+        idx += range(r * q // n, (r + 1) * q // n)
+        idx += range(q + r * kv // n, q + (r + 1) * kv // n)
+        idx += range(q + kv + r * kv // n, q + kv + (r + 1) * kv // n)
+    idx = torch.tensor(idx, device=attn.qkv_proj.weight.device)
+    with torch.no_grad():
+        for p in (attn.qkv_proj.weight, attn.qkv_proj.bias):
+            if p is not None:
+                p.copy_(p.index_select(0, idx))
+
+
+def tensor_parallel(model: CausalLM, mesh) -> CausalLM:
+    """Split ``model`` (in place) across the ranks of the 1-D ``mesh`` (a
+    :class:`~torch.distributed.device_mesh.DeviceMesh`; module docstring); returns it.
+
+    Every rank calls it on the same full weights (no weight crosses ranks). Afterwards
+    ``model.config`` describes this rank's shard (``n_heads`` / ``n_kv_heads`` per rank), so a
+    cache built from it holds this rank's heads. Raises ValueError for what it cannot split
+    (kv heads not divisible by the mesh size, sinks, ALiBi, OLMo-2's QK-norm, DiffLlama,
+    mixtures of experts) before changing anything.
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"tensor_parallel splits selfattn's decoder LMs, got {type(model)}")
+    n = mesh.size()
+    plans = []
+    for i, block in enumerate(model.layers):
+        attns = [m for m in block.modules() if isinstance(m, MultiHeadAttention)]
+        mlps = [m for m in block.modules() if isinstance(m, (MLP, SwiGLU))]
+        if len(attns) != 1 or len(mlps) != 1:
+            raise ValueError(
+                f"layer {i}: tensor parallelism splits one attention and one MLP / SwiGLU per "
+                f"block, found {len(attns)} and {len(mlps)} (mixture-of-experts layers are not "
+                "split yet); serve this model with one process"
+            )
+        _heads(attns[0], n, f"layer {i}")
+        plans.append((attns[0], mlps[0]))
+    col, row = ColwiseParallel(), RowwiseParallel()
+    for attn, mlp in plans:
+        if attn.fused:
+            _rank_major_qkv(attn, n)
+            qkv = {"qkv_proj": col}
+        else:
+            qkv = {"q_proj": col, "k_proj": col, "v_proj": col}
+        parallelize_module(attn, mesh, {**qkv, "out_proj": row}, src_data_rank=None)
+        attn.n_heads //= n
+        attn.n_kv_heads //= n
+        ffn = {"fc1": col, "fc2": row} if isinstance(mlp, MLP) else {
+            "gate": col, "up": col, "down": row}  # fmt: skip
+        parallelize_module(mlp, mesh, ffn, src_data_rank=None)
+    c = model.config
+    model.config = dataclasses.replace(c, n_heads=c.n_heads // n, n_kv_heads=c.n_kv_heads // n)
+    return model
+
+
+# -- the step message ------------------------------------------------------------------------------
+
+
+def _step_message(kv: PagedKV, x, step, rows, last_pages: dict[int, int]) -> torch.Tensor:
+    """One int64 tensor: the header, then tokens, kept rows, sequence ids, counts, lengths
+    before the step, pages per sequence, the pages, and the (old, new) pages copied on write."""
+    P = kv.page_size
+    ids, counts, lens, npages, pages, copies = [], [], [], [], [], []
+    for s, _, n in step.layers[0].plan.before:
+        mine = kv.pages(s)
+        ids.append(s)
+        counts.append(kv.length(s) - n)
+        lens.append(n)
+        npages.append(len(mine))
+        pages += mine
+        old = last_pages.get(s)
+        if old is not None and mine[n // P] != old:  # the shared last page was copied
+            copies += [old, mine[n // P]]
+    T, R, B = x.numel(), rows.numel(), len(ids)
+    head = [_STEP, T, B, R, len(pages), len(copies) // 2]
+    tail = torch.tensor(ids + counts + lens + npages + pages + copies, dtype=torch.long)
+    return torch.cat([torch.tensor(head), x.view(-1).cpu(), rows.cpu(), tail])
+
+
+def _apply_step(kv: PagedKV, head: list[int], payload: torch.Tensor):
+    """The worker's side of :func:`_step_message`: copy the pages rank 0 copied, set the step's
+    sequences to rank 0's pages and lengths, and plan the step; returns ``(x, step, rows)``."""
+    _, T, B, R, n_pages, n_copies = head
+    x, rows = payload[:T].view(1, T), payload[T : T + R]
+    rest = payload[T + R :].tolist()
+    ids, counts, lens, npages = (rest[i * B : (i + 1) * B] for i in range(4))
+    pages, copies = rest[4 * B : 4 * B + n_pages], rest[4 * B + n_pages :]
+    for i in range(n_copies):
+        kv._copy_page(copies[2 * i], copies[2 * i + 1])
+    kv._pages, kv._lens, before, at = {}, {}, [], 0
+    for s, c, n, m in zip(ids, counts, lens, npages):
+        kv._pages[s], kv._lens[s] = pages[at : at + m], n + c
+        before.append((s, m, n))  # pages "before" = after: an undo frees nothing here
+        at += m
+    return x, kv._packed_step(ids, counts, before), rows
+
+
+# -- rank 0 ----------------------------------------------------------------------------------------
+
+
+class TensorParallelEngine(Engine):
+    """An :class:`~selfattn.serving.Engine` on rank 0 of a tensor-parallel group (built by
+    :func:`tensor_parallel_engine`): each step runs on every rank. ``world_size`` ranks;
+    :meth:`close` ends the workers and the process group."""
+
+    def __init__(self, model, *, timeout_s, workers=(), store=None, owns_group=True, **kw):
+        self.world_size = dist.get_world_size()
+        self._workers, self._store, self._owns_group = list(workers), store, owns_group
+        self._timeout_s = timeout_s
+        self._comm = threading.Lock()  # one collective sequence at a time (steps, heartbeats)
+        self._broken: TensorParallelError | None = None
+        self._closed = False
+        self._last_pages: dict[int, int] = {}
+        self._last_message = time.monotonic()
+        device = model.lm_head.weight.device
+        try:
+            super().__init__(model, **kw)
+        except BaseException:
+            _broadcast(torch.zeros(_GEOMETRY, dtype=torch.long, device=device))  # workers stop
+            raise
+        kv = self.kv
+        geometry = [1, kv.num_pages, kv.page_size, kv.max_pages_per_seq, _dtype_code(kv)]
+        _broadcast(torch.tensor(geometry, device=device))
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True,
+                                           name="selfattn-tp-heartbeat")  # fmt: skip
+        self._heartbeat.start()
+
+    def _run(self, batch, touched) -> None:
+        # The last page of each partly filled sequence, before planning: a page copied on
+        # write shows as a different page there after it (the workers copy it too).
+        P = self.kv.page_size
+        self._last_pages = {
+            seq.kv_id: self.kv.pages(seq.kv_id)[-1]
+            for seq, _ in batch.chunks
+            if self.kv.length(seq.kv_id) % P
+        }
+        super()._run(batch, touched)
+
+    def _forward(self, x, step, rows):
+        with self._comm:
+            if self._broken is not None:
+                raise TensorParallelError(str(self._broken)) from self._broken
+            if self._closed:
+                raise TensorParallelError("the tensor-parallel engine is closed")
+            self._check_workers()
+            msg = _step_message(self.kv, x, step, rows, self._last_pages).to(x.device)
+            try:
+                _broadcast(msg[:_HEADER])
+                _broadcast(msg[_HEADER:])
+                logits = super()._forward(x, step, rows)
+            except Exception as e:
+                raise self._break(e) from e
+            self._last_message = time.monotonic()
+            return logits
+
+    def _beat(self) -> None:
+        """While idle, a header every ``timeout_s / HEARTBEATS_PER_TIMEOUT`` seconds keeps the
+        waiting workers' broadcast under its timeout."""
+        every = self._timeout_s / HEARTBEATS_PER_TIMEOUT
+        while not self._stop.wait(every / 2):
+            with self._comm:
+                if self._closed or self._broken is not None:
+                    return
+                if time.monotonic() - self._last_message < every:
+                    continue
+                try:
+                    _broadcast(_header(_IDLE, self.kv.k_store.device))
+                except Exception as e:
+                    self._break(e)
+                    return
+                self._last_message = time.monotonic()
+
+    def _check_workers(self) -> None:
+        dead = [(r, p.poll()) for r, p in enumerate(self._workers, 1) if p.poll() is not None]
+        if dead:
+            r, code = dead[0]
+            raise self._break(RuntimeError(f"worker rank {r} is gone (exit code {code})"))
+
+    def _break(self, cause: BaseException) -> TensorParallelError:
+        """Record the failure (with the workers' own errors), end the workers; the error."""
+        if self._broken is None:
+            time.sleep(_POLL_S * 4)  # a dying worker writes its error before it exits
+            told = _worker_errors(self._store, self.world_size)
+            for r, p in enumerate(self._workers, 1):
+                if r not in told and p.poll() is not None:
+                    told[r] = f"exited with code {p.poll()}"
+            detail = "".join(f"\n  rank {r}: {msg}" for r, msg in told.items()) or (
+                "\n  (no worker reported an error: see the workers' logs)"
+            )
+            self._broken = TensorParallelError(
+                f"a tensor-parallel step across {self.world_size} ranks failed: "
+                f"{type(cause).__name__}: {cause}{detail}\nthe engine cannot run more steps; "
+                "close() it and start a new one"
+            )
+            _end(self._workers)
+        return self._broken
+
+    def close(self) -> None:
+        """Stop the workers (a stop message, then a kill after ``timeout_s``) and leave the
+        process group; idempotent. Rank 0's engine state stays readable."""
+        if self._closed:
+            return
+        super().close()
+        self._stop.set()
+        with self._comm:
+            self._closed = True
+            if self._broken is None:
+                try:
+                    _broadcast(_header(_STOP, self.kv.k_store.device))
+                except Exception as e:  # a worker is gone: end the rest
+                    self._break(e)
+            deadline = time.monotonic() + self._timeout_s
+            for p in self._workers:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(max(0.0, deadline - time.monotonic()))
+            _end(self._workers)
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __del__(self):
+        if getattr(self, "_workers", None) and not getattr(self, "_closed", True):
+            _end(self._workers)
+
+
+def _broadcast(t: torch.Tensor) -> None:
+    dist.broadcast(t, src=0)
+
+
+def _header(kind: int, device) -> torch.Tensor:
+    return torch.tensor([kind] + [0] * (_HEADER - 1), device=device)
+
+
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+              torch.float8_e4m3fn)  # fmt: skip
+
+
+def _dtype_code(kv: PagedKV) -> int:
+    return _KV_DTYPES.index(kv.k_store.dtype)
+
+
+def _end(workers) -> None:
+    """Kill the workers still running and reap them."""
+    for p in workers:
+        if p.poll() is None:
+            p.kill()
+    for p in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=_POLL_S * 20)
+
+
+def _worker_errors(store, n: int) -> dict[int, str]:
+    if store is None:
+        return {}
+    out = {}
+    for r in range(1, n):
+        key = f"{_KEY}/error/{r}"
+        if store.check([key]):
+            out[r] = store.get(key).decode(errors="replace").strip()
+    return out
+
+
+# -- the workers -----------------------------------------------------------------------------------
+
+
+def _serve_steps(model: CausalLM) -> None:
+    """Rank ``r > 0``: build the mirror pages rank 0 describes, then run every step it sends
+    until it stops (or stopped: a geometry with status 0)."""
+    device = model.lm_head.weight.device
+    geometry = torch.zeros(_GEOMETRY, dtype=torch.long, device=device)
+    _broadcast(geometry)
+    ok, num_pages, page_size, max_pages, code = geometry.tolist()
+    if not ok:
+        return
+    c = model.config
+    kv = PagedKV(
+        c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim, c.value_dim,
+        max_seqs=1, max_pages_per_seq=max_pages, dtype=_KV_DTYPES[code], device=device,
+    )  # fmt: skip
+    head = torch.zeros(_HEADER, dtype=torch.long, device=device)
+    while True:
+        _broadcast(head)
+        h = head.tolist()
+        if h[0] == _STOP:
+            return
+        if h[0] != _STEP:
+            continue
+        _, T, B, R, n_pages, n_copies = h
+        payload = torch.empty(T + R + 4 * B + n_pages + 2 * n_copies, dtype=torch.long,
+                              device=device)  # fmt: skip
+        _broadcast(payload)
+        x, step, rows = _apply_step(kv, h, payload)
+        with torch.no_grad():
+            model(x, cache=step, logits_to_keep=rows)
+
+
+def _load(model_dir, dtype, device) -> CausalLM:
+    from selfattn.models import from_pretrained
+
+    model = from_pretrained(model_dir, dtype, device=device).eval()
+    if not isinstance(model, CausalLM):
+        raise TypeError(
+            f"{str(model_dir)!r} holds a {type(model).__name__}; tensor-parallel serving runs "
+            "selfattn's decoder LMs (GPT-2, Llama, Mistral, Qwen2, Gemma-2)"
+        )
+    return model
+
+
+def _split(model: CausalLM, device_type: str) -> CausalLM:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return tensor_parallel(model, init_device_mesh(device_type, (dist.get_world_size(),)))
+
+
+def _worker_main(rank, n, port, model_dir, dtype, device_type, timeout_s, start_s, threads):
+    """A worker process: meet rank 0 on its store, load, join the group, serve steps."""
+    torch.set_num_threads(threads)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    start = datetime.timedelta(seconds=max(timeout_s, start_s))
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=start)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    code = 0
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(device)  # NCCL runs on the current device
+        model = _load(model_dir, dtype, device)
+        store.set(f"{_KEY}/loaded/{rank}", "1")
+        dist.init_process_group(_backend(device_type), store=store, rank=rank, world_size=n,
+                                timeout=timeout)  # fmt: skip
+        _serve_steps(_split(model, device_type))
+    except BaseException as e:
+        code = 1
+        text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        with contextlib.suppress(Exception):  # rank 0 (the store's host) may be gone
+            store.set(f"{_KEY}/error/{rank}", text)
+        traceback.print_exc()
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skips the interpreter's teardown: seconds of finalisers, nothing to save
+
+
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+# -- the entry point -------------------------------------------------------------------------------
+
+
+def tensor_parallel_engine(
+    model_dir,
+    n: int,
+    *,
+    dtype="auto",
+    device: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    **engine_kwargs,
+) -> Engine:
+    """An engine over the model in ``model_dir`` split across ``n`` processes (module
+    docstring); ``engine_kwargs`` go to :class:`~selfattn.serving.Engine` (``tokenizer``,
+    ``kv_cache_bytes`` per rank, ...). ``n == 1`` is a plain Engine.
+
+    ``dtype``: as :func:`selfattn.models.from_pretrained`. ``device``: None / ``"cpu"`` (gloo)
+    or ``"cuda"`` (NCCL; rank ``r`` on GPU ``LOCAL_RANK``, or ``r`` when spawned here).
+    ``timeout_s`` bounds every collective, ``start_timeout_s`` the workers' start (loading the
+    model, meeting rank 0). Under torchrun (``WORLD_SIZE``
+    in the environment, which must equal ``n``) it joins that group; on ranks other than 0 it
+    serves steps and then raises ``SystemExit(0)`` instead of returning.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the tensor-parallel size n must be a positive int, got {n!r}")
+    device_type = "cpu" if device is None else torch.device(device).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"tensor parallelism runs on 'cpu' (gloo) or 'cuda' (NCCL), got {device!r}"
+        )
+    for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    if n == 1:
+        return Engine(_load(model_dir, dtype, device), **engine_kwargs)
+    if "WORLD_SIZE" in os.environ:
+        return _join_torchrun(model_dir, n, dtype, device_type, timeout_s, engine_kwargs)
+    return _spawn(model_dir, n, dtype, device_type, (timeout_s, start_timeout_s), engine_kwargs)
+
+
+def _spawn(model_dir, n, dtype, device_type, timeouts, engine_kwargs) -> Engine:
+    timeout_s, start_timeout_s = timeouts
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group; spawning tensor-parallel "
+            "workers needs a fresh process (or launch every rank with torchrun)"
+        )
+    if device_type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(
+            f"tensor parallelism over {n} GPUs, but this machine has "
+            f"{torch.cuda.device_count()}; lower n or launch across machines with torchrun"
+        )
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    model = _load(model_dir, dtype, device)  # fails fast on a bad folder, before any worker
+    _check_split(model, n)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    start = datetime.timedelta(seconds=max(timeout_s, start_timeout_s))
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=start,
+                          wait_for_workers=False)  # fmt: skip
+    workers = [_start_worker(r, n, store.port, model_dir, dtype, device_type, timeouts)
+               for r in range(1, n)]  # fmt: skip
+    try:
+        _wait_loaded(store, workers, n, start_timeout_s)
+        dist.init_process_group(_backend(device_type), store=store, rank=0, world_size=n,
+                                timeout=timeout)  # fmt: skip
+        _split(model, device_type)
+        return TensorParallelEngine(model, timeout_s=timeout_s, workers=workers, store=store,
+                                    **engine_kwargs)  # fmt: skip
+    except BaseException:
+        _end(workers)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+
+def _start_worker(rank, n, port, model_dir, dtype, device_type, timeouts) -> subprocess.Popen:
+    """A fresh Python running :func:`_worker_main` (not multiprocessing's spawn: that re-imports
+    the caller's main module, which a script without a ``__main__`` guard cannot survive)."""
+    dtype = dtype if dtype is None or isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    args = [rank, n, port, str(model_dir), dtype, device_type, *timeouts, torch.get_num_threads()]
+    code = f"from selfattn.serving.parallel import _worker_main; _worker_main(*{json.dumps(args)})"
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])  # this selfattn, wherever it is installed
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+
+def _check_split(model: CausalLM, n: int) -> None:
+    """The checks of :func:`tensor_parallel` on rank 0 alone, before workers start."""
+    for i, block in enumerate(model.layers):
+        for m in block.modules():
+            if isinstance(m, MultiHeadAttention):
+                _heads(m, n, f"layer {i}")
+
+
+def _wait_loaded(store, workers, n: int, timeout_s: float) -> None:
+    """Until every worker has loaded its model; TensorParallelError when one fails, dies or
+    takes longer than ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    keys = [f"{_KEY}/loaded/{r}" for r in range(1, n)]
+    while not store.check(keys):
+        errors = _worker_errors(store, n)
+        dead = [(r, p.poll()) for r, p in enumerate(workers, 1) if p.poll() is not None]
+        if errors or dead or time.monotonic() > end:
+            if dead and not errors:
+                time.sleep(_POLL_S * 4)
+                errors = _worker_errors(store, n)
+            why = "".join(f"\n  rank {r}: {m}" for r, m in errors.items())
+            why += "".join(f"\n  rank {r} exited with code {c}" for r, c in dead if r not in errors)
+            raise TensorParallelError(
+                f"tensor-parallel workers failed to start:{why or ' none ready after '}"
+                + ("" if why else f"{timeout_s} s (start_timeout_s)")
+            )
+        time.sleep(_POLL_S)
+
+
+def _join_torchrun(model_dir, n, dtype, device_type, timeout_s, engine_kwargs) -> Engine:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+    if world != n:
+        raise ValueError(
+            f"--tensor-parallel {n} but torchrun started WORLD_SIZE={world} processes; make them "
+            "equal (--nnodes × --nproc-per-node)"
+        )
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(_backend(device_type),
+                                timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    model = _split(_load(model_dir, dtype, device), device_type)
+    if rank == 0:
+        return TensorParallelEngine(model, timeout_s=timeout_s, owns_group=owns, **engine_kwargs)
+    try:
+        _serve_steps(model)
+    finally:
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+    raise SystemExit(0)
