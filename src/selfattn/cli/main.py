@@ -28,13 +28,14 @@ from selfattn.cli import (
     info,
     kv_size,
     mask,
+    serve,
 )
 from selfattn.cli import map as map_  # the subcommand module; `map` stays the builtin
 
 __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
-SUBCOMMANDS = (explain, backends, kv_size, info, map_, embed, generate, mask, bench, demo)
+SUBCOMMANDS = (explain, backends, kv_size, info, map_, embed, generate, serve, mask, bench, demo)
 
 
 class _Version(argparse.Action):
