@@ -71,3 +71,17 @@ def running_server(app, port: int | None = None):
         server.should_exit = True
         thread.join(START_TIMEOUT_S)
         sock.close()
+
+
+@contextlib.contextmanager
+def tiny_llama_server(folder):
+    """A server of :func:`save_tiny_llama`'s checkpoint (saved into ``folder``) on a free port;
+    yields its base URL."""
+    from selfattn.models import from_pretrained, load_tokenizer
+    from selfattn.serving import Engine
+    from selfattn.serving.server import build_app
+
+    save_tiny_llama(folder)
+    engine = Engine(from_pretrained(folder).eval(), load_tokenizer(folder), kv_cache_bytes=1 << 20)
+    with running_server(build_app(engine, model_name="tiny-llama")) as url:
+        yield url
