@@ -233,6 +233,18 @@ def check_mla(report: dict) -> None:
             assert size["met"] == verdict(size["smaller"], size["target"]), size
 
 
+def check_serving_http(report: dict) -> None:
+    (row,) = report["rows"]
+    assert row["target"] == ">= 0.85" and row["requests"] == report["setup"]["requests"]
+    assert row["agree"] == row["requests"], "the server answered other text than the engine"
+    for side in ("offline", "http"):
+        d = report["detail"][side]
+        assert d["tokens"] == row["requests"] * report["setup"]["new"], (side, d)
+        assert d["tok_s"] == pytest.approx(d["tokens"] / d["wall_s"])
+        assert 0 < d["ttft_p50"] <= d["ttft_p99"], (side, d)
+    assert row["ours"] == report["detail"]["http"]["tok_s"]
+
+
 SMOKES = {
     "attention": pytest.param(
         Smoke(
@@ -259,6 +271,11 @@ SMOKES = {
     "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
     "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
     "streaming": Smoke(packaged("streaming"), check_streaming),
+    "serving_http": Smoke(
+        packaged("serving_http"),
+        check_serving_http,
+        needs=("transformers", "tokenizers", "fastapi", "uvicorn", "openai", "httpx"),
+    ),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import types
 
 import pytest
@@ -18,6 +17,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from selfattn.cli import main  # noqa: E402
+from selfattn.serving.server import wait_until_healthy  # noqa: E402
 from tests._no_extras import PYTHONPATH  # noqa: E402
 from tests._serving_helpers import free_port, save_tiny_llama  # noqa: E402
 
@@ -29,34 +29,16 @@ NEW_TOKENS = 120  # long enough to be running when SIGTERM lands (~10 ms a token
 def test_sigterm_drains_the_running_request_then_exits_0(tmp_path):
     folder = save_tiny_llama(tmp_path / "tiny", max_positions=512)
     port = free_port()
+    argv = [sys.executable, "-m", "selfattn", "serve", str(folder), "--port", str(port)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "selfattn",
-            "serve",
-            str(folder),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "tiny",
-        ],
+        [*argv, "--served-model-name", "tiny"],
         env={**os.environ, "PYTHONPATH": PYTHONPATH},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "selfattn serve did not start"
-            time.sleep(0.1)
+        wait_until_healthy(f"http://127.0.0.1:{port}", START_TIMEOUT_S, proc)
         body = {
             "model": "tiny",
             "prompt": "w5",

@@ -17,6 +17,7 @@ NAMES = (
     "mla",
     "models",
     "ring",
+    "serving_http",
     "streaming",
     "variants",
 )

@@ -57,7 +57,14 @@ from selfattn.serving.protocol import (
     sampling_params,
 )
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "EngineWorker", "build_app", "serve"]
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "EngineWorker",
+    "build_app",
+    "serve",
+    "wait_until_healthy",
+]
 
 log = logging.getLogger("selfattn")
 
@@ -760,3 +767,25 @@ def serve(
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = 60.0, process=None) -> None:
+    """Poll ``GET {base_url}/health`` until it answers 200 (a server just started, e.g.
+    ``selfattn serve`` in a ``subprocess.Popen`` given as ``process``); RuntimeError when the
+    process exits first or ``timeout_s`` passes."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server process exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url}/health did not answer within {timeout_s} s")
+        time.sleep(0.1)
