@@ -129,6 +129,7 @@ COMMANDS = [
     "map",
     "embed",
     "generate",
+    "serve",
     "mask",
     "bench",
     "demo",

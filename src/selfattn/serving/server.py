@@ -12,11 +12,11 @@ template), ``POST /v1/embeddings`` (a :class:`~selfattn.models.SentenceEncoder`)
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Threads: the engine steps on ONE worker thread (:class:`EngineWorker`) while it has work; the
-event loop only validates, tokenises, submits (:meth:`Engine.add_request` with a sink that
-hands each output to the request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``) and
-writes responses. A failed step ends only the requests of its batch (:meth:`Engine.step`); a
-failure of the step itself ends the open requests (:meth:`Engine.fail_open`) and the worker
-goes on.
+event loop only validates, tokenises, submits (:meth:`Engine.add_request`; after each step the
+worker hands the outputs to the requests' ``asyncio.Queue`` s through
+``loop.call_soon_threadsafe``) and writes responses. A failed batch ends only its own
+requests (:meth:`Engine.step`); a failure of the step itself ends the open requests
+(:meth:`Engine.fail_open`); the worker goes on either way.
 
 Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, unknown fields, bad values (sampling ranges, ``max_tokens``, an empty prompt, a prompt or
@@ -77,7 +77,11 @@ EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 class EngineWorker:
     """The one thread that steps ``engine`` while it has unfinished requests, and sleeps
-    otherwise. :meth:`submit` and :meth:`abort` may be called from any thread."""
+    otherwise. :meth:`submit` and :meth:`abort` may be called from any thread.
+
+    A step's outputs go to their event loops in one ``call_soon_threadsafe`` per loop and step
+    (not one per request: 16 streams would wake the loop 16 times a step).
+    """
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -85,6 +89,7 @@ class EngineWorker:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._outbox: dict = {}  # event loop -> [(queue, item)], filled during a step
 
     @property
     def alive(self) -> bool:
@@ -98,10 +103,12 @@ class EngineWorker:
                 )
                 self._thread.start()
 
-    def submit(self, prompt, params, request_id: str, sink) -> str:
+    def submit(self, prompt, params, request_id: str, loop, queue, tag) -> str:
+        """Add a request whose outputs arrive in ``queue`` (of ``loop``) as ``(tag, output)``."""
         if self._stopping:
             raise RequestError("the server is shutting down", status=503, type="server_error")
         self.start()
+        sink = functools.partial(self._post, loop, queue, tag)
         rid = self.engine.add_request(prompt, params, request_id, sink=sink)
         self._wake.set()
         return rid
@@ -109,6 +116,19 @@ class EngineWorker:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._wake.set()
+
+    def _post(self, loop, queue, tag, out) -> None:  # a sink: on this thread, during a step
+        self._outbox.setdefault(loop, []).append((queue, (tag, out)))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody reads these any more
+                for _, (_, out) in items:
+                    if not out.finished:
+                        self.engine.abort(out.request_id)
 
     def _run(self) -> None:
         engine = self.engine
@@ -121,6 +141,7 @@ class EngineWorker:
                     engine.step()
                 except Exception as e:  # one bad step: its requests end, the worker goes on
                     engine.fail_open(e)
+                self._flush()
             if self._stopping:
                 return
 
@@ -130,6 +151,11 @@ class EngineWorker:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -178,13 +204,10 @@ class _Submission:
 
     def add(self, prompt_ids: list[int], params) -> None:
         k = len(self.ids)
-        sink = functools.partial(self._deliver, k)
-        rid = self.worker.submit(prompt_ids, params, f"{self.base_id}-{k}", sink)
+        rid = self.worker.submit(prompt_ids, params, f"{self.base_id}-{k}", self.loop,
+                                 self.queue, k)  # fmt: skip
         self.ids.append(rid)
         self.open.add(rid)
-
-    def _deliver(self, k: int, out) -> None:  # on the worker thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (k, out))
 
     async def outputs(self):
         """``(k, output)`` as they come, until every request finished; a failed one raises."""
