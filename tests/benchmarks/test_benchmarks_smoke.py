@@ -234,8 +234,9 @@ def check_mla(report: dict) -> None:
 
 
 def check_serving_http(report: dict) -> None:
-    (row,) = report["rows"]
+    row, *cpu = report["rows"]  # the CPU-time row where /proc tells a process's CPU time
     assert row["target"] == ">= 0.85" and row["requests"] == report["setup"]["requests"]
+    assert len(cpu) <= 1 and all(r["target"] == "report" for r in cpu), cpu
     assert row["agree"] == row["requests"], "the server answered other text than the engine"
     for side in ("offline", "http"):
         d = report["detail"][side]
