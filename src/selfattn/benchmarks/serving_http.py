@@ -11,16 +11,16 @@ with a WordLevel tokenizer over its ids (``t0 t1 ...``), so that both sides deto
 real server does. Workload (issue 14 section 4): 16 requests of one shared 256-token system
 prompt plus 32 own tokens, 32 new tokens each, greedy, all at once.
 
-Rows: the offline engine (``Engine.generate`` of all requests, same engine settings) and
-``selfattn serve`` in its own process (the same torch threads) with one streaming
-``AsyncOpenAI`` client per request, all concurrent; tokens/s is generated tokens over the wall
-time from the first submission to the last token (HTTP: to the last ``[DONE]``), median of
-``--repeat`` interleaved rounds after one warm-up round each. Time to first token and
-inter-token latency p50/p99 as the client sees them. Tokens per CPU second (Linux): the server
-process's CPU time (engine and HTTP, all threads) against the offline process's, the same
-work measured without the machine's other load (on a shared machine wall time is mostly that).
-"agree": requests whose HTTP text equals the offline engine's. Target: HTTP >= 0.85x the
-offline engine's tokens/s.
+Rows: the offline engine (all requests added, then stepped to the end, same engine settings)
+and ``selfattn serve`` with one streaming ``AsyncOpenAI`` client per request, all concurrent;
+each side in a fresh process of its own, same environment and torch threads. Tokens/s is
+generated tokens over the wall time from the first submission to the last token (HTTP: to
+the last ``[DONE]``), median of ``--repeat`` interleaved rounds after one warm-up round each.
+Time to first token and inter-token latency p50/p99 as the client sees them. Tokens per CPU
+second (Linux): each side's process CPU time (the server's: engine and HTTP, all threads),
+the same work measured without the machine's other load (on a shared machine, wall time is
+mostly that load). "agree": requests whose HTTP text equals the offline engine's. Target: HTTP
+>= 0.85x the offline engine's tokens/s.
 """
 
 from __future__ import annotations
@@ -197,10 +197,7 @@ def start_server(folder: Path, spec: dict, threads: int):
             *f"--served-model-name {NAME} --log-level warning --dtype float32".split()]  # fmt: skip
     for k, v in engine_kwargs(spec).items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    src = str(Path(__file__).resolve().parents[2])  # this selfattn, also from a checkout
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env=_child_env(threads), stdout=subprocess.DEVNULL)
     url = f"http://{DEFAULT_HOST}:{port}"
     try:
         wait_until_healthy(url, START_TIMEOUT_S, proc)
@@ -213,28 +210,61 @@ def start_server(folder: Path, spec: dict, threads: int):
 # -- the report -----------------------------------------------------------------------------------
 
 
-def run(args) -> dict:
+def offline_worker(folder: str, quick: bool) -> int:
+    """The offline side in a process of its own, started like the server (same environment,
+    nothing else loaded): one :func:`run_offline` round per line read, its result printed as
+    one JSON line."""
     from selfattn.models import from_pretrained, load_tokenizer
     from selfattn.serving import Engine
 
+    spec = QUICK if quick else FULL
+    prompts = prompts_for(spec)
+    engine = Engine(from_pretrained(folder, dtype="float32").eval(), load_tokenizer(folder),
+                    **engine_kwargs(spec))  # fmt: skip
+    for _ in sys.stdin:
+        print(json.dumps(run_offline(engine, prompts, spec["new"])), flush=True)
+    return 0
+
+
+def _child_env(threads: int) -> dict:
+    """The environment of both sides' processes: ``threads`` torch threads, this selfattn."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    src = str(Path(__file__).resolve().parents[2])  # this selfattn, also from a checkout
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run(args) -> dict:
     spec = QUICK if args.quick else FULL
     prompts = prompts_for(spec)
     with tempfile.TemporaryDirectory(prefix="selfattn-serving-http-") as tmp:
         folder = Path(tmp)
         save_checkpoint(spec, folder)
-        engine = Engine(from_pretrained(folder, dtype="float32").eval(), load_tokenizer(folder),
-                        **engine_kwargs(spec))  # fmt: skip
+        argv = [sys.executable, "-m", "selfattn.benchmarks.serving_http", "--offline-worker",
+                str(folder), *["--quick"] * args.quick]  # fmt: skip
+        offline = subprocess.Popen(argv, env=_child_env(args.threads), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         proc, url = start_server(folder, spec, args.threads)
+
+        def offline_round() -> dict:
+            offline.stdin.write("run\n")
+            offline.stdin.flush()
+            line = offline.stdout.readline()
+            if not line:
+                raise RuntimeError("the offline engine's process ended early")
+            return json.loads(line)
+
         try:
-            run_offline(engine, prompts, spec["new"])  # warm-ups: kernels, caches, connections
+            offline_round()  # warm-ups: kernels, caches, connections
             run_http(url, prompts, spec["new"], proc.pid)
             rounds: dict[str, list[dict]] = {"offline": [], "http": []}
             for _ in range(args.repeat):
-                rounds["offline"].append(run_offline(engine, prompts, spec["new"]))
+                rounds["offline"].append(offline_round())
                 rounds["http"].append(run_http(url, prompts, spec["new"], proc.pid))
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            for p in (proc, offline):
+                p.terminate()
+                p.wait(timeout=60)
     med = {k: _median_round(v) for k, v in rounds.items()}
     agree = sum(a == b for a, b in zip(med["http"]["texts"], med["offline"]["texts"]))
     ratio = med["http"]["tok_s"] / med["offline"]["tok_s"]
@@ -280,7 +310,10 @@ def main(argv=None) -> int:
         default=None,
         help="torch threads of both sides (default: this process's; quick 1)",
     )
+    p.add_argument("--offline-worker", metavar="FOLDER", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.offline_worker:
+        return offline_worker(args.offline_worker, args.quick)
     args.repeat = args.repeat or (1 if args.quick else 3)
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
