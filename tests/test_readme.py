@@ -30,6 +30,9 @@ def test_backend_matrix_matches_the_registry():
 
 
 RANKS_MARK = "# on every rank of a process group"  # a block the test runs on 2 gloo ranks
+# A block naming this address talks to `selfattn serve`: the test serves a tiny checkpoint on a
+# free port and points the block there.
+SERVER_URL = "http://127.0.0.1:8000"
 
 
 def _python_blocks(on_ranks: bool = False) -> list[str]:
@@ -48,11 +51,17 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
     blocks = _python_blocks()
     assert len(blocks) >= 5
     namespace: dict = {}
-    for i, block in enumerate(blocks):
-        try:
-            exec(compile(block, f"README.md python block {i}", "exec"), namespace)
-        except Exception as e:
-            raise AssertionError(f"README python block {i} failed:\n{block}") from e
+    with contextlib.ExitStack() as stack:
+        if any(SERVER_URL in b for b in blocks):
+            from tests._serving_helpers import tiny_llama_server
+
+            url = stack.enter_context(tiny_llama_server(tmp_path / "served"))
+            blocks = [b.replace(SERVER_URL, url) for b in blocks]
+        for i, block in enumerate(blocks):
+            try:
+                exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+            except Exception as e:
+                raise AssertionError(f"README python block {i} failed:\n{block}") from e
 
 
 def test_readme_context_parallel_example_runs_on_two_ranks(tmp_path):

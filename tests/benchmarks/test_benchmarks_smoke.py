@@ -278,6 +278,19 @@ def check_serving(report: dict) -> None:
     assert ratio["value"] == pytest.approx(rows[("a", "transformers one batch")]["engine_ratio"])
 
 
+def check_serving_http(report: dict) -> None:
+    row, *cpu = report["rows"]  # the CPU-time row where /proc tells a process's CPU time
+    assert row["target"] == ">= 0.85" and row["requests"] == report["setup"]["requests"]
+    assert len(cpu) <= 1 and all(r["target"] == "report" for r in cpu), cpu
+    assert row["agree"] == row["requests"], "the server answered other text than the engine"
+    for side in ("offline", "http"):
+        d = report["detail"][side]
+        assert d["tokens"] == row["requests"] * report["setup"]["new"], (side, d)
+        assert d["tok_s"] == pytest.approx(d["tokens"] / d["wall_s"])
+        assert 0 < d["ttft_p50"] <= d["ttft_p99"], (side, d)
+    assert row["ours"] == report["detail"]["http"]["tok_s"]
+
+
 SMOKES = {
     "attention": pytest.param(
         Smoke(
@@ -312,6 +325,11 @@ SMOKES = {
         check_serving,
         needs=("transformers",),
         timeout_s=600,
+    ),
+    "serving_http": Smoke(
+        packaged("serving_http"),
+        check_serving_http,
+        needs=("transformers", "tokenizers", "fastapi", "uvicorn", "openai", "httpx"),
     ),
     "models": Smoke(
         packaged("models", "--repeat", "1"),

@@ -130,6 +130,7 @@ COMMANDS = [
     "view",
     "embed",
     "generate",
+    "serve",
     "mask",
     "bench",
     "demo",

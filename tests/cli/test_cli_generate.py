@@ -4,42 +4,19 @@ streamed to stdout; equal to selfattn.models.generate on the same folder."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from selfattn.cli import main  # noqa: E402
 from selfattn.models import from_pretrained, generate, load_tokenizer  # noqa: E402
-
-VOCAB = 64
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}<assistant>"
+from tests._serving_helpers import save_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny random Llama and a WordLevel tokenizer over its ids ("w0" .. "w63", plus role
-    words), saved by transformers."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        eos_token_id=1, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {f"w{i}": i for i in range(VOCAB - 3)}
-    vocab["</s>"] = vocab.pop("w1")
-    for i, word in enumerate(("<user>", "<assistant>", "<system>")):
-        vocab[word] = VOCAB - 3 + i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    hf.chat_template = TEMPLATE
-    hf.save_pretrained(path)
-    return path
+    """A tiny random Llama and a WordLevel tokenizer over its ids, saved by transformers."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def expected(folder, text: str, n: int) -> str:

@@ -18,6 +18,7 @@ NAMES = (
     "models",
     "ring",
     "serving",
+    "serving_http",
     "streaming",
     "variants",
     "view",

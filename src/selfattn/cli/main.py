@@ -28,6 +28,7 @@ from selfattn.cli import (
     info,
     kv_size,
     mask,
+    serve,
     view,
 )
 from selfattn.cli import map as map_  # the subcommand module; `map` stays the builtin
@@ -35,7 +36,9 @@ from selfattn.cli import map as map_  # the subcommand module; `map` stays the b
 __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
-SUBCOMMANDS = (explain, backends, kv_size, info, map_, view, embed, generate, mask, bench, demo)
+SUBCOMMANDS = (
+    explain, backends, kv_size, info, map_, view, embed, generate, serve, mask, bench, demo,
+)  # fmt: skip
 
 
 class _Version(argparse.Action):

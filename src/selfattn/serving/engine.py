@@ -211,7 +211,7 @@ class Engine:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pick another")
-        waiting = len(self.scheduler.waiting) + len(self._inbox)
+        waiting = self.num_waiting()
         if waiting >= self.max_waiting:
             raise QueueFull(
                 f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry when "
@@ -262,6 +262,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or bool(self._requests)
+
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission, and requests added since the last step."""
+        return len(self.scheduler.waiting) + len(self._inbox)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -463,7 +467,7 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         pending = list(zip(prompts, params))
         while pending or len(done) < len(ids):
-            while pending and len(self.scheduler.waiting) + len(self._inbox) < self.max_waiting:
+            while pending and self.num_waiting() < self.max_waiting:
                 try:
                     ids.append(self.add_request(*pending.pop(0)))
                 except (ValueError, TypeError):  # a bad prompt: the others do not run either
@@ -523,13 +527,18 @@ class Engine:
             try:
                 await loop.run_in_executor(self._executor, self.step)
             except Exception as e:  # never leave a stream waiting forever
-                log.exception("selfattn.serving: the engine step failed; failing open requests")
-                with self._lock:
-                    touched: dict[int, Request] = {}
-                    self._inbox.clear()
-                    for req in list(self._requests.values()):
-                        self._fail(req, e, touched)
-                    self._outputs(touched)
+                self.fail_open(e)
+
+    def fail_open(self, error: BaseException) -> None:
+        """After :meth:`step` itself raised (not a batch: those end their own requests): end
+        every open request with ``error``, so that no stream waits forever; its sink hears it."""
+        log.exception("selfattn.serving: the engine step failed; failing open requests")
+        with self._lock:
+            touched: dict[int, Request] = {}
+            self._inbox.clear()
+            for req in list(self._requests.values()):
+                self._fail(req, error, touched)
+            self._outputs(touched)
 
     def close(self) -> None:
         """Stop the worker thread (after the step it runs, if any), then apply the aborts that

@@ -1,0 +1,191 @@
+"""The OpenAI API's request bodies as pydantic models, checked strictly, and their mapping to
+:class:`~selfattn.serving.SamplingParams`.
+
+Every model forbids unknown fields (a typo such as ``max_token`` is a 400, never silently
+ignored) and is strict (``"n": "2"`` or ``"stream": 1`` are 400s, not coerced). Fields the API
+defines that this server does not implement (``logit_bias``, ``suffix``, ``echo``, tools, ...)
+are accepted at their neutral values only and refused otherwise, naming the field.
+
+Sampling maps as vLLM's OpenAI server maps it: ``temperature`` (default 1), ``top_p``, ``n``,
+``seed``, ``stop``, ``presence_penalty`` / ``frequency_penalty``, ``logprobs``; vLLM's extra
+fields (``extra_body`` in the ``openai`` client) ``top_k`` (0 or -1: off), ``min_p``,
+``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from selfattn._optional import require
+from selfattn.serving.sampling import SamplingParams
+
+pydantic = require("pydantic", extra="serve", purpose="the OpenAI server")
+BaseModel, ConfigDict, Field = pydantic.BaseModel, pydantic.ConfigDict, pydantic.Field
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "EmbeddingRequest",
+    "RequestError",
+    "sampling_params",
+]
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+
+
+class RequestError(ValueError):
+    """A request the server refuses with a 4xx: ``status``, the OpenAI error ``type``, the
+    offending ``param`` (a field name, or None) and a ``code``."""
+
+    def __init__(self, message, *, status=400, type="invalid_request_error", param=None,
+                 code=None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampled(_Strict):
+    """What completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported by this server", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options needs stream: true", param="stream_options")
+
+
+class CompletionRequest(_Sampled):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise RequestError("echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(
+                f"best_of={self.best_of} differs from n={self.n}; this server returns every "
+                "sample it draws (best_of equal to n, or unset)",
+                param="best_of",
+            )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampled):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise RequestError("tools are not supported by this server", param="tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: text or a list of texts."""
+
+    model: str
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+_FIELD = re.compile(r"SamplingParams (\w+)")
+
+
+def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The :class:`SamplingParams` of ``req``; a bad value is a :class:`RequestError` naming its
+    field (SamplingParams' own checks: ranges, types)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    if len(stop) > MAX_STOP:
+        raise RequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=None if req.top_k in (None, 0, -1) else req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except (TypeError, ValueError) as e:
+        m = _FIELD.match(str(e))
+        param = m and m[1]
+        message = str(e).replace("SamplingParams ", "", 1)
+        if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise RequestError(message, param=param) from None

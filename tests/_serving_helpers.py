@@ -1,0 +1,87 @@
+"""A tiny Llama checkpoint with a tokenizer and chat template, and an HTTP server started and
+stopped by a test (uvicorn on a thread, on a free loopback port)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+
+VOCAB = 64
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}<assistant>"
+START_TIMEOUT_S = 30
+
+
+def save_tiny_llama(path, max_positions: int = 128):
+    """A tiny random Llama and a WordLevel tokenizer over its ids ("w0" .. "w63", plus role
+    words; "</s>" is id 1, the end of sequence), saved by transformers into ``path``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        eos_token_id=1, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(VOCAB - 3)}
+    vocab["</s>"] = vocab.pop("w1")
+    for i, word in enumerate(("<user>", "<assistant>", "<system>")):
+        vocab[word] = VOCAB - 3 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(app, port: int | None = None):
+    """Serve ``app`` on 127.0.0.1 (``port``, or a free one) from a thread; yields the base URL
+    (``http://127.0.0.1:PORT``); stops it (a graceful uvicorn shutdown) on exit."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port or 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(START_TIMEOUT_S)
+        sock.close()
+
+
+@contextlib.contextmanager
+def tiny_llama_server(folder):
+    """A server of :func:`save_tiny_llama`'s checkpoint (saved into ``folder``) on a free port;
+    yields its base URL."""
+    from selfattn.models import from_pretrained, load_tokenizer
+    from selfattn.serving import Engine
+    from selfattn.serving.server import build_app
+
+    save_tiny_llama(folder)
+    engine = Engine(from_pretrained(folder).eval(), load_tokenizer(folder), kv_cache_bytes=1 << 20)
+    with running_server(build_app(engine, model_name="tiny-llama")) as url:
+        yield url

