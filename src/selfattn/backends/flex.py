@@ -14,9 +14,11 @@ a FlexAttention ``BlockMask`` given as ``mask=`` runs as it is, blocks and ``mas
 shapes: the first call compiles for its shape, a second shape recompiles once with symbolic
 sizes, later sizes reuse that kernel (``Sq = 1``, new head dims, dtypes, masks and score mods
 still compile anew: a few seconds each on CPU). A case whose symbolic-size kernel fails to build
-falls back to static shapes (one kernel per shape) for the rest of the process. Past Dynamo's
-recompile limit (8 kernels per process) torch runs FlexAttention uncompiled: correct, but slow
-and O(Sq·Sk) in memory.
+falls back to static shapes (one kernel per shape) for the rest of the process. Dynamo counts its
+recompile limit per code object, past which torch would run FlexAttention uncompiled (correct,
+but slow and O(Sq·Sk) in memory, and a hand-made BlockMask then follows eager's rule): each
+kernel signature calls it through a function of its own (``_case_function``), and a case that
+still reaches the limit is compiled afresh, logged once (``_call_compiled``).
 
 Limits (see :func:`_reject`): CPU needs torch >= 2.6 and an AVX2 x86 CPU, runs float32 / float16 /
 bfloat16, has no backward and no log-sum-exp; CUDA needs head dims >= 16. Dropout is not
@@ -35,10 +37,12 @@ import collections
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import os
 import sys
 import threading
+import types
 
 import torch
 
@@ -90,14 +94,65 @@ def _features() -> dict[str, bool]:
 
 
 @functools.cache
-def _compiled(dynamic: bool | None = None):
+def _compiled(dynamic: bool | None = None, case: tuple | None = None):
     """The compiled ``flex_attention``, made on first use.
 
     ``dynamic=None`` (automatic dynamic shapes) is the default; ``dynamic=False`` (one kernel per
     shape) is the fallback for cases whose dynamic-shape kernel fails to build (see ``_run``).
+    ``case``: ``(kernel signature, generation)``, which gets a function of its own (below); None
+    compiles ``flex_attention`` itself.
     """
     _raise_recompile_limit()
-    return torch.compile(_api().flex_attention, dynamic=dynamic)
+    fn = _api().flex_attention if case is None else _case_function(next(_CASE_NUMBERS))
+    return torch.compile(fn, dynamic=dynamic)
+
+
+# Dynamo keeps its compiled kernels and counts its recompile limit per *code object*: had every
+# case shared flex_attention's, a long process (many masks, score mods, dtypes, head dims) would
+# pass the limit and from then on run FlexAttention uncompiled, silently. Each kernel signature
+# (_signature) therefore calls flex_attention through a function with a code object of its own,
+# so that only its own shapes count against its limit.
+_CASE_NUMBERS = itertools.count()
+
+
+def _case_function(n: int):
+    """``flex_attention`` behind a fresh code object (named ``flex_attention_case_<n>``)."""
+    flex_attention = _api().flex_attention
+
+    def case(q, k, v, **kwargs):
+        return flex_attention(q, k, v, **kwargs)
+
+    code = case.__code__.replace(co_name=f"flex_attention_case_{n}")
+    return types.FunctionType(code, case.__globals__, code.co_name, None, case.__closure__)
+
+
+# Generation of each kernel signature's function: a case that still passes Dynamo's recompile
+# limit (one signature recompiled for too many shapes) starts over with a new function, logged.
+_GENERATIONS: dict = {}
+
+
+def _call_compiled(mode, signature, q, k, v, kwargs):
+    """The case's compiled kernel on ``q, k, v``; past the recompile limit, a fresh one (WARNING,
+    logged once) instead of Dynamo's silent fallback to uncompiled FlexAttention."""
+    if torch.compiler.is_compiling():  # inside a user's compiled graph: its cache and rules
+        return _compiled(mode)(q, k, v, **kwargs)
+    generation = _GENERATIONS.get(signature, 0)
+    fn = _compiled(mode, (signature, generation))
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return fn(q, k, v, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _GENERATIONS[signature] = generation + 1
+        log_once(
+            ("flex recompile limit",),
+            logging.WARNING,
+            "selfattn flex: torch.compile's recompile limit (%s) was reached for one FlexAttention "
+            "case (%s, %s); compiling it afresh rather than running it uncompiled (logged once)",
+            torch._dynamo.config.recompile_limit,
+            q.dtype,
+            q.device.type,
+        )
+        return _compiled(mode, (signature, generation + 1))(q, k, v, **kwargs)
 
 
 # Dynamo compiles ``flex_attention`` once per mask/score-mod code, dtype and head dim; all of
@@ -464,7 +519,7 @@ def _attend(q, k, v, call: AttentionCall):
     modes = (False,) if signature in _STATIC_ONLY else (None, False)
     for mode in modes:
         try:
-            result = _compiled(mode)(q, k, v, **kwargs)
+            result = _call_compiled(mode, signature, q, k, v, kwargs)
             break
         except Exception as e:
             if _callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised
