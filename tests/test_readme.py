@@ -13,20 +13,34 @@ import pytest
 from selfattn import cli
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-START, END = "<!-- backend-matrix:start -->", "<!-- backend-matrix:end -->"
+
+
+def _check_generated(name: str, flag: str) -> None:
+    """The README's table between ``<!-- name:start -->`` and ``<!-- name:end -->`` is the
+    output of ``selfattn backends <flag> --markdown``, regenerated here."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = README.read_text()
+    assert start in text and end in text, f"README lost its {name} markers"
+    in_readme = text.split(start)[1].split(end)[0].strip()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["backends", flag, "--markdown"]) == 0
+    assert in_readme == buf.getvalue().strip(), (
+        f"README's {name} is stale: paste the output of `selfattn backends {flag} --markdown` "
+        "between its markers"
+    )
 
 
 def test_backend_matrix_matches_the_registry():
-    text = README.read_text()
-    assert START in text and END in text, "README lost its backend-matrix markers"
-    in_readme = text.split(START)[1].split(END)[0].strip()
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert cli.main(["backends", "--matrix", "--markdown"]) == 0
-    assert in_readme == buf.getvalue().strip(), (
-        "README's backend matrix is stale: paste the output of "
-        "`selfattn backends --matrix --markdown` between its markers"
-    )
+    _check_generated("backend-matrix", "--matrix")
+
+
+def test_variants_matrix_matches_the_registry(monkeypatch):
+    """README's "Variants" table is generated (which backend runs which variant), like the
+    backend matrix (as a user's CPU sees it: without the Triton interpreter the tests run the
+    paged Triton kernel in)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _check_generated("variants-matrix", "--variants")
 
 
 RANKS_MARK = "# on every rank of a process group"  # a block the test runs on 2 gloo ranks

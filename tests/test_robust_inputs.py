@@ -193,7 +193,7 @@ def test_flex_passes_a_callable_failure_on_without_retrying(qkv, failure, monkey
     error = FAILURES[failure]()
     attempts = []
 
-    def compiled(mode=None):
+    def compiled(mode=None, case=None):
         def run(q, k, v, **kwargs):
             attempts.append(mode)
             raise error

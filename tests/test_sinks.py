@@ -69,7 +69,10 @@ def test_reference_is_the_explicit_extra_key():
 def test_backends_against_oracle(backend, mask, dtype):
     """out, lse and dq/dk/dv by the ratio rule; GQA, odd sizes, Sq != Sk. Every registered
     backend that runs sinks here (with gradients, else for inference), the others skipped with
-    their reason (sdpa: its lse has no gradient; flex on CPU: no lse; triton: not dense yet)."""
+    their reason (sdpa: its lse has no gradient; flex on CPU: no backward and no lse, inference
+    with the sink as one more key column; triton: not dense yet)."""
+    if backend == "flex":
+        pytest.skip("flex compiles a kernel per mask and dtype: test_flex_sinks_on_cpu covers it")
     seed = sum(map(ord, f"{backend}{mask}{dtype}")) % 1000
     Sq, Sk = (7, 11) if mask != "documents" else (11, 11)
     q, k, v = make_qkv(2, 6, Sq, 16, Hkv=2, Sk=Sk, dtype=dtype, seed=seed)
@@ -82,9 +85,10 @@ def test_backends_against_oracle(backend, mask, dtype):
         reason = sa.backends.explain(q, k, v, **kw).reasons[backend]
         if reason is not None:
             pytest.skip(f"{backend}: {reason}")
+    lse = sa.backends.explain(q, k, v, return_lse=True, **kw).reasons[backend] is None
     check_against_reference(
         functools.partial(sa.attention, backend=backend),
-        q, k, v, grad=grad, seed=seed, mask=MASKS[mask](Sk), sinks=sinks,
+        q, k, v, grad=grad, lse=lse, seed=seed, mask=MASKS[mask](Sk), sinks=sinks,
     )  # fmt: skip
 
 
@@ -118,6 +122,39 @@ def test_gradcheck_fp64(backend):
         )
 
     assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+
+
+def test_chunked_sink_starts_the_softmax_in_every_tile():
+    """Chunked folds the sink into each row's online softmax (m0 = sink, l0 = 1): tiny tiles,
+    a query tile with no key at all (rows 0-3), rows empty inside a tile (row 6), a -inf sink
+    and +inf (merged after the tiles instead): output, lse and every gradient (gradcheck)."""
+    from tests.backends.test_chunked import SMALL_TILES, chunked_attention
+
+    q, k, v = make_qkv(1, 2, 9, 4, Hkv=1, Sk=7, dtype=torch.float64, seed=11, requires_grad=True)
+    g = torch.Generator().manual_seed(12)
+    allowed = torch.rand(9, 7, generator=g) < 0.6
+    allowed[:4] = False
+    allowed[6] = False
+    sinks = _sinks(2, 13, torch.float64).requires_grad_(True)
+
+    def f(q, k, v, s):
+        return chunked_attention(q, k, v, mask=allowed, sinks=s, return_lse=True, **SMALL_TILES)
+
+    out, lse = f(q, k, v, sinks)
+    o, ref_lse = _explicit(q.detach(), k, v, sinks.detach(), allowed)
+    torch.testing.assert_close(out, o)
+    torch.testing.assert_close(lse, ref_lse)
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+    for edge in (-math.inf, math.inf):
+        s = torch.tensor([edge, 0.5], dtype=torch.float64)
+        out, lse = f(q.detach(), k, v, s)
+        o, ref_lse = _explicit(q.detach(), k, v, s, allowed)
+        if edge == math.inf:  # the sink takes all the weight, everywhere
+            assert bool((out[:, 0] == 0).all()) and bool((lse[:, 0] == math.inf).all())
+        else:  # empty rows: no weight anywhere (the oracle's softmax gives NaN there)
+            torch.testing.assert_close(out[:, 0], o[:, 0].nan_to_num(0.0))
+            torch.testing.assert_close(lse[:, 0], ref_lse[:, 0])
+        torch.testing.assert_close(out[:, 1], o[:, 1])
 
 
 @pytest.mark.parametrize("backend", DENSE)
@@ -154,6 +191,36 @@ def test_minus_inf_sink_is_no_sink(backend):
     torch.testing.assert_close(out[:, 0], plain[:, 0])
     torch.testing.assert_close(lse[:, 0], plain_lse[:, 0])
     assert not bool(out.isnan().any()) and lse[0, 0, 2] == -math.inf and lse[0, 1, 2] == 0.5
+
+
+@pytest.mark.slow
+def test_flex_sinks_on_cpu():
+    """CPU FlexAttention returns no lse to merge the sink through, so flex runs it as one more
+    key column (zero K/V, score ``sinks[h]``, attended by every row): inference only (no backward
+    on CPU), no lse. Partial tiles (documents), GQA, the sink column in a tile of its own
+    (Sk = 128), rows with no key (padding 0) and a -inf sink. (CUDA takes the lse path; untested
+    here.)"""
+    q, k, v = make_qkv(2, 6, 11, 16, Hkv=2, seed=21)
+    sinks = _sinks(6, 22)
+    why = sa.backends.explain(q, k, v, print_table=False).reasons["flex"]  # without sinks
+    if why is not None:
+        pytest.skip(f"flex cannot run here: {why}")
+    docs = masks.documents(torch.arange(11) * 3 // 11)
+    check_against_reference(
+        functools.partial(sa.attention, backend="flex"),
+        q, k, v, grad=False, lse=False, mask=docs, sinks=sinks,
+    )  # fmt: skip
+    q, k, v = make_qkv(2, 2, 5, 16, Sk=128, seed=23)
+    sinks = torch.tensor([-math.inf, 0.7])
+    pad = masks.padding(torch.tensor([128, 0]))  # sequence 1: no key at all
+    out = sa.attention(q, k, v, mask=pad, sinks=sinks, backend="flex")
+    ref = sa.attention(q, k, v, mask=pad, sinks=sinks, backend="reference")
+    torch.testing.assert_close(out, ref)
+    assert bool((out[1] == 0).all())
+    grad = sa.backends.explain(q.requires_grad_(), k, v, sinks=sinks, print_table=False)
+    assert "no backward on CPU" in grad.reasons["flex"]
+    lse = sa.backends.explain(q.detach(), k, v, sinks=sinks, return_lse=True, print_table=False)
+    assert "log-sum-exp" in lse.reasons["flex"]
 
 
 def test_dropout_with_sinks_drops_the_same_pairs():

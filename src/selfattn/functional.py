@@ -83,9 +83,10 @@ def attention(
             denominator, a key with no value, so the weights may sum to less than 1 and the lse
             includes it. A keyword, not a score mod: it changes the denominator, not any score.
             Gradients reach ``sinks``. A row with no allowed key gives output 0 and lse
-            ``sinks[h]``. Backends that run it: ``explain`` (reference, chunked; sdpa and flex
-            where they return the lse: merged exactly afterwards, see
-            ``backends._common.merge_sinks``).
+            ``sinks[h]``. Backends that run it: ``explain`` (reference; chunked, which starts
+            each row's online softmax from the sink; sdpa and flex where they return the lse:
+            merged exactly afterwards, see ``backends._common.merge_sinks``; flex on CPU, which
+            has no lse, as one more key column: inference only).
 
     Returns:
         ``out (B, Hq, Sq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Sq)`` in

@@ -595,7 +595,7 @@ def test_flex_falls_back_to_static_shapes(monkeypatch):
     static shapes (torch 2.13's CPU template fails for some masks once sizes turn symbolic)."""
     calls = []
 
-    def fake_compiled(mode=None):
+    def fake_compiled(mode=None, case=None):
         def fn(q, k, v, **kw):
             calls.append(mode)
             if mode is None:
@@ -623,7 +623,7 @@ def test_auto_falls_back_when_flex_fails_to_compile(monkeypatch):
         pytest.skip("FlexAttention cannot run on this machine")
     monkeypatch.setattr(flex_backend, "_FAILED", {})
 
-    def broken(dynamic=None):
+    def broken(dynamic=None, case=None):
         def run(*args, **kwargs):
             raise RuntimeError("NoValidChoicesError: no choices")
 

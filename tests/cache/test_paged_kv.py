@@ -16,6 +16,7 @@ import torch
 import selfattn as sa
 import selfattn.cache.paged as paged_mod
 from selfattn import masks, scores
+from selfattn.backends.paged import plan as paged_plan
 from selfattn.backends.paged.call import PagedCall
 from selfattn.cache import PagedAttentionPlan, PagedKV, StaticCache, paged_attention
 from selfattn.cache.base import InPlaceKVCache
@@ -326,11 +327,17 @@ def test_a_plan_prepares_once_for_every_layer(case, backend, monkeypatch):
             pytest.skip(why)
     want = [paged_attention(*a, scale=0.3 + i, backend=backend, **kw) for i, a in enumerate(layers)]
     calls = _spy_backend_plans(monkeypatch)
+    built = []  # each layer's PagedCall is built once, the first layer's included
+    layer_call = paged_plan.layer_call
+    monkeypatch.setattr(
+        paged_plan, "layer_call", lambda *a, **k: built.append(1) or layer_call(*a, **k)
+    )
     plan = PagedAttentionPlan(table, seq_lens)
     for i, args in enumerate(layers):
         got = paged_attention(*args, scale=0.3 + i, backend=backend, plan=plan, **kw)
         assert torch.equal(got, want[i]), f"layer {i}"
     assert len(calls) == 1, calls
+    assert len(built) == L, f"{len(built)} PagedCalls built for {L} layers"
 
 
 def test_a_plan_checks_its_tensors_and_each_layout():

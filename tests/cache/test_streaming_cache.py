@@ -331,3 +331,24 @@ def test_paged_cache_positions_rerotate_pages_as_they_shift(page_size):
     assert kv.dropped(seq) > 0
     actual = torch.cat(actual, 1)
     assert_close_to_reference(actual, torch.cat(rows_oracle, 1), torch.cat(rows_naive, 1))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("paged", [False, True])
+def test_diffllama_streaming_cache_holds_its_paired_values(paged):
+    """DiffLlama's values are 2·head_dim wide (nn.DiffAttention): the streaming caches hold
+    them, and before any eviction decoding equals the full forward."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DiffLlamaConfig(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_hidden_layers=2,
+    ).to_dict()  # fmt: skip
+    torch.manual_seed(7)
+    model = Llama.from_config(config).eval()
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    full = model(ids)
+    cache = model.make_cache("streaming", 1, n_sink=2, window=4, paged=paged)
+    steps = [model(ids[:, :3], cache=cache)] + [
+        model(ids[:, i : i + 1], cache=cache) for i in (3, 4, 5)
+    ]
+    assert_close_to_reference(torch.cat(steps, 1), full.double(), full)

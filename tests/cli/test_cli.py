@@ -640,6 +640,7 @@ def _saved_config(tmp_path, family: str, drop=(), **kwargs) -> Path:
         "mistral": transformers.MistralConfig,
         "gemma2": transformers.Gemma2Config,
         "qwen2": transformers.Qwen2Config,
+        "diffllama": transformers.DiffLlamaConfig,
     }[family]
     base = {"n_layer": 3, "n_head": 4, "n_embd": 32, "vocab_size": 50} if family == "gpt2" else TINY
     config = cls(**{**base, **kwargs})
@@ -744,6 +745,53 @@ def test_kv_size_config_dtype_text_config_and_overrides(capsys, tmp_path):
     from selfattn.cache import kv_cache_bytes
 
     assert json.loads(out)["bytes"] == kv_cache_bytes(3, 2, 64, 4096, "int8")
+
+
+def _selfattn_cache_bytes(folder: Path, kind: str, **kw) -> int:
+    """Bytes of K and V storage in selfattn's own cache of the model built from ``folder``'s
+    config (fp32): a ``"static"`` cache of TOKENS tokens, or ``kind`` with ``kw``."""
+    from selfattn.models.decoder import Llama
+
+    config = json.loads((folder / "config.json").read_text())
+    model = Llama.from_config(config)
+    cache = model.make_cache(kind, 1, TOKENS if kind == "static" else None, dtype=torch.float32,
+                             **kw)  # fmt: skip
+    if kind == "streaming":
+        return cache.memory_bytes
+    return sum(t.nbytes for layer in cache.layers for t in (layer.k, layer.v))
+
+
+def test_kv_size_diffllama_caches_paired_values(capsys, tmp_path):
+    """DiffLlama: selfattn's one-call layer caches V of 2·head_dim (nn.DiffAttention), so its
+    cache is 1.5x transformers' (which keeps V of head_dim): kv-size gives selfattn's, and
+    says so."""
+    folder = _saved_config(tmp_path, "diffllama", num_hidden_layers=3)
+    theirs, _ = _transformers_cache_bytes(folder)
+    argv = ["kv-size", "--config", str(folder), "--tokens", str(TOKENS), "--dtype", "fp32"]
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["bytes"] == _selfattn_cache_bytes(folder, "static") == 3 * theirs // 2
+    assert result["model"]["value_dim"] == 2 * result["model"]["head_dim"]
+    rc, text, _ = run(capsys, *argv)
+    assert "1.5x the cache of transformers'" in text
+
+
+@pytest.mark.parametrize("family", ["llama", "diffllama"])
+def test_kv_size_streaming_equals_the_streaming_cache(capsys, tmp_path, family):
+    """--streaming W --n-sink N: every layer holds N + W tokens whatever --tokens, as the
+    model's make_cache("streaming") allocates; --n-sink alone and MLA are refused."""
+    folder = _saved_config(tmp_path, family, num_hidden_layers=2)
+    ours = _selfattn_cache_bytes(folder, "streaming", n_sink=3, window=7)
+    for tokens in ("5", "100000"):
+        argv = ["kv-size", "--config", str(folder), "--streaming", "7", "--n-sink", "3"]
+        rc, out, err = run(capsys, *argv, "--tokens", tokens, "--dtype", "fp32", "--json")
+        assert rc == 0, err
+        assert json.loads(out)["bytes"] == ours
+    rc, _, err = run(capsys, "kv-size", "--n-sink", "3")
+    assert rc == 2 and "give --streaming" in err
+    rc, _, err = run(capsys, "kv-size", "--preset", "deepseek-v3", "--streaming", "8")
+    assert rc == 2 and "no StreamingLLM policy" in err
 
 
 @pytest.mark.parametrize(

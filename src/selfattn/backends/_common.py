@@ -102,7 +102,7 @@ def unattended_columns_zeroed(
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
 
 
-def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, inplace=False):
     """``(out', lse')`` of attention whose rows also have the learned sink logit of their head in
     the softmax denominator, from ``(out, lse)`` computed without it: exact, not an approximation.
 
@@ -113,13 +113,16 @@ def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     and ``sinks`` (the backends whose lse has gradients run sinks this way, a ring merges them
     once after its blocks): ``d sink = -Σ (1 - w) · (rowsum(dO' ∘ O') - dlse')``, the sink's
     weight times ``-Δ`` of the flash backward. Rows with ``lse' = -inf`` (no key, sink ``-inf``)
-    keep output 0 with zero gradients.
+    keep output 0 with zero gradients. ``inplace``: scale ``out`` itself (a backend's fresh
+    output that autograd does not track; one pass less over it).
     """
     acc = lse.dtype
     s = sinks.to(acc).view(1, -1, 1)  # (Hq,) -> (1, Hq, 1)
     merged = torch.logaddexp(lse, s)
     dead = merged == -math.inf  # both -inf: exp(-inf - -inf) would be NaN
     w = torch.exp(lse.masked_fill(dead, 0) - merged.masked_fill(dead, 0)).masked_fill(dead, 0)
+    if inplace:  # computed in acc, rounded once into out's dtype (type promotion)
+        return out.mul_(w.unsqueeze(-1)), merged
     return (out.to(acc) * w.unsqueeze(-1)).to(out.dtype), merged  # one rounding, as the kernels'
 
 
@@ -135,7 +138,7 @@ def run_with_sinks(run, *args):
     it where their key splits merge)."""
     call = args[-1]
     out, lse = run(*args[:-1], sinkless(call))
-    out, lse = merge_sinks(out, lse, call.sinks)
+    out, lse = merge_sinks(out, lse, call.sinks, inplace=not needs_grad([out, lse, call.sinks]))
     return out, (lse if call.return_lse else None)
 
 

@@ -326,6 +326,18 @@ class _Setup:
         self._sizes.update({"m": rows, "l": rows})
         self.masked, self.modded = call.mask is not None, call.score_mod is not None
         self.keyed = plan.keyed
+        # base-2 sink logit of each query head (None: no sinks), and its (B·Hkv, R, 1) row views
+        self.sink2 = None if call.sinks is None else call.sinks.detach().to(self.cd) * LOG2E
+        self._sink_rows = {}
+
+    def sink_rows(self, tq):
+        """The base-2 sink of each row of a ``tq``-row query tile as ``(B·Hkv, G·tq, 1)``."""
+        rows = self._sink_rows.get(tq)
+        if rows is None:
+            s5 = self.sink2.view(1, self.Hkv, self.G, 1, 1)
+            rows = s5.expand(self.B, self.Hkv, self.G, tq, 1).reshape(self.BH, self.G * tq, 1)
+            self._sink_rows[tq] = rows
+        return rows
 
     def guarded(self, i) -> bool:
         """Whether a row of query tile ``i`` may see only ``-inf`` scores in its first chunk.
@@ -524,6 +536,9 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True, s
     if need_lse:
         lse = torch.full((B, st.Hq, Sq), -math.inf, dtype=cd, device=st.device)
         stats = (torch.zeros_like(lse), torch.ones_like(lse))  # (m2, l) of rows with no key
+        if st.sink2 is not None:  # a row with no key: lse = sink, m2 = sink (0 if -inf), l = 1
+            lse.copy_(st.sink2.view(1, -1, 1).expand_as(lse))
+            stats[0].copy_(lse.masked_fill(lse == -math.inf, 0.0))
         tiles = [t.view(B, Hkv, G, Sq).split(st.bq, dim=3) for t in (lse, *stats)]
 
     for i0, i1, p0, p1 in plan.groups:
@@ -537,6 +552,9 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True, s
             R = qt.shape[1]
             ot = st.buf("o", BH, R, Dv)
             mt, lt = st.buf("m", BH, R, 1), st.buf("l", BH, R, 1)
+            # The sink starts each row's online softmax (m0 = sink, l0 = 1, o0 = 0: it is one
+            # more key with no value), so no pass over the output merges it afterwards.
+            sink = None if st.sink2 is None else st.sink_rows(R // G)
             for n, (c0, c1, parts) in enumerate(chunks):
                 if fast:
                     kc, vc = st.k3.narrow(1, c0, c1 - c0), st.v3.narrow(1, c0, c1 - c0)
@@ -552,10 +570,14 @@ def _forward(q, k, v, call: AttentionCall, plan: _Plan, need_lse: bool = True, s
                 #    that s - m and m_old - m_new never compute -inf - -inf
                 if n == 0:
                     torch.amax(s, -1, keepdim=True, out=mt)
+                    if sink is not None:
+                        torch.maximum(mt, sink, out=mt)
                     if st.guarded(i):
                         mt.clamp_min_(lowest)
                     s.sub_(mt).exp2_()
                     torch.sum(s, -1, keepdim=True, out=lt)
+                    if sink is not None:  # a -inf sink adds 0
+                        lt.add_(torch.sub(sink, mt).exp2_())
                 else:
                     m_new = torch.maximum(s.amax(-1, keepdim=True), mt)
                     rescale = torch.sub(mt, m_new).exp2_()
@@ -742,7 +764,7 @@ class _ChunkedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, call, plan, safe, *mod_inputs):
+    def forward(ctx, q, k, v, call, plan, safe, sinks, *mod_inputs):
         out, lse2, (m2, l), safe = _forward_exact(q, k, v, call, plan, True, safe)
         ctx.call, ctx.plan, ctx.safe = call, plan, safe
         ctx.save_for_backward(q, k, v, out, m2, l, *mod_inputs)
@@ -752,11 +774,27 @@ class _ChunkedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, m2, l, *mod_inputs = ctx.saved_tensors
-        mod_inputs = [t if ctx.needs_input_grad[6 + j] else None for j, t in enumerate(mod_inputs)]
+        mod_inputs = [t if ctx.needs_input_grad[7 + j] else None for j, t in enumerate(mod_inputs)]
+        call = ctx.call
         dq, dk, dv, mod_grads = _backward(
-            dout, dlse, q, k, v, out, (m2, l), ctx.call, ctx.plan, mod_inputs, ctx.safe
+            dout, dlse, q, k, v, out, (m2, l), call, ctx.plan, mod_inputs, ctx.safe
         )
-        return dq, dk, dv, None, None, None, *mod_grads
+        dsinks = None
+        if ctx.needs_input_grad[6]:
+            dsinks = _sink_grad(dout, dlse, out, m2, l, call.sinks)
+        return dq, dk, dv, None, None, None, dsinks, *mod_grads
+
+
+def _sink_grad(dout, dlse, out, m2, l, sinks):
+    """``d sinks (Hq,) = -Σ_{b, rows} p_sink · Δ``: the sink is a key with no value, so its score
+    gets ``dS = P ∘ (dP − Δ)`` with ``dP = 0``; ``p_sink = 2^(sink2 - m2) / l`` from the row
+    statistics the sink started (``Δ = rowsum(dO ∘ O) − dlse``)."""
+    cd = m2.dtype
+    delta = (dout.to(cd) * out.to(cd)).sum(-1)  # (B, Hq, Sq)
+    if dlse is not None:
+        delta = delta - dlse.to(cd)
+    p_sink = torch.exp2(sinks.detach().to(cd).view(1, -1, 1) * LOG2E - m2) / l
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
 
 
 def _mod_inputs(call: AttentionCall) -> tuple[torch.Tensor, ...]:
@@ -778,7 +816,9 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
     tile boundaries at small sizes. Any positive ints are valid. ``exact``: go straight to the
     exact path for NaN/Inf (other backends hand such inputs here, known to be non-finite).
     """
-    if call.sinks is not None:  # merged after the tiles, from the lse (_common.merge_sinks)
+    if call.sinks is not None and not bool((call.sinks < math.inf).all()):
+        # +inf / NaN sinks: merged after the tiles, from the lse (_common.merge_sinks states
+        # what they give); finite and -inf sinks start each row's softmax (_forward)
         tiles = {"block_q": block_q, "block_k": block_k, "max_chunk": max_chunk}
         return run_with_sinks(functools.partial(run, **tiles, exact=exact), q, k, v, call)
     B, Hq, Sq, _ = q.shape
@@ -805,7 +845,7 @@ def run(q, k, v, call: AttentionCall, block_q=None, block_k=None, max_chunk=None
     plan = _plan(grid, Sq, Sk, bk, kc)
     mod_inputs = _mod_inputs(call)
     if grad_needed(q, k, v, call):
-        out, lse = _ChunkedAttention.apply(q, k, v, call, plan, exact, *mod_inputs)
+        out, lse = _ChunkedAttention.apply(q, k, v, call, plan, exact, call.sinks, *mod_inputs)
     else:
         out, lse2, _, _ = _forward_exact(q, k, v, call, plan, call.return_lse, exact)
         lse = None if lse2 is None else lse2 * LN2

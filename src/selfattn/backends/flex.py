@@ -14,13 +14,17 @@ a FlexAttention ``BlockMask`` given as ``mask=`` runs as it is, blocks and ``mas
 shapes: the first call compiles for its shape, a second shape recompiles once with symbolic
 sizes, later sizes reuse that kernel (``Sq = 1``, new head dims, dtypes, masks and score mods
 still compile anew: a few seconds each on CPU). A case whose symbolic-size kernel fails to build
-falls back to static shapes (one kernel per shape) for the rest of the process. Past Dynamo's
-recompile limit (8 kernels per process) torch runs FlexAttention uncompiled: correct, but slow
-and O(Sq·Sk) in memory.
+falls back to static shapes (one kernel per shape) for the rest of the process. Dynamo counts its
+recompile limit per code object, past which torch would run FlexAttention uncompiled (correct,
+but slow and O(Sq·Sk) in memory, and a hand-made BlockMask then follows eager's rule): each
+kernel signature calls it through a function of its own (``_case_function``), and a case that
+still reaches the limit is compiled afresh, logged once (``_call_compiled``).
 
 Limits (see :func:`_reject`): CPU needs torch >= 2.6 and an AVX2 x86 CPU, runs float32 / float16 /
 bfloat16, has no backward and no log-sum-exp; CUDA needs head dims >= 16. Dropout is not
-available. Empty rows give output 0 (and lse ``-inf`` where lse is available).
+available. Empty rows give output 0 (and lse ``-inf`` where lse is available). Learned sinks:
+merged through the lse on CUDA (``_common.merge_sinks``); on CPU, which has no lse, one more key
+column with zero K/V whose score is the sink (``_sink_column_call``), exact and inference only.
 
 Non-finite values: FlexAttention computes ``P V`` over whole blocks, so NaN/Inf in V at a masked
 key inside a partial block leaks through ``0 · NaN``, and it turns a NaN query row into 0; the
@@ -30,12 +34,15 @@ result is checked and such calls redone (``_common.fused_or_exact``, which state
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import os
 import sys
 import threading
+import types
 
 import torch
 
@@ -58,8 +65,9 @@ from selfattn.backends._common import (
     run_with_sinks,
     sinkless,
 )
-from selfattn.masks import Mask, _callable_failure, _evaluate
+from selfattn.masks import FULL, PARTIAL, Mask, _callable_failure, _evaluate
 from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
+from selfattn.scores import Compose, ScoreMod
 
 BLOCK = FLEX_BLOCK  # FlexAttention's default sparse block size; its kernels tile inside it
 _CACHE_SIZE = 16  # block masks kept (each holds O(B·Hq·n_q·n_k) int32 indices and its mask)
@@ -86,14 +94,65 @@ def _features() -> dict[str, bool]:
 
 
 @functools.cache
-def _compiled(dynamic: bool | None = None):
+def _compiled(dynamic: bool | None = None, case: tuple | None = None):
     """The compiled ``flex_attention``, made on first use.
 
     ``dynamic=None`` (automatic dynamic shapes) is the default; ``dynamic=False`` (one kernel per
     shape) is the fallback for cases whose dynamic-shape kernel fails to build (see ``_run``).
+    ``case``: ``(kernel signature, generation)``, which gets a function of its own (below); None
+    compiles ``flex_attention`` itself.
     """
     _raise_recompile_limit()
-    return torch.compile(_api().flex_attention, dynamic=dynamic)
+    fn = _api().flex_attention if case is None else _case_function(next(_CASE_NUMBERS))
+    return torch.compile(fn, dynamic=dynamic)
+
+
+# Dynamo keeps its compiled kernels and counts its recompile limit per *code object*: had every
+# case shared flex_attention's, a long process (many masks, score mods, dtypes, head dims) would
+# pass the limit and from then on run FlexAttention uncompiled, silently. Each kernel signature
+# (_signature) therefore calls flex_attention through a function with a code object of its own,
+# so that only its own shapes count against its limit.
+_CASE_NUMBERS = itertools.count()
+
+
+def _case_function(n: int):
+    """``flex_attention`` behind a fresh code object (named ``flex_attention_case_<n>``)."""
+    flex_attention = _api().flex_attention
+
+    def case(q, k, v, **kwargs):
+        return flex_attention(q, k, v, **kwargs)
+
+    code = case.__code__.replace(co_name=f"flex_attention_case_{n}")
+    return types.FunctionType(code, case.__globals__, code.co_name, None, case.__closure__)
+
+
+# Generation of each kernel signature's function: a case that still passes Dynamo's recompile
+# limit (one signature recompiled for too many shapes) starts over with a new function, logged.
+_GENERATIONS: dict = {}
+
+
+def _call_compiled(mode, signature, q, k, v, kwargs):
+    """The case's compiled kernel on ``q, k, v``; past the recompile limit, a fresh one (WARNING,
+    logged once) instead of Dynamo's silent fallback to uncompiled FlexAttention."""
+    if torch.compiler.is_compiling():  # inside a user's compiled graph: its cache and rules
+        return _compiled(mode)(q, k, v, **kwargs)
+    generation = _GENERATIONS.get(signature, 0)
+    fn = _compiled(mode, (signature, generation))
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return fn(q, k, v, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _GENERATIONS[signature] = generation + 1
+        log_once(
+            ("flex recompile limit",),
+            logging.WARNING,
+            "selfattn flex: torch.compile's recompile limit (%s) was reached for one FlexAttention "
+            "case (%s, %s); compiling it afresh rather than running it uncompiled (logged once)",
+            torch._dynamo.config.recompile_limit,
+            q.dtype,
+            q.device.type,
+        )
+        return _compiled(mode, (signature, generation + 1))(q, k, v, **kwargs)
 
 
 # Dynamo compiles ``flex_attention`` once per mask/score-mod code, dtype and head dim; all of
@@ -176,6 +235,14 @@ def _cpu_reason() -> str | None:
 
 def _reject(q, k, v, call: AttentionCall) -> str | None:
     if call.sinks is not None:
+        if q.device.type == "cpu":  # no lse on CPU: the sink is one more key column
+            if grad_needed(q, k, v, call):
+                return (
+                    "FlexAttention has no backward on CPU (inference only) and this call needs "
+                    "gradients (sinks included); use chunked, or run under torch.no_grad()"
+                )
+            reason = _reject(q, k, v, dataclasses.replace(call, sinks=None))
+            return None if reason is None else f"sinks run as one more key column: {reason}"
         reason = _reject(q, k, v, sinkless(call))
         return None if reason is None else f"sinks are merged through the lse: {reason}"
     if _api() is None:
@@ -331,12 +398,85 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
     return k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
 
 
+# -- sinks as a key column (CPU: its kernel returns no lse to merge them through) ---------------
+
+
+class _SinkColumn(Mask):
+    """``inner`` over keys ``0 .. Sk-1``, and key column ``Sk`` (the sink's) attended by every
+    row. ``Sk`` is a 0-d tensor, so that a new length (the next decode step) reuses the kernel."""
+
+    def __init__(self, inner: Mask, Sk: int, col: torch.Tensor):
+        self.inner, self.Sk, self.col = inner, Sk, col
+
+    def children(self) -> tuple[Mask, ...]:
+        return (self.inner,)
+
+    def _with_children(self, parts):
+        return _SinkColumn(parts[0], self.Sk, self.col)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        inside = self.inner.mask_mod(b, h, q_idx, torch.minimum(kv_idx, self.col - 1))
+        return inside | (kv_idx == self.col)
+
+    def tile_kinds(self, grid, B=1, H=1):
+        inner = self.inner.tile_kinds(dataclasses.replace(grid, Sk=self.Sk), B, H)
+        inner = inner.reshape((1,) * (4 - inner.dim()) + tuple(inner.shape))
+        if grid.n_k > inner.shape[-1]:  # the sink column starts a tile of its own: FULL
+            last = torch.full_like(inner[..., -1:], int(FULL))
+            return torch.cat([inner, last], dim=-1)
+        # the sink column joins the last tile: no longer EMPTY (FULL stays FULL)
+        return torch.cat([inner[..., :-1], inner[..., -1:].clamp_min(int(PARTIAL))], dim=-1)
+
+    def validate(self, B, H, Sq, Sk, q_offset):
+        self.inner.validate(B, H, Sq, self.Sk, q_offset)
+
+    def _batch_heads(self):
+        return self.inner._batch_heads()
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r} | sink column {self.Sk}"
+
+
+class _SinkScore(ScoreMod):
+    """The sink's logit as the score of key column ``col`` (a 0-d tensor), every other score
+    as it is."""
+
+    def __init__(self, sinks: torch.Tensor, col: torch.Tensor):
+        self.sinks, self.col = sinks, col
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx == self.col, self.sinks[h].to(score.dtype), score)
+
+    def tensors(self):
+        return (self.sinks,)
+
+    def __repr__(self) -> str:
+        return "sink column"
+
+
+def _sink_column_call(q, k, v, call: AttentionCall):
+    """``(k', v', call')``: the sinks as one more key (zero K and V, score ``sinks[h]``, attended
+    by every row): exact, ``softmax`` over the keys and the sink with nothing added to the
+    output, without the lse that CPU FlexAttention cannot return."""
+    B, Hkv, Sk, _ = k.shape
+    col = torch.tensor(Sk, device=q.device)
+    k1 = torch.cat([k, k.new_zeros(B, Hkv, 1, k.shape[3])], dim=2)
+    v1 = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[3])], dim=2)
+    mask = None if call.mask is None else _SinkColumn(call.mask, Sk, col)
+    sink = _SinkScore(call.sinks, col)
+    mod = sink if call.score_mod is None else Compose(call.score_mod, sink)
+    return k1, v1, dataclasses.replace(call, sinks=None, mask=mask, score_mod=mod)
+
+
 # -- run ---------------------------------------------------------------------------------------
 
 
 def _run(q, k, v, call: AttentionCall):
-    if call.sinks is not None:  # merged after the kernel, from its lse (_common.merge_sinks)
-        return run_with_sinks(_run, q, k, v, call)
+    if call.sinks is not None:
+        if q.device.type == "cpu":  # one more key column (_sink_column_call)
+            k, v, call = _sink_column_call(q, k, v, call)
+            return _run(q, k, v, call)
+        return run_with_sinks(_run, q, k, v, call)  # merged after the kernel, from its lse
     if not torch.is_grad_enabled():
         # CPU FlexAttention refuses inputs that merely require grad, even under no_grad.
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -359,7 +499,9 @@ def _attend(q, k, v, call: AttentionCall):
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     block_mask = None
-    if call.mask is not None:
+    if isinstance(call.mask, _SinkColumn):  # made per call: nothing to cache it by
+        block_mask = build_block_mask(call.mask, B, Hq, Sq, Sk, call.q_offset, q.device)
+    elif call.mask is not None:
         block_mask = _block_masks.get(call.mask, B, Hq, Sq, Sk, call.q_offset, q.device)
     kwargs = {"block_mask": block_mask, "scale": call.scale}
     if call.score_mod is not None:
@@ -377,7 +519,7 @@ def _attend(q, k, v, call: AttentionCall):
     modes = (False,) if signature in _STATIC_ONLY else (None, False)
     for mode in modes:
         try:
-            result = _compiled(mode)(q, k, v, **kwargs)
+            result = _call_compiled(mode, signature, q, k, v, kwargs)
             break
         except Exception as e:
             if _callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised

@@ -37,6 +37,7 @@ class Timing:
     first_call_s: float
     runs: int
     result: object = None  # what the last timed call returned
+    best_s: float | None = None  # the fastest timed call: on a loaded host, noise only adds time
 
     @property
     def warmup_s(self) -> float:
@@ -65,12 +66,19 @@ def time_call(fn: Callable[[], object], repeat: int = 5, budget_s: float = 30.0)
 
 
 def time_pair(
-    fn_a: Callable[[], object], fn_b: Callable[[], object], repeat: int = 5, budget_s: float = 30.0
+    fn_a: Callable[[], object],
+    fn_b: Callable[[], object],
+    repeat: int = 5,
+    budget_s: float = 30.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[Timing, Timing]:
-    """Time two calls interleaved (a, b, a, b, ...) so that drifting machine load hits both alike.
+    """Time two calls interleaved (a, b, b, a, a, b, ...: each goes first in every other round) so
+    that drifting machine load hits both alike.
 
     Each side gets one untimed warm-up call first (its compile cost is reported as ``warmup_s``).
     Rounds stop early, after at least two, once they have used ``2 · budget_s`` seconds.
+    ``clock``: wall time by default; ``time.thread_time`` with one torch thread times the work
+    alone, which a loaded shared machine's descheduling leaves out.
     """
     firsts, results = [], [None, None]
     for fn in (fn_a, fn_b):
@@ -79,14 +87,15 @@ def time_pair(
         firsts.append(time.perf_counter() - t0)
     times: tuple[list[float], list[float]] = ([], [])
     while len(times[0]) < repeat:
-        for i, fn in enumerate((fn_a, fn_b)):
-            t0 = time.perf_counter()
-            results[i] = fn()
-            times[i].append(time.perf_counter() - t0)
+        order = (0, 1) if len(times[0]) % 2 == 0 else (1, 0)
+        for i in order:
+            t0 = clock()
+            results[i] = (fn_a, fn_b)[i]()
+            times[i].append(clock() - t0)
         if len(times[0]) >= 2 and sum(times[0]) + sum(times[1]) > 2 * budget_s:
             break
     return tuple(
-        Timing(statistics.median(ts), first, len(ts), res)
+        Timing(statistics.median(ts), first, len(ts), res, best_s=min(ts))
         for ts, first, res in zip(times, firsts, results)
     )
 

@@ -138,7 +138,10 @@ class KVShape:
     ``value_dim``: V's width when it differs from ``head_dim``. Multi-head latent attention
     sets ``kv_lora_rank`` and ``rope_dim``: the cache then holds one latent row of ``kv_lora_rank
     + rope_dim`` per token and layer (:func:`latent_cache_bytes`), and ``kv_heads`` ×
-    (``head_dim``, ``value_dim``) describe the equivalent per-head cache (:meth:`mha_bytes`)."""
+    (``head_dim``, ``value_dim``) describe the equivalent per-head cache (:meth:`mha_bytes`).
+    ``stream_sinks`` / ``stream_window``: a StreamingLLM cache (:class:`~selfattn.cache.
+    StreamingCache`, ``make_cache("streaming", n_sink=, window=)``) on every layer, which
+    holds ``stream_sinks + stream_window`` tokens at any length (allocated up front)."""
 
     layers: int
     kv_heads: int
@@ -150,6 +153,13 @@ class KVShape:
     value_dim: int | None = None
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
+    stream_sinks: int | None = None
+    stream_window: int | None = None
+
+    @property
+    def streaming(self) -> bool:
+        """Whether every layer holds a StreamingLLM cache (``stream_window`` set)."""
+        return self.stream_window is not None
 
     @property
     def latent(self) -> bool:
@@ -168,10 +178,12 @@ class KVShape:
     def mha_bytes(self, tokens: int, dtype, batch: int = 1) -> int:
         """Bytes of the per-head cache of ``kv_heads`` K/V heads (for a latent cache: the cache
         its heads would need without the latent compression)."""
-        full = self.layers - self.sliding_layers
         size = lambda layers, n: kv_cache_bytes(  # noqa: E731
             layers, self.kv_heads, self.head_dim, n, dtype, batch=batch, value_dim=self.value_dim
         )
+        if self.streaming:  # sinks + window slots on every layer, whatever the length
+            return size(self.layers, (self.stream_sinks or 0) + self.stream_window)
+        full = self.layers - self.sliding_layers
         total = size(full, tokens) if full else 0
         if self.sliding_layers:
             total += size(self.sliding_layers, min(tokens, self.sliding_window))
@@ -226,6 +238,9 @@ def kv_shape_from_config(config: Mapping) -> KVShape:
             )
         head_dim = width // heads
     window, sliding = _sliding(config, layers)
+    # DiffLlama: selfattn's layer attends once with the paired values of width 2·head_dim
+    # (nn.DiffAttention), so its caches hold V twice as wide as K: 1.5x transformers' cache.
+    value_dim = 2 * head_dim if model == "diffllama" else None
     return KVShape(
         layers=_count(layers, "layers"),
         kv_heads=_count(kv_heads, "kv_heads"),
@@ -234,6 +249,7 @@ def kv_shape_from_config(config: Mapping) -> KVShape:
         sliding_window=window,
         sliding_layers=sliding,
         dtype=_checkpoint_dtype(config),
+        value_dim=value_dim,
     )
 
 

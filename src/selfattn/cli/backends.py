@@ -128,9 +128,16 @@ def add_parser(subparsers):
         "ask for one feature (masks, score mods, GQA, dropout, grad, lse, dtypes, device)",
     )
     p.add_argument(
+        "--variants",
+        action="store_true",
+        help="instead of one case, print which backend (dense and paged) runs each attention "
+        "variant (sinks, softcap, MLA, differential attention, QK-norm, Llama-4's chunks, the "
+        "StreamingLLM cache), forward and backward",
+    )
+    p.add_argument(
         "--markdown",
         action="store_true",
-        help="with --matrix: print the matrix as a Markdown table (the README's is this output)",
+        help="with --matrix or --variants: print a Markdown table (the README's are this output)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run, subparser=p)
@@ -158,6 +165,23 @@ def _case_tensors(shape, dtype, device, grad: bool, generator):
             t = torch.empty(shape[-1], dtype=dtype, device=device).expand(shape)
             note = "inputs too large to allocate: stride-0 views stand in (strides differ)"
     return t.requires_grad_(grad) if t.is_leaf else t, note
+
+
+def _run_variants(args) -> int:
+    from selfattn.inspect.backend_matrix import variants_markdown, variants_matrix
+
+    matrix = variants_matrix()
+    if args.json:
+        _common.print_json(matrix)
+        return _common.EXIT_OK
+    print(variants_markdown(matrix))
+    if not args.markdown:
+        print(
+            "\nfwd+bwd: forward and backward; fwd: inference only; bold: auto's pick; paged: "
+            "selfattn.cache.paged_attention (decode); probed on this machine (CPU, fp32); "
+            "`selfattn backends --matrix` and `explain` give each backend's reasons"
+        )
+    return _common.EXIT_OK
 
 
 def _run_matrix(args) -> int:
@@ -208,6 +232,8 @@ def _run_matrix(args) -> int:
 def run(args) -> int:
     if args.matrix:
         return _run_matrix(args)
+    if args.variants:
+        return _run_variants(args)
     import torch
 
     import selfattn as sa

@@ -1,7 +1,9 @@
 """``selfattn kv-size``: KV cache memory of a model shape (:func:`selfattn.cache.kv_cache_bytes`)
 per token, per sequence, with MHA/GQA/MQA and other storage dtypes; for multi-head latent
 attention (a ``kv_lora_rank`` config, or ``--kv-lora-rank``/``--rope-dim``) the latent cache
-(:func:`selfattn.cache.latent_cache_bytes`) and its ratio to the per-head caches."""
+(:func:`selfattn.cache.latent_cache_bytes`) and its ratio to the per-head caches; DiffLlama's
+paired values (``value_dim = 2 · head_dim``); a StreamingLLM cache (``--streaming W``,
+``--n-sink N``: ``N + W`` tokens per layer at any length)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ _MLA_PRESETS = {
 
 
 _MLA_ROPE_DIM = 64  # DeepSeek-V2/V3's qk_rope_head_dim
+_STREAM_SINKS = 4  # make_cache("streaming")'s n_sink, the paper's
 
 
 def _kv_dtype(text: str) -> str:
@@ -104,6 +107,19 @@ def add_parser(subparsers):
         help="multi-head latent attention: cache one latent of R (+ --rope-dim) per token",
     )
     p.add_argument("--rope-dim", type=positive, metavar="DR", help="MLA's rope key (default 64)")
+    p.add_argument(
+        "--streaming",
+        type=positive,
+        metavar="W",
+        help="a StreamingLLM cache on every layer: --n-sink sink tokens plus a window of W, "
+        "whatever --tokens (make_cache('streaming'))",
+    )
+    p.add_argument(
+        "--n-sink",
+        type=_common.int_at_least(0),
+        metavar="N",
+        help=f"StreamingLLM's sink tokens (default {_STREAM_SINKS}; needs --streaming)",
+    )
     p.add_argument("--tokens", type=positive, default=4096, metavar="T", help="default 4096")
     p.add_argument("--batch", type=positive, default=1, metavar="B", help="default 1")
     p.add_argument(
@@ -148,6 +164,16 @@ def _shape(args):
         args.subparser.error("--rope-dim sizes a latent cache: give --kv-lora-rank too")
     if shape.sliding_layers > shape.layers:  # --layers below the config's windowed layers
         shape = dataclasses.replace(shape, sliding_layers=shape.layers)
+    if args.streaming is not None:
+        if shape.latent:
+            args.subparser.error(
+                "--streaming: the latent (MLA) caches have no StreamingLLM policy; drop "
+                "--streaming or --kv-lora-rank"
+            )
+        sinks = _STREAM_SINKS if args.n_sink is None else args.n_sink
+        shape = dataclasses.replace(shape, stream_sinks=sinks, stream_window=args.streaming)
+    elif args.n_sink is not None:
+        args.subparser.error("--n-sink sizes a StreamingLLM cache: give --streaming W too")
     return shape
 
 
@@ -163,8 +189,10 @@ def run(args) -> int:
     T, B = args.tokens, args.batch
     dtype = args.dtype or shape.dtype or "bf16"
 
-    def size(kv_heads=Hkv, tokens=T, dt=dtype, batch=B, latent=shape.latent) -> int:
+    def size(kv_heads=Hkv, tokens=T, dt=dtype, batch=B, latent=shape.latent, stream=True) -> int:
         s = dataclasses.replace(shape, kv_heads=kv_heads)
+        if not stream:  # what one cached token costs
+            s = dataclasses.replace(s, stream_sinks=None, stream_window=None)
         return s.bytes(tokens, dt, batch=batch) if latent else s.mha_bytes(tokens, dt, batch)
 
     model = {"preset": args.preset, "layers": L, "heads": Hq, "kv_heads": Hkv, "head_dim": D}
@@ -185,7 +213,10 @@ def run(args) -> int:
             a["ratio"] = a["bytes"] / total
         attention.insert(0, latent)
         model |= {"kv_lora_rank": shape.kv_lora_rank, "rope_dim": shape.rope_dim}
+    if shape.value_dim is not None:
         model |= {"value_dim": shape.value_dim}
+    if shape.streaming:
+        model |= {"n_sink": shape.stream_sinks, "streaming_window": shape.stream_window}
     storage = [
         {"dtype": d, "bytes": size(dt=d), "vs_16bit": size(dt=d) / size(dt="bf16")}
         for d in ("fp32", "bf16", "int8", "fp8")
@@ -195,7 +226,7 @@ def run(args) -> int:
         "tokens": T,
         "batch": B,
         "dtype": dtype,
-        "bytes_per_token": size(tokens=1, batch=1),
+        "bytes_per_token": size(tokens=1, batch=1, stream=False),
         "bytes": total,
         "attention": attention,
         "storage": storage,
@@ -216,11 +247,22 @@ def run(args) -> int:
             f"{fmt(result['bytes_per_token'])} per token"
         )
     else:
+        dv = "" if shape.value_dim is None else f", values of {shape.value_dim}"
         out.line(
-            f"{name}{L} layers, {Hkv} KV heads of dimension {D} ({Hq} query heads), {dtype}: "
-            f"{fmt(result['bytes_per_token'])} per token"
+            f"{name}{L} layers, {Hkv} KV heads of dimension {D}{dv} ({Hq} query heads), "
+            f"{dtype}: {fmt(result['bytes_per_token'])} per token"
         )
-    if shape.sliding_layers:
+    if args.config is not None and args.config.get("model_type") == "diffllama":
+        out.line(
+            "DiffLlama: selfattn caches the paired values (2 x head_dim wide) its one attention "
+            "call reads: 1.5x the cache of transformers' layer, which keeps V of head_dim"
+        )
+    if shape.streaming:
+        out.line(
+            f"StreamingLLM: every layer keeps {shape.stream_sinks} sink tokens + the last "
+            f"{shape.stream_window:,} tokens, whatever the length"
+        )
+    elif shape.sliding_layers:
         out.line(
             f"{shape.sliding_layers} of the {L} layers keep only the last "
             f"{shape.sliding_window:,} tokens (sliding window)"

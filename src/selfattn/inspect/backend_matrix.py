@@ -3,8 +3,12 @@
 ``capability_matrix()`` changes one feature at a time (a mask, a score mod, GQA, dropout,
 gradients, a dtype, the device) of one small base case and records, per backend, ``None`` (it can
 run) or its reason, and what ``auto`` picks. ``matrix_markdown()`` lays it out as the README's
-table (``selfattn backends --matrix --markdown``). ``backend_availability()`` is each backend's
-verdict on one plain case on this machine (``selfattn info``).
+table (``selfattn backends --matrix --markdown``). ``variants_matrix()`` / ``variants_markdown()``
+do the same for the attention variants of today's open models (sinks, softcap, MLA, differential
+attention, QK-norm, chunked local layers, the StreamingLLM cache), dense and paged, forward and
+backward (``selfattn backends --variants --markdown``, the README's "Variants" table).
+``backend_availability()`` is each backend's verdict on one plain case on this machine
+(``selfattn info``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,14 @@ import torch
 
 from selfattn import backends, masks, scores
 
-__all__ = ["PROBE", "backend_availability", "capability_matrix", "matrix_markdown"]
+__all__ = [
+    "PROBE",
+    "backend_availability",
+    "capability_matrix",
+    "matrix_markdown",
+    "variants_markdown",
+    "variants_matrix",
+]
 
 # The base case: B=1, Hq=4, Sq=Sk=33, D=16, fp32, CPU, causal, no grad; each probe changes one
 # feature of it, and each backend's reject() gives the verdict.
@@ -102,6 +113,112 @@ def matrix_markdown(matrix: dict) -> str:
                 for n in names
             ]
         lines.append(f"| {f['feature']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- the variants (issue 15): what each dense and paged backend runs, forward and backward -------
+
+# The variant probes' sizes: MLA's latent of R plus its rope key of DR (D = R + DR, Dv = R on the
+# absorbed path; K of NOPE + DR and V of R per head on the naive one), a StreamingLLM cache of
+# N_SINK sinks and a window of WINDOW, Llama-4's chunks of CHUNK, the paged probe's page size.
+_R, _DR, _NOPE, _N_SINK, _WINDOW, _CHUNK, _PAGE = 16, 8, 16, 4, 8, 8, 16
+
+
+def _variant_cases() -> list[tuple[str, dict | None, dict | None]]:
+    """``(variant, dense change, paged change)`` to the base probe (causal prefill; decode, one
+    query per sequence, for the paged call); None where the variant has no such call."""
+    m, D = masks, PROBE["D"]
+    streaming = m.causal() & (m.padding(_N_SINK) | m.sliding_window(_WINDOW))
+    paged_streaming = m.causal() & (
+        m.padding(_N_SINK) | (~m.padding(torch.tensor([0])) & m.sliding_window(_WINDOW))
+    )
+    softcap, chunks = {"score_mod": scores.softcap(20.0)}, {"mask": m.chunked(_CHUNK)}
+    absorbed, diff = {"Hkv": 1, "D": _R + _DR, "Dv": _R}, {"Hkv": 2, "Dv": 2 * D}
+    return [
+        ("learned sinks (gpt-oss)", {"sinks": True}, {"sinks": True}),
+        ("softcap (Gemma-2)", softcap, softcap),
+        ("MLA, naive order (prefill, training)", {"D": _NOPE + _DR, "Dv": _R}, None),
+        ("MLA, absorbed order (decode: one latent head)", absorbed | {"Sq": 1, "mask": None},
+         absorbed),
+        ("differential attention (DiffLlama: V of 2·D)", diff, diff),
+        ("QK-norm, query temperature (plain call)", {}, {}),
+        ("chunked local layers (Llama-4)", chunks, chunks),
+        ("StreamingLLM cache (sinks + window)", {"mask": streaming}, {"mask": paged_streaming}),
+    ]  # fmt: skip
+
+
+def _variant_verdicts(change: dict, paged: bool) -> dict:
+    """``{"auto", "fwd", "bwd"}``: auto's pick and each backend's reason (None: runs) without and
+    with gradients for one variant's call."""
+    B, Hq, S, D = PROBE.values()
+    c = {"Hkv": Hq, "Sq": S, "D": D, "Dv": D, "mask": masks.causal()} | change
+    explanations = []
+    for grad in (False, True):
+        g = _gen()
+        kw = {"mask": c["mask"]} if c["mask"] is not None else {}
+        if "score_mod" in c:
+            kw["score_mod"] = c["score_mod"]
+        if c.get("sinks"):
+            kw["sinks"] = torch.randn(Hq, generator=g).requires_grad_(grad)
+        if paged:
+            q = torch.randn(B, Hq, 1, c["D"], generator=g)
+            n_pages = -(-S // _PAGE)
+            k = torch.randn(n_pages, _PAGE, c["Hkv"], c["D"], generator=g)
+            v = torch.randn(n_pages, _PAGE, c["Hkv"], c["Dv"], generator=g)
+            table = torch.arange(n_pages, dtype=torch.int32).view(1, -1)
+            lens = torch.tensor([S], dtype=torch.int32)
+            for t in (q, k, v):
+                t.requires_grad_(grad)
+            e = backends.explain_paged(q, k, v, table, lens, print_table=False, **kw)
+        else:
+            q = torch.randn(B, Hq, c["Sq"], c["D"], generator=g).requires_grad_(grad)
+            k = torch.randn(B, c["Hkv"], S, c["D"], generator=g).requires_grad_(grad)
+            v = torch.randn(B, c["Hkv"], S, c["Dv"], generator=g).requires_grad_(grad)
+            e = backends.explain(q, k, v, print_table=False, **kw)
+        explanations.append(e)
+    fwd, bwd = explanations
+    return {"auto": fwd.chosen, "fwd": fwd.reasons, "bwd": bwd.reasons}
+
+
+def variants_matrix() -> dict:
+    """Per variant, each dense and paged backend's verdict on its call (CPU, fp32), without and
+    with gradients: ``{"probe", "backends", "paged_backends", "variants": [{"variant",
+    "dense", "paged"}]}`` with ``{"auto", "fwd", "bwd"}`` reasons (None: runs) or None where the
+    variant has no such call."""
+    variants = []
+    for label, dense, paged in _variant_cases():
+        variants.append({
+            "variant": label,
+            "dense": None if dense is None else _variant_verdicts(dense, paged=False),
+            "paged": None if paged is None else _variant_verdicts(paged, paged=True),
+        })  # fmt: skip
+    return {
+        "probe": PROBE,
+        "backends": sorted(backends.names()),
+        "paged_backends": sorted(backends.registry("paged").names()),
+        "variants": variants,
+    }
+
+
+def _variant_cell(verdicts: dict | None, name: str) -> str:
+    if verdicts is None:
+        return "–"
+    fwd, bwd = verdicts["fwd"].get(name) is None, verdicts["bwd"].get(name) is None
+    cell = "fwd+bwd" if fwd and bwd else ("fwd" if fwd else "no")
+    return f"**{cell}**" if verdicts["auto"] == name else cell
+
+
+def variants_markdown(matrix: dict) -> str:
+    """The variants matrix as a Markdown table: ``fwd+bwd`` / ``fwd`` (inference only) / ``no``
+    per backend (``paged:`` the ``paged_attention`` backends, decode), auto's pick in bold, ``–``
+    where the variant has no such call."""
+    dense, paged = matrix["backends"], matrix["paged_backends"]
+    heads = [f"`{n}`" for n in dense] + [f"paged `{n}`" for n in paged]
+    lines = ["| variant | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+    for v in matrix["variants"]:
+        cells = [_variant_cell(v["dense"], n) for n in dense]
+        cells += [_variant_cell(v["paged"], n) for n in paged]
+        lines.append(f"| {v['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

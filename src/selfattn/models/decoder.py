@@ -527,7 +527,8 @@ class CausalLM(nn.Module):
         c, w = self.config, self.lm_head.weight
         pages = StreamingPagedKV.pages_needed(n_sink, window, page_size, step)
         kv = StreamingPagedKV(
-            c.n_layers, batch * pages, page_size, c.n_kv_heads, c.head_dim, n_sink=n_sink,
+            c.n_layers, batch * pages, page_size, c.n_kv_heads, c.head_dim, c.value_dim,
+            n_sink=n_sink,
             window=window, positions=positions, rope=self.rope, max_seqs=batch,
             max_pages_per_seq=pages, dtype=dtype or w.dtype, device=w.device,
         )  # fmt: skip
@@ -546,7 +547,7 @@ class CausalLM(nn.Module):
         positive_int(batch, "make_cache batch")
         c, w = self.config, self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
-        shape = (c.n_kv_heads, c.head_dim)
+        shape = (c.n_kv_heads, c.head_dim, c.value_dim)  # DiffLlama's values are 2·head_dim
         kw = {"positions": positions, "rope": self.rope, **fk}
         layers = [StreamingCache(batch, n_sink, window, *shape, **kw) for _ in range(c.n_layers)]
         return StreamingCaches(layers, w.device)

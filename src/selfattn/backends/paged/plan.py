@@ -25,6 +25,8 @@ there the plan trusts that they do not change while it is used (build one per st
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from selfattn.backends import registry
@@ -77,10 +79,11 @@ class PagedAttentionPlan:
             self._values_checked.clear()
             self._versions = versions
         hit = self._prepared.get(key)
-        if hit is None:
-            hit = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales,
-                                backend, return_lse, sinks)  # fmt: skip
+        if hit is None:  # the layer's call comes with it, planned: not built a second time
+            hit, call = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales,
+                                      v_scales, backend, return_lse, sinks)  # fmt: skip
             self._prepared[key] = hit
+            return hit[2], call
         _, _, chosen, mask_obj, mod_obj, planned = hit
         call = layer_call(
             q,
@@ -106,7 +109,8 @@ class PagedAttentionPlan:
         return t._version, n._version
 
     def _prepare(self, q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, backend,
-                 return_lse, sinks) -> tuple:  # fmt: skip
+                 return_lse, sinks) -> tuple[tuple, PagedCall]:  # fmt: skip
+        """``(entry of _prepared, this layer's planned PagedCall)``."""
         args = (q, k_pages, v_pages, self.block_table, self.seq_lens)
         _check(*args)
         shape = (k_pages.shape[0], k_pages.shape[1], q.shape[2])  # (N, P, Sq)
@@ -128,7 +132,8 @@ class PagedAttentionPlan:
         )
         chosen, _ = registry("paged").select(*args, call, backend=backend)
         planned = None if chosen.plan is None else chosen.plan(*args, call)
-        return mask, score_mod, chosen, mask_obj, mod_obj, planned
+        entry = (mask, score_mod, chosen, mask_obj, mod_obj, planned)
+        return entry, dataclasses.replace(call, planned=planned)
 
     def __repr__(self) -> str:
         return (
