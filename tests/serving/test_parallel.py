@@ -139,6 +139,11 @@ def _one_page_bytes(folder) -> int:
     return kv_cache_bytes(c.n_layers, c.n_kv_heads // W, c.head_dim, P, "fp32")
 
 
+# The collectives' timeout in the engine test: long enough for a step of the tiny model on a
+# loaded 2-core host (5 s timed out there), short enough that idling past it costs little.
+STEP_TIMEOUT_S = 12
+
+
 def test_engine_on_two_processes_equals_one_and_closes(folders, tp_engine):
     requests = _requests(seed=3)
     prompts, params = zip(*requests)
@@ -147,14 +152,14 @@ def test_engine_on_two_processes_equals_one_and_closes(folders, tp_engine):
     # 16 pages per rank, at most 5 sequences and 12-token steps: preemption and chunked
     # prefill; n = 2 forks share pages until a write copies them on every rank.
     tp = tp_engine(kv_cache_bytes=16 * _one_page_bytes(folders["llama"]), max_num_seqs=5,
-                   max_batch_tokens=12, timeout_s=5)  # fmt: skip
+                   max_batch_tokens=12, timeout_s=STEP_TIMEOUT_S)  # fmt: skip
     assert tp.world_size == W and tp.kv.k_store.shape[3] == one.kv.k_store.shape[3] // W
     got = _tokens(tp.generate(list(prompts), list(params)))
     assert got == want
     assert tp.metrics.preemptions > 0, "the pool was meant to force preemption"
     assert tp.metrics.cached_prompt_tokens > 0, "no prefix was reused"
     # Idle longer than the collectives' timeout: the heartbeat keeps the worker waiting.
-    time.sleep(6)
+    time.sleep(STEP_TIMEOUT_S + 1)
     assert _tokens(tp.generate(list(prompts[:3]), list(params[:3]))) == want[:3]
     tp.check()
     tp.close()
