@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from selfattn.kernels.triton.paged import _interpreted, _pow2
+from selfattn.kernels.triton.paged import _interpreted, _online_softmax_step, _pow2
 
 __all__ = [
     "BLOCKS",
@@ -182,11 +182,7 @@ def _scores(
 ):  # fmt: skip
     """The modded score in natural units ``(M, N)`` float32, and ``tanh`` of the soft cap's
     argument (for the backward's ``1 - t²``; zeros without a cap)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * scale
+    s = _mma(q, tl.trans(k), IEEE) * scale
     if ALIBI:  # -slope[h] · |i - j| on absolute positions
         dist = tl.abs((q_offset + rows)[:, None] - cols[None, :]).to(tl.float32)
         s = s - slope * dist
@@ -212,6 +208,41 @@ def _allowed(rows_lo, rows_hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS: tl.conste
     return ok
 
 
+@triton.jit
+def _mma(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in float32: IEEE float32 products under ``IEEE`` (float32 inputs,
+    the interpreter), else tensor cores on ``b``'s dtype (``a``, weights in float32, cast)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _load_block(BASE, idx, s_idx, width, LIMIT: tl.constexpr, idx_ok, IEEE: tl.constexpr):
+    """Rows ``idx`` (stride ``s_idx``) by columns ``width`` (contiguous, ``< LIMIT``) of a
+    tensor, zeros outside; float32 under ``IEEE``."""
+    x = tl.load(BASE + idx[:, None] * s_idx + width[None, :],
+                mask=idx_ok[:, None] & (width[None, :] < LIMIT), other=0.0)  # fmt: skip
+    if IEEE:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib, q_offset,
+              BLOCK_M: tl.constexpr, HAS_IDS: tl.constexpr, ALIBI: tl.constexpr):  # fmt: skip
+    """A query block's mask and mod data: key bounds ``lo, hi``, document ids, ALiBi slope."""
+    lo = tl.load(LO + b * s_lb + rows, mask=row_ok, other=0)
+    hi = tl.load(HI + b * s_lb + rows, mask=row_ok, other=0)
+    ids_q = tl.zeros([BLOCK_M], tl.int32)
+    if HAS_IDS:
+        ids_q = tl.load(IDS + b * s_ib + q_offset + rows, mask=row_ok, other=-2)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    return lo, hi, ids_q, slope
+
+
 @triton.jit(do_not_specialize=_FREE)
 def _attn_fwd(
     Q, K, V, O, LSE, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
@@ -232,20 +263,9 @@ def _attn_fwd(
     row_ok = rows < Sq
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + d[None, :],
-        mask=row_ok[:, None] & (d[None, :] < D), other=0.0,
-    )  # fmt: skip
-    if IEEE:
-        q = q.to(tl.float32)
-    lo = tl.load(LO + b * s_lb + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + b * s_lb + rows, mask=row_ok, other=0)
-    ids_q = tl.zeros([BLOCK_M], tl.int32)
-    if HAS_IDS:
-        ids_q = tl.load(IDS + b * s_ib + q_offset + rows, mask=row_ok, other=-2)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + h).to(tl.float32)
+    q = _load_block(Q + b * s_qb + h * s_qh, rows, s_qm, d, D, row_ok, IEEE)
+    lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
+                                     q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
     K_bh = K + b * s_kb + kvh * s_kh
     V_bh = V + b * s_vb + kvh * s_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -258,31 +278,21 @@ def _attn_fwd(
         masked = t >= n_full
         cols = tl.load(ORDER + pid_m * s_o + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < Sk
-        k = tl.load(K_bh + cols[:, None] * s_kn + d[None, :],
-                    mask=col_ok[:, None] & (d[None, :] < D), other=0.0)  # fmt: skip
-        v = tl.load(V_bh + cols[:, None] * s_vn + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
+        k = _load_block(K_bh, cols, s_kn, d, D, col_ok, False)
+        v = _load_block(V_bh, cols, s_vn, dv, DV, col_ok, False)
         s, _ = _scores(q, k, rows, cols, b, h, slope, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk,
                        scale, softcap, ALIBI, HAS_BIAS, SOFTCAP, IEEE, q_offset)  # fmt: skip
         s = s * 1.4426950408889634  # base 2 from here on
         if masked:
             ok = _allowed(lo, hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS)
             s = tl.where(ok, s, float("-inf"))
-        # -- update running max and sum (a row with nothing allowed yet keeps max -inf)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # -- update running max and sum
+        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
         if DROPOUT:  # l (and so lse) is the undropped normaliser
             keep = _dropout_keep(seed_word, b, h, q_offset + rows, cols, p_drop)
             p = tl.where(keep, p / (1.0 - p_drop), 0.0)
         # -- weighted V rows
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _mma(p, v, IEEE)
         m_i = m_new
     # -- normalise; a row with no allowed key gives 0 and lse -inf, never NaN
     seen = l_i > 0
@@ -314,10 +324,7 @@ def _bwd_tile(
         ok = _allowed(lo, hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS)
         s = tl.where(ok, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])  # lse2 = +inf on empty rows: weight 0
-    if IEEE:
-        dp = tl.dot(do, tl.trans(v.to(tl.float32)), input_precision="ieee")
-    else:
-        dp = tl.dot(do, tl.trans(v))
+    dp = _mma(do, tl.trans(v), IEEE)
     p_v = p
     if DROPOUT:
         keep = _dropout_keep(seed_word, b, h, q_offset + rows, cols, p_drop)
@@ -337,13 +344,8 @@ def _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob, s_oh, s_om
     row_ok = rows < Sq
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qm + d[None, :],
-                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)  # fmt: skip
-    do = tl.load(DO + b * s_ob + h * s_oh + rows[:, None] * s_om + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
-    if IEEE:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_block(Q + b * s_qb + h * s_qh, rows, s_qm, d, D, row_ok, IEEE)
+    do = _load_block(DO + b * s_ob + h * s_oh, rows, s_om, dv, DV, row_ok, IEEE)
     lse = tl.load(LSE + (b * Hq + h) * Sq + rows, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + (b * Hq + h) * Sq + rows, mask=row_ok, other=0.0)
@@ -373,22 +375,14 @@ def _attn_bwd_dkdv(
     col_ok = cols < Sk
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * s_kb + kvh * s_kh + cols[:, None] * s_kn + d[None, :],
-                mask=col_ok[:, None] & (d[None, :] < D), other=0.0)  # fmt: skip
-    v = tl.load(V + b * s_vb + kvh * s_vh + cols[:, None] * s_vn + dv[None, :],
-                mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
-    if IEEE:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_block(K + b * s_kb + kvh * s_kh, cols, s_kn, d, D, col_ok, IEEE)
+    v = _load_block(V + b * s_vb + kvh * s_vh, cols, s_vn, dv, DV, col_ok, IEEE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     n_full = tl.load(COUNTS + pid_n * 2)
     n_part = tl.load(COUNTS + pid_n * 2 + 1)
     for g in range(0, G):
         h = kvh * G + g
-        slope = 0.0
-        if ALIBI:
-            slope = tl.load(SLOPES + h).to(tl.float32)
         for t in range(0, n_full + n_part):
             masked = t >= n_full
             rows = tl.load(ORDER + pid_n * s_o + t) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -396,27 +390,17 @@ def _attn_bwd_dkdv(
             q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm,
                                             s_ob, s_oh, s_om, Sq, Hq, D, DV, BLOCK_D,
                                             BLOCK_DV, IEEE)  # fmt: skip
-            lo = tl.load(LO + b * s_lb + rows, mask=row_ok, other=0)
-            hi = tl.load(HI + b * s_lb + rows, mask=row_ok, other=0)
-            ids_q = tl.zeros([BLOCK_M], tl.int32)
-            if HAS_IDS:
-                ids_q = tl.load(IDS + b * s_ib + q_offset + rows, mask=row_ok, other=-2)
+            lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb,
+                                             s_ib, q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
             p_v, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi,
                                 ids_q, masked, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq,
                                 Sk, q_offset, scale, softcap, p_drop, seed_word, HAS_IDS,
                                 ALIBI, HAS_BIAS, SOFTCAP, DROPOUT, IEEE)  # fmt: skip
             # -- dV += P_dropᵀ dO, dK += dSᵀ q (· scale at the end)
-            if IEEE:
-                dv_acc += tl.dot(tl.trans(p_v), do, input_precision="ieee")
-                dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
-            else:
-                dv_acc += tl.dot(tl.trans(p_v.to(do.dtype)), do)
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dv_acc += _mma(tl.trans(p_v), do, IEEE)
+            dk += _mma(tl.trans(ds), q, IEEE)
             if ATOMIC_DQ:
-                if IEEE:
-                    dq = tl.dot(ds, k, input_precision="ieee")
-                else:
-                    dq = tl.dot(ds.to(k.dtype), k)
+                dq = _mma(ds, k, IEEE)
                 tl.atomic_add(DQ + ((b * Hq + h) * Sq + rows[:, None]) * BLOCK_D + d[None, :],
                               dq * scale, mask=row_ok[:, None])  # fmt: skip
     tl.store(DK + b * s_kb + kvh * s_kh + cols[:, None] * s_kn + d[None, :],
@@ -450,14 +434,8 @@ def _attn_bwd_dq(
     dv = tl.arange(0, BLOCK_DV)
     q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob,
                                     s_oh, s_om, Sq, Hq, D, DV, BLOCK_D, BLOCK_DV, IEEE)  # fmt: skip
-    lo = tl.load(LO + b * s_lb + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + b * s_lb + rows, mask=row_ok, other=0)
-    ids_q = tl.zeros([BLOCK_M], tl.int32)
-    if HAS_IDS:
-        ids_q = tl.load(IDS + b * s_ib + q_offset + rows, mask=row_ok, other=-2)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + h).to(tl.float32)
+    lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
+                                     q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = tl.load(COUNTS + pid_m * 2)
     n_part = tl.load(COUNTS + pid_m * 2 + 1)
@@ -465,21 +443,13 @@ def _attn_bwd_dq(
         masked = t >= n_full
         cols = tl.load(ORDER + pid_m * s_o + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < Sk
-        k = tl.load(K + b * s_kb + kvh * s_kh + cols[:, None] * s_kn + d[None, :],
-                    mask=col_ok[:, None] & (d[None, :] < D), other=0.0)  # fmt: skip
-        v = tl.load(V + b * s_vb + kvh * s_vh + cols[:, None] * s_vn + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
-        if IEEE:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_block(K + b * s_kb + kvh * s_kh, cols, s_kn, d, D, col_ok, IEEE)
+        v = _load_block(V + b * s_vb + kvh * s_vh, cols, s_vn, dv, DV, col_ok, IEEE)
         _, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q,
                           masked, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset,
                           scale, softcap, p_drop, seed_word, HAS_IDS, ALIBI, HAS_BIAS,
                           SOFTCAP, DROPOUT, IEEE)  # fmt: skip
-        if IEEE:
-            dq += tl.dot(ds, k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+        dq += _mma(ds, k, IEEE)
     tl.store(DQ + b * s_qb + h * s_qh + rows[:, None] * s_qm + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (d[None, :] < D))  # fmt: skip

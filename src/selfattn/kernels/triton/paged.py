@@ -70,6 +70,19 @@ def _weighted_sum_attended(p, v, allowed):
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, s):
+    """One tile of the online softmax on base-2 scores ``s (M, N)``: ``(m_new, p, alpha, l)``,
+    the new running max, the tile's weights ``2^(s - m_new)``, the factor that rescales what
+    came before, and the new running sum. A row with nothing allowed yet keeps max -inf and
+    weight 0, never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_keys(
     q, lo, hi, start, stop, b, kvh,
     K, V, BT, KS, VS,
@@ -117,12 +130,7 @@ def _attend_keys(
         s = s * qk_scale
         allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        # -- update running max and sum (a row with nothing allowed yet keeps max -inf)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
         # -- weighted V rows
         if EXACT:
             pv = _weighted_sum_attended(p, v, allowed)
