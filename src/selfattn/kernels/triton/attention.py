@@ -243,9 +243,46 @@ def _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib, q_offset,
     return lo, hi, ids_q, slope
 
 
+@triton.jit
+def _fwd_range(
+    acc, m_i, l_i, t0, t1, ORDER_ROW, q, rows, lo, hi, ids_q, slope, b, h, K_bh, V_bh,
+    s_kn, s_vn, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset, scale, softcap,
+    p_drop, seed_word,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_IDS: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over list entries ``[t0, t1)`` of a query block: FULL tiles
+    (``MASKED`` False: no mask work at all) or PARTIAL ones (the mask evaluated here). Two
+    loops, not one with a branch, so that each is a plain loop the compiler pipelines."""
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    for t in range(t0, t1):
+        cols = tl.load(ORDER_ROW + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < Sk
+        k = _load_block(K_bh, cols, s_kn, d, D, col_ok, False)
+        v = _load_block(V_bh, cols, s_vn, dv, DV, col_ok, False)
+        s, _ = _scores(q, k, rows, cols, b, h, slope, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk,
+                       scale, softcap, ALIBI, HAS_BIAS, SOFTCAP, IEEE, q_offset)  # fmt: skip
+        s = s * 1.4426950408889634  # base 2 from here on
+        if MASKED:
+            ok = _allowed(lo, hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS)
+            s = tl.where(ok, s, float("-inf"))
+        # -- update running max and sum
+        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
+        if DROPOUT:  # l (and so lse) is the undropped normaliser
+            keep = _dropout_keep(seed_word, b, h, q_offset + rows, cols, p_drop)
+            p = tl.where(keep, p / (1.0 - p_drop), 0.0)
+        # -- weighted V rows
+        acc = acc * alpha[:, None] + _mma(p, v, IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=_FREE)
 def _attn_fwd(
-    Q, K, V, O, LSE, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
+    Q, K, V, O, LSE, SCHED, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
     s_lb, s_ib, s_bb, s_bh, s_bm, s_bn, s_o,
     Sq, Sk, Hq, G, q_offset, scale, softcap, p_drop, seed_word,
@@ -254,7 +291,7 @@ def _attn_fwd(
     HAS_IDS: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     DROPOUT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
+    pid_m = tl.load(SCHED + tl.program_id(0))  # the query blocks with most tiles go first
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -274,26 +311,14 @@ def _attn_fwd(
     n_full = tl.load(COUNTS + pid_m * 2)
     n_part = tl.load(COUNTS + pid_m * 2 + 1)
     # -- FULL tiles first (no mask work), then PARTIAL ones (the mask evaluated here)
-    for t in range(0, n_full + n_part):
-        masked = t >= n_full
-        cols = tl.load(ORDER + pid_m * s_o + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < Sk
-        k = _load_block(K_bh, cols, s_kn, d, D, col_ok, False)
-        v = _load_block(V_bh, cols, s_vn, dv, DV, col_ok, False)
-        s, _ = _scores(q, k, rows, cols, b, h, slope, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk,
-                       scale, softcap, ALIBI, HAS_BIAS, SOFTCAP, IEEE, q_offset)  # fmt: skip
-        s = s * 1.4426950408889634  # base 2 from here on
-        if masked:
-            ok = _allowed(lo, hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS)
-            s = tl.where(ok, s, float("-inf"))
-        # -- update running max and sum
-        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
-        if DROPOUT:  # l (and so lse) is the undropped normaliser
-            keep = _dropout_keep(seed_word, b, h, q_offset + rows, cols, p_drop)
-            p = tl.where(keep, p / (1.0 - p_drop), 0.0)
-        # -- weighted V rows
-        acc = acc * alpha[:, None] + _mma(p, v, IEEE)
-        m_i = m_new
+    for MASKED in tl.static_range(2):
+        acc, m_i, l_i = _fwd_range(
+            acc, m_i, l_i, n_full * MASKED, n_full + n_part * MASKED, ORDER + pid_m * s_o, q,
+            rows, lo, hi, ids_q, slope, b, h, K_bh, V_bh, s_kn, s_vn, IDS, s_ib, BIAS, s_bb,
+            s_bh, s_bm, s_bn, Sq, Sk, q_offset, scale, softcap, p_drop, seed_word, D, DV,
+            BLOCK_D, BLOCK_DV, BLOCK_N, MASKED == 1, HAS_IDS, ALIBI, HAS_BIAS, SOFTCAP, DROPOUT,
+            IEEE,
+        )  # fmt: skip
     # -- normalise; a row with no allowed key gives 0 and lse -inf, never NaN
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -306,7 +331,7 @@ def _attn_fwd(
 
 @triton.jit
 def _bwd_tile(
-    q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q, masked,
+    q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q, MASKED: tl.constexpr,
     IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset, scale, softcap, p_drop, seed_word,
     HAS_IDS: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     DROPOUT: tl.constexpr, IEEE: tl.constexpr,
@@ -320,7 +345,7 @@ def _bwd_tile(
     s, t = _scores(q, k, rows, cols, b, h, slope, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk,
                    scale, softcap, ALIBI, HAS_BIAS, SOFTCAP, IEEE, q_offset)  # fmt: skip
     s = s * 1.4426950408889634
-    if masked:
+    if MASKED:
         ok = _allowed(lo, hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS)
         s = tl.where(ok, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])  # lse2 = +inf on empty rows: weight 0
@@ -352,9 +377,44 @@ def _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob, s_oh, s_om
     return q, do, lse2, delta
 
 
+@triton.jit
+def _dkdv_range(
+    dk, dv_acc, t0, t1, ORDER_ROW, k, v, cols, b, h, Q, DO, LSE, DELTA, DQ, LO, HI, IDS, BIAS,
+    SLOPES, s_qb, s_qh, s_qm, s_ob, s_oh, s_om, s_lb, s_ib, s_bb, s_bh, s_bm, s_bn, Sq, Sk, Hq,
+    q_offset, scale, softcap, p_drop, seed_word,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HAS_IDS: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of a key block over the query blocks of list entries ``[t0, t1)`` of head ``h``
+    (FULL ones, or PARTIAL ones with ``MASKED``)."""
+    d = tl.arange(0, BLOCK_D)
+    for t in range(t0, t1):
+        rows = tl.load(ORDER_ROW + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < Sq
+        q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob,
+                                        s_oh, s_om, Sq, Hq, D, DV, BLOCK_D, BLOCK_DV,
+                                        IEEE)  # fmt: skip
+        lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
+                                         q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
+        p_v, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q,
+                            MASKED, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset,
+                            scale, softcap, p_drop, seed_word, HAS_IDS, ALIBI, HAS_BIAS,
+                            SOFTCAP, DROPOUT, IEEE)  # fmt: skip
+        # -- dV += P_dropᵀ dO, dK += dSᵀ q (· scale at the end)
+        dv_acc += _mma(tl.trans(p_v), do, IEEE)
+        dk += _mma(tl.trans(ds), q, IEEE)
+        if ATOMIC_DQ:
+            dq = _mma(ds, k, IEEE)
+            tl.atomic_add(DQ + ((b * Hq + h) * Sq + rows[:, None]) * BLOCK_D + d[None, :],
+                          dq * scale, mask=row_ok[:, None])  # fmt: skip
+    return dk, dv_acc
+
+
 @triton.jit(do_not_specialize=_FREE)
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV_, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV_, SCHED, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
     s_lb, s_ib, s_bb, s_bh, s_bm, s_bn, s_o,
     Sq, Sk, Hq, G, q_offset, scale, softcap, p_drop, seed_word,
@@ -366,7 +426,7 @@ def _attn_bwd_dkdv(
     """dK, dV of one key block of one kv head: its ``G`` query heads' blocks in turn (from the
     per-key-block lists), summed in registers. ``ATOMIC_DQ``: also add each tile's dQ share to
     the float32 ``DQ`` with atomics (else the dQ pass computes it)."""
-    pid_n = tl.program_id(0)
+    pid_n = tl.load(SCHED + tl.program_id(0))  # the key blocks with most tiles go first
     pid_bh = tl.program_id(1)
     Hkv = Hq // G
     b = pid_bh // Hkv
@@ -383,26 +443,15 @@ def _attn_bwd_dkdv(
     n_part = tl.load(COUNTS + pid_n * 2 + 1)
     for g in range(0, G):
         h = kvh * G + g
-        for t in range(0, n_full + n_part):
-            masked = t >= n_full
-            rows = tl.load(ORDER + pid_n * s_o + t) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = rows < Sq
-            q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm,
-                                            s_ob, s_oh, s_om, Sq, Hq, D, DV, BLOCK_D,
-                                            BLOCK_DV, IEEE)  # fmt: skip
-            lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb,
-                                             s_ib, q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
-            p_v, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi,
-                                ids_q, masked, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq,
-                                Sk, q_offset, scale, softcap, p_drop, seed_word, HAS_IDS,
-                                ALIBI, HAS_BIAS, SOFTCAP, DROPOUT, IEEE)  # fmt: skip
-            # -- dV += P_dropᵀ dO, dK += dSᵀ q (· scale at the end)
-            dv_acc += _mma(tl.trans(p_v), do, IEEE)
-            dk += _mma(tl.trans(ds), q, IEEE)
-            if ATOMIC_DQ:
-                dq = _mma(ds, k, IEEE)
-                tl.atomic_add(DQ + ((b * Hq + h) * Sq + rows[:, None]) * BLOCK_D + d[None, :],
-                              dq * scale, mask=row_ok[:, None])  # fmt: skip
+        # -- FULL tiles first (no mask work), then PARTIAL ones
+        for MASKED in tl.static_range(2):
+            dk, dv_acc = _dkdv_range(
+                dk, dv_acc, n_full * MASKED, n_full + n_part * MASKED, ORDER + pid_n * s_o, k,
+                v, cols, b, h, Q, DO, LSE, DELTA, DQ, LO, HI, IDS, BIAS, SLOPES, s_qb, s_qh,
+                s_qm, s_ob, s_oh, s_om, s_lb, s_ib, s_bb, s_bh, s_bm, s_bn, Sq, Sk, Hq,
+                q_offset, scale, softcap, p_drop, seed_word, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                MASKED == 1, HAS_IDS, ALIBI, HAS_BIAS, SOFTCAP, DROPOUT, IEEE, ATOMIC_DQ,
+            )  # fmt: skip
     tl.store(DK + b * s_kb + kvh * s_kh + cols[:, None] * s_kn + d[None, :],
              (dk * scale).to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (d[None, :] < D))  # fmt: skip
@@ -411,9 +460,35 @@ def _attn_bwd_dkdv(
              mask=col_ok[:, None] & (dv[None, :] < DV))  # fmt: skip
 
 
+@triton.jit
+def _dq_range(
+    dq, t0, t1, ORDER_ROW, q, do, lse2, delta, rows, lo, hi, ids_q, slope, b, h, K_bh, V_bh,
+    s_kn, s_vn, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset, scale, softcap,
+    p_drop, seed_word,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_IDS: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """dQ of a query block over the key blocks of list entries ``[t0, t1)``."""
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    for t in range(t0, t1):
+        cols = tl.load(ORDER_ROW + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < Sk
+        k = _load_block(K_bh, cols, s_kn, d, D, col_ok, IEEE)
+        v = _load_block(V_bh, cols, s_vn, dv, DV, col_ok, IEEE)
+        _, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q,
+                          MASKED, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset,
+                          scale, softcap, p_drop, seed_word, HAS_IDS, ALIBI, HAS_BIAS,
+                          SOFTCAP, DROPOUT, IEEE)  # fmt: skip
+        dq += _mma(ds, k, IEEE)
+    return dq
+
+
 @triton.jit(do_not_specialize=_FREE)
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
+    Q, K, V, DO, LSE, DELTA, DQ, SCHED, ORDER, COUNTS, LO, HI, IDS, BIAS, SLOPES,
     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
     s_lb, s_ib, s_bb, s_bh, s_bm, s_bn, s_o,
     Sq, Sk, Hq, G, q_offset, scale, softcap, p_drop, seed_word,
@@ -423,7 +498,7 @@ def _attn_bwd_dq(
     DROPOUT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block (the deterministic pass: no atomics), over the forward's lists."""
-    pid_m = tl.program_id(0)
+    pid_m = tl.load(SCHED + tl.program_id(0))
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -431,7 +506,6 @@ def _attn_bwd_dq(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
     d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
     q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob,
                                     s_oh, s_om, Sq, Hq, D, DV, BLOCK_D, BLOCK_DV, IEEE)  # fmt: skip
     lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
@@ -439,17 +513,14 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = tl.load(COUNTS + pid_m * 2)
     n_part = tl.load(COUNTS + pid_m * 2 + 1)
-    for t in range(0, n_full + n_part):
-        masked = t >= n_full
-        cols = tl.load(ORDER + pid_m * s_o + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < Sk
-        k = _load_block(K + b * s_kb + kvh * s_kh, cols, s_kn, d, D, col_ok, IEEE)
-        v = _load_block(V + b * s_vb + kvh * s_vh, cols, s_vn, dv, DV, col_ok, IEEE)
-        _, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q,
-                          masked, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset,
-                          scale, softcap, p_drop, seed_word, HAS_IDS, ALIBI, HAS_BIAS,
-                          SOFTCAP, DROPOUT, IEEE)  # fmt: skip
-        dq += _mma(ds, k, IEEE)
+    for MASKED in tl.static_range(2):
+        dq = _dq_range(
+            dq, n_full * MASKED, n_full + n_part * MASKED, ORDER + pid_m * s_o, q, do, lse2,
+            delta, rows, lo, hi, ids_q, slope, b, h, K + b * s_kb + kvh * s_kh,
+            V + b * s_vb + kvh * s_vh, s_kn, s_vn, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq,
+            Sk, q_offset, scale, softcap, p_drop, seed_word, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+            MASKED == 1, HAS_IDS, ALIBI, HAS_BIAS, SOFTCAP, DROPOUT, IEEE,
+        )  # fmt: skip
     tl.store(DQ + b * s_qb + h * s_qh + rows[:, None] * s_qm + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (d[None, :] < D))  # fmt: skip
@@ -512,13 +583,20 @@ def attention_triton_fwd(
                                     seed, q_offset)  # fmt: skip
     args.update(s_ob=out.stride(0), s_oh=out.stride(1), s_om=out.stride(2), s_o=kv_order.stride(0))
     blk = blocks("fwd", max(q.shape[3], Dv))
-    tensors = {"Q": q, "K": k, "V": v, "O": out, "LSE": lse, "ORDER": kv_order,
+    tensors = {"Q": q, "K": k, "V": v, "O": out, "LSE": lse, "SCHED": _schedule(kv_counts),
+               "ORDER": kv_order,
                "COUNTS": kv_counts, "LO": lo, "HI": hi, "IDS": _or(ids, lo),
                "BIAS": _or(bias, q), "SLOPES": _or(slopes, q)}  # fmt: skip
     grid = (math.ceil(Sq / block_m), B * Hq)
     _launch(_attn_fwd, grid, {**tensors, **args},
             {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}, blk)  # fmt: skip
     return out, lse
+
+
+def _schedule(counts: torch.Tensor) -> torch.Tensor:
+    """The order programs take their blocks in: most tiles first (a causal mask's last query
+    blocks), so that the long programs do not start last and leave the GPU idle at the end."""
+    return torch.argsort(counts.sum(1), descending=True, stable=True).to(torch.int32)
 
 
 def _or(t, other):
@@ -561,12 +639,14 @@ def attention_triton_bwd(
         dq_acc = torch.zeros(B, Hq, Sq, constexprs["BLOCK_D"], device=q.device,
                              dtype=torch.float32)  # fmt: skip
     _launch(_attn_bwd_dkdv, (math.ceil(Sk / block_n), B * Hkv),
-            {**common, "DQ": dq_acc, "DK": dk, "DV_": dv, "ORDER": q_order, "COUNTS": q_counts,
+            {**common, "DQ": dq_acc, "DK": dk, "DV_": dv, "SCHED": _schedule(q_counts),
+             "ORDER": q_order, "COUNTS": q_counts,
              **args, "s_o": q_order.stride(0)},
             {**constexprs, **sizes, "ATOMIC_DQ": not deterministic}, blk)  # fmt: skip
     if deterministic:
         _launch(_attn_bwd_dq, (math.ceil(Sq / block_m), B * Hq),
-                {**common, "DQ": dq, "ORDER": kv_order, "COUNTS": kv_counts, **args,
+                {**common, "DQ": dq, "SCHED": _schedule(kv_counts), "ORDER": kv_order,
+                 "COUNTS": kv_counts, **args,
                  "s_o": kv_order.stride(0)},
                 {**constexprs, **sizes}, blk)  # fmt: skip
     else:
