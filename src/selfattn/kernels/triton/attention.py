@@ -229,6 +229,18 @@ def _load_block(BASE, idx, s_idx, width, LIMIT: tl.constexpr, idx_ok, IEEE: tl.c
 
 
 @triton.jit
+def _kv_tile(ENTRY, K_bh, V_bh, s_kn, s_vn, Sk, D: tl.constexpr, DV: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+             IEEE: tl.constexpr):  # fmt: skip
+    """The key block a list entry names: its key indices ``cols``, K and V."""
+    cols = tl.load(ENTRY) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < Sk
+    k = _load_block(K_bh, cols, s_kn, tl.arange(0, BLOCK_D), D, col_ok, IEEE)
+    v = _load_block(V_bh, cols, s_vn, tl.arange(0, BLOCK_DV), DV, col_ok, IEEE)
+    return cols, k, v
+
+
+@triton.jit
 def _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib, q_offset,
               BLOCK_M: tl.constexpr, HAS_IDS: tl.constexpr, ALIBI: tl.constexpr):  # fmt: skip
     """A query block's mask and mod data: key bounds ``lo, hi``, document ids, ALiBi slope."""
@@ -256,13 +268,9 @@ def _fwd_range(
     """The online softmax over list entries ``[t0, t1)`` of a query block: FULL tiles
     (``MASKED`` False: no mask work at all) or PARTIAL ones (the mask evaluated here). Two
     loops, not one with a branch, so that each is a plain loop the compiler pipelines."""
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
     for t in range(t0, t1):
-        cols = tl.load(ORDER_ROW + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < Sk
-        k = _load_block(K_bh, cols, s_kn, d, D, col_ok, False)
-        v = _load_block(V_bh, cols, s_vn, dv, DV, col_ok, False)
+        cols, k, v = _kv_tile(ORDER_ROW + t, K_bh, V_bh, s_kn, s_vn, Sk, D, DV, BLOCK_D,
+                              BLOCK_DV, BLOCK_N, False)  # fmt: skip
         s, _ = _scores(q, k, rows, cols, b, h, slope, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk,
                        scale, softcap, ALIBI, HAS_BIAS, SOFTCAP, IEEE, q_offset)  # fmt: skip
         s = s * 1.4426950408889634  # base 2 from here on
@@ -471,13 +479,9 @@ def _dq_range(
     DROPOUT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dQ of a query block over the key blocks of list entries ``[t0, t1)``."""
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
     for t in range(t0, t1):
-        cols = tl.load(ORDER_ROW + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < Sk
-        k = _load_block(K_bh, cols, s_kn, d, D, col_ok, IEEE)
-        v = _load_block(V_bh, cols, s_vn, dv, DV, col_ok, IEEE)
+        cols, k, v = _kv_tile(ORDER_ROW + t, K_bh, V_bh, s_kn, s_vn, Sk, D, DV, BLOCK_D,
+                              BLOCK_DV, BLOCK_N, IEEE)  # fmt: skip
         _, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q,
                           MASKED, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset,
                           scale, softcap, p_drop, seed_word, HAS_IDS, ALIBI, HAS_BIAS,
