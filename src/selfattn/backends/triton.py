@@ -32,7 +32,7 @@ from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
 from selfattn.masks import TileGrid
 
-__all__ = ["run"]
+__all__ = ["COSTS", "cost", "plan", "reject", "run"]
 
 _INT32_MAX = (1 << 31) - 1
 _GOLDEN = 0x9E3779B9
@@ -45,8 +45,9 @@ def _interpreter() -> bool:
 
 def _seed_word(seed: int) -> int:
     """``dropout_keep``'s state after hashing the seed (its first line), as a signed int32 with
-    the same bits: the kernel goes on with b, h, positions (:mod:`~selfattn.backends._common`)."""
-    x = int(_fmix32(torch.tensor((seed & _M32) ^ (((seed >> 32) * _GOLDEN) & _M32))))
+    the same bits: the kernel goes on with b, h, positions (:mod:`~selfattn.backends._common`).
+    Python ints (``_fmix32`` takes them too): no tensor, no device work."""
+    x = _fmix32((seed & _M32) ^ (((seed >> 32) * _GOLDEN) & _M32))
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
@@ -153,7 +154,10 @@ def _intervals(interval, B, Sq, Sk, q_offset, device):
     return lo.contiguous(), hi.contiguous()
 
 
-def _attend(q, k, v, call: AttentionCall):
+def plan(q, k, v, call: AttentionCall) -> tuple:
+    """The arguments of ``torch.ops.selfattn.attention_triton_fwd`` for this call: the tile
+    lists, key intervals, ids, score-mod data and constants (what :func:`run` launches; the GPU
+    benchmark times the kernel alone with it)."""
     from selfattn.kernels.triton.attention import blocks, tile_lists
 
     B, Hq, Sq, D = q.shape
@@ -181,11 +185,15 @@ def _attend(q, k, v, call: AttentionCall):
         b_q, b_q_counts = tile_lists(kinds.T)
     else:
         b_kv = b_kv_counts = b_q = b_q_counts = kv_order.new_empty(0, 2)
-    out, lse = ops.attention_triton_fwd(
+    return (
         q, k, v, kv_order, kv_counts, b_kv, b_kv_counts, b_q, b_q_counts, lo, hi, ids, bias,
         slopes, call.scale, softcap, call.dropout_p, _seed_word(call.dropout_seed),
         call.q_offset, [fwd.m, fwd.n, bwd.m, bwd.n], torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
+
+
+def _attend(q, k, v, call: AttentionCall):
+    out, lse = ops.attention_triton_fwd(*plan(q, k, v, call))
     return out, (lse if call.return_lse else None)
 
 
@@ -211,7 +219,7 @@ COSTS = {
     "mask": Cost(0.45, "mask as data: skips empty tiles, no compile per mask", sparse=True),
     "score_mod": Cost(1.2, "alibi/bias/softcap in the kernel, tiles skipped", sparse=True),
     # on CPU only in Triton's interpreter (tests): never auto's choice
-    "interpreted": Cost(1000.0, "on CPU only in Triton's interpreter (slow; for tests)"),
+    "interpreted": Cost(1e4, "on CPU only in Triton's interpreter (slow; for tests)"),
 }
 
 

@@ -10,10 +10,10 @@ program per (sequence, kv head). So the key axis is also split into ``n_splits``
 ranges, each program runs the online softmax over its range, and the partial outputs merge
 through their float32 log-sum-exp afterwards (FlashDecoding, Dao et al. 2023). How many
 splits: :data:`SPLIT_TABLE`, by (programs, context). Pages of a power-of-two size >= 16 are
-read whole, several per tile (:func:`_tile_keys`): one block-table read per page, not per key. The ``G = Hq/Hkv``
-query heads of a kv head are the rows of one matmul tile, so K/V are read once per kv head
-(GQA without repeating K/V). A split whose keys are all masked gives lse ``-inf`` and weight 0 in
-the merge, never NaN.
+read whole, several per tile (:func:`_tile_keys`): one block-table read per page, not per key.
+The ``G = Hq/Hkv`` query heads of a kv head are the rows of one matmul tile, so K/V are read
+once per kv head (GQA without repeating K/V). A split whose keys are all masked gives lse
+``-inf`` and weight 0 in the merge, never NaN.
 
 This module imports Triton: import it only where a kernel will run (the op
 ``torch.ops.selfattn.paged_decode_triton`` of :mod:`selfattn.kernels.ops` does so on its first
