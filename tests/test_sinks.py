@@ -69,7 +69,7 @@ def test_reference_is_the_explicit_extra_key():
 def test_backends_against_oracle(backend, mask, dtype):
     """out, lse and dq/dk/dv by the ratio rule; GQA, odd sizes, Sq != Sk. Every registered
     backend that runs sinks here (with gradients, else for inference), the others skipped with
-    their reason (sdpa: its lse has no gradient; flex on CPU: no lse; triton: not dense yet)."""
+    their reason (sdpa: its lse has no gradient; flex on CPU: no lse)."""
     seed = sum(map(ord, f"{backend}{mask}{dtype}")) % 1000
     Sq, Sk = (7, 11) if mask != "documents" else (11, 11)
     q, k, v = make_qkv(2, 6, Sq, 16, Hkv=2, Sk=Sk, dtype=dtype, seed=seed)

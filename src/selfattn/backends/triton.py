@@ -94,8 +94,13 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
         return f"q {q.dtype}, k {k.dtype}, v {v.dtype}: the Triton kernels take one dtype"
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
-    if max(Sk, abs(call.q_offset) + Sq, B * Hq * Sq) > _INT32_MAX:
-        return "positions or rows beyond int32: the Triton kernels index with int32"
+    sizes = (q.numel(), k.numel(), v.numel(), B * Hq * Sq * max(D, v.shape[3]))
+    if max(Sk, abs(call.q_offset) + Sq, *sizes) > _INT32_MAX:
+        return (
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, q_offset "
+            f"{call.q_offset}: positions or elements beyond int32, which the Triton kernels "
+            "index with; split the batch"
+        )
     if max(D, v.shape[3]) > 256:
         return f"head dims D={D}, Dv={v.shape[3]} above 256: too large for the kernels' tiles"
     form = _form(q, k, call)

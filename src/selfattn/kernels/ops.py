@@ -12,6 +12,10 @@ op                                     kernel                              outpu
 ``selfattn::paged_decode_triton``      Triton, :mod:`selfattn.kernels.     ``out`` in q's dtype,
                                        triton.paged` (imported on first    ``lse`` float32, on
                                        call)                               q's device
+``selfattn::attention_triton_fwd``     Triton, :mod:`selfattn.kernels.     ``out`` in q's dtype,
+                                       triton.attention` (imported on      ``lse`` float32;
+                                       first call)                         differentiable
+``selfattn::attention_triton_bwd``     the same module                     ``dq, dk, dv``
 =====================================  ==================================  ====================
 
 Both take ``q (B, Hq, Sq, D)``, pages ``(N, P, Hkv, D|Dv)``, ``block_table (B, max_pages)``,
@@ -20,6 +24,11 @@ scale and the dequantisation scales of int8/fp8 pages (None for float pages), le
 attention-sink logits ``sinks (Hq,)`` (None: none; the Triton op after ``num_splits``), and return
 ``out (B, Hq, Sq, Dv)`` and ``lse (B, Hq, Sq)``. Neither has an autograd formula: they are
 decode kernels, and the paged backends send calls that need gradients to PyTorch.
+
+The dense pair (``backend="triton"``) takes the mask and score mod as data (tile lists, key
+intervals, document ids, ALiBi slopes, a bias view, a soft cap; see
+:mod:`selfattn.kernels.triton.attention`); the forward's autograd formula is the backward op,
+so a compiled graph differentiates through both.
 """
 
 # No ``from __future__ import annotations``: custom_op reads the signature's annotations as types.
