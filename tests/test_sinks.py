@@ -181,7 +181,7 @@ def test_explain_names_the_backends_that_run_sinks():
     reasons = sa.backends.explain(q, k, v, sinks=torch.zeros(2), print_table=False).reasons
     assert reasons["reference"] is None and reasons["chunked"] is None
     assert "sinks" in reasons["sdpa"] and "gradients" in reasons["sdpa"]
-    assert reasons["triton"] is None  # merges sinks through its differentiable lse
+    assert reasons["triton"] is None or "not installed" in reasons["triton"]  # lse-merged
     with torch.no_grad():
         reasons = sa.backends.explain(q, k, v, sinks=torch.zeros(2), print_table=False).reasons
     assert reasons["sdpa"] is None
