@@ -27,16 +27,22 @@ import torch
 
 from selfattn._log import log_once
 from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
-from selfattn.backends._common import _fmix32, fused_or_exact, grad_needed, run_with_sinks
+from selfattn.backends._common import (
+    _GOLDEN,
+    _M32,
+    _fmix32,
+    fused_or_exact,
+    grad_needed,
+    run_with_sinks,
+)
 from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
-from selfattn.masks import TileGrid
+from selfattn.masks import FULL, PARTIAL, TileGrid
 
 __all__ = ["COSTS", "cost", "plan", "reject", "run"]
 
-_INT32_MAX = (1 << 31) - 1
-_GOLDEN = 0x9E3779B9
-_M32 = 0xFFFFFFFF
+_INT32_MAX = (1 << 31) - 1  # the kernels index with int32
+MAX_HEAD_DIM = 256  # q·k and the output accumulator of one tile must fit in registers
 
 
 def _interpreter() -> bool:
@@ -101,8 +107,11 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
             f"{call.q_offset}: positions or elements beyond int32, which the Triton kernels "
             "index with; split the batch"
         )
-    if max(D, v.shape[3]) > 256:
-        return f"head dims D={D}, Dv={v.shape[3]} above 256: too large for the kernels' tiles"
+    if max(D, v.shape[3]) > MAX_HEAD_DIM:
+        return (
+            f"head dims D={D}, Dv={v.shape[3]} above {MAX_HEAD_DIM}: too large for the kernels' "
+            "tiles"
+        )
     form = _form(q, k, call)
     if isinstance(form, str):
         return form
@@ -131,17 +140,17 @@ def _kinds(call: AttentionCall, B, Hq, Sq, Sk, bm: int, bn: int, device) -> torc
     if key in call.tile_kinds_cache:
         return call.tile_kinds_cache[key]
     if call.mask is None:
-        kinds = torch.full((n_q, n_k), 2, dtype=torch.int8, device=device)
+        kinds = torch.full((n_q, n_k), int(FULL), dtype=torch.int8, device=device)
     else:
         grid = TileGrid(Sq, Sk, bm, bn, q_offset=call.q_offset, device=device)
         k4 = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq)).to(device)
         k4 = k4.reshape((1,) * (4 - k4.dim()) + tuple(k4.shape)).expand(-1, -1, n_q, n_k)
         nonempty = k4.amax(dim=(0, 1)) > 0
-        full = k4.amin(dim=(0, 1)) == 2
-        kinds = nonempty.to(torch.int8) + full.to(torch.int8)
+        full = k4.amin(dim=(0, 1)) == int(FULL)
+        kinds = nonempty.to(torch.int8) + full.to(torch.int8)  # EMPTY 0, PARTIAL 1, FULL 2
     if Sk % bn:
         kinds = kinds.clone()
-        kinds[:, -1] = kinds[:, -1].clamp(max=1)
+        kinds[:, -1] = kinds[:, -1].clamp(max=int(PARTIAL))
     call.tile_kinds_cache[key] = kinds
     return kinds
 

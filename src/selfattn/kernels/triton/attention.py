@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from selfattn.kernels.triton.paged import _interpreted, _online_softmax_step, _pow2
+from selfattn.masks import FULL, PARTIAL
 
 __all__ = [
     "BLOCKS",
@@ -103,11 +104,11 @@ def tile_lists(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for the backward's per-key-block lists of query blocks."""
     kinds = kinds.to(torch.int32)
     cols = torch.arange(kinds.shape[1], device=kinds.device, dtype=torch.int32)
-    # FULL (2) first, then PARTIAL (1), then EMPTY (0), by column inside each kind
-    key = (2 - kinds) * kinds.shape[1] + cols
+    # FULL first, then PARTIAL, then EMPTY, by column inside each kind
+    key = (int(FULL) - kinds) * kinds.shape[1] + cols
     order = torch.argsort(key, dim=1).to(torch.int32)
-    counts = torch.stack([(kinds == 2).sum(1), (kinds == 1).sum(1)], dim=1).to(torch.int32)
-    return order.contiguous(), counts.contiguous()
+    counts = torch.stack([(kinds == FULL).sum(1), (kinds == PARTIAL).sum(1)], dim=1)
+    return order.contiguous(), counts.to(torch.int32).contiguous()
 
 
 # What each launch was specialised on: (kernel name, constexprs, specialised int arguments by
