@@ -172,7 +172,7 @@ def plan(q, k, v, call: AttentionCall) -> tuple:
     """The arguments of ``torch.ops.selfattn.attention_triton_fwd`` for this call: the tile
     lists, key intervals, ids, score-mod data and constants (what :func:`run` launches; the GPU
     benchmark times the kernel alone with it)."""
-    from selfattn.kernels.triton.attention import blocks, tile_lists
+    from selfattn.kernels.triton.attention import blocks, gqa_pack, tile_lists
 
     B, Hq, Sq, D = q.shape
     Sk, Dv = k.shape[2], v.shape[3]
@@ -191,7 +191,8 @@ def plan(q, k, v, call: AttentionCall) -> tuple:
         else:
             softcap = float(value)
     fwd = blocks("fwd", max(D, Dv))
-    kv_order, kv_counts = tile_lists(_kinds(call, B, Hq, Sq, Sk, fwd.m, fwd.n, q.device))
+    pack = gqa_pack(Hq // k.shape[1], fwd.m)  # query heads per forward tile
+    kv_order, kv_counts = tile_lists(_kinds(call, B, Hq, Sq, Sk, fwd.m // pack, fwd.n, q.device))
     bwd = blocks("bwd", max(D, Dv))
     if grad_needed(q, k, v, call):
         kinds = _kinds(call, B, Hq, Sq, Sk, bwd.m, bwd.n, q.device)

@@ -53,6 +53,8 @@ __all__ = [
     "Blocks",
     "attention_triton_bwd",
     "attention_triton_fwd",
+    "blocks",
+    "gqa_pack",
     "launches",
     "tile_lists",
 ]
@@ -96,6 +98,13 @@ def blocks(kind: str, head_dim: int) -> Blocks:
 # ----------------------------------------------------------------------------------------------
 
 
+def gqa_pack(G: int, block_m: int) -> int:
+    """Query heads per forward tile: all ``G`` of a kv head (K/V read once for them) when ``G``
+    is a power of two that fits the tile, else 1 (K/V shared through the cache only). The
+    forward's tile lists are then over blocks of ``block_m // pack`` query positions."""
+    return G if G & (G - 1) == 0 and G <= block_m else 1
+
+
 def tile_lists(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order (R, C) int32, counts (R, 2) int32)`` from tile kinds ``(R, C)`` (0 EMPTY,
     1 PARTIAL, 2 FULL): row ``r`` lists its FULL columns, then its PARTIAL ones, each in
@@ -107,7 +116,7 @@ def tile_lists(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # FULL first, then PARTIAL, then EMPTY, by column inside each kind
     key = (int(FULL) - kinds) * kinds.shape[1] + cols
     order = torch.argsort(key, dim=1).to(torch.int32)
-    counts = torch.stack([(kinds == FULL).sum(1), (kinds == PARTIAL).sum(1)], dim=1)
+    counts = torch.stack([(kinds == int(FULL)).sum(1), (kinds == int(PARTIAL)).sum(1)], dim=1)
     return order.contiguous(), counts.to(torch.int32).contiguous()
 
 
@@ -162,14 +171,14 @@ def _fmix32(x):
 
 @triton.jit
 def _dropout_keep(seed_word, b, h, q_pos, k_pos, p_drop):
-    """``dropout_keep(seed, p, b, h, q_idx, kv_idx)`` of ``backends/_common`` on a tile:
-    ``q_pos (M,)`` and ``k_pos (N,)`` absolute positions -> bool ``(M, N)``. uint32 arithmetic
-    wraps like the PyTorch version's ``& 0xFFFFFFFF``."""
+    """``dropout_keep(seed, p, b, h, q_idx, kv_idx)`` of ``backends/_common`` on a tile: each
+    row's head ``h (M,)`` and position ``q_pos (M,)``, key positions ``k_pos (N,)`` -> bool
+    ``(M, N)``. uint32 arithmetic wraps like the PyTorch version's ``& 0xFFFFFFFF``."""
     golden = 0x9E3779B9
     x = seed_word.to(tl.uint32, bitcast=True)
     x = _fmix32(x ^ (b.to(tl.uint32) + golden))
-    x = _fmix32(x ^ (h.to(tl.uint32) + golden))
-    xq = _fmix32(x ^ (q_pos.to(tl.uint32, bitcast=True) + golden))  # (M,)
+    xh = _fmix32(x ^ (h.to(tl.uint32) + golden))  # (M,)
+    xq = _fmix32(xh ^ (q_pos.to(tl.uint32, bitcast=True) + golden))  # (M,)
     xk = _fmix32(xq[:, None] ^ (k_pos.to(tl.uint32, bitcast=True)[None, :] + golden))  # (M, N)
     u = (xk >> 8).to(tl.float32) * (1.0 / 16777216.0)
     return u >= p_drop
@@ -186,9 +195,9 @@ def _scores(
     s = _mma(q, tl.trans(k), IEEE) * scale
     if ALIBI:  # -slope[h] · |i - j| on absolute positions
         dist = tl.abs((q_offset + rows)[:, None] - cols[None, :]).to(tl.float32)
-        s = s - slope * dist
+        s = s - slope[:, None] * dist
     if HAS_BIAS:
-        ptrs = BIAS + b * s_bb + h * s_bh + rows[:, None] * s_bm + cols[None, :] * s_bn
+        ptrs = BIAS + b * s_bb + (h * s_bh + rows * s_bm)[:, None] + cols[None, :] * s_bn
         s = s + tl.load(ptrs, mask=(rows[:, None] < Sq) & (cols[None, :] < Sk), other=0.0).to(
             tl.float32
         )
@@ -219,10 +228,10 @@ def _mma(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_block(BASE, idx, s_idx, width, LIMIT: tl.constexpr, idx_ok, IEEE: tl.constexpr):
-    """Rows ``idx`` (stride ``s_idx``) by columns ``width`` (contiguous, ``< LIMIT``) of a
+def _load_block(BASE, offs, width, LIMIT: tl.constexpr, idx_ok, IEEE: tl.constexpr):
+    """Rows at element offsets ``offs`` by columns ``width`` (contiguous, ``< LIMIT``) of a
     tensor, zeros outside; float32 under ``IEEE``."""
-    x = tl.load(BASE + idx[:, None] * s_idx + width[None, :],
+    x = tl.load(BASE + offs[:, None] + width[None, :],
                 mask=idx_ok[:, None] & (width[None, :] < LIMIT), other=0.0)  # fmt: skip
     if IEEE:
         x = x.to(tl.float32)
@@ -236,21 +245,22 @@ def _kv_tile(ENTRY, K_bh, V_bh, s_kn, s_vn, Sk, D: tl.constexpr, DV: tl.constexp
     """The key block a list entry names: its key indices ``cols``, K and V."""
     cols = tl.load(ENTRY) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Sk
-    k = _load_block(K_bh, cols, s_kn, tl.arange(0, BLOCK_D), D, col_ok, IEEE)
-    v = _load_block(V_bh, cols, s_vn, tl.arange(0, BLOCK_DV), DV, col_ok, IEEE)
+    k = _load_block(K_bh, cols * s_kn, tl.arange(0, BLOCK_D), D, col_ok, IEEE)
+    v = _load_block(V_bh, cols * s_vn, tl.arange(0, BLOCK_DV), DV, col_ok, IEEE)
     return cols, k, v
 
 
 @triton.jit
 def _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib, q_offset,
               BLOCK_M: tl.constexpr, HAS_IDS: tl.constexpr, ALIBI: tl.constexpr):  # fmt: skip
-    """A query block's mask and mod data: key bounds ``lo, hi``, document ids, ALiBi slope."""
+    """A query block's mask and mod data: key bounds ``lo, hi``, document ids and the ALiBi
+    slope of each row (``h``: each row's query head, ``(BLOCK_M,)``)."""
     lo = tl.load(LO + b * s_lb + rows, mask=row_ok, other=0)
     hi = tl.load(HI + b * s_lb + rows, mask=row_ok, other=0)
     ids_q = tl.zeros([BLOCK_M], tl.int32)
     if HAS_IDS:
         ids_q = tl.load(IDS + b * s_ib + q_offset + rows, mask=row_ok, other=-2)
-    slope = 0.0
+    slope = tl.zeros([BLOCK_M], tl.float32)
     if ALIBI:
         slope = tl.load(SLOPES + h).to(tl.float32)
     return lo, hi, ids_q, slope
@@ -298,18 +308,22 @@ def _attn_fwd(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_IDS: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr, PACK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.load(SCHED + tl.program_id(0))  # the query blocks with most tiles go first
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    kvh = h // G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # -- this tile's rows: PACK query heads of one kv head times BLOCK_M // PACK positions, so
+    # K and V are read once for the PACK heads (GQA without repeating K/V)
+    b = pid_bh // (Hq // PACK)
+    h0 = pid_bh % (Hq // PACK) * PACK
+    kvh = h0 // G
+    r = tl.arange(0, BLOCK_M)
+    h = h0 + r % PACK  # each row's query head
+    rows = pid_m * (BLOCK_M // PACK) + r // PACK  # each row's query position (row of q)
     row_ok = rows < Sq
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = _load_block(Q + b * s_qb + h * s_qh, rows, s_qm, d, D, row_ok, IEEE)
+    q = _load_block(Q + b * s_qb, h * s_qh + rows * s_qm, d, D, row_ok, IEEE)
     lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
                                      q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
     K_bh = K + b * s_kb + kvh * s_kh
@@ -333,9 +347,9 @@ def _attn_fwd(
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b * s_ob + h * s_oh + rows[:, None] * s_om + dv[None, :],
+    tl.store(O + b * s_ob + (h * s_oh + rows * s_om)[:, None] + dv[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))  # fmt: skip
-    tl.store(LSE + pid_bh * Sq + rows, lse, mask=row_ok)
+    tl.store(LSE + (b * Hq + h) * Sq + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -378,8 +392,8 @@ def _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob, s_oh, s_om
     row_ok = rows < Sq
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = _load_block(Q + b * s_qb + h * s_qh, rows, s_qm, d, D, row_ok, IEEE)
-    do = _load_block(DO + b * s_ob + h * s_oh, rows, s_om, dv, DV, row_ok, IEEE)
+    q = _load_block(Q + b * s_qb + h * s_qh, rows * s_qm, d, D, row_ok, IEEE)
+    do = _load_block(DO + b * s_ob + h * s_oh, rows * s_om, dv, DV, row_ok, IEEE)
     lse = tl.load(LSE + (b * Hq + h) * Sq + rows, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + (b * Hq + h) * Sq + rows, mask=row_ok, other=0.0)
@@ -405,9 +419,10 @@ def _dkdv_range(
         q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob,
                                         s_oh, s_om, Sq, Hq, D, DV, BLOCK_D, BLOCK_DV,
                                         IEEE)  # fmt: skip
-        lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
+        hv = h + tl.zeros([BLOCK_M], tl.int32)  # the head of every row
+        lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, hv, rows, row_ok, s_lb, s_ib,
                                          q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
-        p_v, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, h, slope, lo, hi, ids_q,
+        p_v, ds = _bwd_tile(q, do, lse2, delta, k, v, rows, cols, b, hv, slope, lo, hi, ids_q,
                             MASKED, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq, Sk, q_offset,
                             scale, softcap, p_drop, seed_word, HAS_IDS, ALIBI, HAS_BIAS,
                             SOFTCAP, DROPOUT, IEEE)  # fmt: skip
@@ -444,8 +459,8 @@ def _attn_bwd_dkdv(
     col_ok = cols < Sk
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    k = _load_block(K + b * s_kb + kvh * s_kh, cols, s_kn, d, D, col_ok, IEEE)
-    v = _load_block(V + b * s_vb + kvh * s_vh, cols, s_vn, dv, DV, col_ok, IEEE)
+    k = _load_block(K + b * s_kb + kvh * s_kh, cols * s_kn, d, D, col_ok, IEEE)
+    v = _load_block(V + b * s_vb + kvh * s_vh, cols * s_vn, dv, DV, col_ok, IEEE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     n_full = tl.load(COUNTS + pid_n * 2)
@@ -513,7 +528,8 @@ def _attn_bwd_dq(
     d = tl.arange(0, BLOCK_D)
     q, do, lse2, delta = _load_rows(Q, DO, LSE, DELTA, b, h, rows, s_qb, s_qh, s_qm, s_ob,
                                     s_oh, s_om, Sq, Hq, D, DV, BLOCK_D, BLOCK_DV, IEEE)  # fmt: skip
-    lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, h, rows, row_ok, s_lb, s_ib,
+    hv = h + tl.zeros([BLOCK_M], tl.int32)  # the head of every row
+    lo, hi, ids_q, slope = _row_data(LO, HI, IDS, SLOPES, b, hv, rows, row_ok, s_lb, s_ib,
                                      q_offset, BLOCK_M, HAS_IDS, ALIBI)  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = tl.load(COUNTS + pid_m * 2)
@@ -521,7 +537,7 @@ def _attn_bwd_dq(
     for MASKED in tl.static_range(2):
         dq = _dq_range(
             dq, n_full * MASKED, n_full + n_part * MASKED, ORDER + pid_m * s_o, q, do, lse2,
-            delta, rows, lo, hi, ids_q, slope, b, h, K + b * s_kb + kvh * s_kh,
+            delta, rows, lo, hi, ids_q, slope, b, hv, K + b * s_kb + kvh * s_kh,
             V + b * s_vb + kvh * s_vh, s_kn, s_vn, IDS, s_ib, BIAS, s_bb, s_bh, s_bm, s_bn, Sq,
             Sk, q_offset, scale, softcap, p_drop, seed_word, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
             MASKED == 1, HAS_IDS, ALIBI, HAS_BIAS, SOFTCAP, DROPOUT, IEEE,
@@ -592,9 +608,10 @@ def attention_triton_fwd(
                "ORDER": kv_order,
                "COUNTS": kv_counts, "LO": lo, "HI": hi, "IDS": _or(ids, lo),
                "BIAS": _or(bias, q), "SLOPES": _or(slopes, q)}  # fmt: skip
-    grid = (math.ceil(Sq / block_m), B * Hq)
+    pack = gqa_pack(Hq // k.shape[1], block_m)
+    grid = (math.ceil(Sq * pack / block_m), B * Hq // pack)
     _launch(_attn_fwd, grid, {**tensors, **args},
-            {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}, blk)  # fmt: skip
+            {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "PACK": pack}, blk)  # fmt: skip
     return out, lse
 
 
