@@ -25,8 +25,9 @@ over ``(B, Hq, Sq, Sk)``) and a soft cap, applied in that order to the scaled sc
 GQA without repeating K/V: a forward tile's rows are the ``G`` query heads of one kv head
 times ``BLOCK_M / G`` positions (:func:`gqa_pack`; ``G`` a power of two), so each K/V tile is
 read once for the group; the backward's dK/dV program of a kv block loops over the group's
-heads, so their sum needs no atomics. dQ is either a second pass over the forward's lists (``deterministic``: no atomics,
-the result is bitwise reproducible) or accumulated with float32 atomics in the dK/dV pass.
+heads, so their sum needs no atomics. dQ is either a second pass over per-query-block lists
+(``deterministic``: no atomics, the result is bitwise reproducible) or accumulated with float32
+atomics in the dK/dV pass.
 
 Dropout drops the same pairs as every other backend: the counter-based hash of
 ``selfattn.backends._common.dropout_keep`` (murmur3's finaliser over seed, b, h, position, key)
