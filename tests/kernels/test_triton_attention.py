@@ -339,3 +339,31 @@ def test_custom_ops_have_fakes_and_trace_under_torch_compile(kernel):
     (dq,) = torch.autograd.grad(got.sum(), q)
     (dq_eager,) = torch.autograd.grad(want.sum(), q)
     torch.testing.assert_close(dq, dq_eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_kernel_that_does_not_build_falls_back_under_auto(kernel, monkeypatch, caplog):
+    """A Triton compile error (or too little shared memory on this GPU) is a BackendCompileError:
+    ``auto`` runs the next backend, logs it once, and the variant declines from then on; asked
+    for by name, the error is raised with the case."""
+    from selfattn.backends import Cost
+    from selfattn.backends import triton as backend
+    from selfattn.kernels import ops
+
+    def broken(*args):
+        raise RuntimeError("PTX assembly failed (simulated)")
+
+    monkeypatch.setattr(backend, "_FAILED", {})
+    monkeypatch.setitem(backend.COSTS, "interpreted", Cost(0.01, "made cheapest for this test"))
+    monkeypatch.setattr(ops, "attention_triton_fwd", broken)
+    q, k, v = make_qkv(1, 2, 9, 16, seed=19, device=DEV)
+    mask = masks.sliding_window(4)
+    assert sa.backends.explain(q, k, v, mask=mask, print_table=False).chosen == "triton"
+    with caplog.at_level("WARNING", logger="selfattn"):
+        out = sa.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(out, sa.attention(q, k, v, mask=mask, backend="reference"))
+    assert "failed to compile" in caplog.text and "simulated" in caplog.text
+    why = sa.backends.explain(q, k, v, mask=mask, print_table=False).reasons["triton"]
+    assert "failed to build for this case earlier" in why
+    monkeypatch.setattr(backend, "_FAILED", {})
+    with pytest.raises(sa.backends.BackendCompileError, match=r"triton backend failed on q"):
+        sa.attention(q, k, v, mask=mask, backend="triton")

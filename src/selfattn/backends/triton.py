@@ -26,7 +26,14 @@ import os
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
+from selfattn.backends import (
+    BASE_FIELDS,
+    AttentionCall,
+    Backend,
+    BackendCompileError,
+    Cost,
+    register,
+)
 from selfattn.backends._common import (
     _GOLDEN,
     _M32,
@@ -43,6 +50,9 @@ __all__ = ["COSTS", "cost", "plan", "reject", "run"]
 
 _INT32_MAX = (1 << 31) - 1  # the kernels index with int32
 MAX_HEAD_DIM = 256  # q·k and the output accumulator of one tile must fit in registers
+# Kernel variants that failed to build in this process (a Triton compile error, too little
+# shared memory on this GPU): {variant: why}; reject declines them, so auto runs the next backend.
+_FAILED: dict = {}
 
 
 def _interpreter() -> bool:
@@ -116,6 +126,9 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
     if isinstance(form, str):
         return form
     _, ids, terms = form
+    failed = _FAILED.get(_variant(q, k, v, call, ids, terms))
+    if failed is not None:
+        return f"the Triton kernel failed to build for this case earlier in this process ({failed})"
     if ids is not None and ids.shape[0] not in (1, B):
         return f"document ids of batch {ids.shape[0]} for B={B}"
     for name, value in terms:
@@ -207,8 +220,30 @@ def plan(q, k, v, call: AttentionCall) -> tuple:
     )  # fmt: skip
 
 
+def _variant(q, k, v, call: AttentionCall, ids, terms) -> tuple:
+    """What the kernels are specialised on for this call (the key of ``_FAILED``)."""
+    names = tuple(sorted(name for name, _ in terms))
+    return (q.device.type, q.dtype, q.shape[3], v.shape[3], q.shape[1] // k.shape[1],
+            ids is not None, names, call.dropout_p > 0)  # fmt: skip
+
+
 def _attend(q, k, v, call: AttentionCall):
-    out, lse = ops.attention_triton_fwd(*plan(q, k, v, call))
+    args = plan(q, k, v, call)
+    try:
+        out, lse = ops.attention_triton_fwd(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a kernel that does not build here: auto falls back (logged once)
+        if torch.compiler.is_compiling():
+            raise
+        _, ids, terms = _form(q, k, call)
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        _FAILED[_variant(q, k, v, call, ids, terms)] = why
+        raise BackendCompileError(
+            f"the triton backend failed on q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+            f"{tuple(v.shape)} ({q.dtype}, {q.device}) with mask={call.mask!r}, score_mod="
+            f"{call.score_mod!r}: {why}. Use backend='flex' or 'chunked' (or 'auto')"
+        ) from e
     return out, (lse if call.return_lse else None)
 
 
