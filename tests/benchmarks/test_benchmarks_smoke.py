@@ -355,6 +355,7 @@ def test_gpu_triton_part_runs_on_cpu_in_the_interpreter(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
+    assert set(report["correct"].values()) == {"pass"}, report["correct"]
     causal, *timed, compiles = report["rows"]
     assert causal["ours ms"] > 0 and causal["sdpa"]["best"] is not None
     assert causal["ours / best sdpa TFLOP/s"] == pytest.approx(

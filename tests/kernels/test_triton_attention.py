@@ -367,3 +367,16 @@ def test_a_kernel_that_does_not_build_falls_back_under_auto(kernel, monkeypatch,
     monkeypatch.setattr(backend, "_FAILED", {})
     with pytest.raises(sa.backends.BackendCompileError, match=r"triton backend failed on q"):
         sa.attention(q, k, v, mask=mask, backend="triton")
+
+
+def test_tile_lists_put_full_tiles_first_and_count_them(kernel):
+    """The kernel's lists: per row, FULL columns then PARTIAL ones (in column order), EMPTY
+    ones never counted; its tile-kind values are the masks' (restated: kernels import no
+    module above them)."""
+    assert (kernel.PARTIAL, kernel.FULL) == (int(masks.PARTIAL), int(masks.FULL))
+    kinds = torch.tensor([[1, 2, 0, 2], [0, 0, 0, 0], [2, 1, 1, 0]], dtype=torch.int8)
+    order, counts = kernel.tile_lists(kinds)
+    assert counts.tolist() == [[2, 1], [0, 0], [1, 2]]
+    assert order[0, :3].tolist() == [1, 3, 0] and order[2, :3].tolist() == [0, 1, 2]
+    _, counts_t = kernel.tile_lists(kinds.T)
+    assert counts_t.tolist() == [[1, 1], [1, 1], [0, 1], [1, 0]]

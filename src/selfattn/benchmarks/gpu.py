@@ -139,7 +139,7 @@ def part_correct(args) -> dict:
     for name, dims, kw in _cases(args.quick):
         for dtype in dtypes:
             q, k, v = _make(dims, dtype, seed=len(rows) + 1)
-            for backend in ("auto", "sdpa", "flex", "chunked"):
+            for backend in ("auto", "sdpa", "flex", "chunked", "triton"):
                 if time.time() > t_end:
                     rows.append((name, str(dtype), backend, "not run: time budget"))
                     continue
@@ -497,6 +497,24 @@ def part_triton(args) -> dict:
     q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=dtype, generator=g) for _ in range(3))
     result: dict = {"shape": dict(B=B, H=H, S=S, D=D, dtype=str(dtype)), "rows": []}
     ours = functools.partial(selfattn.attention, backend="triton")
+
+    # -- 0. correctness first (compiled, tensor-core bf16 dots): the fp64 oracle's ratio rule
+    result["correct"] = {}
+    n = 333 if on_gpu else 21
+    for name, hkv, kw in (
+        ("causal", H, {"mask": masks.causal()}),
+        ("window & documents, alibi >> softcap, GQA",
+         max(1, H // 2), {"mask": masks.sliding_window(n // 3) & masks.documents(_doc_ids(n, 3, 2)),
+                          "score_mod": scores.alibi(H) >> scores.softcap(20.0)}),
+    ):  # fmt: skip
+        qc = torch.randn(1, H, n, D, device=DEV, generator=g).to(dtype)
+        kc, vc = (torch.randn(1, hkv, n, D, device=DEV, generator=g).to(dtype) for _ in range(2))
+        try:
+            check_against_reference(ours, qc, kc, vc, **kw)
+            result["correct"][name] = "pass"
+        except Exception as e:
+            result["correct"][name] = f"FAIL: {type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(result["correct"]), flush=True)
 
     # -- 1. causal forward against the best SDPA backend (target: >= 0.9x its TFLOP/s)
     causal = masks.causal()

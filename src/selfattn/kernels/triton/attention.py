@@ -48,7 +48,6 @@ import triton
 import triton.language as tl
 
 from selfattn.kernels.triton.paged import _interpreted, _online_softmax_step, _pow2
-from selfattn.masks import FULL, PARTIAL
 
 __all__ = [
     "BLOCKS",
@@ -61,6 +60,9 @@ __all__ = [
     "tile_lists",
 ]
 
+# Tile kinds as the caller passes them: selfattn.masks.TileKind's values (kernels import nothing
+# above them, so the values are restated here; EMPTY is 0).
+PARTIAL, FULL = 1, 2
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
 LN2 = 0.6931471805599453
 
@@ -116,9 +118,9 @@ def tile_lists(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kinds = kinds.to(torch.int32)
     cols = torch.arange(kinds.shape[1], device=kinds.device, dtype=torch.int32)
     # FULL first, then PARTIAL, then EMPTY, by column inside each kind
-    key = (int(FULL) - kinds) * kinds.shape[1] + cols
+    key = (FULL - kinds) * kinds.shape[1] + cols
     order = torch.argsort(key, dim=1).to(torch.int32)
-    counts = torch.stack([(kinds == int(FULL)).sum(1), (kinds == int(PARTIAL)).sum(1)], dim=1)
+    counts = torch.stack([(kinds == FULL).sum(1), (kinds == PARTIAL).sum(1)], dim=1)
     return order.contiguous(), counts.to(torch.int32).contiguous()
 
 
