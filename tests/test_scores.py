@@ -419,3 +419,17 @@ def test_relative_and_row_ordered_claims_hold_elementwise():
         assert not mod.relative, repr(mod)
     assert bias.row_ordered and (S.alibi(H) >> bias).row_ordered
     assert not any(m.row_ordered for m in [*relative, fn])
+
+
+def test_kernel_terms_name_alibi_bias_and_softcap_in_order():
+    """What a kernel applies as data (the Triton backend), in the mod's order; None for what is
+    not made of those terms."""
+    slopes_mod = S.alibi(4)
+    terms = (slopes_mod >> S.bias(torch.ones(1, 4, 3, 5)) >> S.softcap(2.0)).bind(2)
+    names = [name for name, _ in terms.kernel_terms(2, 3, 5)]
+    assert names == ["alibi", "bias", "softcap"]
+    _, view = terms.kernel_terms(2, 3, 5)[1]
+    assert view.shape == (1, 4, 3, 5)
+    assert S.softcap(3.0).kernel_terms(0, 1, 1) == (("softcap", 3.0),)
+    assert S.as_score_mod(lambda s, b, h, qi, ki: s).kernel_terms(0, 1, 1) is None
+    assert (S.alibi(4) >> S.as_score_mod(lambda s, b, h, qi, ki: s)).kernel_terms(0, 1, 1) is None

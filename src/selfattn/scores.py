@@ -88,6 +88,15 @@ class ScoreMod:
         """Tensors the mod reads that may require gradients (backends route their gradients)."""
         return ()
 
+    def kernel_terms(
+        self, q_offset: int, Sq: int, Sk: int
+    ) -> tuple[tuple[str, object], ...] | None:
+        """The mod as data a kernel applies, in order, for a call's ``(Sq, Sk)`` scores with query
+        row 0 at ``q_offset``: ``("alibi", slopes (Hq,))``, ``("bias", a view broadcast to (B, Hq,
+        Sq, Sk))`` or ``("softcap", cap)`` terms; None when the mod is not made of them (a
+        callable, a table read by bucket)."""
+        return None
+
     def to(self, device) -> ScoreMod:
         """This mod with the constant tensors it reads on ``device`` (compiled kernels cannot
         move a captured tensor between devices). The same object is returned for a device on
@@ -138,6 +147,10 @@ class Compose(ScoreMod):
     def bind(self, q_offset) -> ScoreMod:
         bound = tuple(m.bind(q_offset) for m in self.mods)
         return self if all(a is b for a, b in zip(bound, self.mods)) else Compose(*bound)
+
+    def kernel_terms(self, q_offset, Sq, Sk):
+        terms = [m.kernel_terms(q_offset, Sq, Sk) for m in self.mods]
+        return None if any(t is None for t in terms) else tuple(x for t in terms for x in t)
 
     def tensors(self):
         return tuple(t for m in self.mods for t in m.tensors())
@@ -214,6 +227,9 @@ class ALiBi(ScoreMod):
         dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
         return score + self._bias(h, q_idx, kv_idx, dtype).to(score.dtype)
 
+    def kernel_terms(self, q_offset, Sq, Sk):
+        return (("alibi", self.slopes),)
+
     def validate(self, B, H, Sq, Sk, q_offset):
         if H != self.n_heads:
             raise ValueError(
@@ -253,6 +269,9 @@ class SoftCap(ScoreMod):
 
     def score_mod(self, score, b, h, q_idx, kv_idx):
         return self.cap * torch.tanh(score / self.cap)
+
+    def kernel_terms(self, q_offset, Sq, Sk):
+        return (("softcap", self.cap),)
 
     def __repr__(self) -> str:
         return f"softcap({self.cap:g})"
@@ -319,6 +338,11 @@ class Bias(ScoreMod):
 
     def tensors(self):
         return (self.tensor,)
+
+    def kernel_terms(self, q_offset, Sq, Sk):
+        if isinstance(self.rows.rows_at, torch.Tensor):
+            return None  # one row offset per sequence: no single strided view
+        return (("bias", self.dense(q_offset, Sq, Sk)),)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         self.rows.validate(B, H, Sq, Sk, q_offset, "bias")

@@ -28,14 +28,15 @@ needs_c_kernel = pytest.mark.skipif(
 
 
 def test_dense_triton_is_registered_and_declines_with_its_reason():
-    """DESIGN lists backend="triton"; until a dense Triton kernel exists it declines every call,
-    saying so, in explain and when asked for by name."""
+    """DESIGN lists backend="triton": it runs the masks and score mods it can read as data and
+    declines the others, saying so, in explain and when asked for by name."""
     assert "triton" in sa.backends.names()
     q, k, v = make_qkv(1, 2, 5, 8, seed=2)
-    why = sa.backends.explain(q, k, v, print_table=False).reasons["triton"]
-    assert "no dense Triton kernel" in why
-    with pytest.raises(ValueError, match="backend 'triton' cannot run this call: no dense Triton"):
-        sa.attention(q, k, v, backend="triton")
+    mask = masks.causal() | masks.padding(2)
+    why = sa.backends.explain(q, k, v, mask=mask, print_table=False).reasons["triton"]
+    assert "not one key interval per row" in why
+    with pytest.raises(ValueError, match="backend 'triton' cannot run this call: mask"):
+        sa.attention(q, k, v, mask=mask, backend="triton")
 
 
 def test_paged_backends_are_their_own_kind():

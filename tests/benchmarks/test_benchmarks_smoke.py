@@ -408,3 +408,35 @@ def test_attention_quick_sizes_divide_lengths_by_eight():
         full.doc_len // 8,
     )
     assert (quick.H, quick.D) == (full.H, full.D)
+
+
+@pytest.mark.slow
+def test_gpu_triton_part_runs_on_cpu_in_the_interpreter(tmp_path):
+    """``gpu --part triton`` (issue 17's prepared GPU run) on CPU: our rows at toy sizes in
+    Triton's interpreter, the SDPA peer, the compile count over new masks and lengths, and its
+    target table; Flex and the paged rows need the GPU."""
+    pytest.importorskip("triton")
+    done = subprocess.run(
+        [sys.executable, *packaged("gpu", "--device", "cpu", "--part", "triton"), "--quick",
+         "--json"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert set(report["correct"].values()) == {"pass"}, report["correct"]
+    causal, *timed, compiles = report["rows"]
+    assert causal["ours ms"] > 0 and causal["sdpa"]["best"] is not None
+    assert causal["ours / best sdpa TFLOP/s"] == pytest.approx(
+        causal["sdpa"]["best ms"] / causal["ours ms"]
+    )
+    assert [(r["case"], r["mode"]) for r in timed] == [
+        ("window 12", "fwd"), ("window 12", "fwd+bwd"),
+        ("4 causal documents", "fwd"), ("4 causal documents", "fwd+bwd"),
+    ]  # fmt: skip
+    assert all(r["ours ms"] > 0 for r in timed)
+    assert len(compiles["variants"]) == 3 and compiles["ours new specialisation keys"] == 0
+    targets = report["targets"]
+    assert targets["causal fwd vs best SDPA TFLOP/s"][2] is (
+        causal["ours / best sdpa TFLOP/s"] >= 0.9
+    )

@@ -162,3 +162,48 @@ def test_nonfinite_v_stays_in_the_rows_that_attend_it(kernel):
     finite = torch.isfinite(ref)
     torch.testing.assert_close(out.double()[finite], ref[finite], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("P", [16, 32, 128])
+@pytest.mark.parametrize("storage", ["bf16", "int8", "fp8"])
+def test_whole_page_tiles_match_the_twin(kernel, P, storage):
+    """Pages of a power-of-two size >= 16 are read whole, a tile at a time (one block-table
+    read per page): lengths that end mid-page, a window starting mid-page, several splits, and
+    bf16 / int8 / fp8 pages all give the twin's result."""
+    from selfattn.cache import quant
+
+    assert kernel._tile_keys(P) == (max(P, kernel.PAGE_TILE_KEYS), P)
+    assert kernel._tile_keys(24)[1] == 0 and kernel._tile_keys(8)[1] == 0  # per-key walk
+    dtype = torch.bfloat16 if storage == "bf16" else torch.float32
+    q, kp, vp, table, lo, hi = _case(10 + P, 2, 4, 2, 2, 16, 16, P, [3 * P + 5, P - 1], dtype,
+                                     window=P + 3)  # fmt: skip
+    scales = (None, None)
+    if storage == "int8":
+        (kp, ks), (vp, vs) = quant.quantize_int8(kp), quant.quantize_int8(vp)
+        scales = (ks, vs)
+    elif storage == "fp8":
+        if not hasattr(torch, "float8_e4m3fn"):
+            pytest.skip("no float8_e4m3fn in this torch")
+        (kp, ks), (vp, vs) = quant.quantize_fp8(kp), quant.quantize_fp8(vp)
+        scales = (ks, vs)
+    out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, *scales, num_splits=3)
+    ref, ref_lse = paged_attention_twin(q.double(), kp, vp, table, lo, hi, 0.25, *scales)
+    if storage == "bf16":
+        naive, _ = _naive(q, kp, vp, table, lo, hi, 0.25)
+        assert_close_to_reference(out, ref, naive, dtype=dtype)
+    else:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-5)
+
+
+def test_split_table_fills_the_gpu_and_keeps_splits_long(kernel):
+    """The split table: more splits for few programs and long contexts, never a split of fewer
+    than MIN_SPLIT_TILES tiles, one split for a short context."""
+    split = kernel._num_splits
+    assert split(256, 4096, 64) > split(2048, 4096, 64) >= 1
+    assert split(32, 65536, 64) >= split(32, 4096, 64)
+    assert split(8, 100, 64) == 1
+    for programs in (1, 100, 5000):
+        for ctx in (64, 1000, 4096, 30000):
+            n = split(programs, ctx, 64)
+            assert n == 1 or ctx / n >= kernel.MIN_SPLIT_TILES * 64

@@ -943,3 +943,23 @@ def test_elementwise_fallback_in_bands_equals_one_shot(monkeypatch, Sq, Sk, bq, 
         monkeypatch.setattr(M.base, "_BAND_ELEMENTS", 50)  # forces one band per query tile
         banded = mask.tile_kinds(grid, 2, 3)
         assert torch.equal(one_shot.expand(2, 3, -1, -1), banded.expand(2, 3, -1, -1))
+
+
+def test_kernel_form_is_an_interval_and_document_ids_or_none():
+    """What a kernel reads as data (the Triton backend): a mask that is one key interval per
+    row, and/or one set of document ids, and that form agrees with the mask elementwise."""
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    mask = M.causal() & M.documents(ids) & M.sliding_window(3)
+    interval, got_ids = mask.kernel_form()
+    assert torch.equal(got_ids, ids.view(1, 9)) and interval.is_interval  # (B or 1, S)
+    b, q = torch.zeros(1, 1, dtype=torch.long), torch.arange(9).view(1, 9)
+    lo, hi = interval.key_interval(b, q)
+    j = torch.arange(9).view(1, 1, 9)
+    rebuilt = (j >= lo.unsqueeze(-1)) & (j < hi.unsqueeze(-1)) & (ids[q].unsqueeze(-1) == ids[j])
+    assert torch.equal(rebuilt[0], mask.to_dense(9, 9)[0, 0])
+    none_interval, doc_ids = M.documents(ids).kernel_form()
+    assert none_interval is None and torch.equal(doc_ids, ids.view(1, 9))
+    assert M.padding(4).kernel_form()[0] is not None
+    for none in (M.causal() | M.padding(2), ~M.causal(), M.documents(ids) & M.documents(ids),
+                 M.as_mask(lambda b, h, qi, ki: qi >= ki)):  # fmt: skip
+        assert none.kernel_form() is None, none

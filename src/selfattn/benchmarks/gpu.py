@@ -16,9 +16,21 @@ recompile limit are per process):
   table) of ``selfattn.cache.paged_attention`` against SDPA ``enable_gqa`` on contiguous K/V and
   against gathering the pages + SDPA; GB/s of K/V read against a measured copy ceiling.
 
-Run: ``python -m selfattn.benchmarks.gpu [--part correct|speed|decode] [--quick] [--json [FILE]]``;
-without ``--part`` the three parts run in turn, each in its own process; ``--json`` without a
-file prints the results on stdout (the progress lines then go to stderr).
+- ``--part triton`` (issue 17; one prepared run of <= 5 minutes on an H200): our Triton
+  kernels (``backend="triton"``). bf16 B=2, H=16, S=8192, D=128 causal forward against the best
+  SDPA backend (flash, efficient, cuDNN) in TFLOP/s, with a sweep of the forward's tile sizes;
+  sliding window 1024 and 4 causal documents, fwd and fwd+bwd, against FlexAttention compiled by
+  hand with static shapes; compiles across 10 new window sizes / document layouts / sequence
+  lengths (ours: Triton's JIT cache entries; Flex: Dynamo's unique graphs); paged decode
+  B=32 x 4096, 32q/8kv, D=128 against the copy rate, SDPA on contiguous K/V and gather + SDPA,
+  with a sweep of the key splits. Its ``calibrate`` entries are what to paste into
+  ``backends/triton.COSTS``, ``kernels/triton/attention.BLOCKS`` and the paged split table. With
+  ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs our rows at toy sizes in the
+  interpreter (a smoke test of the script; Flex is not compiled there).
+
+Run: ``python -m selfattn.benchmarks.gpu [--part correct|speed|decode|triton] [--quick]
+[--json [FILE]]``; without ``--part`` the parts run in turn, each in its own process; ``--json``
+without a file prints the results on stdout (the progress lines then go to stderr).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from selfattn import masks, scores
 from selfattn.testing import check_against_reference
 
 DEV = "cuda"  # --device cpu runs the same code on CPU (a smoke test of this script)
+REPS = (3, 10)  # bench's warm-up and timed calls per round; --device cpu: (1, 1), a smoke run
 
 
 def _sync():
@@ -45,9 +58,11 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def bench(fn, warmup: int = 3, rep: int = 10) -> float:
+def bench(fn, warmup: int | None = None, rep: int | None = None) -> float:
     """Milliseconds per ``fn()`` over ``rep`` back-to-back calls (one sync at the end), the
     median of three such rounds: launch overhead hides behind queued GPU work, as in training."""
+    warmup = REPS[0] if warmup is None else warmup
+    rep = REPS[1] if rep is None else rep
     for _ in range(warmup):
         fn()
     _sync()
@@ -124,7 +139,7 @@ def part_correct(args) -> dict:
     for name, dims, kw in _cases(args.quick):
         for dtype in dtypes:
             q, k, v = _make(dims, dtype, seed=len(rows) + 1)
-            for backend in ("auto", "sdpa", "flex", "chunked"):
+            for backend in ("auto", "sdpa", "flex", "chunked", "triton"):
                 if time.time() > t_end:
                     rows.append((name, str(dtype), backend, "not run: time budget"))
                     continue
@@ -364,7 +379,331 @@ def _int8(quant, kp, vp):
     return kq, vq, ks, vs
 
 
-PARTS = ("correct", "speed", "decode")
+# -- our Triton kernels (issue 17) -------------------------------------------------------------
+
+
+class _Clock:
+    """The part's time budget: rows past it are reported as not run (the part must fit in
+    5 minutes on an H200 with the compiles included)."""
+
+    def __init__(self, seconds: float):
+        self.end = time.time() + seconds
+
+    def left(self) -> bool:
+        return time.time() < self.end
+
+
+def _jit_entries(kernels) -> int | None:
+    """Compiled variants in Triton's JIT caches of ``kernels`` (None: no JIT, the interpreter)."""
+    total = 0
+    for fn in kernels:
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+def _sdpa_best(q, k, v) -> dict:
+    """ms of causal SDPA per backend that runs the case; the best one's name and ms."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    found = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+        try:
+            with sdpa_kernel(backend), torch.no_grad():
+                found[name] = bench(lambda: sdpa(q, k, v, is_causal=True))
+        except Exception as e:
+            found[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    timed = {n: ms for n, ms in found.items() if isinstance(ms, float)}
+    best = min(timed, key=timed.get) if timed else None
+    return {"per backend ms": found, "best": best, "best ms": timed.get(best)}
+
+
+def _fwd_sweep(q, k, v, mask, clock) -> dict:
+    """The forward's (block_m, block_n, warps, stages) candidates on the causal case: ms each
+    (each a compile); the fastest goes into ``kernels/triton/attention.BLOCKS``."""
+    from selfattn.kernels.triton import attention as tk
+
+    D = q.shape[3]
+    key = min(d for d in tk.BLOCKS["fwd"] if d >= D)
+    saved = tk.BLOCKS["fwd"][key]
+    candidates = [saved, tk.Blocks(128, 128, 8, 2), tk.Blocks(64, 64, 4, 3),
+                  tk.Blocks(128, 64, 4, 3), tk.Blocks(128, 32, 4, 4)]  # fmt: skip
+    if DEV != "cuda":  # the interpreter has its own tiles: nothing to sweep
+        candidates = candidates[:1]
+    out = {}
+    try:
+        for blk in dict.fromkeys(candidates):
+            if not clock.left():
+                out[str(blk)] = "not run: time budget"
+                continue
+            tk.BLOCKS["fwd"][key] = blk
+            with torch.no_grad():
+                out[str(blk)] = bench(
+                    lambda: selfattn.attention(q, k, v, mask=mask, backend="triton")
+                )
+    finally:
+        tk.BLOCKS["fwd"][key] = saved
+    timed = {b: ms for b, ms in out.items() if isinstance(ms, float)}
+    return {"ms": out, "best": min(timed, key=timed.get) if timed else None}
+
+
+def _kernel_ms(q, k, v, mask) -> float:
+    """ms of the forward kernel alone (the tile lists and intervals built once): what the
+    per-call preparation and the finite check of ``backend="triton"`` add is the difference."""
+    from selfattn.backends import triton as triton_backend
+    from selfattn.call import prepare
+    from selfattn.kernels import ops
+
+    qq, kk, vv, call = prepare(q, k, v, mask=mask)
+    with torch.no_grad():
+        args = triton_backend.plan(qq, kk, vv, call)
+        return bench(lambda: ops.attention_triton_fwd(*args))
+
+
+def _timed(fn, mode: str, q, k, v) -> float:
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench(lambda: fn(q, k, v))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    return bench(lambda: fn(qg, kg, vg).sum().backward())
+
+
+def _doc_ids(S: int, n: int, seed: int) -> torch.Tensor:
+    """``n`` documents of random lengths covering ``S`` positions: ids ``(S,)``."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(S - 1, generator=g)[: n - 1] + 1).values
+    ids = torch.zeros(S, dtype=torch.long)
+    for c in cuts.tolist():
+        ids[c:] += 1
+    return ids
+
+
+def part_triton(args) -> dict:
+    from selfattn.kernels.triton import attention as tk
+
+    on_gpu = DEV == "cuda"
+    clock = _Clock(280.0 if on_gpu else 120.0)
+    B, H, S, D = (2, 16, 8192, 128) if not args.quick else (1, 2, 48, 16)
+    window = 1024 if not args.quick else 12
+    n_var = 10 if not args.quick else 3
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=dtype, generator=g) for _ in range(3))
+    result: dict = {"shape": dict(B=B, H=H, S=S, D=D, dtype=str(dtype)), "rows": []}
+    ours = functools.partial(selfattn.attention, backend="triton")
+
+    # -- 0. correctness first (compiled, tensor-core bf16 dots): the fp64 oracle's ratio rule
+    result["correct"] = {}
+    n = 333 if on_gpu else 21
+    for name, hkv, kw in (
+        ("causal", H, {"mask": masks.causal()}),
+        ("window & documents, alibi >> softcap, GQA",
+         max(1, H // 2), {"mask": masks.sliding_window(n // 3) & masks.documents(_doc_ids(n, 3, 2)),
+                          "score_mod": scores.alibi(H) >> scores.softcap(20.0)}),
+    ):  # fmt: skip
+        qc = torch.randn(1, H, n, D, device=DEV, generator=g).to(dtype)
+        kc, vc = (torch.randn(1, hkv, n, D, device=DEV, generator=g).to(dtype) for _ in range(2))
+        try:
+            check_against_reference(ours, qc, kc, vc, **kw)
+            result["correct"][name] = "pass"
+        except Exception as e:
+            result["correct"][name] = f"FAIL: {type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(result["correct"]), flush=True)
+
+    # -- 1. causal forward against the best SDPA backend (target: >= 0.9x its TFLOP/s)
+    causal = masks.causal()
+    flops = 4 * B * H * D * S * (S + 1) / 2  # QKᵀ and PV over the attended pairs
+    with torch.no_grad():
+        t_ours = bench(lambda: ours(q, k, v, mask=causal))
+    row = {"case": "causal fwd", "ours ms": t_ours, "ours TFLOP/s": flops / t_ours / 1e9}
+    row["kernel alone ms"] = _kernel_ms(q, k, v, causal)
+    row["kernel alone TFLOP/s"] = flops / row["kernel alone ms"] / 1e9
+    best = _sdpa_best(q, k, v)
+    row["sdpa"] = best
+    if best["best ms"]:
+        row["sdpa TFLOP/s"] = flops / best["best ms"] / 1e9
+        row["ours / best sdpa TFLOP/s"] = best["best ms"] / t_ours
+    row["tile sweep"] = _fwd_sweep(q, k, v, causal, clock)
+    result["rows"].append(row)
+    print(json.dumps(row, default=str), flush=True)
+
+    # -- 2. window and documents, fwd and fwd+bwd, against hand-compiled static-shape Flex
+    flex = None
+    if on_gpu:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.config.recompile_limit = 64
+        flex = torch.compile(flex_attention, dynamic=False)
+    docs = _doc_ids(S, 4, seed=1).to(DEV)
+
+    def window_mod(b, h, qi, ki, w=window):
+        return (qi >= ki) & (qi - ki < w)
+
+    def doc_mod(b, h, qi, ki, ids=docs):
+        return (ids[qi] == ids[ki]) & (qi >= ki)
+
+    cases = [
+        (f"window {window}", masks.sliding_window(window), window_mod),
+        ("4 causal documents", masks.causal() & masks.documents(docs), doc_mod),
+    ]
+    for name, mask, mask_mod in cases:
+        block = create_block_mask(mask_mod, None, None, S, S, device=DEV) if flex else None
+        for mode in ("fwd", "fwd+bwd"):
+            if not clock.left():
+                result["rows"].append({"case": name, "mode": mode, "status": "not run: budget"})
+                continue
+            row = {"case": name, "mode": mode}
+            row["ours ms"] = _timed(lambda a, b_, c, m=mask: ours(a, b_, c, mask=m), mode, q, k, v)
+            if mode == "fwd":
+                row["kernel alone ms"] = _kernel_ms(q, k, v, mask)
+            if flex is not None:
+                row["flex static ms"] = _timed(
+                    lambda a, b_, c, bm=block: flex(a, b_, c, block_mask=bm), mode, q, k, v
+                )
+                row["ours / flex"] = row["ours ms"] / row["flex static ms"]
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+
+    # -- 3. compiles across new window sizes, document layouts and lengths (target: ours 0)
+    kernels = (tk._attn_fwd,)
+    variants = []
+    for i in range(n_var):
+        if i % 3 == 0:
+            w = window // 2 + 37 * (i + 1)
+            variants.append(
+                (f"window {w}", S, masks.sliding_window(w), functools.partial(window_mod, w=w))
+            )
+        elif i % 3 == 1:
+            ids = _doc_ids(S, 3 + i, seed=i).to(DEV)
+            variants.append(
+                (
+                    f"{3 + i} documents",
+                    S,
+                    masks.causal() & masks.documents(ids),
+                    functools.partial(doc_mod, ids=ids),
+                )
+            )
+        else:
+            n = S - S // 16 * i - 3  # a length no tile size divides
+            variants.append((f"causal S={n}", n, masks.causal(), None))
+    row = {"case": f"compiles over {n_var} new masks/lengths (forward)", "variants": []}
+    before_jit = _jit_entries(kernels)
+    before_keys = len(tk.launches)
+    dyn = torch._dynamo.utils.counters
+    flex_graphs = 0
+    for label, n, mask, mask_mod in variants:
+        if not clock.left():
+            row["variants"].append(f"{label}: not run (time budget)")
+            continue
+        qq, kk, vv = q[:, :, :n], k[:, :, :n], v[:, :, :n]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ours(qq, kk, vv, mask=mask)
+        _sync()
+        entry = {"variant": label, "ours first call s": time.perf_counter() - t0}
+        if flex is not None:
+            mm = mask_mod or (lambda b, h, qi, ki: qi >= ki)
+            graphs = dyn["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            bm = create_block_mask(mm, None, None, n, n, device=DEV)
+            with torch.no_grad():
+                flex(qq, kk, vv, block_mask=bm)
+            _sync()
+            entry["flex first call s"] = time.perf_counter() - t0
+            flex_graphs += dyn["stats"]["unique_graphs"] - graphs
+        row["variants"].append(entry)
+    after_jit = _jit_entries(kernels)
+    row["ours new JIT compiles"] = (
+        None if before_jit is None else after_jit - before_jit
+    )  # None under the interpreter: no JIT cache; the specialisation keys below stand for it
+    row["ours new specialisation keys"] = len(tk.launches) - before_keys
+    if flex is not None:
+        row["flex new graphs (Dynamo unique_graphs)"] = flex_graphs
+    result["rows"].append(row)
+    print(json.dumps(row, default=str), flush=True)
+
+    # -- 4. paged decode against the copy rate, SDPA on contiguous K/V, gather + SDPA
+    if not on_gpu:
+        result["decode"] = "not run on CPU: --part decode is its smoke run"
+    else:
+        result["decode"] = _decode_triton(args, clock) if clock.left() else "not run: budget"
+    result["calibrate"] = _calibration(result)
+    result["targets"] = _targets(result)
+    return result
+
+
+def _decode_triton(args, clock) -> dict:
+    """Paged decode rows with a sweep of the key splits (the split table's entries)."""
+    from selfattn.kernels.triton.paged import paged_attention_triton
+
+    row = part_decode(args)
+    B, S, Hq, Hkv, D, P = (32, 4096, 32, 8, 128, 16) if not args.quick else (4, 512, 8, 2, 64, 16)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    n_pages = B * S // P
+    kp = torch.randn(n_pages, P, Hkv, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    vp = torch.randn_like(kp)
+    table = torch.randperm(n_pages, device=DEV, generator=g).view(B, S // P).int()
+    q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    lo = torch.zeros(B, 1, dtype=torch.int32, device=DEV)
+    hi = torch.full((B, 1), S, dtype=torch.int32, device=DEV)
+    sweep = {}
+    for n in (1, 2, 4, 8, 16, 32):
+        if clock.left():
+            sweep[n] = bench(lambda n=n: paged_attention_triton(q, kp, vp, table, lo, hi, 0.1,
+                                                                num_splits=n))  # fmt: skip
+    row["splits sweep ms"] = sweep
+    return row
+
+
+def _targets(result: dict) -> dict:
+    """Issue 17's targets, each ``[measured, target, met]`` (None where not measured)."""
+    out = {}
+
+    def put(name, value, target, met):
+        out[name] = [value, target, None if value is None else bool(met(value))]
+
+    for row in result["rows"]:
+        case, mode = row.get("case", ""), row.get("mode")
+        if case == "causal fwd":
+            put("causal fwd vs best SDPA TFLOP/s", row.get("ours / best sdpa TFLOP/s"),
+                ">= 0.9", lambda x: x >= 0.9)  # fmt: skip
+            if row["sdpa"]["best ms"]:
+                put("causal fwd kernel alone vs best SDPA TFLOP/s",
+                    row["sdpa"]["best ms"] / row["kernel alone ms"], ">= 0.9",
+                    lambda x: x >= 0.9)  # fmt: skip
+        elif "ours / flex" in row:
+            put(f"{case} {mode} vs static Flex time", row["ours / flex"], "<= 1.0",
+                lambda x: x <= 1.0)  # fmt: skip
+        elif case.startswith("compiles over"):
+            n = row.get("ours new JIT compiles")
+            put("ours new JIT compiles", n, "0", lambda x: x == 0)
+    decode = result.get("decode")
+    if isinstance(decode, dict) and isinstance(decode.get("triton kernel"), dict):
+        kern = decode["triton kernel"]
+        put("paged decode % of copy rate", kern["% of copy"], ">= 70", lambda x: x >= 70)
+        put("paged decode vs SDPA contiguous", kern["vs sdpa contiguous"], "<= 1.3",
+            lambda x: x <= 1.3)  # fmt: skip
+        put("paged decode vs gather + SDPA", kern["vs gather+sdpa"], "<= 0.5", lambda x: x <= 0.5)
+    return out
+
+
+def _calibration(result: dict) -> dict:
+    """What to paste where after a GPU run (ratios against SDPA's fused kernel)."""
+    out = {}
+    for row in result["rows"]:
+        if row.get("case") == "causal fwd" and "ours / best sdpa TFLOP/s" in row:
+            out["COSTS['plain'] (per pair vs sdpa)"] = 1 / row["ours / best sdpa TFLOP/s"]
+            out["BLOCKS['fwd'] best"] = row["tile sweep"]["best"]
+    return out
+
+
+PARTS = ("correct", "speed", "decode", "triton")
 
 
 def main(argv=None) -> int:
@@ -378,8 +717,9 @@ def main(argv=None) -> int:
     )  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     args = p.parse_args(argv)
-    global DEV
+    global DEV, REPS
     DEV = args.device
+    REPS = REPS if DEV == "cuda" else (1, 1)
     if DEV == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; use --device cpu for a smoke run", file=sys.stderr)
         return 2
@@ -401,9 +741,8 @@ def _one_part(args) -> tuple[int, dict]:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     print(f"# {name} torch {torch.__version__}", flush=True)
     try:
-        result = {"correct": part_correct, "speed": part_speed, "decode": part_decode}[args.part](
-            args
-        )
+        parts = {"correct": part_correct, "speed": part_speed, "decode": part_decode}
+        result = {**parts, "triton": part_triton}[args.part](args)
     except Exception:
         traceback.print_exc()
         return 1, {}

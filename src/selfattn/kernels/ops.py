@@ -12,6 +12,10 @@ op                                     kernel                              outpu
 ``selfattn::paged_decode_triton``      Triton, :mod:`selfattn.kernels.     ``out`` in q's dtype,
                                        triton.paged` (imported on first    ``lse`` float32, on
                                        call)                               q's device
+``selfattn::attention_triton_fwd``     Triton, :mod:`selfattn.kernels.     ``out`` in q's dtype,
+                                       triton.attention` (imported on      ``lse`` float32;
+                                       first call)                         differentiable
+``selfattn::attention_triton_bwd``     the same module                     ``dq, dk, dv``
 =====================================  ==================================  ====================
 
 Both take ``q (B, Hq, Sq, D)``, pages ``(N, P, Hkv, D|Dv)``, ``block_table (B, max_pages)``,
@@ -20,6 +24,11 @@ scale and the dequantisation scales of int8/fp8 pages (None for float pages), le
 attention-sink logits ``sinks (Hq,)`` (None: none; the Triton op after ``num_splits``), and return
 ``out (B, Hq, Sq, Dv)`` and ``lse (B, Hq, Sq)``. Neither has an autograd formula: they are
 decode kernels, and the paged backends send calls that need gradients to PyTorch.
+
+The dense pair (``backend="triton"``) takes the mask and score mod as data (tile lists, key
+intervals, document ids, ALiBi slopes, a bias view, a soft cap; see
+:mod:`selfattn.kernels.triton.attention`); the forward's autograd formula is the backward op,
+so a compiled graph differentiates through both.
 """
 
 # No ``from __future__ import annotations``: custom_op reads the signature's annotations as types.
@@ -28,7 +37,12 @@ import torch
 
 from selfattn.kernels import paged_decode
 
-__all__ = ["paged_decode_cpu", "paged_decode_triton"]
+__all__ = [
+    "attention_triton_bwd",
+    "attention_triton_fwd",
+    "paged_decode_cpu",
+    "paged_decode_triton",
+]
 
 
 @torch.library.custom_op("selfattn::paged_decode_cpu", mutates_args=(), device_types="cpu")
@@ -85,3 +99,117 @@ def _(
     (B, Hq, Sq, _), Dv = q.shape, v_pages.shape[3]
     out = q.new_empty((B, Hq, Sq, Dv))  # q's dtype and device
     return out, q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+# -- dense attention (Triton): forward and backward, differentiable through the pair ----------
+
+
+@torch.library.custom_op("selfattn::attention_triton_fwd", mutates_args=())
+def attention_triton_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_order: torch.Tensor,
+    kv_counts: torch.Tensor,
+    bwd_kv_order: torch.Tensor,
+    bwd_kv_counts: torch.Tensor,
+    bwd_q_order: torch.Tensor,
+    bwd_q_counts: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    ids: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    slopes: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    seed: int,
+    q_offset: int,
+    blocks: list[int],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; ``blocks = [fwd block_m, fwd block_n, bwd block_m, bwd block_n]`` of the
+    tile lists (the ``bwd_*`` ones are read by the backward only; empty when no gradient is
+    needed); see :func:`selfattn.kernels.triton.attention.attention_triton_fwd`."""
+    from selfattn.kernels.triton import attention  # imports Triton (seconds, once)
+
+    return attention.attention_triton_fwd(
+        q, k, v, kv_order, kv_counts, lo, hi, ids, bias, slopes, scale, softcap, dropout_p,
+        seed, q_offset, blocks[0], blocks[1],
+    )  # fmt: skip
+
+
+@attention_triton_fwd.register_fake
+def _(q, k, v, *rest):
+    (B, Hq, Sq, _), Dv = q.shape, v.shape[3]
+    return q.new_empty((B, Hq, Sq, Dv)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("selfattn::attention_triton_bwd", mutates_args=())
+def attention_triton_bwd(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_order: torch.Tensor,
+    kv_counts: torch.Tensor,
+    q_order: torch.Tensor,
+    q_counts: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    ids: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    slopes: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    seed: int,
+    q_offset: int,
+    block_m: int,
+    block_n: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``: :func:`selfattn.kernels.triton.attention.attention_triton_bwd`."""
+    from selfattn.kernels.triton import attention
+
+    return attention.attention_triton_bwd(
+        dout, dlse, q, k, v, out, lse, kv_order, kv_counts, q_order, q_counts, lo, hi, ids,
+        bias, slopes, scale, softcap, dropout_p, seed, q_offset, block_m, block_n, deterministic,
+    )  # fmt: skip
+
+
+@attention_triton_bwd.register_fake
+def _(dout, dlse, q, k, v, *rest):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+def _attention_setup(ctx, inputs, output):
+    (q, k, v, _, _, bwd_kv_order, bwd_kv_counts, bwd_q_order, bwd_q_counts, lo,
+     hi, ids, bias, slopes, scale, softcap, dropout_p, seed, q_offset, blocks,
+     deterministic) = inputs  # fmt: skip
+    out, lse = output
+    ctx.save_for_backward(
+        q, k, v, out, lse, bwd_kv_order, bwd_kv_counts, bwd_q_order, bwd_q_counts, lo, hi, ids,
+        bias, slopes,
+    )  # fmt: skip
+    ctx.consts = (scale, softcap, dropout_p, seed, q_offset, blocks[2], blocks[3], deterministic)
+
+
+def _attention_backward(ctx, dout, dlse):
+    (q, k, v, out, lse, kv_order, kv_counts, q_order, q_counts, lo, hi, ids, bias,
+     slopes) = ctx.saved_tensors  # fmt: skip
+    dq, dk, dv = attention_triton_bwd(
+        dout, dlse, q, k, v, out, lse, kv_order, kv_counts, q_order, q_counts, lo, hi, ids,
+        bias, slopes, *ctx.consts,
+    )  # fmt: skip
+    return (dq, dk, dv) + (None,) * 18
+
+
+attention_triton_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)

@@ -296,6 +296,15 @@ class Mask:
         overrides = type(self).key_interval is not Mask.key_interval
         return overrides and all(c.is_interval for c in self.children())
 
+    def kernel_form(self) -> tuple[Mask | None, torch.Tensor | None] | None:
+        """The mask as data a kernel evaluates per row, or None when it has no such form:
+        ``(interval, ids)`` such that key ``j`` is attended from query position ``i`` of
+        sequence ``b`` iff ``j`` lies in ``interval.key_interval(b, i)`` (``interval`` None:
+        every key) and, with ``ids`` (``(B or 1, S)`` int document ids by absolute position),
+        ``ids[b, i] == ids[b, j]``. The Triton kernel reads both as tensors, so a new window,
+        document layout or length needs no new kernel."""
+        return (self, None) if self.is_interval else None
+
     # -- positions -----------------------------------------------------------------------------
     def bind(self, q_offset) -> Mask:
         """This mask with its row-ordered tensors anchored to absolute positions: row ``i`` at
@@ -482,6 +491,15 @@ class And(_Combine):
     @property
     def is_causal(self) -> bool:
         return self.a.is_causal and self.b.is_causal
+
+    def kernel_form(self):
+        # an interval and one set of document ids on either side (two id sets: no form)
+        a, other = self.a.kernel_form(), self.b.kernel_form()
+        if a is None or other is None or (a[1] is not None and other[1] is not None):
+            return None
+        parts = [m for m in (a[0], other[0]) if m is not None]
+        interval = parts[0] if len(parts) == 1 else (And(*parts) if parts else None)
+        return interval, a[1] if a[1] is not None else other[1]
 
 
 class Or(_Combine):

@@ -292,6 +292,9 @@ class Documents(Mask):
     def _batch_heads(self):
         return self.ids.shape[0], 1
 
+    def kernel_form(self):
+        return None, self.ids
+
     def __repr__(self) -> str:
         return f"documents(<ids {tuple(self.ids.shape)}>)"
 

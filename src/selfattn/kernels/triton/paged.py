@@ -8,10 +8,12 @@ sequence; the caller computes it).
 Work split (why): a decode step has one query row per head, far too little to fill a GPU with one
 program per (sequence, kv head). So the key axis is also split into ``n_splits`` contiguous
 ranges, each program runs the online softmax over its range, and the partial outputs merge
-through their float32 log-sum-exp afterwards (FlashDecoding, Dao et al. 2023). The ``G = Hq/Hkv``
-query heads of a kv head are the rows of one matmul tile, so K/V are read once per kv head
-(GQA without repeating K/V). A split whose keys are all masked gives lse ``-inf`` and weight 0 in
-the merge, never NaN.
+through their float32 log-sum-exp afterwards (FlashDecoding, Dao et al. 2023). How many
+splits: :data:`SPLIT_TABLE`, by (programs, context). Pages of a power-of-two size >= 16 are
+read whole, several per tile (:func:`_tile_keys`): one block-table read per page, not per key.
+The ``G = Hq/Hkv`` query heads of a kv head are the rows of one matmul tile, so K/V are read
+once per kv head (GQA without repeating K/V). A split whose keys are all masked gives lse
+``-inf`` and weight 0 in the merge, never NaN.
 
 This module imports Triton: import it only where a kernel will run (the op
 ``torch.ops.selfattn.paged_decode_triton`` of :mod:`selfattn.kernels.ops` does so on its first
@@ -44,7 +46,25 @@ import triton.language as tl
 __all__ = ["merge_splits", "paged_attention_triton"]
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
-BLOCK_N = 32  # keys per tile: >= 16 for tl.dot, small enough to keep short splits busy
+BLOCK_N = 32  # keys per tile of the per-key walk: >= 16 for tl.dot
+# Whole-page tiles (pages of a power-of-two size >= 16): a tile is PAGE_TILE_KEYS keys of whole
+# pages (or one page if pages are larger), so each page id is read once per tile and each
+# page's slots are one strided run, instead of one block-table read and address per key.
+PAGE_TILE_KEYS = 64
+# Key splits per (programs = B·Hkv·query tiles, longest context), FlashDecoding's rule: enough
+# programs for a few waves on a 132-SM GPU (H100/H200), each split at least MIN_SPLIT_TILES
+# tiles long. Rows: programs up to; columns: context up to (last: any). Set from that rule
+# before any GPU measurement; ``benchmarks/gpu.py --part triton`` sweeps the splits of the
+# issue's decode case ("splits sweep ms"): replace the entries by the fastest.
+SPLIT_CONTEXTS = (1024, 4096, 16384, None)
+SPLIT_TABLE = (
+    (32, (8, 16, 32, 64)),
+    (128, (4, 8, 16, 32)),
+    (512, (2, 4, 8, 16)),
+    (2048, (1, 2, 4, 8)),
+    (None, (1, 1, 2, 4)),
+)
+MIN_SPLIT_TILES = 4
 SCALES_NONE, SCALES_PER_TOKEN, SCALES_PER_HEAD = 0, 1, 2
 
 
@@ -71,6 +91,19 @@ def _weighted_sum_attended(p, v, allowed):
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, s):
+    """One tile of the online softmax on base-2 scores ``s (M, N)``: ``(m_new, p, alpha, l)``,
+    the new running max, the tile's weights ``2^(s - m_new)``, the factor that rescales what
+    came before, and the new running sum. A row with nothing allowed yet keeps max -inf and
+    weight 0, never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_keys(
     q, lo, hi, start, stop, b, kvh,
     K, V, BT, KS, VS,
@@ -78,7 +111,7 @@ def _attend_keys(
     qk_scale, P,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
-    IEEE: tl.constexpr, EXACT: tl.constexpr,
+    IEEE: tl.constexpr, EXACT: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the tile's rows over keys ``[start, stop)``: ``(m, l, acc)``, base 2.
 
@@ -95,7 +128,14 @@ def _attend_keys(
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < stop
-        page = tl.load(BT + b * s_bt + n // P, mask=n_ok, other=0).to(tl.int64)
+        if PAGE > 0:  # whole pages: one block-table read per page, slots in one strided run
+            first = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            ids = tl.load(BT + b * s_bt + first, mask=first * PAGE < stop, other=0)
+            page = tl.reshape(
+                tl.broadcast_to(ids.to(tl.int64)[:, None], [BLOCK_N // PAGE, PAGE]), [BLOCK_N]
+            )
+        else:
+            page = tl.load(BT + b * s_bt + n // P, mask=n_ok, other=0).to(tl.int64)
         slot = n % P
         k_ptrs = K + page[:, None] * s_kn + slot[:, None] * s_kp + kvh * s_kh + d[None, :]
         k = tl.load(k_ptrs, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
@@ -119,12 +159,7 @@ def _attend_keys(
         s = s * qk_scale
         allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        # -- update running max and sum (a row with nothing allowed yet keeps max -inf)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
         # -- weighted V rows
         if EXACT:
             pv = _weighted_sum_attended(p, v, allowed)
@@ -150,7 +185,7 @@ def _paged_fwd(
     qk_scale, Hkv, G, Sq, P, split_len,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -172,11 +207,13 @@ def _paged_fwd(
     hi = tl.load(HI + b * s_lo + i, mask=row_ok, other=0)
     # -- this program's keys: its split, cut to the union of the rows' intervals
     start = tl.maximum(split * split_len, tl.min(tl.where(row_ok, lo, 2147483647), axis=0))
+    if PAGE > 0:  # tiles start on page boundaries (splits do: split_len is whole tiles)
+        start = start // BLOCK_N * BLOCK_N
     stop = tl.minimum(split * split_len + split_len, tl.max(hi, axis=0))
     m_i, l_i, acc = _attend_keys(
         q, lo, hi, start, stop, b, kvh, K, V, BT, KS, VS,
         s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
-        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, False,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, False, PAGE,
     )  # fmt: skip
     # -- rare: a NaN/inf reached the sums; walk the keys again, keeping it to the rows that
     # attend it (one check per program: the fast walk pays nothing per tile for it)
@@ -184,7 +221,7 @@ def _paged_fwd(
         m_i, l_i, acc = _attend_keys(
             q, lo, hi, start, stop, b, kvh, K, V, BT, KS, VS,
             s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
-            D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True,
+            D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True, PAGE,
         )  # fmt: skip
     # -- this split's normalised output and base-2 lse (-inf: no allowed key)
     seen = l_i > 0
@@ -205,10 +242,20 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _num_splits(programs: int, max_len: int, sm_count: int) -> int:
-    """Key splits so that about four programs run per SM, each with at least 4 key tiles."""
-    want = math.ceil(4 * sm_count / max(programs, 1))
-    return max(1, min(want, math.ceil(max_len / (4 * BLOCK_N))))
+def _tile_keys(P: int) -> tuple[int, int]:
+    """``(keys per tile, PAGE)``: whole pages per tile where the page size allows (a power of
+    two >= 16, so a tile is whole pages and a page whole tiles' worth of tl.dot rows), else the
+    per-key walk (``PAGE`` 0)."""
+    if P >= 16 and P & (P - 1) == 0:
+        return max(P, PAGE_TILE_KEYS), P
+    return BLOCK_N, 0
+
+
+def _num_splits(programs: int, max_len: int, tile: int) -> int:
+    """Key splits from :data:`SPLIT_TABLE`, each split at least ``MIN_SPLIT_TILES`` tiles."""
+    col = next(i for i, c in enumerate(SPLIT_CONTEXTS) if c is None or max_len <= c)
+    want = next(row for limit, row in SPLIT_TABLE if limit is None or programs <= limit)[col]
+    return max(1, min(want, max_len // (MIN_SPLIT_TILES * tile)))
 
 
 def paged_attention_triton(
@@ -246,14 +293,10 @@ def paged_attention_triton(
     if block_m > 64:
         block_m = 64
     m_tiles = math.ceil(Sq * G / block_m)
+    tile, page = _tile_keys(P)
     if num_splits is None:
-        sms = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count
-            if q.device.type == "cuda"
-            else 4
-        )
-        num_splits = _num_splits(B * Hkv * m_tiles, max_len, sms)
-    split_len = math.ceil(max(max_len, 1) / num_splits / BLOCK_N) * BLOCK_N
+        num_splits = _num_splits(B * Hkv * m_tiles, max_len, tile)
+    split_len = math.ceil(max(max_len, 1) / num_splits / tile) * tile
     out = torch.empty(B, Hq, Sq, num_splits, Dv, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, Hq, Sq, num_splits, device=q.device, dtype=torch.float32)
     quant = k_pages.dtype not in (torch.float32, torch.float16, torch.bfloat16)
@@ -279,9 +322,9 @@ def paged_attention_triton(
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         float(scale) * LOG2E, Hkv, G, Sq, P, split_len,
-        D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=tile,
         BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), SCALES=mode,
-        IEEE=q.dtype == torch.float32 or _interpreted(),
+        IEEE=q.dtype == torch.float32 or _interpreted(), PAGE=page,
     )  # fmt: skip
     return merge_splits(out, lse / LOG2E, q.dtype, sinks)  # base-2 lse -> natural log
 
