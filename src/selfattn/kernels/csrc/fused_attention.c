@@ -143,6 +143,9 @@ typedef struct {
   int64_t next; /* work counter, atomic */
   void (*item)(const void *job, int64_t item, float *scratch);
   int64_t scratch; /* floats of scratch per thread */
+  /* K and V packed once per call, per (b, kv head, key tile) block (NULL: not used):
+     kt Kᵀ (D x BK), vt Vᵀ (Dv x BK), kp K (BK x Dp), vp V (BK x Dvp), float32 */
+  float *kt, *vt, *kp, *vp;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -271,10 +274,9 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
   const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
-  float *qs = buf, *kt = qs + MAXBQ * d.Dp, *vp = kt + d.D * BK, *s = vp + BK * d.Dvp;
-  float *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp, *l = m + MAXBQ, *row = l + MAXBQ;
-  /* float32 V rows whose width is whole vectors are read in place; others are converted */
-  const int v_in_place = d.dt == F32 && d.Dv == d.Dvp;
+  float *qs = buf, *s = qs + MAXBQ * d.Dp, *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp;
+  float *l = m + MAXBQ;
+  const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
   int64_t r, k, t;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
@@ -283,9 +285,9 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
     /* -- scores of the tile, base 2 */
-    pack_t(kt, p[P_K], (kvh + c0) * d.D, nk, d.D, d.dt, row);
+    const int64_t blk = blk0 + qt.cols[t];
     memset(s, 0, sizeof(float) * tqp * BK);
-    mm(s, BK, qs, d.Dp, kt, BK, tqp, d.D, BK);
+    mm(s, BK, qs, d.Dp, job->kt + blk * d.D * BK, BK, tqp, d.D, BK);
     mask_scores(s, tq, nk, block_bits(&d, p, qt.pids[t], b, h));
     /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
     for (r = 0; r < tqp; r++) {
@@ -312,10 +314,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
       l[r] += hsum(sum);
     }
     /* -- weighted V rows: acc += P V over the tile's nk keys */
-    const float *vb = (const float *)p[P_V] + (kvh + c0) * d.Dv;
-    if (!v_in_place)
-      for (k = 0; k < nk; k++) load_row(vp + k * d.Dvp, p[P_V], (kvh + c0 + k) * d.Dv, d.Dv, d.dt, 1.0f);
-    mm(acc, d.Dvp, s, BK, v_in_place ? vb : vp, d.Dvp, tqp, nk, d.Dvp);
+    const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
+    mm(acc, d.Dvp, s, BK, vb, d.Dvp, tqp, nk, d.Dvp);
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
      make every weight the backward recomputes 0 */
@@ -334,8 +334,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
 }
 
 static int64_t fwd_scratch(const Dims *d) {
-  return MAXBQ * d->Dp + d->D * BK + BK * d->Dvp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ +
-         d->Dp + d->Dvp;
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -394,13 +393,12 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
   const int32_t *colptr = (const int32_t *)p[P_COLPTR], *rows = (const int32_t *)p[P_ROWS];
   const int32_t *cpids = (const int32_t *)p[P_CPIDS];
   const int64_t kv0 = (b * d.Hkv + hk) * d.Sk + c0; /* first key row of (B, Hkv, Sk) */
-  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *kt = dob + MAXBQ * d.Dvp, *vt = kt + d.D * BK;
-  float *s = vt + d.Dv * BK, *dp = s + MAXBQ * BK, *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ;
-  float *dk = dst + BK * MAXBQ, *dv = dk + BK * d.Dp, *row = dv + BK * d.Dvp;
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dk = dst + BK * MAXBQ, *dv = dk + BK * d.Dp;
+  const int64_t blk = (b * d.Hkv + hk) * d.nk + j;
+  const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
   int64_t t, g, r, k;
 
-  pack_t(kt, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
-  pack_t(vt, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
   memset(dk, 0, sizeof(float) * BK * (d.Dp + d.Dvp)); /* dk and dv */
   for (t = colptr[j]; t < colptr[j + 1]; t++) {
     const int64_t i = rows[t], r0 = i * d.bq;
@@ -427,8 +425,7 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
 }
 
 static int64_t dkv_scratch(const Dims *d) {
-  return MAXBQ * (d->Dp + d->Dvp) + BK * (d->D + d->Dv) + 4 * MAXBQ * BK + BK * (d->Dp + d->Dvp) +
-         d->Dp + d->Dvp;
+  return MAXBQ * (d->Dp + d->Dvp) + 4 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
 }
 
 /* dQ of query tile i of head h, sequence b. */
@@ -438,9 +435,9 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
   const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
-  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *kt = dob + MAXBQ * d.Dvp, *vt = kt + d.D * BK;
-  float *kp = vt + d.Dv * BK, *s = kp + BK * d.Dp, *dp = s + MAXBQ * BK, *dq = dp + MAXBQ * BK;
-  float *row = dq + MAXBQ * d.Dp;
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *dq = dp + MAXBQ * BK;
+  const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
   int64_t t, r, k;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
@@ -448,9 +445,9 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
   memset(dq, 0, sizeof(float) * tqp * d.Dp);
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    pack_t(kt, p[P_K], (kvh + c0) * d.D, nk, d.D, d.dt, row);
-    pack_t(vt, p[P_V], (kvh + c0) * d.Dv, nk, d.Dv, d.dt, row);
-    pack_rows(kp, d.Dp, p[P_K], (kvh + c0) * d.D, nk, d.D, nk, 1.0f, d.dt);
+    const int64_t blk = blk0 + qt.cols[t];
+    const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
+    const float *kp = job->kp + blk * BK * d.Dp;
     tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, h),
             (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
             (const float *)p[P_DELTA] + row0);
@@ -462,8 +459,7 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
 }
 
 static int64_t dq_scratch(const Dims *d) {
-  return MAXBQ * (d->Dp + d->Dvp) + BK * (d->D + d->Dv) + BK * d->Dp + 2 * MAXBQ * BK +
-         MAXBQ * d->Dp + d->Dp + d->Dvp;
+  return MAXBQ * (d->Dp + d->Dvp) + 2 * MAXBQ * BK + MAXBQ * d->Dp;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -503,13 +499,60 @@ static int run_items(Job *job, int n_threads) {
   return bad;
 }
 
+/* -- K and V packed once per call, as the work items read them: block (b, kv head, key tile) of
+   each layout the job asks for, converted to float32. Packing per work item instead repeats it
+   for every query tile and head that reads the key tile. */
+static void pack_item(const void *vjob, int64_t blk, float *row) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const int64_t j = blk % d.nk, kv0 = blk / d.nk * d.Sk + j * BK; /* first key row */
+  const int64_t nk = BK < d.Sk - j * BK ? BK : d.Sk - j * BK;
+  if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
+  if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
+  if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
+  if (job->vp)
+    pack_rows(job->vp + blk * BK * d.Dvp, d.Dvp, p[P_V], kv0 * d.Dv, nk, d.Dv, BK, 1.0f, d.dt);
+}
+
+/* Allocate and fill the packed layouts job asks for (a non-NULL placeholder in kt/vt/kp/vp
+   means: wanted). 0, or 1 when memory ran out. */
+static int pack_kv(Job *job, const Dims *d, int n_threads) {
+  const int64_t n_blk = d->B * d->Hkv * d->nk;
+  float **slots[4] = {&job->kt, &job->vt, &job->kp, &job->vp};
+  const int64_t sizes[4] = {d->D * BK, d->Dv * BK, BK * d->Dp, BK * d->Dvp};
+  int bad = 0;
+  for (int i = 0; i < 4; i++)
+    if (*slots[i]) {
+      *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
+      bad |= *slots[i] == NULL;
+    }
+  if (bad) return 1;
+  Job pack = *job;
+  pack.n_items = n_blk, pack.next = 0, pack.item = pack_item;
+  pack.scratch = d->Dp + d->Dvp;
+  return run_items(&pack, n_threads);
+}
+
+static void free_packed(Job *job) {
+  free(job->kt), free(job->vt), free(job->kp), free(job->vp);
+}
+
+#define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
+
 /* 0 on success, 1 when scratch memory could not be allocated, 2 for a tile width this build
    does not have (BK). out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq): float32. */
 int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
-  Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d)};
-  return run_items(&job, n_threads);
+  /* float32 V whose rows are whole vectors is read in place; other V is packed */
+  float *vp = d.dt == F32 && d.Dv == d.Dvp ? NULL : WANTED;
+  Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
+             WANTED, NULL, NULL, vp};
+  int status = pack_kv(&job, &d, n_threads);
+  if (!status) status = run_items(&job, n_threads);
+  free_packed(&job);
+  return status;
 }
 
 /* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA. The dot product is one FMA chain from
@@ -539,9 +582,15 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
   row_deltas(&d, ptrs);
-  Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d)};
-  Job q = {iargs, ptrs, c, scale, d.B * d.Hq * d.nq, 0, dq_item, dq_scratch(&d)};
-  return run_items(&kv, n_threads) | run_items(&q, n_threads);
+  Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
+            WANTED, WANTED, WANTED, NULL};
+  int status = pack_kv(&kv, &d, n_threads);
+  Job q = kv;
+  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
+  if (!status) status = run_items(&kv, n_threads);
+  if (!status) status = run_items(&q, n_threads);
+  free_packed(&kv);
+  return status;
 }
 
 /* The instruction sets this build was compiled for, as bits: 1 AVX2, 2 FMA, 4 AVX-512F,
