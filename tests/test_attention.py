@@ -36,8 +36,8 @@ from selfattn.testing import (
     reference_attention,
 )
 
-BACKENDS = ("reference", "chunked", "sdpa", "flex", "cpu", "auto")
-REGISTERED = ("reference", "chunked", "sdpa", "flex", "cpu")
+BACKENDS = ("reference", "chunked", "sdpa", "flex", "cpu_fused", "auto")
+REGISTERED = ("reference", "chunked", "sdpa", "flex", "cpu_fused")
 
 MASK_KINDS = (
     "none",
@@ -90,7 +90,7 @@ def required(
     reference, chunked (and auto): everything. sdpa: no mask, causal or bool masks; no score mod or
     an additive one (ALiBi, bias tensor, T5); fp32/fp64/bf16; any GQA ratio; gradients; no dropout.
     flex: forward only (no gradients) on CPU, any mask and score mod, fp32, no dropout.
-    cpu: any mask, no score mod, fp32/bf16/fp16, gradients, no dropout.
+    cpu_fused: any mask, no score mod, fp32/bf16/fp16, gradients, no dropout.
     """
     if backend in ("reference", "chunked", "auto"):
         return True
@@ -98,7 +98,7 @@ def required(
         return mask in SDPA_MASKS and score in SDPA_SCORES and dtype in SDPA_DTYPES and not dropout
     if backend == "flex":
         return dtype == torch.float32 and not grad and not dropout
-    if backend == "cpu":
+    if backend == "cpu_fused":
         return score == "none" and dtype in CPU_DTYPES and not dropout
     return False
 
@@ -443,7 +443,7 @@ def _capability_cases(backend: str):
     elif backend == "flex":
         for m, s in itertools.product(MASK_KINDS, SCORE_KINDS):
             yield m, s, torch.float32, False, False
-    elif backend == "cpu":
+    elif backend == "cpu_fused":
         for m, dt, grad in itertools.product(MASK_KINDS, CPU_DTYPES, (False, True)):
             yield m, "none", dt, grad, False
 

@@ -1,4 +1,4 @@
-"""The cpu backend (the fused C kernel) through ``attention()``, against the float64 oracle.
+"""The cpu_fused backend (the fused C kernel) through ``attention()``, against the float64 oracle.
 
 Sizes cross the kernel's 64-key tiles and its query tiles (Sq = 97 -> tiles of 49 and 48 rows),
 so EMPTY, FULL and PARTIAL tiles, ragged edge tiles and multi-tile online-softmax rescaling all
@@ -23,7 +23,7 @@ from tests.backends.test_chunked import MASKS, NEEDS_NONNEGATIVE_OFFSET
 pytestmark = pytest.mark.skipif(
     fused_attention.library() is None, reason="no C compiler here: the kernel cannot be built"
 )
-cpu_attention = functools.partial(selfattn.attention, backend="cpu")
+cpu_attention = functools.partial(selfattn.attention, backend="cpu_fused")
 
 
 @pytest.mark.parametrize(("Sq", "Sk"), [(97, 150), (150, 97)])
@@ -123,7 +123,7 @@ def test_declines_with_a_reason(kwargs, why):
     kwargs = dict(kwargs)
     q, k, v = make_qkv(1, 2, 8, 16, dtype=kwargs.pop("dtype", torch.float32), seed=9)
     reasons = backends.explain(q, k, v, print_table=False, **kwargs).reasons
-    assert why in reasons["cpu"]
+    assert why in reasons["cpu_fused"]
     with pytest.raises(ValueError, match=why):
         cpu_attention(q, k, v, **kwargs)
 
@@ -134,15 +134,15 @@ def test_kernel_turned_off_is_declined_and_logged_once(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="selfattn")
     q, k, v = make_qkv(1, 2, 8, 16, seed=10)
     for _ in range(2):
-        reason = backends.explain(q, k, v, print_table=False).reasons["cpu"]
+        reason = backends.explain(q, k, v, print_table=False).reasons["cpu_fused"]
         assert "could not be built" in reason
         selfattn.attention(q, k, v)  # auto runs another backend
-    said = [r.getMessage() for r in caplog.records if "cpu backend" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "cpu_fused backend" in r.getMessage()]
     assert len(said) == 1 and "chunked runs" in said[0]
 
 
 def test_auto_picks_it_for_a_sparse_mask_on_cpu():
     q, k, v = make_qkv(1, 2, 512, 16, seed=11)
     assert backends.explain(q, k, v, mask=masks.sliding_window(32), print_table=False).chosen == (
-        "cpu"
+        "cpu_fused"
     )
