@@ -126,7 +126,12 @@ _FUSED = "cpu_fused" if fused_attention.library() is not None else "chunked"
             _FUSED.replace("chunked", "sdpa"),
         ),
         (_S, dict(mask=lambda b, h, q, kv: (q - kv).abs() < 16), _FUSED),
-        (_S, dict(score_mod=scores.alibi(2), mask=masks.causal()), "sdpa"),
+        # ALiBi: sdpa materialises a float mask (all pairs), the fused kernel skips tiles
+        (
+            _S,
+            dict(score_mod=scores.alibi(2), mask=masks.causal()),
+            _FUSED.replace("chunked", "sdpa"),
+        ),
         (_S, dict(score_mod=scores.softcap(5.0)), "chunked"),
         (_S, dict(dropout_p=0.1), "chunked"),
         (_S, dict(return_lse=True), "sdpa"),

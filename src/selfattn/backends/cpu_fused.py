@@ -12,7 +12,8 @@ float32 and the output goes back to q's dtype. GQA reads each kv head's K/V in p
 query heads.
 
 Not run (declined with the reason): non-CPU tensors, float64 (it accumulates in float64, the
-kernel in float32), score mods and dropout (not in the kernel yet: chunked runs them), calls
+kernel in float32), score mods other than ALiBi and dropout (not in the kernel yet: chunked runs
+them), calls
 under ``torch.compile`` (the tile plan reads mask values), and wherever the kernel cannot be
 built (no compiler: logged once, chunked runs instead). Non-finite inputs are checked and
 redone exactly (``_common.fused_or_exact``), as sdpa's are."""
@@ -27,6 +28,7 @@ from selfattn._log import log_once
 from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, chunked, register
 from selfattn.backends._common import fused_or_exact, run_with_sinks
 from selfattn.kernels import fused_attention, ops
+from selfattn.scores import ALiBi
 
 __all__ = ["run", "tiles"]
 
@@ -69,8 +71,9 @@ def _attend(q, k, v, call: AttentionCall):
     t = tiles(q, k, call)
     qkv = (x.contiguous() for x in (q, k, v))
     generic = fused_attention.forced_generic()
+    alibi = call.score_mod.slopes if call.score_mod is not None else None  # ALiBi (reject)
     out, lse, _, _ = ops.attention_fwd_cpu(
-        *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic
+        *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic, call.q_offset, alibi
     )
     return out.to(q.dtype), (lse if call.return_lse else None)
 
@@ -92,8 +95,11 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
             "float64 inputs accumulate in float64 and the kernel accumulates in float32 "
             "(chunked and reference run them)"
         )
-    if call.score_mod is not None:
-        return f"score mod {call.score_mod!r} is not in the fused kernel yet (chunked runs it)"
+    if call.score_mod is not None and not isinstance(call.score_mod, ALiBi):
+        return (
+            f"score mod {call.score_mod!r}: the fused kernel runs only ALiBi so far (chunked "
+            "runs it)"
+        )
     if call.dropout_p > 0:
         return "dropout is not in the fused kernel yet (chunked runs it, same kept pairs)"
     if torch.compiler.is_compiling():

@@ -86,10 +86,12 @@ GENERIC_SPEC = dataclasses.replace(SPEC, name="fused_attention_generic", targets
 
 # The kernel's arguments in the order of its enums (``A_*``, ``P_*`` in csrc/fused_attention.c;
 # a test reads them from the source).
-INT_ARGS = ("B", "HQ", "HKV", "SQ", "SK", "D", "DV", "BQ", "BK", "NQ", "NK", "MB", "MH", "DT")
+INT_ARGS = (
+    "B", "HQ", "HKV", "SQ", "SK", "D", "DV", "BQ", "BK", "NQ", "NK", "MB", "MH", "DT", "QOFF",
+)  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
-    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV",
+    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES",
 )  # fmt: skip
 _ISA_BITS = ((4, "avx512f"), (8, "avx512_bf16"), (1, "avx2"), (2, "fma"))
 # q, k, v dtype -> kernel code (the enum at the top of csrc/fused_attention.c)
@@ -200,14 +202,14 @@ def supported_dtypes(generic: bool = False) -> tuple[torch.dtype, ...]:
     return tuple(d for d in _DTYPE_CODES if d != torch.float16 or lib.fa_has_f16())
 
 
-def _ints(q, k, v, tiles: Tiles) -> dict:
+def _ints(q, k, v, tiles: Tiles, q_offset: int) -> dict:
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     return {
         "B": B, "HQ": Hq, "HKV": Hkv, "SQ": Sq, "SK": Sk, "D": D, "DV": Dv,
         "BQ": tiles.block_q, "BK": BLOCK_K, "NQ": tiles.rowptr.numel() - 1,
         "NK": tiles.colptr.numel() - 1, "MB": tiles.mask_b, "MH": tiles.mask_h,
-        "DT": _DTYPE_CODES[q.dtype],
+        "DT": _DTYPE_CODES[q.dtype], "QOFF": q_offset,
     }  # fmt: skip
 
 
@@ -237,14 +239,25 @@ def _check(tiles: Tiles, qkv, *others: torch.Tensor, generic: bool) -> None:
         raise ValueError(f"this build of the kernel reads {dtypes}, not {qkv[0].dtype}")
 
 
-def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False):
+def _slopes(alibi: torch.Tensor | None, Hq: int) -> dict:
+    """ALiBi slopes ``(Hq,)`` as the kernel takes them: float32, times log2(e) (base-2 scores)."""
+    if alibi is None:
+        return {}
+    if alibi.shape != (Hq,):
+        raise ValueError(f"alibi slopes must have shape (Hq,) = ({Hq},), got {tuple(alibi.shape)}")
+    return {"SLOPES": (alibi.detach().to(torch.float32) * LOG2E).contiguous()}
+
+
+def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
+            alibi: torch.Tensor | None = None):  # fmt: skip
     """``(out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq))``, float32.
 
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
     of one dtype in :func:`supported_dtypes`, ``Hq`` a multiple of ``Hkv``. ``lse`` natural
     log, ``-inf`` (and ``out`` 0) for a row with no key; ``m`` (base-2 row max of
     ``q·k·scale``) and ``l`` (``Σ 2^(s - m)``) are what :func:`backward` recomputes the
-    weights from: ``(0, 1)`` for a row with no key.
+    weights from: ``(0, 1)`` for a row with no key. ``alibi (Hq,)``: ALiBi slopes, adding
+    ``-slope[h]·|i - j|`` to the score of query position ``q_offset + row`` and key ``j``.
     """
     _check(tiles, (q, k, v), generic=generic)
     B, Hq, Sq, _ = q.shape
@@ -252,11 +265,13 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False):
     lse, m, l = (torch.empty(B, Hq, Sq, dtype=torch.float32) for _ in range(3))
     tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
     tensors.update(_tile_ptrs(tiles))
-    _call(_lib(generic).fa_forward, _ints(q, k, v, tiles), tensors, scale * LOG2E)
+    tensors.update(_slopes(alibi, q.shape[1]))
+    _call(_lib(generic).fa_forward, _ints(q, k, v, tiles, q_offset), tensors, scale * LOG2E)
     return out, lse, m, l
 
 
-def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic: bool = False):
+def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic: bool = False,
+             q_offset: int = 0, alibi: torch.Tensor | None = None):  # fmt: skip
     """``(dq, dk, dv)`` float32 from ``dout (B, Hq, Sq, Dv)``, the lse's gradient ``dlse (B, Hq,
     Sq)`` (None: 0) and the forward's ``out, m, l`` (all float32); q, k, v as :func:`forward`."""
     extra = () if dlse is None else (dlse,)
@@ -268,7 +283,9 @@ def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic
     names = ("Q", "K", "V", "OUT", "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV")
     tensors = dict(zip(names, (q, k, v, out, m, l, dout, dlse, delta, dq, dk, dv)))
     tensors.update(_tile_ptrs(tiles))
-    _call(_lib(generic).fa_backward, _ints(q, k, v, tiles), tensors, scale * LOG2E, scale)
+    tensors.update(_slopes(alibi, q.shape[1]))
+    ints = _ints(q, k, v, tiles, q_offset)
+    _call(_lib(generic).fa_backward, ints, tensors, scale * LOG2E, scale)
     return dq, dk, dv
 
 

@@ -114,10 +114,12 @@ def attention_fwd_cpu(
     mask_h: int,
     scale: float,
     generic: bool = False,
+    q_offset: int = 0,
+    alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
-    return fused_attention.forward(q, k, v, t, scale, generic)
+    return fused_attention.forward(q, k, v, t, scale, generic, q_offset, alibi)
 
 
 @attention_fwd_cpu.register_fake
@@ -149,10 +151,14 @@ def attention_bwd_cpu(
     mask_h: int,
     scale: float,
     generic: bool = False,
+    q_offset: int = 0,
+    alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
-    return fused_attention.backward(dout, dlse, q, k, v, out, m, l, t, scale, generic)
+    return fused_attention.backward(
+        dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi
+    )
 
 
 @attention_bwd_cpu.register_fake
@@ -163,7 +169,7 @@ def _(dout, dlse, q, k, v, *rest):
 def _fwd_setup(ctx, inputs, output):
     out, _, m, l = output
     ctx.save_for_backward(*inputs[:3], out, m, l, *inputs[3:10])  # q, k, v, ..., the tiles
-    ctx.args = inputs[10:]  # block_q, mask_b, mask_h, scale, generic
+    ctx.args = inputs[10:]  # block_q, mask_b, mask_h, scale, generic, q_offset, alibi
 
 
 def _fwd_backward(ctx, dout, dlse, _dm, _dl):

@@ -27,12 +27,13 @@
 
 /* iargs, in order */
 enum {
-  A_B, A_HQ, A_HKV, A_SQ, A_SK, A_D, A_DV, A_BQ, A_BK, A_NQ, A_NK, A_MB, A_MH, A_DT, A_NARGS
+  A_B, A_HQ, A_HKV, A_SQ, A_SK, A_D, A_DV, A_BQ, A_BK, A_NQ, A_NK, A_MB, A_MH, A_DT, A_QOFF,
+  A_NARGS
 };
 /* ptrs, in order */
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
-  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_NPTRS
+  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT); dO and every output are float32 */
@@ -119,19 +120,23 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
 }
 
 /* C (M x N) += A (M x K) B (K x N); M a multiple of RB, N of VW (the callers pad). */
+static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t K, int64_t N) { /* RB rows */
+  for (int64_t n = 0; n < N; n += NV * VW) {
+    float *c = C + n;
+    const float *b = B + n;
+    switch ((N - n) / VW) {
+      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1); break;
+      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2); break;
+      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3); break;
+      default: mm_block(c, ldc, A, lda, b, ldb, K, 4); break;
+    }
+  }
+}
+
 static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *B, int64_t ldb,
                int64_t M, int64_t K, int64_t N) {
-  for (int64_t r = 0; r < M; r += RB)
-    for (int64_t n = 0; n < N; n += NV * VW) {
-      float *c = C + r * ldc + n;
-      const float *a = A + r * lda, *b = B + n;
-      switch ((N - n) / VW) {
-        case 1: mm_block(c, ldc, a, lda, b, ldb, K, 1); break;
-        case 2: mm_block(c, ldc, a, lda, b, ldb, K, 2); break;
-        case 3: mm_block(c, ldc, a, lda, b, ldb, K, 3); break;
-        default: mm_block(c, ldc, a, lda, b, ldb, K, 4); break;
-      }
-    }
+  for (int64_t r = 0; r < M; r += RB) mm_rows(C + r * ldc, ldc, A + r * lda, lda, B, ldb, K, N);
 }
 
 typedef struct {
@@ -236,6 +241,38 @@ static void mask_scores(float *s, int64_t tq, int64_t nk, const uint8_t *bits) {
   }
 }
 
+/* For each block of RB rows of a tile, the keys [lo, hi) that one of its rows attends: [0, nk)
+   for a FULL tile (bits NULL), from the mask block for a PARTIAL one (empty: lo >= hi). */
+static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *bits, int64_t tq, int64_t tqp,
+                       int64_t nk) {
+  for (int64_t r0 = 0; r0 < tqp; r0 += RB) {
+    int64_t a = bits ? nk : 0, b = bits ? 0 : nk;
+    for (int64_t r = r0; bits && r < r0 + RB && r < tq; r++) {
+      const uint8_t *m = bits + r * BK;
+      int64_t k = 0, e = nk;
+      while (k < a && !m[k]) k++;
+      while (e > b && !m[e - 1]) e--;
+      if (k < a) a = k;
+      if (e > b) b = e;
+    }
+    lo[r0 / RB] = a, hi[r0 / RB] = b;
+  }
+}
+
+/* ALiBi (Press et al., 2021), symmetric as flash-attention's: s -= slope2 * |i - j| for query
+   position i = qpos0 + r and key j = c0 + k; slope2 is the head's slope times log2(e) (scores
+   are base 2). Distances within a call are exact in float32 below 2^24. */
+static void add_alibi(float *s, int64_t tqp, int64_t qpos0, int64_t c0, float slope2) {
+  v16 iota;
+  for (int i = 0; i < VW; i++) iota[i] = (float)i;
+  const v16i abs_mask = (v16i){0} + 0x7fffffff;
+  for (int64_t r = 0; r < tqp; r++)
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16 dist = splat((float)(qpos0 + r - c0 - k)) - iota;
+      st(s + r * BK + k, ld(s + r * BK + k) - slope2 * (v16)((v16i)dist & abs_mask));
+    }
+}
+
 static const uint8_t *block_bits(const Dims *d, void *const *p, int64_t pid, int64_t b,
                                  int64_t h) {
   if (pid < 0) return NULL;
@@ -277,7 +314,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *s = qs + MAXBQ * d.Dp, *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp;
   float *l = m + MAXBQ;
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
-  int64_t r, k, t;
+  int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
   for (r = 0; r < tqp; r++) m[r] = -INFINITY, l[r] = 0.0f;
@@ -286,9 +323,19 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
     /* -- scores of the tile, base 2 */
     const int64_t blk = blk0 + qt.cols[t];
+    const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
+    const float *kt = job->kt + blk * d.D * BK;
+    /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
+       tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
+    key_ranges(lo, hi, bits, tq, tqp, nk);
     memset(s, 0, sizeof(float) * tqp * BK);
-    mm(s, BK, qs, d.Dp, job->kt + blk * d.D * BK, BK, tqp, d.D, BK);
-    mask_scores(s, tq, nk, block_bits(&d, p, qt.pids[t], b, h));
+    for (r = 0; r < tqp; r += RB) {
+      const int64_t v0 = lo[r / RB] / VW * VW, v1 = round_up(hi[r / RB], VW);
+      if (v1 > v0) mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
+    }
+    if (p[P_SLOPES])
+      add_alibi(s, tqp, job->a[A_QOFF] + qt.i * d.bq, c0, ((const float *)p[P_SLOPES])[h]);
+    mask_scores(s, tq, nk, bits);
     /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
     for (r = 0; r < tqp; r++) {
       float *row = s + r * BK;
@@ -315,20 +362,24 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     }
     /* -- weighted V rows: acc += P V over the tile's nk keys */
     const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
-    mm(acc, d.Dvp, s, BK, vb, d.Dvp, tqp, nk, d.Dvp);
+    for (r = 0; r < tqp; r += RB) {
+      const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
+      if (k1 > k0)
+        mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
+    }
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
      make every weight the backward recomputes 0 */
   float *out = (float *)p[P_OUT] + row0 * d.Dv;
-  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lo = (float *)p[P_L] + row0;
+  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
   for (r = 0; r < tq; r++) {
-    if (l[r] > 0.0f) {
+    if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
       const float inv = 1.0f / l[r];
       for (k = 0; k < d.Dv; k++) out[r * d.Dv + k] = acc[r * d.Dvp + k] * inv;
-      lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lo[r] = l[r];
+      lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
     } else {
       memset(out + r * d.Dv, 0, sizeof(float) * d.Dv);
-      lse[r] = -INFINITY, mo[r] = 0.0f, lo[r] = 1.0f;
+      lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
     }
   }
 }
@@ -374,9 +425,11 @@ static void transpose(float *t, const float *s, int64_t tqp) {
    key tile (kt: D x BK, vt: Dv x BK), into s and dp. */
 static void tile_ds(const Dims *d, const float *qs, const float *dob, const float *kt,
                     const float *vt, float *s, float *dp, int64_t tq, int64_t tqp, int64_t nk,
-                    const uint8_t *bits, const float *m, const float *l, const float *delta) {
+                    const uint8_t *bits, const float *m, const float *l, const float *delta,
+                    const float *slope2, int64_t qpos0, int64_t c0) {
   memset(s, 0, sizeof(float) * tqp * BK);
   mm(s, BK, qs, d->Dp, kt, BK, tqp, d->D, BK);
+  if (slope2) add_alibi(s, tqp, qpos0, c0, *slope2);
   mask_scores(s, tq, nk, bits);
   memset(dp, 0, sizeof(float) * tqp * BK);
   mm(dp, BK, dob, d->Dvp, vt, BK, tqp, d->Dv, BK);
@@ -397,6 +450,7 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
   float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dk = dst + BK * MAXBQ, *dv = dk + BK * d.Dp;
   const int64_t blk = (b * d.Hkv + hk) * d.nk + j;
   const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
+  const float *slopes = (const float *)p[P_SLOPES];
   int64_t t, g, r, k;
 
   memset(dk, 0, sizeof(float) * BK * (d.Dp + d.Dvp)); /* dk and dv */
@@ -409,7 +463,8 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
       pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
       tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, cpids[t], b, h),
               (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
-              (const float *)p[P_DELTA] + row0);
+              (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
+              job->a[A_QOFF] + r0, c0);
       transpose(pt, s, tqp);
       transpose(dst, dp, tqp);
       mm(dv, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
@@ -438,6 +493,7 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *dq = dp + MAXBQ * BK;
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  const float *slopes = (const float *)p[P_SLOPES];
   int64_t t, r, k;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
@@ -450,7 +506,8 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
     const float *kp = job->kp + blk * BK * d.Dp;
     tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, h),
             (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
-            (const float *)p[P_DELTA] + row0);
+            (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
+            job->a[A_QOFF] + qt.i * d.bq, c0);
     mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
   }
   float *DQ = (float *)p[P_DQ] + row0 * d.D;
@@ -508,6 +565,8 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   void *const *p = job->p;
   const int64_t j = blk % d.nk, kv0 = blk / d.nk * d.Sk + j * BK; /* first key row */
   const int64_t nk = BK < d.Sk - j * BK ? BK : d.Sk - j * BK;
+  const int32_t *colptr = (const int32_t *)p[P_COLPTR];
+  if (colptr[j] == colptr[j + 1]) return; /* no query tile reads this key tile */
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
   if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
