@@ -90,7 +90,7 @@ def required(
     reference, chunked (and auto): everything. sdpa: no mask, causal or bool masks; no score mod or
     an additive one (ALiBi, bias tensor, T5); fp32/fp64/bf16; any GQA ratio; gradients; no dropout.
     flex: forward only (no gradients) on CPU, any mask and score mod, fp32, no dropout.
-    cpu_fused: any mask, no score mod or ALiBi, fp32/bf16/fp16, gradients, no dropout.
+    cpu_fused: any mask, no score mod or ALiBi, fp32/bf16/fp16, gradients, dropout.
     """
     if backend in ("reference", "chunked", "auto"):
         return True
@@ -99,7 +99,7 @@ def required(
     if backend == "flex":
         return dtype == torch.float32 and not grad and not dropout
     if backend == "cpu_fused":
-        return score in ("none", "alibi") and dtype in CPU_DTYPES and not dropout
+        return score in ("none", "alibi") and dtype in CPU_DTYPES
     return False
 
 
@@ -449,7 +449,7 @@ def _capability_cases(backend: str):
             yield m, s, torch.float32, False, False
     elif backend == "cpu_fused":
         for m, dt, grad in itertools.product(MASK_KINDS, CPU_DTYPES, (False, True)):
-            yield m, "alibi" if grad else "none", dt, grad, False
+            yield m, "alibi" if grad else "none", dt, grad, dt == torch.float16
 
 
 @pytest.mark.parametrize("backend", REGISTERED)

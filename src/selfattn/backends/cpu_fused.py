@@ -12,11 +12,11 @@ float32 and the output goes back to q's dtype. GQA reads each kv head's K/V in p
 query heads.
 
 Not run (declined with the reason): non-CPU tensors, float64 (it accumulates in float64, the
-kernel in float32), score mods other than ALiBi and dropout (not in the kernel yet: chunked runs
-them), calls
+kernel in float32), score mods other than ALiBi (not in the kernel yet: chunked runs them), calls
 under ``torch.compile`` (the tile plan reads mask values), and wherever the kernel cannot be
 built (no compiler: logged once, chunked runs instead). Non-finite inputs are checked and
-redone exactly (``_common.fused_or_exact``), as sdpa's are."""
+redone exactly (``_common.fused_or_exact``), as sdpa's are; a call needing gradients whose K/V
+hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplies whole tiles)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,14 @@ import torch
 
 from selfattn._log import log_once
 from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, chunked, register
-from selfattn.backends._common import fused_or_exact, run_with_sinks
+from selfattn.backends._common import (
+    _GOLDEN,
+    _fmix32,
+    all_finite,
+    fused_or_exact,
+    grad_needed,
+    run_with_sinks,
+)
 from selfattn.kernels import fused_attention, ops
 from selfattn.scores import ALiBi
 
@@ -67,14 +74,22 @@ def tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
     return found
 
 
+def _seed0(seed: int) -> int:
+    """The first step of ``_common.dropout_keep``'s hash (the seed alone), which the kernel
+    continues over (b, h, query, key)."""
+    return int(_fmix32(torch.tensor(seed & 0xFFFFFFFF) ^ ((seed >> 32) * _GOLDEN)))
+
+
 def _attend(q, k, v, call: AttentionCall):
     t = tiles(q, k, call)
     qkv = (x.contiguous() for x in (q, k, v))
     generic = fused_attention.forced_generic()
     alibi = call.score_mod.slopes if call.score_mod is not None else None  # ALiBi (reject)
+    drop = (call.dropout_p, _seed0(call.dropout_seed)) if call.dropout_p > 0 else (0.0, 0)
     out, lse, _, _ = ops.attention_fwd_cpu(
-        *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic, call.q_offset, alibi
-    )
+        *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic, call.q_offset,
+        alibi, *drop,
+    )  # fmt: skip
     return out.to(q.dtype), (lse if call.return_lse else None)
 
 
@@ -82,6 +97,17 @@ def run(q, k, v, call: AttentionCall):
     """``(out in q's dtype, lse float32 or None)``."""
     if call.sinks is not None:  # merged after the kernel, through its lse (differentiable)
         return run_with_sinks(run, q, k, v, call)
+    if grad_needed(q, k, v, call) and not all_finite(k, v):
+        # The backward multiplies whole tiles of K and V (dQ = dS K, dP = dO Vᵀ), so NaN/Inf
+        # at a masked key would reach rows that never attend it (0 · NaN): chunked's exact path
+        # keeps them out, at its speed.
+        log_once(
+            ("cpu_fused non-finite K/V backward",),
+            logging.INFO,
+            "selfattn cpu_fused: K/V hold NaN/Inf and the call needs gradients; chunked's exact "
+            "path runs it (logged once)",
+        )
+        return chunked.run(q, k, v, call, exact=True)
     return fused_or_exact(
         q, k, v, call, lambda: _attend(q, k, v, call), lambda: None, backend="cpu_fused"
     )
@@ -100,8 +126,6 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
             f"score mod {call.score_mod!r}: the fused kernel runs only ALiBi so far (chunked "
             "runs it)"
         )
-    if call.dropout_p > 0:
-        return "dropout is not in the fused kernel yet (chunked runs it, same kept pairs)"
     if torch.compiler.is_compiling():
         return "under torch.compile its tile plan reads mask values (a graph break)"
     if fused_attention.library() is None:

@@ -88,10 +88,11 @@ GENERIC_SPEC = dataclasses.replace(SPEC, name="fused_attention_generic", targets
 # a test reads them from the source).
 INT_ARGS = (
     "B", "HQ", "HKV", "SQ", "SK", "D", "DV", "BQ", "BK", "NQ", "NK", "MB", "MH", "DT", "QOFF",
+    "SEED",
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
-    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES",
+    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES", "DROP",
 )  # fmt: skip
 _ISA_BITS = ((4, "avx512f"), (8, "avx512_bf16"), (1, "avx2"), (2, "fma"))
 # q, k, v dtype -> kernel code (the enum at the top of csrc/fused_attention.c)
@@ -202,14 +203,14 @@ def supported_dtypes(generic: bool = False) -> tuple[torch.dtype, ...]:
     return tuple(d for d in _DTYPE_CODES if d != torch.float16 or lib.fa_has_f16())
 
 
-def _ints(q, k, v, tiles: Tiles, q_offset: int) -> dict:
+def _ints(q, k, v, tiles: Tiles, q_offset: int, seed0: int) -> dict:
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     return {
         "B": B, "HQ": Hq, "HKV": Hkv, "SQ": Sq, "SK": Sk, "D": D, "DV": Dv,
         "BQ": tiles.block_q, "BK": BLOCK_K, "NQ": tiles.rowptr.numel() - 1,
         "NK": tiles.colptr.numel() - 1, "MB": tiles.mask_b, "MH": tiles.mask_h,
-        "DT": _DTYPE_CODES[q.dtype], "QOFF": q_offset,
+        "DT": _DTYPE_CODES[q.dtype], "QOFF": q_offset, "SEED": seed0,
     }  # fmt: skip
 
 
@@ -248,8 +249,17 @@ def _slopes(alibi: torch.Tensor | None, Hq: int) -> dict:
     return {"SLOPES": (alibi.detach().to(torch.float32) * LOG2E).contiguous()}
 
 
+def _dropout(p: float) -> dict:
+    """``{p, 1 / (1 - p)}`` float32 for the kernel's dropout; nothing without dropout."""
+    if p == 0:
+        return {}
+    if not 0 < p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return {"DROP": torch.tensor([p, 1.0 / (1.0 - p)], dtype=torch.float32)}
+
+
 def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
-            alibi: torch.Tensor | None = None):  # fmt: skip
+            alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed0: int = 0):  # fmt: skip
     """``(out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq))``, float32.
 
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
@@ -258,6 +268,8 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     ``q·k·scale``) and ``l`` (``Σ 2^(s - m)``) are what :func:`backward` recomputes the
     weights from: ``(0, 1)`` for a row with no key. ``alibi (Hq,)``: ALiBi slopes, adding
     ``-slope[h]·|i - j|`` to the score of query position ``q_offset + row`` and key ``j``.
+    ``dropout_p``: attention dropout on the weights (``lse`` stays undropped), keeping the pairs
+    of ``_common.dropout_keep``; ``seed0`` is its seed hashed alone (the first step of it).
     """
     _check(tiles, (q, k, v), generic=generic)
     B, Hq, Sq, _ = q.shape
@@ -266,12 +278,15 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
     tensors.update(_tile_ptrs(tiles))
     tensors.update(_slopes(alibi, q.shape[1]))
-    _call(_lib(generic).fa_forward, _ints(q, k, v, tiles, q_offset), tensors, scale * LOG2E)
+    tensors.update(_dropout(dropout_p))
+    ints = _ints(q, k, v, tiles, q_offset, seed0)
+    _call(_lib(generic).fa_forward, ints, tensors, scale * LOG2E)
     return out, lse, m, l
 
 
 def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic: bool = False,
-             q_offset: int = 0, alibi: torch.Tensor | None = None):  # fmt: skip
+             q_offset: int = 0, alibi: torch.Tensor | None = None, dropout_p: float = 0.0,
+             seed0: int = 0):  # fmt: skip
     """``(dq, dk, dv)`` float32 from ``dout (B, Hq, Sq, Dv)``, the lse's gradient ``dlse (B, Hq,
     Sq)`` (None: 0) and the forward's ``out, m, l`` (all float32); q, k, v as :func:`forward`."""
     extra = () if dlse is None else (dlse,)
@@ -284,7 +299,8 @@ def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic
     tensors = dict(zip(names, (q, k, v, out, m, l, dout, dlse, delta, dq, dk, dv)))
     tensors.update(_tile_ptrs(tiles))
     tensors.update(_slopes(alibi, q.shape[1]))
-    ints = _ints(q, k, v, tiles, q_offset)
+    tensors.update(_dropout(dropout_p))
+    ints = _ints(q, k, v, tiles, q_offset, seed0)
     _call(_lib(generic).fa_backward, ints, tensors, scale * LOG2E, scale)
     return dq, dk, dv
 

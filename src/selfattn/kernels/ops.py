@@ -116,10 +116,12 @@ def attention_fwd_cpu(
     generic: bool = False,
     q_offset: int = 0,
     alibi: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
-    return fused_attention.forward(q, k, v, t, scale, generic, q_offset, alibi)
+    return fused_attention.forward(q, k, v, t, scale, generic, q_offset, alibi, dropout_p, seed0)
 
 
 @attention_fwd_cpu.register_fake
@@ -153,11 +155,13 @@ def attention_bwd_cpu(
     generic: bool = False,
     q_offset: int = 0,
     alibi: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
     return fused_attention.backward(
-        dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi
+        dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi, dropout_p, seed0
     )
 
 
@@ -169,7 +173,7 @@ def _(dout, dlse, q, k, v, *rest):
 def _fwd_setup(ctx, inputs, output):
     out, _, m, l = output
     ctx.save_for_backward(*inputs[:3], out, m, l, *inputs[3:10])  # q, k, v, ..., the tiles
-    ctx.args = inputs[10:]  # block_q, mask_b, mask_h, scale, generic, q_offset, alibi
+    ctx.args = inputs[10:]  # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout
 
 
 def _fwd_backward(ctx, dout, dlse, _dm, _dl):

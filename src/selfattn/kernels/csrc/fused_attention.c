@@ -28,12 +28,12 @@
 /* iargs, in order */
 enum {
   A_B, A_HQ, A_HKV, A_SQ, A_SK, A_D, A_DV, A_BQ, A_BK, A_NQ, A_NK, A_MB, A_MH, A_DT, A_QOFF,
-  A_NARGS
+  A_SEED, A_NARGS
 };
 /* ptrs, in order */
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
-  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_NPTRS
+  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT); dO and every output are float32 */
@@ -273,6 +273,47 @@ static void add_alibi(float *s, int64_t tqp, int64_t qpos0, int64_t c0, float sl
     }
 }
 
+/* -- attention dropout, counter-based: the same kept pairs as selfattn.backends._common.
+   dropout_keep (murmur3's 32-bit finaliser over seed, b, h, query position, key position; the
+   top 24 bits give u in [0, 1), kept iff u >= p), so every backend and the recomputing backward
+   drop the same (query, key) pairs for a seed. */
+#define GOLDEN 0x9E3779B9u
+typedef uint32_t v16u __attribute__((vector_size(VW * 4)));
+
+static inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16, x *= 0x85EBCA6Bu, x ^= x >> 13, x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+static inline v16u fmix16(v16u x) {
+  x ^= x >> 16, x *= 0x85EBCA6Bu, x ^= x >> 13, x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+/* The hash state after (seed, b, h): seed0 is the host's hash of the seed alone. */
+static uint32_t dropout_bh(int64_t seed0, int64_t b, int64_t h) {
+  const uint32_t x = fmix32((uint32_t)seed0 ^ ((uint32_t)b + GOLDEN));
+  return fmix32(x ^ ((uint32_t)h + GOLDEN));
+}
+
+/* x (rows [0, tq) x BK) *= keep / (1 - p) for query positions qpos0 + r and keys c0 + k;
+   drop = {p, 1 / (1 - p)}. */
+static void dropout_scale(float *x, int64_t tq, uint32_t xbh, int64_t qpos0, int64_t c0,
+                          const float *drop) {
+  v16u iota;
+  for (int i = 0; i < VW; i++) iota[i] = (uint32_t)i;
+  const v16 p = splat(drop[0]), inv_keep = splat(drop[1]), unit = splat(1.0f / 16777216.0f);
+  for (int64_t r = 0; r < tq; r++) {
+    const uint32_t xr = fmix32(xbh ^ ((uint32_t)(qpos0 + r) + GOLDEN));
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16u kv = ((v16u){0} + ((uint32_t)(c0 + k) + GOLDEN)) + iota;
+      const v16u h = fmix16(((v16u){0} + xr) ^ kv);
+      const v16 u = __builtin_convertvector((v16i)(h >> 8), v16) * unit;
+      const v16i keep = u >= p;
+      st(x + r * BK + k, (v16)((v16i)(ld(x + r * BK + k) * inv_keep) & keep));
+    }
+  }
+}
+
 static const uint8_t *block_bits(const Dims *d, void *const *p, int64_t pid, int64_t b,
                                  int64_t h) {
   if (pid < 0) return NULL;
@@ -360,6 +401,9 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
       }
       l[r] += hsum(sum);
     }
+    if (p[P_DROP]) /* l (and so lse) stays the undropped normaliser */
+      dropout_scale(s, tq, dropout_bh(job->a[A_SEED], b, h), job->a[A_QOFF] + qt.i * d.bq, c0,
+                    (const float *)p[P_DROP]);
     /* -- weighted V rows: acc += P V over the tile's nk keys */
     const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
     for (r = 0; r < tqp; r += RB) {
@@ -426,14 +470,18 @@ static void transpose(float *t, const float *s, int64_t tqp) {
 static void tile_ds(const Dims *d, const float *qs, const float *dob, const float *kt,
                     const float *vt, float *s, float *dp, int64_t tq, int64_t tqp, int64_t nk,
                     const uint8_t *bits, const float *m, const float *l, const float *delta,
-                    const float *slope2, int64_t qpos0, int64_t c0) {
+                    const float *slope2, int64_t qpos0, int64_t c0, const float *drop,
+                    uint32_t xbh) {
   memset(s, 0, sizeof(float) * tqp * BK);
   mm(s, BK, qs, d->Dp, kt, BK, tqp, d->D, BK);
   if (slope2) add_alibi(s, tqp, qpos0, c0, *slope2);
   mask_scores(s, tq, nk, bits);
   memset(dp, 0, sizeof(float) * tqp * BK);
   mm(dp, BK, dob, d->Dvp, vt, BK, tqp, d->Dv, BK);
+  /* dropout: dS = P ∘ (dP ∘ keep / (1 - p) - Δ), and dV takes the dropped weights */
+  if (drop) dropout_scale(dp, tq, xbh, qpos0, c0, drop);
   weights_and_ds(s, dp, tq, tqp, m, l, delta);
+  if (drop) dropout_scale(s, tq, xbh, qpos0, c0, drop);
 }
 
 /* dK, dV of key tile j of kv head hk, sequence b. */
@@ -464,7 +512,8 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
       tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, cpids[t], b, h),
               (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
               (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
-              job->a[A_QOFF] + r0, c0);
+              job->a[A_QOFF] + r0, c0, (const float *)p[P_DROP],
+              dropout_bh(job->a[A_SEED], b, h));
       transpose(pt, s, tqp);
       transpose(dst, dp, tqp);
       mm(dv, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
@@ -507,7 +556,8 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
     tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, h),
             (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
             (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
-            job->a[A_QOFF] + qt.i * d.bq, c0);
+            job->a[A_QOFF] + qt.i * d.bq, c0, (const float *)p[P_DROP],
+            dropout_bh(job->a[A_SEED], b, h));
     mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
   }
   float *DQ = (float *)p[P_DQ] + row0 * d.D;
