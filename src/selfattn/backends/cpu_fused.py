@@ -143,12 +143,13 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
     return None
 
 
-# Per pair against sdpa's 1 (backends/_auto.py). Measured in CPU time, one thread, on a loaded
-# 2-core EPYC (Zen 4, AVX-512; wall times there were noise), B=1, H=8, D=64: dense S=2048 fp32
-# 78 ms vs sdpa 92 ms (0.85), bf16 80 vs 95 ms; causal 34 vs 57 ms (ours skips by tiles too);
-# sliding window 256 at S=8192 59 ms vs chunked 71 ms. Costed as sdpa's equal: dense work stays
-# on sdpa (ties go to the dense backend once the density is 1), any mask with empty tiles comes
-# here, ahead of chunked's 2.
+# Per pair against sdpa's 1 (backends/_auto.py). Measured in CPU time (wall times on the loaded
+# 2-core EPYC, Zen 4 AVX-512, were noise), one thread, interleaved, B=1, H=8, D=64, fp32 / bf16:
+# dense S=2048 0.69x / 0.66x sdpa, causal 0.61x / 0.58x sdpa is_causal; sliding window 256 at
+# S=8192 0.71x / 0.58x chunked, 8 causal documents 0.53x / 0.70x chunked; window fwd+bwd at
+# S=4096 0.07x sdpa with the dense mask (0.64x chunked). Costed as sdpa's equal all the same:
+# masked work comes here (sdpa would use a dense mask, chunked costs 2), while no mask and
+# causal() stay on sdpa (ties go to it), conservatively.
 _PER_PAIR = 1.0
 # The fixed cost of a call (tile plan, partial masks, the finiteness check, the op): ~0.35 ms of
 # CPU time against sdpa's ~0.08 ms, i.e. sdpa's time for ~1e5 (query, key) pairs (its ~3 ns per

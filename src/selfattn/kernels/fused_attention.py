@@ -9,7 +9,11 @@ and output accumulator in L1 and walks its non-empty key tiles: scores by one re
 micro-kernel (``mm``: 4 rows x 64 keys of accumulators in AVX-512 registers), the PARTIAL tiles'
 mask applied from a byte block, the online-softmax update with a vectorised ``exp2``, then the
 weighted V rows by the same micro-kernel. FULL tiles do no mask work; EMPTY tiles are never
-visited.
+visited; within a PARTIAL tile each block of 4 rows computes only the keys one of its rows
+attends. In the kernel too: ALiBi (absolute positions) and attention dropout with the
+counter-based pattern of ``backends/_common.dropout_keep`` (same kept pairs as every backend).
+The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
+query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 
 The tile description (:class:`Tiles`, built by the backend from ``Mask.tile_kinds``): the query
 tiles' non-EMPTY key tiles as CSR lists (and their transpose for the backward), and one byte
