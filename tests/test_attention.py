@@ -36,8 +36,8 @@ from selfattn.testing import (
     reference_attention,
 )
 
-BACKENDS = ("reference", "chunked", "sdpa", "flex", "auto")
-REGISTERED = ("reference", "chunked", "sdpa", "flex")
+BACKENDS = ("reference", "chunked", "sdpa", "flex", "cpu_fused", "auto")
+REGISTERED = ("reference", "chunked", "sdpa", "flex", "cpu_fused")
 
 MASK_KINDS = (
     "none",
@@ -70,6 +70,7 @@ HEAD_DIMS = ("8", "40", "59", "64", "128")
 SDPA_MASKS = ("none", "causal", "bool_tensor")
 SDPA_SCORES = ("none", "alibi", "tensor", "t5")
 SDPA_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Public SDPA returns no lse (sdpa gets it from the CPU flash kernel, without gradients and only for
 # D == Dv); CPU FlexAttention is inference-only. Their lse is checked wherever they return it.
 LSE_OPTIONAL = ("sdpa", "flex")
@@ -89,6 +90,7 @@ def required(
     reference, chunked (and auto): everything. sdpa: no mask, causal or bool masks; no score mod or
     an additive one (ALiBi, bias tensor, T5); fp32/fp64/bf16; any GQA ratio; gradients; no dropout.
     flex: forward only (no gradients) on CPU, any mask and score mod, fp32, no dropout.
+    cpu_fused: any mask, no score mod or ALiBi, fp32/bf16/fp16, gradients, dropout.
     """
     if backend in ("reference", "chunked", "auto"):
         return True
@@ -96,6 +98,8 @@ def required(
         return mask in SDPA_MASKS and score in SDPA_SCORES and dtype in SDPA_DTYPES and not dropout
     if backend == "flex":
         return dtype == torch.float32 and not grad and not dropout
+    if backend == "cpu_fused":
+        return score in ("none", "alibi") and dtype in CPU_DTYPES
     return False
 
 
@@ -304,8 +308,12 @@ def covering_design(axes: dict, *, invalid=lambda case: False, seed: int = 0, tr
     return cases
 
 
+# The covering design is drawn over the backends it had before cpu_fused (issue 16), which
+# tests/backends/test_cpu_fused.py covers with its own oracle matrix: adding a value to an axis
+# redraws every case.
+MATRIX_BACKENDS = ("reference", "chunked", "sdpa", "flex", "auto")
 MATRIX_AXES = {
-    "backend": BACKENDS,
+    "backend": MATRIX_BACKENDS,
     "mask": MASK_KINDS,
     "score": SCORE_KINDS,
     "dtype": tuple(DTYPES),
@@ -439,6 +447,9 @@ def _capability_cases(backend: str):
     elif backend == "flex":
         for m, s in itertools.product(MASK_KINDS, SCORE_KINDS):
             yield m, s, torch.float32, False, False
+    elif backend == "cpu_fused":
+        for m, dt, grad in itertools.product(MASK_KINDS, CPU_DTYPES, (False, True)):
+            yield m, "alibi" if grad else "none", dt, grad, dt == torch.float16
 
 
 @pytest.mark.parametrize("backend", REGISTERED)

@@ -18,7 +18,7 @@ from selfattn.backends import AttentionCall, Cost, registry
 from selfattn.backends._auto import density, rank
 from selfattn.cache import paged_attention
 from selfattn.call import prepare
-from selfattn.kernels import paged_decode
+from selfattn.kernels import fused_attention, paged_decode
 from selfattn.testing import make_qkv
 from tests.cache.test_paged import check, make_paged, spy_paged_backends
 
@@ -105,6 +105,8 @@ def test_paged_backend_by_name_that_cannot_run_says_why():
 # -- auto: each backend's cost hook ---------------------------------------------------------------
 _S = 517  # odd, and long enough for a sliding window to leave most tiles empty
 _DOCS = torch.arange(_S) // 40
+# Masked CPU work goes to the fused C kernel where it builds, else to chunked.
+_FUSED = "cpu_fused" if fused_attention.library() is not None else "chunked"
 
 
 @pytest.mark.parametrize(
@@ -116,20 +118,31 @@ _DOCS = torch.arange(_S) // 40
         (1, dict(mask=masks.causal()), "sdpa"),
         (1, dict(mask=masks.sliding_window(8)), "chunked"),  # decode: 8 of 517 keys
         (33, dict(mask=masks.causal()), "sdpa"),
-        (_S, dict(mask=masks.sliding_window(8)), "chunked"),
-        (_S, dict(mask=masks.documents(_DOCS)), "chunked"),
-        (_S, dict(mask=masks.documents(torch.arange(_S) // 300)), "sdpa"),
-        (_S, dict(mask=lambda b, h, q, kv: (q - kv).abs() < 16), "chunked"),
-        (_S, dict(score_mod=scores.alibi(2), mask=masks.causal()), "sdpa"),
+        (_S, dict(mask=masks.sliding_window(8)), _FUSED),
+        (_S, dict(mask=masks.documents(_DOCS)), _FUSED),
+        # two documents: sdpa's dense-mask kernel against chunked, the fused kernel beats both
+        (
+            _S,
+            dict(mask=masks.documents(torch.arange(_S) // 300)),
+            _FUSED.replace("chunked", "sdpa"),
+        ),
+        (_S, dict(mask=lambda b, h, q, kv: (q - kv).abs() < 16), _FUSED),
+        # ALiBi: sdpa materialises a float mask (all pairs), the fused kernel skips tiles
+        (
+            _S,
+            dict(score_mod=scores.alibi(2), mask=masks.causal()),
+            _FUSED.replace("chunked", "sdpa"),
+        ),
         (_S, dict(score_mod=scores.softcap(5.0)), "chunked"),
-        (_S, dict(dropout_p=0.1), "chunked"),
+        (_S, dict(dropout_p=0.1), _FUSED),
         (_S, dict(return_lse=True), "sdpa"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
 def test_auto_choices_on_cpu(Sq, kwargs, chosen):
     """What auto picks on CPU (the measured rules of backends/_auto.py); unchanged since the
-    choice moved into the backends' cost hooks."""
+    choice moved into the backends' cost hooks, but for the fused C kernel (issue 16), which
+    takes sparse masks from chunked."""
     q, k, v = make_qkv(1, 2, Sq, 16, Sk=_S, seed=Sq)
     with torch.no_grad():
         assert sa.backends.explain(q, k, v, print_table=False, **kwargs).chosen == chosen

@@ -283,7 +283,7 @@ def _in_use(value, default) -> bool:
 
 
 def _load_dense() -> None:
-    from selfattn.backends import chunked, flex, reference, sdpa, triton  # noqa: F401
+    from selfattn.backends import chunked, cpu_fused, flex, reference, sdpa, triton  # noqa: F401
 
 
 def _density_dense(q, k, v, call) -> float:

@@ -18,6 +18,11 @@ numbers in BENCHMARKS.md, ``benchmarks/attention.py``), each in its backend's mo
   inverse density (sliding window 256 at S=16384: chunked 0.12 s, compiled flex 0.14 s, sdpa with
   a dense mask 4.2 s; 8 packed causal documents: chunked 0.29 s, flex 0.36 s). The crossover
   with sdpa-with-a-mask sits near half the tiles empty: hence 2.
+- ``cpu_fused`` (1 per pair plus a fixed cost per call, sparse; CPU only): the fused C kernel
+  over the same tiles as chunked (issue 16; figures in its module). Costed as sdpa's equal, it
+  takes every masked CPU call big enough for its ~0.35 ms of per-call set-up, while no mask and
+  ``causal()`` (sdpa's own flag) stay on sdpa, conservatively: in CPU time it measured faster
+  there too.
 - ``flex``: compiled per mask/score-mod code and shape (4-10 s cold on CPU) and no CPU backward,
   so on CPU a last resort before ``reference``; on CUDA its fused block-sparse kernel beats
   everything for masks and, after sdpa, for score mods.

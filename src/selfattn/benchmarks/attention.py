@@ -294,6 +294,16 @@ def memory_row(row: Row, sizes: Sizes) -> Row:
 # -- the run -----------------------------------------------------------------------------------
 
 CASES = ("dense", "causal", "window", "window_dense", "documents", "gqa", "ceiling", "memory")
+# The fused C kernel (backend "cpu_fused", issue 16), forced, against its peers: dense and causal
+# against SDPA in fp32 and bf16, the sparse masks against chunked (the composed-ops path it
+# replaces) and as a share of the matmul ceiling of their dtype, and the window's fwd + bwd.
+KERNEL_CASES = (
+    "cpu_dense", "cpu_causal", "cpu_dense_bf16", "cpu_causal_bf16",
+    "cpu_window", "cpu_documents", "cpu_window_bf16", "cpu_documents_bf16",
+    "ceiling_cpu_window", "ceiling_cpu_documents", "ceiling_cpu_window_bf16",
+    "ceiling_cpu_documents_bf16", "cpu_window_fwdbwd",
+)  # fmt: skip
+CASES = CASES + KERNEL_CASES
 
 
 def run(args) -> dict:
@@ -360,6 +370,8 @@ def run(args) -> dict:
 
     log(f"ceiling: fp32 matmul {sz.matmul}² ...")
     ceiling = _util.matmul_gflops(sz.matmul, repeat=args.matmul_repeat)
+    if only & set(KERNEL_CASES):
+        kernel_rows(rows, only, sz, args, ceiling, log)
     if "ceiling" in only:
         win = rows.get("window")
         row = Row("ceiling", "window case useful GFLOP/s", "fp32 matmul", ">=", 0.70, "GFLOP/s")
@@ -384,8 +396,115 @@ def run(args) -> dict:
         "sizes": asdict(sz),
         "matmul_gflops": ceiling,
         "matmul_repeat": args.matmul_repeat,
+        "cpu_kernel": _kernel_isa(),
         "rows": [rows[key].as_json() for key in CASES if key in rows],
     }
+
+
+def _kernel_isa() -> str:
+    from selfattn.kernels import fused_attention
+
+    return fused_attention.isa()
+
+
+def _with_backend(args, backend: str):
+    return argparse.Namespace(**{**vars(args), "backend": backend})
+
+
+def chunked_peer(q, k, v, mask):
+    return lambda: lambda: sa.attention(q, k, v, mask=mask, backend="chunked")
+
+
+def fwd_bwd_row(row: Row, q, k, v, mask, window: int, args) -> Row:
+    """Forward + backward of ours (the cpu_fused backend) against SDPA with the dense bool mask."""
+    grad = _randn(*q.shape[:3], v.shape[3], seed=9)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    i = torch.arange(q.shape[2])
+    allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+    def ours():
+        sa.attention(*leaves, mask=mask, backend="cpu_fused").backward(grad)
+
+    def peer():
+        F.scaled_dot_product_attention(*leaves, attn_mask=allowed).backward(grad)
+
+    row.ours_backend = "cpu_fused"
+    try:
+        mine, t = _util.time_pair(ours, peer, args.repeat, args.budget_s)
+        row.ours, row.peer_value = mine.median_s * 1e3, t.median_s * 1e3
+        row.runs = (mine.runs, t.runs)
+        row.gflops = (
+            2.5
+            * 4
+            * q.shape[3]
+            * allowed_pairs(mask, q.shape[2])
+            * q.numel()
+            / (q.shape[2] * q.shape[3] * mine.median_s * 1e9)
+        )
+        row.notes.append("useful GFLOP/s counts the backward as 1.5x the forward's FLOPs")
+    except Exception as e:
+        row.ours_error = _error(e)
+    return row
+
+
+def kernel_rows(rows: dict, only: set, sz: Sizes, args, ceiling: float, log) -> None:
+    """The ``cpu_*`` rows (:data:`KERNEL_CASES`), each naming the kernel's ISA in a note."""
+    cpu = _with_backend(args, "cpu_fused")
+    B, H, D, S, SL = sz.B, sz.H, sz.D, sz.S, sz.S_long
+    isa = f"kernel compiled for {_kernel_isa()}"
+    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        q, k, v = (_randn(B, H, S, D, seed=i).to(dtype) for i in range(3))
+        for key, mask, peer, kw in (
+            ("cpu_dense", None, "SDPA", {}),
+            ("cpu_causal", sa.masks.causal(), "SDPA is_causal", {"is_causal": True}),
+        ):
+            if key + suffix in only:
+                log(f"{key}{suffix} ...")
+                label = f"{name} B={B} H={H} S={S} D={D}" + (", causal" if mask else ", dense")
+                row = Row(key + suffix, label, peer, "<=", 1.0)
+                ours = measure_ours(q, k, v, mask=mask, args=cpu)
+                rows[row.key] = speed_row(row, ours, sdpa_peer(q, k, v, **kw), args)
+                rows[row.key].notes.append(isa)
+        q, k, v = (_randn(B, H, SL, D, seed=i).to(dtype) for i in range(3))
+        doc_ids = torch.arange(SL) // sz.doc_len
+        matmul = ceiling
+        wants_ceiling = only & {f"ceiling_cpu_window{suffix}", f"ceiling_cpu_documents{suffix}"}
+        if wants_ceiling and dtype != torch.float32:
+            log(f"ceiling: {name} matmul {sz.matmul}² ...")
+            matmul = _util.matmul_gflops(sz.matmul, repeat=args.matmul_repeat, dtype=dtype)
+        for case, mask, label, target in (
+            ("window", sa.masks.sliding_window(sz.window), f"sliding window {sz.window}", 0.7),
+            ("documents", sa.masks.causal() & sa.masks.documents(doc_ids),
+             f"{SL // sz.doc_len} causal documents", 0.7),
+        ):  # fmt: skip
+            key, ceiling_key = f"cpu_{case}{suffix}", f"ceiling_cpu_{case}{suffix}"
+            if not only & {key, ceiling_key}:
+                continue
+            log(f"{key} ...")
+            ours = measure_ours(q, k, v, mask=mask, args=cpu)
+            row = Row(key, f"{label}, S={SL}, {name}", "chunked", "<=", 1.0)
+            row = speed_row(row, ours, chunked_peer(q, k, v, mask), args)
+            row.notes.append(isa)
+            if key in only:
+                rows[key] = row
+            if ceiling_key in only:
+                goal = target if dtype == torch.float32 else 0.5
+                c = Row(ceiling_key, f"{label} useful GFLOP/s, {name}", f"{name} matmul", ">=",
+                        goal, "GFLOP/s")  # fmt: skip
+                c.ours_backend, c.ours, c.ours_error = "cpu_fused", row.gflops, row.ours_error
+                c.peer_value = matmul
+                rows[ceiling_key] = c
+        del q, k, v
+    if "cpu_window_fwdbwd" in only:
+        log("cpu_window_fwdbwd ...")
+        S2 = SL // 2
+        q, k, v = (_randn(B, H, S2, D, seed=i) for i in range(3))
+        row = Row("cpu_window_fwdbwd", f"sliding window {sz.window} fwd+bwd, S={S2}, fp32",
+                  "SDPA dense bool mask fwd+bwd", "<=", 0.5)  # fmt: skip
+        rows[row.key] = fwd_bwd_row(row, q, k, v, sa.masks.sliding_window(sz.window), sz.window,
+                                    args)  # fmt: skip
+        rows[row.key].notes.append(isa)
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -463,6 +582,7 @@ def print_report(result: dict, markdown: bool = False) -> None:
         f"ceiling: fp32 matmul {n}×{n} @ {n}×{n}, best of {result['matmul_repeat']}: "
         f"{result['matmul_gflops']:.1f} GFLOP/s"
     )
+    print(f"cpu_fused backend kernel (fused_attention.c) compiled for: {result['cpu_kernel']}")
     for r in result["rows"]:
         for note in r["notes"]:
             print(f"note ({r['key']}): {note}")

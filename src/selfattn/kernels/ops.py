@@ -16,6 +16,11 @@ op                                     kernel                              outpu
                                        triton.attention` (imported on      ``lse`` float32;
                                        first call)                         differentiable
 ``selfattn::attention_triton_bwd``     the same module                     ``dq, dk, dv``
+``selfattn::attention_fwd_cpu``        C, ``csrc/fused_attention.c``       ``out``, ``lse``,
+                                       (:mod:`selfattn.kernels.fused_      ``m``, ``l`` float32,
+                                       attention`), with an autograd       CPU
+                                       formula: the op below
+``selfattn::attention_bwd_cpu``        the same C library                  ``dq, dk, dv`` float32
 =====================================  ==================================  ====================
 
 Both take ``q (B, Hq, Sq, D)``, pages ``(N, P, Hkv, D|Dv)``, ``block_table (B, max_pages)``,
@@ -35,9 +40,11 @@ so a compiled graph differentiates through both.
 
 import torch
 
-from selfattn.kernels import paged_decode
+from selfattn.kernels import fused_attention, paged_decode
 
 __all__ = [
+    "attention_bwd_cpu",
+    "attention_fwd_cpu",
     "attention_triton_bwd",
     "attention_triton_fwd",
     "paged_decode_cpu",
@@ -213,3 +220,104 @@ def _attention_backward(ctx, dout, dlse):
 
 
 attention_triton_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+# -- the fused dense attention kernel (dense masks by tiles; see kernels/fused_attention.py) ------
+# The tile description tensors come one by one, in Tiles.tensors() order (a tensor list would
+# break register_autograd in torch 2.13). ``generic``: run the baseline-ISA build.
+
+
+@torch.library.custom_op("selfattn::attention_fwd_cpu", mutates_args=(), device_types="cpu")
+def attention_fwd_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rowptr: torch.Tensor,
+    cols: torch.Tensor,
+    pids: torch.Tensor,
+    colptr: torch.Tensor,
+    rows: torch.Tensor,
+    cpids: torch.Tensor,
+    bits: torch.Tensor,
+    block_q: int,
+    mask_b: int,
+    mask_h: int,
+    scale: float,
+    generic: bool = False,
+    q_offset: int = 0,
+    alibi: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed0: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
+    t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
+    return fused_attention.forward(q, k, v, t, scale, generic, q_offset, alibi, dropout_p, seed0)
+
+
+@attention_fwd_cpu.register_fake
+def _(q, k, v, *tiles_and_args):
+    (B, Hq, Sq, _), Dv = q.shape, v.shape[3]
+    out = q.new_empty((B, Hq, Sq, Dv), dtype=torch.float32)
+    return out, *(q.new_empty((B, Hq, Sq), dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("selfattn::attention_bwd_cpu", mutates_args=(), device_types="cpu")
+def attention_bwd_cpu(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    rowptr: torch.Tensor,
+    cols: torch.Tensor,
+    pids: torch.Tensor,
+    colptr: torch.Tensor,
+    rows: torch.Tensor,
+    cpids: torch.Tensor,
+    bits: torch.Tensor,
+    block_q: int,
+    mask_b: int,
+    mask_h: int,
+    scale: float,
+    generic: bool = False,
+    q_offset: int = 0,
+    alibi: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed0: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
+    t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
+    return fused_attention.backward(
+        dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi, dropout_p, seed0
+    )
+
+
+@attention_bwd_cpu.register_fake
+def _(dout, dlse, q, k, v, *rest):
+    return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v))
+
+
+def _fwd_setup(ctx, inputs, output):
+    out, _, m, l = output
+    ctx.save_for_backward(*inputs[:3], out, m, l, *inputs[3:10])  # q, k, v, ..., the tiles
+    ctx.args = inputs[10:]  # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout
+
+
+def _fwd_backward(ctx, dout, dlse, _dm, _dl):
+    """dQ, dK, dV from the saved output and row statistics; dlse: the lse's own gradient (e.g.
+    from attention sinks merged through it)."""
+    q, k, v, out, m, l, *tiles = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.to(torch.float32).contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    dq, dk, dv = attention_bwd_cpu(dout, dlse, q, k, v, out, m, l, *tiles, *ctx.args)
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv, *[None] * (len(tiles) + len(ctx.args))
+
+
+torch.library.register_autograd(
+    "selfattn::attention_fwd_cpu", _fwd_backward, setup_context=_fwd_setup
+)

@@ -1,0 +1,725 @@
+/* Fused attention on CPU, forward and backward, walking a mask's tile classification (why, the
+   build and the tile description: selfattn/kernels/fused_attention.py, its host).
+
+   Entry points: fa_forward(iargs, ptrs, n_threads, c) and fa_backward(iargs, ptrs, n_threads, c,
+   scale). iargs holds the integers and ptrs the data pointers, in the order of the A_* and P_*
+   enums below; the host fills both by name from the same lists (INT_ARGS, PTR_ARGS), and a test
+   checks that they match these enums. Plain C11 with GNU vector extensions and POSIX threads:
+   no PyTorch headers. Every tensor is contiguous; q, k, v float32, bf16 or fp16 (A_DT, converted
+   to float32 as tiles are packed), everything else float32.
+
+   The score matrix is cut into tiles of BQ query rows x BK keys. The host lists, per query tile,
+   its non-EMPTY key tiles (CSR: rowptr, cols) and for each the index of its PARTIAL mask block
+   (pids; -1 for a FULL tile, which gets no mask work); the backward also gets the transpose
+   (colptr, rows, cpids). A PARTIAL block is a byte per pair (1: attend), one block per
+   (tile, mask batch, mask head).
+
+   Every product is one micro-kernel, mm: C (M x N) += A (M x K) B (K x N), A's elements
+   broadcast against 16-float rows of B, RB x 4 vector accumulators held in registers. Scores
+   are in base 2 (the host passes c = scale * log2(e), applied to q as it is packed), so the
+   softmax uses exp2. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* iargs, in order */
+enum {
+  A_B, A_HQ, A_HKV, A_SQ, A_SK, A_D, A_DV, A_BQ, A_BK, A_NQ, A_NK, A_MB, A_MH, A_DT, A_QOFF,
+  A_SEED, A_NARGS
+};
+/* ptrs, in order */
+enum {
+  P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
+  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_NPTRS
+};
+
+/* dtype of q, k, v (A_DT); dO and every output are float32 */
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+#define VW 16      /* floats per vector: one AVX-512 register (two AVX2 ones) */
+#define BK 64      /* keys per tile: four vectors, the width of every score tile */
+#define MAXBQ 64   /* most query rows per tile */
+#define NV 4       /* vectors per accumulator row of mm */
+#if defined(__AVX512F__)
+#define RB 4 /* rows per register block: 4 x 4 accumulators + 4 B rows fit 32 zmm registers */
+#else
+#define RB 2 /* 16 ymm registers (or fewer): half the rows */
+#endif
+#define LN2F 0.6931471805599453f
+
+typedef float v16 __attribute__((vector_size(VW * 4)));
+typedef int32_t v16i __attribute__((vector_size(VW * 4)));
+
+static inline v16 ld(const float *x) {
+  v16 r;
+  memcpy(&r, x, sizeof r);
+  return r;
+}
+static inline void st(float *x, v16 r) { memcpy(x, &r, sizeof r); }
+static inline v16 splat(float x) { return (v16){0} + x; }
+static inline v16 vmax(v16 a, v16 b) {
+  const v16i gt = a > b;
+  return (v16)(((v16i)a & gt) | ((v16i)b & ~gt));
+}
+static inline float hmax(v16 x) {
+  float m = x[0];
+  for (int i = 1; i < VW; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
+static inline float hsum(v16 x) {
+  float s = 0.0f;
+  for (int i = 0; i < VW; i++) s += x[i];
+  return s;
+}
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* 2^x of 16 floats: x = n + f with |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative
+   error ~3e-9, under float32's half ulp), 2^n built in the exponent bits. x below -126 (under
+   FLT_MIN; -inf for a masked key) gives exactly 0, NaN stays NaN. */
+static inline v16 exp2v(v16 x) {
+  const v16 lo = splat(-126.0f);
+  const v16i under = x < lo;
+  x = (v16)(((v16i)lo & under) | ((v16i)x & ~under));
+  const v16 magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+  const v16 n = (x + magic) - magic;
+  const v16 f = x - n;
+  v16 y = splat(1.5252733804059841e-05f);
+  y = y * f + 1.5403530393381609e-04f;
+  y = y * f + 1.3333558146428443e-03f;
+  y = y * f + 9.6181291076284772e-03f;
+  y = y * f + 5.5504108664821580e-02f;
+  y = y * f + 2.4022650695910071e-01f;
+  y = y * f + 6.9314718055994531e-01f;
+  y = y * f + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return (v16)((v16i)(y * (v16)e) & ~under);
+}
+
+/* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
+   ldb), with nv a constant at each call site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc, const float *A,
+                                                           int64_t lda, const float *B,
+                                                           int64_t ldb, int64_t K, int nv) {
+  v16 acc[RB][NV];
+  int r, x;
+  for (r = 0; r < RB; r++)
+    for (x = 0; x < nv; x++) acc[r][x] = ld(C + r * ldc + x * VW);
+  for (int64_t k = 0; k < K; k++) {
+    v16 b[NV];
+    for (x = 0; x < nv; x++) b[x] = ld(B + k * ldb + x * VW);
+    for (r = 0; r < RB; r++) {
+      const float a = A[r * lda + k];
+      for (x = 0; x < nv; x++) acc[r][x] += a * b[x];
+    }
+  }
+  for (r = 0; r < RB; r++)
+    for (x = 0; x < nv; x++) st(C + r * ldc + x * VW, acc[r][x]);
+}
+
+/* C (M x N) += A (M x K) B (K x N); M a multiple of RB, N of VW (the callers pad). */
+static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t K, int64_t N) { /* RB rows */
+  for (int64_t n = 0; n < N; n += NV * VW) {
+    float *c = C + n;
+    const float *b = B + n;
+    switch ((N - n) / VW) {
+      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1); break;
+      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2); break;
+      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3); break;
+      default: mm_block(c, ldc, A, lda, b, ldb, K, 4); break;
+    }
+  }
+}
+
+static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *B, int64_t ldb,
+               int64_t M, int64_t K, int64_t N) {
+  for (int64_t r = 0; r < M; r += RB) mm_rows(C + r * ldc, ldc, A + r * lda, lda, B, ldb, K, N);
+}
+
+typedef struct {
+  const int64_t *a;
+  void *const *p;
+  float c;     /* scale * log2(e): q is multiplied by it as it is packed */
+  float scale; /* the softmax scale (backward: dQ = dS K scale) */
+  int64_t n_items;
+  int64_t next; /* work counter, atomic */
+  void (*item)(const void *job, int64_t item, float *scratch);
+  int64_t scratch; /* floats of scratch per thread */
+  /* K and V packed once per call, per (b, kv head, key tile) block (NULL: not used):
+     kt Kᵀ (D x BK), vt Vᵀ (Dv x BK), kp K (BK x Dp), vp V (BK x Dvp), float32 */
+  float *kt, *vt, *kp, *vp;
+} Job;
+
+/* Shapes of one call, read from iargs. */
+typedef struct {
+  int64_t B, Hq, Hkv, G, Sq, Sk, D, Dv, Dp, Dvp, bq, nq, nk, mb, mh;
+  int dt;
+} Dims;
+
+static Dims dims(const int64_t *a) {
+  Dims d = {a[A_B], a[A_HQ], a[A_HKV], a[A_HQ] / a[A_HKV], a[A_SQ], a[A_SK], a[A_D], a[A_DV],
+            round_up(a[A_D], VW), round_up(a[A_DV], VW), a[A_BQ], a[A_NQ], a[A_NK], a[A_MB],
+            a[A_MH], (int)a[A_DT]};
+  return d;
+}
+
+int fa_has_f16(void) {
+#ifdef __FLT16_MAX__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* n elements of dtype dt at element offset off of src, times mul, as float32 into dst. bf16 and
+   fp16 are converted here, as the tiles are packed: the inputs are read once per use, never
+   copied whole. */
+static inline void load_row(float *dst, const void *src, int64_t off, int64_t n, int dt,
+                            float mul) {
+  int64_t e;
+  if (dt == BF16) {
+    const uint16_t *x = (const uint16_t *)src + off;
+    for (e = 0; e < n; e++) {
+      const uint32_t bits = (uint32_t)x[e] << 16;
+      float f;
+      memcpy(&f, &bits, 4);
+      dst[e] = f * mul;
+    }
+#ifdef __FLT16_MAX__
+  } else if (dt == F16) {
+    const _Float16 *x = (const _Float16 *)src + off;
+    for (e = 0; e < n; e++) dst[e] = (float)x[e] * mul;
+#endif
+  } else {
+    const float *x = (const float *)src + off;
+    for (e = 0; e < n; e++) dst[e] = x[e] * mul;
+  }
+}
+
+/* n rows of width elements from element offset off of src (dtype dt), times mul, into dst
+   (rows_padded x ld floats, zero padded). */
+static void pack_rows(float *dst, int64_t ld, const void *src, int64_t off, int64_t n,
+                      int64_t width, int64_t rows_padded, float mul, int dt) {
+  for (int64_t r = 0; r < rows_padded; r++) {
+    float *o = dst + r * ld;
+    if (r < n)
+      load_row(o, src, off + r * width, width, dt, mul);
+    else
+      memset(o, 0, sizeof(float) * width);
+    memset(o + width, 0, sizeof(float) * (ld - width));
+  }
+}
+
+/* nk rows of width elements (a K or V tile; element offset off of src, dtype dt) transposed into
+   t (width x BK), columns >= nk zero; row is a scratch row of width floats. */
+static void pack_t(float *t, const void *src, int64_t off, int64_t nk, int64_t width, int dt,
+                   float *row) {
+  for (int64_t e = 0; e < width; e++) memset(t + e * BK + nk, 0, sizeof(float) * (BK - nk));
+  for (int64_t k = 0; k < nk; k++) {
+    const float *x = row;
+    if (dt == F32)
+      x = (const float *)src + off + k * width;
+    else
+      load_row(row, src, off + k * width, width, dt, 1.0f);
+    for (int64_t e = 0; e < width; e++) t[e * BK + k] = x[e];
+  }
+}
+
+/* -inf where the tile's mask block forbids (pid >= 0) and past the last key (nk < BK). */
+static void mask_scores(float *s, int64_t tq, int64_t nk, const uint8_t *bits) {
+  for (int64_t r = 0; r < tq; r++) {
+    float *row = s + r * BK;
+    if (bits) {
+      const uint8_t *m = bits + r * BK;
+      for (int64_t k = 0; k < nk; k++)
+        if (!m[k]) row[k] = -INFINITY;
+    }
+    for (int64_t k = nk; k < BK; k++) row[k] = -INFINITY;
+  }
+}
+
+/* For each block of RB rows of a tile, the keys [lo, hi) that one of its rows attends: [0, nk)
+   for a FULL tile (bits NULL), from the mask block for a PARTIAL one (empty: lo >= hi). */
+static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *bits, int64_t tq, int64_t tqp,
+                       int64_t nk) {
+  for (int64_t r0 = 0; r0 < tqp; r0 += RB) {
+    int64_t a = bits ? nk : 0, b = bits ? 0 : nk;
+    for (int64_t r = r0; bits && r < r0 + RB && r < tq; r++) {
+      const uint8_t *m = bits + r * BK;
+      int64_t k = 0, e = nk;
+      while (k < a && !m[k]) k++;
+      while (e > b && !m[e - 1]) e--;
+      if (k < a) a = k;
+      if (e > b) b = e;
+    }
+    lo[r0 / RB] = a, hi[r0 / RB] = b;
+  }
+}
+
+/* ALiBi (Press et al., 2021), symmetric as flash-attention's: s -= slope2 * |i - j| for query
+   position i = qpos0 + r and key j = c0 + k; slope2 is the head's slope times log2(e) (scores
+   are base 2). Distances within a call are exact in float32 below 2^24. */
+static void add_alibi(float *s, int64_t tqp, int64_t qpos0, int64_t c0, float slope2) {
+  v16 iota;
+  for (int i = 0; i < VW; i++) iota[i] = (float)i;
+  const v16i abs_mask = (v16i){0} + 0x7fffffff;
+  for (int64_t r = 0; r < tqp; r++)
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16 dist = splat((float)(qpos0 + r - c0 - k)) - iota;
+      st(s + r * BK + k, ld(s + r * BK + k) - slope2 * (v16)((v16i)dist & abs_mask));
+    }
+}
+
+/* -- attention dropout, counter-based: the same kept pairs as selfattn.backends._common.
+   dropout_keep (murmur3's 32-bit finaliser over seed, b, h, query position, key position; the
+   top 24 bits give u in [0, 1), kept iff u >= p), so every backend and the recomputing backward
+   drop the same (query, key) pairs for a seed. */
+#define GOLDEN 0x9E3779B9u
+typedef uint32_t v16u __attribute__((vector_size(VW * 4)));
+
+static inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16, x *= 0x85EBCA6Bu, x ^= x >> 13, x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+static inline v16u fmix16(v16u x) {
+  x ^= x >> 16, x *= 0x85EBCA6Bu, x ^= x >> 13, x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+/* The hash state after (seed, b, h): seed0 is the host's hash of the seed alone. */
+static uint32_t dropout_bh(int64_t seed0, int64_t b, int64_t h) {
+  const uint32_t x = fmix32((uint32_t)seed0 ^ ((uint32_t)b + GOLDEN));
+  return fmix32(x ^ ((uint32_t)h + GOLDEN));
+}
+
+/* x (rows [0, tq) x BK) *= keep / (1 - p) for query positions qpos0 + r and keys c0 + k;
+   drop = {p, 1 / (1 - p)}. */
+static void dropout_scale(float *x, int64_t tq, uint32_t xbh, int64_t qpos0, int64_t c0,
+                          const float *drop) {
+  v16u iota;
+  for (int i = 0; i < VW; i++) iota[i] = (uint32_t)i;
+  const v16 p = splat(drop[0]), inv_keep = splat(drop[1]), unit = splat(1.0f / 16777216.0f);
+  for (int64_t r = 0; r < tq; r++) {
+    const uint32_t xr = fmix32(xbh ^ ((uint32_t)(qpos0 + r) + GOLDEN));
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16u kv = ((v16u){0} + ((uint32_t)(c0 + k) + GOLDEN)) + iota;
+      const v16u h = fmix16(((v16u){0} + xr) ^ kv);
+      const v16 u = __builtin_convertvector((v16i)(h >> 8), v16) * unit;
+      const v16i keep = u >= p;
+      st(x + r * BK + k, (v16)((v16i)(ld(x + r * BK + k) * inv_keep) & keep));
+    }
+  }
+}
+
+static const uint8_t *block_bits(const Dims *d, void *const *p, int64_t pid, int64_t b,
+                                 int64_t h) {
+  if (pid < 0) return NULL;
+  const int64_t mb = d->mb > 1 ? b : 0, mh = d->mh > 1 ? h : 0;
+  return (const uint8_t *)p[P_BITS] + ((pid * d->mb + mb) * d->mh + mh) * d->bq * BK;
+}
+
+/* Work item (b, h, query tile i) of the forward and the dQ pass: its rows and key tiles. */
+typedef struct {
+  int64_t b, h, i, tq, tqp;
+  int64_t row0; /* first row of (B, Hq, Sq) */
+  int64_t kvh;  /* first key row of its kv head in (B, Hkv, Sk) */
+  const int32_t *cols, *pids; /* its non-EMPTY key tiles [0, n) and their PARTIAL blocks */
+  int64_t n;
+} QTile;
+
+static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
+  QTile t;
+  const int32_t *rowptr = (const int32_t *)p[P_ROWPTR];
+  t.i = item % d->nq, t.h = (item / d->nq) % d->Hq, t.b = item / (d->nq * d->Hq);
+  const int64_t r0 = t.i * d->bq;
+  t.tq = d->bq < d->Sq - r0 ? d->bq : d->Sq - r0, t.tqp = round_up(t.tq, RB);
+  t.row0 = (t.b * d->Hq + t.h) * d->Sq + r0, t.kvh = (t.b * d->Hkv + t.h / d->G) * d->Sk;
+  t.cols = (const int32_t *)p[P_COLS] + rowptr[t.i], t.pids = (const int32_t *)p[P_PIDS] + rowptr[t.i];
+  t.n = rowptr[t.i + 1] - rowptr[t.i];
+  return t;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward: work item (b, h, query tile i)                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+static void fwd_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const QTile qt = q_tile(&d, p, item);
+  const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
+  float *qs = buf, *s = qs + MAXBQ * d.Dp, *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp;
+  float *l = m + MAXBQ;
+  const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
+
+  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  for (r = 0; r < tqp; r++) m[r] = -INFINITY, l[r] = 0.0f;
+  memset(acc, 0, sizeof(float) * tqp * d.Dvp);
+  for (t = 0; t < qt.n; t++) {
+    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+    /* -- scores of the tile, base 2 */
+    const int64_t blk = blk0 + qt.cols[t];
+    const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
+    const float *kt = job->kt + blk * d.D * BK;
+    /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
+       tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
+    key_ranges(lo, hi, bits, tq, tqp, nk);
+    memset(s, 0, sizeof(float) * tqp * BK);
+    for (r = 0; r < tqp; r += RB) {
+      const int64_t v0 = lo[r / RB] / VW * VW, v1 = round_up(hi[r / RB], VW);
+      if (v1 > v0) mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
+    }
+    if (p[P_SLOPES])
+      add_alibi(s, tqp, job->a[A_QOFF] + qt.i * d.bq, c0, ((const float *)p[P_SLOPES])[h]);
+    mask_scores(s, tq, nk, bits);
+    /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
+    for (r = 0; r < tqp; r++) {
+      float *row = s + r * BK;
+      v16 mx = ld(row);
+      for (k = VW; k < BK; k += VW) mx = vmax(mx, ld(row + k));
+      const float mn = r < tq ? fmaxf(m[r], hmax(mx)) : -INFINITY;
+      if (mn == -INFINITY) { /* no key yet (or a padding row): weights 0, nothing to rescale */
+        memset(row, 0, sizeof(float) * BK);
+        continue;
+      }
+      if (mn > m[r]) {
+        const float alpha = exp2f(m[r] - mn); /* 0 while m is -inf: acc and l are 0 then */
+        l[r] *= alpha;
+        for (k = 0; k < d.Dvp; k += VW) st(acc + r * d.Dvp + k, ld(acc + r * d.Dvp + k) * alpha);
+        m[r] = mn;
+      }
+      v16 sum = splat(0.0f);
+      for (k = 0; k < BK; k += VW) {
+        const v16 w = exp2v(ld(row + k) - mn);
+        st(row + k, w);
+        sum += w;
+      }
+      l[r] += hsum(sum);
+    }
+    if (p[P_DROP]) /* l (and so lse) stays the undropped normaliser */
+      dropout_scale(s, tq, dropout_bh(job->a[A_SEED], b, h), job->a[A_QOFF] + qt.i * d.bq, c0,
+                    (const float *)p[P_DROP]);
+    /* -- weighted V rows: acc += P V over the tile's nk keys */
+    const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
+    for (r = 0; r < tqp; r += RB) {
+      const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
+      if (k1 > k0)
+        mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
+    }
+  }
+  /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
+     make every weight the backward recomputes 0 */
+  float *out = (float *)p[P_OUT] + row0 * d.Dv;
+  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
+  for (r = 0; r < tq; r++) {
+    if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
+      const float inv = 1.0f / l[r];
+      for (k = 0; k < d.Dv; k++) out[r * d.Dv + k] = acc[r * d.Dvp + k] * inv;
+      lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
+    } else {
+      memset(out + r * d.Dv, 0, sizeof(float) * d.Dv);
+      lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
+    }
+  }
+}
+
+static int64_t fwd_scratch(const Dims *d) {
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward: P = 2^(s - m) / l recomputed from the forward's row statistics;                   */
+/* dP = dO Vᵀ, dS = P ∘ (dP - Δ), dV = Pᵀ dO, dK = dSᵀ Q scale, dQ = dS K scale.                */
+/* Two passes, each writing its own rows (no atomics, deterministic): dK, dV by key tile       */
+/* (all query tiles and the G heads of a kv head), then dQ by query tile.                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The weights P (in s) and dS (in dp) of one tile, given its scores s and dP = dO Vᵀ in dp:
+   rows [tq, tqp) and masked pairs get 0. */
+static void weights_and_ds(float *s, float *dp, int64_t tq, int64_t tqp, const float *m,
+                           const float *l, const float *delta) {
+  for (int64_t r = 0; r < tqp; r++) {
+    float *srow = s + r * BK, *drow = dp + r * BK;
+    if (r >= tq) {
+      memset(srow, 0, sizeof(float) * BK);
+      memset(drow, 0, sizeof(float) * BK);
+      continue;
+    }
+    const float inv = 1.0f / l[r], mr = m[r], dr = delta[r];
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16 w = exp2v(ld(srow + k) - mr) * inv;
+      st(srow + k, w);
+      st(drow + k, w * (ld(drow + k) - dr));
+    }
+  }
+}
+
+/* t (BK x MAXBQ) = sᵀ over tqp rows */
+static void transpose(float *t, const float *s, int64_t tqp) {
+  for (int64_t r = 0; r < tqp; r++)
+    for (int64_t k = 0; k < BK; k++) t[k * MAXBQ + r] = s[r * BK + k];
+}
+
+/* Scores and dS of query rows qs (tqp x Dp, times c) and dO rows dob (tqp x Dvp) against one
+   key tile (kt: D x BK, vt: Dv x BK), into s and dp. */
+static void tile_ds(const Dims *d, const float *qs, const float *dob, const float *kt,
+                    const float *vt, float *s, float *dp, int64_t tq, int64_t tqp, int64_t nk,
+                    const uint8_t *bits, const float *m, const float *l, const float *delta,
+                    const float *slope2, int64_t qpos0, int64_t c0, const float *drop,
+                    uint32_t xbh) {
+  memset(s, 0, sizeof(float) * tqp * BK);
+  mm(s, BK, qs, d->Dp, kt, BK, tqp, d->D, BK);
+  if (slope2) add_alibi(s, tqp, qpos0, c0, *slope2);
+  mask_scores(s, tq, nk, bits);
+  memset(dp, 0, sizeof(float) * tqp * BK);
+  mm(dp, BK, dob, d->Dvp, vt, BK, tqp, d->Dv, BK);
+  /* dropout: dS = P ∘ (dP ∘ keep / (1 - p) - Δ), and dV takes the dropped weights */
+  if (drop) dropout_scale(dp, tq, xbh, qpos0, c0, drop);
+  weights_and_ds(s, dp, tq, tqp, m, l, delta);
+  if (drop) dropout_scale(s, tq, xbh, qpos0, c0, drop);
+}
+
+/* dK, dV of key tile j of kv head hk, sequence b. */
+static void dkv_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const int64_t j = item % d.nk, hk = (item / d.nk) % d.Hkv, b = item / (d.nk * d.Hkv);
+  const int64_t c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+  const int32_t *colptr = (const int32_t *)p[P_COLPTR], *rows = (const int32_t *)p[P_ROWS];
+  const int32_t *cpids = (const int32_t *)p[P_CPIDS];
+  const int64_t kv0 = (b * d.Hkv + hk) * d.Sk + c0; /* first key row of (B, Hkv, Sk) */
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dk = dst + BK * MAXBQ, *dv = dk + BK * d.Dp;
+  const int64_t blk = (b * d.Hkv + hk) * d.nk + j;
+  const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
+  const float *slopes = (const float *)p[P_SLOPES];
+  int64_t t, g, r, k;
+
+  memset(dk, 0, sizeof(float) * BK * (d.Dp + d.Dvp)); /* dk and dv */
+  for (t = colptr[j]; t < colptr[j + 1]; t++) {
+    const int64_t i = rows[t], r0 = i * d.bq;
+    const int64_t tq = d.bq < d.Sq - r0 ? d.bq : d.Sq - r0, tqp = round_up(tq, RB);
+    for (g = 0; g < d.G; g++) {
+      const int64_t h = hk * d.G + g, row0 = (b * d.Hq + h) * d.Sq + r0;
+      pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+      pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
+      tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, cpids[t], b, h),
+              (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
+              (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
+              job->a[A_QOFF] + r0, c0, (const float *)p[P_DROP],
+              dropout_bh(job->a[A_SEED], b, h));
+      transpose(pt, s, tqp);
+      transpose(dst, dp, tqp);
+      mm(dv, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
+      mm(dk, d.Dp, dst, MAXBQ, qs, d.Dp, BK, tqp, d.Dp);    /* dK += dSᵀ (Q c) */
+    }
+  }
+  /* qs holds q * scale * log2(e): dK = dSᵀ Q scale = dk / log2(e) = dk * ln(2) */
+  float *DK = (float *)p[P_DK] + kv0 * d.D, *DV = (float *)p[P_DV] + kv0 * d.Dv;
+  for (r = 0; r < nk; r++) {
+    for (k = 0; k < d.D; k++) DK[r * d.D + k] = dk[r * d.Dp + k] * LN2F;
+    for (k = 0; k < d.Dv; k++) DV[r * d.Dv + k] = dv[r * d.Dvp + k];
+  }
+}
+
+static int64_t dkv_scratch(const Dims *d) {
+  return MAXBQ * (d->Dp + d->Dvp) + 4 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
+}
+
+/* dQ of query tile i of head h, sequence b. */
+static void dq_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const QTile qt = q_tile(&d, p, item);
+  const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *dq = dp + MAXBQ * BK;
+  const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  const float *slopes = (const float *)p[P_SLOPES];
+  int64_t t, r, k;
+
+  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
+  memset(dq, 0, sizeof(float) * tqp * d.Dp);
+  for (t = 0; t < qt.n; t++) {
+    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+    const int64_t blk = blk0 + qt.cols[t];
+    const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
+    const float *kp = job->kp + blk * BK * d.Dp;
+    tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, h),
+            (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
+            (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
+            job->a[A_QOFF] + qt.i * d.bq, c0, (const float *)p[P_DROP],
+            dropout_bh(job->a[A_SEED], b, h));
+    mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+  }
+  float *DQ = (float *)p[P_DQ] + row0 * d.D;
+  for (r = 0; r < tq; r++)
+    for (k = 0; k < d.D; k++) DQ[r * d.D + k] = dq[r * d.Dp + k] * job->scale;
+}
+
+static int64_t dq_scratch(const Dims *d) {
+  return MAXBQ * (d->Dp + d->Dvp) + 2 * MAXBQ * BK + MAXBQ * d->Dp;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Threads: POSIX threads pulling work items from an atomic counter; each item writes its own  */
+/* output rows, so the result does not depend on the thread count or the schedule.             */
+/* ------------------------------------------------------------------------------------------ */
+
+static void *worker(void *arg) {
+  Job *job = (Job *)arg;
+  /* calloc: padding columns that no pack writes are zero, never garbage */
+  float *scratch = calloc((size_t)job->scratch, sizeof(float));
+  if (scratch == NULL) return (void *)1;
+  for (;;) {
+    const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+    if (item >= job->n_items) break;
+    job->item(job, item, scratch);
+  }
+  free(scratch);
+  return NULL;
+}
+
+#define MAX_THREADS 256
+
+static int run_items(Job *job, int n_threads) {
+  pthread_t tid[MAX_THREADS];
+  int n = n_threads < 1 ? 1 : (n_threads > MAX_THREADS ? MAX_THREADS : n_threads);
+  int started = 0, bad = 0, t;
+  if (n > job->n_items) n = job->n_items > 0 ? (int)job->n_items : 1;
+  for (t = 1; t < n; t++)
+    if (pthread_create(&tid[started], NULL, worker, job) == 0) started++;
+  bad |= worker(job) != NULL;
+  for (t = 0; t < started; t++) {
+    void *ret;
+    pthread_join(tid[t], &ret);
+    bad |= ret != NULL;
+  }
+  return bad;
+}
+
+/* -- K and V packed once per call, as the work items read them: block (b, kv head, key tile) of
+   each layout the job asks for, converted to float32. Packing per work item instead repeats it
+   for every query tile and head that reads the key tile. */
+static void pack_item(const void *vjob, int64_t blk, float *row) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const int64_t j = blk % d.nk, kv0 = blk / d.nk * d.Sk + j * BK; /* first key row */
+  const int64_t nk = BK < d.Sk - j * BK ? BK : d.Sk - j * BK;
+  const int32_t *colptr = (const int32_t *)p[P_COLPTR];
+  if (colptr[j] == colptr[j + 1]) return; /* no query tile reads this key tile */
+  if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
+  if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
+  if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
+  if (job->vp)
+    pack_rows(job->vp + blk * BK * d.Dvp, d.Dvp, p[P_V], kv0 * d.Dv, nk, d.Dv, BK, 1.0f, d.dt);
+}
+
+/* Allocate and fill the packed layouts job asks for (a non-NULL placeholder in kt/vt/kp/vp
+   means: wanted). 0, or 1 when memory ran out. */
+static int pack_kv(Job *job, const Dims *d, int n_threads) {
+  const int64_t n_blk = d->B * d->Hkv * d->nk;
+  float **slots[4] = {&job->kt, &job->vt, &job->kp, &job->vp};
+  const int64_t sizes[4] = {d->D * BK, d->Dv * BK, BK * d->Dp, BK * d->Dvp};
+  int bad = 0;
+  for (int i = 0; i < 4; i++)
+    if (*slots[i]) {
+      *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
+      bad |= *slots[i] == NULL;
+    }
+  if (bad) return 1;
+  Job pack = *job;
+  pack.n_items = n_blk, pack.next = 0, pack.item = pack_item;
+  pack.scratch = d->Dp + d->Dvp;
+  return run_items(&pack, n_threads);
+}
+
+static void free_packed(Job *job) {
+  free(job->kt), free(job->vt), free(job->kp), free(job->vp);
+}
+
+#define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
+
+/* 0 on success, 1 when scratch memory could not be allocated, 2 for a tile width this build
+   does not have (BK). out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq): float32. */
+int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) {
+  if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
+  const Dims d = dims(iargs);
+  /* float32 V whose rows are whole vectors is read in place; other V is packed */
+  float *vp = d.dt == F32 && d.Dv == d.Dvp ? NULL : WANTED;
+  Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
+             WANTED, NULL, NULL, vp};
+  int status = pack_kv(&job, &d, n_threads);
+  if (!status) status = run_items(&job, n_threads);
+  free_packed(&job);
+  return status;
+}
+
+/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA. The dot product is one FMA chain from
+   0 in element order, as mm computes each entry of dP = dO Vᵀ: for a row whose weight is all on
+   one key, O is that key's V row exactly, so dP - Δ cancels to exactly 0 there (dS = 0), as
+   it does in exact arithmetic. */
+static void row_deltas(const Dims *d, void *const *p) {
+  const float *dout = (const float *)p[P_DO], *out = (const float *)p[P_OUT];
+  const float *dlse = (const float *)p[P_DLSE];
+  float *delta = (float *)p[P_DELTA];
+  for (int64_t r = 0; r < d->B * d->Hq * d->Sq; r++) {
+    float acc = 0.0f;
+    for (int64_t e = 0; e < d->Dv; e++) {
+#ifdef __FMA__
+      acc = fmaf(dout[r * d->Dv + e], out[r * d->Dv + e], acc);
+#else
+      acc = acc + dout[r * d->Dv + e] * out[r * d->Dv + e];
+#endif
+    }
+    delta[r] = dlse ? acc - dlse[r] : acc;
+  }
+}
+
+/* dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv): float32, from dO, the forward's
+   out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). */
+int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
+  if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
+  const Dims d = dims(iargs);
+  row_deltas(&d, ptrs);
+  Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
+            WANTED, WANTED, WANTED, NULL};
+  int status = pack_kv(&kv, &d, n_threads);
+  Job q = kv;
+  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
+  if (!status) status = run_items(&kv, n_threads);
+  if (!status) status = run_items(&q, n_threads);
+  free_packed(&kv);
+  return status;
+}
+
+/* The instruction sets this build was compiled for, as bits: 1 AVX2, 2 FMA, 4 AVX-512F,
+   8 AVX-512 BF16. 0: baseline code (the generic build). */
+int fa_isa(void) {
+  int bits = 0;
+#ifdef __AVX2__
+  bits |= 1;
+#endif
+#ifdef __FMA__
+  bits |= 2;
+#endif
+#ifdef __AVX512F__
+  bits |= 4;
+#endif
+#ifdef __AVX512BF16__
+  bits |= 8;
+#endif
+  return bits;
+}
+
+/* Tile width the host must classify with. */
+int fa_block_k(void) { return BK; }

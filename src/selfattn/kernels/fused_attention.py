@@ -1,0 +1,345 @@
+"""The fused CPU attention kernel (``csrc/fused_attention.c``): forward and backward over a mask's
+tile classification, in one pass over the tiles, with no per-tile dispatch.
+
+Why C: the ``chunked`` backend runs FlashAttention's algorithm with PyTorch ops, one batched
+matmul and several elementwise passes per chunk of tiles; on a CPU each op costs a dispatch and a
+trip of the score tile through memory, and sdpa's fused kernel skips tiles for no mask but
+causal. Here each work item (sequence, head, query tile) keeps its query rows, running max, sum
+and output accumulator in L1 and walks its non-empty key tiles: scores by one register-blocked
+micro-kernel (``mm``: 4 rows x 64 keys of accumulators in AVX-512 registers), the PARTIAL tiles'
+mask applied from a byte block, the online-softmax update with a vectorised ``exp2``, then the
+weighted V rows by the same micro-kernel. FULL tiles do no mask work; EMPTY tiles are never
+visited; within a PARTIAL tile each block of 4 rows computes only the keys one of its rows
+attends. In the kernel too: ALiBi (absolute positions) and attention dropout with the
+counter-based pattern of ``backends/_common.dropout_keep`` (same kept pairs as every backend).
+The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
+query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
+
+The tile description (:class:`Tiles`, built by the backend from ``Mask.tile_kinds``): the query
+tiles' non-EMPTY key tiles as CSR lists (and their transpose for the backward), and one byte
+block per PARTIAL tile (per mask batch and head where the mask varies) from the mask's own
+``mask_mod``: general (every mask, user callables included) and ``O(partial tiles · tile²)``
+memory: for a sliding window of 256 at S=16384, 512 blocks of 4 KiB.
+
+Build: :data:`SPEC`, through :mod:`selfattn.kernels.build`, with ``-march=native`` (the library
+name hashes the CPU's flags, so AVX-512 code never loads on an AVX2 machine) and portable code
+where that fails; :data:`GENERIC_SPEC` is the same source built for the baseline ISA, what a CPU
+without the vector features gets, and what ``SELFATTN_ATTN_KERNEL=generic`` (or ``generic=True``)
+forces. ``SELFATTN_ATTN_KERNEL=0`` turns the kernel off. :func:`isa` names what a build uses.
+q, k, v are read in their dtype (float32, bf16, fp16) and converted as tiles are packed (a
+whole-tensor ``.float()`` first measured 0.19 s for bf16 q, k, v at S=16384, H=8, D=64 on a
+loaded 2-core EPYC: as long as the kernel itself); accumulation and outputs are float32.
+Threads: POSIX threads pulling work items, as many as ``torch.get_num_threads()``; each item
+writes only its own rows, so the result is bitwise the same for any thread count.
+
+The ops ``torch.ops.selfattn.attention_fwd_cpu`` / ``attention_bwd_cpu`` (:mod:`selfattn.
+kernels.ops`) wrap :func:`forward` / :func:`backward`; the plain-PyTorch twin of both is
+:func:`twin`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+
+from selfattn.kernels.build import CLibrary, Function, load
+
+__all__ = [
+    "BLOCK_K",
+    "GENERIC_SPEC",
+    "SPEC",
+    "Tiles",
+    "backward",
+    "forward",
+    "isa",
+    "library",
+    "twin",
+]
+
+ENV_VAR = "SELFATTN_ATTN_KERNEL"
+LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x · LOG2E)
+BLOCK_K = 64  # keys per tile: the kernel's BK (fa_block_k() checks it)
+MAX_BLOCK_Q = 64  # query rows per tile at most: the kernel's MAXBQ
+
+_ARGS = (ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int)
+SPEC = CLibrary(
+    name="fused_attention",
+    sources=("fused_attention.c",),
+    functions=(
+        # fa_forward(iargs, ptrs, n_threads, c) -> 0, 1 (no scratch memory), 2 (bad tile size)
+        Function("fa_forward", (*_ARGS, ctypes.c_float)),
+        Function("fa_backward", (*_ARGS, ctypes.c_float, ctypes.c_float)),
+        Function("fa_isa", (), ctypes.c_int),
+        Function("fa_block_k", (), ctypes.c_int),
+        Function("fa_has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
+    ),
+    # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
+    # rate.
+    flags=("-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-ffp-contract=fast"),
+    targets=(("-march=native",), ()),
+    libraries=("m",),
+)
+# The same source for the baseline ISA of the compiler's target (x86-64: SSE2): the code a CPU
+# without AVX gets, and the forced path tests compare the vector build with.
+GENERIC_SPEC = dataclasses.replace(SPEC, name="fused_attention_generic", targets=((),))
+
+# The kernel's arguments in the order of its enums (``A_*``, ``P_*`` in csrc/fused_attention.c;
+# a test reads them from the source).
+INT_ARGS = (
+    "B", "HQ", "HKV", "SQ", "SK", "D", "DV", "BQ", "BK", "NQ", "NK", "MB", "MH", "DT", "QOFF",
+    "SEED",
+)  # fmt: skip
+PTR_ARGS = (
+    "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
+    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES", "DROP",
+)  # fmt: skip
+_ISA_BITS = ((4, "avx512f"), (8, "avx512_bf16"), (1, "avx2"), (2, "fma"))
+# q, k, v dtype -> kernel code (the enum at the top of csrc/fused_attention.c)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@functools.cache
+def _load(generic: bool) -> ctypes.CDLL | None:
+    lib = load(GENERIC_SPEC if generic else SPEC)
+    if lib is not None and lib.fa_block_k() != BLOCK_K:
+        return None  # a source edited out of step with this module
+    return lib
+
+
+def forced_generic() -> bool:
+    """Whether ``SELFATTN_ATTN_KERNEL=generic`` forces the baseline-ISA build."""
+    return os.environ.get(ENV_VAR, "1") == "generic"
+
+
+def library(generic: bool = False) -> ctypes.CDLL | None:
+    """The compiled kernel (the baseline-ISA build with ``generic`` or ``SELFATTN_ATTN_KERNEL=
+    generic``), built on first use; None where it cannot be built or ``SELFATTN_ATTN_KERNEL=0``."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return None
+    return _load(generic or forced_generic())
+
+
+def isa(generic: bool = False) -> str:
+    """The vector instruction sets the kernel that runs was compiled for, e.g.
+    ``"avx512f+avx512_bf16+avx2+fma"``; ``"generic"`` for baseline code; ``"none"`` when there
+    is no kernel."""
+    lib = library(generic)
+    if lib is None:
+        return "none"
+    bits = lib.fa_isa()
+    names = [name for bit, name in _ISA_BITS if bits & bit]
+    return "+".join(names) if names else "generic"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Which tiles of the ``(Sq, Sk)`` score matrix a call visits, and the PARTIAL ones' masks.
+
+    Query tile ``i`` covers rows ``[i·block_q, (i+1)·block_q)``, key tile ``j`` keys
+    ``[j·BLOCK_K, (j+1)·BLOCK_K)`` (the last of each ragged). ``rowptr (n_q + 1,)``, ``cols``,
+    ``pids`` int32: query tile ``i``'s non-EMPTY key tiles are ``cols[rowptr[i]:rowptr[i+1]]``
+    (ascending), each with ``pids`` its PARTIAL block's index or -1 (FULL: no mask work).
+    ``colptr (n_k + 1,)``, ``rows``, ``cpids``: the same by key tile (the backward's dK/dV
+    walk). ``bits (n_partial, mask_b, mask_h, block_q, BLOCK_K)`` uint8, 1 where the pair
+    attends (rows and keys past ``Sq``/``Sk`` unread); ``mask_b`` is 1 or B, ``mask_h`` 1 or Hq.
+    """
+
+    block_q: int
+    rowptr: torch.Tensor
+    cols: torch.Tensor
+    pids: torch.Tensor
+    colptr: torch.Tensor
+    rows: torch.Tensor
+    cpids: torch.Tensor
+    bits: torch.Tensor
+    mask_b: int = 1
+    mask_h: int = 1
+
+    @staticmethod
+    def from_grid(nonempty: torch.Tensor, full: torch.Tensor, block_q: int, bits, mask_b, mask_h):
+        """From bool ``nonempty, full (n_q, n_k)`` (over every batch and head) and the PARTIAL
+        tiles' blocks in row-major tile order."""
+        partial = nonempty & ~full
+        pid_grid = torch.full(nonempty.shape, -1, dtype=torch.int32)
+        pid_grid[partial] = torch.arange(int(partial.sum()), dtype=torch.int32)
+
+        def csr(ne, pid):  # (n, m) -> ptr (n + 1,), column indices, pids; row-major
+            idx = ne.nonzero()
+            counts = torch.bincount(idx[:, 0], minlength=ne.shape[0])
+            ptr = torch.zeros(ne.shape[0] + 1, dtype=torch.int32)
+            torch.cumsum(counts, 0, out=ptr[1:])
+            return ptr, idx[:, 1].to(torch.int32).contiguous(), pid[ne].contiguous()
+
+        rowptr, cols, pids = csr(nonempty, pid_grid)
+        colptr, rows, cpids = csr(nonempty.t(), pid_grid.t())
+        return Tiles(block_q, rowptr, cols, pids, colptr, rows, cpids, bits, mask_b, mask_h)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.rowptr, self.cols, self.pids, self.colptr, self.rows, self.cpids, self.bits)
+
+
+def _call(lib_fn, ints: dict, tensors: dict, *scalars) -> None:
+    iargs = [ints[name] for name in INT_ARGS]
+    ptrs = [0 if (t := tensors.get(name)) is None else t.data_ptr() for name in PTR_ARGS]
+    status = lib_fn(
+        (ctypes.c_int64 * len(iargs))(*iargs),
+        (ctypes.c_void_p * len(ptrs))(*ptrs),
+        torch.get_num_threads(),
+        *(ctypes.c_float(s) for s in scalars),
+    )
+    if status == 1:
+        raise MemoryError("the fused attention kernel could not allocate its scratch")
+    if status:
+        raise ValueError(f"the fused attention kernel refused its tile sizes (status {status})")
+
+
+def supported_dtypes(generic: bool = False) -> tuple[torch.dtype, ...]:
+    """The q, k, v dtypes the kernel reads (fp16 needs the compiler's ``_Float16``); none where
+    there is no kernel."""
+    lib = library(generic)
+    if lib is None:
+        return ()
+    return tuple(d for d in _DTYPE_CODES if d != torch.float16 or lib.fa_has_f16())
+
+
+def _ints(q, k, v, tiles: Tiles, q_offset: int, seed0: int) -> dict:
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    return {
+        "B": B, "HQ": Hq, "HKV": Hkv, "SQ": Sq, "SK": Sk, "D": D, "DV": Dv,
+        "BQ": tiles.block_q, "BK": BLOCK_K, "NQ": tiles.rowptr.numel() - 1,
+        "NK": tiles.colptr.numel() - 1, "MB": tiles.mask_b, "MH": tiles.mask_h,
+        "DT": _DTYPE_CODES[q.dtype], "QOFF": q_offset, "SEED": seed0,
+    }  # fmt: skip
+
+
+def _lib(generic: bool) -> ctypes.CDLL:
+    lib = library(generic)
+    if lib is None:
+        raise RuntimeError(
+            "the fused attention kernel is not available (no C compiler, a failed build, or "
+            f"{ENV_VAR}=0); use attention(), which falls back to the chunked backend"
+        )
+    return lib
+
+
+def _check(tiles: Tiles, qkv, *others: torch.Tensor, generic: bool) -> None:
+    if not 1 <= tiles.block_q <= MAX_BLOCK_Q:
+        raise ValueError(f"block_q={tiles.block_q} must be in [1, {MAX_BLOCK_Q}]")
+    dtypes = supported_dtypes(generic)
+    for t in (*qkv, *others):
+        want = qkv[0].dtype if any(t is x for x in qkv) else torch.float32
+        if t.dtype != want or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(
+                f"the fused attention kernel takes contiguous CPU tensors, q, k, v of one dtype "
+                f"and the rest float32; got {t.dtype} {tuple(t.shape)} on {t.device} "
+                f"(contiguous={t.is_contiguous()})"
+            )
+    if qkv[0].dtype not in dtypes:
+        raise ValueError(f"this build of the kernel reads {dtypes}, not {qkv[0].dtype}")
+
+
+def _slopes(alibi: torch.Tensor | None, Hq: int) -> dict:
+    """ALiBi slopes ``(Hq,)`` as the kernel takes them: float32, times log2(e) (base-2 scores)."""
+    if alibi is None:
+        return {}
+    if alibi.shape != (Hq,):
+        raise ValueError(f"alibi slopes must have shape (Hq,) = ({Hq},), got {tuple(alibi.shape)}")
+    return {"SLOPES": (alibi.detach().to(torch.float32) * LOG2E).contiguous()}
+
+
+def _dropout(p: float) -> dict:
+    """``{p, 1 / (1 - p)}`` float32 for the kernel's dropout; nothing without dropout."""
+    if p == 0:
+        return {}
+    if not 0 < p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return {"DROP": torch.tensor([p, 1.0 / (1.0 - p)], dtype=torch.float32)}
+
+
+def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
+            alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed0: int = 0):  # fmt: skip
+    """``(out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq))``, float32.
+
+    ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
+    of one dtype in :func:`supported_dtypes`, ``Hq`` a multiple of ``Hkv``. ``lse`` natural
+    log, ``-inf`` (and ``out`` 0) for a row with no key; ``m`` (base-2 row max of
+    ``q·k·scale``) and ``l`` (``Σ 2^(s - m)``) are what :func:`backward` recomputes the
+    weights from: ``(0, 1)`` for a row with no key. ``alibi (Hq,)``: ALiBi slopes, adding
+    ``-slope[h]·|i - j|`` to the score of query position ``q_offset + row`` and key ``j``.
+    ``dropout_p``: attention dropout on the weights (``lse`` stays undropped), keeping the pairs
+    of ``_common.dropout_keep``; ``seed0`` is its seed hashed alone (the first step of it).
+    """
+    _check(tiles, (q, k, v), generic=generic)
+    B, Hq, Sq, _ = q.shape
+    out = torch.empty(B, Hq, Sq, v.shape[3], dtype=torch.float32)
+    lse, m, l = (torch.empty(B, Hq, Sq, dtype=torch.float32) for _ in range(3))
+    tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
+    tensors.update(_tile_ptrs(tiles))
+    tensors.update(_slopes(alibi, q.shape[1]))
+    tensors.update(_dropout(dropout_p))
+    ints = _ints(q, k, v, tiles, q_offset, seed0)
+    _call(_lib(generic).fa_forward, ints, tensors, scale * LOG2E)
+    return out, lse, m, l
+
+
+def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic: bool = False,
+             q_offset: int = 0, alibi: torch.Tensor | None = None, dropout_p: float = 0.0,
+             seed0: int = 0):  # fmt: skip
+    """``(dq, dk, dv)`` float32 from ``dout (B, Hq, Sq, Dv)``, the lse's gradient ``dlse (B, Hq,
+    Sq)`` (None: 0) and the forward's ``out, m, l`` (all float32); q, k, v as :func:`forward`."""
+    extra = () if dlse is None else (dlse,)
+    _check(tiles, (q, k, v), dout, out, m, l, *extra, generic=generic)
+    dq = torch.empty(q.shape, dtype=torch.float32)
+    dk = torch.empty(k.shape, dtype=torch.float32)
+    dv = torch.empty(v.shape, dtype=torch.float32)
+    delta = torch.empty(m.shape, dtype=torch.float32)  # the kernel's scratch
+    names = ("Q", "K", "V", "OUT", "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV")
+    tensors = dict(zip(names, (q, k, v, out, m, l, dout, dlse, delta, dq, dk, dv)))
+    tensors.update(_tile_ptrs(tiles))
+    tensors.update(_slopes(alibi, q.shape[1]))
+    tensors.update(_dropout(dropout_p))
+    ints = _ints(q, k, v, tiles, q_offset, seed0)
+    _call(_lib(generic).fa_backward, ints, tensors, scale * LOG2E, scale)
+    return dq, dk, dv
+
+
+def _tile_ptrs(tiles: Tiles) -> dict:
+    names = ("ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS")
+    for name, t in zip(names, tiles.tensors()):
+        want = torch.uint8 if name == "BITS" else torch.int32
+        if t.dtype != want or not t.is_contiguous():
+            raise ValueError(f"Tiles.{name.lower()} must be contiguous {want}, got {t.dtype}")
+    return dict(zip(names, tiles.tensors()))
+
+
+def twin(q, k, v, tiles: Tiles, scale: float, dtype: torch.dtype = torch.float64):
+    """The kernel's forward in plain PyTorch, computed in ``dtype``: the tile description
+    expanded into a dense ``(B, Hq, Sq, Sk)`` mask, then softmax attention. ``(out, lse)``;
+    differentiable; for tests."""
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    bq, n_q = tiles.block_q, tiles.rowptr.numel() - 1
+    allowed = torch.zeros(B, Hq, Sq, Sk, dtype=torch.bool)
+    for i in range(n_q):
+        r0, r1 = i * bq, min((i + 1) * bq, Sq)
+        for t in range(int(tiles.rowptr[i]), int(tiles.rowptr[i + 1])):
+            c0 = int(tiles.cols[t]) * BLOCK_K
+            c1, pid = min(c0 + BLOCK_K, Sk), int(tiles.pids[t])
+            if pid < 0:
+                allowed[:, :, r0:r1, c0:c1] = True
+            else:
+                block = tiles.bits[pid, :, :, : r1 - r0, : c1 - c0].bool()  # (Bm, Hm, tq, tk)
+                allowed[:, :, r0:r1, c0:c1] = block
+    G = Hq // Hkv
+    kr = k.to(dtype).repeat_interleave(G, 1)
+    vr = v.to(dtype).repeat_interleave(G, 1)
+    s = (q.to(dtype) @ kr.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(s, -1)  # -inf for a row with no key
+    p = torch.exp(s - lse.unsqueeze(-1).clamp(min=torch.finfo(dtype).min))
+    return p @ vr, lse

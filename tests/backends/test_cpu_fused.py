@@ -1,0 +1,189 @@
+"""The cpu_fused backend (the fused C kernel) through ``attention()``, against the float64 oracle.
+
+Sizes cross the kernel's 64-key tiles and its query tiles (Sq = 97 -> tiles of 49 and 48 rows),
+so EMPTY, FULL and PARTIAL tiles, ragged edge tiles and multi-tile online-softmax rescaling all
+run; tests/kernels/test_fused_attention.py checks the kernel against its twin directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import pytest
+import torch
+
+import selfattn
+from selfattn import _log, backends, masks, scores
+from selfattn.kernels import fused_attention
+from selfattn.testing import (
+    GRAD_FACTOR,
+    assert_close_to_reference,
+    check_against_reference,
+    make_qkv,
+    naive_attention,
+    reference_attention,
+)
+from tests.backends.test_chunked import MASKS, NEEDS_NONNEGATIVE_OFFSET
+
+pytestmark = pytest.mark.skipif(
+    fused_attention.library() is None, reason="no C compiler here: the kernel cannot be built"
+)
+cpu_attention = functools.partial(selfattn.attention, backend="cpu_fused")
+
+
+@pytest.mark.parametrize(("Sq", "Sk"), [(97, 150), (150, 97)])
+@pytest.mark.parametrize("mask_name", sorted(MASKS))
+def test_masks_match_reference(mask_name, Sq, Sk):
+    if mask_name in NEEDS_NONNEGATIVE_OFFSET and Sq > Sk:
+        pytest.skip("the mask indexes absolute positions, negative when Sq > Sk")
+    B, Hq, Hkv = 2, 4, 2
+    seed = len(mask_name) * 7 + Sq
+    q, k, v = make_qkv(B, Hq, Sq, 24, Hkv=Hkv, Sk=Sk, Dv=20, seed=seed)
+    mask = MASKS[mask_name](B, Hq, Sq, Sk, seed)
+    check_against_reference(cpu_attention, q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(8, 1), (6, 3)], ids=["MQA", "G2"])
+def test_low_precision_and_gqa(dtype, heads):
+    Hq, Hkv = heads
+    q, k, v = make_qkv(2, Hq, 70, 59, Hkv=Hkv, Sk=131, Dv=40, dtype=dtype, seed=Hq)
+    check_against_reference(cpu_attention, q, k, v, mask=masks.sliding_window(45))
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window", "callable"])
+def test_dropout_keeps_the_same_pairs_as_the_reference(mask_name):
+    """Counter-based dropout: the kernel hashes (seed, b, h, query, key) as _common.dropout_keep
+    does, so for one generator seed it drops exactly the reference's pairs, forward and
+    backward (any other pair would show as an error far above the ratio rule's bound)."""
+    q, k, v = make_qkv(2, 4, 70, 24, Hkv=2, Sk=130, seed=13, requires_grad=True)
+    kw = dict(mask=MASKS[mask_name](2, 4, 70, 130, 13), dropout_p=0.3)
+
+    def gen():
+        return torch.Generator().manual_seed(14)
+
+    out = cpu_attention(q, k, v, generator=gen(), **kw)
+    o64, _, leaves64 = reference_attention(q, k, v, generator=gen(), **kw)
+    on, _, leavesn = naive_attention(q, k, v, generator=gen(), **kw)
+    assert_close_to_reference(out, o64, on)
+    dout = torch.randn(out.shape, generator=gen())
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    g64 = torch.autograd.grad(o64, leaves64, dout.double())
+    gn = torch.autograd.grad(on, leavesn, dout)
+    for name, a, o, n in zip(("dq", "dk", "dv"), grads, g64, gn):
+        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
+
+
+@pytest.mark.parametrize("q_offset", [None, 0, 40], ids=["bottom-right", "0", "40"])
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window", "documents", "callable"])
+def test_alibi_matches_reference(mask_name, q_offset):
+    """ALiBi's distances are between absolute positions (q_offset + row, key): the kernel adds
+    them per tile, FULL tiles included, forward and backward."""
+    Sq, Sk = 70, 130
+    q, k, v = make_qkv(1, 4, Sq, 24, Hkv=2, Sk=Sk, seed=12)
+    mask = MASKS[mask_name](1, 4, Sq, Sk, 12)
+    kw = {} if q_offset is None else {"q_offset": q_offset}
+    check_against_reference(cpu_attention, q, k, v, mask=mask, score_mod=scores.alibi(4), **kw)
+
+
+@pytest.mark.parametrize(("Sq", "Sk"), [(1, 1), (1, 200), (7, 1), (65, 64)])
+def test_odd_shapes(Sq, Sk):
+    q, k, v = make_qkv(1, 3, Sq, 8, Sk=Sk, Dv=17, seed=Sq * Sk, contiguous=False)
+    check_against_reference(cpu_attention, q, k, v, mask=masks.causal())
+
+
+def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_grads():
+    """Rows the mask leaves without a key (here every row of the first sequence, and rows of
+    the second before its first document starts) follow chunked's convention."""
+    B, H, S = 2, 2, 90
+    q, k, v = make_qkv(B, H, S, 16, seed=3, requires_grad=True)
+
+    def late_start(b, h, q_idx, kv_idx):
+        return (b == 1) & (q_idx >= 70) & (kv_idx <= q_idx)
+
+    out, lse = cpu_attention(q, k, v, mask=late_start, return_lse=True)
+    _, ref_lse = selfattn.attention(q, k, v, mask=late_start, return_lse=True, backend="chunked")
+    empty = torch.zeros(B, H, S, dtype=torch.bool)
+    empty[0], empty[1, :, :70] = True, True
+    assert bool((out[empty] == 0).all()) and bool((lse[empty] == -math.inf).all())
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and bool((q.grad[empty] == 0).all())
+    check_against_reference(cpu_attention, q, k, v, mask=late_start)
+
+
+def test_forced_generic_path_matches(monkeypatch):
+    """``SELFATTN_ATTN_KERNEL=generic`` runs the baseline-ISA build: what a CPU without the
+    vector features gets, and still right."""
+    monkeypatch.setenv(fused_attention.ENV_VAR, "generic")
+    q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, seed=5)
+    check_against_reference(cpu_attention, q, k, v, mask=masks.causal())
+
+
+def test_forward_is_bitwise_deterministic():
+    q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, seed=6)
+    mask = masks.documents(torch.arange(130).div(40, rounding_mode="floor").expand(2, -1))
+    first = cpu_attention(q, k, v, mask=mask, return_lse=True)
+    for _ in range(2):
+        again = cpu_attention(q, k, v, mask=mask, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_sinks_merge_through_the_lse_with_gradients():
+    q, k, v = make_qkv(1, 4, 70, 16, Hkv=2, Sk=90, seed=7, requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    out = cpu_attention(q, k, v, mask=masks.causal(), sinks=sinks)
+    ref = selfattn.attention(q, k, v, mask=masks.causal(), sinks=sinks, backend="chunked")
+    torch.testing.assert_close(out, ref)
+    g = torch.autograd.grad(out.square().sum(), (q, sinks))
+    g_ref = torch.autograd.grad(ref.square().sum(), (q, sinks))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_nonfinite_values_in_masked_keys_do_not_leak():
+    """NaN in the K/V of keys no query attends (padding slots): the checked redo keeps them out."""
+    q, k, v = make_qkv(1, 2, 64, 16, Sk=100, seed=8)
+    k[:, :, 80:], v[:, :, 80:] = math.nan, math.inf
+    out = cpu_attention(q, k, v, mask=masks.padding(torch.tensor([80])))
+    ref = selfattn.attention(q, k[:, :, :80], v[:, :, :80], q_offset=36, backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"score_mod": scores.softcap(20.0)}, "score mod"),
+        ({"dtype": torch.float64}, "float64"),
+    ],
+)
+def test_declines_with_a_reason(kwargs, why):
+    kwargs = dict(kwargs)
+    q, k, v = make_qkv(1, 2, 8, 16, dtype=kwargs.pop("dtype", torch.float32), seed=9)
+    reasons = backends.explain(q, k, v, print_table=False, **kwargs).reasons
+    assert why in reasons["cpu_fused"]
+    with pytest.raises(ValueError, match=why):
+        cpu_attention(q, k, v, **kwargs)
+
+
+def test_kernel_turned_off_is_declined_and_logged_once(monkeypatch, caplog):
+    monkeypatch.setenv(fused_attention.ENV_VAR, "0")
+    monkeypatch.setattr(_log, "_said", set())
+    caplog.set_level(logging.INFO, logger="selfattn")
+    q, k, v = make_qkv(1, 2, 8, 16, seed=10)
+    for _ in range(2):
+        reason = backends.explain(q, k, v, print_table=False).reasons["cpu_fused"]
+        assert "could not be built" in reason
+        selfattn.attention(q, k, v)  # auto runs another backend
+    said = [r.getMessage() for r in caplog.records if "cpu_fused backend" in r.getMessage()]
+    assert len(said) == 1 and "chunked runs" in said[0]
+
+
+def test_auto_picks_it_for_a_sparse_mask_on_cpu():
+    q, k, v = make_qkv(1, 2, 512, 16, seed=11)
+    assert backends.explain(q, k, v, mask=masks.sliding_window(32), print_table=False).chosen == (
+        "cpu_fused"
+    )

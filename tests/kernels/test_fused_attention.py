@@ -1,0 +1,166 @@
+"""The fused CPU attention kernel (csrc/fused_attention.c) against its plain-PyTorch twin.
+
+Here the kernel is fed tile descriptions directly (random EMPTY/FULL/PARTIAL grids, random
+PARTIAL blocks varying over batch and heads), so every branch of its tile walk is reached at
+small sizes; tests/backends/test_cpu.py checks it through ``attention()`` against the fp64
+oracle for the library's masks.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfattn.kernels import fused_attention as fa
+from selfattn.kernels import ops
+from selfattn.testing import GRAD_FACTOR, assert_close_to_reference
+from tests.kernels.test_kernels import _c_enum
+
+KERNELS = Path(fa.__file__).resolve().parent
+
+pytestmark = pytest.mark.skipif(
+    fa.library() is None, reason="no C compiler here: the kernel cannot be built"
+)
+
+
+def test_kernel_arguments_follow_the_c_enums():
+    source = (KERNELS / "csrc" / "fused_attention.c").read_text()
+    assert _c_enum(source, "A_B") == list(fa.INT_ARGS)
+    assert _c_enum(source, "P_Q") == list(fa.PTR_ARGS)
+
+
+def _tiles(Sq, Sk, bq, mb=1, mh=1, seed=0, p_empty=0.25, p_full=0.4):
+    """A random tile description: each tile EMPTY, FULL or PARTIAL with random blocks."""
+    g = torch.Generator().manual_seed(seed)
+    n_q, n_k = math.ceil(Sq / bq), math.ceil(Sk / fa.BLOCK_K)
+    u = torch.rand(n_q, n_k, generator=g)
+    nonempty, full = u >= p_empty, u >= 1 - p_full
+    n_partial = int((nonempty & ~full).sum())
+    bits = torch.rand(n_partial, mb, mh, bq, fa.BLOCK_K, generator=g) < 0.6
+    return fa.Tiles.from_grid(nonempty, full, bq, bits.to(torch.uint8), mb, mh)
+
+
+def _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, Hq, Sq, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, Sk, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, Sk, Dv, generator=g).to(dtype),
+    )
+
+
+# (B, Hq, Hkv, Sq, Sk, D, Dv, block_q): ragged tiles on both axes, D and Dv not multiples of the
+# vector width, GQA, Sq = 1, Dv != D.
+SHAPES = {
+    "97x150-G2-D40-Dv24": (2, 4, 2, 97, 150, 40, 24, 49),
+    "1x130-MQA-D59": (1, 3, 1, 1, 130, 59, 59, 1),
+    "130x65-D8-Dv70": (1, 2, 2, 130, 65, 8, 70, 64),
+}
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mask_bh", [(1, 1), (2, 4)], ids=["mask-shared", "mask-per-b-h"])
+def test_forward_matches_its_twin(shape, generic, mask_bh):
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES[shape]
+    mb, mh = (min(mask_bh[0], B), mask_bh[1] if mask_bh[1] <= Hq else 1)
+    mh = Hq if mh > 1 else 1
+    t = _tiles(Sq, Sk, bq, mb, mh, seed=Sq + Sk)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=D)
+    scale = D**-0.5
+    out, lse, m, l = fa.forward(q, k, v, t, scale, generic=generic)
+    o64, lse64 = fa.twin(q, k, v, t, scale)
+    o32, lse32 = fa.twin(q, k, v, t, scale, dtype=torch.float32)  # the noise baseline
+    assert_close_to_reference(out, o64, o32)
+    assert_close_to_reference(lse, lse64, lse32, what="lse")
+    empty = lse64 == -math.inf  # rows the tiles leave without a key: out 0, lse -inf, (m, l) (0, 1)
+    assert bool((out[empty] == 0).all()) and bool((lse[empty] == -math.inf).all())
+    assert bool((m[empty] == 0).all()) and bool((l[empty] == 1).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_read_in_place(dtype):
+    """bf16/fp16 q, k, v are converted as tiles are packed: the same numbers as float32 inputs
+    holding the same values."""
+    if dtype not in fa.supported_dtypes():
+        pytest.skip(f"this compiler has no {dtype}")
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, seed=3)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=dtype, seed=4)
+    out, lse, _, _ = fa.forward(q, k, v, t, 0.2)
+    ref, ref_lse, _, _ = fa.forward(q.float(), k.float(), v.float(), t, 0.2)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_forward_is_bitwise_deterministic_across_thread_counts():
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, seed=5)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=6)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 3, 1):
+            torch.set_num_threads(n)
+            results.append(fa.forward(q, k, v, t, 0.3))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_generic_and_native_builds_agree():
+    """The forced baseline-ISA build is another compilation of the same source: it agrees with
+    the vector build to rounding, and names no vector ISA."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["130x65-D8-Dv70"]
+    t = _tiles(Sq, Sk, bq, seed=7)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=8)
+    native, generic = fa.forward(q, k, v, t, 0.4), fa.forward(q, k, v, t, 0.4, generic=True)
+    for a, b in zip(native, generic):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fa.isa(generic=True) == "generic"
+    assert fa.isa() != "none"
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
+def test_backward_matches_the_twins_gradients(generic):
+    """dq, dk, dv (GQA: summed over the G heads of a kv head) and the lse's own gradient, against
+    autograd through the float64 twin."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=9)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=10)
+    g = torch.Generator().manual_seed(11)
+    dout, dlse = torch.randn(B, Hq, Sq, Dv, generator=g), torch.randn(B, Hq, Sq, generator=g)
+    out, _, m, l = fa.forward(q, k, v, t, 0.25, generic=generic)
+    grads = fa.backward(dout, dlse, q, k, v, out, m, l, t, 0.25, generic=generic)
+
+    def twin_grads(dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        o, s = fa.twin(*leaves, t, 0.25)
+        s = torch.where(torch.isfinite(s), s, 0)  # rows with no key: lse -inf, no gradient
+        return torch.autograd.grad((o * dout).sum() + (s * dlse).sum(), leaves)
+
+    oracle, naive = twin_grads(torch.float64), twin_grads(torch.float32)
+    for name, a, o, n in zip(("dq", "dk", "dv"), grads, oracle, naive):
+        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
+
+
+def test_ops_pass_opcheck():
+    """Schema, fake, autograd registration and AOT dispatch of selfattn::attention_fwd_cpu."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = 1, 2, 1, 9, 70, 8, 16, 9
+    t = _tiles(Sq, Sk, bq, p_empty=0.0, seed=12)
+    q, k, v = (x.requires_grad_() for x in _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=13))
+    args = (q, k, v, *t.tensors(), t.block_q, t.mask_b, t.mask_h, 0.3, False)
+    torch.library.opcheck(ops.attention_fwd_cpu, args)
+
+
+def test_bad_tensors_are_refused_with_their_shapes():
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = 1, 2, 1, 9, 70, 8, 16, 9
+    t = _tiles(Sq, Sk, bq, seed=14)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=15)
+    with pytest.raises(ValueError, match=r"torch.float64 \(1, 1, 70, 8\)"):
+        fa.forward(q, k.double(), v, t, 0.3)
+    with pytest.raises(ValueError, match="contiguous=False"):
+        fa.forward(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, t, 0.3)
