@@ -261,31 +261,33 @@ static inline float dequant_scale(const float *scales, int64_t mode, int64_t pag
 }
 
 /* Multiply the row values of a page's slots [s0, s0 + ns) (rows r * P + s, the Rh rows of kv
-   head h contiguous) by their dequantisation scales. */
+   head h contiguous) by their dequantisation scales: each head's ns scales gathered first, so
+   that the row loops run over contiguous slots (vectorised). */
 static inline __attribute__((always_inline)) void scale_slots(float *sc, const float *scales,
                                                               int64_t mode, int64_t page,
                                                               int64_t s0, int64_t ns, int64_t P,
-                                                              int64_t Hkv, int64_t Rh) {
+                                                              int64_t Hkv, int64_t Rh,
+                                                              float *tmp) {
   int64_t h, s, r;
-  for (h = 0; h < Hkv; h++)
-    for (s = 0; s < ns; s++) {
-      const float scale = dequant_scale(scales, mode, page, s0 + s, P, Hkv, h);
-      for (r = h * Rh; r < (h + 1) * Rh; r++) sc[r * P + s] *= scale;
-    }
+  for (h = 0; h < Hkv; h++) {
+    for (s = 0; s < ns; s++) tmp[s] = dequant_scale(scales, mode, page, s0 + s, P, Hkv, h);
+    for (r = h * Rh; r < (h + 1) * Rh; r++)
+      for (s = 0; s < ns; s++) sc[r * P + s] *= tmp[s];
+  }
 }
 
 /* Bytes a cache line holds: the prefetch stride. */
 #define LINE 64
 
-/* Ask for the rows of slots [s0, s1) of a page (all kv heads, `bytes` each) ahead of their use:
-   pages lie anywhere in the pool, so the hardware prefetcher cannot know the next one. */
-static void prefetch_page(const char *base, const int64_t *st, int64_t esz, int64_t page,
-                          int64_t s0, int64_t s1, int64_t Hkv, int64_t bytes) {
-  for (int64_t s = s0; s < s1; s++)
-    for (int64_t h = 0; h < Hkv; h++) {
-      const char *row = base + (page * st[0] + s * st[1] + h * st[2]) * esz;
-      for (int64_t o = 0; o < bytes; o += LINE) __builtin_prefetch(row + o, 0, 3);
-    }
+/* Ask for the rows of slots [0, ns) of kv head h of a page (`bytes` each, slot stride st[1])
+   ahead of their use: pages lie anywhere in the pool, so the hardware prefetcher cannot know the
+   next one. Asked one kv head at a time, between the computations of this page's heads: a whole
+   page asked at once fills the core's miss buffers and stalls it until the page arrives. */
+static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int64_t page,
+                          int64_t ns, int64_t h, int64_t bytes) {
+  const char *row = base + (page * st[0] + h * st[2]) * esz;
+  for (int64_t s = 0; s < ns; s++, row += st[1] * esz)
+    for (int64_t o = 0; o < bytes; o += LINE) __builtin_prefetch(row + o, 0, 3);
 }
 
 /* Work item (b, split): the rows of sequence b (all Hq heads, all Sq queries) against the keys of
@@ -294,7 +296,7 @@ static void prefetch_page(const char *base, const int64_t *st, int64_t esz, int6
    Per page: the next page is prefetched, then the scores of every row (kv head by kv head, so
    each key row serves its G * Sq query rows), the online softmax update, the weighted V rows. */
 static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, float *sc,
-                     int64_t *sa, int64_t *sb) {
+                     float *stmp, int64_t *sa, int64_t *sb) {
   const int64_t *a = job->a;
   void *const *p = job->p;
   const int64_t Hq = a[A_HQ], Hkv = a[A_HKV], Sq = a[A_SQ], D = a[A_D], Dv = a[A_DV];
@@ -336,13 +338,11 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     /* this page's slots that some row may attend: [s0, s1), token positions t0 + [0, ns) */
     const int64_t s0 = kmin > j * P ? kmin - j * P : 0;
     const int64_t s1 = kmax < (j + 1) * P ? kmax - j * P : P, ns = s1 - s0, t0 = j * P + s0;
-    if (j + 1 < j1) { /* the next page's used slots, K and V */
-      const int64_t n1 = kmax < (j + 2) * P ? kmax - (j + 1) * P : P;
-      prefetch_page(kbase, a + A_KSN, kesz, table[j + 1], 0, n1, Hkv, D * kesz);
-      prefetch_page(vbase, a + A_VSN, vesz, table[j + 1], 0, n1, Hkv, Dv * vesz);
-    }
+    /* the next page's used slots: [0, n1) (0: no next page in this item) */
+    const int64_t n1 = j + 1 < j1 ? (kmax < (j + 2) * P ? kmax - (j + 1) * P : P) : 0;
     /* -- scores sc[r * P + s], kv head by kv head */
     for (h = 0; h < Hkv; h++) {
+      if (n1) prefetch_head(kbase, a + A_KSN, kesz, table[j + 1], n1, h, D * kesz);
       const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
 #ifdef HAVE_X86_PATHS
       if (dp) {
@@ -355,7 +355,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
                   sc + h * Rh * P, P);
     }
     if (a[A_KSC]) /* dequantise the scores */
-      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh);
+      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
     /* each query's allowed slots of this page: [sa[i], sb[i]); -inf scores outside */
     for (i = 0; i < Sq; i++) {
       sa[i] = lo[i] > t0 ? (lo[i] - t0 < ns ? lo[i] - t0 : ns) : 0;
@@ -388,9 +388,10 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       l[r] += sum;
     }
     if (a[A_VSC]) /* dequantisation scales of V folded into the weights */
-      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh);
+      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh, stmp);
     /* -- weighted V rows, kv head by kv head */
     for (h = 0; h < Hkv; h++) {
+      if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[j + 1], n1, h, Dv * vesz);
       const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
       weighted_sum(job, acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, v0, a[A_VSP] * vesz,
                    vdt, lut, sa, sb);
@@ -402,7 +403,7 @@ static void *worker(void *arg) {
   Job *job = (Job *)arg;
   const int64_t *a = job->a;
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
-  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P));
+  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P));
   uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
   int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ]);
   void *ret = NULL;
@@ -412,7 +413,8 @@ static void *worker(void *arg) {
     for (;;) {
       const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
       if (item >= job->n_items) break;
-      run_item(job, item, qbuf, qbh, qbuf + R * Dp, ranges, ranges + a[A_SQ]);
+      run_item(job, item, qbuf, qbh, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
+               ranges + a[A_SQ]);
     }
   }
   free(qbuf);
