@@ -9,11 +9,15 @@ more than reading the page (measured on a 2-core EPYC, B=32, 4,096 keys: page-ba
 over strided in-place views took 0.7x SDPA's whole time for the scores alone and 0.9x for the
 weighted V sum). The kernel walks each sequence's pages in table order and, per page, reads its
 ``(P, Hkv, D)`` block front to back twice (K, then V): scores for every query row, an online
-softmax update, then the weighted V rows. Low-precision and quantised pages are converted a few
-key rows at a time into an L1-resident float32 buffer (bf16/fp16/fp8 by value; int8 and fp8
-scales multiply the scores and the V weights). Torch.compile was measured as the alternative:
-18 s to compile a gather-and-reduce decode on first call, and then 4.9x slower than SDPA on
-contiguous K/V (this kernel: 0.5x) on the same machine.
+softmax update, then the weighted V rows, asking for the next page's rows meanwhile (software
+prefetch: the pages of a sequence lie anywhere in the pool). Low-precision and quantised pages
+are converted in registers inside the dot-product and weighted-sum blocks (int8 and fp8 scales
+multiply the scores and the V weights); bf16 queries against bf16 keys use ``vdpbf16ps`` where
+the CPU has it. One source, three instruction-set paths picked at run time (:data:`ISAS`,
+:func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version read bf16 pages
+slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``. Torch.compile
+was measured as the alternative: 18 s to compile a gather-and-reduce decode on first call, and
+then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the same machine.
 
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
 EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
