@@ -1,22 +1,25 @@
-"""Decode over a paged KV cache on CPU: ``selfattn.cache.paged_attention`` vs SDPA.
+"""Decode over a paged KV cache on CPU: ``selfattn.cache.paged_attention`` vs SDPA and vs memory.
 
-    python -m selfattn.benchmarks.decode           # B=32, 4,096-token contexts, fp32 and bf16
+    python -m selfattn.benchmarks.decode           # B=32, 4,096-token contexts
     python -m selfattn.benchmarks.decode --quick   # B=4, 512-token contexts: a smoke run
     python -m selfattn.benchmarks.decode --json
 
 Decode: one new query per sequence (Sq = 1), 32 query / 8 kv heads, D = 128, page size 16. Every
 sequence holds exactly ``S`` tokens (no ragged lengths); the block table is a random permutation
-of the pool's ``B · S / 16`` pages, so consecutive logical pages sit anywhere in memory. Peers:
-``F.scaled_dot_product_attention(enable_gqa=True)`` on the same K/V already made contiguous
-``(B, Hkv, S, D)`` (the gather is not timed), and the same SDPA with the gather timed. Ours and
-each peer are timed interleaved after one warm-up call each; the table shows medians. GB/s counts
-the K/V bytes a call must read (``2 · B · S · Hkv · D · itemsize``); the copy rate is a large
-tensor copy's bytes read plus written per second (``dst.copy_(src)`` of 512 MiB, preallocated),
-timed interleaved with a fp32 paged decode call for the bandwidth row.
+of the pool's ``B · S / 16`` pages, so consecutive logical pages sit anywhere in memory. Pages in
+fp32, bf16, int8 (per token and head scales) and fp8 e4m3 (per head scales); the query in the
+page dtype (bf16 for int8 and fp8 pages). Peers: ``F.scaled_dot_product_attention(enable_gqa=
+True)`` on the same K/V already made contiguous ``(B, Hkv, S, D)`` (the gather is not timed),
+the same SDPA with the gather timed (fp32), and our own bf16 pages for the 1-byte pages. Ours and
+each peer are timed interleaved after one warm-up call each; the table shows medians. GB/s
+counts the bytes a call must read (K/V pages and their scales); the copy rate is a large tensor
+copy's bytes read plus written per second (``dst.copy_(src)`` of 512 MiB, preallocated), timed
+interleaved with the paged decode call of each bandwidth row.
 
 These calls take ``paged_attention``'s C kernel (its ``cpu`` backend); the line under the table
-says so, with the kernel's one-time build (or cache load) cost, which no timed call includes.
-``SELFATTN_DECODE_KERNEL=0`` measures the PyTorch path instead.
+names its instruction-set path and the CPU features it found, with the kernel's one-time build
+(or cache load) cost, which no timed call includes. ``SELFATTN_DECODE_ISA=generic`` (or avx2)
+measures a lower path; ``SELFATTN_DECODE_KERNEL=0`` the PyTorch path.
 """
 
 from __future__ import annotations
@@ -31,11 +34,20 @@ import torch.nn.functional as F
 
 from selfattn.benchmarks import _util
 from selfattn.cache import paged_attention
-from selfattn.cache.quant import quantize_int8
+from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.cache.size import kv_cache_bytes
 from selfattn.kernels import paged_decode
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+# Page storage -> (page dtype for make_cache, quantiser or None). The 1-byte pages quantise bf16.
+STORAGES = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "int8": (torch.bfloat16, quantize_int8),
+    "fp8": (torch.bfloat16, quantize_fp8),
+}
+# CPU features the kernel's paths use, as /proc/cpuinfo names them.
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
 
 
 def make_cache(B: int, S: int, dtype, seed: int = 0):
@@ -66,19 +78,31 @@ def gather(k_pages, v_pages, table):
     return out
 
 
-def bandwidth_vs_copy(B: int, S: int, repeat: int) -> tuple[float, float]:
-    """fp32 paged decode's K/V bytes read per second, and a copy's bytes read plus written per
-    second (``dst.copy_(src)``, 512 MiB float32, preallocated), timed interleaved so that a
-    drifting machine load hits both alike."""
-    q, kp, vp, table, lens, _, _ = make_cache(B, S, torch.float32)
-    kv_bytes = 2 * kp.numel() * kp.element_size()
+def paged_case(B: int, S: int, storage: str):
+    """``(decode call, bytes it reads)`` over pages of ``storage`` (see :data:`STORAGES`)."""
+    dtype, quantise = STORAGES[storage]
+    q, kp, vp, table, lens, _, _ = make_cache(B, S, dtype)
+    ks = vs = None
+    if quantise is not None:
+        (kp, ks), (vp, vs) = quantise(kp), quantise(vp)
+    n_bytes = sum(t.numel() * t.element_size() for t in (kp, vp, ks, vs) if t is not None)
+
+    def call():
+        return paged_attention(q, kp, vp, table, lens, k_scales=ks, v_scales=vs)
+
+    return call, n_bytes
+
+
+def bandwidth_vs_copy(B: int, S: int, storage: str, repeat: int) -> tuple[float, float]:
+    """Paged decode's bytes read per second over ``storage`` pages, and a copy's bytes read plus
+    written per second (``dst.copy_(src)``, 512 MiB float32, preallocated), timed interleaved so
+    that a drifting machine load hits both alike."""
+    call, n_bytes = paged_case(B, S, storage)
     src = torch.ones(1 << 27)  # 512 MiB
     dst = torch.empty_like(src)
     with torch.inference_mode():
-        mine, copy = _util.time_pair(
-            lambda: paged_attention(q, kp, vp, table, lens), lambda: dst.copy_(src), repeat
-        )
-    return kv_bytes / mine.median_s / 1e9, 2 * src.numel() * 4 / copy.median_s / 1e9
+        mine, copy = _util.time_pair(call, lambda: dst.copy_(src), repeat)
+    return n_bytes / mine.median_s / 1e9, 2 * src.numel() * 4 / copy.median_s / 1e9
 
 
 def _row(case, ours_s, peer, peer_s, target, limit, diff=None, kv_bytes=None):
@@ -116,46 +140,63 @@ def speed_rows(B: int, S: int, dtype, limit: float, repeat: int) -> list[dict]:
     peers = [("SDPA enable_gqa, contiguous K/V (gather not timed)", sdpa, limit)]
     if dtype == torch.float32:
         peers.append(("gather pages + SDPA (gather timed)", gather_sdpa, 0.25))
+    return paired_rows(f"{name} decode, paged, {shape}", ours, peers, kv_bytes, repeat)
+
+
+def paired_rows(case: str, ours, peers, n_bytes: int, repeat: int) -> list[dict]:
+    """One row per ``(peer name, call, limit)``: ours and the peer timed interleaved."""
     rows = []
     with torch.inference_mode():
         for peer, fn, lim in peers:
             mine, theirs = _util.time_pair(ours, fn, repeat)
             diff = float((mine.result.float() - theirs.result.float()).abs().max())
             rows.append(
-                _row(
-                    f"{name} decode, paged, {shape}",
-                    mine.median_s,
-                    peer,
-                    theirs.median_s,
-                    f"<= {lim}",
-                    lim,
-                    diff,
-                    kv_bytes,
-                )
+                _row(case, mine.median_s, peer, theirs.median_s, f"<= {lim}", lim, diff, n_bytes)
             )
+    return rows
+
+
+def narrow_rows(B: int, S: int, limit: float, repeat: int) -> list[dict]:
+    """int8 and fp8 pages (1 byte a value, plus scales) vs bf16 pages, both ours."""
+    bf16, _ = paged_case(B, S, "bf16")
+    rows = []
+    for storage in ("int8", "fp8"):
+        call, n_bytes = paged_case(B, S, storage)
+        case = f"{storage} decode, paged, B={B} S={S} Hq={HQ} Hkv={HKV} D={D} P={PAGE}"
+        rows += paired_rows(
+            case, call, [("bf16 pages, paged (ours)", bf16, limit)], n_bytes, repeat
+        )
+    return rows
+
+
+def copy_rows(B: int, S: int, limit: float, repeat: int) -> list[dict]:
+    """Bytes read per second of fp32 and bf16 pages vs a large copy's rate, in one run."""
+    rows = []
+    for storage in ("fp32", "bf16"):
+        gbs, copy = bandwidth_vs_copy(B, S, storage, repeat)
+        rows.append(
+            {
+                "case": f"{storage} paged decode: K/V bytes read per second",
+                "ours_ms": None,
+                "peer": "large-tensor copy, bytes read + written per second",
+                "peer_ms": None,
+                "ours_gbs": gbs,
+                "peer_gbs": copy,
+                "ratio": gbs / copy,
+                "target": f">= {limit:.2f}",
+                "met": gbs / copy >= limit,
+                "kv_gbs": gbs,
+                "max_abs_diff": None,
+            }
+        )
     return rows
 
 
 def rows_for(B: int, S: int, repeat: int) -> list[dict]:
     rows = speed_rows(B, S, torch.float32, 0.7, repeat)
-    rows += speed_rows(B, S, torch.bfloat16, 0.2, repeat)
-
-    fp32_gbs, copy = bandwidth_vs_copy(B, S, repeat)
-    rows.append(
-        {
-            "case": "fp32 paged decode: K/V bytes read per second",
-            "ours_ms": None,
-            "peer": "large-tensor copy, bytes read + written per second",
-            "peer_ms": None,
-            "ours_gbs": fp32_gbs,
-            "peer_gbs": copy,
-            "ratio": fp32_gbs / copy,
-            "target": ">= 0.40",
-            "met": fp32_gbs / copy >= 0.40,
-            "kv_gbs": fp32_gbs,
-            "max_abs_diff": None,
-        }
-    )
+    rows += speed_rows(B, S, torch.bfloat16, 0.35, repeat)
+    rows += narrow_rows(B, S, 0.6, repeat)
+    rows += copy_rows(B, S, 0.7, repeat)
 
     # Cache size: the formula and the tensors quantize_int8 actually returns must agree.
     int8_formula = kv_cache_bytes(1, HKV, D, S, "int8", batch=B)
@@ -188,6 +229,16 @@ def rows_for(B: int, S: int, repeat: int) -> list[dict]:
     return rows
 
 
+def cpu_features() -> list[str]:
+    """Which of :data:`FEATURES` this CPU reports (empty where /proc/cpuinfo is missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return [name for name in FEATURES if name in flags]
+
+
 def _value(r: dict, side: str) -> str:
     if r.get(f"{side}_ms") is not None:
         return f"{r[f'{side}_ms']:.1f} ms"
@@ -205,14 +256,18 @@ def main(argv=None) -> int:
     B, S = (4, 512) if args.quick else (32, 4096)
     t0 = time.perf_counter()
     built = paged_decode.library() is not None  # compiled on first use, then cached on disk
+    kernel = f"C kernel, {paged_decode.isa()} path" if built else "PyTorch"
     path = (
-        f"C kernel (build or cache load: {time.perf_counter() - t0:.1f} s, not timed)"
+        f"{kernel} (build or cache load: {time.perf_counter() - t0:.1f} s, not timed); "
+        f"CPU features: {' '.join(cpu_features()) or 'none of ' + ' '.join(FEATURES)}"
         if built
         else "PyTorch (the C kernel is off or could not be built)"
     )
     rows = rows_for(B, S, args.repeat)
+    for r in rows:  # which kernel each timed row ran
+        r["kernel"] = kernel if r["ours_ms"] is not None or r.get("ours_gbs") else None
     if args.json:
-        out = {"machine": _util.machine(), "path": path, "rows": rows}
+        out = {"machine": _util.machine(), "path": path, "features": cpu_features(), "rows": rows}
         json.dump(out, sys.stdout, indent=2)
         print()
         return 0

@@ -9,11 +9,15 @@ more than reading the page (measured on a 2-core EPYC, B=32, 4,096 keys: page-ba
 over strided in-place views took 0.7x SDPA's whole time for the scores alone and 0.9x for the
 weighted V sum). The kernel walks each sequence's pages in table order and, per page, reads its
 ``(P, Hkv, D)`` block front to back twice (K, then V): scores for every query row, an online
-softmax update, then the weighted V rows. Low-precision and quantised pages are converted a few
-key rows at a time into an L1-resident float32 buffer (bf16/fp16/fp8 by value; int8 and fp8
-scales multiply the scores and the V weights). Torch.compile was measured as the alternative:
-18 s to compile a gather-and-reduce decode on first call, and then 4.9x slower than SDPA on
-contiguous K/V (this kernel: 0.5x) on the same machine.
+softmax update, then the weighted V rows, asking for the next page's rows meanwhile (software
+prefetch: the pages of a sequence lie anywhere in the pool). Low-precision and quantised pages
+are converted in registers inside the dot-product and weighted-sum blocks (int8 and fp8 scales
+multiply the scores and the V weights); bf16 queries against bf16 keys use ``vdpbf16ps`` where
+the CPU has it. One source, three instruction-set paths picked at run time (:data:`ISAS`,
+:func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version read bf16 pages
+slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``. Torch.compile
+was measured as the alternative: 18 s to compile a gather-and-reduce decode on first call, and
+then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the same machine.
 
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
 EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
@@ -35,7 +39,7 @@ import torch
 
 from selfattn.kernels.build import CLibrary, Function, load
 
-__all__ = ["SPEC", "decode", "key_splits", "library", "supported_dtypes"]
+__all__ = ["ISAS", "SPEC", "decode", "isa", "key_splits", "library", "supported_dtypes"]
 
 SPEC = CLibrary(
     name="paged_decode",
@@ -52,6 +56,8 @@ SPEC = CLibrary(
             ),
         ),
         Function("has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
+        # paged_decode_isa(want) -> the instruction-set code a call with A_ISA = want runs
+        Function("paged_decode_isa", (ctypes.c_int,), ctypes.c_int),
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.
@@ -73,11 +79,15 @@ _DTYPE_CODES = {
 # test reads them from the source): the integers, then the data pointers.
 INT_ARGS = (
     "B", "HQ", "HKV", "SQ", "D", "DV", "P", "MAXP", "NSPLIT", "SPLIT_PAGES",
-    "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT",
+    "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT", "ISA",
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS",
 )  # fmt: skip
+# The kernel's instruction-set paths (the ISA_* enum of csrc/paged_decode.c), lowest first: one
+# C source compiled for each; the kernel runs the best this CPU has unless SELFATTN_DECODE_ISA
+# names a lower one (tests force "generic", the path every machine runs).
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
 # Work items per thread the key splits aim for, so that ragged lengths still balance.
 ITEMS_PER_THREAD = 4
 
@@ -182,7 +192,7 @@ def decode(
         "KSN": ks[0], "KSP": ks[1], "KSH": ks[2], "VSN": vs[0], "VSP": vs[1], "VSH": vs[2],
         "KDT": _DTYPE_CODES[k_pages.dtype], "VDT": _DTYPE_CODES[v_pages.dtype],
         "KSC": _scales_code(k_scales), "VSC": _scales_code(v_scales),
-        "QDT": _DTYPE_CODES[q.dtype],
+        "QDT": _DTYPE_CODES[q.dtype], "ISA": _requested_isa(),
     }  # fmt: skip
     tensors = {
         "Q": q, "K": k_pages, "V": v_pages, "KSCALE": k_scales, "VSCALE": v_scales,
@@ -200,6 +210,23 @@ def decode(
     if status:
         raise MemoryError("paged_attention: the decode kernel could not allocate its scratch")
     return out, lse
+
+
+def _requested_isa() -> int:
+    """The ``SELFATTN_DECODE_ISA`` path as the kernel's code; -1 (the best) when unset."""
+    name = os.environ.get("SELFATTN_DECODE_ISA", "")
+    if not name:
+        return -1
+    if name not in ISAS:
+        raise ValueError(f"SELFATTN_DECODE_ISA={name!r}: expected one of {', '.join(ISAS)}")
+    return ISAS.index(name)
+
+
+def isa() -> str | None:
+    """The instruction-set path a call runs now (``SELFATTN_DECODE_ISA`` applied: a path above
+    the CPU's best gives its best); None without the kernel."""
+    lib = library()
+    return None if lib is None else ISAS[lib.paged_decode_isa(_requested_isa())]
 
 
 def _scales_code(scales: torch.Tensor | None) -> int:

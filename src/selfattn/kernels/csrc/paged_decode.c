@@ -4,7 +4,36 @@
    Entry point: paged_decode(iargs, ptrs, n_threads, scale). iargs holds the integers and ptrs the
    data pointers, in the order of the A_* and P_* enums below; the host fills both by name from
    the same lists (INT_ARGS, PTR_ARGS), and a test checks that they match these enums. Plain C11
-   with GNU vector extensions and POSIX threads: no PyTorch headers. */
+   with GNU vector extensions and POSIX threads: no PyTorch headers.
+
+   Why the first version read bf16 pages slower than fp32 ones (issue 16; 2-core EPYC, perf
+   record + annotate, gcc 12 -O3 -march=native): it converted every key/value row into an fp32
+   staging buffer through a per-row function (a dtype switch, then a loop gcc did vectorise:
+   vpmovzxwd + vpslld, 64-byte vectors; fp16 and fp8 rows were scalar). 78 % of the kernel's
+   samples sat in that function, 90 % of them on the instruction after its first load of a row:
+   the time was DRAM latency, not conversion arithmetic. Pages lie at random places in the pool
+   and a bf16 page's slot is 2 KiB, so the hardware prefetcher, which stops at 4 KiB boundaries,
+   retrains every second slot; misses then overlap only as far as the out-of-order window
+   reaches, and the staging (convert, store, reload, several calls per key) put ~2x more
+   instructions between a bf16 row's loads than between an fp32 row's, so half the bytes took
+   longer. The cure, below: (1) the next page's rows are prefetched in software while this page
+   is computed, one kv head's rows between two heads' work (the whole next page asked at once
+   filled the miss buffers and stalled the core on the prefetch instructions themselves; spread
+   out, bf16 went from 8.5 to 4.7 ms CPU time on B=8 x 2,048 tokens, one thread); (2) no staging:
+   K and V rows are converted in registers inside the dot-product and weighted-sum blocks (bf16
+   by a 16-bit shift, int8 by vpmovsxbd + vcvtdq2ps, fp8 e4m3 by exponent arithmetic, fp16 by
+   vcvtph2ps; named intrinsics, as gcc 12 lowers __builtin_convertvector from 8-bit vectors to
+   one scalar convert per element), and a bf16 query against bf16 keys uses vdpbf16ps (exact
+   products, fp32 sums) where the CPU has avx512_bf16; (3) each block serves all G query rows of
+   a kv head (GQA: K/V read once per kv head), and a block's dot products are reduced together by
+   a shuffle tree, not one by one.
+
+   Instruction sets: the block kernels are written once over a vector width VW and compiled three
+   times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
+   and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
+   or a lower one on request (A_ISA; the host's SELFATTN_DECODE_ISA, tests force generic). */
+
+#ifndef PD_SIMD_PASS
 
 #include <math.h>
 #include <pthread.h>
@@ -13,23 +42,20 @@
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, LUT8 = 4 };
+/* instruction sets, lowest first; ISA_AVX512_BF16 adds vdpbf16ps to ISA_AVX512 */
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 /* iargs, in order */
 enum {
   A_B, A_HQ, A_HKV, A_SQ, A_D, A_DV, A_P, A_MAXP, A_NSPLIT, A_SPLIT_PAGES,
-  A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_NARGS
+  A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_ISA, A_NARGS
 };
 /* ptrs, in order */
 enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_NPTRS };
 
-typedef struct {
-  const int64_t *a;
-  void *const *p;
-  float scale;                /* softmax scale, applied to q as it is read */
-  float *m, *l, *acc;         /* per item (b, split): running max, sum, weighted V sum */
-  int64_t n_items;
-  int64_t next; /* work counter, atomic */
-} Job;
+/* Widest vector of any pass, in floats: query rows are zero-padded to a multiple of it, so
+   every block kernel loads whole vectors of q (and bf16 q pairs for vdpbf16ps: 2x as many). */
+#define QPAD 32
 
 int has_f16(void) {
 #ifdef __FLT16_MAX__
@@ -39,32 +65,141 @@ int has_f16(void) {
 #endif
 }
 
-/* One key/value row (n elements of dtype dt) as float32 in out; returns a pointer to the floats
-   (the row itself for float32 pages: no copy). */
-static const float *row_f32(const void *base, int64_t off, int dt, int64_t n, const float *lut,
-                            float *out) {
-  int64_t i;
-  if (dt == F32) return (const float *)base + off;
+static int elem_size(int dt) { return dt == F32 ? 4 : (dt == BF16 || dt == F16 ? 2 : 1); }
+
+/* Element i of a row of dtype dt as a float (scalar tails; fp8 through the 256-entry table,
+   which PyTorch's own conversion filled: exact, NaN codes included). */
+static inline float to_f32(const void *row, int64_t i, int dt, const float *lut) {
+  if (dt == F32) return ((const float *)row)[i];
   if (dt == BF16) {
-    const uint16_t *x = (const uint16_t *)base + off;
-    for (i = 0; i < n; i++) {
-      uint32_t bits = (uint32_t)x[i] << 16;
-      memcpy(out + i, &bits, 4);
-    }
-  } else if (dt == F16) {
-#ifdef __FLT16_MAX__
-    const _Float16 *x = (const _Float16 *)base + off;
-    for (i = 0; i < n; i++) out[i] = (float)x[i];
-#endif
-  } else if (dt == I8) {
-    const int8_t *x = (const int8_t *)base + off;
-    for (i = 0; i < n; i++) out[i] = (float)x[i];
-  } else { /* LUT8: float8 bytes through a 256-entry table */
-    const uint8_t *x = (const uint8_t *)base + off;
-    for (i = 0; i < n; i++) out[i] = lut[x[i]];
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
   }
-  return out;
+#ifdef __FLT16_MAX__
+  if (dt == F16) return (float)((const _Float16 *)row)[i];
+#endif
+  if (dt == I8) return (float)((const int8_t *)row)[i];
+  return lut[((const uint8_t *)row)[i]];
 }
+
+/* -- the block kernels, per instruction set: scores of a kv head's rows against a run of page
+   slots, and their weighted V sum (the SIMD pass at the end of this file) */
+typedef void (*scores_fn)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
+                          int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
+                          int64_t P);
+typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
+                      const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
+                      const float *lut);
+
+/* the generic pass returns vectors wider than a portable target's registers from functions that
+   are always inlined: no ABI is crossed */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define PD_SIMD_PASS 1
+#define PD_X86 0
+#define VW 8
+#define ISA(name) name##_generic
+#include __FILE__
+#undef ISA
+#undef VW
+#undef PD_X86
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define PD_X86 256
+#define VW 8
+#define ISA(name) name##_avx2
+#include __FILE__
+#undef ISA
+#undef VW
+#undef PD_X86
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+#define PD_X86 512
+#define VW 16
+#define ISA(name) name##_avx512
+#include __FILE__
+#undef ISA
+#undef VW
+#undef PD_X86
+/* Scores of bf16 query rows (pairs, zero-padded to Dq, a multiple of 32) against bf16 keys by
+   vdpbf16ps: 32 products a vector, exact (8-bit mantissas), summed in fp32; 4 rows x 4 keys a
+   block, the 16 sums reduced by the same shuffle tree as the fp32 blocks. The softmax scale
+   multiplies the sums (a bf16 query scaled first would round). */
+__attribute__((target("avx512bf16"))) static void scores_bf16dp(
+    const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
+    int64_t ns, float *out, int64_t P, float scale) {
+  enum { RB = 4, SB = 4 };
+  int64_t r, s, d;
+  for (r = 0; r < Rh; r += RB) {
+    const int64_t nr = Rh - r < RB ? Rh - r : RB;
+    for (s = 0; s < ns; s += SB) {
+      const int64_t nk = ns - s < SB ? ns - s : SB;
+      const uint16_t *k[SB], *qr[RB];
+      __m512 acc[RB * SB];
+      int i, j;
+      for (j = 0; j < SB; j++) k[j] = (const uint16_t *)(k0 + (s + (j < nk ? j : nk - 1)) * kstride);
+      for (i = 0; i < RB; i++) qr[i] = q + (r + (i < nr ? i : nr - 1)) * Dq;
+      for (i = 0; i < RB * SB; i++) acc[i] = _mm512_setzero_ps();
+      for (d = 0; d < Dq; d += 32) {
+        __m512i kv[SB];
+        /* the last vector of an odd-length row: keys past D read as 0 (q is 0 there too, but a
+           key's bytes past its row may be NaN) */
+        const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
+        for (j = 0; j < SB; j++) kv[j] = _mm512_maskz_loadu_epi16(m, k[j] + d);
+        for (i = 0; i < RB; i++) {
+          const __m512i qv = _mm512_loadu_si512(qr[i] + d);
+          for (j = 0; j < SB; j++)
+            acc[i * SB + j] = _mm512_dpbf16_ps(acc[i * SB + j], (__m512bh)qv, (__m512bh)kv[j]);
+        }
+      }
+      {
+        float sums[RB * SB];
+        reduce_store_avx512((const vf_avx512 *)acc, sums);
+        for (i = 0; i < nr; i++)
+          for (j = 0; j < nk; j++) out[(r + i) * P + s + j] = sums[i * SB + j] * scale;
+      }
+    }
+  }
+}
+#pragma GCC pop_options
+#define HAVE_X86_PATHS 1
+#endif
+
+/* The instruction set this CPU runs: the best it has, or `want` where that is lower (a test
+   forcing the generic path, a benchmark comparing them). want < 0: the best. */
+int paged_decode_isa(int want) {
+  int best = ISA_GENERIC;
+#ifdef HAVE_X86_PATHS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    best = ISA_AVX2;
+  if (best == ISA_AVX2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    best = ISA_AVX512;
+  if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16")) best = ISA_AVX512_BF16;
+#endif
+  return want >= 0 && want < best ? want : best;
+}
+
+typedef struct {
+  const int64_t *a;
+  void *const *p;
+  float scale;                /* softmax scale, applied to q as it is read */
+  float *m, *l, *acc;         /* per item (b, split): running max, sum, weighted V sum */
+  int64_t n_items;
+  int64_t next; /* work counter, atomic */
+  int isa;      /* paged_decode_isa() of the call */
+  scores_fn scores;
+  pv_fn pv;
+} Job;
 
 /* GCC/Clang vector extension: 8 floats, one AVX register on x86-64 with -march=native, lowered
    to whatever the target has elsewhere. Unaligned loads and stores go through memcpy. */
@@ -103,156 +238,103 @@ static inline v8 exp8(v8 x) {
   return (v8)((v8i)(y * (v8)e) & ~under);
 }
 
-/* -- scores of RB query rows against SB keys at once: RB * SB independent FMA chains hide the FMA
-   latency that a single dot product's chain is bound by. out[r * P + s] = q_r . k_s. */
-static inline __attribute__((always_inline)) void dot_block(const float *q, int64_t D,
-                                                            const float *const *k, int RB, int SB,
-                                                            float *out, int64_t P) {
-  v8 acc[4][8];
-  int r, s;
-  int64_t d;
-  for (r = 0; r < RB; r++)
-    for (s = 0; s < SB; s++) acc[r][s] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
-  for (d = 0; d + 8 <= D; d += 8) {
-    v8 qv[4];
-    for (r = 0; r < RB; r++) qv[r] = ld8(q + r * D + d);
-    for (s = 0; s < SB; s++) {
-      const v8 kv = ld8(k[s] + d);
-      for (r = 0; r < RB; r++) acc[r][s] += qv[r] * kv;
-    }
-  }
-  for (r = 0; r < RB; r++)
-    for (s = 0; s < SB; s++) {
-      float sum = hsum8(acc[r][s]);
-      for (int64_t e = d; e < D; e++) sum += q[r * D + e] * k[s][e];
-      out[r * P + s] = sum;
-    }
-}
-
-/* Scores of nr rows (stride D) against ns keys, in register blocks of rows x keys. */
-static void dots(const float *q, int64_t nr, int64_t D, const float *const *k, int64_t ns,
-                 float *out, int64_t P) {
-  int64_t r = 0, s;
-  for (; r + 4 <= nr; r += 4) {
-    for (s = 0; s + 2 <= ns; s += 2) dot_block(q + r * D, D, k + s, 4, 2, out + r * P + s, P);
-    for (; s < ns; s++) dot_block(q + r * D, D, k + s, 4, 1, out + r * P + s, P);
-  }
-  for (; r < nr; r++) {
-    for (s = 0; s + 8 <= ns; s += 8) dot_block(q + r * D, D, k + s, 1, 8, out + r * P + s, P);
-    for (; s < ns; s++) dot_block(q + r * D, D, k + s, 1, 1, out + r * P + s, P);
-  }
-}
-
-/* acc_r += sum_{s in [sa, sb)} w_r[s] * v_s for RB rows (acc stride as, weights stride ws) that
-   share one slot range: the rows of one query position across a GQA group. RB * 2 accumulator
-   registers, and each V load serves all RB rows. Keys outside [sa, sb) are never read, so
-   garbage (NaN) values of a key a row does not attend never reach its sum. */
-static inline __attribute__((always_inline)) void pv_block(float *acc, int64_t as,
-                                                           const float *w, int64_t ws, int RB,
-                                                           int64_t Dv, const float *const *v,
-                                                           int64_t sa, int64_t sb) {
-  int64_t d = 0, s;
-  int r;
-  for (; d + 16 <= Dv; d += 16) {
-    v8 t[4][2];
-    for (r = 0; r < RB; r++) t[r][0] = ld8(acc + r * as + d), t[r][1] = ld8(acc + r * as + d + 8);
-    for (s = sa; s < sb; s++) {
-      const v8 v0 = ld8(v[s] + d), v1 = ld8(v[s] + d + 8);
-      for (r = 0; r < RB; r++) {
-        const v8 wr = splat8(w[r * ws + s]);
-        t[r][0] += wr * v0, t[r][1] += wr * v1;
-      }
-    }
-    for (r = 0; r < RB; r++) st8(acc + r * as + d, t[r][0]), st8(acc + r * as + d + 8, t[r][1]);
-  }
-  for (; d < Dv; d++)
-    for (r = 0; r < RB; r++)
-      for (s = sa; s < sb; s++) acc[r * as + d] += w[r * ws + s] * v[s][d];
-}
-
-/* Keys per weighted-V step: the rows' accumulators are loaded and stored once per step. */
-#define VSTEP 4
-
 /* The weighted V sum of one kv head's G * Sq rows (row g * Sq + i) over the page slots
-   [s, s + nv), whose values v[0..nv) hold: query i's allowed slots are [sa[i], sb[i]), the same
-   for its G rows, which go through pv_block 4 at a time. */
-static void weighted_sum(float *acc, int64_t G, int64_t Sq, int64_t Dv, const float *w, int64_t P,
-                         const float *const *v, int64_t s, int64_t nv, const int64_t *sa,
-                         const int64_t *sb) {
+   [0, nv) whose rows start at v0: query i's allowed slots are [sa[i], sb[i]), the same for its
+   G rows, which go through the pv block 4 at a time. Keys outside a row's range are never read,
+   so garbage (NaN) values of a key a row does not attend never reach its sum. */
+static void weighted_sum(const Job *job, float *acc, int64_t G, int64_t Sq, int64_t Dv,
+                         const float *w, int64_t P, const char *v0, int64_t vstride, int dt,
+                         const float *lut, const int64_t *sa, const int64_t *sb) {
   for (int64_t i = 0; i < Sq; i++) {
-    const int64_t a0 = sa[i] > s ? sa[i] - s : 0, b0 = sb[i] < s + nv ? sb[i] - s : nv;
-    const float *wi = w + i * P + s;
+    const float *wi = w + i * P;
     int64_t g = 0;
-    if (b0 <= a0) continue;
-    for (; g + 4 <= G; g += 4)
-      pv_block(acc + (g * Sq + i) * Dv, Sq * Dv, wi + g * Sq * P, Sq * P, 4, Dv, v, a0, b0);
-    for (; g < G; g++)
-      pv_block(acc + (g * Sq + i) * Dv, 0, wi + g * Sq * P, 0, 1, Dv, v, a0, b0);
+    if (sb[i] <= sa[i]) continue;
+    for (; g < G; g += 4) {
+      const int RB = G - g < 4 ? (int)(G - g) : 4;
+      job->pv(acc + (g * Sq + i) * Dv, Sq * Dv, wi + g * Sq * P, Sq * P, RB, Dv, v0, vstride,
+              sa[i], sb[i], dt, lut);
+    }
   }
 }
 
-/* Rows of n consecutive slots from slot, kv head h, of a page laid out (P, Hkv, width) with
-   strides st = {page, slot, head} (the A_*SN, A_*SP, A_*SH arguments), as float32 pointers in
-   out; rows of other dtypes are converted into buf, width floats each. */
-static inline __attribute__((always_inline)) void slot_rows(const float **out, const void *pages,
-                                                            const int64_t *st, int64_t page,
-                                                            int64_t slot, int64_t h, int64_t n,
-                                                            int dt, int64_t width,
-                                                            const float *lut, float *buf) {
-  int64_t e;
-  for (e = 0; e < n; e++)
-    out[e] = row_f32(pages, page * st[0] + (slot + e) * st[1] + h * st[2], dt, width, lut,
-                     buf + e * width);
+/* Where the dequantisation scales are read (the only place): the scale of page `page`'s slot
+   `slot`, kv head h; per (token, head) in bfloat16 for int8 pages (mode 1: the high half of a
+   float32), per head in float32 for fp8 (mode 2). */
+static inline float dequant_scale(const void *scales, int64_t mode, int64_t page, int64_t slot,
+                                  int64_t P, int64_t Hkv, int64_t h) {
+  float scale;
+  if (mode == 1) {
+    const uint32_t bits = (uint32_t)((const uint16_t *)scales)[(page * P + slot) * Hkv + h] << 16;
+    memcpy(&scale, &bits, 4);
+  } else
+    scale = ((const float *)scales)[h];
+  return scale;
 }
 
 /* Multiply the row values of a page's slots [s0, s0 + ns) (rows r * P + s, the Rh rows of kv
-   head h contiguous) by their dequantisation scales: per (token, head) in bfloat16 for int8
-   pages (mode 1), per head in float32 for fp8. */
+   head h contiguous) by their dequantisation scales: each head's ns scales gathered first, so
+   that the row loops run over contiguous slots (vectorised). */
 static inline __attribute__((always_inline)) void scale_slots(float *sc, const void *scales,
                                                               int64_t mode, int64_t page,
                                                               int64_t s0, int64_t ns, int64_t P,
-                                                              int64_t Hkv, int64_t Rh) {
+                                                              int64_t Hkv, int64_t Rh,
+                                                              float *tmp) {
   int64_t h, s, r;
-  for (h = 0; h < Hkv; h++)
-    for (s = 0; s < ns; s++) {
-      float scale;
-      if (mode == 1) { /* bfloat16: the high half of a float32 */
-        const uint32_t bits = (uint32_t)((const uint16_t *)scales)[(page * P + s0 + s) * Hkv + h]
-                              << 16;
-        memcpy(&scale, &bits, 4);
-      } else
-        scale = ((const float *)scales)[h];
-      for (r = h * Rh; r < (h + 1) * Rh; r++) sc[r * P + s] *= scale;
-    }
+  for (h = 0; h < Hkv; h++) {
+    for (s = 0; s < ns; s++) tmp[s] = dequant_scale(scales, mode, page, s0 + s, P, Hkv, h);
+    for (r = h * Rh; r < (h + 1) * Rh; r++)
+      for (s = 0; s < ns; s++) sc[r * P + s] *= tmp[s];
+  }
+}
+
+/* Bytes a cache line holds: the prefetch stride. */
+#define LINE 64
+
+/* Ask for the rows of slots [0, ns) of kv head h of a page (`bytes` each, slot stride st[1])
+   ahead of their use: pages lie anywhere in the pool, so the hardware prefetcher cannot know the
+   next one. Asked one kv head at a time, between the computations of this page's heads: a whole
+   page asked at once fills the core's miss buffers and stalls it until the page arrives. */
+static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int64_t page,
+                          int64_t ns, int64_t h, int64_t bytes) {
+  const char *row = base + (page * st[0] + h * st[2]) * esz;
+  for (int64_t s = 0; s < ns; s++, row += st[1] * esz) {
+#pragma GCC unroll 4
+    for (int64_t o = 0; o < bytes; o += LINE) __builtin_prefetch(row + o, 0, 3);
+  }
 }
 
 /* Work item (b, split): the rows of sequence b (all Hq heads, all Sq queries) against the keys of
    one split of its pages; writes the partial max m, sum l and weighted V sum acc. Rows are
    (Hq, Sq)-ordered: row (h * G + g) * Sq + i, so the G * Sq rows of kv head h are contiguous.
-   A page is walked in memory order, slot by slot and kv head by kv head (a page is (P, Hkv, D)),
-   so the hardware prefetcher streams it; scores of a whole page come before its softmax update,
-   which comes before its weighted V rows. */
-static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float *kbuf,
-                     float *vbuf, const float **kp, const float **vp, int64_t *sa, int64_t *sb) {
+   Per page: the next page is prefetched, then the scores of every row (kv head by kv head, so
+   each key row serves its G * Sq query rows), the online softmax update, the weighted V rows. */
+static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, float *sc,
+                     float *stmp, int64_t *sa, int64_t *sb) {
   const int64_t *a = job->a;
   void *const *p = job->p;
   const int64_t Hq = a[A_HQ], Hkv = a[A_HKV], Sq = a[A_SQ], D = a[A_D], Dv = a[A_DV];
   const int64_t P = a[A_P], G = Hq / Hkv, R = Hq * Sq, Rh = G * Sq, nsplit = a[A_NSPLIT];
-  const int64_t b = item / nsplit, split = item % nsplit;
-  int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j;
-  /* this sequence's query rows in float32, times the softmax scale (as the PyTorch path) */
-  const float *q = row_f32(p[P_Q], b * R * D, (int)a[A_QDT], R * D, NULL, qbuf);
-  if (q != qbuf) q = (const float *)memcpy(qbuf, q, sizeof(float) * R * D);
-  for (r = 0; r < R * D; r++) qbuf[r] *= job->scale;
+  const int64_t Dp = (D + QPAD - 1) / QPAD * QPAD, b = item / nsplit, split = item % nsplit;
+  const int kdt = (int)a[A_KDT], vdt = (int)a[A_VDT], qdt = (int)a[A_QDT];
+  const int64_t kesz = elem_size(kdt), vesz = elem_size(vdt);
+  /* bf16 query rows against bf16 keys: vdpbf16ps on the raw query (exact products) */
+  const int dp = job->isa == ISA_AVX512_BF16 && kdt == BF16 && qdt == BF16;
+  int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d;
   const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq, *hi = (const int64_t *)p[P_HI] + b * Sq;
   const int32_t *table = (const int32_t *)p[P_TABLE] + b * a[A_MAXP];
   const void *ksc = p[P_KSCALE], *vsc = p[P_VSCALE];
   const float *lut = (const float *)p[P_LUT];
-  const int kdt = (int)a[A_KDT], vdt = (int)a[A_VDT];
-  /* keys per dots() call: enough register blocks (rows x keys) to hide the FMA latency */
-  const int64_t kstep = Rh >= 4 ? 2 : (Rh >= 2 ? 4 : 8);
+  const char *kbase = (const char *)p[P_K], *vbase = (const char *)p[P_V];
   float *m = job->m + item * R, *l = job->l + item * R, *acc = job->acc + item * R * Dv;
 
+  /* this sequence's query rows in float32 times the softmax scale (as the PyTorch path), each
+     zero-padded to Dp; for vdpbf16ps the raw bf16 rows, unscaled */
+  const char *qsrc = (const char *)p[P_Q] + b * R * D * elem_size(qdt);
+  for (r = 0; r < R; r++)
+    for (d = 0; d < Dp; d++) {
+      qbuf[r * Dp + d] = d < D ? to_f32(qsrc, r * D + d, qdt, NULL) * job->scale : 0.0f;
+      if (dp) qbh[r * Dp + d] = d < D ? ((const uint16_t *)qsrc)[r * D + d] : 0;
+    }
   for (r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * R * Dv);
   for (i = 0; i < Sq; i++)
@@ -269,17 +351,24 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
     /* this page's slots that some row may attend: [s0, s1), token positions t0 + [0, ns) */
     const int64_t s0 = kmin > j * P ? kmin - j * P : 0;
     const int64_t s1 = kmax < (j + 1) * P ? kmax - j * P : P, ns = s1 - s0, t0 = j * P + s0;
-    /* -- scores sc[r * P + s]: float32 pages are read where they lie, others are converted
-       into kbuf a few key rows at a time */
-    for (s = 0; s < ns; s += kstep) {
-      const int64_t nk = ns - s < kstep ? ns - s : kstep;
-      for (h = 0; h < Hkv; h++) {
-        slot_rows(kp, p[P_K], a + A_KSN, page, s0 + s, h, nk, kdt, D, lut, kbuf);
-        dots(q + h * Rh * D, Rh, D, kp, nk, sc + h * Rh * P + s, P);
+    /* the next page's used slots: [0, n1) (0: no next page in this item) */
+    const int64_t n1 = j + 1 < j1 ? (kmax < (j + 2) * P ? kmax - (j + 1) * P : P) : 0;
+    /* -- scores sc[r * P + s], kv head by kv head */
+    for (h = 0; h < Hkv; h++) {
+      if (n1) prefetch_head(kbase, a + A_KSN, kesz, table[j + 1], n1, h, D * kesz);
+      const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
+#ifdef HAVE_X86_PATHS
+      if (dp) {
+        scores_bf16dp(qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, sc + h * Rh * P, P,
+                      job->scale);
+        continue;
       }
+#endif
+      job->scores(qbuf + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, kdt, lut,
+                  sc + h * Rh * P, P);
     }
     if (a[A_KSC]) /* dequantise the scores */
-      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh);
+      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
     /* each query's allowed slots of this page: [sa[i], sb[i]); -inf scores outside */
     for (i = 0; i < Sq; i++) {
       sa[i] = lo[i] > t0 ? (lo[i] - t0 < ns ? lo[i] - t0 : ns) : 0;
@@ -292,7 +381,16 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
     /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
     for (r = 0; r < R; r++) {
       float *row = sc + r * P, mx = -INFINITY, sum = 0.0f;
-      for (s = 0; s < ns; s++) mx = row[s] > mx ? row[s] : mx;
+      if (ns >= 8) { /* 8 lanes at a time; a NaN score never becomes the max, as below */
+        v8 mv = splat8(-INFINITY);
+        for (s = 0; s + 8 <= ns; s += 8) {
+          const v8 x = ld8(row + s);
+          const v8i gt = x > mv;
+          mv = (v8)(((v8i)x & gt) | ((v8i)mv & ~gt));
+        }
+        for (e = 0; e < 8; e++) mx = mv[e] > mx ? mv[e] : mx;
+      }
+      for (s = ns / 8 * 8; s < ns; s++) mx = row[s] > mx ? row[s] : mx;
       if (mx == -INFINITY) continue; /* no allowed key on this page: its slot range is empty */
       if (mx > m[r]) {
         const float alpha = expf(m[r] - mx); /* 0 while m is -inf: acc and l are 0 then */
@@ -312,14 +410,13 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
       l[r] += sum;
     }
     if (a[A_VSC]) /* dequantisation scales of V folded into the weights */
-      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh);
-    /* -- weighted V rows, VSTEP slots at a time across the kv heads (memory order again) */
-    for (s = 0; s < ns; s += VSTEP) {
-      const int64_t nv = ns - s < VSTEP ? ns - s : VSTEP;
-      for (h = 0; h < Hkv; h++) {
-        slot_rows(vp, p[P_V], a + A_VSN, page, s0 + s, h, nv, vdt, Dv, lut, vbuf);
-        weighted_sum(acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, vp, s, nv, sa, sb);
-      }
+      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh, stmp);
+    /* -- weighted V rows, kv head by kv head */
+    for (h = 0; h < Hkv; h++) {
+      if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[j + 1], n1, h, Dv * vesz);
+      const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
+      weighted_sum(job, acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, v0, a[A_VSP] * vesz,
+                   vdt, lut, sa, sb);
     }
   }
 }
@@ -327,23 +424,23 @@ static void run_item(const Job *job, int64_t item, float *qbuf, float *sc, float
 static void *worker(void *arg) {
   Job *job = (Job *)arg;
   const int64_t *a = job->a;
-  const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P];
-  float *qbuf = malloc(sizeof(float) * (R * a[A_D] + R * P + P * (a[A_D] + a[A_DV])));
-  const float **ptrs = malloc(sizeof(float *) * 2 * P);
+  const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
+  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P));
+  uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
   int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ]);
   void *ret = NULL;
-  if (qbuf == NULL || ptrs == NULL || ranges == NULL) {
+  if (qbuf == NULL || qbh == NULL || ranges == NULL) {
     ret = (void *)1;
   } else {
-    float *sc = qbuf + R * a[A_D], *kbuf = sc + R * P, *vbuf = kbuf + P * a[A_D];
     for (;;) {
       const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
       if (item >= job->n_items) break;
-      run_item(job, item, qbuf, sc, kbuf, vbuf, ptrs, ptrs + P, ranges, ranges + a[A_SQ]);
+      run_item(job, item, qbuf, qbh, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
+               ranges + a[A_SQ]);
     }
   }
   free(qbuf);
-  free(ptrs);
+  free(qbh);
   free(ranges);
   return ret;
 }
@@ -386,10 +483,15 @@ static void merge(const Job *job) {
 int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float scale) {
   const int64_t n_items = iargs[A_B] * iargs[A_NSPLIT], R = iargs[A_HQ] * iargs[A_SQ];
   float *part = malloc(sizeof(float) * n_items * R * (iargs[A_DV] + 2));
-  Job job = {iargs, ptrs, scale, part, part + n_items * R, part + 2 * n_items * R, n_items, 0};
+  Job job = {iargs, ptrs, scale, part, part + n_items * R, part + 2 * n_items * R, n_items, 0,
+             paged_decode_isa((int)iargs[A_ISA]), scores_generic, pv_generic};
   pthread_t tid[64];
   int n = n_threads < 1 ? 1 : (n_threads > 64 ? 64 : n_threads), started = 0, t, bad = 0;
   if (part == NULL) return 1;
+#ifdef HAVE_X86_PATHS
+  if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2;
+  if (job.isa >= ISA_AVX512) job.scores = scores_avx512, job.pv = pv_avx512;
+#endif
   if (n > n_items) n = n_items > 0 ? (int)n_items : 1;
   for (t = 1; t < n; t++)
     if (pthread_create(&tid[started], NULL, worker, &job) == 0) started++;
@@ -403,3 +505,300 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   free(part);
   return bad;
 }
+
+#else /* PD_SIMD_PASS: the block kernels over VW-float vectors, named ISA(name) */
+
+typedef float ISA(vf) __attribute__((vector_size(VW * 4)));
+typedef int32_t ISA(vi) __attribute__((vector_size(VW * 4)));
+typedef uint32_t ISA(vu) __attribute__((vector_size(VW * 4)));
+#define VF ISA(vf)
+#define VI ISA(vi)
+#define AI static inline __attribute__((always_inline))
+
+AI VF ISA(splat)(float x) {
+#if VW == 16
+  return (VF){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return (VF){x, x, x, x, x, x, x, x};
+#endif
+}
+
+/* Widening loads: n narrow elements into 32-bit lanes. gcc 12 turns __builtin_convertvector
+   from 8- or 16-bit vectors into scalar code (movsbl + vcvtsi2ss per element: int8 pages ran
+   slower than bf16 ones until this), so the x86 passes use the instructions by name. */
+#if PD_X86 == 512
+#define PD_U16(p) ((VI)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))))
+#define PD_I8(p) ((VI)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define PD_U8(p) ((VI)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define PD_F16(p) ((VF)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
+#elif PD_X86 == 256
+#define PD_U16(p) ((VI)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define PD_I8(p) ((VI)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define PD_U8(p) ((VI)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define PD_F16(p) ((VF)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#else /* portable: element by element, which the compiler may vectorise */
+AI VI ISA(widen_u16)(const uint16_t *p) {
+  VI r;
+  for (int e = 0; e < VW; e++) r[e] = p[e];
+  return r;
+}
+AI VI ISA(widen_i8)(const int8_t *p) {
+  VI r;
+  for (int e = 0; e < VW; e++) r[e] = p[e];
+  return r;
+}
+AI VI ISA(widen_u8)(const uint8_t *p) {
+  VI r;
+  for (int e = 0; e < VW; e++) r[e] = p[e];
+  return r;
+}
+#define PD_U16(p) ISA(widen_u16)(p)
+#define PD_I8(p) ISA(widen_i8)(p)
+#define PD_U8(p) ISA(widen_u8)(p)
+#ifdef __FLT16_MAX__
+AI VF ISA(widen_f16)(const _Float16 *p) {
+  VF r;
+  for (int e = 0; e < VW; e++) r[e] = (float)p[e];
+  return r;
+}
+#define PD_F16(p) ISA(widen_f16)(p)
+#endif
+#endif
+
+/* VW elements of a row from element i, as floats, converted in registers. */
+AI VF ISA(load)(const void *row, int64_t i, int dt) {
+  VF r;
+  if (dt == F32) {
+    memcpy(&r, (const float *)row + i, sizeof r);
+  } else if (dt == BF16) { /* bf16 is the top half of a float32 */
+    r = (VF)(PD_U16((const uint16_t *)row + i) << 16);
+#ifdef PD_F16
+  } else if (dt == F16) {
+    r = PD_F16((const _Float16 *)row + i);
+#endif
+  } else if (dt == I8) {
+    r = __builtin_convertvector(PD_I8((const int8_t *)row + i), VF);
+  } else { /* fp8 e4m3fn: s eeee mmm, exponent bias 7, no infinities, NaN = s1111111 */
+    const VI x = PD_U8((const uint8_t *)row + i), mag = x & 0x7F;
+    /* normal: the bits moved into float32's fields, exponent rebased by 127 - 7; subnormal
+       (exponent 0): mantissa * 2^-9, exact; neither needs float32 subnormals (DAZ-proof) */
+    const VI normal = (mag << 20) + ((127 - 7) << 23);
+    const VI sub = (VI)(__builtin_convertvector(mag, VF) * ISA(splat)(1.0f / 512.0f));
+    const VI is_sub = mag < 8, is_nan = mag == 0x7F;
+    VI bits = (normal & ~is_sub) | (sub & is_sub);
+    bits = (bits & ~is_nan) | (0x7FC00000 & is_nan);
+    r = (VF)(bits | ((x & 0x80) << 24));
+  }
+  return r;
+}
+#undef PD_U16
+#undef PD_I8
+#undef PD_U8
+#undef PD_F16
+
+/* The last n < VW elements of a row from i, zero-filled to a vector (a key's bytes past its row
+   may be another head's, or NaN). */
+AI VF ISA(load_tail)(const void *row, int64_t i, int64_t n, int dt, const float *lut) {
+  VF r = {0};
+  for (int64_t e = 0; e < n; e++) r[e] = to_f32(row, i + e, dt, lut);
+  return r;
+}
+
+/* The sums of VW vectors (lane i of the result: the sum of v[i]'s lanes), by a shuffle tree:
+   each level adds the two halves of every partial sum, packing two vectors' partials into one,
+   so VW sums take VW - 1 shuffle pairs rather than VW reductions of log2(VW) steps. */
+#if VW == 16
+#define LVL1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define LVL1B 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LVL2 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define LVL2B 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define LVL3 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define LVL3B 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define LVL4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define LVL4B 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#else
+#define LVL1 0, 1, 2, 3, 8, 9, 10, 11
+#define LVL1B 4, 5, 6, 7, 12, 13, 14, 15
+#define LVL2 0, 1, 4, 5, 8, 9, 12, 13
+#define LVL2B 2, 3, 6, 7, 10, 11, 14, 15
+#define LVL3 0, 2, 4, 6, 8, 10, 12, 14
+#define LVL3B 1, 3, 5, 7, 9, 11, 13, 15
+#endif
+#ifndef PD_SHUFFLE /* two-vector shuffle by constant lane indices */
+#if defined(__clang__) || __GNUC__ >= 12
+#define PD_SHUFFLE(u, v, ...) __builtin_shufflevector(u, v, __VA_ARGS__)
+#else
+#define PD_SHUFFLE(u, v, ...) __builtin_shuffle(u, v, (__typeof__(VI)){__VA_ARGS__})
+#endif
+#endif
+
+AI void ISA(reduce_store)(const VF *v, float *out) {
+  VF t[VW];
+  int n = VW, i;
+  for (i = 0; i < VW; i++) t[i] = v[i];
+/* one level: x takes the first half of each partial sum of u then w, y the second halves, so
+   x + y holds twice as many partial sums, each half as long */
+#define PD_STEP(A, B)                                                                             \
+  for (n /= 2, i = 0; i < n; i++) {                                                               \
+    const VF u = t[2 * i], w = t[2 * i + 1];                                                      \
+    t[i] = PD_SHUFFLE(u, w, A) + PD_SHUFFLE(u, w, B);                                             \
+  }
+  PD_STEP(LVL1, LVL1B)
+  PD_STEP(LVL2, LVL2B)
+  PD_STEP(LVL3, LVL3B)
+#if VW == 16
+  PD_STEP(LVL4, LVL4B)
+#endif
+#undef PD_STEP
+  memcpy(out, &t[0], sizeof(VF));
+}
+
+/* Scores of RB query rows (fp32, stride Dp, zero-padded) against SB keys (rows k0 + s * kstride,
+   s < nk; a block past the last key repeats it, its sums dropped): RB * SB = VW accumulators,
+   one FMA chain each, each key vector loaded (and converted) once for the RB rows. */
+AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, int64_t kstride,
+                         int64_t nk, int dt, const float *lut, int RB, float *out, int64_t P) {
+  const int SB = VW / RB;
+  VF acc[VW];
+  const char *k[VW];
+  int r, s;
+  int64_t d;
+  for (s = 0; s < SB; s++) k[s] = k0 + (s < nk ? s : nk - 1) * kstride;
+  for (r = 0; r < VW; r++) acc[r] = (VF){0};
+  for (d = 0; d + VW <= D; d += VW) {
+    VF qv[4];
+    for (r = 0; r < RB; r++) memcpy(&qv[r], q + r * Dp + d, sizeof(VF));
+    for (s = 0; s < SB; s++) {
+      const VF kv = ISA(load)(k[s], d, dt);
+      for (r = 0; r < RB; r++) acc[r * SB + s] += qv[r] * kv;
+    }
+  }
+  if (d < D) {
+    VF qv[4];
+    for (r = 0; r < RB; r++) memcpy(&qv[r], q + r * Dp + d, sizeof(VF));
+    for (s = 0; s < SB; s++) {
+      const VF kv = ISA(load_tail)(k[s], d, D - d, dt, lut);
+      for (r = 0; r < RB; r++) acc[r * SB + s] += qv[r] * kv;
+    }
+  }
+  {
+    float sums[VW];
+    ISA(reduce_store)(acc, sums);
+    for (r = 0; r < RB; r++)
+      for (s = 0; s < SB && s < nk; s++) out[r * P + s] = sums[r * SB + s];
+  }
+}
+
+/* Scores of a kv head's Rh rows against the ns slots from k0, in blocks of 4, 2 and 1 rows. */
+AI void ISA(scores_dt)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
+                       int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
+                       int64_t P) {
+  int64_t r = 0, s;
+  for (; r + 4 <= Rh; r += 4)
+    for (s = 0; s < ns; s += VW / 4)
+      ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 4,
+                       out + r * P + s, P);
+  if (r + 2 <= Rh) {
+    for (s = 0; s < ns; s += VW / 2)
+      ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 2,
+                       out + r * P + s, P);
+    r += 2;
+  }
+  if (r < Rh)
+    for (s = 0; s < ns; s += VW)
+      ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 1,
+                       out + r * P + s, P);
+}
+
+/* One instance per key dtype: the dtype is a constant inside each, so the loads specialise. */
+static void ISA(scores)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
+                        int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
+                        int64_t P) {
+  switch (dt) {
+    case F32: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F32, lut, out, P); break;
+    case BF16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, BF16, lut, out, P); break;
+    case F16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F16, lut, out, P); break;
+    case I8: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, I8, lut, out, P); break;
+    default: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, LUT8, lut, out, P); break;
+  }
+}
+
+/* acc_r += sum_{s in [sa, sb)} w_r[s] * v_s for RB rows (acc stride as, weights stride ws),
+   NC vectors of each row's accumulator in registers at a time: each V vector is loaded (and
+   converted) once for the RB rows. A last partial vector of Dv goes through a zero-filled one. */
+AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int NC,
+                     int64_t d, int64_t nd, const char *v0, int64_t vstride, int64_t sa,
+                     int64_t sb, int dt, const float *lut) {
+  const int full = nd == NC * VW;
+  VF t[4][4];
+  int r, c;
+  int64_t s;
+  for (r = 0; r < RB; r++)
+    for (c = 0; c < NC; c++)
+      t[r][c] = full ? ISA(load)(acc + r * as, d + c * VW, F32)
+                     : ISA(load_tail)(acc + r * as, d, nd, F32, lut);
+  for (s = sa; s < sb; s++) {
+    const char *v = v0 + s * vstride;
+    VF vv[4];
+    for (c = 0; c < NC; c++)
+      vv[c] = full ? ISA(load)(v, d + c * VW, dt) : ISA(load_tail)(v, d, nd, dt, lut);
+    for (r = 0; r < RB; r++) {
+      const VF wr = ISA(splat)(w[r * ws + s]);
+      for (c = 0; c < NC; c++) t[r][c] += wr * vv[c];
+    }
+  }
+  for (r = 0; r < RB; r++)
+    for (c = 0; c < NC; c++) {
+      if (full)
+        memcpy(acc + r * as + d + c * VW, &t[r][c], sizeof(VF));
+      else
+        for (int64_t e = 0; e < nd; e++) acc[r * as + d + e] = t[r][c][e];
+    }
+}
+
+AI void ISA(pv_dt)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
+                   const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
+                   const float *lut) {
+  /* accumulator vectors per row in registers: up to 16 zmm of 32, 8 ymm of avx2's 16 */
+  const int NC = (VW == 16 ? 16 : 8) / RB > 4 ? 4 : (VW == 16 ? 16 : 8) / RB;
+  int64_t d = 0;
+  for (; d + NC * VW <= Dv; d += NC * VW)
+    ISA(pv_cols)(acc, as, w, ws, RB, NC, d, NC * VW, v0, vstride, sa, sb, dt, lut);
+  for (; d < Dv; d += VW) {
+    const int64_t nd = Dv - d < VW ? Dv - d : VW;
+    ISA(pv_cols)(acc, as, w, ws, RB, 1, d, nd, v0, vstride, sa, sb, dt, lut);
+  }
+}
+
+static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
+                    const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
+                    const float *lut) {
+#define PD_PV(DT)                                                                                 \
+  switch (RB) {                                                                                   \
+    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut); break;               \
+    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut); break;               \
+    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut); break;               \
+    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut); break;              \
+  }
+  switch (dt) {
+    case F32: PD_PV(F32) break;
+    case BF16: PD_PV(BF16) break;
+    case F16: PD_PV(F16) break;
+    case I8: PD_PV(I8) break;
+    default: PD_PV(LUT8) break;
+  }
+#undef PD_PV
+}
+
+#undef LVL1
+#undef LVL1B
+#undef LVL2
+#undef LVL2B
+#undef LVL3
+#undef LVL3B
+#undef LVL4
+#undef LVL4B
+#undef VF
+#undef VI
+#undef AI
+#endif /* PD_SIMD_PASS */

@@ -1,0 +1,132 @@
+"""The C paged-decode kernel's instruction-set paths (avx512 / avx2 / generic, picked at run time,
+forced lower by ``SELFATTN_DECODE_ISA``): each against the fp64 oracle in every page dtype, the
+in-register conversions exact, the output bitwise reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfattn.cache.quant import quantize_fp8, quantize_int8
+from selfattn.kernels import paged_decode
+from selfattn.kernels.paged_twin import paged_attention_twin
+from selfattn.testing import assert_close_to_reference
+from tests.cache.test_paged import make_paged
+
+pytestmark = pytest.mark.skipif(
+    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
+)
+
+
+def _paths() -> list[str]:
+    """Every path this CPU runs: the best and each one below it (generic always)."""
+    if paged_decode.library() is None:
+        return ["generic"]
+    best = paged_decode.ISAS.index(paged_decode.isa())
+    return list(paged_decode.ISAS[: best + 1])
+
+
+@pytest.fixture(params=_paths())
+def isa(request, monkeypatch):
+    monkeypatch.setenv("SELFATTN_DECODE_ISA", request.param)
+    assert paged_decode.isa() == request.param
+    return request.param
+
+
+def _pages(storage: str, kp: torch.Tensor, vp: torch.Tensor):
+    """``(k_pages, v_pages, k_scales, v_scales)`` in a page storage dtype."""
+    if storage == "int8":
+        (kq, ks), (vq, vs) = quantize_int8(kp), quantize_int8(vp)
+        return kq, vq, ks, vs
+    if storage == "fp8":
+        (kq, ks), (vq, vs) = quantize_fp8(kp), quantize_fp8(vp)
+        return kq, vq, ks, vs
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[storage]
+    return kp.to(dtype), vp.to(dtype), None, None
+
+
+@pytest.mark.parametrize(
+    "storage, qdtype",
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.float32),
+        ("bf16", torch.bfloat16),  # vdpbf16ps where the CPU has it
+        ("fp16", torch.float32),
+        ("int8", torch.bfloat16),
+        ("fp8", torch.float32),
+    ],
+    ids=["fp32", "bf16-q-fp32", "bf16", "fp16", "int8", "fp8"],
+)
+@pytest.mark.parametrize(
+    "Hq, Hkv, D, Dv, Sq",
+    [(8, 2, 128, 128, 1), (6, 2, 20, 36, 3), (3, 3, 37, 7, 2), (10, 2, 64, 80, 1)],
+    ids=["gqa4-d128", "gqa3-odd-d", "mha-odd", "gqa5"],
+)
+def test_each_path_matches_the_fp64_oracle(isa, storage, Hq, Hkv, D, Dv, Sq, qdtype):
+    """Every path, page dtype and GQA group (1, 3, 4, 5 query rows per kv head: the 4/2/1-row
+    blocks and their remainders), D and Dv not multiples of the vector width, ragged causal
+    rows: vs the twin in float64 on the same (dequantised) pages, by the ratio rule."""
+    if storage == "fp16" and torch.float16 not in paged_decode.supported_dtypes():
+        pytest.skip("this compiler has no _Float16")
+    seed = hash((isa, storage, Hq, D, qdtype)) % 2**31
+    q, kp, vp, table, lens = make_paged([53, Sq, 29], Hq, Hkv, D=D, P=8, Sq=Sq, Dv=Dv, seed=seed)
+    kp, vp, ks, vs = _pages(storage, kp, vp)
+    q = q.to(qdtype)
+    pos = lens.long().view(-1, 1) - Sq + torch.arange(Sq)  # (B, Sq) absolute positions
+    lo, hi = (pos - 40).clamp(min=0), pos + 1  # a window: some rows start past page 0
+    args = (table, lo, hi, D**-0.5, ks, vs)
+    out, lse = paged_decode.decode(q, kp, vp, *args)
+    o64, l64 = paged_attention_twin(q.double(), kp, vp, *args)
+    naive, naive_lse = paged_attention_twin(q, kp, vp, *args, compute_dtype=qdtype)
+    assert_close_to_reference(out.to(qdtype), o64, naive, dtype=qdtype)
+    assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp16", "int8", "fp8"])
+def test_one_key_returns_its_value_row_exactly(isa, storage):
+    """With one allowed key its weight is exactly 1, so the output is that key's value row as
+    the kernel converted it: bit-equal to PyTorch's conversion. For fp8 the row holds all 256
+    byte codes: normals, subnormals, signed zeros and the NaN codes (NaN out in those lanes only),
+    through the in-register exponent arithmetic rather than the lookup table."""
+    if storage == "fp16" and torch.float16 not in paged_decode.supported_dtypes():
+        pytest.skip("this compiler has no _Float16")
+    g = torch.Generator().manual_seed(7)
+    Dv = 256
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    kp = torch.randn(2, 4, 2, 16, generator=g)
+    if storage == "fp8":
+        vp = torch.arange(256, dtype=torch.uint8).repeat(2, 4, 2, 1).view(torch.float8_e4m3fn)
+        kp, ks, vs = kp.to(torch.float8_e4m3fn), torch.ones(2), torch.ones(2)
+        want = vp.float()
+    else:
+        kp, vp, ks, vs = _pages(storage, kp, torch.randn(2, 4, 2, Dv, generator=g) * 3)
+        want = vp.float() if vs is None else vp.float() * vs.unsqueeze(-1)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    lo, hi = torch.tensor([[5]]), torch.tensor([[6]])  # key 5: page 1 (table[0, 1] = 0), slot 1
+    out, _ = paged_decode.decode(q, kp, vp, table, lo, hi, 0.25, ks, vs)
+    for h in range(4):  # query head h reads kv head h // 2
+        torch.testing.assert_close(out[0, h, 0], want[0, 1, h // 2], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_output_is_bitwise_reproducible(isa, storage):
+    """The same call twice, two threads pulling work items in whatever order: identical bits (each
+    item's sums run in a fixed order, and the splits merge in split order)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, kp, vp, table, lens = make_paged([300, 77], 8, 2, D=40, P=16, Sq=2, seed=3)
+        kp, vp, ks, vs = _pages(storage, kp, vp)
+        pos = lens.long().view(-1, 1) - 2 + torch.arange(2)
+        args = (q, kp, vp, table, torch.zeros_like(pos), pos + 1, 0.1, ks, vs)
+        (o1, l1), (o2, l2) = paged_decode.decode(*args), paged_decode.decode(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+def test_unknown_path_is_refused(monkeypatch):
+    monkeypatch.setenv("SELFATTN_DECODE_ISA", "sse9")
+    q, kp, vp, table, lens = make_paged([9], 2, 1, D=8, P=4, Sq=1, seed=1)
+    with pytest.raises(ValueError, match=r"SELFATTN_DECODE_ISA='sse9'.*generic, avx2"):
+        paged_decode.decode(q, kp, vp, table, lens.view(1, 1) * 0, lens.view(1, 1), 1.0, None, None)
