@@ -16,12 +16,16 @@ cannot be shared page by page like a paged KV cache, so a fork is a copy, still 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import torch
 
 from selfattn._validate import positive_int
+from selfattn.cache.size import KV_DTYPES, dtype_name
 from selfattn.cache.static import StaticCache
 
-__all__ = ["LayerState", "fork", "state_bytes"]
+__all__ = ["LayerState", "StateShape", "fork", "state_bytes", "state_shape_from_config"]
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,14 +33,59 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def state_bytes(
-    conv_dim: int, conv_width: int, state_shape: tuple[int, int, int], dtype: torch.dtype
-) -> int:
-    """Bytes of one sequence's :class:`LayerState` (one layer): the conv window in ``dtype`` plus
-    the ``(H, Dk, Dv)`` state in the scan's dtype (float32, or float64)."""
+def state_bytes(conv_dim: int, conv_width: int, state_shape: tuple[int, int, int], dtype) -> int:
+    """Bytes of one sequence's :class:`LayerState` (one layer): the conv window in ``dtype`` (a
+    torch dtype or a name, ``"bf16"``) plus the ``(H, Dk, Dv)`` state in the scan's dtype
+    (float32, or float64). The state is never quantised: int8/fp8 keep the window in bf16."""
+    name = dtype_name(dtype)
+    width = KV_DTYPES["bf16" if name in ("int8", "fp8") else name]
     H, Dk, Dv = state_shape
-    conv = conv_dim * (conv_width - 1) * torch.empty(0, dtype=dtype).element_size()
-    return conv + H * Dk * Dv * torch.empty(0, dtype=_state_dtype(dtype)).element_size()
+    return conv_dim * (conv_width - 1) * width + H * Dk * Dv * (8 if name == "fp64" else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShape:
+    """What a model's recurrent layers keep per sequence: ``layers`` states of ``(heads,
+    key_dim, value_dim)`` after a conv window of ``conv_dim`` x ``conv_width - 1``; the other
+    ``attention_layers`` keep a KV cache."""
+
+    layers: int
+    conv_dim: int
+    conv_width: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    attention_layers: int
+
+    def bytes(self, dtype, batch: int = 1) -> int:
+        """Bytes of the recurrent state of ``batch`` sequences, whatever their length."""
+        shape = (self.heads, self.key_dim, self.value_dim)
+        return self.layers * batch * state_bytes(self.conv_dim, self.conv_width, shape, dtype)
+
+
+def state_shape_from_config(config: Mapping) -> StateShape | None:
+    """The recurrent state of a transformers ``config.json`` (a dict): Mamba-2 (``mamba2``),
+    Bamba (``bamba``: Mamba-2 layers but ``attn_layer_indices``), Qwen3-Next (``qwen3_next``:
+    gated DeltaNet on its ``linear_attention`` layers); None for a model without one."""
+    kind, get = config.get("model_type"), config.get
+    L = get("num_hidden_layers")
+    if kind == "mamba2":
+        H, P, N, G = get("num_heads"), get("head_dim"), get("state_size"), get("n_groups", 1)
+        return StateShape(L, H * P + 2 * G * N, get("conv_kernel", 4), H, N, P, 0)
+    if kind == "bamba":
+        H, N, G = get("mamba_n_heads"), get("mamba_d_state"), get("mamba_n_groups", 1)
+        P = get("mamba_d_head")
+        if P in (None, "auto"):
+            P = get("mamba_expand", 2) * get("hidden_size") // H
+        attn = len(get("attn_layer_indices") or ())
+        return StateShape(L - attn, H * P + 2 * G * N, get("mamba_d_conv", 4), H, N, P, attn)
+    if kind == "qwen3_next":
+        Hv, Hk = get("linear_num_value_heads"), get("linear_num_key_heads")
+        Dk, Dv = get("linear_key_head_dim"), get("linear_value_head_dim")
+        linear = sum(t == "linear_attention" for t in get("layer_types") or ())
+        conv = 2 * Hk * Dk + Hv * Dv
+        return StateShape(linear, conv, get("linear_conv_kernel_dim", 4), Hv, Dk, Dv, L - linear)
+    return None
 
 
 class LayerState:
