@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from selfattn.cache.state import LayerState, fork  # noqa: E402
+from selfattn.cache.state import HybridCache, LayerState, fork  # noqa: E402
 from selfattn.models.generate import generate  # noqa: E402
 from tests.models.test_models_decoder import (  # noqa: E402
     RTOL,
@@ -143,9 +143,27 @@ def test_kv_size_reports_the_state_make_cache_allocates(pairs, family, capsys):
     assert longer["bytes"] == 10 * result["bytes"]
 
 
-def test_bamba_paged_cache_is_refused_clearly(pairs):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_with_the_paged_cache(pairs, family):
+    """Bamba's attention layers on one PagedKV (pages of 4: prompts span several) beside the
+    Mamba states: the same tokens as transformers."""
+    hf, ours, _ = pairs[family]
+    ids, mask = left_padded(2, 9, [2, 0], seed=5)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    got = generate(ours, ids, 8, attention_mask=mask, cache="paged", page_size=4)
+    assert torch.equal(got, theirs)
+
+
+def test_paged_hybrid_cache_layout_and_errors(pairs):
     _, ours, _ = pairs["bamba"]
-    with pytest.raises(ValueError, match=r"make_cache\('paged'\) is not implemented"):
-        ours.make_cache("paged", 1, 8)
-    _, mamba, _ = pairs["mamba2"]
-    assert all(isinstance(c, LayerState) for c in mamba.make_cache("paged", 1, 8).layers)
+    cache = ours.make_cache("paged", 2, 12, page_size=4)
+    assert isinstance(cache, HybridCache) and cache.kv.cache.n_layers == 1
+    step = cache.plan(3)
+    assert [type(c).__name__ for c in step.layers] == ["LayerState", "PagedLayer", "LayerState"]
+    with pytest.raises(TypeError, match="fork of a paged hybrid cache is not implemented"):
+        fork(cache, [0])
+    with pytest.raises(ValueError, match="needs max_len"):
+        ours.make_cache("static", 1)
+    with pytest.raises(ValueError, match="2 attention and 1 recurrent layers but got a KV cache"):
+        HybridCache([True, True, False], cache.kv, cache.states)

@@ -22,10 +22,18 @@ from collections.abc import Mapping
 import torch
 
 from selfattn._validate import positive_int
+from selfattn.cache.base import Step
 from selfattn.cache.size import KV_DTYPES, dtype_name
 from selfattn.cache.static import StaticCache
 
-__all__ = ["LayerState", "StateShape", "fork", "state_bytes", "state_shape_from_config"]
+__all__ = [
+    "HybridCache",
+    "LayerState",
+    "StateShape",
+    "fork",
+    "state_bytes",
+    "state_shape_from_config",
+]
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -187,6 +195,11 @@ def fork(cache, rows):
 
     if isinstance(cache, LayerState):
         return cache.fork(rows)
+    if isinstance(cache, HybridCache):
+        raise TypeError(
+            "fork of a paged hybrid cache is not implemented (PagedKV.fork shares its pages; "
+            "the states would be copied): build the cache with make_cache('static', ...)"
+        )
     if not isinstance(cache, LayerCaches):
         raise TypeError(
             f"fork takes a LayerState or a LayerCaches of LayerState/StaticCache layers, got "
@@ -204,3 +217,48 @@ def fork(cache, rows):
                 "only); build the cache with make_cache('static', ...)"
             )
     return LayerCaches(cache.kind, layers, cache.device)
+
+
+class HybridCache:
+    """A hybrid model's cache when its attention layers share one model-level KV cache (a
+    :class:`~selfattn.cache.PagedCacheView` over a :class:`~selfattn.cache.PagedKV` with one
+    layer per attention layer): ``layout[i]`` is True for an attention layer, whose
+    ``plan(S).layers[i]`` is the KV cache's next layer, False for a recurrent one, whose entry is
+    its :class:`LayerState` (``states``, in layer order). ``length`` is the KV cache's."""
+
+    def __init__(self, layout, kv, states: list[LayerState]):
+        self.layout, self.kv, self.states = [bool(a) for a in layout], kv, list(states)
+        if sum(self.layout) != kv.n_layers or len(self.layout) - sum(self.layout) != len(states):
+            raise ValueError(
+                f"HybridCache layout has {sum(self.layout)} attention and "
+                f"{len(self.layout) - sum(self.layout)} recurrent layers but got a KV cache of "
+                f"{kv.n_layers} layers and {len(states)} states"
+            )
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layout)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def plan(self, n_tokens: int) -> Step:
+        step = self.kv.plan(n_tokens)
+        kv, states = iter(step.layers), iter(self.states)
+        layers = [next(kv) if a else next(states) for a in self.layout]
+        return Step(layers, step.positions, step.past)
+
+    def reset(self) -> None:
+        self.kv.reset()
+        for s in self.states:
+            s.reset()
+
+    def __repr__(self) -> str:
+        return (
+            f"HybridCache(kv={type(self.kv).__name__}, attention_layers={sum(self.layout)}, "
+            f"states={len(self.states)}, length={self.length})"
+        )

@@ -22,8 +22,9 @@ The call protocol is :mod:`selfattn.models.decoder`'s (``model(input_ids, attent
 cache, position_ids, logits_to_keep)``, ``make_cache(kind, batch, max_len)``), so
 :func:`~selfattn.models.generate.generate` drives both. Padding (zeros in ``attention_mask``)
 is zeroed before it reaches a recurrent state, so a left-padded row decodes as the unpadded one.
-``make_cache("paged")`` is not offered for Bamba (its attention layers would need a PagedKV over
-a subset of the layers); Mamba-2 has no KV cache and takes any kind.
+``make_cache("paged")`` gives Bamba's attention layers one :class:`~selfattn.cache.PagedKV`
+(a :class:`~selfattn.cache.state.HybridCache` beside the states); Mamba-2 has no KV cache and
+takes any kind.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from torch import nn
 
 from selfattn._validate import positive_int
 from selfattn.alternatives import Mamba2Mixer
-from selfattn.cache import StaticCache
+from selfattn.cache import PagedKV, StaticCache
 from selfattn.cache.layers import LayerCaches
+from selfattn.cache.state import HybridCache
 from selfattn.models.decoder import CACHE_KINDS, _layer_mask, check_call
 from selfattn.models.hf_mapping import bamba_state, hybrid_fields, mamba2_state
 from selfattn.models.hub import register, unsupported
@@ -181,7 +183,7 @@ class HybridLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
-        cache: LayerCaches | None = None,
+        cache: LayerCaches | HybridCache | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -219,21 +221,30 @@ class HybridLM(nn.Module):
         """A :class:`~selfattn.cache.state.LayerState` per Mamba layer (fixed size: ``max_len``
         does not change it) and a :class:`~selfattn.cache.StaticCache` of ``max_len`` tokens
         per attention layer, as one :class:`~selfattn.cache.layers.LayerCaches`. ``kind``:
-        ``"static"`` (or ``"window"``: no layer has a window); ``"paged"`` only without
-        attention layers."""
+        ``"static"`` (or ``"window"``: no layer has a window); ``"paged"``: the attention layers
+        share one :class:`~selfattn.cache.PagedKV` of ``page_size``-token pages (a
+        :class:`~selfattn.cache.state.HybridCache`)."""
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
         positive_int(batch, "make_cache batch")
         c, w = self.config, self.lm_head.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
         attention = "attention" in c.layer_types
-        if attention and kind == "paged":
-            raise ValueError(
-                f"{type(self).__name__}.make_cache('paged') is not implemented for a hybrid's "
-                "attention layers; use 'static'"
-            )
         if attention and max_len is None:
             raise ValueError(f"make_cache({kind!r}) needs max_len for the attention layers")
+        if attention and kind == "paged":
+            layout = [isinstance(b, DecoderBlock) for b in self.layers]
+            pages = -(-max_len // positive_int(page_size, "make_cache page_size"))
+            kv = PagedKV(
+                sum(layout), batch * pages, page_size, c.n_kv_heads, c.head_dim, max_seqs=batch,
+                max_pages_per_seq=pages, **fk,
+            )  # fmt: skip
+            states = [
+                b.mixer.make_state(batch, **fk)
+                for b in self.layers
+                if not isinstance(b, DecoderBlock)
+            ]
+            return HybridCache(layout, kv.view(kv.add_sequences(batch)), states)
         layers = []
         for block in self.layers:
             if isinstance(block, MixerBlock):
