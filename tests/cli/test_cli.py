@@ -131,6 +131,7 @@ COMMANDS = [
     "generate",
     "mask",
     "bench",
+    "compare",
     "demo",
 ]
 

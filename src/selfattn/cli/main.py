@@ -21,6 +21,7 @@ from selfattn.cli import (
     _common,
     backends,
     bench,
+    compare,
     demo,
     embed,
     explain,
@@ -34,7 +35,9 @@ from selfattn.cli import map as map_  # the subcommand module; `map` stays the b
 __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
-SUBCOMMANDS = (explain, backends, kv_size, info, map_, embed, generate, mask, bench, demo)
+SUBCOMMANDS = (
+    explain, backends, kv_size, info, map_, embed, generate, mask, bench, compare, demo,
+)  # fmt: skip
 
 
 class _Version(argparse.Action):

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from selfattn._validate import positive_int
-from selfattn.alternatives import Mamba2Mixer
-from selfattn.cache import PagedKV, StaticCache
+from selfattn.alternatives import GatedDeltaNet, LinearAttention, Mamba2Mixer
+from selfattn.cache import PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
 from selfattn.cache.state import HybridCache
 from selfattn.models.decoder import CACHE_KINDS, _layer_mask, check_call
@@ -51,17 +51,22 @@ from selfattn.positions import RoPE
 
 __all__ = ["Bamba", "HybridConfig", "HybridLM", "Mamba2", "MixerBlock"]
 
-_KINDS = ("mamba", "attention")
+# the delta rule's chunks solve a (C, C) triangular system: 64 as flash-linear-attention
+_DELTA_CHUNK = 64
+_KINDS = ("mamba", "attention", "deltanet", "linear")
 
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """A stack of ``layer_types`` (``"mamba"`` or ``"attention"``) of width ``d_model``.
+    """A stack of ``layer_types`` of width ``d_model``: ``"mamba"``, ``"attention"``,
+    ``"deltanet"`` (gated DeltaNet) or ``"linear"`` (causal linear attention).
 
     Mamba layers: ``ssm_heads`` heads of ``ssm_head_dim``, ``state_size`` (N), ``n_groups`` of
-    B/C, ``conv_width``, ``chunk_size``, ``dt_limit``. Attention layers (any ``"attention"``
-    entry needs ``n_heads``): GQA with RoPE on ``rotary_dim`` of each head. ``d_ff``: a SwiGLU
-    after every layer (None: none, as Mamba-2).
+    B/C, ``conv_width``, ``chunk_size``, ``dt_limit``; DeltaNet and linear layers: ``ssm_heads``
+    heads of ``ssm_head_dim`` (keys and values), chunks of ``min(chunk_size, 64)``. Attention
+    layers (any ``"attention"`` entry needs ``n_heads``): GQA with RoPE on ``rotary_dim`` of each
+    head, over the last ``window`` tokens if set. ``d_ff``: a SwiGLU after every layer (None:
+    none, as Mamba-2).
     """
 
     vocab_size: int
@@ -83,6 +88,7 @@ class HybridConfig:
     rope_base: float = 10000.0
     rotary_dim: int | None = None
     attention_bias: bool = False
+    window: int | None = None
     mlp_bias: bool = False
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -109,6 +115,8 @@ class HybridConfig:
                 )
             object.__setattr__(self, "n_kv_heads", kv)
             object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.n_heads)
+        if self.window is not None:
+            positive_int(self.window, "HybridConfig window")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
@@ -164,11 +172,20 @@ class HybridLM(nn.Module):
                 bias=c.attention_bias, rope=self.rope,
             )  # fmt: skip
             return DecoderBlock(attention, self._mlp(), norm, mlp_norm)
-        mixer = Mamba2Mixer(
-            c.d_model, c.ssm_heads, c.ssm_head_dim, state_size=c.state_size,
-            n_groups=c.n_groups, conv_width=c.conv_width, chunk_size=c.chunk_size,
-            dt_limit=c.dt_limit, conv_bias=c.conv_bias, bias=c.proj_bias, norm_eps=c.norm_eps,
-        )  # fmt: skip
+        chunk = min(c.chunk_size, _DELTA_CHUNK)
+        if kind == "deltanet":
+            mixer = GatedDeltaNet(c.d_model, c.ssm_heads, c.ssm_head_dim,
+                                  conv_width=c.conv_width, chunk_size=chunk,
+                                  norm_eps=c.norm_eps)  # fmt: skip
+        elif kind == "linear":
+            mixer = LinearAttention(c.d_model, c.ssm_heads, c.ssm_head_dim, chunk_size=chunk)
+        else:
+            mixer = Mamba2Mixer(
+                c.d_model, c.ssm_heads, c.ssm_head_dim, state_size=c.state_size,
+                n_groups=c.n_groups, conv_width=c.conv_width, chunk_size=c.chunk_size,
+                dt_limit=c.dt_limit, conv_bias=c.conv_bias, bias=c.proj_bias,
+                norm_eps=c.norm_eps,
+            )  # fmt: skip
         return MixerBlock(mixer, norm, self._mlp(), mlp_norm)
 
     @classmethod
@@ -202,7 +219,7 @@ class HybridLM(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = past + torch.arange(S, device=input_ids.device)
-        mask = _layer_mask(None, pad)
+        mask = _layer_mask(self.config.window, pad)
         h = self.embed(input_ids)  # (B, S) -> (B, S, d_model)
         caches = [None] * len(self.layers) if step is None else step.layers
         for block, layer_cache in zip(self.layers, caches):
@@ -221,7 +238,8 @@ class HybridLM(nn.Module):
         """A :class:`~selfattn.cache.state.LayerState` per Mamba layer (fixed size: ``max_len``
         does not change it) and a :class:`~selfattn.cache.StaticCache` of ``max_len`` tokens
         per attention layer, as one :class:`~selfattn.cache.layers.LayerCaches`. ``kind``:
-        ``"static"`` (or ``"window"``: no layer has a window); ``"paged"``: the attention layers
+        ``"static"``, ``"window"`` (a :class:`~selfattn.cache.SlidingWindowCache` of ``window``
+        tokens on attention layers with a window); ``"paged"``: the attention layers
         share one :class:`~selfattn.cache.PagedKV` of ``page_size``-token pages (a
         :class:`~selfattn.cache.state.HybridCache`)."""
         if kind not in CACHE_KINDS:
@@ -249,6 +267,10 @@ class HybridLM(nn.Module):
         for block in self.layers:
             if isinstance(block, MixerBlock):
                 layers.append(block.mixer.make_state(batch, **fk))
+            elif kind == "window" and c.window is not None:
+                # a ring longer than max_len + 1 would never wrap (as CausalLM.make_cache)
+                size = min(c.window, max_len + 1)
+                layers.append(SlidingWindowCache(batch, size, c.n_kv_heads, c.head_dim, **fk))
             else:
                 layers.append(StaticCache(batch, max_len, c.n_kv_heads, c.head_dim, **fk))
         return LayerCaches(kind, layers, fk["device"])
