@@ -65,8 +65,8 @@ class Sizes:
     d_ff: int = 512
     window: int = 512
     vocab: int = 256
-    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
-    decode_steps: int = 8
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+    decode_steps: int = 16
 
     def quick(self) -> Sizes:
         return dataclasses.replace(self, d_model=32, d_ff=64, window=16, state_size=8,
@@ -176,13 +176,13 @@ class MQAR:
     heads: int = 4
     state_size: int = 16
     d_ff: int = 128
-    kv_vocab: int = 64
-    steps: int = 300
-    batch: int = 32
-    lr: float = 3e-3
+    kv_vocab: int = 16
+    steps: int = 500
+    batch: int = 64
+    lr: float = 5e-3
     eval_batch: int = 256
-    pairs: tuple[int, ...] = (4, 16, 32)
-    state_sizes: tuple[int, ...] = (4, 16, 64)
+    pairs: tuple[int, ...] = (4, 8, 16)
+    state_sizes: tuple[int, ...] = (1, 4, 16)
     seed: int = 0
 
     def quick(self) -> MQAR:
@@ -335,7 +335,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", choices=("cost", "mqar"), help="one section")
     p.add_argument("--max-len", type=int, metavar="T",
                    help="cost: double the context lengths up to T (default 8192)")  # fmt: skip
-    p.add_argument("--steps", type=int, metavar="N", help="MQAR training steps (default 300)")
+    p.add_argument("--steps", type=int, metavar="N", help="MQAR training steps (default 500)")
     p.add_argument("--repeat", type=int, default=1, help="prefills per cost row (the fastest)")
     return p
 
@@ -345,10 +345,11 @@ def run(args) -> dict:
     sizes, recall = Sizes(), MQAR()
     if args.quick:
         sizes, recall = sizes.quick(), recall.quick()
-    if args.max_len:
-        first = sizes.lengths[0]
-        n = max(0, int(math.log2(args.max_len / first))) + 1
-        sizes = dataclasses.replace(sizes, lengths=tuple(first * 2**i for i in range(n)))
+    if args.max_len:  # the default lengths up to --max-len, then doublings up to it
+        lengths = [T for T in sizes.lengths if T <= args.max_len] or [args.max_len]
+        while 2 * lengths[-1] <= args.max_len:
+            lengths.append(2 * lengths[-1])
+        sizes = dataclasses.replace(sizes, lengths=tuple(lengths))
     if args.steps:
         recall = dataclasses.replace(recall, steps=args.steps)
     rows = []

@@ -26,7 +26,7 @@ def add_parser(subparsers):
     p.add_argument("--max-len", type=positive, metavar="T",
                    help="longest context of the cost section (default 8192)")  # fmt: skip
     p.add_argument("--steps", type=positive, metavar="N",
-                   help="MQAR training steps per model (default 300)")  # fmt: skip
+                   help="MQAR training steps per model (default 500)")  # fmt: skip
     p.add_argument("--repeat", type=positive, default=1, help="prefills per cost row")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)
