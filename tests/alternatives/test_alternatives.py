@@ -261,3 +261,32 @@ def test_delta_rule_matches_qwen3_next():
     out, state = chunked_scan(q, k, v, g, beta, chunk_size=8, initial_state=s0)
     assert_close_to_reference(out, ref, t(hf))
     assert_close_to_reference(state, ref_state, hf_state, what="state")
+
+
+def test_gated_deltanet_matches_qwen3_next():
+    """Our layer on Qwen3-Next's weights, its fused projections regrouped from per-key-head
+    blocks ``[q k v z]`` / ``[b a]`` into ours ``[q | k | v | z]`` / ``[b | a]``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    Hk, Hv, Dk, Dv, d = 2, 4, 8, 6, 24
+    cfg = transformers.Qwen3NextConfig(
+        hidden_size=d, linear_num_key_heads=Hk, linear_num_value_heads=Hv,
+        linear_key_head_dim=Dk, linear_value_head_dim=Dv, linear_conv_kernel_dim=4,
+        num_hidden_layers=1, layer_types=["linear_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Qwen3NextGatedDeltaNet(cfg, 0).double().eval()
+    for p in hf.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    ours = GatedDeltaNet(d, Hv, Dk, n_k_heads=Hk, v_head_dim=Dv, chunk_size=4).double()
+    rep = Hv // Hk
+    q, k, v, z = hf.in_proj_qkvz.weight.view(Hk, -1, d).split([Dk, Dk, rep * Dv, rep * Dv], 1)
+    b, a = hf.in_proj_ba.weight.view(Hk, -1, d).split([rep, rep], 1)
+    state = {n: t for n, t in hf.state_dict().items() if not n.startswith("in_proj")}
+    state["in_proj_qkvz.weight"] = torch.cat([t.reshape(-1, d) for t in (q, k, v, z)])
+    state["in_proj_ba.weight"] = torch.cat([b.reshape(-1, d), a.reshape(-1, d)])
+    ours.load_state_dict(state)
+    x = torch.randn(2, 11, d, dtype=torch.float64)
+    ref = hf(x)  # transformers runs the delta rule in float32 whatever the model's dtype
+    assert (ours(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
