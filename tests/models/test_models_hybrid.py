@@ -167,3 +167,26 @@ def test_paged_hybrid_cache_layout_and_errors(pairs):
         ours.make_cache("static", 1)
     with pytest.raises(ValueError, match="2 attention and 1 recurrent layers but got a KV cache"):
         HybridCache([True, True, False], cache.kv, cache.states)
+
+
+@pytest.mark.parametrize("kinds", [("deltanet", "attention"), ("linear", "mamba")])
+def test_other_layer_kinds_and_window_cache_decode_equals_full_forward(kinds):
+    """HybridLM's gated DeltaNet and linear-attention layers, and attention over a window of 5
+    served by the window cache (a ring shorter than the sequence)."""
+    from selfattn.cache import SlidingWindowCache
+    from selfattn.models.hybrid import HybridConfig, HybridLM
+
+    config = HybridConfig(vocab_size=VOCAB, d_model=32, layer_types=kinds, ssm_heads=4,
+                          ssm_head_dim=8, state_size=4, chunk_size=4, d_ff=48, n_heads=4,
+                          window=5)  # fmt: skip
+    torch.manual_seed(0)
+    lm = HybridLM(config).double().eval()
+    ids = torch.randint(2, VOCAB, (2, 13), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = lm(ids)
+        cache = lm.make_cache("window", 2, 13)
+        parts = [lm(ids[:, :6], cache=cache)] + [lm(ids[:, t : t + 1], cache=cache)
+                                                 for t in range(6, 13)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
+    windowed = [c for c in cache.layers if isinstance(c, SlidingWindowCache)]
+    assert len(windowed) == kinds.count("attention")
