@@ -181,8 +181,10 @@ class MQAR:
     batch: int = 64
     lr: float = 5e-3
     eval_batch: int = 256
-    pairs: tuple[int, ...] = (4, 8, 16)
-    state_sizes: tuple[int, ...] = (1, 4, 16)
+    # CPU time per training at 16 pairs (measured, one thread): attention 65 s, Mamba-2 160 s,
+    # gated DeltaNet 170 s, hybrid 125 s; at 4 pairs a quarter of that
+    pairs: tuple[int, ...] = (4, 16)
+    state_sizes: tuple[int, ...] = (1, 16)
     seed: int = 0
 
     def quick(self) -> MQAR:
