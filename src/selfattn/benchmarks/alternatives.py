@@ -40,13 +40,14 @@ from selfattn.models.hybrid import HybridConfig, HybridLM
 
 __all__ = ["MQAR", "Sizes", "build", "cost", "crossovers", "main", "mqar", "mqar_batch"]
 
-# model name -> its layers (depth 4); the hybrid has one attention layer in four (Bamba-like)
+# model name -> its layers (depth 4); the hybrid has one attention layer in four, second: placed
+# last it did not learn MQAR in 500 steps (0.17 accuracy at 16 pairs), second it did (1.00)
 KINDS = {
     "attention": ("attention",) * 4,
     "attention-window": ("attention",) * 4,
     "mamba2": ("mamba",) * 4,
     "deltanet": ("deltanet",) * 4,
-    "hybrid": ("mamba", "mamba", "mamba", "attention"),
+    "hybrid": ("mamba", "attention", "mamba", "mamba"),
 }
 MQAR_KINDS = ("attention", "mamba2", "deltanet", "hybrid")
 IGNORE = -100  # cross_entropy's ignore_index: positions whose prediction is not scored
