@@ -299,7 +299,33 @@ def check_serving_http(report: dict) -> None:
     assert row["ours"] == report["detail"]["http"]["tok_s"]
 
 
+def check_alternatives(report: dict) -> None:
+    from selfattn.benchmarks import alternatives as alt
+
+    cost = [r for r in report["rows"] if r["section"] == "cost"]
+    lengths = tuple(report["sizes"]["lengths"])
+    assert [(r["model"], r["T"]) for r in cost] == [(k, T) for k in alt.KINDS for T in lengths]
+    for r in cost:
+        assert r["prefill_ms_per_token"] > 0 and r["decode_ms_per_token"] > 0, r
+    by = {(r["model"], r["T"]): r["cache_bytes"] for r in cost}
+    short, long = lengths[0], lengths[-1]
+    # the fixed-size states do not grow with the context; the full KV cache does
+    for kind in ("mamba2", "deltanet"):
+        assert by[kind, short] == by[kind, long]
+    assert by["attention", long] > by["attention", short]
+    # crossovers follow from the measured rows
+    assert alt.crossovers(cost) == [r for r in report["rows"] if r["section"] == "crossover"]
+    # --quick's MQAR instance is learnt by every model
+    recall = [r for r in report["rows"] if r["section"] == "mqar"]
+    assert {r["model"] for r in recall} == set(alt.MQAR_KINDS)
+    assert all(r["accuracy"] >= 0.9 for r in recall), recall
+
+
 SMOKES = {
+    # trains four tiny models (seconds each; one thread: on tiny shapes threads cost more)
+    "alternatives": Smoke(
+        packaged("alternatives"), check_alternatives, env=(("OMP_NUM_THREADS", "1"),)
+    ),
     "attention": pytest.param(
         Smoke(
             packaged("attention", "--no-compile", "--repeat", "1", "--matmul-repeat", "1"),

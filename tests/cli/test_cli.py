@@ -133,6 +133,7 @@ COMMANDS = [
     "serve",
     "mask",
     "bench",
+    "compare",
     "demo",
 ]
 

@@ -263,6 +263,13 @@ MINIMAL_CONFIGS = {
         vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
         intermediate_size=12, num_local_experts=4,
     ),
+    "mamba2": dict(
+        vocab_size=11, hidden_size=8, num_heads=4, head_dim=4, state_size=2, num_hidden_layers=1,
+    ),
+    "bamba": dict(
+        vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=2,
+        intermediate_size=12, mamba_n_heads=4, mamba_d_state=2,
+    ),
 }  # fmt: skip
 FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "gemma2": "llama", "mt5": "t5"}
 _LLAMA_LIKE = ["qwen3", "olmo2", "gemma3_text", "diffllama", "llama4_text"]  # issue 15's variants

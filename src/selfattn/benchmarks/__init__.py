@@ -9,6 +9,7 @@ imports no benchmark.
 
 # In the order `selfattn bench` runs them; gpu needs a CUDA device.
 NAMES = (
+    "alternatives",
     "attention",
     "decode",
     "decode_step",

@@ -181,6 +181,13 @@ def run(args) -> int:
     from selfattn.cache import format_bytes
 
     shape = _shape(args)
+    state = None
+    if args.config is not None:  # a recurrent or hybrid model: KV only on its attention layers
+        from selfattn.cache.state import state_shape_from_config
+
+        state = state_shape_from_config(args.config)
+        if state is not None and args.layers is None:
+            shape = dataclasses.replace(shape, layers=state.attention_layers)
     L, Hq, Hkv, D = shape.layers, shape.heads, shape.kv_heads, shape.head_dim
     if Hq % Hkv:
         args.subparser.error(
@@ -190,6 +197,8 @@ def run(args) -> int:
     dtype = args.dtype or shape.dtype or "bf16"
 
     def size(kv_heads=Hkv, tokens=T, dt=dtype, batch=B, latent=shape.latent, stream=True) -> int:
+        if not L:  # every layer recurrent (Mamba-2): no KV cache at all
+            return 0
         s = dataclasses.replace(shape, kv_heads=kv_heads)
         if not stream:  # what one cached token costs
             s = dataclasses.replace(s, stream_sinks=None, stream_window=None)
@@ -218,7 +227,7 @@ def run(args) -> int:
     if shape.streaming:
         model |= {"n_sink": shape.stream_sinks, "streaming_window": shape.stream_window}
     storage = [
-        {"dtype": d, "bytes": size(dt=d), "vs_16bit": size(dt=d) / size(dt="bf16")}
+        {"dtype": d, "bytes": size(dt=d), "vs_16bit": size(dt=d) / max(size(dt="bf16"), 1)}
         for d in ("fp32", "bf16", "int8", "fp8")
     ]
     result = {
@@ -231,6 +240,13 @@ def run(args) -> int:
         "attention": attention,
         "storage": storage,
     }
+    if state is not None:  # fixed per sequence, whatever the tokens
+        state_total = state.bytes(dtype, batch=B)
+        result["state"] = dataclasses.asdict(state) | {
+            "bytes_per_sequence": state.bytes(dtype),
+            "bytes": state_total,
+        }
+        result["total_bytes"] = total + state_total
     if args.json:
         _common.print_json(result)
         return _common.EXIT_OK
@@ -239,7 +255,9 @@ def run(args) -> int:
     name = f"{args.preset}: " if args.preset else ""
     if args.config is not None:
         name = f"{args.config.get('model_type') or args.config['__file__']}: "
-    if shape.latent:
+    if not L:
+        out.line(f"{name}no attention layers: no KV cache")
+    elif shape.latent:
         r, dr = shape.kv_lora_rank, shape.rope_dim
         out.line(
             f"{name}{L} layers, multi-head latent attention: one latent of {r} + rope key of "
@@ -269,6 +287,16 @@ def run(args) -> int:
         )
     seqs = f"{B} sequences" if B > 1 else "one sequence"
     out.line(f"{T:,} tokens x {seqs}: {fmt(total)} ({total:,} bytes)")
+    if state is not None:
+        st = result["state"]
+        out.line(
+            f"recurrent state: {state.layers} layers x ({state.heads} heads x {state.key_dim} x "
+            f"{state.value_dim} fp32 + conv {state.conv_dim} x {state.conv_width - 1} {dtype}) = "
+            f"{fmt(st['bytes_per_sequence'])} per sequence at any length; with the KV cache: "
+            f"{fmt(result['total_bytes'])}"
+        )
+    if not L:
+        return _common.EXIT_OK
     out.line()
     rows = [[a["kind"], str(a["kv_heads"]), fmt(a["bytes"]), f"{a['bytes']:,}"] for a in attention]
     if shape.latent:

@@ -21,6 +21,7 @@ from selfattn.cli import (
     _common,
     backends,
     bench,
+    compare,
     demo,
     embed,
     explain,
@@ -37,7 +38,8 @@ __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
 SUBCOMMANDS = (
-    explain, backends, kv_size, info, map_, view, embed, generate, serve, mask, bench, demo,
+    explain, backends, kv_size, info, map_, view, embed, generate, serve, mask, bench, compare,
+    demo,
 )  # fmt: skip
 
 

@@ -383,30 +383,8 @@ class CausalLM(nn.Module):
         len(logits_to_keep), vocab)`` (as transformers': the last token of each sequence of a
         packed step).
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
-            raise ValueError(f"input_ids must be a (B, S) int tensor, got {got!r}")
-        if input_ids.is_floating_point():
-            raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-        if cache is not None and not callable(getattr(cache, "plan", None)):
-            raise TypeError(
-                f"cache must come from model.make_cache(...), got {type(cache).__name__}"
-            )
-        if cache is not None and cache.n_layers != len(self.layers):
-            raise ValueError(
-                f"cache holds {cache.n_layers} layers but the model has {len(self.layers)}; "
-                "build it with this model's make_cache(...)"
-            )
+        check_call(input_ids, cache, len(self.layers), logits_to_keep)
         B, S = input_ids.shape
-        if isinstance(logits_to_keep, torch.Tensor):
-            _check_positions_to_keep(logits_to_keep, S)
-        elif logits_to_keep is not None and not (
-            isinstance(logits_to_keep, int) and 1 <= logits_to_keep <= S
-        ):
-            raise ValueError(
-                f"logits_to_keep must be an int in 1..S={S} or None, got {logits_to_keep!r} (or "
-                "a 1-D tensor of the positions to keep)"
-            )
         # A ragged paged cache has no single length: read it only where a mask needs it.
         past = 0 if cache is None or attention_mask is None else cache.length
         pad = None  # the key padding, checked before planning
@@ -551,6 +529,33 @@ class CausalLM(nn.Module):
         kw = {"positions": positions, "rope": self.rope, **fk}
         layers = [StreamingCache(batch, n_sink, window, *shape, **kw) for _ in range(c.n_layers)]
         return StreamingCaches(layers, w.device)
+
+
+def check_call(input_ids, cache, n_layers: int, logits_to_keep) -> None:
+    """The checks of a causal LM's call (the module docstring's protocol), errors naming the
+    offending value and the fix."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise ValueError(f"input_ids must be a (B, S) int tensor, got {got!r}")
+    if input_ids.is_floating_point():
+        raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+    if cache is not None and not callable(getattr(cache, "plan", None)):
+        raise TypeError(f"cache must come from model.make_cache(...), got {type(cache).__name__}")
+    if cache is not None and cache.n_layers != n_layers:
+        raise ValueError(
+            f"cache holds {cache.n_layers} layers but the model has {n_layers}; "
+            "build it with this model's make_cache(...)"
+        )
+    S = input_ids.shape[1]
+    if isinstance(logits_to_keep, torch.Tensor):
+        _check_positions_to_keep(logits_to_keep, S)
+    elif logits_to_keep is not None and not (
+        isinstance(logits_to_keep, int) and 1 <= logits_to_keep <= S
+    ):
+        raise ValueError(
+            f"logits_to_keep must be an int in 1..S={S} or None, got {logits_to_keep!r} (or "
+            "a 1-D tensor of the positions to keep)"
+        )
 
 
 def _check_positions_to_keep(index: torch.Tensor, S: int) -> None:

@@ -14,6 +14,7 @@ them as unexpected. (T5/BART and ViT keep their tables in ``seq2seq.py`` / ``vis
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 import torch
@@ -614,3 +615,90 @@ def _stack_experts(layer: str, tensors: dict) -> dict:
         f"{head}.gate_up_proj": torch.stack(gate_up),  # E × (2·I, d) -> (E, 2·I, d)
         f"{head}.down_proj": torch.stack([tensors[d] for _, _, d in names]),
     }
+
+
+# -- recurrent and hybrid decoders (Mamba-2, Bamba): config.json -> HybridConfig fields ----------
+def _dt_limit(config: Mapping) -> tuple[float, float]:
+    """``time_step_limit``; transformers writes infinity as ``{"__float__": "Infinity"}``."""
+    value = config.get("time_step_limit") or (0.0, math.inf)
+    return tuple(float(v["__float__"] if isinstance(v, Mapping) else v) for v in value)
+
+
+def hybrid_fields(config: Mapping) -> dict:
+    """``HybridConfig`` keyword arguments from a ``mamba2`` or ``bamba`` ``config.json`` dict
+    (the keys read with ``config[...]`` are required: a missing one raises ``ConfigKeyError``)."""
+    get = config.get
+    if get("model_type") == "mamba2":
+        H, P = config["num_heads"], config["head_dim"]
+        if H * P != int(get("expand", 2) * config["hidden_size"]):
+            raise unsupported(config, "num_heads", "num_heads · head_dim != expand · hidden_size")
+        mamba = dict(ssm_heads=H, ssm_head_dim=P, state_size=config["state_size"],
+                     n_groups=get("n_groups", 1), conv_width=get("conv_kernel", 4),
+                     chunk_size=get("chunk_size", 256), conv_bias=get("use_conv_bias", True),
+                     proj_bias=get("use_bias", False))  # fmt: skip
+        return dict(
+            vocab_size=config["vocab_size"], d_model=config["hidden_size"],
+            layer_types=("mamba",) * config["num_hidden_layers"],
+            dt_limit=_dt_limit(config),
+            norm_eps=get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            bos_token_id=get("bos_token_id"), eos_token_id=_eos(config),
+            pad_token_id=get("pad_token_id"), **mamba,
+        )  # fmt: skip
+    if get("model_type") != "bamba":
+        raise unsupported(config, "model_type", "not a recurrent or hybrid family")
+    d, H = config["hidden_size"], config["mamba_n_heads"]
+    P = get("mamba_d_head")
+    P = get("mamba_expand", 2) * d // H if P in (None, "auto") else P
+    heads = config["num_attention_heads"]
+    head_dim = get("head_dim") or d // heads
+    base, scaling, rotary_dim = _rope(config, head_dim)
+    if scaling is not None:
+        raise unsupported(config, "rope_parameters", "Bamba with a scaled RoPE")
+    attn = set(get("attn_layer_indices") or ())
+    return dict(
+        vocab_size=config["vocab_size"], d_model=d,
+        layer_types=tuple("attention" if i in attn else "mamba"
+                          for i in range(config["num_hidden_layers"])),
+        ssm_heads=H, ssm_head_dim=P, state_size=config["mamba_d_state"],
+        n_groups=get("mamba_n_groups", 1), conv_width=get("mamba_d_conv", 4),
+        chunk_size=get("mamba_chunk_size", 256), conv_bias=get("mamba_conv_bias", True),
+        proj_bias=get("mamba_proj_bias", False),
+        dt_limit=_dt_limit(config),
+        d_ff=config["intermediate_size"], n_heads=heads,
+        n_kv_heads=get("num_key_value_heads") or heads, head_dim=head_dim, rope_base=base,
+        rotary_dim=rotary_dim, attention_bias=get("attention_bias", False),
+        mlp_bias=get("mlp_bias", False), norm_eps=get("rms_norm_eps", 1e-5),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        bos_token_id=get("bos_token_id"), eos_token_id=_eos(config),
+        pad_token_id=get("pad_token_id"),
+    )  # fmt: skip
+
+
+def mamba2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' Mamba-2 tensors -> :class:`~selfattn.models.hybrid.Mamba2`'s (``state`` is
+    emptied): the mixers keep their names."""
+    top = {"embeddings.weight": "embed.weight", "embedding.weight": "embed.weight",
+           "norm_f.weight": "norm.weight"}  # fmt: skip
+    out = {}
+    for name, t in _drain(state):
+        name = name.removeprefix("backbone.")
+        name = top.get(name, name)
+        parts = name.split(".")
+        if parts[0] == "layers" and parts[2] == "norm":  # the block's input norm
+            name = f"layers.{parts[1]}.self_res.norm.{parts[-1]}"
+        out[name] = t
+    return out
+
+
+def bamba_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' Bamba tensors -> :class:`~selfattn.models.hybrid.Bamba`'s (``state`` is
+    emptied): its names spelt as Llama's (``feed_forward`` = ``mlp``, ``pre_ff_layernorm`` =
+    ``post_attention_layernorm``), then :func:`llama_state`; ``mamba`` becomes ``mixer``."""
+    renamed = {}
+    for name, t in _drain(state):
+        name = name.replace(".feed_forward.", ".mlp.")
+        name = name.replace(".pre_ff_layernorm.", ".post_attention_layernorm.")
+        renamed[name.replace("model.final_layernorm.", "model.norm.")] = t
+    out = llama_state(renamed, sandwich_norm=False)
+    return {re.sub(r"^(layers\.\d+)\.mamba\.", r"\1.mixer.", k): t for k, t in out.items()}

@@ -1,0 +1,446 @@
+"""Attention and its alternatives, measured on CPU: what a token costs as the context grows, and
+what a fixed-size state forgets.
+
+    python -m selfattn.benchmarks.alternatives                 # both sections (<= 10 min, 2 cores)
+    python -m selfattn.benchmarks.alternatives --quick --json  # a smoke run
+    selfattn compare --out DIR                                 # the same, with one PNG per metric
+
+``cost``: models of equal width and depth (``Sizes``: 4 layers, each a mixer and a SwiGLU) whose
+mixers are attention with a full KV cache, attention over a window (its cache a ring of
+``window`` tokens), Mamba-2, gated DeltaNet, and a hybrid with one attention layer in four. For
+each context length ``T``: a prefill of ``T`` tokens (ms per token), then decode steps at context
+``T`` (ms per generated token, median), and the bytes the model's cache holds. ``crossovers``:
+the shortest measured ``T`` from which each alternative is cheaper than full attention, per
+metric (None: not within the lengths measured).
+
+``mqar``: multi-query associative recall (Arora et al. 2023, "Zoology"): a sequence of
+``n`` key-value pairs, then the keys again in a new order, each followed by its value; the loss
+and the accuracy count the value predicted at each queried key. Tiny models of about equal
+parameter counts (attention, Mamba-2, gated DeltaNet, hybrid), trained on CPU with a fixed seed,
+evaluated on fresh sequences: accuracy vs ``n`` (the number of pairs) and, for Mamba-2, vs its
+state size. Attention keeps every pair (its cache grows with ``n``); a fixed state must compress
+them and stops recalling exactly once ``n`` outgrows it; one attention layer restores recall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from selfattn.benchmarks import _util
+from selfattn.cache.state import LayerState
+from selfattn.models.hybrid import HybridConfig, HybridLM
+
+__all__ = ["MQAR", "Sizes", "build", "cost", "crossovers", "main", "mqar", "mqar_batch"]
+
+# model name -> its layers (depth 4); the hybrid has one attention layer in four, second: placed
+# last it did not learn MQAR in 500 steps (0.17 accuracy at 16 pairs), second it did (1.00)
+KINDS = {
+    "attention": ("attention",) * 4,
+    "attention-window": ("attention",) * 4,
+    "mamba2": ("mamba",) * 4,
+    "deltanet": ("deltanet",) * 4,
+    "hybrid": ("mamba", "attention", "mamba", "mamba"),
+}
+MQAR_KINDS = ("attention", "mamba2", "deltanet", "hybrid")
+IGNORE = -100  # cross_entropy's ignore_index: positions whose prediction is not scored
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Model and run sizes of the cost section. Mixers of about equal width: attention ``heads``
+    of ``d_model / heads``; Mamba-2 ``2 · d_model`` wide (its expand of 2) in heads of
+    ``d_model / heads`` with a state of ``state_size``; gated DeltaNet ``heads`` of
+    ``d_model / heads``."""
+
+    d_model: int = 256
+    heads: int = 4
+    state_size: int = 64
+    d_ff: int = 512
+    window: int = 512
+    vocab: int = 256
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+    decode_steps: int = 16
+
+    def quick(self) -> Sizes:
+        return dataclasses.replace(self, d_model=32, d_ff=64, window=16, state_size=8,
+                                   lengths=(32, 64), decode_steps=2)  # fmt: skip
+
+
+def build(kind: str, d_model: int, heads: int, state_size: int, d_ff: int, window: int, vocab: int,
+          seed: int = 0) -> HybridLM:  # fmt: skip
+    """A :class:`~selfattn.models.hybrid.HybridLM` of ``KINDS[kind]`` (random weights, seeded)."""
+    head_dim = d_model // heads
+    mamba = kind in ("mamba2", "hybrid")
+    config = HybridConfig(
+        vocab_size=vocab, d_model=d_model, layer_types=KINDS[kind],
+        ssm_heads=2 * heads if mamba else heads, ssm_head_dim=head_dim, state_size=state_size,
+        chunk_size=64, d_ff=d_ff, n_heads=heads, head_dim=head_dim,
+        window=window if kind == "attention-window" else None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return HybridLM(config).eval()
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of every tensor a model cache's layers hold."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, LayerState):
+            total += layer.nbytes
+        else:
+            total += sum(t.nbytes for t in vars(layer).values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def cost(sizes: Sizes, repeat: int = 1) -> list[dict]:
+    """One row per (model, T): prefill ms per token, decode ms per token at context T (median
+    of ``decode_steps``), cache bytes. ``repeat`` prefills per row (the fastest counts)."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        model = build(kind, sizes.d_model, sizes.heads, sizes.state_size, sizes.d_ff,
+                      sizes.window, sizes.vocab)  # fmt: skip
+        params = sum(p.numel() for p in model.parameters())
+        with torch.inference_mode():  # warm-up: first calls pay for lazy set-up
+            warm = model.make_cache("static", 1, 2 * sizes.window)
+            model(torch.zeros(1, sizes.window, dtype=torch.long), cache=warm)
+            model(torch.zeros(1, 1, dtype=torch.long), cache=warm)
+        for T in sizes.lengths:
+            ids = torch.randint(sizes.vocab, (1, T), generator=gen)
+            steps = torch.randint(sizes.vocab, (1, sizes.decode_steps), generator=gen)
+            cache_kind = "window" if kind == "attention-window" else "static"
+            prefill = math.inf
+            with torch.inference_mode():
+                for _ in range(repeat):
+                    cache = model.make_cache(cache_kind, 1, T + sizes.decode_steps)
+                    t0 = time.perf_counter()
+                    model(ids, cache=cache, logits_to_keep=1)
+                    prefill = min(prefill, time.perf_counter() - t0)
+                times = []
+                for i in range(sizes.decode_steps):
+                    t0 = time.perf_counter()
+                    model(steps[:, i : i + 1], cache=cache)
+                    times.append(time.perf_counter() - t0)
+            times.sort()
+            rows.append(dict(
+                section="cost", model=kind, T=T, params=params,
+                prefill_ms_per_token=prefill * 1e3 / T,
+                decode_ms_per_token=times[len(times) // 2] * 1e3,
+                cache_bytes=_cache_bytes(cache),
+            ))  # fmt: skip
+    return rows
+
+
+METRICS = ("prefill_ms_per_token", "decode_ms_per_token", "cache_bytes")
+
+
+def crossovers(rows: list[dict]) -> list[dict]:
+    """Per alternative and metric, the shortest measured T from which the alternative costs less
+    than full attention at every longer measured T (None: not within the lengths measured)."""
+    by = {(r["model"], r["T"]): r for r in rows if r.get("section") == "cost"}
+    lengths = sorted({T for _, T in by})
+    out = []
+    for kind in KINDS:
+        if kind == "attention":
+            continue
+        for metric in METRICS:
+            cheaper = [by[kind, T][metric] < by["attention", T][metric] for T in lengths]
+            at = None
+            for i in range(len(lengths)):
+                if all(cheaper[i:]):
+                    at = lengths[i]
+                    break
+            out.append(dict(section="crossover", model=kind, metric=metric, T=at))
+    return out
+
+
+# -- MQAR ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MQAR:
+    """MQAR run sizes: models of ``d_model`` and 4 layers (``heads`` heads; Mamba-2's state
+    ``state_size``), trained ``steps`` steps of ``batch`` sequences at learning rate ``lr``;
+    keys and values each drawn from ``kv_vocab`` tokens; accuracy on ``eval_batch`` fresh
+    sequences. ``pairs``: the numbers of key-value pairs; ``state_sizes``: Mamba-2's state sizes
+    at the largest number of pairs."""
+
+    d_model: int = 64
+    heads: int = 4
+    state_size: int = 16
+    d_ff: int = 128
+    kv_vocab: int = 16
+    steps: int = 500
+    batch: int = 64
+    lr: float = 5e-3
+    eval_batch: int = 256
+    # CPU time per training at 16 pairs (measured, one thread): attention 65 s, Mamba-2 160 s,
+    # gated DeltaNet 170 s, hybrid 125 s; at 4 pairs a quarter of that
+    pairs: tuple[int, ...] = (4, 16)
+    state_sizes: tuple[int, ...] = (1, 16)
+    seed: int = 0
+
+    def quick(self) -> MQAR:
+        """A trivially small instance (one pair: the value is the token before the query) that
+        every model learns in seconds."""
+        return dataclasses.replace(self, d_model=32, d_ff=64, kv_vocab=8, steps=50, lr=1e-2,
+                                   batch=16, pairs=(1,), state_sizes=(),
+                                   eval_batch=64)  # fmt: skip
+
+
+def mqar_batch(batch: int, n_pairs: int, kv_vocab: int, gen: torch.Generator):
+    """``(ids (B, 4n), labels (B, 4n))``: ``k1 v1 .. kn vn`` then the keys in a new order, each
+    followed by its value; keys are tokens ``0 .. kv_vocab-1`` (distinct in a row), values
+    ``kv_vocab .. 2·kv_vocab-1``; the label at each queried key is its value, else ignored."""
+    if n_pairs > kv_vocab:
+        raise ValueError(f"MQAR needs n_pairs ({n_pairs}) <= kv_vocab ({kv_vocab}): distinct keys")
+    keys = torch.rand(batch, kv_vocab, generator=gen).argsort(-1)[:, :n_pairs]  # (B, n)
+    values = kv_vocab + torch.randint(kv_vocab, (batch, n_pairs), generator=gen)
+    order = torch.rand(batch, n_pairs, generator=gen).argsort(-1)
+    qk, qv = keys.gather(1, order), values.gather(1, order)
+    context = torch.stack([keys, values], -1).flatten(1)  # (B, n, 2) -> (B, 2n)
+    queries = torch.stack([qk, qv], -1).flatten(1)
+    ids = torch.cat([context, queries], 1)  # (B, 4n)
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, 2 * n_pairs :: 2] = qv  # at each queried key: its value
+    return ids, labels
+
+
+def _mqar_model(kind: str, run: MQAR, state_size: int) -> HybridLM:
+    return build(kind, run.d_model, run.heads, state_size, run.d_ff, window=1,
+                 vocab=2 * run.kv_vocab, seed=run.seed)  # fmt: skip
+
+
+def train_mqar(kind: str, n_pairs: int, run: MQAR, state_size: int | None = None) -> dict:
+    """Train one model on MQAR with ``n_pairs`` pairs; its accuracy on fresh sequences."""
+    state_size = run.state_size if state_size is None else state_size
+    model = _mqar_model(kind, run, state_size).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, run.lr, total_steps=run.steps)
+    gen = torch.Generator().manual_seed(run.seed)
+    t0 = time.perf_counter()
+    for _ in range(run.steps):
+        ids, labels = mqar_batch(run.batch, n_pairs, run.kv_vocab, gen)
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    train_s = time.perf_counter() - t0
+    model.eval()
+    ids, labels = mqar_batch(run.eval_batch, n_pairs, run.kv_vocab,
+                             torch.Generator().manual_seed(run.seed + 1))  # fmt: skip
+    with torch.inference_mode():
+        pred = model(ids).argmax(-1)
+        cache = model.make_cache("static", 1, ids.shape[1])
+        model(ids[:1], cache=cache)
+    scored = labels != IGNORE
+    return dict(
+        section="mqar", model=kind, pairs=n_pairs, state_size=state_size,
+        accuracy=float((pred[scored] == labels[scored]).float().mean()),
+        final_loss=float(loss.detach()), train_s=train_s,
+        params=sum(p.numel() for p in model.parameters()),
+        state_bytes=_cache_bytes(cache),  # what it carries after the sequence, one sequence
+    )  # fmt: skip
+
+
+def mqar(run: MQAR, kinds=MQAR_KINDS) -> list[dict]:
+    """Accuracy vs the number of pairs for each model, then vs Mamba-2's state size."""
+    rows = [train_mqar(kind, n, run) for n in run.pairs for kind in kinds]
+    rows += [
+        dict(train_mqar("mamba2", max(run.pairs), run, state_size=N), sweep="state_size")
+        for N in run.state_sizes
+        if N != run.state_size
+    ]
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: int) -> str:
+    from selfattn.cache import format_bytes
+
+    return format_bytes(n)
+
+
+def print_report(report: dict) -> None:
+    rows = report["rows"]
+    cost_rows = [r for r in rows if r["section"] == "cost"]
+    if cost_rows:
+        _util.print_table(
+            ["model", "T", "prefill ms/token", "decode ms/token", "cache"],
+            [
+                [
+                    r["model"],
+                    f"{r['T']:,}",
+                    f"{r['prefill_ms_per_token']:.4f}",
+                    f"{r['decode_ms_per_token']:.3f}",
+                    _fmt_bytes(r["cache_bytes"]),
+                ]
+                for r in cost_rows
+            ],
+            title="cost per token vs context length (batch 1, fp32, CPU)",
+        )
+        _util.print_table(
+            ["model", "metric", "cheaper than attention from T"],
+            [
+                [r["model"], r["metric"], "-" if r["T"] is None else f"{r['T']:,}"]
+                for r in rows
+                if r["section"] == "crossover"
+            ],
+            title="crossovers (shortest measured T from which it stays cheaper)",
+        )
+    recall = [r for r in rows if r["section"] == "mqar"]
+    if recall:
+        _util.print_table(
+            [
+                "model",
+                "pairs",
+                "state size",
+                "accuracy",
+                "loss",
+                "params",
+                "state / cache",
+                "train s",
+            ],
+            [
+                [
+                    r["model"],
+                    str(r["pairs"]),
+                    str(r["state_size"]),
+                    f"{r['accuracy']:.3f}",
+                    f"{r['final_loss']:.3f}",
+                    f"{r['params']:,}",
+                    _fmt_bytes(r["state_bytes"]),
+                    f"{r['train_s']:.1f}",
+                ]
+                for r in recall
+            ],
+            title="MQAR recall (accuracy at the queried keys, fresh sequences)",
+        )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (seconds)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--only", choices=("cost", "mqar"), help="one section")
+    p.add_argument("--max-len", type=int, metavar="T",
+                   help="cost: double the context lengths up to T (default 8192)")  # fmt: skip
+    p.add_argument("--steps", type=int, metavar="N", help="MQAR training steps (default 500)")
+    p.add_argument("--repeat", type=int, default=1, help="prefills per cost row (the fastest)")
+    return p
+
+
+def run(args) -> dict:
+    """The report of :func:`main`'s arguments: ``{"machine", "rows"}``."""
+    sizes, recall = Sizes(), MQAR()
+    if args.quick:
+        sizes, recall = sizes.quick(), recall.quick()
+    if args.max_len:  # the default lengths up to --max-len, then doublings up to it
+        lengths = [T for T in sizes.lengths if T <= args.max_len] or [args.max_len]
+        while 2 * lengths[-1] <= args.max_len:
+            lengths.append(2 * lengths[-1])
+        sizes = dataclasses.replace(sizes, lengths=tuple(lengths))
+    if args.steps:
+        recall = dataclasses.replace(recall, steps=args.steps)
+    rows = []
+    if args.only in (None, "cost"):
+        rows += cost(sizes, args.repeat)
+        rows += crossovers(rows)
+    if args.only in (None, "mqar"):
+        rows += mqar(recall)
+    return {
+        "machine": _util.machine(),
+        "sizes": dataclasses.asdict(sizes),
+        "mqar": dataclasses.asdict(recall),
+        "rows": rows,
+    }
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+_LABELS = {
+    "prefill_ms_per_token": "prefill, ms per token",
+    "decode_ms_per_token": "decode, ms per generated token",
+    "cache_bytes": "cache bytes (KV cache or state), one sequence",
+}
+
+
+def plot(report: dict, out_dir) -> list:
+    """One PNG per metric into ``out_dir``: each cost metric vs context length (log-log), MQAR
+    accuracy vs the number of pairs, and vs the state each model carries. Returns the paths."""
+    from pathlib import Path
+
+    from selfattn._optional import require
+
+    Figure = require("matplotlib.figure", purpose="selfattn compare").Figure
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, paths = report["rows"], []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        paths.append(out / name)
+
+    cost_rows = [r for r in rows if r["section"] == "cost"]
+    for metric in METRICS if cost_rows else ():
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        for kind in KINDS:
+            pts = [(r["T"], r[metric]) for r in cost_rows if r["model"] == kind]
+            ax.plot(*zip(*pts), marker="o", label=kind)
+        ax.set(xscale="log", yscale="log", xlabel="context length T (tokens)",
+               ylabel=_LABELS[metric], title=_LABELS[metric])  # fmt: skip
+        ax.legend(fontsize=8)
+        save(fig, f"{metric}.png")
+    recall = [r for r in rows if r["section"] == "mqar"]
+    if recall:
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        for kind in MQAR_KINDS:
+            pts = [(r["pairs"], r["accuracy"]) for r in recall
+                   if r["model"] == kind and "sweep" not in r]  # fmt: skip
+            ax.plot(*zip(*pts), marker="o", label=kind)
+        ax.set(xscale="log", ylim=(0, 1.05), xlabel="key-value pairs", ylabel="MQAR accuracy",
+               title="recall vs number of pairs")  # fmt: skip
+        ax.legend(fontsize=8)
+        save(fig, "mqar_pairs.png")
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        n = max(r["pairs"] for r in recall)
+        for kind in MQAR_KINDS:
+            pts = sorted((r["state_bytes"], r["accuracy"]) for r in recall
+                         if r["model"] == kind and r["pairs"] == n)  # fmt: skip
+            ax.plot(*zip(*pts), marker="o", label=kind)
+        ax.set(xscale="log", ylim=(0, 1.05), xlabel="state / cache bytes after the sequence",
+               ylabel="MQAR accuracy", title=f"recall vs state size ({n} pairs)")  # fmt: skip
+        ax.legend(fontsize=8)
+        save(fig, "mqar_state.png")
+    return paths
