@@ -469,6 +469,7 @@ def test_auto_and_chunked_classify_tiles_once(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(chunked, "_grid", counting)
+    monkeypatch.setenv("SELFATTN_ATTN_KERNEL", "0")  # cpu_fused off: auto then picks chunked
     q, k, v = make_qkv(1, 2, 300, 16, seed=5)
 
     def window(b, h, q_idx, kv_idx):
