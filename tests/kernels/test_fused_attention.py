@@ -81,18 +81,50 @@ def test_forward_matches_its_twin(shape, generic, mask_bh):
     assert bool((m[empty] == 0).all()) and bool((l[empty] == 1).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs_are_read_in_place(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "generic"),
+    [(torch.bfloat16, True), (torch.float16, True), (torch.float16, False)],
+    ids=["bf16-generic", "fp16-generic", "fp16-native"],
+)
+def test_low_precision_inputs_are_read_in_place(dtype, generic):
     """bf16/fp16 q, k, v are converted as tiles are packed: the same numbers as float32 inputs
-    holding the same values."""
-    if dtype not in fa.supported_dtypes():
+    holding the same values (bf16 on a native build with avx512_bf16 takes vdpbf16ps: below)."""
+    if dtype not in fa.supported_dtypes(generic):
         pytest.skip(f"this compiler has no {dtype}")
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
     t = _tiles(Sq, Sk, bq, seed=3)
     q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=dtype, seed=4)
-    out, lse, _, _ = fa.forward(q, k, v, t, 0.2)
-    ref, ref_lse, _, _ = fa.forward(q.float(), k.float(), v.float(), t, 0.2)
+    out, lse, _, _ = fa.forward(q, k, v, t, 0.2, generic=generic)
+    ref, ref_lse, _, _ = fa.forward(q.float(), k.float(), v.float(), t, 0.2, generic=generic)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("mods", [{}, {"softcap": 2.0}], ids=["plain", "softcap"])
+@pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bf16_scores_match_the_oracle(shape, generic, mods):
+    """bf16 q, k: on a build with avx512_bf16 the scores are vdpbf16ps sums of exact products
+    (odd D pads the last pair with 0); within the ratio rule of float32 arithmetic on the same
+    bf16 values, GQA, Sq = 1, ragged tiles. The generic build converts to float32."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES[shape]
+    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=31)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.bfloat16, seed=32)
+    out, lse, _, _ = fa.forward(q, k, v, t, 0.3, generic=generic, **mods)
+    o64, lse64 = fa.twin(q, k, v, t, 0.3, **mods)
+    o32, lse32 = fa.twin(q, k, v, t, 0.3, dtype=torch.float32, **mods)
+    assert_close_to_reference(out, o64, o32)
+    assert_close_to_reference(lse, lse64, lse32, what="lse")
+
+
+@pytest.mark.skipif("avx512_bf16" not in fa.isa(), reason="this CPU has no avx512_bf16")
+def test_bf16_native_build_takes_the_dpbf16_path():
+    """Sums of exact bf16 products in vdpbf16ps's order differ from the float32 path's (q times
+    the scale first) in the last bits: the native build is running the bf16 path."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, seed=33)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.bfloat16, seed=34)
+    out = fa.forward(q, k, v, t, 0.2)[0]
+    assert not torch.equal(out, fa.forward(q.float(), k.float(), v.float(), t, 0.2)[0])
 
 
 def test_forward_is_bitwise_deterministic_across_thread_counts():

@@ -8,8 +8,9 @@ composed ops), and not plain ``cpu``: that is the paged registry's C decode kern
 estimate): EMPTY tiles are skipped, FULL ones get no mask work, and each PARTIAL tile's mask is
 evaluated once per call with the mask's own ``mask_mod`` (``chunked._partial_masks``) into a
 byte block the kernel reads. The kernel reads bf16/fp16 inputs as they are, accumulates in
-float32 and the output goes back to q's dtype. GQA reads each kv head's K/V in place for its G
-query heads.
+float32 and the output goes back to q's dtype (bf16 scores by ``vdpbf16ps`` where the CPU has
+avx512_bf16). Score mods in the kernel: ALiBi, a bias tensor and a soft cap (applied last). GQA
+reads each kv head's K/V in place for its G query heads.
 
 Not run (declined with the reason): non-CPU tensors, float64 (it accumulates in float64, the
 kernel in float32), score mods not made of ALiBi, bias and softcap terms (a callable, T5's table:

@@ -10,8 +10,13 @@ micro-kernel (``mm``: 4 rows x 64 keys of accumulators in AVX-512 registers), th
 mask applied from a byte block, the online-softmax update with a vectorised ``exp2``, then the
 weighted V rows by the same micro-kernel. FULL tiles do no mask work; EMPTY tiles are never
 visited; within a PARTIAL tile each block of 4 rows computes only the keys one of its rows
-attends. In the kernel too: ALiBi (absolute positions) and attention dropout with the
+attends. In the kernel too: ALiBi (absolute positions), an additive bias tensor (broadcast
+strides; no bias gradient), the soft cap ``cap·tanh(s / cap)`` last (a vectorised tanh within 2.8
+ulp of float32; the backward chains through ``1 - tanh²``), and attention dropout with the
 counter-based pattern of ``backends/_common.dropout_keep`` (same kept pairs as every backend).
+bf16 q, k on a build with ``avx512_bf16`` compute the forward's scores with ``vdpbf16ps`` (exact
+bf16 products summed in float32, then times the scale; K packed once as bf16 pair words); the
+weighted V rows and the backward stay in float32.
 The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
 query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 

@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 /* iargs, in order */
 enum {
@@ -175,6 +178,73 @@ static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *
   for (int64_t r = 0; r < M; r += RB) mm_rows(C + r * ldc, ldc, A + r * lda, lda, B, ldb, K, N);
 }
 
+#if defined(__AVX512BF16__)
+/* -- bf16 scores (forward): vdpbf16ps multiplies bf16 pairs exactly and sums them in float32,
+   32 products per instruction against 16 per float32 FMA. A (RB rows, stride lda) and B (pairs
+   x BK, a row per pair) hold 32-bit words of two bf16 (elements 2p, 2p + 1 of a row of q, of a
+   key); C (RB x nv*VW, stride BK) += A B over npairs pairs. */
+static inline __attribute__((always_inline)) void mm_bf16_block(float *C, const uint32_t *A,
+                                                                int64_t lda, const uint32_t *B,
+                                                                int64_t npairs, int nv) {
+  __m512 acc[RB][NV];
+  int r, x;
+  for (r = 0; r < RB; r++)
+    for (x = 0; x < nv; x++) acc[r][x] = _mm512_loadu_ps(C + r * BK + x * VW);
+  for (int64_t k = 0; k < npairs; k++) {
+    __m512bh b[NV];
+    for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * BK + x * VW);
+    for (r = 0; r < RB; r++) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
+      for (x = 0; x < nv; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a, b[x]);
+    }
+  }
+  for (r = 0; r < RB; r++)
+    for (x = 0; x < nv; x++) _mm512_storeu_ps(C + r * BK + x * VW, acc[r][x]);
+}
+
+/* RB rows of C (stride BK) += A B for N columns of B (a multiple of VW, at most BK). */
+static void mm_bf16_rows(float *C, const uint32_t *A, int64_t lda, const uint32_t *B,
+                         int64_t npairs, int64_t N) {
+  switch (N / VW) {
+    case 1: mm_bf16_block(C, A, lda, B, npairs, 1); break;
+    case 2: mm_bf16_block(C, A, lda, B, npairs, 2); break;
+    case 3: mm_bf16_block(C, A, lda, B, npairs, 3); break;
+    default: mm_bf16_block(C, A, lda, B, npairs, 4); break;
+  }
+}
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* bf16 pair words (element 2p low, 2p + 1 high; a missing last element 0) of n rows of width
+   bf16 elements from element offset off of src, rows of ld words, rows [n, rows_padded) 0. */
+static void pack_pairs(uint32_t *dst, int64_t ld, const uint16_t *src, int64_t off, int64_t n,
+                       int64_t width, int64_t rows_padded) {
+  const int64_t np = (width + 1) / 2;
+  for (int64_t r = 0; r < rows_padded; r++) {
+    uint32_t *o = dst + r * ld;
+    const uint16_t *x = src + off + r * width;
+    if (r >= n) {
+      memset(o, 0, sizeof(uint32_t) * np);
+      continue;
+    }
+    for (int64_t e = 0; e < width / 2; e++) o[e] = x[2 * e] | (uint32_t)x[2 * e + 1] << 16;
+    if (width % 2) o[np - 1] = x[width - 1];
+  }
+}
+
+/* nk keys (rows of width bf16) as pair words transposed, t (pairs x BK), keys >= nk 0. */
+static void pack_pairs_t(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk,
+                         int64_t width, uint32_t *row) {
+  const int64_t np = (width + 1) / 2;
+  for (int64_t e = 0; e < np; e++) memset(t + e * BK + nk, 0, sizeof(uint32_t) * (BK - nk));
+  for (int64_t k = 0; k < nk; k++) {
+    pack_pairs(row, np, src, off + k * width, 1, width, 1);
+    for (int64_t e = 0; e < np; e++) t[e * BK + k] = row[e];
+  }
+}
+
 typedef struct {
   const int64_t *a;
   void *const *p;
@@ -187,6 +257,9 @@ typedef struct {
   /* K and V packed once per call, per (b, kv head, key tile) block (NULL: not used):
      kt Kᵀ (D x BK), vt Vᵀ (Dv x BK), kp K (BK x Dp), vp V (BK x Dvp), float32 */
   float *kt, *vt, *kp, *vp;
+  /* bf16 K with vdpbf16ps (forward): per block, its keys' bf16 pair words transposed ((D + 1) / 2
+     x BK uint32, in a float-sized buffer); kt is then not packed */
+  float *kb;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -430,7 +503,12 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
   int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
 
-  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  const int64_t npairs = (d.D + 1) / 2;
+  uint32_t *qb = (uint32_t *)(l + MAXBQ); /* q's bf16 pair words, unscaled (bf16 path) */
+  if (job->kb)
+    pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
+  else
+    pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
   for (r = 0; r < tqp; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
   for (t = 0; t < qt.n; t++) {
@@ -438,14 +516,24 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     /* -- scores of the tile, base 2 */
     const int64_t blk = blk0 + qt.cols[t];
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
-    const float *kt = job->kt + blk * d.D * BK;
+    const float *kt = job->kb ? NULL : job->kt + blk * d.D * BK;
     /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
        tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
     key_ranges(lo, hi, bits, tq, tqp, nk);
     memset(s, 0, sizeof(float) * tqp * BK);
     for (r = 0; r < tqp; r += RB) {
       const int64_t v0 = lo[r / RB] / VW * VW, v1 = round_up(hi[r / RB], VW);
-      if (v1 > v0) mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
+      if (v1 <= v0) continue;
+#if HAVE_DPBF16
+      if (job->kb) { /* exact bf16 products summed in float32, then times c */
+        const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
+        mm_bf16_rows(s + r * BK + v0, qb + r * npairs, npairs, kb + v0, npairs, v1 - v0);
+        for (int64_t i = r; i < r + RB; i++)
+          for (k = v0; k < v1; k += VW) st(s + i * BK + k, ld(s + i * BK + k) * job->c);
+        continue;
+      }
+#endif
+      mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
     }
     apply_mods(s, NULL, job->a, p, b, h, qt.i * d.bq, c0, tq, tqp, nk);
     mask_scores(s, tq, nk, bits);
@@ -500,8 +588,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   }
 }
 
-static int64_t fwd_scratch(const Dims *d) {
-  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ;
+static int64_t fwd_scratch(const Dims *d) { /* the last MAXBQ * Dp: q's bf16 pairs */
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -693,6 +781,9 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   const int32_t *colptr = (const int32_t *)p[P_COLPTR];
   if (colptr[j] == colptr[j + 1]) return; /* no query tile reads this key tile */
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
+  if (job->kb)
+    pack_pairs_t((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (const uint16_t *)p[P_K],
+                 kv0 * d.D, nk, d.D, (uint32_t *)row);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
   if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
   if (job->vp)
@@ -703,10 +794,10 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
    means: wanted). 0, or 1 when memory ran out. */
 static int pack_kv(Job *job, const Dims *d, int n_threads) {
   const int64_t n_blk = d->B * d->Hkv * d->nk;
-  float **slots[4] = {&job->kt, &job->vt, &job->kp, &job->vp};
-  const int64_t sizes[4] = {d->D * BK, d->Dv * BK, BK * d->Dp, BK * d->Dvp};
+  float **slots[5] = {&job->kt, &job->vt, &job->kp, &job->vp, &job->kb};
+  const int64_t sizes[5] = {d->D * BK, d->Dv * BK, BK * d->Dp, BK * d->Dvp, (d->D + 1) / 2 * BK};
   int bad = 0;
-  for (int i = 0; i < 4; i++)
+  for (int i = 0; i < 5; i++)
     if (*slots[i]) {
       *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
       bad |= *slots[i] == NULL;
@@ -719,7 +810,7 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
 }
 
 static void free_packed(Job *job) {
-  free(job->kt), free(job->vt), free(job->kp), free(job->vp);
+  free(job->kt), free(job->vt), free(job->kp), free(job->vp), free(job->kb);
 }
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
@@ -731,8 +822,10 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   const Dims d = dims(iargs);
   /* float32 V whose rows are whole vectors is read in place; other V is packed */
   float *vp = d.dt == F32 && d.Dv == d.Dvp ? NULL : WANTED;
+  /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
+  float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             WANTED, NULL, NULL, vp};
+             kb ? NULL : WANTED, NULL, NULL, vp, kb};
   int status = pack_kv(&job, &d, n_threads);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
@@ -767,7 +860,7 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   const Dims d = dims(iargs);
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
-            WANTED, WANTED, WANTED, NULL};
+            WANTED, WANTED, WANTED, NULL, NULL};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
