@@ -120,8 +120,15 @@ def test_score_mods_match_reference_with_gradients(mod, mask_name):
     check_against_reference(cpu_attention, q, k, v, mask=mask, score_mod=score_mod, scale=1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_softcap_in_low_precision(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "kernel"),
+    [(torch.bfloat16, "1"), (torch.bfloat16, "generic"), (torch.float16, "1")],
+    ids=["bf16", "bf16-generic", "fp16"],
+)
+def test_softcap_in_low_precision(dtype, kernel, monkeypatch):
+    """bf16 on a CPU with avx512_bf16 runs vdpbf16ps scores and bf16 P V (forced generic: the
+    float32 path); with bias, soft cap, GQA and gradients, within the ratio rule."""
+    monkeypatch.setenv(fused_attention.ENV_VAR, kernel)
     q, k, v = make_qkv(1, 6, 70, 40, Hkv=3, Sk=131, dtype=dtype, seed=17)
     mod = scores.bias(_bias((1, 6, 70, 131), 4).to(dtype)) >> scores.softcap(5.0)
     check_against_reference(cpu_attention, q, k, v, mask=masks.causal(), score_mod=mod)

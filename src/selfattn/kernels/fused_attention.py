@@ -14,9 +14,14 @@ attends. In the kernel too: ALiBi (absolute positions), an additive bias tensor 
 strides; no bias gradient), the soft cap ``cap·tanh(s / cap)`` last (a vectorised tanh within 2.8
 ulp of float32; the backward chains through ``1 - tanh²``), and attention dropout with the
 counter-based pattern of ``backends/_common.dropout_keep`` (same kept pairs as every backend).
-bf16 q, k on a build with ``avx512_bf16`` compute the forward's scores with ``vdpbf16ps`` (exact
-bf16 products summed in float32, then times the scale; K packed once as bf16 pair words); the
-weighted V rows and the backward stay in float32.
+bf16 q, k, v on a build with ``avx512_bf16`` run the forward's two products with ``vdpbf16ps``
+(K and V packed once as bf16 pair words): scores as exact bf16 products summed in float32, then
+times the scale; P·V with the weights rounded to bf16 (the row sums stay float32): the output
+is within the ratio rule of bf16 arithmetic, the dtype it is returned in, and the lse of float32.
+Measured, bf16 sliding window 256 at S=16384 (B=1, H=8, D=64), one thread, CPU time,
+interleaved on a loaded Zen 4: 220 ms before, 141 ms with bf16 scores, 109 ms with bf16 P·V
+too (2.0x; 78 GFLOP/s useful, 19% of a 2048³ bf16 matmul's ~400 GFLOP/s in the same run). The
+backward stays float32.
 The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
 query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 

@@ -182,35 +182,50 @@ static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *
 /* -- bf16 scores (forward): vdpbf16ps multiplies bf16 pairs exactly and sums them in float32,
    32 products per instruction against 16 per float32 FMA. A (RB rows, stride lda) and B (pairs
    x BK, a row per pair) hold 32-bit words of two bf16 (elements 2p, 2p + 1 of a row of q, of a
-   key); C (RB x nv*VW, stride BK) += A B over npairs pairs. */
-static inline __attribute__((always_inline)) void mm_bf16_block(float *C, const uint32_t *A,
-                                                                int64_t lda, const uint32_t *B,
+   key; or of two keys' weights, of two V rows); C (RB x nv*VW, stride ldc) += A B over npairs
+   pairs (B: stride ldb words). */
+static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_t ldc,
+                                                                const uint32_t *A, int64_t lda,
+                                                                const uint32_t *B, int64_t ldb,
                                                                 int64_t npairs, int nv) {
   __m512 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = _mm512_loadu_ps(C + r * BK + x * VW);
+    for (x = 0; x < nv; x++) acc[r][x] = _mm512_loadu_ps(C + r * ldc + x * VW);
   for (int64_t k = 0; k < npairs; k++) {
     __m512bh b[NV];
-    for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * BK + x * VW);
+    for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * VW);
     for (r = 0; r < RB; r++) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
       for (x = 0; x < nv; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a, b[x]);
     }
   }
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) _mm512_storeu_ps(C + r * BK + x * VW, acc[r][x]);
+    for (x = 0; x < nv; x++) _mm512_storeu_ps(C + r * ldc + x * VW, acc[r][x]);
 }
 
-/* RB rows of C (stride BK) += A B for N columns of B (a multiple of VW, at most BK). */
-static void mm_bf16_rows(float *C, const uint32_t *A, int64_t lda, const uint32_t *B,
-                         int64_t npairs, int64_t N) {
-  switch (N / VW) {
-    case 1: mm_bf16_block(C, A, lda, B, npairs, 1); break;
-    case 2: mm_bf16_block(C, A, lda, B, npairs, 2); break;
-    case 3: mm_bf16_block(C, A, lda, B, npairs, 3); break;
-    default: mm_bf16_block(C, A, lda, B, npairs, 4); break;
+/* RB rows of C += A B for N columns of B (a multiple of VW). */
+static void mm_bf16_rows(float *C, int64_t ldc, const uint32_t *A, int64_t lda,
+                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N) {
+  for (int64_t n = 0; n < N; n += NV * VW) {
+    switch ((N - n) / VW) {
+      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1); break;
+      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2); break;
+      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3); break;
+      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4); break;
+    }
   }
+}
+
+/* The weights of RB rows of s (stride BK) rounded to bf16 (to nearest even) in key order: word
+   p of row r is the pair of keys 2p, 2p + 1, as mm_bf16 reads A. */
+static void weights_bf16(uint32_t *w, const float *s) {
+  for (int r = 0; r < RB; r++)
+    for (int k = 0; k < BK; k += 2 * VW) {
+      const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * BK + k + VW),
+                                             _mm512_loadu_ps(s + r * BK + k));
+      _mm512_storeu_si512(w + r * (BK / 2) + k / 2, (__m512i)x);
+    }
 }
 #define HAVE_DPBF16 1
 #else
@@ -245,6 +260,16 @@ static void pack_pairs_t(uint32_t *t, const uint16_t *src, int64_t off, int64_t 
   }
 }
 
+/* nk V rows (width bf16 each, from element offset off) as pair words of keys 2p, 2p + 1: t
+   (BK / 2 x ld), keys >= nk and columns >= width 0. */
+static void pack_v_pairs(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk, int64_t width,
+                         int64_t ld) {
+  memset(t, 0, sizeof(uint32_t) * (BK / 2) * ld);
+  for (int64_t k = 0; k < nk; k++)
+    for (int64_t e = 0; e < width; e++)
+      t[k / 2 * ld + e] |= (uint32_t)src[off + k * width + e] << (16 * (k % 2));
+}
+
 typedef struct {
   const int64_t *a;
   void *const *p;
@@ -260,6 +285,9 @@ typedef struct {
   /* bf16 K with vdpbf16ps (forward): per block, its keys' bf16 pair words transposed ((D + 1) / 2
      x BK uint32, in a float-sized buffer); kt is then not packed */
   float *kb;
+  /* bf16 V for the bf16 P V (forward): per block, pairs of keys' V rows as bf16 pair words
+     (BK / 2 x Dvp uint32); vp is then not packed */
+  float *vb;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -505,6 +533,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
 
   const int64_t npairs = (d.D + 1) / 2;
   uint32_t *qb = (uint32_t *)(l + MAXBQ); /* q's bf16 pair words, unscaled (bf16 path) */
+  uint32_t *pw = qb + MAXBQ * d.Dp;       /* RB rows of weights as bf16 pairs (bf16 P V) */
   if (job->kb)
     pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
   else
@@ -527,7 +556,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
 #if HAVE_DPBF16
       if (job->kb) { /* exact bf16 products summed in float32, then times c */
         const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
-        mm_bf16_rows(s + r * BK + v0, qb + r * npairs, npairs, kb + v0, npairs, v1 - v0);
+        mm_bf16_rows(s + r * BK + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0);
         for (int64_t i = r; i < r + RB; i++)
           for (k = v0; k < v1; k += VW) st(s + i * BK + k, ld(s + i * BK + k) * job->c);
         continue;
@@ -568,8 +597,18 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
     for (r = 0; r < tqp; r += RB) {
       const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
-      if (k1 > k0)
-        mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
+      if (k1 <= k0) continue;
+#if HAVE_DPBF16
+      if (job->vb) { /* weights rounded to bf16, times bf16 V pairs, summed in float32 */
+        const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
+        const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
+        weights_bf16(pw, s + r * BK);
+        mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0, BK / 2, vpairs + p0 * d.Dvp, d.Dvp,
+                     p1 - p0, d.Dvp);
+        continue;
+      }
+#endif
+      mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
     }
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
@@ -588,8 +627,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   }
 }
 
-static int64_t fwd_scratch(const Dims *d) { /* the last MAXBQ * Dp: q's bf16 pairs */
-  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp;
+static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of bf16 weights */
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -784,6 +823,8 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   if (job->kb)
     pack_pairs_t((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (const uint16_t *)p[P_K],
                  kv0 * d.D, nk, d.D, (uint32_t *)row);
+  if (job->vb) pack_v_pairs((uint32_t *)job->vb + blk * (BK / 2) * d.Dvp, (const uint16_t *)p[P_V],
+                            kv0 * d.Dv, nk, d.Dv, d.Dvp);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
   if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
   if (job->vp)
@@ -794,10 +835,11 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
    means: wanted). 0, or 1 when memory ran out. */
 static int pack_kv(Job *job, const Dims *d, int n_threads) {
   const int64_t n_blk = d->B * d->Hkv * d->nk;
-  float **slots[5] = {&job->kt, &job->vt, &job->kp, &job->vp, &job->kb};
-  const int64_t sizes[5] = {d->D * BK, d->Dv * BK, BK * d->Dp, BK * d->Dvp, (d->D + 1) / 2 * BK};
+  float **slots[6] = {&job->kt, &job->vt, &job->kp, &job->vp, &job->kb, &job->vb};
+  const int64_t sizes[6] = {d->D * BK, d->Dv * BK,  BK * d->Dp, BK * d->Dvp, (d->D + 1) / 2 * BK,
+                            BK / 2 * d->Dvp};
   int bad = 0;
-  for (int i = 0; i < 5; i++)
+  for (int i = 0; i < 6; i++)
     if (*slots[i]) {
       *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
       bad |= *slots[i] == NULL;
@@ -810,7 +852,7 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
 }
 
 static void free_packed(Job *job) {
-  free(job->kt), free(job->vt), free(job->kp), free(job->vp), free(job->kb);
+  free(job->kt), free(job->vt), free(job->kp), free(job->vp), free(job->kb), free(job->vb);
 }
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
@@ -825,7 +867,7 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
   float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             kb ? NULL : WANTED, NULL, NULL, vp, kb};
+             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb};
   int status = pack_kv(&job, &d, n_threads);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
@@ -860,7 +902,7 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   const Dims d = dims(iargs);
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
-            WANTED, WANTED, WANTED, NULL, NULL};
+            WANTED, WANTED, WANTED, NULL, NULL, NULL};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
