@@ -153,9 +153,10 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
 # 2-core EPYC, Zen 4 AVX-512, were noise), one thread, interleaved, B=1, H=8, D=64, fp32 / bf16:
 # dense S=2048 0.69x / 0.66x sdpa, causal 0.61x / 0.58x sdpa is_causal; sliding window 256 at
 # S=8192 0.71x / 0.58x chunked, 8 causal documents 0.53x / 0.70x chunked; window fwd+bwd at
-# S=4096 0.07x sdpa with the dense mask (0.64x chunked). Costed as sdpa's equal all the same:
-# masked work comes here (sdpa would use a dense mask, chunked costs 2), while no mask and
-# causal() stay on sdpa (ties go to it), conservatively.
+# S=4096 0.07x sdpa with the dense mask (0.64x chunked); since then bf16 runs vdpbf16ps for both
+# forward products (window 256 at S=16384: 2.0x faster, kernels/fused_attention.py). Costed
+# as sdpa's equal all the same: masked work comes here (sdpa would use a dense mask, chunked
+# costs 2), while no mask and causal() stay on sdpa (ties go to it), conservatively.
 _PER_PAIR = 1.0
 # The fixed cost of a call (tile plan, partial masks, the finiteness check, the op): ~0.35 ms of
 # CPU time against sdpa's ~0.08 ms, i.e. sdpa's time for ~1e5 (query, key) pairs (its ~3 ns per
