@@ -88,6 +88,59 @@ def test_alibi_matches_reference(mask_name, q_offset):
     check_against_reference(cpu_attention, q, k, v, mask=mask, score_mod=scores.alibi(4), **kw)
 
 
+def _bias(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+# score mods the kernel applies (alibi and bias add, the soft cap comes last)
+SCORE_MODS = {
+    "softcap": lambda: scores.softcap(3.0),
+    "bias": lambda: scores.bias(_bias((2, 4, 70, 130), 1)),
+    "bias-broadcast-rows": lambda: scores.bias(_bias((4, 1, 130), 2)),
+    "alibi-bias-softcap": lambda: (
+        scores.alibi(4) >> scores.bias(_bias((70, 130), 3)) >> scores.softcap(2.0)
+    ),
+}
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window", "callable"])
+@pytest.mark.parametrize("mod", list(SCORE_MODS))
+def test_score_mods_match_reference_with_gradients(mod, mask_name):
+    """Soft cap and bias tensors run in the kernel (forward, and the backward through the cap's
+    1 - tanh²), GQA, ragged tiles; scale 1 makes scores large enough for the cap to bend."""
+    q, k, v = make_qkv(2, 4, 70, 24, Hkv=2, Sk=130, Dv=20, seed=len(mod) + len(mask_name))
+    mask = MASKS[mask_name](2, 4, 70, 130, 5)
+    score_mod = SCORE_MODS[mod]()
+    assert (
+        backends.explain(q, k, v, mask=mask, score_mod=score_mod, print_table=False).reasons[
+            "cpu_fused"
+        ]
+        is None
+    )
+    check_against_reference(cpu_attention, q, k, v, mask=mask, score_mod=score_mod, scale=1.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernel"),
+    [(torch.bfloat16, "1"), (torch.bfloat16, "generic"), (torch.float16, "1")],
+    ids=["bf16", "bf16-generic", "fp16"],
+)
+def test_softcap_in_low_precision(dtype, kernel, monkeypatch):
+    """bf16 on a CPU with avx512_bf16 runs vdpbf16ps scores and bf16 P V (forced generic: the
+    float32 path); with bias, soft cap, GQA and gradients, within the ratio rule."""
+    monkeypatch.setenv(fused_attention.ENV_VAR, kernel)
+    q, k, v = make_qkv(1, 6, 70, 40, Hkv=3, Sk=131, dtype=dtype, seed=17)
+    mod = scores.bias(_bias((1, 6, 70, 131), 4).to(dtype)) >> scores.softcap(5.0)
+    check_against_reference(cpu_attention, q, k, v, mask=masks.causal(), score_mod=mod)
+
+
+def test_score_mods_on_the_forced_generic_path(monkeypatch):
+    monkeypatch.setenv(fused_attention.ENV_VAR, "generic")
+    q, k, v = make_qkv(1, 2, 33, 16, Sk=77, seed=18)
+    mod = scores.bias(_bias((33, 77), 5)) >> scores.softcap(2.0)
+    check_against_reference(cpu_attention, q, k, v, mask=masks.causal(), score_mod=mod, scale=1.0)
+
+
 @pytest.mark.parametrize(("Sq", "Sk"), [(1, 1), (1, 200), (7, 1), (65, 64)])
 def test_odd_shapes(Sq, Sk):
     q, k, v = make_qkv(1, 3, Sq, 8, Sk=Sk, Dv=17, seed=Sq * Sk, contiguous=False)
@@ -156,7 +209,9 @@ def test_nonfinite_values_in_masked_keys_do_not_leak():
 @pytest.mark.parametrize(
     ("kwargs", "why"),
     [
-        ({"score_mod": scores.softcap(20.0)}, "score mod"),
+        ({"score_mod": lambda s, b, h, qi, ki: s * 2}, "not made of alibi, bias and softcap"),
+        ({"score_mod": scores.softcap(2.0) >> scores.alibi(2)}, "caps last"),
+        ({"score_mod": scores.bias(torch.zeros(8, 8, requires_grad=True))}, "bias gradient"),
         ({"dtype": torch.float64}, "float64"),
     ],
 )

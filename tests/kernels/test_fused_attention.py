@@ -81,18 +81,53 @@ def test_forward_matches_its_twin(shape, generic, mask_bh):
     assert bool((m[empty] == 0).all()) and bool((l[empty] == 1).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs_are_read_in_place(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "generic"),
+    [(torch.bfloat16, True), (torch.float16, True), (torch.float16, False)],
+    ids=["bf16-generic", "fp16-generic", "fp16-native"],
+)
+def test_low_precision_inputs_are_read_in_place(dtype, generic):
     """bf16/fp16 q, k, v are converted as tiles are packed: the same numbers as float32 inputs
-    holding the same values."""
-    if dtype not in fa.supported_dtypes():
+    holding the same values (bf16 on a native build with avx512_bf16 takes vdpbf16ps: below)."""
+    if dtype not in fa.supported_dtypes(generic):
         pytest.skip(f"this compiler has no {dtype}")
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
     t = _tiles(Sq, Sk, bq, seed=3)
     q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=dtype, seed=4)
-    out, lse, _, _ = fa.forward(q, k, v, t, 0.2)
-    ref, ref_lse, _, _ = fa.forward(q.float(), k.float(), v.float(), t, 0.2)
+    out, lse, _, _ = fa.forward(q, k, v, t, 0.2, generic=generic)
+    ref, ref_lse, _, _ = fa.forward(q.float(), k.float(), v.float(), t, 0.2, generic=generic)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("mods", [{}, {"softcap": 2.0}], ids=["plain", "softcap"])
+@pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bf16_scores_match_the_oracle(shape, generic, mods):
+    """bf16 q, k, v: on a build with avx512_bf16 the scores are vdpbf16ps sums of exact products
+    (odd D pads the last pair with 0), within the ratio rule of float32 arithmetic (the lse);
+    the weights are rounded to bf16 for P V, so the output is within the rule of bf16
+    arithmetic (the dtype it is returned in). GQA, Sq = 1, ragged tiles, odd Dv. The generic
+    build converts to float32."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES[shape]
+    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=31)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.bfloat16, seed=32)
+    out, lse, _, _ = fa.forward(q, k, v, t, 0.3, generic=generic, **mods)
+    o64, lse64 = fa.twin(q, k, v, t, 0.3, **mods)
+    _, lse32 = fa.twin(q, k, v, t, 0.3, dtype=torch.float32, **mods)
+    o16, _ = fa.twin(q, k, v, t, 0.3, dtype=torch.bfloat16, **mods)
+    assert_close_to_reference(out.bfloat16(), o64, o16)
+    assert_close_to_reference(lse, lse64, lse32, what="lse")
+
+
+@pytest.mark.skipif("avx512_bf16" not in fa.isa(), reason="this CPU has no avx512_bf16")
+def test_bf16_native_build_takes_the_dpbf16_path():
+    """Sums of exact bf16 products in vdpbf16ps's order, and weights rounded to bf16, differ
+    from the float32 path's results: the native build is running the bf16 path."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, seed=33)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.bfloat16, seed=34)
+    out = fa.forward(q, k, v, t, 0.2)[0]
+    assert not torch.equal(out, fa.forward(q.float(), k.float(), v.float(), t, 0.2)[0])
 
 
 def test_forward_is_bitwise_deterministic_across_thread_counts():
@@ -147,6 +182,58 @@ def test_backward_matches_the_twins_gradients(generic):
         assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
 
 
+def test_tanh_is_within_a_few_ulp_of_float64():
+    """The soft cap's vectorised tanh (polynomial below 1/2, exp2 above) against float64 tanh on a
+    sweep of float32 bit patterns in [-20, 20], denormals and the switch included."""
+    bits = torch.arange(0, 0x41A00000, 997, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.cat([x, -x, torch.tensor([0.5, math.inf, -math.inf])])
+    for generic in (False, True):
+        y = fa.tanh(x, generic=generic).double()
+        exact = torch.tanh(x.double())
+        ulp = torch.nextafter(exact.float().abs(), torch.tensor(math.inf)) - exact.float().abs()
+        assert ((y - exact).abs() / ulp.double()).max().item() <= 4
+    assert torch.isnan(fa.tanh(torch.tensor([math.nan]))).all()
+
+
+# bias (B|1, Hq|1, Sq|1, Sk|1) and softcap cases of the score mods
+MODS = {
+    "softcap": lambda B, Hq, Sq, Sk, g: (None, 2.5),
+    "bias-per-b-h": lambda B, Hq, Sq, Sk, g: (torch.randn(B, Hq, Sq, Sk, generator=g), 0.0),
+    "bias-row-broadcast": lambda B, Hq, Sq, Sk, g: (torch.randn(1, Hq, 1, Sk, generator=g), 0.0),
+    "bias-then-softcap": lambda B, Hq, Sq, Sk, g: (torch.randn(B, 1, Sq, 1, generator=g) * 3, 1.5),
+}
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_score_mods_forward_and_backward_match_the_twin(mod, generic):
+    """Bias and soft cap in the kernel, forward and the backward's chain through the cap
+    (1 - tanh²), against autograd through the float64 twin; GQA, ragged tiles, Dv != D."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=21)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=22)
+    g = torch.Generator().manual_seed(23)
+    bias, cap = MODS[mod](B, Hq, Sq, Sk, g)
+    scale, kw = 0.5, {"bias": bias, "softcap": cap}  # large scores: the cap bends them
+    out, lse, m, l = fa.forward(q, k, v, t, scale, generic=generic, **kw)
+    dout, dlse = torch.randn(B, Hq, Sq, Dv, generator=g), torch.randn(B, Hq, Sq, generator=g)
+    grads = fa.backward(dout, dlse, q, k, v, out, m, l, t, scale, generic=generic, **kw)
+
+    def twin(dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        o, s = fa.twin(*leaves, t, scale, dtype=dtype, **kw)
+        finite = torch.where(torch.isfinite(s), s, 0)
+        return (o, s), torch.autograd.grad((o * dout).sum() + (finite * dlse).sum(), leaves)
+
+    (o64, lse64), g64 = twin(torch.float64)
+    (o32, lse32), g32 = twin(torch.float32)
+    assert_close_to_reference(out, o64, o32)
+    assert_close_to_reference(lse, lse64, lse32, what="lse")
+    for name, a, o, n in zip(("dq", "dk", "dv"), grads, g64, g32):
+        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
+
+
 def test_ops_pass_opcheck():
     """Schema, fake, autograd registration and AOT dispatch of selfattn::attention_fwd_cpu."""
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = 1, 2, 1, 9, 70, 8, 16, 9
@@ -164,3 +251,7 @@ def test_bad_tensors_are_refused_with_their_shapes():
         fa.forward(q, k.double(), v, t, 0.3)
     with pytest.raises(ValueError, match="contiguous=False"):
         fa.forward(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, t, 0.3)
+    with pytest.raises(ValueError, match=r"bias must broadcast .* got \(1, 2, 9, 3\)"):
+        fa.forward(q, k, v, t, 0.3, bias=torch.zeros(1, 2, 9, 3))
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        fa.forward(q, k, v, t, 0.3, softcap=-1.0)

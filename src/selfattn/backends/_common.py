@@ -179,6 +179,30 @@ def causal_as_flag(k, call) -> bool:
     return call.q_offset >= k.shape[2] - 1 or (call.q_offset == 0 and call.score_mod is None)
 
 
+def score_terms(q, k, call) -> tuple | str:
+    """The call's score mod as kernel data (``ScoreMod.kernel_terms``: alibi, bias, softcap
+    terms, each at most once, the soft cap last, as the triton and cpu_fused kernels apply
+    them); ``()`` without a score mod; else the reason a kernel cannot run it."""
+    if call.score_mod is None:
+        return ()
+    found = call.score_mod.kernel_terms(call.q_offset, q.shape[2], k.shape[2])
+    if found is None:
+        return f"score_mod {call.score_mod!r} is not made of alibi, bias and softcap terms"
+    kinds = [name for name, _ in found]
+    if any(kinds.count(name) > 1 for name in kinds):
+        return f"score_mod {call.score_mod!r} repeats a term (the kernel applies each once)"
+    if "softcap" in kinds and kinds[-1] != "softcap":
+        return f"score_mod {call.score_mod!r} adds a term after its softcap (the kernel caps last)"
+    return found
+
+
+def learned_bias(terms: tuple) -> bool:
+    """Whether ``terms`` (:func:`score_terms`) hold a bias that needs a gradient now."""
+    return any(
+        name == "bias" and value.requires_grad and torch.is_grad_enabled() for name, value in terms
+    )
+
+
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of ``tensors`` is finite: one sum per tensor and one sync.
 

@@ -8,12 +8,14 @@ composed ops), and not plain ``cpu``: that is the paged registry's C decode kern
 estimate): EMPTY tiles are skipped, FULL ones get no mask work, and each PARTIAL tile's mask is
 evaluated once per call with the mask's own ``mask_mod`` (``chunked._partial_masks``) into a
 byte block the kernel reads. The kernel reads bf16/fp16 inputs as they are, accumulates in
-float32 and the output goes back to q's dtype. GQA reads each kv head's K/V in place for its G
-query heads.
+float32 and the output goes back to q's dtype (bf16 scores by ``vdpbf16ps`` where the CPU has
+avx512_bf16). Score mods in the kernel: ALiBi, a bias tensor and a soft cap (applied last). GQA
+reads each kv head's K/V in place for its G query heads.
 
 Not run (declined with the reason): non-CPU tensors, float64 (it accumulates in float64, the
-kernel in float32), score mods other than ALiBi (not in the kernel yet: chunked runs them), calls
-under ``torch.compile`` (the tile plan reads mask values), and wherever the kernel cannot be
+kernel in float32), score mods not made of ALiBi, bias and softcap terms (a callable, T5's table:
+chunked runs them), a bias that needs its gradient (the kernel computes no dBias), calls under
+``torch.compile`` (the tile plan reads mask values), and wherever the kernel cannot be
 built (no compiler: logged once, chunked runs instead). Non-finite inputs are checked and
 redone exactly (``_common.fused_or_exact``), as sdpa's are; a call needing gradients whose K/V
 hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplies whole tiles)."""
@@ -32,10 +34,11 @@ from selfattn.backends._common import (
     all_finite,
     fused_or_exact,
     grad_needed,
+    learned_bias,
     run_with_sinks,
+    score_terms,
 )
 from selfattn.kernels import fused_attention, ops
-from selfattn.scores import ALiBi
 
 __all__ = ["run", "tiles"]
 
@@ -84,11 +87,11 @@ def _attend(q, k, v, call: AttentionCall):
     t = tiles(q, k, call)
     qkv = (x.contiguous() for x in (q, k, v))
     generic = fused_attention.forced_generic()
-    alibi = call.score_mod.slopes if call.score_mod is not None else None  # ALiBi (reject)
+    mods = dict(score_terms(q, k, call))  # alibi, bias, softcap: checked by reject
     drop = (call.dropout_p, _seed0(call.dropout_seed)) if call.dropout_p > 0 else (0.0, 0)
     out, lse, _, _ = ops.attention_fwd_cpu(
         *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic, call.q_offset,
-        alibi, *drop,
+        mods.get("alibi"), *drop, mods.get("bias"), float(mods.get("softcap", 0.0)),
     )  # fmt: skip
     return out.to(q.dtype), (lse if call.return_lse else None)
 
@@ -121,10 +124,13 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
             "float64 inputs accumulate in float64 and the kernel accumulates in float32 "
             "(chunked and reference run them)"
         )
-    if call.score_mod is not None and not isinstance(call.score_mod, ALiBi):
+    terms = score_terms(q, k, call)
+    if isinstance(terms, str):
+        return terms + " (chunked runs it)"
+    if learned_bias(terms):
         return (
-            f"score mod {call.score_mod!r}: the fused kernel runs only ALiBi so far (chunked "
-            "runs it)"
+            "the bias requires grad: the fused kernel's backward computes no bias gradient "
+            "(chunked routes it)"
         )
     if torch.compiler.is_compiling():
         return "under torch.compile its tile plan reads mask values (a graph break)"
@@ -147,9 +153,10 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
 # 2-core EPYC, Zen 4 AVX-512, were noise), one thread, interleaved, B=1, H=8, D=64, fp32 / bf16:
 # dense S=2048 0.69x / 0.66x sdpa, causal 0.61x / 0.58x sdpa is_causal; sliding window 256 at
 # S=8192 0.71x / 0.58x chunked, 8 causal documents 0.53x / 0.70x chunked; window fwd+bwd at
-# S=4096 0.07x sdpa with the dense mask (0.64x chunked). Costed as sdpa's equal all the same:
-# masked work comes here (sdpa would use a dense mask, chunked costs 2), while no mask and
-# causal() stay on sdpa (ties go to it), conservatively.
+# S=4096 0.07x sdpa with the dense mask (0.64x chunked); since then bf16 runs vdpbf16ps for both
+# forward products (window 256 at S=16384: 2.0x faster, kernels/fused_attention.py). Costed
+# as sdpa's equal all the same: masked work comes here (sdpa would use a dense mask, chunked
+# costs 2), while no mask and causal() stay on sdpa (ties go to it), conservatively.
 _PER_PAIR = 1.0
 # The fixed cost of a call (tile plan, partial masks, the finiteness check, the op): ~0.35 ms of
 # CPU time against sdpa's ~0.08 ms, i.e. sdpa's time for ~1e5 (query, key) pairs (its ~3 ns per
@@ -176,7 +183,7 @@ register(
         supports=BASE_FIELDS["dense"] | {"sinks"},
         doc=(
             "fused C kernel (AVX-512/AVX2/generic): skips empty tiles, no mask work on full "
-            "ones, fused backward; CPU, fp32/bf16/fp16, no score mods or dropout yet"
+            "ones, fused backward; CPU, fp32/bf16/fp16, ALiBi/bias/softcap, dropout"
         ),
     )
 )

@@ -40,7 +40,9 @@ from selfattn.backends._common import (
     _fmix32,
     fused_or_exact,
     grad_needed,
+    learned_bias,
     run_with_sinks,
+    score_terms,
 )
 from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
@@ -79,22 +81,9 @@ def _form(q, k, call: AttentionCall):
                 "documents and their '&'; flex compiles the others"
             )
         interval, ids = form
-    terms: tuple = ()
-    if call.score_mod is not None:
-        found = call.score_mod.kernel_terms(call.q_offset, q.shape[2], k.shape[2])
-        if found is None:
-            return (
-                f"score_mod {call.score_mod!r} is not made of alibi, bias and softcap terms: "
-                "flex compiles it"
-            )
-        kinds = [name for name, _ in found]
-        if kinds.count("alibi") > 1 or kinds.count("bias") > 1 or kinds.count("softcap") > 1:
-            return f"score_mod {call.score_mod!r} repeats a term (the kernel applies each once)"
-        if "softcap" in kinds and kinds[-1] != "softcap":
-            return (
-                f"score_mod {call.score_mod!r} adds a term after its softcap (the kernel caps last)"
-            )
-        terms = found
+    terms = score_terms(q, k, call)
+    if isinstance(terms, str):
+        return terms + ": flex compiles it"
     return interval, ids, terms
 
 
@@ -131,12 +120,8 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
         return f"the Triton kernel failed to build for this case earlier in this process ({failed})"
     if ids is not None and ids.shape[0] not in (1, B):
         return f"document ids of batch {ids.shape[0]} for B={B}"
-    for name, value in terms:
-        if name == "bias" and value.requires_grad and torch.is_grad_enabled():
-            return (
-                "the bias requires grad: the Triton backward does not route it (chunked and flex "
-                "do)"
-            )
+    if learned_bias(terms):
+        return "the bias requires grad: the Triton backward does not route it (chunked and flex do)"
     if not triton_kernels.available():
         why = "Triton is not installed (pip install 'selfattn[triton]')"
         if q.device.type == "cuda":

@@ -248,10 +248,14 @@ def attention_fwd_cpu(
     alibi: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     seed0: int = 0,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
-    return fused_attention.forward(q, k, v, t, scale, generic, q_offset, alibi, dropout_p, seed0)
+    return fused_attention.forward(
+        q, k, v, t, scale, generic, q_offset, alibi, dropout_p, seed0, bias, softcap
+    )
 
 
 @attention_fwd_cpu.register_fake
@@ -287,12 +291,15 @@ def attention_bwd_cpu(
     alibi: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     seed0: int = 0,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
     return fused_attention.backward(
-        dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi, dropout_p, seed0
-    )
+        dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi, dropout_p, seed0,
+        bias, softcap,
+    )  # fmt: skip
 
 
 @attention_bwd_cpu.register_fake
@@ -303,7 +310,8 @@ def _(dout, dlse, q, k, v, *rest):
 def _fwd_setup(ctx, inputs, output):
     out, _, m, l = output
     ctx.save_for_backward(*inputs[:3], out, m, l, *inputs[3:10])  # q, k, v, ..., the tiles
-    ctx.args = inputs[10:]  # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout
+    # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout, bias (no gradient), cap
+    ctx.args = inputs[10:]
 
 
 def _fwd_backward(ctx, dout, dlse, _dm, _dl):

@@ -24,16 +24,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 /* iargs, in order */
 enum {
   A_B, A_HQ, A_HKV, A_SQ, A_SK, A_D, A_DV, A_BQ, A_BK, A_NQ, A_NK, A_MB, A_MH, A_DT, A_QOFF,
-  A_SEED, A_NARGS
+  A_SEED, A_BIAS_SB, A_BIAS_SH, A_BIAS_SQ, A_BIAS_SK, A_NARGS
 };
 /* ptrs, in order */
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
-  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_NPTRS
+  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT); dO and every output are float32 */
@@ -98,6 +101,42 @@ static inline v16 exp2v(v16 x) {
   return (v16)((v16i)(y * (v16)e) & ~under);
 }
 
+/* tanh of 16 floats, odd. |x| < TANH_POLY_MAX: x · p(x²), p a degree-5 least-squares fit of
+   tanh(x)/x on [0, 1/2] (relative error 3.8e-10 in exact arithmetic); above it (1 - e) / (1 + e)
+   with e = 2^(-2|x| log2(e)) from exp2v, where 1 - e >= 0.39 cancels no digits; e = 0 gives
+   exactly ±1 (±inf included), NaN stays NaN. Measured against tanh in float64 on every 61st
+   float32 in [-20, 20] (36M values, down to denormals): at most 2.8 ulp of float32 (at 0.549,
+   the switch); 1 - 2 / (2^(2x log2(e)) + 1) alone is 2·10^7 ulp near 0, where the soft cap's
+   argument usually is. tests/kernels/test_fused_attention.py keeps it under 4 ulp. */
+#define TANH_POLY_MAX 0.5f
+static inline v16 tanhv(v16 x) {
+  const v16i sign = (v16i)x & ((v16i){0} + (int32_t)0x80000000u);
+  const v16 a = (v16)((v16i)x & ~sign), a2 = a * a;
+  v16 p = splat(-0.0066394669969970206f);
+  p = p * a2 + 0.021292919597931774f;
+  p = p * a2 - 0.053898069132019027f;
+  p = p * a2 + 0.13332954240019484f;
+  p = p * a2 - 0.33333326590061013f;
+  const v16 small = a + a * (p * a2);
+  const v16 e = exp2v(a * (-2.0f * 1.4426950408889634f));
+  const v16 large = (1.0f - e) / (1.0f + e);
+  const v16i use_small = a < TANH_POLY_MAX;
+  const v16 t = (v16)(((v16i)small & use_small) | ((v16i)large & ~use_small));
+  return (v16)((v16i)t | sign);
+}
+
+/* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
+void fa_tanh(const float *x, float *y, int64_t n) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) st(y + i, tanhv(ld(x + i)));
+  if (i < n) {
+    float buf[VW] = {0};
+    memcpy(buf, x + i, sizeof(float) * (size_t)(n - i));
+    const v16 t = tanhv(ld(buf));
+    memcpy(y + i, &t, sizeof(float) * (size_t)(n - i));
+  }
+}
+
 /* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
    ldb), with nv a constant at each call site, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc, const float *A,
@@ -139,6 +178,98 @@ static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *
   for (int64_t r = 0; r < M; r += RB) mm_rows(C + r * ldc, ldc, A + r * lda, lda, B, ldb, K, N);
 }
 
+#if defined(__AVX512BF16__)
+/* -- bf16 scores (forward): vdpbf16ps multiplies bf16 pairs exactly and sums them in float32,
+   32 products per instruction against 16 per float32 FMA. A (RB rows, stride lda) and B (pairs
+   x BK, a row per pair) hold 32-bit words of two bf16 (elements 2p, 2p + 1 of a row of q, of a
+   key; or of two keys' weights, of two V rows); C (RB x nv*VW, stride ldc) += A B over npairs
+   pairs (B: stride ldb words). */
+static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_t ldc,
+                                                                const uint32_t *A, int64_t lda,
+                                                                const uint32_t *B, int64_t ldb,
+                                                                int64_t npairs, int nv) {
+  __m512 acc[RB][NV];
+  int r, x;
+  for (r = 0; r < RB; r++)
+    for (x = 0; x < nv; x++) acc[r][x] = _mm512_loadu_ps(C + r * ldc + x * VW);
+  for (int64_t k = 0; k < npairs; k++) {
+    __m512bh b[NV];
+    for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * VW);
+    for (r = 0; r < RB; r++) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
+      for (x = 0; x < nv; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a, b[x]);
+    }
+  }
+  for (r = 0; r < RB; r++)
+    for (x = 0; x < nv; x++) _mm512_storeu_ps(C + r * ldc + x * VW, acc[r][x]);
+}
+
+/* RB rows of C += A B for N columns of B (a multiple of VW). */
+static void mm_bf16_rows(float *C, int64_t ldc, const uint32_t *A, int64_t lda,
+                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N) {
+  for (int64_t n = 0; n < N; n += NV * VW) {
+    switch ((N - n) / VW) {
+      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1); break;
+      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2); break;
+      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3); break;
+      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4); break;
+    }
+  }
+}
+
+/* The weights of RB rows of s (stride BK) rounded to bf16 (to nearest even) in key order: word
+   p of row r is the pair of keys 2p, 2p + 1, as mm_bf16 reads A. */
+static void weights_bf16(uint32_t *w, const float *s) {
+  for (int r = 0; r < RB; r++)
+    for (int k = 0; k < BK; k += 2 * VW) {
+      const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * BK + k + VW),
+                                             _mm512_loadu_ps(s + r * BK + k));
+      _mm512_storeu_si512(w + r * (BK / 2) + k / 2, (__m512i)x);
+    }
+}
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* bf16 pair words (element 2p low, 2p + 1 high; a missing last element 0) of n rows of width
+   bf16 elements from element offset off of src, rows of ld words, rows [n, rows_padded) 0. */
+static void pack_pairs(uint32_t *dst, int64_t ld, const uint16_t *src, int64_t off, int64_t n,
+                       int64_t width, int64_t rows_padded) {
+  const int64_t np = (width + 1) / 2;
+  for (int64_t r = 0; r < rows_padded; r++) {
+    uint32_t *o = dst + r * ld;
+    const uint16_t *x = src + off + r * width;
+    if (r >= n) {
+      memset(o, 0, sizeof(uint32_t) * np);
+      continue;
+    }
+    for (int64_t e = 0; e < width / 2; e++) o[e] = x[2 * e] | (uint32_t)x[2 * e + 1] << 16;
+    if (width % 2) o[np - 1] = x[width - 1];
+  }
+}
+
+/* nk keys (rows of width bf16) as pair words transposed, t (pairs x BK), keys >= nk 0. */
+static void pack_pairs_t(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk,
+                         int64_t width, uint32_t *row) {
+  const int64_t np = (width + 1) / 2;
+  for (int64_t e = 0; e < np; e++) memset(t + e * BK + nk, 0, sizeof(uint32_t) * (BK - nk));
+  for (int64_t k = 0; k < nk; k++) {
+    pack_pairs(row, np, src, off + k * width, 1, width, 1);
+    for (int64_t e = 0; e < np; e++) t[e * BK + k] = row[e];
+  }
+}
+
+/* nk V rows (width bf16 each, from element offset off) as pair words of keys 2p, 2p + 1: t
+   (BK / 2 x ld), keys >= nk and columns >= width 0. */
+static void pack_v_pairs(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk, int64_t width,
+                         int64_t ld) {
+  memset(t, 0, sizeof(uint32_t) * (BK / 2) * ld);
+  for (int64_t k = 0; k < nk; k++)
+    for (int64_t e = 0; e < width; e++)
+      t[k / 2 * ld + e] |= (uint32_t)src[off + k * width + e] << (16 * (k % 2));
+}
+
 typedef struct {
   const int64_t *a;
   void *const *p;
@@ -151,6 +282,12 @@ typedef struct {
   /* K and V packed once per call, per (b, kv head, key tile) block (NULL: not used):
      kt Kᵀ (D x BK), vt Vᵀ (Dv x BK), kp K (BK x Dp), vp V (BK x Dvp), float32 */
   float *kt, *vt, *kp, *vp;
+  /* bf16 K with vdpbf16ps (forward): per block, its keys' bf16 pair words transposed ((D + 1) / 2
+     x BK uint32, in a float-sized buffer); kt is then not packed */
+  float *kb;
+  /* bf16 V for the bf16 P V (forward): per block, pairs of keys' V rows as bf16 pair words
+     (BK / 2 x Dvp uint32); vp is then not packed */
+  float *vb;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -273,6 +410,43 @@ static void add_alibi(float *s, int64_t tqp, int64_t qpos0, int64_t c0, float sl
     }
 }
 
+/* The additive bias (P_BIAS: float32 times log2(e), the host's copy of the call's view; strides
+   A_BIAS_S*, 0 on broadcast axes) of rows [0, tq) and keys [0, nk) of the tile whose first row
+   is r0 and first key c0, for sequence b and query head h. */
+static void add_bias(float *s, const int64_t *a, const float *bias, int64_t b, int64_t h,
+                     int64_t r0, int64_t c0, int64_t tq, int64_t nk) {
+  const int64_t sq = a[A_BIAS_SQ], sk = a[A_BIAS_SK];
+  const float *base = bias + b * a[A_BIAS_SB] + h * a[A_BIAS_SH] + r0 * sq + c0 * sk;
+  for (int64_t r = 0; r < tq; r++) {
+    float *row = s + r * BK;
+    const float *x = base + r * sq;
+    if (sk == 1)
+      for (int64_t k = 0; k < nk; k++) row[k] += x[k];
+    else
+      for (int64_t k = 0; k < nk; k++) row[k] += x[k * sk];
+  }
+}
+
+/* The score mods of one tile, in the order the host accepts them (ALiBi and the bias add, the
+   soft cap comes last): s (tqp x BK, base 2) of rows r0 + [0, tq), keys c0 + [0, nk) of
+   sequence b, query head h. The soft cap, cap2 · tanh(s / cap2) with cap2 = cap · log2(e) (the
+   cap in base-2 units: the same function of the natural score), leaves 1 - tanh², its
+   derivative, in dcap when dcap is not NULL (the backward's chain rule). */
+static void apply_mods(float *s, float *dcap, const int64_t *a, void *const *p, int64_t b,
+                       int64_t h, int64_t r0, int64_t c0, int64_t tq, int64_t tqp, int64_t nk) {
+  if (p[P_SLOPES]) add_alibi(s, tqp, a[A_QOFF] + r0, c0, ((const float *)p[P_SLOPES])[h]);
+  if (p[P_BIAS]) add_bias(s, a, (const float *)p[P_BIAS], b, h, r0, c0, tq, nk);
+  if (p[P_CAP]) {
+    const float *cap = (const float *)p[P_CAP]; /* {cap2, 1 / cap2} */
+    const v16 c = splat(cap[0]), inv = splat(cap[1]);
+    for (int64_t i = 0; i < tqp * BK; i += VW) {
+      const v16 t = tanhv(ld(s + i) * inv);
+      st(s + i, c * t);
+      if (dcap) st(dcap + i, 1.0f - t * t);
+    }
+  }
+}
+
 /* -- attention dropout, counter-based: the same kept pairs as selfattn.backends._common.
    dropout_keep (murmur3's 32-bit finaliser over seed, b, h, query position, key position; the
    top 24 bits give u in [0, 1), kept iff u >= p), so every backend and the recomputing backward
@@ -357,7 +531,13 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
   int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
 
-  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  const int64_t npairs = (d.D + 1) / 2;
+  uint32_t *qb = (uint32_t *)(l + MAXBQ); /* q's bf16 pair words, unscaled (bf16 path) */
+  uint32_t *pw = qb + MAXBQ * d.Dp;       /* RB rows of weights as bf16 pairs (bf16 P V) */
+  if (job->kb)
+    pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
+  else
+    pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
   for (r = 0; r < tqp; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
   for (t = 0; t < qt.n; t++) {
@@ -365,17 +545,26 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     /* -- scores of the tile, base 2 */
     const int64_t blk = blk0 + qt.cols[t];
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
-    const float *kt = job->kt + blk * d.D * BK;
+    const float *kt = job->kb ? NULL : job->kt + blk * d.D * BK;
     /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
        tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
     key_ranges(lo, hi, bits, tq, tqp, nk);
     memset(s, 0, sizeof(float) * tqp * BK);
     for (r = 0; r < tqp; r += RB) {
       const int64_t v0 = lo[r / RB] / VW * VW, v1 = round_up(hi[r / RB], VW);
-      if (v1 > v0) mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
+      if (v1 <= v0) continue;
+#if HAVE_DPBF16
+      if (job->kb) { /* exact bf16 products summed in float32, then times c */
+        const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
+        mm_bf16_rows(s + r * BK + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0);
+        for (int64_t i = r; i < r + RB; i++)
+          for (k = v0; k < v1; k += VW) st(s + i * BK + k, ld(s + i * BK + k) * job->c);
+        continue;
+      }
+#endif
+      mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
     }
-    if (p[P_SLOPES])
-      add_alibi(s, tqp, job->a[A_QOFF] + qt.i * d.bq, c0, ((const float *)p[P_SLOPES])[h]);
+    apply_mods(s, NULL, job->a, p, b, h, qt.i * d.bq, c0, tq, tqp, nk);
     mask_scores(s, tq, nk, bits);
     /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
     for (r = 0; r < tqp; r++) {
@@ -408,8 +597,18 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
     for (r = 0; r < tqp; r += RB) {
       const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
-      if (k1 > k0)
-        mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
+      if (k1 <= k0) continue;
+#if HAVE_DPBF16
+      if (job->vb) { /* weights rounded to bf16, times bf16 V pairs, summed in float32 */
+        const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
+        const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
+        weights_bf16(pw, s + r * BK);
+        mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0, BK / 2, vpairs + p0 * d.Dvp, d.Dvp,
+                     p1 - p0, d.Dvp);
+        continue;
+      }
+#endif
+      mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
     }
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
@@ -428,8 +627,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   }
 }
 
-static int64_t fwd_scratch(const Dims *d) {
-  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ;
+static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of bf16 weights */
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -465,16 +664,21 @@ static void transpose(float *t, const float *s, int64_t tqp) {
     for (int64_t k = 0; k < BK; k++) t[k * MAXBQ + r] = s[r * BK + k];
 }
 
-/* Scores and dS of query rows qs (tqp x Dp, times c) and dO rows dob (tqp x Dvp) against one
-   key tile (kt: D x BK, vt: Dv x BK), into s and dp. */
-static void tile_ds(const Dims *d, const float *qs, const float *dob, const float *kt,
-                    const float *vt, float *s, float *dp, int64_t tq, int64_t tqp, int64_t nk,
-                    const uint8_t *bits, const float *m, const float *l, const float *delta,
-                    const float *slope2, int64_t qpos0, int64_t c0, const float *drop,
-                    uint32_t xbh) {
+/* Scores and dS (with respect to the unmodded score) of query rows qs (tqp x Dp, times c; rows
+   r0 + [0, tq) of sequence b, head h) and dO rows dob (tqp x Dvp) against one key tile (kt: D x
+   BK, vt: Dv x BK; keys c0 + [0, nk)), into s and dp; dcap: the soft cap's derivative (tqp x
+   BK scratch). */
+static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
+                    const float *dob, const float *kt, const float *vt, float *s, float *dp,
+                    float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
+                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
+                    int64_t r0, int64_t c0) {
+  const float *drop = (const float *)p[P_DROP];
+  const int64_t qpos0 = a[A_QOFF] + r0;
+  const uint32_t xbh = dropout_bh(a[A_SEED], b, h);
   memset(s, 0, sizeof(float) * tqp * BK);
   mm(s, BK, qs, d->Dp, kt, BK, tqp, d->D, BK);
-  if (slope2) add_alibi(s, tqp, qpos0, c0, *slope2);
+  apply_mods(s, dcap, a, p, b, h, r0, c0, tq, tqp, nk);
   mask_scores(s, tq, nk, bits);
   memset(dp, 0, sizeof(float) * tqp * BK);
   mm(dp, BK, dob, d->Dvp, vt, BK, tqp, d->Dv, BK);
@@ -482,6 +686,8 @@ static void tile_ds(const Dims *d, const float *qs, const float *dob, const floa
   if (drop) dropout_scale(dp, tq, xbh, qpos0, c0, drop);
   weights_and_ds(s, dp, tq, tqp, m, l, delta);
   if (drop) dropout_scale(s, tq, xbh, qpos0, c0, drop);
+  if (p[P_CAP]) /* through the cap: dS · (1 - tanh²) */
+    for (int64_t i = 0; i < tqp * BK; i += VW) st(dp + i, ld(dp + i) * ld(dcap + i));
 }
 
 /* dK, dV of key tile j of kv head hk, sequence b. */
@@ -496,9 +702,9 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
   const int64_t kv0 = (b * d.Hkv + hk) * d.Sk + c0; /* first key row of (B, Hkv, Sk) */
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dk = dst + BK * MAXBQ, *dv = dk + BK * d.Dp;
+  float *dcap = dv + BK * d.Dvp;
   const int64_t blk = (b * d.Hkv + hk) * d.nk + j;
   const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
-  const float *slopes = (const float *)p[P_SLOPES];
   int64_t t, g, r, k;
 
   memset(dk, 0, sizeof(float) * BK * (d.Dp + d.Dvp)); /* dk and dv */
@@ -509,11 +715,9 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
       const int64_t h = hk * d.G + g, row0 = (b * d.Hq + h) * d.Sq + r0;
       pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
       pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
-      tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, cpids[t], b, h),
-              (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
-              (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
-              job->a[A_QOFF] + r0, c0, (const float *)p[P_DROP],
-              dropout_bh(job->a[A_SEED], b, h));
+      tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
+              block_bits(&d, p, cpids[t], b, h), (const float *)p[P_M] + row0,
+              (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, h, r0, c0);
       transpose(pt, s, tqp);
       transpose(dst, dp, tqp);
       mm(dv, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
@@ -529,7 +733,7 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
 }
 
 static int64_t dkv_scratch(const Dims *d) {
-  return MAXBQ * (d->Dp + d->Dvp) + 4 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
+  return MAXBQ * (d->Dp + d->Dvp) + 5 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
 }
 
 /* dQ of query tile i of head h, sequence b. */
@@ -540,9 +744,8 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
   const QTile qt = q_tile(&d, p, item);
   const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
-  float *dq = dp + MAXBQ * BK;
+  float *dq = dp + MAXBQ * BK, *dcap = dq + MAXBQ * d.Dp;
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
-  const float *slopes = (const float *)p[P_SLOPES];
   int64_t t, r, k;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
@@ -553,11 +756,10 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
     const int64_t blk = blk0 + qt.cols[t];
     const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
     const float *kp = job->kp + blk * BK * d.Dp;
-    tile_ds(&d, qs, dob, kt, vt, s, dp, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, h),
-            (const float *)p[P_M] + row0, (const float *)p[P_L] + row0,
-            (const float *)p[P_DELTA] + row0, slopes ? slopes + h : NULL,
-            job->a[A_QOFF] + qt.i * d.bq, c0, (const float *)p[P_DROP],
-            dropout_bh(job->a[A_SEED], b, h));
+    tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
+            block_bits(&d, p, qt.pids[t], b, h), (const float *)p[P_M] + row0,
+            (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, h, qt.i * d.bq,
+            c0);
     mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
   }
   float *DQ = (float *)p[P_DQ] + row0 * d.D;
@@ -566,7 +768,7 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
 }
 
 static int64_t dq_scratch(const Dims *d) {
-  return MAXBQ * (d->Dp + d->Dvp) + 2 * MAXBQ * BK + MAXBQ * d->Dp;
+  return MAXBQ * (d->Dp + d->Dvp) + 3 * MAXBQ * BK + MAXBQ * d->Dp;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -618,6 +820,11 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   const int32_t *colptr = (const int32_t *)p[P_COLPTR];
   if (colptr[j] == colptr[j + 1]) return; /* no query tile reads this key tile */
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
+  if (job->kb)
+    pack_pairs_t((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (const uint16_t *)p[P_K],
+                 kv0 * d.D, nk, d.D, (uint32_t *)row);
+  if (job->vb) pack_v_pairs((uint32_t *)job->vb + blk * (BK / 2) * d.Dvp, (const uint16_t *)p[P_V],
+                            kv0 * d.Dv, nk, d.Dv, d.Dvp);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
   if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
   if (job->vp)
@@ -628,10 +835,11 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
    means: wanted). 0, or 1 when memory ran out. */
 static int pack_kv(Job *job, const Dims *d, int n_threads) {
   const int64_t n_blk = d->B * d->Hkv * d->nk;
-  float **slots[4] = {&job->kt, &job->vt, &job->kp, &job->vp};
-  const int64_t sizes[4] = {d->D * BK, d->Dv * BK, BK * d->Dp, BK * d->Dvp};
+  float **slots[6] = {&job->kt, &job->vt, &job->kp, &job->vp, &job->kb, &job->vb};
+  const int64_t sizes[6] = {d->D * BK, d->Dv * BK,  BK * d->Dp, BK * d->Dvp, (d->D + 1) / 2 * BK,
+                            BK / 2 * d->Dvp};
   int bad = 0;
-  for (int i = 0; i < 4; i++)
+  for (int i = 0; i < 6; i++)
     if (*slots[i]) {
       *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
       bad |= *slots[i] == NULL;
@@ -644,7 +852,7 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
 }
 
 static void free_packed(Job *job) {
-  free(job->kt), free(job->vt), free(job->kp), free(job->vp);
+  free(job->kt), free(job->vt), free(job->kp), free(job->vp), free(job->kb), free(job->vb);
 }
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
@@ -656,8 +864,10 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   const Dims d = dims(iargs);
   /* float32 V whose rows are whole vectors is read in place; other V is packed */
   float *vp = d.dt == F32 && d.Dv == d.Dvp ? NULL : WANTED;
+  /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
+  float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             WANTED, NULL, NULL, vp};
+             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb};
   int status = pack_kv(&job, &d, n_threads);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
@@ -692,7 +902,7 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   const Dims d = dims(iargs);
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
-            WANTED, WANTED, WANTED, NULL};
+            WANTED, WANTED, WANTED, NULL, NULL, NULL};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
