@@ -4,6 +4,8 @@ in-register conversions exact, the output bitwise reproducible."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -166,3 +168,30 @@ def test_streaming_mask_runs_in_the_kernel(isa, storage, qdtype, monkeypatch):
         naive, _, _ = naive_attention(q[b : b + 1], kb, vb, **kw)
         for what, got in (("cpu", out), ("torch", torch_out)):
             assert_close_to_reference(got[b : b + 1], o64, naive, dtype=qdtype, what=f"{what}[{b}]")
+
+
+@torch.no_grad()
+def test_streaming_paged_cache_decodes_through_the_kernel(monkeypatch):
+    """A model decoding with StreamingPagedKV (pages dropped as the window passes them): every
+    decode step's layers run the C kernel, and the logits equal the full forward under the
+    sink/window mask (fp64 oracle, ratio rule)."""
+    from tests.cache.test_paged import spy_paged_backends
+    from tests.cache.test_streaming_cache import masked_forward, tiny_llama
+
+    n_sink, window, prefill, total = 3, 5, 7, 15
+    ran = spy_paged_backends(monkeypatch)
+    model = tiny_llama(seed=21, n_layers=1)
+    ids = torch.randint(0, 37, (2, total), generator=torch.Generator().manual_seed(22))
+    view = model.make_cache(
+        "streaming", 2, prefill, n_sink=n_sink, window=window, positions="absolute", paged=True,
+        page_size=2,
+    )  # fmt: skip
+    out = [model(ids[:, :prefill], cache=view)]
+    ran.clear()
+    out += [model(ids[:, t : t + 1], cache=view) for t in range(prefill, total)]
+    assert set(ran) == {"cpu"} and view.cache.dropped(view.seq_ids[0]) > 0, ran
+    mask = masks.padding(n_sink) | masks.sliding_window(window)
+    pos = torch.arange(total)
+    naive = masked_forward(model, ids, mask, pos)
+    oracle = masked_forward(copy.deepcopy(model).double(), ids, mask, pos)
+    assert_close_to_reference(torch.cat(out, 1), oracle, naive)
