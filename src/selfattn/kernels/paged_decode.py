@@ -12,12 +12,13 @@ weighted V sum). The kernel walks each sequence's pages in table order and, per 
 softmax update, then the weighted V rows, asking for the next page's rows meanwhile (software
 prefetch: the pages of a sequence lie anywhere in the pool). Low-precision and quantised pages
 are converted in registers inside the dot-product and weighted-sum blocks (int8 and fp8 scales
-multiply the scores and the V weights); bf16 queries against bf16 keys use ``vdpbf16ps`` where
-the CPU has it. One source, three instruction-set paths picked at run time (:data:`ISAS`,
-:func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version read bf16 pages
-slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``. Torch.compile
-was measured as the alternative: 18 s to compile a gather-and-reduce decode on first call, and
-then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the same machine.
+multiply the scores and the V weights); bf16 queries against bf16 or int8 keys use
+``vdpbf16ps`` where the CPU has it. One source, three instruction-set paths picked at run time
+(:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version
+read bf16 pages slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``.
+Torch.compile was measured as the alternative: 18 s to compile a gather-and-reduce decode on
+first call, and then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the
+same machine.
 
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
 EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
