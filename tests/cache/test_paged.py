@@ -530,7 +530,7 @@ def test_kernel_rule(monkeypatch, kernel_calls):
     assert not ran(Sq=KERNEL_MAX_SQ + 1, mask=masks.causal())  # prefill chunk: batched GEMMs
     assert not ran(dtype=torch.float64)
     assert not ran(score_mod=scores.softcap(5.0))
-    assert not ran(mask=masks.causal() | masks.sliding_window(3))
+    assert ran(mask=masks.causal() | masks.sliding_window(3))  # a union: disjoint intervals
     assert not ran(mask=lambda b, h, qi, kv: kv <= qi)
     assert not ran(grad=True)
     with torch.no_grad():

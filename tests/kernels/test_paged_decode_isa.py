@@ -4,14 +4,19 @@ in-register conversions exact, the output bitwise reproducible."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+import selfattn as sa
+from selfattn import masks
+from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.kernels import paged_decode
 from selfattn.kernels.paged_twin import paged_attention_twin
-from selfattn.testing import assert_close_to_reference
-from tests.cache.test_paged import make_paged
+from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
+from tests.cache.test_paged import contiguous, make_paged
 
 pytestmark = pytest.mark.skipif(
     paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
@@ -130,3 +135,63 @@ def test_unknown_path_is_refused(monkeypatch):
     q, kp, vp, table, lens = make_paged([9], 2, 1, D=8, P=4, Sq=1, seed=1)
     with pytest.raises(ValueError, match=r"SELFATTN_DECODE_ISA='sse9'.*generic, avx2"):
         paged_decode.decode(q, kp, vp, table, lens.view(1, 1) * 0, lens.view(1, 1), 1.0, None, None)
+
+
+def _streaming_mask(n_sink: int, window: int, gap: list[int]):
+    """StreamingPagedKV's mask in kernel indices (selfattn/cache/streaming_paged.py): the sinks,
+    or the window past each sequence's masked pinned-page tokens ``[n_sink, gap)``."""
+    visible = ~masks.padding(gap) & masks.sliding_window(window)
+    return masks.causal() & (masks.padding(n_sink) | visible)
+
+
+@pytest.mark.parametrize("storage, qdtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_streaming_mask_runs_in_the_kernel(isa, storage, qdtype, monkeypatch):
+    """StreamingLLM's paged mask (sinks | window, not one key interval per row) runs in the C
+    kernel as disjoint intervals per row: explain_paged picks cpu, and its output equals the
+    PyTorch path's and the fp64 oracle's by the ratio rule. Rows where the sinks and the window
+    overlap (a short sequence, gap 0) count no key twice; pages between them are skipped."""
+    n_sink, window, P, Sq = 3, 13, 4, 2
+    lens, gap = [61, 9, 40], [4, 0, 8]  # gap: sink_pages * P once a sequence dropped pages
+    seed = hash((isa, storage)) % 2**31
+    q, kp, vp, table, sl = make_paged(lens, 6, 2, D=20, P=P, Sq=Sq, Dv=36, seed=seed)
+    dtype = torch.bfloat16 if storage == "bf16" else torch.float32
+    q, kp, vp = q.to(qdtype), kp.to(dtype), vp.to(dtype)
+    mask = _streaming_mask(n_sink, window, gap)
+    picked = sa.backends.explain_paged(q, kp, vp, table, sl, mask=mask, print_table=False)
+    assert picked.chosen == "cpu", picked
+    out = paged_attention(q, kp, vp, table, sl, mask=mask, backend="cpu")
+    torch_out = paged_attention(q, kp, vp, table, sl, mask=mask, backend="torch")
+    for b, n in enumerate(lens):
+        kb, vb = contiguous(kp, table, b, n), contiguous(vp, table, b, n)
+        kw = {"mask": _streaming_mask(n_sink, window, gap[b])}
+        o64, _, _ = reference_attention(q[b : b + 1].double(), kb.double(), vb.double(), **kw)
+        naive, _, _ = naive_attention(q[b : b + 1], kb, vb, **kw)
+        for what, got in (("cpu", out), ("torch", torch_out)):
+            assert_close_to_reference(got[b : b + 1], o64, naive, dtype=qdtype, what=f"{what}[{b}]")
+
+
+@torch.no_grad()
+def test_streaming_paged_cache_decodes_through_the_kernel(monkeypatch):
+    """A model decoding with StreamingPagedKV (pages dropped as the window passes them): every
+    decode step's layers run the C kernel, and the logits equal the full forward under the
+    sink/window mask (fp64 oracle, ratio rule)."""
+    from tests.cache.test_paged import spy_paged_backends
+    from tests.cache.test_streaming_cache import masked_forward, tiny_llama
+
+    n_sink, window, prefill, total = 3, 5, 7, 15
+    ran = spy_paged_backends(monkeypatch)
+    model = tiny_llama(seed=21, n_layers=1)
+    ids = torch.randint(0, 37, (2, total), generator=torch.Generator().manual_seed(22))
+    view = model.make_cache(
+        "streaming", 2, prefill, n_sink=n_sink, window=window, positions="absolute", paged=True,
+        page_size=2,
+    )  # fmt: skip
+    out = [model(ids[:, :prefill], cache=view)]
+    ran.clear()
+    out += [model(ids[:, t : t + 1], cache=view) for t in range(prefill, total)]
+    assert set(ran) == {"cpu"} and view.cache.dropped(view.seq_ids[0]) > 0, ran
+    mask = masks.padding(n_sink) | masks.sliding_window(window)
+    pos = torch.arange(total)
+    naive = masked_forward(model, ids, mask, pos)
+    oracle = masked_forward(copy.deepcopy(model).double(), ids, mask, pos)
+    assert_close_to_reference(torch.cat(out, 1), oracle, naive)

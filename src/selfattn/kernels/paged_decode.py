@@ -12,12 +12,13 @@ weighted V sum). The kernel walks each sequence's pages in table order and, per 
 softmax update, then the weighted V rows, asking for the next page's rows meanwhile (software
 prefetch: the pages of a sequence lie anywhere in the pool). Low-precision and quantised pages
 are converted in registers inside the dot-product and weighted-sum blocks (int8 and fp8 scales
-multiply the scores and the V weights); bf16 queries against bf16 keys use ``vdpbf16ps`` where
-the CPU has it. One source, three instruction-set paths picked at run time (:data:`ISAS`,
-:func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version read bf16 pages
-slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``. Torch.compile
-was measured as the alternative: 18 s to compile a gather-and-reduce decode on first call, and
-then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the same machine.
+multiply the scores and the V weights); bf16 queries against bf16 or int8 keys use
+``vdpbf16ps`` where the CPU has it. One source, three instruction-set paths picked at run time
+(:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version
+read bf16 pages slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``.
+Torch.compile was measured as the alternative: 18 s to compile a gather-and-reduce decode on
+first call, and then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the
+same machine.
 
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
 EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
@@ -79,7 +80,7 @@ _DTYPE_CODES = {
 # test reads them from the source): the integers, then the data pointers.
 INT_ARGS = (
     "B", "HQ", "HKV", "SQ", "D", "DV", "P", "MAXP", "NSPLIT", "SPLIT_PAGES",
-    "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT", "ISA",
+    "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT", "ISA", "NI",
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS",
@@ -128,6 +129,7 @@ def key_splits(lo: torch.Tensor, hi: torch.Tensor, P: int) -> tuple[int, int]:
     ``split_pages`` pages, enough items for ``ITEMS_PER_THREAD`` per thread (flash-decoding's
     split over the keys, for a small batch)."""
     B = lo.shape[0]
+    lo, hi = lo.reshape(B, -1), hi.reshape(B, -1)  # (B, Sq) or (B, Sq, NI): every interval
     pages = (hi.amax(dim=1) + P - 1) // P - lo.amin(dim=1) // P  # (B,) logical pages to walk
     span = int(pages.clamp(min=0).max()) if B else 0
     n_split = max(1, min(span, -(-ITEMS_PER_THREAD * torch.get_num_threads() // max(B, 1))))
@@ -154,7 +156,9 @@ def decode(
     with unit stride on the last dim, of a dtype in :func:`supported_dtypes`; ``table
     (B, max_pages)`` integer page ids, those of the pages holding keys ``[lo, hi)`` in
     ``[0, N)``; ``lo, hi (B, Sq)`` integer: query row ``i`` of sequence ``b`` attends keys
-    ``lo[b, i] <= t < hi[b, i]`` (``hi <= max_pages * P``). Scales: int8 ``(N, P, Hkv)``
+    ``lo[b, i] <= t < hi[b, i]`` (``hi <= max_pages * P``); or ``lo, hi (B, Sq, NI)``: row ``i``
+    attends the union of ``NI`` disjoint intervals (StreamingLLM: the sinks and the window),
+    each page that no row attends skipped unread. Scales: int8 ``(N, P, Hkv)``
     bfloat16, fp8 ``(Hkv,)`` float32, or None for float pages. A row with no allowed key gets
     ``out = 0``, ``lse = -inf``. ``sinks (Hq,)``: learned attention-sink logits joining each
     row's softmax denominator once, where the splits merge (a row with no key then gets ``lse =
@@ -176,6 +180,7 @@ def decode(
     q = q.contiguous()
     table = table.to(torch.int32).contiguous()
     lo, hi = (t.to(torch.int64).contiguous() for t in (lo, hi))
+    n_intervals = 1 if lo.dim() == 2 else lo.shape[2]
     k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
@@ -192,7 +197,7 @@ def decode(
         "KSN": ks[0], "KSP": ks[1], "KSH": ks[2], "VSN": vs[0], "VSP": vs[1], "VSH": vs[2],
         "KDT": _DTYPE_CODES[k_pages.dtype], "VDT": _DTYPE_CODES[v_pages.dtype],
         "KSC": _scales_code(k_scales), "VSC": _scales_code(v_scales),
-        "QDT": _DTYPE_CODES[q.dtype], "ISA": _requested_isa(),
+        "QDT": _DTYPE_CODES[q.dtype], "ISA": _requested_isa(), "NI": n_intervals,
     }  # fmt: skip
     tensors = {
         "Q": q, "K": k_pages, "V": v_pages, "KSCALE": k_scales, "VSCALE": v_scales,

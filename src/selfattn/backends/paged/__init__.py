@@ -31,19 +31,29 @@ from __future__ import annotations
 import torch
 
 from selfattn.backends._common import needs_grad
+from selfattn.backends.paged._intervals import MAX_KEY_INTERVALS, interval_count
 
 __all__ = ["kernel_reject"]
 
 _KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def kernel_reject(q, k_pages, v_pages, call) -> str | None:
-    """Why neither paged kernel can run this call, or None: what the C and Triton kernels share."""
+def kernel_reject(q, k_pages, v_pages, call, unions: bool = False) -> str | None:
+    """Why neither paged kernel can run this call, or None: what the C and Triton kernels share.
+    ``unions``: the kernel also takes a few disjoint key intervals per row (the C kernel)."""
     if q.dtype not in _KERNEL_QUERY_DTYPES:
         return f"{q.dtype} queries: the kernels compute in float32 (fp32/bf16/fp16 inputs)"
     if call.score_mod is not None:
         return "a score_mod: the kernels take masks only"
-    if call.mask is not None and not call.mask.is_interval:
+    if unions and call.mask is not None and not call.mask.is_interval:
+        n = interval_count(call.mask)
+        if n is None or n > MAX_KEY_INTERVALS:
+            return (
+                f"the mask {call.mask!r} is not a union of at most {MAX_KEY_INTERVALS} key "
+                "intervals per query row (interval masks, their &, | and ~); the PyTorch path "
+                "evaluates it elementwise"
+            )
+    elif call.mask is not None and not call.mask.is_interval:
         return (
             f"the mask {call.mask!r} is not one key interval per query row (causal, "
             "sliding_window, chunked, padding, prefix_lm and their &); the PyTorch path "

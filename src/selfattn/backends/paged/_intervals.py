@@ -10,6 +10,11 @@ import math
 import torch
 
 from selfattn.masks import TileGrid
+from selfattn.masks.base import _KEY_UNBOUNDED, And, Not, Or
+
+# Most key intervals per query row the C kernel takes (its per-page masking and weighted V
+# sums loop over them): StreamingLLM's paged mask is 3, one of them always empty.
+MAX_KEY_INTERVALS = 4
 
 
 def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
@@ -51,4 +56,56 @@ def _key_intervals(mask, lens: torch.Tensor, Sq: int):
         if interval is None:
             return None
         lo, hi = torch.maximum(lo, interval[0]), torch.minimum(hi, interval[1])
+    return lo, torch.maximum(hi, lo)
+
+
+def interval_count(mask) -> int | None:
+    """How many key intervals per row :func:`_key_interval_union` gives for ``mask``, or None
+    when it gives none: an interval mask is 1, ``a | b`` adds, ``a & b`` multiplies (pairwise
+    intersections), ``~a`` of an interval is 2 (the keys below and above it)."""
+    if mask.is_interval:
+        return 1
+    if isinstance(mask, (And, Or)):
+        a, b = interval_count(mask.a), interval_count(mask.b)
+        if a is None or b is None:
+            return None
+        return a + b if isinstance(mask, Or) else a * b
+    if isinstance(mask, Not) and mask.a.is_interval:
+        return 2
+    return None
+
+
+def _union(mask, b: torch.Tensor, pos: torch.Tensor) -> list:
+    """The ``(lo, hi)`` intervals whose union is the keys row ``pos`` of sequence ``b`` attends
+    (possibly empty or overlapping; :func:`interval_count` of them)."""
+    if mask.is_interval:
+        return [mask.key_interval(b, pos)]
+    if isinstance(mask, Or):
+        return _union(mask.a, b, pos) + _union(mask.b, b, pos)
+    if isinstance(mask, And):
+        return [
+            (torch.maximum(x[0], y[0]), torch.minimum(x[1], y[1]))
+            for x in _union(mask.a, b, pos)
+            for y in _union(mask.b, b, pos)
+        ]
+    lo, hi = mask.a.key_interval(b, pos)  # Not: the keys below lo and those from hi on
+    return [(torch.full_like(lo, -_KEY_UNBOUNDED), lo), (hi, torch.full_like(hi, _KEY_UNBOUNDED))]
+
+
+def _key_interval_union(mask, lens: torch.Tensor, Sq: int):
+    """Per query row, the allowed keys as ``NI`` disjoint intervals, sorted: ``lo, hi (B, Sq,
+    NI)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: an empty one), for a mask with an
+    :func:`interval_count`. Overlaps are cut off the later interval (sorted by ``lo``, each
+    starts at or after every earlier end), so no key is counted twice."""
+    pos = lens.view(-1, 1) - Sq + torch.arange(Sq, device=lens.device)  # (B, Sq) absolute
+    b = torch.arange(len(lens), device=lens.device).view(-1, 1)
+    end = lens.view(-1, 1, 1)
+    lo = torch.stack([torch.broadcast_to(x[0], pos.shape) for x in _union(mask, b, pos)], -1)
+    hi = torch.stack([torch.broadcast_to(x[1], pos.shape) for x in _union(mask, b, pos)], -1)
+    lo, hi = lo.clamp(min=0).minimum(end), hi.minimum(end)
+    hi = torch.maximum(hi, lo)
+    lo, order = lo.sort(dim=-1)
+    hi = hi.gather(-1, order)
+    ends = torch.cat([torch.zeros_like(hi[..., :1]), hi.cummax(dim=-1).values[..., :-1]], -1)
+    lo = torch.maximum(lo, ends)
     return lo, torch.maximum(hi, lo)

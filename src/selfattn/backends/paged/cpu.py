@@ -9,7 +9,7 @@ import torch
 
 from selfattn.backends import BASE_FIELDS, Backend, Cost, register
 from selfattn.backends.paged import kernel_reject
-from selfattn.backends.paged._intervals import _key_intervals
+from selfattn.backends.paged._intervals import _key_interval_union, _key_intervals
 from selfattn.backends.paged.call import PagedCall
 from selfattn.kernels import ops, paged_decode
 
@@ -22,16 +22,23 @@ KERNEL_MAX_SQ = 16
 
 
 def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
-    """``(lo, hi, splits)``: each row's key interval ``(B, Sq)`` and the kernel's key splits,
-    the same for every layer of a step."""
-    lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+    """``(lo, hi, splits)``: each row's key interval ``(B, Sq)`` (or disjoint intervals ``(B,
+    Sq, NI)`` for a union mask such as StreamingLLM's sinks | window) and the kernel's key
+    splits, the same for every layer of a step."""
+    lo, hi = _intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
     return lo, hi, paged_decode.key_splits(lo, hi, k_pages.shape[1])
+
+
+def _intervals(mask, lens, Sq):
+    if mask is None or mask.is_interval:
+        return _key_intervals(mask, lens, Sq)  # (B, Sq) each
+    return _key_interval_union(mask, lens, Sq)  # (B, Sq, NI) each
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
     if call.planned is None:
-        lo, hi = _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])  # (B, Sq) each
+        lo, hi = _intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
         splits = None
     else:
         lo, hi, splits = call.planned
@@ -47,7 +54,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
 def _reject(q, k_pages, v_pages, block_table, seq_lens, call):
     if q.device.type != "cpu":
         return f"tensors on {q.device}: the C kernel runs on CPU"
-    why = kernel_reject(q, k_pages, v_pages, call)
+    why = kernel_reject(q, k_pages, v_pages, call, unions=True)
     if why is not None:
         return why
     if q.shape[2] > KERNEL_MAX_SQ:

@@ -23,8 +23,9 @@
    K and V rows are converted in registers inside the dot-product and weighted-sum blocks (bf16
    by a 16-bit shift, int8 by vpmovsxbd + vcvtdq2ps, fp8 e4m3 by exponent arithmetic, fp16 by
    vcvtph2ps; named intrinsics, as gcc 12 lowers __builtin_convertvector from 8-bit vectors to
-   one scalar convert per element), and a bf16 query against bf16 keys uses vdpbf16ps (exact
-   products, fp32 sums) where the CPU has avx512_bf16; (3) each block serves all G query rows of
+   one scalar convert per element), and a bf16 query against bf16 or int8 keys uses vdpbf16ps
+   (exact products, fp32 sums) where the CPU has avx512_bf16 (int8 keys: 0.82x the CPU time of
+   the fp32-FMA scores, B=8 x 2,048, one thread); (3) each block serves all G query rows of
    a kv head (GQA: K/V read once per kv head), and a block's dot products are reduced together by
    a shuffle tree, not one by one.
 
@@ -48,7 +49,7 @@ enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 /* iargs, in order */
 enum {
   A_B, A_HQ, A_HKV, A_SQ, A_D, A_DV, A_P, A_MAXP, A_NSPLIT, A_SPLIT_PAGES,
-  A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_ISA, A_NARGS
+  A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_ISA, A_NI, A_NARGS
 };
 /* ptrs, in order */
 enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_NPTRS };
@@ -127,31 +128,43 @@ typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB
 #undef ISA
 #undef VW
 #undef PD_X86
-/* Scores of bf16 query rows (pairs, zero-padded to Dq, a multiple of 32) against bf16 keys by
+/* Scores of bf16 query rows (pairs, zero-padded to Dq, a multiple of 32) against bf16 or int8
+   keys (their dequantisation scales multiply the scores afterwards, as on the fp32 path) by
    vdpbf16ps: 32 products a vector, exact (8-bit mantissas), summed in fp32; 4 rows x 4 keys a
    block, the 16 sums reduced by the same shuffle tree as the fp32 blocks. The softmax scale
    multiplies the sums (a bf16 query scaled first would round). */
-__attribute__((target("avx512bf16"))) static void scores_bf16dp(
+/* 32 elements of a key row from d as bf16 pairs; past D: 0 (q is 0 there too, but a key's
+   bytes past its row may be NaN). int8 keys are integers of at most 8 bits, exact in bf16:
+   widened, converted to fp32 and packed to bf16 (vcvtne2ps2bf16) without rounding. */
+__attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_pairs(
+    const char *k, int64_t d, int64_t D, int kdt) {
+  const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
+  if (kdt == BF16) return _mm512_maskz_loadu_epi16(m, (const uint16_t *)k + d);
+  const __m256i raw = _mm256_maskz_loadu_epi8(m, (const int8_t *)k + d);
+  const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+  const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+}
+
+__attribute__((target("avx512bf16"), always_inline)) static inline void scores_dp_dt(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale) {
+    int64_t ns, float *out, int64_t P, float scale, int kdt) {
   enum { RB = 4, SB = 4 };
   int64_t r, s, d;
   for (r = 0; r < Rh; r += RB) {
     const int64_t nr = Rh - r < RB ? Rh - r : RB;
     for (s = 0; s < ns; s += SB) {
       const int64_t nk = ns - s < SB ? ns - s : SB;
-      const uint16_t *k[SB], *qr[RB];
+      const char *k[SB];
+      const uint16_t *qr[RB];
       __m512 acc[RB * SB];
       int i, j;
-      for (j = 0; j < SB; j++) k[j] = (const uint16_t *)(k0 + (s + (j < nk ? j : nk - 1)) * kstride);
+      for (j = 0; j < SB; j++) k[j] = k0 + (s + (j < nk ? j : nk - 1)) * kstride;
       for (i = 0; i < RB; i++) qr[i] = q + (r + (i < nr ? i : nr - 1)) * Dq;
       for (i = 0; i < RB * SB; i++) acc[i] = _mm512_setzero_ps();
       for (d = 0; d < Dq; d += 32) {
         __m512i kv[SB];
-        /* the last vector of an odd-length row: keys past D read as 0 (q is 0 there too, but a
-           key's bytes past its row may be NaN) */
-        const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
-        for (j = 0; j < SB; j++) kv[j] = _mm512_maskz_loadu_epi16(m, k[j] + d);
+        for (j = 0; j < SB; j++) kv[j] = key_pairs(k[j], d, D, kdt);
         for (i = 0; i < RB; i++) {
           const __m512i qv = _mm512_loadu_si512(qr[i] + d);
           for (j = 0; j < SB; j++)
@@ -166,6 +179,15 @@ __attribute__((target("avx512bf16"))) static void scores_bf16dp(
       }
     }
   }
+}
+/* bf16 or int8 keys (one instance each: the loads specialise) */
+__attribute__((target("avx512bf16"))) static void scores_bf16dp(
+    const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
+    int64_t ns, float *out, int64_t P, float scale, int kdt) {
+  if (kdt == BF16)
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, BF16);
+  else
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8);
 }
 #pragma GCC pop_options
 #define HAVE_X86_PATHS 1
@@ -239,20 +261,21 @@ static inline v8 exp8(v8 x) {
 }
 
 /* The weighted V sum of one kv head's G * Sq rows (row g * Sq + i) over the page slots
-   [0, nv) whose rows start at v0: query i's allowed slots are [sa[i], sb[i]), the same for its
-   G rows, which go through the pv block 4 at a time. Keys outside a row's range are never read,
-   so garbage (NaN) values of a key a row does not attend never reach its sum. */
-static void weighted_sum(const Job *job, float *acc, int64_t G, int64_t Sq, int64_t Dv,
+   [0, nv) whose rows start at v0: query i's allowed slots are the NI disjoint ranges
+   [sa[i * NI + k], sb[i * NI + k]), the same for its G rows, which go through the pv block 4 at
+   a time. Keys outside a row's ranges are never read, so garbage (NaN) values of a key a row
+   does not attend never reach its sum. */
+static void weighted_sum(pv_fn pv, float *acc, int64_t G, int64_t Sq, int64_t Dv,
                          const float *w, int64_t P, const char *v0, int64_t vstride, int dt,
-                         const float *lut, const int64_t *sa, const int64_t *sb) {
-  for (int64_t i = 0; i < Sq; i++) {
-    const float *wi = w + i * P;
+                         const float *lut, const int64_t *sa, const int64_t *sb, int64_t NI) {
+  for (int64_t i = 0; i < Sq * NI; i++) {
+    const float *wi = w + i / NI * P;
     int64_t g = 0;
     if (sb[i] <= sa[i]) continue;
     for (; g < G; g += 4) {
       const int RB = G - g < 4 ? (int)(G - g) : 4;
-      job->pv(acc + (g * Sq + i) * Dv, Sq * Dv, wi + g * Sq * P, Sq * P, RB, Dv, v0, vstride,
-              sa[i], sb[i], dt, lut);
+      pv(acc + (g * Sq + i / NI) * Dv, Sq * Dv, wi + g * Sq * P, Sq * P, RB, Dv, v0,
+              vstride, sa[i], sb[i], dt, lut);
     }
   }
 }
@@ -314,13 +337,19 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   void *const *p = job->p;
   const int64_t Hq = a[A_HQ], Hkv = a[A_HKV], Sq = a[A_SQ], D = a[A_D], Dv = a[A_DV];
   const int64_t P = a[A_P], G = Hq / Hkv, R = Hq * Sq, Rh = G * Sq, nsplit = a[A_NSPLIT];
+  const int64_t NI = a[A_NI]; /* key intervals per query row */
   const int64_t Dp = (D + QPAD - 1) / QPAD * QPAD, b = item / nsplit, split = item % nsplit;
   const int kdt = (int)a[A_KDT], vdt = (int)a[A_VDT], qdt = (int)a[A_QDT];
   const int64_t kesz = elem_size(kdt), vesz = elem_size(vdt);
-  /* bf16 query rows against bf16 keys: vdpbf16ps on the raw query (exact products) */
-  const int dp = job->isa == ISA_AVX512_BF16 && kdt == BF16 && qdt == BF16;
-  int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d;
-  const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq, *hi = (const int64_t *)p[P_HI] + b * Sq;
+  /* bf16 query rows against bf16 or int8 keys: vdpbf16ps on the raw query (exact products) */
+  const int dp = job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8) && qdt == BF16;
+  /* The weighted V sum stays in fp32 FMAs for bf16 pages too: vdpbf16ps over interleaved V
+     row pairs (bf16-rounded weights, accumulators permuted to the pair layout) measured 1.13-1.16x
+     the CPU time of this path (B=8 x 2,048, one thread, EPYC with avx512_bf16). */
+  const pv_fn pv = job->pv;
+  int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d, k;
+  const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq * NI;
+  const int64_t *hi = (const int64_t *)p[P_HI] + b * Sq * NI;
   const int32_t *table = (const int32_t *)p[P_TABLE] + b * a[A_MAXP];
   const void *ksc = p[P_KSCALE], *vsc = p[P_VSCALE];
   const float *lut = (const float *)p[P_LUT];
@@ -337,7 +366,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
   for (r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * R * Dv);
-  for (i = 0; i < Sq; i++)
+  for (i = 0; i < Sq * NI; i++)
     if (hi[i] > lo[i]) {
       if (lo[i] < kmin) kmin = lo[i];
       if (hi[i] > kmax) kmax = hi[i];
@@ -347,10 +376,19 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   const int64_t j0 = first + split * per, j1 = j0 + per < last ? j0 + per : last;
 
   for (j = j0; j < j1; j++) {
-    const int64_t page = table[j];
     /* this page's slots that some row may attend: [s0, s1), token positions t0 + [0, ns) */
     const int64_t s0 = kmin > j * P ? kmin - j * P : 0;
     const int64_t s1 = kmax < (j + 1) * P ? kmax - j * P : P, ns = s1 - s0, t0 = j * P + s0;
+    int used = 0;
+    /* each query's allowed slots of this page: [sa, sb) per interval; a page no row attends
+       (between a streaming cache's sinks and its window) is skipped unread */
+    for (i = 0; i < Sq * NI; i++) {
+      sa[i] = lo[i] > t0 ? (lo[i] - t0 < ns ? lo[i] - t0 : ns) : 0;
+      sb[i] = hi[i] < t0 + ns ? (hi[i] > t0 ? hi[i] - t0 : 0) : ns;
+      used |= sb[i] > sa[i];
+    }
+    if (!used) continue;
+    const int64_t page = table[j];
     /* the next page's used slots: [0, n1) (0: no next page in this item) */
     const int64_t n1 = j + 1 < j1 ? (kmax < (j + 2) * P ? kmax - (j + 1) * P : P) : 0;
     /* -- scores sc[r * P + s], kv head by kv head */
@@ -360,7 +398,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
 #ifdef HAVE_X86_PATHS
       if (dp) {
         scores_bf16dp(qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, sc + h * Rh * P, P,
-                      job->scale);
+                      job->scale, kdt);
         continue;
       }
 #endif
@@ -369,14 +407,18 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
     if (a[A_KSC]) /* dequantise the scores */
       scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
-    /* each query's allowed slots of this page: [sa[i], sb[i]); -inf scores outside */
+    /* -inf scores outside each query's allowed slots */
     for (i = 0; i < Sq; i++) {
-      sa[i] = lo[i] > t0 ? (lo[i] - t0 < ns ? lo[i] - t0 : ns) : 0;
-      sb[i] = hi[i] < t0 + ns ? (hi[i] > t0 ? hi[i] - t0 : 0) : ns;
-      if (sa[i] > 0 || sb[i] < ns)
-        for (g = 0; g < Hq; g++) /* g runs over all Hq heads here */
-          for (s = 0; s < ns; s++)
-            if (s < sa[i] || s >= sb[i]) sc[(g * Sq + i) * P + s] = -INFINITY;
+      const int64_t *qa = sa + i * NI, *qb = sb + i * NI;
+      int whole = 0;
+      for (k = 0; k < NI; k++) whole |= qa[k] == 0 && qb[k] == ns;
+      if (whole) continue;
+      for (s = 0; s < ns; s++) {
+        int in = 0;
+        for (k = 0; k < NI; k++) in |= s >= qa[k] && s < qb[k];
+        if (!in)
+          for (g = 0; g < Hq; g++) sc[(g * Sq + i) * P + s] = -INFINITY; /* all Hq heads */
+      }
     }
     /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
     for (r = 0; r < R; r++) {
@@ -415,8 +457,8 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     for (h = 0; h < Hkv; h++) {
       if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[j + 1], n1, h, Dv * vesz);
       const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
-      weighted_sum(job, acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, v0, a[A_VSP] * vesz,
-                   vdt, lut, sa, sb);
+      weighted_sum(pv, acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, v0, a[A_VSP] * vesz,
+                   vdt, lut, sa, sb, NI);
     }
   }
 }
@@ -427,7 +469,7 @@ static void *worker(void *arg) {
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
   float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P));
   uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
-  int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ]);
+  int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
   void *ret = NULL;
   if (qbuf == NULL || qbh == NULL || ranges == NULL) {
     ret = (void *)1;
@@ -436,7 +478,7 @@ static void *worker(void *arg) {
       const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
       if (item >= job->n_items) break;
       run_item(job, item, qbuf, qbh, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
-               ranges + a[A_SQ]);
+               ranges + a[A_SQ] * a[A_NI]);
     }
   }
   free(qbuf);
