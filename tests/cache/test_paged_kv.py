@@ -340,6 +340,35 @@ def test_a_plan_prepares_once_for_every_layer(case, backend, monkeypatch):
     assert len(built) == L, f"{len(built)} PagedCalls built for {L} layers"
 
 
+def test_a_plan_builds_one_call_for_layers_passing_the_same_arguments(monkeypatch):
+    """The layers of a decode step pass one scale and no dequantisation scales or sinks: the
+    plan checks and builds their PagedCall once. Another scale is a new call; a bad one is still
+    refused."""
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, D, P, N, L = 2, 4, 2, 8, 4, 9, 4
+    seq_lens = torch.tensor([6, 3], dtype=torch.int32)
+    table = torch.randperm(N, generator=g)[: B * 2].view(B, 2).to(torch.int32)
+    pages = torch.randn(L, 2, N, P, Hkv, D, generator=g)
+    qs = torch.randn(L, B, Hq, 1, D, generator=g)
+    built = []
+    layer_call = paged_plan.layer_call
+    monkeypatch.setattr(
+        paged_plan, "layer_call", lambda *a, **k: built.append(1) or layer_call(*a, **k)
+    )
+    plan, causal = PagedAttentionPlan(table, seq_lens), masks.causal()
+    for i in range(L):
+        args = (qs[i], pages[i, 0], pages[i, 1], table, seq_lens)
+        got = paged_attention(*args, mask=causal, scale=0.5, plan=plan)
+        assert torch.equal(got, paged_attention(*args, mask=causal, scale=0.5)), f"layer {i}"
+    assert len(built) == 1, f"{len(built)} PagedCalls built for {L} layers of one scale"
+    got = paged_attention(*args, mask=causal, scale=0.25, plan=plan)
+    assert torch.equal(got, paged_attention(*args, mask=causal, scale=0.25))
+    assert len(built) == 2
+    for bad in (True, float("nan")):
+        with pytest.raises(TypeError, match="scale must be a finite number"):
+            paged_attention(*args, mask=causal, scale=bad, plan=plan)
+
+
 def test_a_plan_checks_its_tensors_and_each_layout():
     """A plan serves only its own table and lengths; bad values and a layer of another layout
     are refused with the unplanned call's errors."""

@@ -456,6 +456,26 @@ def test_rmsnorm_formula_in_float32(dtype):
     assert isinstance(make_norm("layer", 4), nn.LayerNorm) and LayerNorm is nn.LayerNorm
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_rmsnorm_is_the_written_out_formula_bit_for_bit(dtype):
+    # RMSNorm runs torch's fused rms_norm (one op instead of seven on the decode path): it must
+    # round exactly as the float32 (float64) steps it replaced, and differentiate alike.
+    gen = torch.Generator().manual_seed(5)
+    n = RMSNorm(37, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        n.weight.copy_(torch.randn(37, generator=gen))
+    x = (torch.randn(2, 7, 37, generator=gen) * 3).to(dtype).requires_grad_()
+    acc = x.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    want = (acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * n.weight
+    got = n(x)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if dtype == torch.float64:
+        g = torch.randn(got.shape, generator=gen, dtype=dtype)
+        (gx_want,) = torch.autograd.grad(want, x, g)
+        (gx_got,) = torch.autograd.grad(got, x, g)
+        assert (gx_got - gx_want).abs().max() <= 1e-12 * gx_want.abs().max()
+
+
 def test_mlp_and_swiglu_formulas():
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64)

@@ -596,8 +596,13 @@ class PagedKV:
         k_rows = k.transpose(1, 2).reshape(B * S, Hkv, D)
         v_rows = v.transpose(1, 2).reshape(B * S, *vr.shape[1:])
         if self.k_scales is None:
-            kr.index_copy_(0, plan.slots, k_rows.to(kr.dtype))
-            vr.index_copy_(0, plan.slots, v_rows.to(vr.dtype))
+            # the dtype tests skip no-op ``to`` calls: a write runs once per layer of each step
+            kr.index_copy_(
+                0, plan.slots, k_rows if k_rows.dtype == kr.dtype else k_rows.to(kr.dtype)
+            )
+            vr.index_copy_(
+                0, plan.slots, v_rows if v_rows.dtype == vr.dtype else v_rows.to(vr.dtype)
+            )
             return
         if kr.dtype != torch.int8 and not self._scaled[layer]:
             for rows, scales in ((k_rows, self.k_scales), (v_rows, self.v_scales)):

@@ -226,7 +226,8 @@ class MultiHeadAttention(nn.Module):
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if key is x and value is x:
-            return self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
+            # split_with_sizes: Tensor.split's own op, without its Python wrapper (per layer)
+            return self.qkv_proj(x).split_with_sizes([q_out, kv_out, kv_out], dim=-1)
         wq, wk, wv = w.split([q_out, kv_out, kv_out], dim=0)
         bq, bk, bv = (None, None, None) if b is None else b.split([q_out, kv_out, kv_out])
         return F.linear(x, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
@@ -265,8 +266,10 @@ class MultiHeadAttention(nn.Module):
 
     def score_mod_for(self, score_mod=None):
         """The layer's own score mod (ALiBi) composed with a call's ``score_mod``, or None."""
-        mods = [m for m in (self.alibi, score_mod) if m is not None]
-        return None if not mods else mods[0] if len(mods) == 1 else _scores.compose(*mods)
+        alibi = self.alibi
+        if alibi is None or score_mod is None:
+            return score_mod if alibi is None else alibi
+        return _scores.compose(alibi, score_mod)
 
     def forward(
         self,

@@ -12,7 +12,7 @@ from torch import nn
 
 from selfattn import masks as _masks
 from selfattn.nn.attention import MultiHeadAttention
-from selfattn.nn.mlp import MLP, SwiGLU
+from selfattn.nn.mlp import MLP, SwiGLU, apply_dropout
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
 __all__ = ["MLP", "DecoderBlock", "EncoderBlock", "LayerNorm", "RMSNorm", "SwiGLU"]
@@ -29,8 +29,8 @@ class _Residual(nn.Module):
 
     def forward(self, x, f):
         if self.norm_first:
-            return x + self.dropout(f(self.norm(x)))
-        return self.norm(x + self.dropout(f(x)))
+            return x + apply_dropout(self.dropout, f(self.norm(x)))
+        return self.norm(x + apply_dropout(self.dropout, f(x)))
 
 
 # Masks are immutable: one causal() serves every block. ``causal() & mask`` is kept for the last

@@ -47,8 +47,9 @@ class RMSNorm(nn.Module):
                 f"RMSNorm was built for dim={self.dim} but the input's last dim is {x.shape[-1]} "
                 f"(shape {tuple(x.shape)})"
             )
-        acc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        y = (acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # torch's fused op computes the same float32 (float64) steps bit for bit, rounds back to
+        # x's dtype, in one op instead of seven (a decode step runs 2 per layer)
+        y = torch.rms_norm(x, (self.dim,), None, self.eps)
         return y if self.weight is None else y * self.weight
 
     def extra_repr(self) -> str:

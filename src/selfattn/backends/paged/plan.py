@@ -52,6 +52,14 @@ class PagedAttentionPlan:
         # layer key -> (mask and score mod as given: they keep their ids unique while the plan
         # lives, the backend, the normalised mask and score mod, the backend's planned state)
         self._prepared: dict[tuple, tuple] = {}
+        # (layer key, scale, ids of the scales and sinks, return_lse) -> the checked PagedCall:
+        # the layers of a step mostly pass equal ones (it holds the tensors: ids stay unique)
+        self._calls: dict[tuple, PagedCall] = {}
+        # Versioned: both tensors (not inference-mode ones, which have no counter; a tensor's
+        # mode never changes), read at every layer.
+        self._versioned = all(
+            isinstance(t, torch.Tensor) and not t.is_inference() for t in (block_table, seq_lens)
+        )
         self._versions = self._versions_now()
 
     def prepare(
@@ -60,7 +68,10 @@ class PagedAttentionPlan:
     ):  # fmt: skip
         """``(backend, PagedCall)`` for one layer's call: checked and chosen at the first layer
         of each layout, then only the layer's scale and dequantisation scales."""
-        if not all(isinstance(t, torch.Tensor) for t in (q, k_pages, v_pages)):
+        tensor = torch.Tensor
+        if not (
+            isinstance(q, tensor) and isinstance(k_pages, tensor) and isinstance(v_pages, tensor)
+        ):
             _check(q, k_pages, v_pages, self.block_table, self.seq_lens)  # names the bad one
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k_pages.requires_grad or v_pages.requires_grad
@@ -77,36 +88,33 @@ class PagedAttentionPlan:
         if versions != self._versions:  # changed in place: check and prepare again
             self._prepared.clear()
             self._values_checked.clear()
+            self._calls.clear()
             self._versions = versions
+        # A scale of another type (a bool, a tensor) is never memoised: layer_call rejects it.
+        plain = scale is None or type(scale) is float or type(scale) is int
+        call_key = (
+            (key, scale, id(k_scales), id(v_scales), id(sinks), return_lse) if plain else None
+        )
         hit = self._prepared.get(key)
         if hit is None:  # the layer's call comes with it, planned: not built a second time
             hit, call = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales,
                                       v_scales, backend, return_lse, sinks)  # fmt: skip
             self._prepared[key] = hit
-            return hit[2], call
-        _, _, chosen, mask_obj, mod_obj, planned = hit
-        call = layer_call(
-            q,
-            k_pages,
-            v_pages,
-            mask_obj,
-            mod_obj,
-            scale,
-            k_scales,
-            v_scales,
-            return_lse,
-            planned,
-            sinks=sinks,
-        )
-        return chosen, call
+        else:
+            call = self._calls.get(call_key) if plain else None
+            if call is not None:
+                return hit[2], call
+            _, _, _, mask_obj, mod_obj, planned = hit
+            call = layer_call(q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales,
+                              return_lse, planned, sinks=sinks)  # fmt: skip
+        if plain:
+            self._calls[call_key] = call
+        return hit[2], call
 
     def _versions_now(self) -> tuple[int, int] | None:
-        t, n = self.block_table, self.seq_lens
-        if not isinstance(t, torch.Tensor) or not isinstance(n, torch.Tensor):
-            return None  # _check names them at the first call
-        if t.is_inference() or n.is_inference():
+        if not self._versioned:  # not tensors (_check names them at the first call)
             return None
-        return t._version, n._version
+        return self.block_table._version, self.seq_lens._version
 
     def _prepare(self, q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, backend,
                  return_lse, sinks) -> tuple[tuple, PagedCall]:  # fmt: skip
