@@ -90,6 +90,7 @@ def required(
     dtype: torch.dtype = torch.float32,
     grad: bool = False,
     dropout: bool = False,
+    bias_grad: bool = False,
 ) -> bool:
     """Whether ``backend`` must accept a CPU case of this description (its documented capability).
 
@@ -98,7 +99,8 @@ def required(
     flex: forward only (no gradients) on CPU, any mask and score mod, fp32, no dropout.
     cpu_fused: any mask, no score mod or ALiBi, fp32/bf16/fp16, gradients, dropout.
     triton (interpreted on CPU): interval masks and document ids (:data:`TRITON_MASKS`), alibi,
-    bias and softcap score mods, fp32/bf16/fp16, gradients, dropout.
+    bias and softcap score mods, fp32/bf16/fp16, gradients, dropout; no gradient of the bias
+    (``bias_grad``: the ``tensor`` score mod requires grad).
     """
     if backend in ("reference", "chunked", "auto"):
         return True
@@ -109,7 +111,13 @@ def required(
     if backend == "cpu_fused":
         return score in ("none", "alibi") and dtype in CPU_DTYPES
     if backend == "triton":
-        return mask in TRITON_MASKS and score in TRITON_SCORES and dtype in CPU_DTYPES
+        learnable_bias = bias_grad and score == "tensor"
+        return (
+            mask in TRITON_MASKS
+            and score in TRITON_SCORES
+            and dtype in CPU_DTYPES
+            and not (learnable_bias)
+        )
     return False
 
 
