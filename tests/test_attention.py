@@ -669,7 +669,7 @@ def test_nan_inf_in_padded_kv(backend, mask_form):
 
 
 # -- dropout ---------------------------------------------------------------------------------------
-DROPOUT_BACKENDS = ("reference", "chunked", "auto")
+DROPOUT_BACKENDS = ("reference", "chunked", "cpu_fused", "triton", "auto")
 
 
 def _dropout_inputs(seed=18, dtype=torch.float64):
@@ -684,7 +684,7 @@ def _attend_grads(backend, q, k, v, seed, p=0.3, **kw):
 
 @pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 def test_dropout_same_seed_same_result_different_seed_differs(backend):
-    q, k, v = _dropout_inputs()
+    q, k, v = _dropout_inputs(dtype=grad_dtype(backend)[0])
     out1, g1 = _attend_grads(backend, q, k, v, seed=5, mask=masks.causal())
     out2, g2 = _attend_grads(backend, q, k, v, seed=5, mask=masks.causal())
     out3, g3 = _attend_grads(backend, q, k, v, seed=6, mask=masks.causal())
@@ -741,7 +741,7 @@ def test_dropout_reference_and_chunked_drop_the_same_pairs():
     torch.testing.assert_close(out_chk, out_ref)
 
 
-@pytest.mark.parametrize("backend", ("chunked", "auto"))
+@pytest.mark.parametrize("backend", ("chunked", "cpu_fused", "triton", "auto"))
 def test_dropout_against_reference(backend):
     """Forward and gradients with dropout follow the float64 reference drawn from the same seed."""
     q, k, v = make_qkv(2, 4, 13, 24, Hkv=1, Sk=19, dtype=torch.float32, seed=23)
