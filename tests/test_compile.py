@@ -17,6 +17,7 @@ from selfattn.testing import (
     naive_attention,
     reference_attention,
 )
+from tests._no_extras import last_json, run_without
 
 B, H, S, D = 1, 2, 64, 16
 # three packed documents of odd lengths (20 + 30 + 14 = S)
@@ -193,3 +194,36 @@ def test_paged_decode_steps_reuse_one_graph():
     for _ in range(4):  # lengths 8..11 with P=4: a new page at the second step
         step(token, cache.plan(1))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+# -- a cold start: the first call of the process is the traced one ---------------------------------
+COLD_START = """
+import json
+import torch
+import selfattn as sa
+from selfattn import masks
+
+g = torch.Generator().manual_seed(9)
+q, k, v = torch.randn(3, 1, 2, 19, 16, generator=g)
+dense = lambda q, k, v: sa.attention(q, k, v, mask=masks.causal())
+got = torch.compile(dense, fullgraph=True, backend="aot_eager")(q, k, v)
+errors = {"dense": (got - dense(q, k, v)).abs().max().item()}
+
+seq_lens = torch.tensor([9, 1, 14], dtype=torch.int32)
+table = torch.randperm(13, generator=g)[:12].view(3, 4).to(torch.int32)
+q1 = torch.randn(3, 4, 1, 16, generator=g)
+k_pages, v_pages = torch.randn(2, 13, 4, 2, 16, generator=g)
+paged = lambda q, kp, vp: sa.cache.paged_attention(q, kp, vp, table, seq_lens, mask=masks.causal())
+got = torch.compile(paged, fullgraph=True, backend="aot_eager")(q1, k_pages, v_pages)
+errors["paged"] = (got - paged(q1, k_pages, v_pages)).abs().max().item()
+print(json.dumps(errors))
+"""
+
+
+def test_cold_process_compiles_whole():
+    """``fullgraph=True`` on the very first call of a fresh interpreter, dense and paged. The
+    tests above run eagerly first, which once hid a break: the backend registry read the call
+    type's field defaults with ``dataclasses.fields`` on first use, which Dynamo cannot trace."""
+    done = run_without(COLD_START, hidden=(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert last_json(done.stdout) == {"dense": 0.0, "paged": 0.0}

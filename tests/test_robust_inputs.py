@@ -136,7 +136,7 @@ LIMIT = 1 << 62
 
 
 @pytest.mark.parametrize("q_offset", [2**63 - 3, 2**63 - 1, 2**64, -(2**63), LIMIT - 3], ids=str)
-@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa", "cpu_fused", "triton"])
 def test_q_offset_past_int64_is_refused(qkv, q_offset, backend):
     # Sq = 5: positions q_offset .. q_offset + 4; on main 2**63 - 3 wrapped silently and the
     # wrapped rows saw no key at all.

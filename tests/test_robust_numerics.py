@@ -77,7 +77,9 @@ def test_rows_a_score_mod_empties_are_empty_rows(backend, kind):
         mod = mod.to(dtype).requires_grad_(grad)
     q, k, v = make_qkv(B, Hq, Sq, D, Hkv=Hkv, Sk=Sk, dtype=dtype, seed=61, requires_grad=grad)
     score = "callable" if kind == "callable" else "tensor"
-    must = required(backend, score=score, dtype=dtype, grad=grad, dropout=dropout > 0)
+    must = required(
+        backend, score=score, dtype=dtype, grad=grad, dropout=dropout > 0, bias_grad=grad
+    )
 
     def kw():  # a fresh generator per call: the same dropout pattern every time
         return dict(score_mod=mod, dropout_p=dropout, generator=gen(62))
@@ -136,7 +138,7 @@ def test_nonfinite_at_masked_entries_do_not_leak(backend, kind):
         k[:, :, 5] = 1e20
         cap["dtype"] = dtype
     q, k, v = _detached(q, k, v, grad=grad)
-    must = required(backend, grad=grad, **cap)
+    must = required(backend, grad=grad, bias_grad=grad, **cap)
     out = run_or_skip(backend, must, q, k, v, **kw)
     assert bool(torch.isfinite(out).all()), "a value at a masked entry leaked into the output"
     if grad:

@@ -263,7 +263,11 @@ _DEFAULTS: dict[type, dict] = {}
 
 def _defaults(call_type: type) -> dict:
     """``{name: default}`` of the fields of a call dataclass that say what the call asks
-    (``compare=False`` fields are caches riding on it), once per type."""
+    (``compare=False`` fields are caches riding on it), once per type.
+
+    Each call type fills its entry at import (below; PagedCall in its module): Dynamo cannot
+    trace ``dataclasses.fields``, so a first fill inside a cold ``torch.compile(fullgraph=True)``
+    of ``attention`` broke the graph."""
     found = _DEFAULTS.get(call_type)
     if found is None:
         found = _DEFAULTS[call_type] = {
@@ -272,6 +276,9 @@ def _defaults(call_type: type) -> dict:
             if f.compare
         }
     return found
+
+
+_defaults(AttentionCall)
 
 
 def _in_use(value, default) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfattn.backends import _defaults
 from selfattn.call import check_sinks
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
@@ -43,6 +44,9 @@ class PagedCall:
     return_lse: bool = False
     sinks: torch.Tensor | None = None
     planned: object = field(default=None, compare=False)  # a per-step cache
+
+
+_defaults(PagedCall)  # at import, not inside a cold torch.compile trace (see _defaults)
 
 
 def prepare(
