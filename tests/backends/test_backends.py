@@ -133,7 +133,7 @@ _FUSED = "cpu_fused" if fused_attention.library() is not None else "chunked"
             dict(score_mod=scores.alibi(2), mask=masks.causal()),
             _FUSED.replace("chunked", "sdpa"),
         ),
-        (_S, dict(score_mod=scores.softcap(5.0)), "chunked"),
+        (_S, dict(score_mod=scores.softcap(5.0)), _FUSED),  # the fused kernel caps in-kernel
         (_S, dict(dropout_p=0.1), _FUSED),
         (_S, dict(return_lse=True), "sdpa"),
     ],

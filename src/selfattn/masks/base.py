@@ -296,6 +296,19 @@ class Mask:
         overrides = type(self).key_interval is not Mask.key_interval
         return overrides and all(c.is_interval for c in self.children())
 
+    def key_interval_count(self) -> int | None:
+        """How many intervals :meth:`key_intervals` gives per row, or None when it gives none
+        (the mask is not a union of a few intervals)."""
+        return 1 if self.is_interval else None
+
+    def key_intervals(self, b: torch.Tensor, q_idx: torch.Tensor) -> list | None:
+        """The keys row ``q_idx`` of sequence ``b`` attends as a union of
+        :meth:`key_interval_count` half-open intervals ``[(lo, hi), ...]`` (possibly empty or
+        overlapping), or None: what a kernel that takes a few intervals per row reads (the C
+        paged-decode kernel, for StreamingLLM's sinks | window). Same conventions as
+        :meth:`key_interval`."""
+        return [self.key_interval(b, q_idx)] if self.is_interval else None
+
     def kernel_form(self) -> tuple[Mask | None, torch.Tensor | None] | None:
         """The mask as data a kernel evaluates per row, or None when it has no such form:
         ``(interval, ids)`` such that key ``j`` is attended from query position ``i`` of
@@ -492,6 +505,16 @@ class And(_Combine):
     def is_causal(self) -> bool:
         return self.a.is_causal and self.b.is_causal
 
+    def key_interval_count(self):
+        a, other = self.a.key_interval_count(), self.b.key_interval_count()
+        return None if a is None or other is None else a * other  # pairwise intersections
+
+    def key_intervals(self, b, q_idx):
+        a, other = self.a.key_intervals(b, q_idx), self.b.key_intervals(b, q_idx)
+        if a is None or other is None:
+            return None
+        return [(torch.maximum(x[0], y[0]), torch.minimum(x[1], y[1])) for x in a for y in other]
+
     def kernel_form(self):
         # an interval and one set of document ids on either side (two id sets: no form)
         a, other = self.a.kernel_form(), self.b.kernel_form()
@@ -522,6 +545,14 @@ class Or(_Combine):
     def is_causal(self) -> bool:
         return self.a.is_causal and self.b.is_causal
 
+    def key_interval_count(self):
+        a, other = self.a.key_interval_count(), self.b.key_interval_count()
+        return None if a is None or other is None else a + other
+
+    def key_intervals(self, b, q_idx):
+        a, other = self.a.key_intervals(b, q_idx), self.b.key_intervals(b, q_idx)
+        return None if a is None or other is None else a + other
+
 
 class Not(_Combine):
     _symbol = "~"
@@ -538,6 +569,18 @@ class Not(_Combine):
         return int(FULL) - self.a.tile_kinds(grid, B, H)
 
     # key_interval: a complement of an interval is two (the default None)
+
+    def key_interval_count(self):
+        return 2 if self.a.is_interval else None
+
+    def key_intervals(self, b, q_idx):
+        if not self.a.is_interval:
+            return None
+        lo, hi = self.a.key_interval(b, q_idx)  # the keys below lo and those from hi on
+        return [
+            (torch.full_like(lo, -_KEY_UNBOUNDED), lo),
+            (hi, torch.full_like(hi, _KEY_UNBOUNDED)),
+        ]
 
 
 def _shift_bound(x: torch.Tensor, by: int) -> torch.Tensor:

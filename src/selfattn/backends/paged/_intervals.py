@@ -10,7 +10,6 @@ import math
 import torch
 
 from selfattn.masks import TileGrid
-from selfattn.masks.base import _KEY_UNBOUNDED, And, Not, Or
 
 # Most key intervals per query row the C kernel takes (its per-page masking and weighted V
 # sums loop over them): StreamingLLM's paged mask is 3, one of them always empty.
@@ -61,35 +60,8 @@ def _key_intervals(mask, lens: torch.Tensor, Sq: int):
 
 def interval_count(mask) -> int | None:
     """How many key intervals per row :func:`_key_interval_union` gives for ``mask``, or None
-    when it gives none: an interval mask is 1, ``a | b`` adds, ``a & b`` multiplies (pairwise
-    intersections), ``~a`` of an interval is 2 (the keys below and above it)."""
-    if mask.is_interval:
-        return 1
-    if isinstance(mask, (And, Or)):
-        a, b = interval_count(mask.a), interval_count(mask.b)
-        if a is None or b is None:
-            return None
-        return a + b if isinstance(mask, Or) else a * b
-    if isinstance(mask, Not) and mask.a.is_interval:
-        return 2
-    return None
-
-
-def _union(mask, b: torch.Tensor, pos: torch.Tensor) -> list:
-    """The ``(lo, hi)`` intervals whose union is the keys row ``pos`` of sequence ``b`` attends
-    (possibly empty or overlapping; :func:`interval_count` of them)."""
-    if mask.is_interval:
-        return [mask.key_interval(b, pos)]
-    if isinstance(mask, Or):
-        return _union(mask.a, b, pos) + _union(mask.b, b, pos)
-    if isinstance(mask, And):
-        return [
-            (torch.maximum(x[0], y[0]), torch.minimum(x[1], y[1]))
-            for x in _union(mask.a, b, pos)
-            for y in _union(mask.b, b, pos)
-        ]
-    lo, hi = mask.a.key_interval(b, pos)  # Not: the keys below lo and those from hi on
-    return [(torch.full_like(lo, -_KEY_UNBOUNDED), lo), (hi, torch.full_like(hi, _KEY_UNBOUNDED))]
+    (the mask answers: ``Mask.key_interval_count``)."""
+    return mask.key_interval_count()
 
 
 def _key_interval_union(mask, lens: torch.Tensor, Sq: int):
@@ -100,8 +72,9 @@ def _key_interval_union(mask, lens: torch.Tensor, Sq: int):
     pos = lens.view(-1, 1) - Sq + torch.arange(Sq, device=lens.device)  # (B, Sq) absolute
     b = torch.arange(len(lens), device=lens.device).view(-1, 1)
     end = lens.view(-1, 1, 1)
-    lo = torch.stack([torch.broadcast_to(x[0], pos.shape) for x in _union(mask, b, pos)], -1)
-    hi = torch.stack([torch.broadcast_to(x[1], pos.shape) for x in _union(mask, b, pos)], -1)
+    parts = mask.key_intervals(b, pos)
+    lo = torch.stack([torch.broadcast_to(x[0], pos.shape) for x in parts], -1)
+    hi = torch.stack([torch.broadcast_to(x[1], pos.shape) for x in parts], -1)
     lo, hi = lo.clamp(min=0).minimum(end), hi.minimum(end)
     hi = torch.maximum(hi, lo)
     lo, order = lo.sort(dim=-1)
