@@ -152,6 +152,29 @@ def test_layer_prefill_then_steps_equals_one_pass(kind):
     torch.testing.assert_close(two, full, rtol=1e-10, atol=1e-10)
 
 
+FAR = 32  # tokens back, well beyond the conv window of 4
+MIN_TRACE = 1e-4  # its trace FAR tokens on, relative to its effect in place (fresh Mamba-2: 3e-4)
+
+
+@pytest.mark.parametrize("kind", ("mamba2", "delta"))
+def test_fresh_layer_remembers_a_token_far_back(kind):
+    """A freshly built layer (what training starts from) carries a token in its state beyond
+    its conv window: changing token 0 still changes the output FAR tokens later. Gated DeltaNet
+    once took Qwen3-Next's placeholder dt_bias = 1, which kept at most 0.27 of the state per
+    token: token 0's trace was ~1e-17 FAR tokens on, and it never learned MQAR."""
+    torch.manual_seed(3)
+    m = (
+        Mamba2Mixer(24, 4, 6, state_size=8) if kind == "mamba2" else GatedDeltaNet(24, 4, 6)
+    ).double()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, FAR + 1, 24, dtype=torch.float64, generator=g)
+    other = x.clone()
+    other[:, 0] = torch.randn(24, dtype=torch.float64, generator=g)
+    with torch.no_grad():
+        change = (m(other) - m(x)).norm(dim=-1)[0]  # (S,)
+    assert change[FAR] >= MIN_TRACE * change[0], f"trace {change[FAR] / change[0]:.2e}"
+
+
 @pytest.mark.parametrize("kind", LAYERS)
 def test_layer_left_padding_equals_unpadded(kind):
     m = _layer(kind, seed=1)

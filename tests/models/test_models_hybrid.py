@@ -119,6 +119,39 @@ def test_fork_equals_recompute(pairs, family):
     assert cache.length == 10 and forked.length == 13
 
 
+def test_paged_fork_equals_recompute_and_frees_every_page(pairs):
+    """Bamba on the paged cache (pages of 4; the prompt of 10 ends inside a page, so the first
+    write copies it): a prompt prefilled once, forked into 3 rows that share its pages. Each row
+    and the parent take a different token, then decode greedily: the same tokens as generating
+    from scratch, the parent untouched by its forks. Freed, every page is back in the pool."""
+    _, ours, _ = pairs["bamba"]
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(2, VOCAB, (1, 10), generator=g)
+    first = torch.randint(2, VOCAB, (4, 1), generator=g)  # row 0: the parent's, 1-3: the forks'
+    new = 5
+    with torch.no_grad():
+        cache = ours.make_cache("paged", 1, 16, page_size=4, max_seqs=4)
+        ours(prompt, cache=cache)
+        kv = cache.kv.cache
+        forked = fork(cache, [0, 0, 0])
+        assert kv.pool.num_free == kv.num_pages - 3  # shared, not copied
+        got = []
+        for c, tok in ((cache, first[:1]), (forked, first[1:])):
+            out = [tok]
+            for _ in range(new):
+                out.append(ours(out[-1], cache=c)[:, -1:].argmax(-1))
+            got.append(torch.cat(out, 1))
+        got = torch.cat(got)
+        scratch = generate(ours, torch.cat([prompt.expand(4, -1), first], 1), new, cache="static")
+    assert torch.equal(got, scratch[:, 10:])
+    assert cache.length == forked.length == 10 + new
+    kv.check()
+    forked.free()
+    cache.free()
+    kv.check()
+    assert kv.pool.num_free == kv.num_pages and kv.seq_ids == []
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kv_size_reports_the_state_make_cache_allocates(pairs, family, capsys):
     from selfattn.cli.main import main
@@ -161,8 +194,9 @@ def test_paged_hybrid_cache_layout_and_errors(pairs):
     assert isinstance(cache, HybridCache) and cache.kv.cache.n_layers == 1
     step = cache.plan(3)
     assert [type(c).__name__ for c in step.layers] == ["LayerState", "PagedLayer", "LayerState"]
-    with pytest.raises(TypeError, match="fork of a paged hybrid cache is not implemented"):
+    with pytest.raises(RuntimeError, match=r"holds 2 of max_seqs=2 .* max_seqs=3\)"):
         fork(cache, [0])
+    assert len(cache.kv.cache.seq_ids) == 2  # nothing forked
     with pytest.raises(ValueError, match="needs max_len"):
         ours.make_cache("static", 1)
     with pytest.raises(ValueError, match="2 attention and 1 recurrent layers but got a KV cache"):

@@ -46,6 +46,14 @@ _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 _L2_EPS = 1e-6  # flash-linear-attention's l2norm epsilon, which Qwen3-Next uses
 
 
+def _dt_bias(n_heads: int) -> torch.Tensor:
+    """Mamba's step-size init: ``softplus(dt_bias)`` log-spaced over [_DT_MIN, _DT_MAX] across
+    the heads, the same for every model."""
+    dt = torch.exp(torch.linspace(math.log(_DT_MIN), math.log(_DT_MAX), n_heads))
+    dt = dt.clamp(min=_DT_FLOOR)
+    return dt + torch.log(-torch.expm1(-dt))  # the inverse of softplus
+
+
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,9 +241,7 @@ class Mamba2Mixer(RecurrentMixer):
         # S4D-real A = -(1..H); dt from log-uniform [_DT_MIN, _DT_MAX] (inverse softplus)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(n_heads))
-        dt = torch.exp(torch.linspace(math.log(_DT_MIN), math.log(_DT_MAX), n_heads))
-        dt = dt.clamp(min=_DT_FLOOR)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(_dt_bias(n_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // n_groups, norm_eps)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
 
@@ -311,7 +317,11 @@ class GatedDeltaNet(RecurrentMixer):
         self.in_proj_ba = nn.Linear(d_model, 2 * n_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_width, groups=self.conv_dim,
                                 padding=conv_width - 1, bias=False)  # fmt: skip
-        self.dt_bias = nn.Parameter(torch.ones(n_heads))
+        # A in [1, 16] (Qwen3-Next draws it from U(0.01, 16)); dt_bias as Mamba-2's, as
+        # flash-linear-attention trains it. Not Qwen3-Next's dt_bias = 1 (a placeholder for
+        # loaded weights): softplus(1) · A kept 0.27 of the state per token at most, so a
+        # freshly built layer forgot everything within a few tokens and could not learn recall.
+        self.dt_bias = nn.Parameter(_dt_bias(n_heads))
         self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, n_heads)))
         self.norm = GatedRMSNorm(v_head_dim, eps=norm_eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, d_model, bias=False)

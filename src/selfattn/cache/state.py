@@ -12,6 +12,8 @@ itemsize(state dtype)`` (:func:`state_bytes`), independent of the context length
 
 :meth:`LayerState.fork` copies rows (``n > 1`` samples of one prompt, a shared prefix): a state
 cannot be shared page by page like a paged KV cache, so a fork is a copy, still of fixed size.
+:meth:`HybridCache.fork` does both: its attention layers' pages are shared copy-on-write, its
+states copied.
 """
 
 from __future__ import annotations
@@ -196,10 +198,7 @@ def fork(cache, rows):
     if isinstance(cache, LayerState):
         return cache.fork(rows)
     if isinstance(cache, HybridCache):
-        raise TypeError(
-            "fork of a paged hybrid cache is not implemented (PagedKV.fork shares its pages; "
-            "the states would be copied): build the cache with make_cache('static', ...)"
-        )
+        return cache.fork(rows)
     if not isinstance(cache, LayerCaches):
         raise TypeError(
             f"fork takes a LayerState or a LayerCaches of LayerState/StaticCache layers, got "
@@ -256,6 +255,34 @@ class HybridCache:
         self.kv.reset()
         for s in self.states:
             s.reset()
+
+    def fork(self, rows) -> HybridCache:
+        """A new HybridCache on the same :class:`~selfattn.cache.PagedKV` whose row ``i``
+        continues row ``rows[i]``: its attention layers get a new sequence sharing every page of
+        that row (:meth:`PagedKV.fork`: copy-on-write, nothing copied until a shared page is
+        written), its recurrent layers a copy of the row's state (:meth:`LayerState.fork`).
+
+        The KV cache needs room for the new sequences (``make_cache("paged", ..., max_seqs=)``);
+        without it nothing is forked and RuntimeError says so. :meth:`free` gives the fork's pages
+        back."""
+        kv, seq_ids = self.kv.cache, self.kv.seq_ids
+        idx = _rows(rows, len(seq_ids), "cpu").tolist()
+        live = len(kv.seq_ids)
+        if live + len(idx) > kv.max_seqs:
+            raise RuntimeError(
+                f"cannot fork {len(idx)} rows: the paged KV cache holds {live} of max_seqs="
+                f"{kv.max_seqs} sequences; build it with make_cache('paged', ..., "
+                f"max_seqs={live + len(idx)}) or free a fork first"
+            )
+        states = [s.fork(idx) for s in self.states]
+        return HybridCache(self.layout, kv.view([kv.fork(seq_ids[r]) for r in idx]), states)
+
+    def free(self) -> None:
+        """Drop this cache's sequences from the shared KV cache (pages no other sequence holds
+        become free); the cache is unusable afterwards."""
+        for s in self.kv.seq_ids:
+            self.kv.cache.free(s)
+        self.kv.seq_ids, self.states = [], []
 
     def __repr__(self) -> str:
         return (

@@ -234,14 +234,15 @@ class HybridLM(nn.Module):
         return self.lm_head(self.norm(h))  # (B, S, d_model) -> (B, S, vocab)
 
     def make_cache(self, kind: str, batch: int, max_len: int | None = None, *, dtype=None,
-                   page_size: int = 16) -> LayerCaches:  # fmt: skip
+                   page_size: int = 16, max_seqs: int | None = None) -> LayerCaches:  # fmt: skip
         """A :class:`~selfattn.cache.state.LayerState` per Mamba layer (fixed size: ``max_len``
         does not change it) and a :class:`~selfattn.cache.StaticCache` of ``max_len`` tokens
         per attention layer, as one :class:`~selfattn.cache.layers.LayerCaches`. ``kind``:
         ``"static"``, ``"window"`` (a :class:`~selfattn.cache.SlidingWindowCache` of ``window``
         tokens on attention layers with a window); ``"paged"``: the attention layers
         share one :class:`~selfattn.cache.PagedKV` of ``page_size``-token pages (a
-        :class:`~selfattn.cache.state.HybridCache`)."""
+        :class:`~selfattn.cache.state.HybridCache`), with room for ``max_seqs`` sequences
+        (default ``batch``; more leaves room for :meth:`HybridCache.fork`)."""
         if kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
         positive_int(batch, "make_cache batch")
@@ -253,8 +254,12 @@ class HybridLM(nn.Module):
         if attention and kind == "paged":
             layout = [isinstance(b, DecoderBlock) for b in self.layers]
             pages = -(-max_len // positive_int(page_size, "make_cache page_size"))
+            seqs = batch if max_seqs is None else positive_int(max_seqs, "make_cache max_seqs")
+            if seqs < batch:
+                raise ValueError(f"make_cache max_seqs={seqs} is below batch={batch}")
+            # a page per max_len/page_size for every sequence: forks never run out of pages
             kv = PagedKV(
-                sum(layout), batch * pages, page_size, c.n_kv_heads, c.head_dim, max_seqs=batch,
+                sum(layout), seqs * pages, page_size, c.n_kv_heads, c.head_dim, max_seqs=seqs,
                 max_pages_per_seq=pages, **fk,
             )  # fmt: skip
             states = [
