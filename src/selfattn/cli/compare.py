@@ -17,7 +17,8 @@ def add_parser(subparsers):
             "generated token vs context length for attention (full and windowed KV cache), "
             "Mamba-2, gated DeltaNet and a hybrid of equal width and depth, with the crossover "
             "lengths; then tiny models trained on multi-query associative recall. Defaults "
-            "take about 15 CPU-minutes (under 10 minutes on 2 cores); --quick in seconds."
+            "take about 15 CPU-minutes, mostly the recall training (--only cost: seconds); "
+            "--quick in seconds."
         ),
     )
     p.add_argument("--out", metavar="DIR", help="write report.json and one PNG per metric here")
