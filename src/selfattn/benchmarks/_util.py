@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import platform
@@ -229,3 +230,19 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], title: st
     from selfattn.cli._common import Printer
 
     Printer().table(columns, rows, title=title)
+
+
+def verdict(row: dict) -> str:
+    """A row's target column: "met", "missed", or "-" where the row has no target."""
+    return "-" if "met" not in row else ("met" if row["met"] else "missed")
+
+
+def print_report(report: dict, as_json: bool, columns: Sequence[str], table, title: str) -> None:
+    """Print a benchmark's report: the whole of it as JSON, or its ``setup`` and then the table
+    (``table`` is a function of the report giving the rows, so JSON runs skip building it)."""
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return
+    print(json.dumps(report["setup"], indent=2))
+    print_table(columns, table(report), title=title)

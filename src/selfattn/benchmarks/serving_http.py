@@ -299,6 +299,16 @@ def _median_round(rounds: list[dict]) -> dict:
     return next(r for r in rounds if r["tok_s"] == mid)
 
 
+def _table(report: dict) -> list[list[str]]:
+    table = []
+    for side, d in report["detail"].items():
+        cpu = d["server_cpu_s"] or float("nan")
+        table.append([side, f"{d['tok_s']:.1f}", f"{cpu:.2f}", f"{d['ttft_p50'] * 1e3:.0f}",
+                      f"{d['ttft_p99'] * 1e3:.0f}", f"{d['itl_p50'] * 1e3:.1f}",
+                      f"{d['itl_p99'] * 1e3:.1f}"])  # fmt: skip
+    return table
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny model and workload: seconds")
@@ -318,19 +328,10 @@ def main(argv=None) -> int:
     args.threads = args.threads or (1 if args.quick else torch.get_num_threads())
     torch.set_num_threads(args.threads)
     report = run(args)
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        print()
-        return 0
-    print(json.dumps(report["setup"], indent=2))
-    table = []
-    for side, d in report["detail"].items():
-        cpu = d["server_cpu_s"] or float("nan")
-        table.append([side, f"{d['tok_s']:.1f}", f"{cpu:.2f}", f"{d['ttft_p50'] * 1e3:.0f}",
-                      f"{d['ttft_p99'] * 1e3:.0f}", f"{d['itl_p50'] * 1e3:.1f}",
-                      f"{d['itl_p99'] * 1e3:.1f}"])  # fmt: skip
     cols = ["side", "tokens/s", "CPU s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
-    _util.print_table(cols, table, title="Serving through HTTP")
+    _util.print_report(report, args.json, cols, _table, "Serving through HTTP")
+    if args.json:
+        return 0
     r = report["rows"][0]
     verdict = "met" if r["met"] else "missed"
     print(f"\nHTTP / offline tokens/s: {r['ratio']:.3f} (target {r['target']}: {verdict}); "

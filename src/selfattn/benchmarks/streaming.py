@@ -27,10 +27,8 @@ Rows:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
 import time
 
 import torch
@@ -179,6 +177,19 @@ def run(args) -> dict:
     return {"machine": _util.machine(), "setup": setup, "rows": rows}
 
 
+_COLUMNS = ["case", "ours", "peer", "peer value", "ours/peer", "target", "met?"]
+
+
+def _table(report: dict) -> list[list[str]]:
+    table = []
+    for r in report["rows"]:
+        ours = r.get("ours", r.get("ours_bytes", r.get("ours_ms")))
+        peer = r.get("peer_value", r.get("peer_bytes", r.get("peer_ms")))
+        table.append([r["case"], f"{ours:.4g}", r["peer"], f"{peer:.4g}", f"{r['ratio']:.3f}",
+                      r["target"], _util.verdict(r)])  # fmt: skip
+    return table
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="100 training steps, 4x: a smoke run")
@@ -197,21 +208,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     args.steps = args.steps or (100 if args.quick else 400)
     args.factor = args.factor or (4 if args.quick else 16)
-    report = run(args)
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        print()
-        return 0
-    print(json.dumps(report["setup"], indent=2))
-    table = []
-    for r in report["rows"]:
-        ours = r.get("ours", r.get("ours_bytes", r.get("ours_ms")))
-        peer = r.get("peer_value", r.get("peer_bytes", r.get("peer_ms")))
-        met = "-" if "met" not in r else ("met" if r["met"] else "missed")
-        table.append([r["case"], f"{ours:.4g}", r["peer"], f"{peer:.4g}", f"{r['ratio']:.3f}",
-                      r["target"], met])  # fmt: skip
-    cols = ["case", "ours", "peer", "peer value", "ours/peer", "target", "met?"]
-    _util.print_table(cols, table, title="StreamingLLM sink tokens")
+    _util.print_report(run(args), args.json, _COLUMNS, _table, "StreamingLLM sink tokens")
     return 0
 
 

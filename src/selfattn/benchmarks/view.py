@@ -20,9 +20,7 @@ uniform to peaked, plus a per-head pull towards nearby tokens. Rows:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -122,6 +120,21 @@ def run(args) -> dict:
     return {"machine": _util.machine(), "setup": setup, "rows": rows}
 
 
+_COLUMNS = ["case", "ours", "ours/peer", "target", "met?"]
+
+
+def _table(report: dict) -> list[list[str]]:
+    table = []
+    for r in report["rows"]:
+        if "skipped" in r:
+            table.append([r["case"], r["skipped"], "", "", ""])
+            continue
+        value = f"{r['ours_bytes']:,} B" if "ours_bytes" in r else f"{r['ours_ms']:.0f} ms"
+        ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+        table.append([r["case"], value, ratio, r.get("target", ""), _util.verdict(r)])
+    return table
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 layers x 2 heads x 32 tokens")
@@ -135,23 +148,7 @@ def main(argv=None) -> int:
     args.layers = args.layers or (2 if args.quick else 12)
     args.heads = args.heads or (2 if args.quick else 12)
     args.tokens = args.tokens or (32 if args.quick else 256)
-    report = run(args)
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        print()
-        return 0
-    print(json.dumps(report["setup"], indent=2))
-    table = []
-    for r in report["rows"]:
-        if "skipped" in r:
-            table.append([r["case"], r["skipped"], "", "", ""])
-            continue
-        value = f"{r['ours_bytes']:,} B" if "ours_bytes" in r else f"{r['ours_ms']:.0f} ms"
-        ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
-        met = "-" if "met" not in r else ("met" if r["met"] else "missed")
-        table.append([r["case"], value, ratio, r.get("target", ""), met])
-    _util.print_table(["case", "ours", "ours/peer", "target", "met?"], table,
-                      title="attention explorer page")  # fmt: skip
+    _util.print_report(run(args), args.json, _COLUMNS, _table, "attention explorer page")
     return 0
 
 
