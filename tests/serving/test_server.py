@@ -616,3 +616,12 @@ def test_a_failing_request_does_not_stop_the_engine(model, tokenizer, monkeypatc
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200
     engine.check()
+
+
+def test_generate_refuses_while_the_server_worker_steps_the_engine(model, tokenizer):
+    with served(model, tokenizer) as (engine, url):
+        r = httpx.post(f"{url}/v1/completions", json=OK, timeout=TIMEOUT_S)
+        assert r.status_code == 200  # the worker thread has started and stays alive
+        with pytest.raises(RuntimeError, match="server worker steps this engine"):
+            engine.generate("w1 w2", SamplingParams(max_tokens=2))
+    engine.check()

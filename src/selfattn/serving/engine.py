@@ -156,6 +156,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
         self._driver: asyncio.Task | None = None
+        self.worker = None  # a server's EngineWorker stepping this engine on its own thread
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
 
@@ -453,6 +454,12 @@ class Engine:
             raise RuntimeError(
                 "generate() cannot run while stream() requests are being served; await them, "
                 "or use stream()"
+            )
+        if self.worker is not None and self.worker.alive:
+            raise RuntimeError(
+                "generate() cannot run while a server worker steps this engine (two threads "
+                "would step it at once); send the prompts to the server, or give generate() "
+                "an Engine of its own"
             )
         one = isinstance(prompts, (str, torch.Tensor)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)

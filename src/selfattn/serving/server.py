@@ -90,6 +90,7 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._outbox: dict = {}  # event loop -> [(queue, item)], filled during a step
+        engine.worker = self  # generate() on the engine refuses while this thread steps it
 
     @property
     def alive(self) -> bool:
