@@ -94,3 +94,31 @@ def test_config_errors_name_the_values():
         Qwen3NextConfig(**{**base, "layer_types": ("mamba", "attention")})
     with pytest.raises(ValueError, match="needs d_ff"):
         Qwen3NextConfig(**{**base, "d_ff": None})
+
+
+def test_kv_size_of_a_released_config_without_layer_types(tmp_path, capsys):
+    """Qwen3-Next-80B-A3B's shape (its config.json gives ``full_attention_interval``, not
+    ``layer_types``): 36 gated DeltaNet layers keep a fixed state, 12 attention layers a KV
+    cache of 2 heads of 256."""
+    import json
+
+    from selfattn.cli.main import main
+
+    config = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+                  num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                  head_dim=256, intermediate_size=5120, full_attention_interval=4,
+                  linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                  num_experts_per_tok=10, moe_intermediate_size=512,
+                  shared_expert_intermediate_size=512)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["kv-size", "--config", str(tmp_path), "--tokens", "1000", "--dtype", "bf16",
+                 "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"]["layers"] == 12
+    assert result["bytes"] == 12 * 2 * 2 * 256 * 1000 * 2  # layers, K+V, heads, dim, tokens, bf16
+    state = result["state"]
+    assert (state["layers"], state["attention_layers"]) == (36, 12)
+    conv = 2 * 16 * 128 + 32 * 128  # q, k (16 key heads) and v (32 value heads) channels
+    per_layer = conv * 3 * 2 + 32 * 128 * 128 * 4  # conv window in bf16, fp32 state
+    assert state["bytes_per_sequence"] == 36 * per_layer

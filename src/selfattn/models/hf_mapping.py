@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from selfattn.cache.state import qwen3_next_layer_types
 from selfattn.models.hub import unsupported
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import DynamicNTK, Linear, Llama3, LongRoPE, YaRN
@@ -707,7 +708,6 @@ def bamba_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # -- Qwen3-Next (gated DeltaNet + gated attention, experts with a shared expert) -----------------
 _QWEN3_NEXT_KINDS = {"linear_attention": "deltanet", "full_attention": "attention"}
 # transformers' defaults where a config.json leaves a key out (d_model // n_heads would be wrong)
-_QWEN3_NEXT_INTERVAL = 4  # full_attention_interval: every 4th layer attends
 _QWEN3_NEXT_HEAD_DIM = 256
 _QWEN3_NEXT_ROTARY = 0.25  # partial_rotary_factor
 
@@ -715,7 +715,7 @@ _QWEN3_NEXT_ROTARY = 0.25  # partial_rotary_factor
 def qwen3next_fields(config: Mapping) -> dict:
     """``Qwen3NextConfig`` keyword arguments from a ``qwen3_next`` ``config.json`` dict.
 
-    ``layer_types`` (or every ``full_attention_interval``-th layer full attention): a
+    ``layer_types`` (:func:`~selfattn.cache.state.qwen3_next_layer_types`): a
     ``linear_attention`` layer is a gated DeltaNet of ``linear_num_value_heads`` value heads,
     each ``linear_num_key_heads`` key head serving a group of them. Layer ``i`` has experts
     unless it is in ``mlp_only_layers``, ``num_experts`` is 0 or ``(i + 1)`` is not a multiple of
@@ -732,10 +732,7 @@ def qwen3next_fields(config: Mapping) -> dict:
                                       head_dim)  # fmt: skip
     if scaling is not None:
         raise unsupported(config, "rope_parameters", "Qwen3-Next with a scaled RoPE")
-    interval = get("full_attention_interval", _QWEN3_NEXT_INTERVAL)
-    types = get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)
-    ]
+    types = qwen3_next_layer_types(config)
     if len(types) != L or any(t not in _QWEN3_NEXT_KINDS for t in types):
         raise unsupported(
             config, "layer_types", f"{L} entries of {sorted(_QWEN3_NEXT_KINDS)}, got {types}"
