@@ -24,7 +24,9 @@ cache, position_ids, logits_to_keep)``, ``make_cache(kind, batch, max_len)``), s
 is zeroed before it reaches a recurrent state, so a left-padded row decodes as the unpadded one.
 ``make_cache("paged")`` gives Bamba's attention layers one :class:`~selfattn.cache.PagedKV`
 (a :class:`~selfattn.cache.state.HybridCache` beside the states); Mamba-2 has no KV cache and
-takes any kind.
+takes any kind. Qwen3-Next (:mod:`selfattn.models.qwen3next`) is a HybridLM of ``"deltanet"``
+and ``"attention"`` layers whose hooks (``_attention``, ``_mlp``) add its gated attention and
+experts.
 """
 
 from __future__ import annotations
