@@ -270,6 +270,11 @@ MINIMAL_CONFIGS = {
         vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=2,
         intermediate_size=12, mamba_n_heads=4, mamba_d_state=2,
     ),
+    "qwen3_next": dict(
+        vocab_size=11, hidden_size=8, num_attention_heads=2, num_hidden_layers=4,
+        intermediate_size=12, linear_num_value_heads=2, linear_num_key_heads=1,
+        linear_key_head_dim=4, linear_value_head_dim=4, num_experts=0,
+    ),
 }  # fmt: skip
 FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "gemma2": "llama", "mt5": "t5"}
 _LLAMA_LIKE = ["qwen3", "olmo2", "gemma3_text", "diffllama", "llama4_text"]  # issue 15's variants

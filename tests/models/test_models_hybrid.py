@@ -1,7 +1,8 @@
-"""Mamba-2 and Bamba (Mamba-2 + attention) against transformers on tiny perturbed random configs
-(saved with save_pretrained, loaded by selfattn's from_pretrained): logits, left padding, greedy
-generation; the state cache: decode == full forward, fork == recompute; kv-size's state formula
-against the bytes make_cache allocates."""
+"""Mamba-2, Bamba (Mamba-2 + attention) and Qwen3-Next (gated DeltaNet + gated attention, with
+experts and without) against transformers on tiny perturbed random configs (saved with
+save_pretrained, loaded by selfattn's from_pretrained): logits, left padding, greedy generation;
+the state cache (static and paged): decode == full forward, fork == recompute; kv-size's state
+formula against the bytes make_cache allocates."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ from tests.models.test_models_decoder import (  # noqa: E402
 )
 
 _MAMBA = dict(n_groups=2, expand=2, chunk_size=4)  # chunks of 4: prompts span several
+_QWEN3_NEXT = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_only_layers=[1],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+    moe_intermediate_size=16, shared_expert_intermediate_size=24,
+)  # fmt: skip
 FAMILIES = {
     "mamba2": (
         "Mamba2Config",
@@ -38,7 +46,15 @@ FAMILIES = {
              mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=6,
              mamba_d_conv=4, mamba_chunk_size=4, mamba_expand=2),
     ),
+    # layers: DeltaNet (experts), attention (dense: mlp_only_layers), DeltaNet (experts); 2 key
+    # heads of 8 serve 4 value heads of 6; RoPE on a quarter of each attention head
+    "qwen3_next": ("Qwen3NextConfig", dict(_QWEN3_NEXT, num_experts=4, num_experts_per_tok=2)),
+    # no experts: a SwiGLU after every layer; biases on the attention's projections
+    "qwen3_next_dense": ("Qwen3NextConfig", dict(_QWEN3_NEXT, num_experts=0,
+                                                 attention_bias=True)),
 }  # fmt: skip
+# the families with attention layers (transformers reads positions from position_ids)
+_ATTENTION = ("bamba", "qwen3_next", "qwen3_next_dense")
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -54,17 +70,18 @@ def pairs(tmp_path_factory):
 
 
 def _theirs(hf, family, ids, mask):
-    kw = {"position_ids": hf_positions(mask)} if family == "bamba" else {}
+    kw = {"position_ids": hf_positions(mask)} if family in _ATTENTION else {}
     return hf(ids, attention_mask=mask, **kw).logits
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_transformers(pairs, family):
     hf, ours, _ = pairs[family]
-    ids = torch.randint(2, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
+    # 70 tokens: more than one of the DeltaNet's chunks of 64 (Mamba's are 4 here)
+    ids = torch.randint(2, VOCAB, (2, 70), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs, got = hf(ids).logits, ours(ids)
-    assert got.shape == (2, 13, VOCAB)
+    assert got.shape == (2, 70, VOCAB)
     assert rel_err(got, theirs, torch.ones_like(ids, dtype=torch.bool)) <= RTOL
 
 
@@ -88,13 +105,14 @@ def test_greedy_generation_matches_transformers(pairs, family, padded):
     assert torch.equal(got, theirs)
 
 
+@pytest.mark.parametrize("kind", ["static", "paged"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_cached_decode_equals_full_forward(pairs, family):
+def test_cached_decode_equals_full_forward(pairs, family, kind):
     _, ours, _ = pairs[family]
     ids = torch.randint(2, VOCAB, (2, 14), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = ours(ids)
-        cache = ours.make_cache("static", 2, 14)
+        cache = ours.make_cache(kind, 2, 14, page_size=4)
         parts = [ours(ids[:, :9], cache=cache)]
         parts += [ours(ids[:, t : t + 1], cache=cache) for t in range(9, 14)]
     assert cache.length == 14
@@ -119,12 +137,14 @@ def test_fork_equals_recompute(pairs, family):
     assert cache.length == 10 and forked.length == 13
 
 
-def test_paged_fork_equals_recompute_and_frees_every_page(pairs):
-    """Bamba on the paged cache (pages of 4; the prompt of 10 ends inside a page, so the first
-    write copies it): a prompt prefilled once, forked into 3 rows that share its pages. Each row
-    and the parent take a different token, then decode greedily: the same tokens as generating
-    from scratch, the parent untouched by its forks. Freed, every page is back in the pool."""
-    _, ours, _ = pairs["bamba"]
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_paged_fork_equals_recompute_and_frees_every_page(pairs, family):
+    """Bamba and Qwen3-Next on the paged cache (pages of 4; the prompt of 10 ends inside a
+    page, so the first write copies it): a prompt prefilled once, forked into 3 rows that share
+    its pages. Each row and the parent take a different token, then decode greedily: the same
+    tokens as generating from scratch, the parent untouched by its forks. Freed, every page is
+    back in the pool."""
+    _, ours, _ = pairs[family]
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(2, VOCAB, (1, 10), generator=g)
     first = torch.randint(2, VOCAB, (4, 1), generator=g)  # row 0: the parent's, 1-3: the forks'
@@ -178,8 +198,8 @@ def test_kv_size_reports_the_state_make_cache_allocates(pairs, family, capsys):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_generation_with_the_paged_cache(pairs, family):
-    """Bamba's attention layers on one PagedKV (pages of 4: prompts span several) beside the
-    Mamba states: the same tokens as transformers."""
+    """The attention layers on one PagedKV (pages of 4: prompts span several) beside the
+    recurrent states: the same tokens as transformers."""
     hf, ours, _ = pairs[family]
     ids, mask = left_padded(2, 9, [2, 0], seed=5)
     with torch.no_grad():

@@ -247,6 +247,8 @@ def _naive(m: MultiHeadAttention, x, context=None, allowed=None, positions=None)
         s = s.masked_fill(~allowed, float("-inf"))
     w = s.softmax(-1)
     out = (w @ v).transpose(1, 2).reshape(B, Sq, -1)
+    if m.gate_proj is not None:  # gated attention: the query rows gate their merged heads
+        out = out * torch.sigmoid(x @ m.gate_proj.weight.T + m.gate_proj.bias)
     return out @ m.out_proj.weight.T + m.out_proj.bias, w
 
 
@@ -257,8 +259,9 @@ def _naive(m: MultiHeadAttention, x, context=None, allowed=None, positions=None)
         dict(n_kv_heads=1, fused=False, qk_norm="rms"),
         dict(n_kv_heads=6, fused=True, qk_norm="layer", alibi=True),
         dict(n_kv_heads=2, fused=False, rope=rope_like),
+        dict(n_kv_heads=2, fused=True, qk_norm="rms", rope=rope_like, output_gate=True),
     ],
-    ids=["gqa2-fused", "mqa-qknorm-rms", "mha-qknorm-layer-alibi", "gqa3-rope"],
+    ids=["gqa2-fused", "mqa-qknorm-rms", "mha-qknorm-layer-alibi", "gqa3-rope", "output-gate"],
 )
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
 def test_forward_matches_formula(kw, cross):

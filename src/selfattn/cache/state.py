@@ -33,6 +33,7 @@ __all__ = [
     "LayerState",
     "StateShape",
     "fork",
+    "qwen3_next_layer_types",
     "state_bytes",
     "state_shape_from_config",
 ]
@@ -73,6 +74,25 @@ class StateShape:
         return self.layers * batch * state_bytes(self.conv_dim, self.conv_width, shape, dtype)
 
 
+# transformers' Qwen3NextConfig default: every 4th layer full attention (the released
+# config.json files give full_attention_interval, not layer_types)
+_QWEN3_NEXT_INTERVAL = 4
+
+
+def qwen3_next_layer_types(config: Mapping) -> list[str]:
+    """A ``qwen3_next`` config's ``layer_types`` (``"linear_attention"`` or ``"full_attention"``
+    per layer); without them, layer ``i`` is full attention where ``(i + 1)`` is a multiple of
+    ``full_attention_interval``, as transformers fills them in."""
+    types = config.get("layer_types")
+    if types:
+        return list(types)
+    interval = config.get("full_attention_interval") or _QWEN3_NEXT_INTERVAL
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(config["num_hidden_layers"])
+    ]
+
+
 def state_shape_from_config(config: Mapping) -> StateShape | None:
     """The recurrent state of a transformers ``config.json`` (a dict): Mamba-2 (``mamba2``),
     Bamba (``bamba``: Mamba-2 layers but ``attn_layer_indices``), Qwen3-Next (``qwen3_next``:
@@ -92,7 +112,7 @@ def state_shape_from_config(config: Mapping) -> StateShape | None:
     if kind == "qwen3_next":
         Hv, Hk = get("linear_num_value_heads"), get("linear_num_key_heads")
         Dk, Dv = get("linear_key_head_dim"), get("linear_value_head_dim")
-        linear = sum(t == "linear_attention" for t in get("layer_types") or ())
+        linear = sum(t == "linear_attention" for t in qwen3_next_layer_types(config))
         conv = 2 * Hk * Dk + Hv * Dv
         return StateShape(linear, conv, get("linear_conv_kernel_dim", 4), Hv, Dk, Dv, L - linear)
     return None

@@ -72,7 +72,7 @@ class ContextParallelAttention(nn.Module):
             check.summary = summary(q, k, v, cfg)
         out = run(q, k, v, cfg, return_lse=False)
         out = out.transpose(1, 2).reshape(B, Sl, -1)  # (B, Hq, S/W, Dv) -> (B, S/W, Hq·Dv)
-        return a.out_proj(out)
+        return a.project_out(out, x)
 
 
 def context_parallel(model: nn.Module, group=None, layout: str = "zigzag", **ring_kwargs):

@@ -126,14 +126,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``n_experts`` gated MLPs stored as ``gate_up_proj (E, 2·I, d)``, ``down_proj (E, d, I)``."""
+    """``n_experts`` gated MLPs of width ``d_ff`` (I) stored as ``gate_up_proj (E, 2·I, d)``,
+    ``down_proj (E, d, I)`` (DeepSeek-V3's and Qwen3-Next's layout)."""
 
-    def __init__(self, d_model: int, c: DeepseekConfig):
+    def __init__(self, d_model: int, n_experts: int, d_ff: int, activation=F.silu):
         super().__init__()
-        E, d_ff = c.n_experts, c.moe_d_ff
+        E = n_experts
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * d_ff, d_model).normal_(std=0.02))
         self.down_proj = nn.Parameter(torch.empty(E, d_model, d_ff).normal_(std=0.02))
-        self.activation = ACTIVATIONS[c.activation]
+        self.activation = activation
 
     def forward(self, h, experts, weights) -> torch.Tensor:
         """``h (T, d)``, ``experts``/``weights (T, k)`` -> ``Σ weight · expert(h)`` ``(T, d)``."""
@@ -152,8 +153,8 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, c: DeepseekConfig):
         super().__init__()
         self.router = Router(d_model, c)
-        self.experts = Experts(d_model, c)
         act = ACTIVATIONS[c.activation]
+        self.experts = Experts(d_model, c.n_experts, c.moe_d_ff, act)
         self.shared = (
             SwiGLU(d_model, c.moe_d_ff * c.n_shared_experts, activation=act)
             if c.n_shared_experts

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from selfattn.cache.state import qwen3_next_layer_types
 from selfattn.models.hub import unsupported
 from selfattn.nn.mlp import ACTIVATIONS
 from selfattn.positions import DynamicNTK, Linear, Llama3, LongRoPE, YaRN
@@ -702,3 +703,120 @@ def bamba_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         renamed[name.replace("model.final_layernorm.", "model.norm.")] = t
     out = llama_state(renamed, sandwich_norm=False)
     return {re.sub(r"^(layers\.\d+)\.mamba\.", r"\1.mixer.", k): t for k, t in out.items()}
+
+
+# -- Qwen3-Next (gated DeltaNet + gated attention, experts with a shared expert) -----------------
+_QWEN3_NEXT_KINDS = {"linear_attention": "deltanet", "full_attention": "attention"}
+# transformers' defaults where a config.json leaves a key out (d_model // n_heads would be wrong)
+_QWEN3_NEXT_HEAD_DIM = 256
+_QWEN3_NEXT_ROTARY = 0.25  # partial_rotary_factor
+
+
+def qwen3next_fields(config: Mapping) -> dict:
+    """``Qwen3NextConfig`` keyword arguments from a ``qwen3_next`` ``config.json`` dict.
+
+    ``layer_types`` (:func:`~selfattn.cache.state.qwen3_next_layer_types`): a
+    ``linear_attention`` layer is a gated DeltaNet of ``linear_num_value_heads`` value heads,
+    each ``linear_num_key_heads`` key head serving a group of them. Layer ``i`` has experts
+    unless it is in ``mlp_only_layers``, ``num_experts`` is 0 or ``(i + 1)`` is not a multiple of
+    ``decoder_sparse_step``; the others the dense MLP of ``intermediate_size``. ``num_experts``
+    is required (transformers' default, 512, is no size to guess), the experts' sizes with it."""
+    get = config.get
+    if get("model_type") != "qwen3_next":
+        raise unsupported(config, "model_type", "Qwen3-Next mapping")
+    if get("hidden_act", "silu") != "silu":
+        raise unsupported(config, "hidden_act", "Qwen3-Next's gated MLPs and DeltaNet use silu")
+    d, heads, L = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    head_dim = get("head_dim") or _QWEN3_NEXT_HEAD_DIM
+    base, scaling, rotary_dim = _rope({"partial_rotary_factor": _QWEN3_NEXT_ROTARY, **config},
+                                      head_dim)  # fmt: skip
+    if scaling is not None:
+        raise unsupported(config, "rope_parameters", "Qwen3-Next with a scaled RoPE")
+    types = qwen3_next_layer_types(config)
+    if len(types) != L or any(t not in _QWEN3_NEXT_KINDS for t in types):
+        raise unsupported(
+            config, "layer_types", f"{L} entries of {sorted(_QWEN3_NEXT_KINDS)}, got {types}"
+        )
+    experts, step = config["num_experts"], get("decoder_sparse_step") or 1
+    dense = set(get("mlp_only_layers") or ())
+    moe = dict(n_experts=experts)
+    if experts:
+        moe |= dict(experts_per_token=config["num_experts_per_tok"],
+                    moe_d_ff=config["moe_intermediate_size"],
+                    shared_d_ff=config["shared_expert_intermediate_size"],
+                    norm_topk=bool(get("norm_topk_prob", True)))  # fmt: skip
+    return dict(
+        vocab_size=config["vocab_size"], d_model=d,
+        layer_types=tuple(_QWEN3_NEXT_KINDS[t] for t in types),
+        ssm_heads=config["linear_num_value_heads"], ssm_head_dim=config["linear_key_head_dim"],
+        ssm_k_heads=config["linear_num_key_heads"],
+        ssm_v_head_dim=config["linear_value_head_dim"],
+        conv_width=get("linear_conv_kernel_dim", 4),
+        d_ff=config["intermediate_size"], n_heads=heads,
+        n_kv_heads=get("num_key_value_heads") or heads, head_dim=head_dim, rope_base=base,
+        rotary_dim=rotary_dim, attention_bias=bool(get("attention_bias", False)),
+        norm_eps=get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        bos_token_id=get("bos_token_id"), eos_token_id=_eos(config),
+        pad_token_id=get("pad_token_id"),
+        moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                         for i in range(L)),
+        **moe,
+    )  # fmt: skip
+
+
+def _ungroup_deltanet(name: str, t: torch.Tensor, k_heads: int, k_dim: int) -> dict:
+    """transformers' DeltaNet projections are grouped by key head (``in_proj_qkvz``: per key
+    head ``[q, k, v·r, z·r]``, ``in_proj_ba``: ``[b·r, a·r]``, ``r`` value heads per key head);
+    ours are plain blocks ``[q | k | v | z]`` and ``[b | a]`` (value head ``g·r + i`` in both)."""
+    d = t.shape[-1]
+    if name.endswith("in_proj_qkvz.weight"):
+        groups = t.view(k_heads, -1, d)  # (Hk·(2Dk + 2r·Dv), d) -> (Hk, 2Dk + 2r·Dv, d)
+        rv = (groups.shape[1] - 2 * k_dim) // 2
+        parts = groups.split([k_dim, k_dim, rv, rv], dim=1)
+    elif name.endswith("in_proj_ba.weight"):
+        groups = t.view(k_heads, -1, d)  # (2Hv, d) -> (Hk, 2r, d)
+        parts = groups.chunk(2, dim=1)
+    else:
+        return {name: t}
+    return {name: torch.cat([p.reshape(-1, d) for p in parts])}  # (Hk, n, d) -> (Hk·n, d) each
+
+
+def qwen3next_state(
+    state: dict[str, torch.Tensor], *, k_heads: int, k_dim: int, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """transformers' Qwen3-Next tensors -> :class:`~selfattn.models.qwen3next.Qwen3Next`'s
+    (``state`` is emptied). Its RMSNorm weights ``w`` mean ``1 + w`` (the gated norm's do not);
+    ``q_proj`` holds each head's query and output gate side by side (``head_dim`` each);
+    ``linear_attn`` becomes ``mixer`` (:func:`_ungroup_deltanet`); the router ``mlp.gate`` is
+    ``mlp.router``, ``shared_expert`` ``shared``, per-expert tensors stacked
+    (:func:`_stack_experts`). The multi-token-prediction ``mtp.*`` tensors
+    of the released checkpoints are dropped, as transformers drops them."""
+    shared = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    out, experts = {}, {}
+    for name, t in _drain(state):
+        if name.startswith("mtp."):
+            continue
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        if parts[2:4] == ["mlp", "experts"] and parts[4].isdigit():  # one tensor per expert
+            experts.setdefault(parts[1], {})[name] = t
+            continue
+        if name == "norm.weight" or name.endswith(("layernorm.weight", "_norm.weight")):
+            t = t + 1  # input/post_attention_layernorm, q_norm, k_norm, the final norm
+        head, sep, rest = name.partition(".self_attn.q_proj.")
+        if sep:  # (H·2D, d) -> query rows (H·D, d) and gate rows (H·D, d)
+            q, gate = t.unflatten(0, (-1, 2 * head_dim)).chunk(2, dim=1)
+            out[name] = q.flatten(0, 1)
+            out[f"{head}.self_attention.gate_proj.{rest}"] = gate.flatten(0, 1)
+            continue
+        name = name.replace(".linear_attn.", ".mixer.").replace(".mlp.gate.", ".mlp.router.")
+        name = name.replace(".mlp.shared_expert_gate.", ".mlp.shared_gate.")
+        head, sep, rest = name.partition(".mlp.shared_expert.")
+        if sep:
+            module, _, leaf = rest.partition(".")
+            name = f"{head}.mlp.shared.{shared.get(module, module)}.{leaf}"
+        out |= _ungroup_deltanet(name, t, k_heads, k_dim)
+    for layer, tensors in experts.items():
+        out |= _stack_experts(layer, tensors)
+    return llama_state(out, sandwich_norm=False)

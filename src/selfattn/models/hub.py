@@ -49,7 +49,9 @@ __all__ = [
 
 # Modules under selfattn.models whose import registers model families (imported on first lookup,
 # so the registry never depends on what the caller imported).
-_FAMILY_MODULES = ("encoder", "decoder", "seq2seq", "vision", "llama4", "deepseek", "hybrid")
+_FAMILY_MODULES = (
+    "encoder", "decoder", "seq2seq", "vision", "llama4", "deepseek", "hybrid", "qwen3next",
+)  # fmt: skip
 _REGISTRY: dict[str, type] = {}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 log = logging.getLogger("selfattn")

@@ -24,7 +24,9 @@ cache, position_ids, logits_to_keep)``, ``make_cache(kind, batch, max_len)``), s
 is zeroed before it reaches a recurrent state, so a left-padded row decodes as the unpadded one.
 ``make_cache("paged")`` gives Bamba's attention layers one :class:`~selfattn.cache.PagedKV`
 (a :class:`~selfattn.cache.state.HybridCache` beside the states); Mamba-2 has no KV cache and
-takes any kind.
+takes any kind. Qwen3-Next (:mod:`selfattn.models.qwen3next`) is a HybridLM of ``"deltanet"``
+and ``"attention"`` layers whose hooks (``_attention``, ``_mlp``) add its gated attention and
+experts.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class HybridConfig:
 
     Mamba layers: ``ssm_heads`` heads of ``ssm_head_dim``, ``state_size`` (N), ``n_groups`` of
     B/C, ``conv_width``, ``chunk_size``, ``dt_limit``; DeltaNet and linear layers: ``ssm_heads``
-    heads of ``ssm_head_dim`` (keys and values), chunks of ``min(chunk_size, 64)``. Attention
+    heads of ``ssm_head_dim`` (keys and values), chunks of ``min(chunk_size, 64)``; DeltaNet
+    layers may have fewer key heads ``ssm_k_heads`` and values of ``ssm_v_head_dim``. Attention
     layers (any ``"attention"`` entry needs ``n_heads``): GQA with RoPE on ``rotary_dim`` of each
     head, over the last ``window`` tokens if set. ``d_ff``: a SwiGLU after every layer (None:
     none, as Mamba-2).
@@ -74,6 +77,8 @@ class HybridConfig:
     layer_types: tuple[str, ...]
     ssm_heads: int
     ssm_head_dim: int
+    ssm_k_heads: int | None = None
+    ssm_v_head_dim: int | None = None
     state_size: int = 128
     n_groups: int = 1
     conv_width: int = 4
@@ -150,7 +155,7 @@ class HybridLM(nn.Module):
         self.rope = None
         if "attention" in c.layer_types:
             self.rope = RoPE(c.head_dim, c.rope_base, rotary_dim=c.rotary_dim)
-        self.layers = nn.ModuleList(self._block(kind) for kind in c.layer_types)
+        self.layers = nn.ModuleList(self._block(kind, i) for i, kind in enumerate(c.layer_types))
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         if c.tie_embeddings:
@@ -158,35 +163,40 @@ class HybridLM(nn.Module):
         self.eos_token_id, self.pad_token_id = c.eos_token_id, c.pad_token_id
         self.bos_token_id = c.bos_token_id
 
-    def _mlp(self):
+    def _mlp(self, layer: int) -> nn.Module | None:
+        """Layer ``layer``'s feed-forward (families override: Qwen3-Next's experts)."""
         c = self.config
         return None if c.d_ff is None else SwiGLU(c.d_model, c.d_ff, bias=c.mlp_bias)
 
-    def _block(self, kind: str) -> nn.Module:
+    def _attention(self) -> MultiHeadAttention:
+        c = self.config
+        return MultiHeadAttention(
+            c.d_model, c.n_heads, c.n_kv_heads, head_dim=c.head_dim, fused=True,
+            bias=c.attention_bias, rope=self.rope,
+        )  # fmt: skip
+
+    def _mixer(self, kind: str) -> nn.Module:
+        c = self.config
+        chunk = min(c.chunk_size, _DELTA_CHUNK)
+        if kind == "deltanet":
+            return GatedDeltaNet(c.d_model, c.ssm_heads, c.ssm_head_dim, n_k_heads=c.ssm_k_heads,
+                                 v_head_dim=c.ssm_v_head_dim, conv_width=c.conv_width,
+                                 chunk_size=chunk, norm_eps=c.norm_eps)  # fmt: skip
+        if kind == "linear":
+            return LinearAttention(c.d_model, c.ssm_heads, c.ssm_head_dim, chunk_size=chunk)
+        return Mamba2Mixer(
+            c.d_model, c.ssm_heads, c.ssm_head_dim, state_size=c.state_size,
+            n_groups=c.n_groups, conv_width=c.conv_width, chunk_size=c.chunk_size,
+            dt_limit=c.dt_limit, conv_bias=c.conv_bias, bias=c.proj_bias, norm_eps=c.norm_eps,
+        )  # fmt: skip
+
+    def _block(self, kind: str, layer: int) -> nn.Module:
         c = self.config
         norm = RMSNorm(c.d_model, c.norm_eps)
         mlp_norm = None if c.d_ff is None else RMSNorm(c.d_model, c.norm_eps)
         if kind == "attention":
-            attention = MultiHeadAttention(
-                c.d_model, c.n_heads, c.n_kv_heads, head_dim=c.head_dim, fused=True,
-                bias=c.attention_bias, rope=self.rope,
-            )  # fmt: skip
-            return DecoderBlock(attention, self._mlp(), norm, mlp_norm)
-        chunk = min(c.chunk_size, _DELTA_CHUNK)
-        if kind == "deltanet":
-            mixer = GatedDeltaNet(c.d_model, c.ssm_heads, c.ssm_head_dim,
-                                  conv_width=c.conv_width, chunk_size=chunk,
-                                  norm_eps=c.norm_eps)  # fmt: skip
-        elif kind == "linear":
-            mixer = LinearAttention(c.d_model, c.ssm_heads, c.ssm_head_dim, chunk_size=chunk)
-        else:
-            mixer = Mamba2Mixer(
-                c.d_model, c.ssm_heads, c.ssm_head_dim, state_size=c.state_size,
-                n_groups=c.n_groups, conv_width=c.conv_width, chunk_size=c.chunk_size,
-                dt_limit=c.dt_limit, conv_bias=c.conv_bias, bias=c.proj_bias,
-                norm_eps=c.norm_eps,
-            )  # fmt: skip
-        return MixerBlock(mixer, norm, self._mlp(), mlp_norm)
+            return DecoderBlock(self._attention(), self._mlp(layer), norm, mlp_norm)
+        return MixerBlock(self._mixer(kind), norm, self._mlp(layer), mlp_norm)
 
     @classmethod
     def from_config(cls, config: Mapping) -> HybridLM:

@@ -118,6 +118,9 @@ class MultiHeadAttention(nn.Module):
             :class:`QueryTemperature`, Llama-4's long-context tuning) multiplying each query row
             by a factor of its cache position (``cache.length + i``, padding included, as
             transformers counts), after positions and qk-norm.
+        output_gate: own a ``gate_proj`` (``d_model -> Hq·Dv``) and multiply the merged heads by
+            ``sigmoid(gate_proj(x))`` before ``out_proj`` (gated attention, Qiu et al. 2025,
+            arXiv 2505.06708; Qwen3-Next): each query row can switch its heads off.
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class MultiHeadAttention(nn.Module):
         scale: float | None = None,
         backend: str = "auto",
         q_temperature=None,
+        output_gate: bool = False,
         device=None,
         dtype=None,
     ):
@@ -208,6 +212,7 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_out, bias=bias, **fk)
             self.v_proj = nn.Linear(vdim, kv_out, bias=bias, **fk)
         self.out_proj = nn.Linear(q_out, d_model, bias=bias if out_bias is None else out_bias, **fk)
+        self.gate_proj = nn.Linear(d_model, q_out, bias=bias, **fk) if output_gate else None
         one_of(qk_norm_scope, "qk_norm_scope", ("head", "all"))
         self.qk_norm_scope = qk_norm_scope
         if qk_norm is None:
@@ -263,6 +268,13 @@ class MultiHeadAttention(nn.Module):
         Hq·Dv)`` (variants that combine heads, :class:`~selfattn.nn.DiffAttention`, override)."""
         B, _, Sq, _ = out.shape
         return out.transpose(1, 2).reshape(B, Sq, -1)  # (B, Hq, Sq, Dv) -> (B, Sq, Hq·Dv)
+
+    def project_out(self, merged: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The merged heads ``(B, Sq, Hq·Dv)`` of the queries ``x (B, Sq, d_model)`` through the
+        output gate (if any) and ``out_proj`` -> ``(B, Sq, d_model)``."""
+        if self.gate_proj is not None:
+            merged = merged * torch.sigmoid(self.gate_proj(x))
+        return self.out_proj(merged)
 
     def score_mod_for(self, score_mod=None):
         """The layer's own score mod (ALiBi) composed with a call's ``score_mod``, or None."""
@@ -387,7 +399,7 @@ class MultiHeadAttention(nn.Module):
         if out_hook is not None:
             out = out_hook(out)
         out = gate_heads(out, self.head_mask if head_mask is None else head_mask)
-        out = self.out_proj(self.merge_heads(out))
+        out = self.project_out(self.merge_heads(out), x)
         return (out, w) if return_weights else out
 
     @classmethod
