@@ -67,15 +67,22 @@ static inline v16 vmax(v16 a, v16 b) {
   const v16i gt = a > b;
   return (v16)(((v16i)a & gt) | ((v16i)b & ~gt));
 }
+/* Horizontal max / sum of 16 floats by halving shuffles (4 steps, not 15 scalar ones). */
+static inline v16 swap_halves(v16 x, int w) {
+  switch (w) {
+    case 8: return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    case 4: return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    case 2: return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    default: return __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
+}
 static inline float hmax(v16 x) {
-  float m = x[0];
-  for (int i = 1; i < VW; i++) m = x[i] > m ? x[i] : m;
-  return m;
+  for (int w = 8; w >= 1; w /= 2) x = vmax(x, swap_halves(x, w));
+  return x[0];
 }
 static inline float hsum(v16 x) {
-  float s = 0.0f;
-  for (int i = 0; i < VW; i++) s += x[i];
-  return s;
+  for (int w = 8; w >= 1; w /= 2) x += swap_halves(x, w);
+  return x[0];
 }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -138,14 +145,16 @@ void fa_tanh(const float *x, float *y, int64_t n) {
 }
 
 /* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
-   ldb), with nv a constant at each call site, so the accumulators stay in registers. */
+   ldb), with nv a constant at each call site, so the accumulators stay in registers; zero: C =
+   A B instead (C is not read). */
 static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc, const float *A,
                                                            int64_t lda, const float *B,
-                                                           int64_t ldb, int64_t K, int nv) {
+                                                           int64_t ldb, int64_t K, int nv,
+                                                           int zero) {
   v16 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = ld(C + r * ldc + x * VW);
+    for (x = 0; x < nv; x++) acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
   for (int64_t k = 0; k < K; k++) {
     v16 b[NV];
     for (x = 0; x < nv; x++) b[x] = ld(B + k * ldb + x * VW);
@@ -158,19 +167,30 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
     for (x = 0; x < nv; x++) st(C + r * ldc + x * VW, acc[r][x]);
 }
 
-/* C (M x N) += A (M x K) B (K x N); M a multiple of RB, N of VW (the callers pad). */
-static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                    int64_t ldb, int64_t K, int64_t N) { /* RB rows */
+/* RB rows of C (RB x N) += A (RB x K) B (K x N) (zero: C = A B); N a multiple of VW (the
+   callers pad). */
+static inline __attribute__((always_inline)) void mm_rows_z(float *C, int64_t ldc,
+                                                            const float *A, int64_t lda,
+                                                            const float *B, int64_t ldb,
+                                                            int64_t K, int64_t N, int zero) {
   for (int64_t n = 0; n < N; n += NV * VW) {
     float *c = C + n;
     const float *b = B + n;
     switch ((N - n) / VW) {
-      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1); break;
-      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2); break;
-      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3); break;
-      default: mm_block(c, ldc, A, lda, b, ldb, K, 4); break;
+      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1, zero); break;
+      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2, zero); break;
+      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3, zero); break;
+      default: mm_block(c, ldc, A, lda, b, ldb, K, 4, zero); break;
     }
   }
+}
+static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t K, int64_t N) {
+  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 0);
+}
+static void mm_rows0(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                     int64_t ldb, int64_t K, int64_t N) {
+  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 1);
 }
 
 static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *B, int64_t ldb,
@@ -187,11 +207,13 @@ static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *
 static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_t ldc,
                                                                 const uint32_t *A, int64_t lda,
                                                                 const uint32_t *B, int64_t ldb,
-                                                                int64_t npairs, int nv) {
+                                                                int64_t npairs, int nv,
+                                                                int zero) {
   __m512 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = _mm512_loadu_ps(C + r * ldc + x * VW);
+    for (x = 0; x < nv; x++)
+      acc[r][x] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(C + r * ldc + x * VW);
   for (int64_t k = 0; k < npairs; k++) {
     __m512bh b[NV];
     for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * VW);
@@ -204,15 +226,20 @@ static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_
     for (x = 0; x < nv; x++) _mm512_storeu_ps(C + r * ldc + x * VW, acc[r][x]);
 }
 
-/* RB rows of C += A B for N columns of B (a multiple of VW). */
+/* RB rows of C += A B for N columns of B (a multiple of VW); zero: C = A B. */
 static void mm_bf16_rows(float *C, int64_t ldc, const uint32_t *A, int64_t lda,
-                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N) {
+                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N, int zero) {
   for (int64_t n = 0; n < N; n += NV * VW) {
-    switch ((N - n) / VW) {
-      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1); break;
-      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2); break;
-      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3); break;
-      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4); break;
+    const int64_t nv = (N - n) / VW < NV ? (N - n) / VW : NV;
+    switch (nv + NV * !!zero) { /* nv and zero constants in each call */
+      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1, 0); break;
+      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2, 0); break;
+      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3, 0); break;
+      case 4: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4, 0); break;
+      case 5: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1, 1); break;
+      case 6: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2, 1); break;
+      case 7: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3, 1); break;
+      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4, 1); break;
     }
   }
 }
@@ -288,6 +315,8 @@ typedef struct {
   /* bf16 V for the bf16 P V (forward): per block, pairs of keys' V rows as bf16 pair words
      (BK / 2 x Dvp uint32); vp is then not packed */
   float *vb;
+  float *packed; /* the one buffer holding them (pack_kv) */
+  int pooled;    /* 1: packed is the kept pool, held locked until free_packed */
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -379,18 +408,37 @@ static void mask_scores(float *s, int64_t tq, int64_t nk, const uint8_t *bits) {
 }
 
 /* For each block of RB rows of a tile, the keys [lo, hi) that one of its rows attends: [0, nk)
-   for a FULL tile (bits NULL), from the mask block for a PARTIAL one (empty: lo >= hi). */
+   for a FULL tile (bits NULL), from the mask block for a PARTIAL one (empty: lo >= hi). The
+   block's mask rows are OR-ed 8 bytes at a time and the first and last nonzero byte found by
+   counting zero bits (a byte-by-byte scan measured a tenth of a bf16 window forward). */
+#define WORDS (BK / 8)
 static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *bits, int64_t tq, int64_t tqp,
                        int64_t nk) {
   for (int64_t r0 = 0; r0 < tqp; r0 += RB) {
-    int64_t a = bits ? nk : 0, b = bits ? 0 : nk;
-    for (int64_t r = r0; bits && r < r0 + RB && r < tq; r++) {
-      const uint8_t *m = bits + r * BK;
-      int64_t k = 0, e = nk;
-      while (k < a && !m[k]) k++;
-      while (e > b && !m[e - 1]) e--;
-      if (k < a) a = k;
-      if (e > b) b = e;
+    int64_t a = 0, b = nk;
+    if (bits) {
+      uint64_t any[WORDS] = {0}, w;
+      for (int64_t r = r0; r < r0 + RB && r < tq; r++)
+        for (int i = 0; i < WORDS; i++) {
+          memcpy(&w, bits + r * BK + 8 * i, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+          w = __builtin_bswap64(w); /* byte j of the row in bits 8j.. as below */
+#endif
+          any[i] |= w;
+        }
+      a = nk, b = 0;
+      for (int i = 0; i < WORDS; i++)
+        if (any[i]) {
+          a = 8 * i + __builtin_ctzll(any[i]) / 8; /* byte j: bits 8j.. */
+          break;
+        }
+      for (int i = WORDS - 1; i >= 0; i--)
+        if (any[i]) {
+          b = 8 * i + (63 - __builtin_clzll(any[i])) / 8 + 1;
+          break;
+        }
+      if (a > nk) a = nk; /* bytes past nk are never set, but stay within the tile */
+      if (b > nk) b = nk;
     }
     lo[r0 / RB] = a, hi[r0 / RB] = b;
   }
@@ -520,6 +568,63 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
 /* Forward: work item (b, h, query tile i)                                                     */
 /* ------------------------------------------------------------------------------------------ */
 
+/* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
+   mul in columns [v0, v1), the only ones read or written), in one pass per row: scale, mask
+   (bits: the rows' mask bytes, stride BK, NULL for a FULL tile; keys >= nk), the row max, the
+   rescale of the row's running sum and output accumulator (stride dvp) to a new max, then the
+   weights 2^(s - m) (over s) and their sum. Rows [nr, RB) (padding) get weight 0. */
+static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, int64_t nk,
+                                 const uint8_t *bits, float mul, float *m, float *l, float *acc,
+                                 int64_t dvp) {
+  typedef uint8_t v16b __attribute__((vector_size(VW)));
+  v16 iota;
+  for (int i = 0; i < VW; i++) iota[i] = (float)i;
+  const v16 ninf = splat(-INFINITY);
+  for (int64_t r = 0; r < RB; r++) {
+    float *row = s + r * BK;
+    int64_t k;
+    if (r >= nr) {
+      for (k = v0; k < v1; k += VW) st(row + k, splat(0.0f));
+      continue;
+    }
+    v16 mx = ninf;
+    for (k = v0; k < v1; k += VW) {
+      v16 x = ld(row + k) * mul;
+      if (bits) {
+        v16b b;
+        memcpy(&b, bits + r * BK + k, VW);
+        const v16i keep = __builtin_convertvector(b, v16i) != 0;
+        x = (v16)(((v16i)x & keep) | ((v16i)ninf & ~keep));
+      }
+      if (k + VW > nk) {
+        const v16i keep = iota < (float)(nk - k);
+        x = (v16)(((v16i)x & keep) | ((v16i)ninf & ~keep));
+      }
+      st(row + k, x);
+      mx = vmax(mx, x);
+    }
+    const float mn = fmaxf(m[r], hmax(mx));
+    if (mn == -INFINITY) { /* no key yet: weights 0, nothing to rescale */
+      for (k = v0; k < v1; k += VW) st(row + k, splat(0.0f));
+      continue;
+    }
+    if (mn > m[r]) {
+      const float alpha = exp2f(m[r] - mn); /* 0 while m is -inf: acc and l are 0 then */
+      l[r] *= alpha;
+      for (k = 0; k < dvp; k += VW) st(acc + r * dvp + k, ld(acc + r * dvp + k) * alpha);
+      m[r] = mn;
+    }
+    const v16 mv = splat(mn);
+    v16 sum = splat(0.0f);
+    for (k = v0; k < v1; k += VW) {
+      const v16 w = exp2v(ld(row + k) - mv);
+      st(row + k, w);
+      sum += w;
+    }
+    l[r] += hsum(sum);
+  }
+}
+
 static void fwd_item(const void *vjob, int64_t item, float *buf) {
   const Job *job = (const Job *)vjob;
   const Dims d = dims(job->a);
@@ -529,6 +634,9 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *s = qs + MAXBQ * d.Dp, *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp;
   float *l = m + MAXBQ;
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  const int mods = p[P_SLOPES] || p[P_BIAS] || p[P_CAP];
+  const float *drop = (const float *)p[P_DROP];
+  const uint32_t xbh = drop ? dropout_bh(job->a[A_SEED], b, h) : 0;
   int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
 
   const int64_t npairs = (d.D + 1) / 2;
@@ -542,73 +650,50 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    /* -- scores of the tile, base 2 */
     const int64_t blk = blk0 + qt.cols[t];
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
     const float *kt = job->kb ? NULL : job->kt + blk * d.D * BK;
+    const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
     /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
        tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
     key_ranges(lo, hi, bits, tq, tqp, nk);
-    memset(s, 0, sizeof(float) * tqp * BK);
-    for (r = 0; r < tqp; r += RB) {
-      const int64_t v0 = lo[r / RB] / VW * VW, v1 = round_up(hi[r / RB], VW);
-      if (v1 <= v0) continue;
-#if HAVE_DPBF16
-      if (job->kb) { /* exact bf16 products summed in float32, then times c */
-        const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
-        mm_bf16_rows(s + r * BK + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0);
-        for (int64_t i = r; i < r + RB; i++)
-          for (k = v0; k < v1; k += VW) st(s + i * BK + k, ld(s + i * BK + k) * job->c);
-        continue;
-      }
-#endif
-      mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
-    }
-    apply_mods(s, NULL, job->a, p, b, h, qt.i * d.bq, c0, tq, tqp, nk);
-    mask_scores(s, tq, nk, bits);
-    /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
-    for (r = 0; r < tqp; r++) {
-      float *row = s + r * BK;
-      v16 mx = ld(row);
-      for (k = VW; k < BK; k += VW) mx = vmax(mx, ld(row + k));
-      const float mn = r < tq ? fmaxf(m[r], hmax(mx)) : -INFINITY;
-      if (mn == -INFINITY) { /* no key yet (or a padding row): weights 0, nothing to rescale */
-        memset(row, 0, sizeof(float) * BK);
-        continue;
-      }
-      if (mn > m[r]) {
-        const float alpha = exp2f(m[r] - mn); /* 0 while m is -inf: acc and l are 0 then */
-        l[r] *= alpha;
-        for (k = 0; k < d.Dvp; k += VW) st(acc + r * d.Dvp + k, ld(acc + r * d.Dvp + k) * alpha);
-        m[r] = mn;
-      }
-      v16 sum = splat(0.0f);
-      for (k = 0; k < BK; k += VW) {
-        const v16 w = exp2v(ld(row + k) - mn);
-        st(row + k, w);
-        sum += w;
-      }
-      l[r] += hsum(sum);
-    }
-    if (p[P_DROP]) /* l (and so lse) stays the undropped normaliser */
-      dropout_scale(s, tq, dropout_bh(job->a[A_SEED], b, h), job->a[A_QOFF] + qt.i * d.bq, c0,
-                    (const float *)p[P_DROP]);
-    /* -- weighted V rows: acc += P V over the tile's nk keys */
-    const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
+    /* one block of RB rows at a time through scores, softmax and P V, its scores in L1 */
     for (r = 0; r < tqp; r += RB) {
       const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
       if (k1 <= k0) continue;
+      const int64_t v0 = k0 / VW * VW, v1 = round_up(k1, VW), nr = tq - r < RB ? tq - r : RB;
+      float *sb = s + r * BK, mul = 1.0f;
+      /* -- scores of the block, base 2 */
+#if HAVE_DPBF16
+      if (job->kb) { /* exact bf16 products summed in float32, times c in the softmax pass */
+        const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
+        mm_bf16_rows(sb + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0, 1);
+        mul = job->c;
+      } else
+#endif
+        mm_rows0(sb + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
+      if (mods) { /* the mods take scaled scores */
+        for (int64_t i = 0; i < RB * BK; i += VW) st(sb + i, ld(sb + i) * mul);
+        mul = 1.0f;
+        apply_mods(sb, NULL, job->a, p, b, h, qt.i * d.bq + r, c0, nr, RB, nk);
+      }
+      /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
+      softmax_block(sb, nr, v0, v1, nk, bits ? bits + r * BK : NULL, mul, m + r, l + r,
+                    acc + r * d.Dvp, d.Dvp);
+      if (drop) /* l (and so lse) stays the undropped normaliser */
+        dropout_scale(sb, nr, xbh, job->a[A_QOFF] + qt.i * d.bq + r, c0, drop);
+      /* -- weighted V rows: acc += P V over the block's keys [k0, k1) */
 #if HAVE_DPBF16
       if (job->vb) { /* weights rounded to bf16, times bf16 V pairs, summed in float32 */
         const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
         const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
-        weights_bf16(pw, s + r * BK);
+        weights_bf16(pw, sb);
         mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0, BK / 2, vpairs + p0 * d.Dvp, d.Dvp,
-                     p1 - p0, d.Dvp);
+                     p1 - p0, d.Dvp, 0);
         continue;
       }
 #endif
-      mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
+      mm_rows(acc + r * d.Dvp, d.Dvp, sb + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
     }
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
@@ -831,6 +916,15 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
     pack_rows(job->vp + blk * BK * d.Dvp, d.Dvp, p[P_V], kv0 * d.Dv, nk, d.Dv, BK, 1.0f, d.dt);
 }
 
+/* The packed K and V live in one buffer that is kept from call to call (while at most
+   POOL_KEEP_BYTES): a fresh malloc of tens of MiB is fresh pages, and their page faults and
+   zeroing measured a fifth of a bf16 window-256 forward at S=16384 (one thread, Zen 4). One
+   call at a time holds it (a concurrent call allocates its own). */
+#define POOL_KEEP_BYTES ((size_t)256 << 20)
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *pool;
+static size_t pool_bytes;
+
 /* Allocate and fill the packed layouts job asks for (a non-NULL placeholder in kt/vt/kp/vp
    means: wanted). 0, or 1 when memory ran out. */
 static int pack_kv(Job *job, const Dims *d, int n_threads) {
@@ -838,13 +932,27 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
   float **slots[6] = {&job->kt, &job->vt, &job->kp, &job->vp, &job->kb, &job->vb};
   const int64_t sizes[6] = {d->D * BK, d->Dv * BK,  BK * d->Dp, BK * d->Dvp, (d->D + 1) / 2 * BK,
                             BK / 2 * d->Dvp};
-  int bad = 0;
+  size_t total = 0;
   for (int i = 0; i < 6; i++)
-    if (*slots[i]) {
-      *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
-      bad |= *slots[i] == NULL;
+    if (*slots[i]) total += sizeof(float) * (size_t)(n_blk * sizes[i]);
+  job->packed = NULL, job->pooled = 0;
+  if (total && pthread_mutex_trylock(&pool_lock) == 0) {
+    if (pool_bytes < total) {
+      free(pool);
+      pool = malloc(total);
+      pool_bytes = pool ? total : 0;
     }
-  if (bad) return 1;
+    if (pool) job->packed = pool, job->pooled = 1;
+    else pthread_mutex_unlock(&pool_lock);
+  }
+  if (total && !job->packed) job->packed = malloc(total);
+  if (total && !job->packed) {
+    for (int i = 0; i < 6; i++) *slots[i] = NULL;
+    return 1;
+  }
+  float *next = job->packed;
+  for (int i = 0; i < 6; i++)
+    if (*slots[i]) *slots[i] = next, next += n_blk * sizes[i];
   Job pack = *job;
   pack.n_items = n_blk, pack.next = 0, pack.item = pack_item;
   pack.scratch = d->Dp + d->Dvp;
@@ -852,7 +960,13 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
 }
 
 static void free_packed(Job *job) {
-  free(job->kt), free(job->vt), free(job->kp), free(job->vp), free(job->kb), free(job->vb);
+  if (!job->pooled) {
+    free(job->packed);
+  } else {
+    if (pool_bytes > POOL_KEEP_BYTES) free(pool), pool = NULL, pool_bytes = 0;
+    pthread_mutex_unlock(&pool_lock);
+  }
+  job->packed = NULL, job->pooled = 0;
 }
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
