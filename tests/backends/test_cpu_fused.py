@@ -167,12 +167,34 @@ def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_grads():
     check_against_reference(cpu_attention, q, k, v, mask=late_start)
 
 
-def test_forced_generic_path_matches(monkeypatch):
-    """``SELFATTN_ATTN_KERNEL=generic`` runs the baseline-ISA build: what a CPU without the
-    vector features gets, and still right."""
-    monkeypatch.setenv(fused_attention.ENV_VAR, "generic")
-    q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("var", "value", "isa"),
+    [
+        ("SELFATTN_ATTN_KERNEL", "generic", "generic"),
+        ("SELFATTN_FUSED_ISA", "generic", "generic"),
+        ("SELFATTN_FUSED_ISA", "avx2", "avx2+fma"),
+    ],
+    ids=["attn-kernel-generic", "fused-isa-generic", "fused-isa-avx2"],
+)
+def test_forced_lower_isa_path_matches(monkeypatch, var, value, isa, dtype):
+    """``SELFATTN_FUSED_ISA=avx2|generic`` (and ``SELFATTN_ATTN_KERNEL=generic``) run a lower
+    build: what an AVX2-only CPU (Zen 3) or one without the vector features gets; it names its
+    instruction sets and is right, forward and backward, with GQA and ragged tiles."""
+    if value == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(var, value)
+    if fused_attention.library() is None:
+        pytest.skip(f"this compiler cannot build the {value} kernel")
+    assert fused_attention.isa() == isa
+    q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, dtype=dtype, seed=5)
     check_against_reference(cpu_attention, q, k, v, mask=masks.causal())
+
+
+def test_unknown_fused_isa_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv("SELFATTN_FUSED_ISA", "avx9")
+    with pytest.raises(ValueError, match=r"SELFATTN_FUSED_ISA='avx9'.*generic, avx2, native"):
+        fused_attention.library()
 
 
 def test_forward_is_bitwise_deterministic():
