@@ -264,3 +264,25 @@ def test_auto_picks_it_for_a_sparse_mask_on_cpu():
     assert backends.explain(q, k, v, mask=masks.sliding_window(32), print_table=False).chosen == (
         "cpu_fused"
     )
+
+
+def test_tile_description_is_kept_across_calls_for_the_same_mask(monkeypatch):
+    """A second call with the same mask object and geometry reuses the tile description (no
+    mask evaluation); another mask, another length or a row-ordered tensor mask builds anew."""
+    from selfattn.backends import cpu_fused
+
+    built = []
+    build = cpu_fused._build_tiles
+    monkeypatch.setattr(cpu_fused, "_build_tiles", lambda *a: built.append(1) or build(*a))
+    monkeypatch.setattr(cpu_fused, "_kept", type(cpu_fused._kept)())
+    q, k, v = make_qkv(1, 2, 70, 16, seed=21)
+    window = masks.sliding_window(9)
+    first = cpu_attention(q, k, v, mask=window)
+    assert torch.equal(cpu_attention(q, k, v, mask=window), first) and len(built) == 1
+    cpu_attention(q, k, v, mask=masks.sliding_window(9))  # equal, but another object
+    cpu_attention(q[:, :, :50], k, v, mask=window)
+    assert len(built) == 3
+    dense = torch.rand(70, 70, generator=torch.Generator().manual_seed(22)) < 0.5
+    for _ in range(2):
+        cpu_attention(q, k, v, mask=dense)
+    assert len(built) == 5
