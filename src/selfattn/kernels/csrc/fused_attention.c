@@ -278,23 +278,42 @@ static void pack_pairs(uint32_t *dst, int64_t ld, const uint16_t *src, int64_t o
 
 /* nk keys (rows of width bf16) as pair words transposed, t (pairs x BK), keys >= nk 0. */
 static void pack_pairs_t(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk,
-                         int64_t width, uint32_t *row) {
+                         int64_t width) {
   const int64_t np = (width + 1) / 2;
   for (int64_t e = 0; e < np; e++) memset(t + e * BK + nk, 0, sizeof(uint32_t) * (BK - nk));
   for (int64_t k = 0; k < nk; k++) {
-    pack_pairs(row, np, src, off + k * width, 1, width, 1);
-    for (int64_t e = 0; e < np; e++) t[e * BK + k] = row[e];
+    const uint16_t *x = src + off + k * width;
+    for (int64_t e = 0; e < width / 2; e++) t[e * BK + k] = x[2 * e] | (uint32_t)x[2 * e + 1] << 16;
+    if (width % 2) t[(np - 1) * BK + k] = x[width - 1];
   }
 }
 
 /* nk V rows (width bf16 each, from element offset off) as pair words of keys 2p, 2p + 1: t
-   (BK / 2 x ld), keys >= nk and columns >= width 0. */
+   (BK / 2 x ld), keys >= nk and columns >= width 0. Two rows are interleaved 16 columns at a
+   time (a word per element of each was a tenth of a bf16 forward's time). */
 static void pack_v_pairs(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk, int64_t width,
                          int64_t ld) {
-  memset(t, 0, sizeof(uint32_t) * (BK / 2) * ld);
-  for (int64_t k = 0; k < nk; k++)
-    for (int64_t e = 0; e < width; e++)
-      t[k / 2 * ld + e] |= (uint32_t)src[off + k * width + e] << (16 * (k % 2));
+  typedef uint16_t v16h __attribute__((vector_size(VW * 2)));
+  typedef uint32_t v16w __attribute__((vector_size(VW * 4)));
+  for (int64_t p = 0; p < BK / 2; p++) {
+    uint32_t *o = t + p * ld;
+    const uint16_t *x = src + off + 2 * p * width, *y = x + width;
+    const int second = 2 * p + 1 < nk; /* the pair's second key exists */
+    int64_t e = 0;
+    if (2 * p >= nk) {
+      memset(o, 0, sizeof(uint32_t) * ld);
+      continue;
+    }
+    for (; e + VW <= width; e += VW) {
+      v16h a, b = {0};
+      memcpy(&a, x + e, sizeof a);
+      if (second) memcpy(&b, y + e, sizeof b);
+      const v16w w = __builtin_convertvector(a, v16w) | __builtin_convertvector(b, v16w) << 16;
+      memcpy(o + e, &w, sizeof w);
+    }
+    for (; e < width; e++) o[e] = x[e] | (uint32_t)(second ? y[e] : 0) << 16;
+    for (; e < ld; e++) o[e] = 0;
+  }
 }
 
 typedef struct {
@@ -316,6 +335,7 @@ typedef struct {
      (BK / 2 x Dvp uint32); vp is then not packed */
   float *vb;
   float *packed; /* the one buffer holding them (pack_kv) */
+  uint8_t *rr;    /* forward: row_ranges of every PARTIAL block's rows */
   int pooled;    /* 1: packed is the kept pool, held locked until free_packed */
 } Job;
 
@@ -407,38 +427,47 @@ static void mask_scores(float *s, int64_t tq, int64_t nk, const uint8_t *bits) {
   }
 }
 
+/* Each row of the PARTIAL mask blocks (n_rows rows of BK bytes) as two bytes: the keys [lo, hi)
+   from its first to its last attended key, lo | NOT_INTERVAL when it attends only some of them
+   (then the kernel reads its bytes). A window's, a causal diagonal's or a document edge's rows
+   are intervals: the forward masks them by comparing key indices, and never reads their bytes
+   again (it read them once per head and tile, L3 misses measured a tenth of a bf16 window-256
+   forward). The bytes are OR-folded 8 at a time: bit 0 of each byte of f says "nonzero". */
+#define NOT_INTERVAL 0x80
+static void row_ranges(uint8_t *rr, const uint8_t *bits, int64_t n_rows) {
+  const uint64_t low = 0x0101010101010101ull;
+  for (int64_t r = 0; r < n_rows; r++) {
+    int lo = -1, hi = 0, n = 0;
+    for (int i = 0; i < BK / 8; i++) {
+      uint64_t w;
+      memcpy(&w, bits + r * BK + 8 * i, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+      w = __builtin_bswap64(w); /* byte j of the row in bits 8j.. as below */
+#endif
+      w |= w >> 4, w |= w >> 2, w |= w >> 1;
+      const uint64_t f = w & low;
+      if (!f) continue;
+      if (lo < 0) lo = 8 * i + __builtin_ctzll(f) / 8;
+      hi = 8 * i + (63 - __builtin_clzll(f)) / 8 + 1;
+      n += __builtin_popcountll(f);
+    }
+    if (lo < 0) lo = 0; /* attends nothing: the empty interval [0, 0) */
+    rr[2 * r] = (uint8_t)(lo | (n != hi - lo ? NOT_INTERVAL : 0)), rr[2 * r + 1] = (uint8_t)hi;
+  }
+}
+
 /* For each block of RB rows of a tile, the keys [lo, hi) that one of its rows attends: [0, nk)
-   for a FULL tile (bits NULL), from the mask block for a PARTIAL one (empty: lo >= hi). The
-   block's mask rows are OR-ed 8 bytes at a time and the first and last nonzero byte found by
-   counting zero bits (a byte-by-byte scan measured a tenth of a bf16 window forward). */
-#define WORDS (BK / 8)
-static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *bits, int64_t tq, int64_t tqp,
+   for a FULL tile (rr NULL), from its rows' ranges (rr, row_ranges) for a PARTIAL one (empty:
+   lo >= hi). Bytes past nk are not the mask's: ranges are clipped there. */
+static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *rr, int64_t tq, int64_t tqp,
                        int64_t nk) {
   for (int64_t r0 = 0; r0 < tqp; r0 += RB) {
-    int64_t a = 0, b = nk;
-    if (bits) {
-      uint64_t any[WORDS] = {0}, w;
-      for (int64_t r = r0; r < r0 + RB && r < tq; r++)
-        for (int i = 0; i < WORDS; i++) {
-          memcpy(&w, bits + r * BK + 8 * i, 8);
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-          w = __builtin_bswap64(w); /* byte j of the row in bits 8j.. as below */
-#endif
-          any[i] |= w;
-        }
-      a = nk, b = 0;
-      for (int i = 0; i < WORDS; i++)
-        if (any[i]) {
-          a = 8 * i + __builtin_ctzll(any[i]) / 8; /* byte j: bits 8j.. */
-          break;
-        }
-      for (int i = WORDS - 1; i >= 0; i--)
-        if (any[i]) {
-          b = 8 * i + (63 - __builtin_clzll(any[i])) / 8 + 1;
-          break;
-        }
-      if (a > nk) a = nk; /* bytes past nk are never set, but stay within the tile */
-      if (b > nk) b = nk;
+    int64_t a = rr ? nk : 0, b = rr ? 0 : nk;
+    for (int64_t r = r0; rr && r < r0 + RB && r < tq; r++) {
+      const int64_t l = rr[2 * r] & ~NOT_INTERVAL, h = rr[2 * r + 1] < nk ? rr[2 * r + 1] : nk;
+      if (l >= h) continue;
+      a = l < a ? l : a;
+      b = h > b ? h : b;
     }
     lo[r0 / RB] = a, hi[r0 / RB] = b;
   }
@@ -572,10 +601,11 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
    mul in columns [v0, v1), the only ones read or written), in one pass per row: scale, mask
    (bits: the rows' mask bytes, stride BK, NULL for a FULL tile; keys >= nk), the row max, the
    rescale of the row's running sum and output accumulator (stride dvp) to a new max, then the
-   weights 2^(s - m) (over s) and their sum. Rows [nr, RB) (padding) get weight 0. */
+   weights 2^(s - m) (over s) and their sum. Rows [nr, RB) (padding) get weight 0. rr: the
+   rows' ranges (row_ranges; NULL with bits): an interval row is masked by key index. */
 static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, int64_t nk,
-                                 const uint8_t *bits, float mul, float *m, float *l, float *acc,
-                                 int64_t dvp) {
+                                 const uint8_t *bits, const uint8_t *rr, float mul, float *m,
+                                 float *l, float *acc, int64_t dvp) {
   typedef uint8_t v16b __attribute__((vector_size(VW)));
   v16 iota;
   for (int i = 0; i < VW; i++) iota[i] = (float)i;
@@ -588,16 +618,20 @@ static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, i
       continue;
     }
     v16 mx = ninf;
+    const int holes = bits && (rr[2 * r] & NOT_INTERVAL); /* read this row's mask bytes */
+    const int64_t hi = bits && rr[2 * r + 1] < nk ? rr[2 * r + 1] : nk;
+    const v16 lo_v = splat(bits ? (float)(rr[2 * r] & ~NOT_INTERVAL) : 0.0f);
     for (k = v0; k < v1; k += VW) {
       v16 x = ld(row + k) * mul;
-      if (bits) {
+      if (holes) {
         v16b b;
         memcpy(&b, bits + r * BK + k, VW);
         const v16i keep = __builtin_convertvector(b, v16i) != 0;
         x = (v16)(((v16i)x & keep) | ((v16i)ninf & ~keep));
       }
-      if (k + VW > nk) {
-        const v16i keep = iota < (float)(nk - k);
+      if (bits || k + VW > hi) { /* keys [lo, hi) of an interval row, below nk */
+        const v16 key = iota + (float)k;
+        const v16i keep = (key >= lo_v) & (key < (float)hi);
         x = (v16)(((v16i)x & keep) | ((v16i)ninf & ~keep));
       }
       st(row + k, x);
@@ -652,11 +686,12 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
     const int64_t blk = blk0 + qt.cols[t];
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
+    const uint8_t *rr = bits ? job->rr + (bits - (const uint8_t *)p[P_BITS]) / BK * 2 : NULL;
     const float *kt = job->kb ? NULL : job->kt + blk * d.D * BK;
     const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
     /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
        tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
-    key_ranges(lo, hi, bits, tq, tqp, nk);
+    key_ranges(lo, hi, rr, tq, tqp, nk);
     /* one block of RB rows at a time through scores, softmax and P V, its scores in L1 */
     for (r = 0; r < tqp; r += RB) {
       const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
@@ -678,7 +713,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
         apply_mods(sb, NULL, job->a, p, b, h, qt.i * d.bq + r, c0, nr, RB, nk);
       }
       /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
-      softmax_block(sb, nr, v0, v1, nk, bits ? bits + r * BK : NULL, mul, m + r, l + r,
+      softmax_block(sb, nr, v0, v1, nk, bits ? bits + r * BK : NULL, rr ? rr + 2 * r : NULL, mul,
+                    m + r, l + r,
                     acc + r * d.Dvp, d.Dvp);
       if (drop) /* l (and so lse) stays the undropped normaliser */
         dropout_scale(sb, nr, xbh, job->a[A_QOFF] + qt.i * d.bq + r, c0, drop);
@@ -907,7 +943,7 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
   if (job->kb)
     pack_pairs_t((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (const uint16_t *)p[P_K],
-                 kv0 * d.D, nk, d.D, (uint32_t *)row);
+                 kv0 * d.D, nk, d.D);
   if (job->vb) pack_v_pairs((uint32_t *)job->vb + blk * (BK / 2) * d.Dvp, (const uint16_t *)p[P_V],
                             kv0 * d.Dv, nk, d.Dv, d.Dvp);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
@@ -981,10 +1017,20 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
   float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb};
+             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb, NULL, NULL, 0};
+  /* the PARTIAL blocks: as many as the largest index in pids, plus one */
+  const int32_t *pids = (const int32_t *)ptrs[P_PIDS];
+  int64_t n_partial = 0;
+  for (int64_t t = 0; t < ((const int32_t *)ptrs[P_ROWPTR])[d.nq]; t++)
+    n_partial = pids[t] >= n_partial ? pids[t] + 1 : n_partial;
+  const int64_t n_rows = n_partial * d.mb * d.mh * d.bq;
+  job.rr = malloc(2 * (size_t)n_rows + 1);
+  if (job.rr == NULL) return 1;
+  row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
   int status = pack_kv(&job, &d, n_threads);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
+  free(job.rr);
   return status;
 }
 
@@ -1016,7 +1062,7 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   const Dims d = dims(iargs);
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
-            WANTED, WANTED, WANTED, NULL, NULL, NULL};
+            WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
