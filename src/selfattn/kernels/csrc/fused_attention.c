@@ -601,11 +601,12 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
    mul in columns [v0, v1), the only ones read or written), in one pass per row: scale, mask
    (bits: the rows' mask bytes, stride BK, NULL for a FULL tile; keys >= nk), the row max, the
    rescale of the row's running sum and output accumulator (stride dvp) to a new max, then the
-   weights 2^(s - m) (over s) and their sum. Rows [nr, RB) (padding) get weight 0. rr: the
-   rows' ranges (row_ranges; NULL with bits): an interval row is masked by key index. */
+   weights 2^(s - m) (over s) and their sum, kept as a vector per row (lv: RB x VW; summed
+   across once, at the end: not once per tile and row). Rows [nr, RB) (padding) get weight 0.
+   rr: the rows' ranges (row_ranges; NULL with bits): an interval row is masked by key index. */
 static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, int64_t nk,
                                  const uint8_t *bits, const uint8_t *rr, float mul, float *m,
-                                 float *l, float *acc, int64_t dvp) {
+                                 float *lv, float *acc, int64_t dvp) {
   typedef uint8_t v16b __attribute__((vector_size(VW)));
   v16 iota;
   for (int i = 0; i < VW; i++) iota[i] = (float)i;
@@ -644,7 +645,7 @@ static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, i
     }
     if (mn > m[r]) {
       const float alpha = exp2f(m[r] - mn); /* 0 while m is -inf: acc and l are 0 then */
-      l[r] *= alpha;
+      st(lv + r * VW, ld(lv + r * VW) * alpha);
       for (k = 0; k < dvp; k += VW) st(acc + r * dvp + k, ld(acc + r * dvp + k) * alpha);
       m[r] = mn;
     }
@@ -655,7 +656,7 @@ static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, i
       st(row + k, w);
       sum += w;
     }
-    l[r] += hsum(sum);
+    st(lv + r * VW, ld(lv + r * VW) + sum);
   }
 }
 
@@ -680,7 +681,9 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
   else
     pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
-  for (r = 0; r < tqp; r++) m[r] = -INFINITY, l[r] = 0.0f;
+  float *lv = (float *)(pw + RB * BK / 2); /* each row's running sum as a vector */
+  for (r = 0; r < tqp; r++) m[r] = -INFINITY;
+  memset(lv, 0, sizeof(float) * tqp * VW);
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
@@ -714,7 +717,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
       }
       /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
       softmax_block(sb, nr, v0, v1, nk, bits ? bits + r * BK : NULL, rr ? rr + 2 * r : NULL, mul,
-                    m + r, l + r,
+                    m + r, lv + r * VW,
                     acc + r * d.Dvp, d.Dvp);
       if (drop) /* l (and so lse) stays the undropped normaliser */
         dropout_scale(sb, nr, xbh, job->a[A_QOFF] + qt.i * d.bq + r, c0, drop);
@@ -736,6 +739,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
      make every weight the backward recomputes 0 */
   float *out = (float *)p[P_OUT] + row0 * d.Dv;
   float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
+  for (r = 0; r < tq; r++) l[r] = hsum(ld(lv + r * VW));
   for (r = 0; r < tq; r++) {
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
       const float inv = 1.0f / l[r];
@@ -749,7 +753,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
 }
 
 static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of bf16 weights */
-  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2;
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2 +
+         MAXBQ * VW; /* and the row sums' vectors */
 }
 
 /* ------------------------------------------------------------------------------------------ */
