@@ -25,9 +25,9 @@ backward stays float32. Since then (session 6) the forward takes each block of 4
 scores, mask, softmax and P·V in one pass (its scores stay in L1; row sums kept as vectors),
 masks the rows of PARTIAL tiles that are key intervals (windows, causal diagonals, document
 edges: found once per call) by comparing key indices instead of reading their bytes, and keeps
-the packed K/V buffer from call to call (fresh pages cost a fifth of the time): same case 70 ms
-against 83 ms (bf16, 34% of the 4096² bf16 matmul's 363 GFLOP/s) and 120 ms against 158 ms
-(fp32, 71% of the fp32 ceiling), interleaved, best of 5.
+the packed K/V buffer from call to call on 2 MiB pages (fresh pages cost a fifth of the time):
+same case 68 ms against 90 ms (bf16: 32% of the 4096² bf16 matmul's 389 GFLOP/s) and 97 ms
+against 149 ms (fp32: 90% of its 98 GFLOP/s), interleaved, best of 5.
 The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
 query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 
