@@ -286,3 +286,13 @@ def test_tile_description_is_kept_across_calls_for_the_same_mask(monkeypatch):
     for _ in range(2):
         cpu_attention(q, k, v, mask=dense)
     assert len(built) == 5
+    ids = torch.arange(70) // 30
+    docs = masks.documents(ids)
+    cpu_attention(q, k, v, mask=docs)
+    ids[20:] = 5  # in place: the kept description is stale, so a new one is built
+    check_against_reference(cpu_attention, q, k, v, mask=docs, grad=False)
+    assert len(built) == 7
+    user = masks.CallableMask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    for _ in range(2):  # a user callable may read state no key sees: never kept
+        cpu_attention(q, k, v, mask=user)
+    assert len(built) == 9

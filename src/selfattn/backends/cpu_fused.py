@@ -55,10 +55,11 @@ assert chunked.BLOCK_K == fused_attention.BLOCK_K  # the kernel walks chunked's 
 
 
 # Tile descriptions kept across calls. Each entry holds its mask object, so the id in its key
-# cannot name another mask while it exists (a mask mutated in place after its first use is not
-# noticed, as in the flex backend's cache); masks holding row-ordered tensors (a new object per
-# call), per-sequence offsets and descriptions over _KEPT_BITS_MAX bytes of mask blocks are not
-# kept.
+# cannot name another mask while it exists; the key also holds the version counter of every
+# tensor in the mask (an in-place change to a documents mask's ids builds anew). Kept only for
+# analytic masks (the built-ins and their combinations: a user callable may read state the key
+# cannot see), not for row-ordered tensors (a new object per call), per-sequence offsets, or
+# descriptions over _KEPT_BITS_MAX bytes of mask blocks.
 _KEPT_TILES = 8
 _KEPT_BITS_MAX = 64 << 20
 _kept: collections.OrderedDict = collections.OrderedDict()
@@ -74,8 +75,9 @@ def tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
     found = call.tile_kinds_cache.get(key)
     if found is not None:
         return found
-    keep = isinstance(call.q_offset, int) and not (call.mask is not None and call.mask.row_ordered)
-    kept_key = (id(call.mask), B, Hq, Hkv, Sq, Sk, call.q_offset)
+    versions = _tensor_versions(call.mask)
+    keep = isinstance(call.q_offset, int) and versions is not None
+    kept_key = (id(call.mask), versions, B, Hq, Hkv, Sq, Sk, call.q_offset)
     with _kept_lock:
         hit = _kept.get(kept_key) if keep else None
         if hit is not None and hit[0] is call.mask:
@@ -91,6 +93,25 @@ def tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
             while len(_kept) > _KEPT_TILES:
                 _kept.popitem(last=False)
     return found
+
+
+def _tensor_versions(mask) -> tuple | None:
+    """``(id, version)`` of each tensor the mask's parts hold, or None when the mask must not be
+    kept: not analytic, row-ordered, or holding an inference-mode tensor (no version counter)."""
+    if mask is None:
+        return ()
+    if not mask.analytic or mask.row_ordered:
+        return None
+    found, todo = [], [mask]
+    while todo:
+        part = todo.pop()
+        for t in vars(part).values():
+            if isinstance(t, torch.Tensor):
+                if t.is_inference():
+                    return None
+                found.append((id(t), t._version))
+        todo += part.children()
+    return tuple(found)
 
 
 def _build_tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
