@@ -48,7 +48,9 @@ lower build (``native``, the default: the best); ``SELFATTN_ATTN_KERNEL=generic`
 what the build that runs uses.
 q, k, v are read in their dtype (float32, bf16, fp16) and converted as tiles are packed (a
 whole-tensor ``.float()`` first measured 0.19 s for bf16 q, k, v at S=16384, H=8, D=64 on a
-loaded 2-core EPYC: as long as the kernel itself); accumulation and outputs are float32.
+loaded 2-core EPYC: as long as the kernel itself); accumulation is float32, and so are the
+outputs but the forward's ``out``, which the kernel writes in q's dtype (a float32 ``out`` for
+bf16 inputs was twice the fresh pages and a copy after the call).
 Threads: POSIX threads pulling work items, as many as ``torch.get_num_threads()``; each item
 writes only its own rows, so the result is bitwise the same for any thread count.
 
@@ -350,7 +352,7 @@ def _dropout(p: float) -> dict:
 def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
             alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed0: int = 0,
             bias: torch.Tensor | None = None, softcap: float = 0.0):  # fmt: skip
-    """``(out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq))``, float32.
+    """``(out (B, Hq, Sq, Dv) in q's dtype, lse, m, l (B, Hq, Sq) float32)``.
 
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
     of one dtype in :func:`supported_dtypes`, ``Hq`` a multiple of ``Hkv``. ``lse`` natural
@@ -366,7 +368,7 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     """
     _check(tiles, (q, k, v), generic=generic)
     B, Hq, Sq, _ = q.shape
-    out = torch.empty(B, Hq, Sq, v.shape[3], dtype=torch.float32)
+    out = torch.empty(B, Hq, Sq, v.shape[3], dtype=q.dtype)  # rounded once, in the kernel
     lse, m, l = (torch.empty(B, Hq, Sq, dtype=torch.float32) for _ in range(3))
     tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
     tensors.update(_tile_ptrs(tiles))

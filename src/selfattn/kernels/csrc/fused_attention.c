@@ -6,7 +6,7 @@
    enums below; the host fills both by name from the same lists (INT_ARGS, PTR_ARGS), and a test
    checks that they match these enums. Plain C11 with GNU vector extensions and POSIX threads:
    no PyTorch headers. Every tensor is contiguous; q, k, v float32, bf16 or fp16 (A_DT, converted
-   to float32 as tiles are packed), everything else float32.
+   to float32 as tiles are packed), the forward's out in their dtype, everything else float32.
 
    The score matrix is cut into tiles of BQ query rows x BK keys. The host lists, per query tile,
    its non-EMPTY key tiles (CSR: rowptr, cols) and for each the index of its PARTIAL mask block
@@ -40,7 +40,7 @@ enum {
   P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_NPTRS
 };
 
-/* dtype of q, k, v (A_DT); dO and every output are float32 */
+/* dtype of q, k, v (A_DT) and of the forward's out; dO and every other output are float32 */
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 #define VW 16      /* floats per vector: one AVX-512 register (two AVX2 ones) */
@@ -383,6 +383,29 @@ static inline void load_row(float *dst, const void *src, int64_t off, int64_t n,
   } else {
     const float *x = (const float *)src + off;
     for (e = 0; e < n; e++) dst[e] = x[e] * mul;
+  }
+}
+
+/* n floats of src into dst (dtype dt) from element offset off: bf16 rounded to nearest even
+   (NaN stays NaN), fp16 by the compiler's conversion. A bf16 call's out written as bf16 is half
+   the fresh pages of a float32 one, and no float32 -> bf16 copy after the call. */
+static inline void store_row(void *dst, int64_t off, const float *src, int64_t n, int dt) {
+  int64_t e;
+  if (dt == BF16) {
+    uint16_t *y = (uint16_t *)dst + off;
+    for (e = 0; e < n; e++) {
+      uint32_t bits;
+      memcpy(&bits, src + e, 4);
+      const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
+      y[e] = nan ? (uint16_t)(bits >> 16 | 0x40) : (uint16_t)((bits + 0x7fffu + (bits >> 16 & 1)) >> 16);
+    }
+#ifdef __FLT16_MAX__
+  } else if (dt == F16) {
+    _Float16 *y = (_Float16 *)dst + off;
+    for (e = 0; e < n; e++) y[e] = (_Float16)src[e];
+#endif
+  } else {
+    memcpy((float *)dst + off, src, sizeof(float) * (size_t)n);
   }
 }
 
@@ -745,18 +768,19 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
      make every weight the backward recomputes 0 */
-  float *out = (float *)p[P_OUT] + row0 * d.Dv;
   float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
   for (r = 0; r < tq; r++) l[r] = hsum(ld(lv + r * VW));
   for (r = 0; r < tq; r++) {
+    float *o = acc + r * d.Dvp;
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
       const float inv = 1.0f / l[r];
-      for (k = 0; k < d.Dv; k++) out[r * d.Dv + k] = acc[r * d.Dvp + k] * inv;
+      for (k = 0; k < d.Dv; k++) o[k] *= inv;
       lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
     } else {
-      memset(out + r * d.Dv, 0, sizeof(float) * d.Dv);
+      memset(o, 0, sizeof(float) * d.Dv);
       lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
     }
+    store_row(p[P_OUT], (row0 + r) * d.Dv, o, d.Dv, d.dt);
   }
 }
 
