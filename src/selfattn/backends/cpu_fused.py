@@ -61,7 +61,7 @@ assert chunked.BLOCK_K == fused_attention.BLOCK_K  # the kernel walks chunked's 
 # cannot see), not for row-ordered tensors (a new object per call), per-sequence offsets, or
 # descriptions over _KEPT_BITS_MAX bytes of mask blocks.
 _KEPT_TILES = 8
-_KEPT_BITS_MAX = 64 << 20
+_KEPT_BITS_MAX = 16 << 20  # 8 entries keep at most 128 MiB of mask blocks alive
 _kept: collections.OrderedDict = collections.OrderedDict()
 _kept_lock = threading.Lock()
 
