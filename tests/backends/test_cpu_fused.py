@@ -167,12 +167,34 @@ def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_grads():
     check_against_reference(cpu_attention, q, k, v, mask=late_start)
 
 
-def test_forced_generic_path_matches(monkeypatch):
-    """``SELFATTN_ATTN_KERNEL=generic`` runs the baseline-ISA build: what a CPU without the
-    vector features gets, and still right."""
-    monkeypatch.setenv(fused_attention.ENV_VAR, "generic")
-    q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("var", "value", "isa"),
+    [
+        ("SELFATTN_ATTN_KERNEL", "generic", "generic"),
+        ("SELFATTN_FUSED_ISA", "generic", "generic"),
+        ("SELFATTN_FUSED_ISA", "avx2", "avx2+fma"),
+    ],
+    ids=["attn-kernel-generic", "fused-isa-generic", "fused-isa-avx2"],
+)
+def test_forced_lower_isa_path_matches(monkeypatch, var, value, isa, dtype):
+    """``SELFATTN_FUSED_ISA=avx2|generic`` (and ``SELFATTN_ATTN_KERNEL=generic``) run a lower
+    build: what an AVX2-only CPU (Zen 3) or one without the vector features gets; it names its
+    instruction sets and is right, forward and backward, with GQA and ragged tiles."""
+    if value == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(var, value)
+    if fused_attention.library() is None:
+        pytest.skip(f"this compiler cannot build the {value} kernel")
+    assert fused_attention.isa() == isa
+    q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, dtype=dtype, seed=5)
     check_against_reference(cpu_attention, q, k, v, mask=masks.causal())
+
+
+def test_unknown_fused_isa_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv("SELFATTN_FUSED_ISA", "avx9")
+    with pytest.raises(ValueError, match=r"SELFATTN_FUSED_ISA='avx9'.*generic, avx2, native"):
+        fused_attention.library()
 
 
 def test_forward_is_bitwise_deterministic():
@@ -242,3 +264,35 @@ def test_auto_picks_it_for_a_sparse_mask_on_cpu():
     assert backends.explain(q, k, v, mask=masks.sliding_window(32), print_table=False).chosen == (
         "cpu_fused"
     )
+
+
+def test_tile_description_is_kept_across_calls_for_the_same_mask(monkeypatch):
+    """A second call with the same mask object and geometry reuses the tile description (no
+    mask evaluation); another mask, another length or a row-ordered tensor mask builds anew."""
+    from selfattn.backends import cpu_fused
+
+    built = []
+    build = cpu_fused._build_tiles
+    monkeypatch.setattr(cpu_fused, "_build_tiles", lambda *a: built.append(1) or build(*a))
+    monkeypatch.setattr(cpu_fused, "_kept", type(cpu_fused._kept)())
+    q, k, v = make_qkv(1, 2, 70, 16, seed=21)
+    window = masks.sliding_window(9)
+    first = cpu_attention(q, k, v, mask=window)
+    assert torch.equal(cpu_attention(q, k, v, mask=window), first) and len(built) == 1
+    cpu_attention(q, k, v, mask=masks.sliding_window(9))  # equal, but another object
+    cpu_attention(q[:, :, :50], k, v, mask=window)
+    assert len(built) == 3
+    dense = torch.rand(70, 70, generator=torch.Generator().manual_seed(22)) < 0.5
+    for _ in range(2):
+        cpu_attention(q, k, v, mask=dense)
+    assert len(built) == 5
+    ids = torch.arange(70) // 30
+    docs = masks.documents(ids)
+    cpu_attention(q, k, v, mask=docs)
+    ids[20:] = 5  # in place: the kept description is stale, so a new one is built
+    check_against_reference(cpu_attention, q, k, v, mask=docs, grad=False)
+    assert len(built) == 7
+    user = masks.CallableMask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    for _ in range(2):  # a user callable may read state no key sees: never kept
+        cpu_attention(q, k, v, mask=user)
+    assert len(built) == 9

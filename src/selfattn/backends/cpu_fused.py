@@ -6,9 +6,13 @@ composed ops), and not plain ``cpu``: that is the paged registry's C decode kern
 ``backend="cpu"`` must not mean two kernels. It walks the same tile classification as
 ``chunked`` (``chunked.fine_grid``, computed once per call and shared with ``auto``'s density
 estimate): EMPTY tiles are skipped, FULL ones get no mask work, and each PARTIAL tile's mask is
-evaluated once per call with the mask's own ``mask_mod`` (``chunked._partial_masks``) into a
-byte block the kernel reads. The kernel reads bf16/fp16 inputs as they are, accumulates in
-float32 and the output goes back to q's dtype (bf16 scores by ``vdpbf16ps`` where the CPU has
+evaluated with the mask's own ``mask_mod`` (``chunked._partial_masks``) into a byte block the
+kernel reads. That tile description is kept across calls for the same mask object and geometry
+(a small LRU, as the flex backend keeps its block masks): built anew, its dozens of small torch
+ops cost more than the kernel itself on a loaded 2-thread host (window 32 at S=2048, 8 heads:
+128 ms against the kernel's 16 ms, wall time), each parallel op waiting for the other thread.
+The kernel reads bf16/fp16 inputs as they are, accumulates in float32 and the output goes back
+to q's dtype (bf16 scores by ``vdpbf16ps`` where the CPU has
 avx512_bf16). Score mods in the kernel: ALiBi, a bias tensor and a soft cap (applied last). GQA
 reads each kv head's K/V in place for its G query heads.
 
@@ -22,7 +26,9 @@ hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplie
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 
 import torch
 
@@ -48,14 +54,69 @@ _MASK_BATCH_ELEMENTS = chunked._MASK_BATCH_ELEMENTS
 assert chunked.BLOCK_K == fused_attention.BLOCK_K  # the kernel walks chunked's fine grid
 
 
+# Tile descriptions kept across calls. Each entry holds its mask object, so the id in its key
+# cannot name another mask while it exists; the key also holds the version counter of every
+# tensor in the mask (an in-place change to a documents mask's ids builds anew). Kept only for
+# analytic masks (the built-ins and their combinations: a user callable may read state the key
+# cannot see), not for row-ordered tensors (a new object per call), per-sequence offsets, or
+# descriptions over _KEPT_BITS_MAX bytes of mask blocks.
+_KEPT_TILES = 8
+_KEPT_BITS_MAX = 16 << 20  # 8 entries keep at most 128 MiB of mask blocks alive
+_kept: collections.OrderedDict = collections.OrderedDict()
+_kept_lock = threading.Lock()
+
+
 def tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
-    """The kernel's tile description of this call (cached on the call)."""
+    """The kernel's tile description of this call (cached on the call, and across calls for
+    the same mask object and geometry)."""
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     key = ("cpu_fused-tiles", B, Hq, Sq, Sk)
     found = call.tile_kinds_cache.get(key)
     if found is not None:
         return found
+    versions = _tensor_versions(call.mask)
+    keep = isinstance(call.q_offset, int) and versions is not None
+    kept_key = (id(call.mask), versions, B, Hq, Hkv, Sq, Sk, call.q_offset)
+    with _kept_lock:
+        hit = _kept.get(kept_key) if keep else None
+        if hit is not None and hit[0] is call.mask:
+            _kept.move_to_end(kept_key)
+            call.tile_kinds_cache[key] = hit[1]
+            return hit[1]
+    found = _build_tiles(q, k, call)
+    call.tile_kinds_cache[key] = found
+    if keep and found.bits.numel() <= _KEPT_BITS_MAX:
+        with _kept_lock:
+            _kept[kept_key] = (call.mask, found)
+            _kept.move_to_end(kept_key)
+            while len(_kept) > _KEPT_TILES:
+                _kept.popitem(last=False)
+    return found
+
+
+def _tensor_versions(mask) -> tuple | None:
+    """``(id, version)`` of each tensor the mask's parts hold, or None when the mask must not be
+    kept: not analytic, row-ordered, or holding an inference-mode tensor (no version counter)."""
+    if mask is None:
+        return ()
+    if not mask.analytic or mask.row_ordered:
+        return None
+    found, todo = [], [mask]
+    while todo:
+        part = todo.pop()
+        for t in vars(part).values():
+            if isinstance(t, torch.Tensor):
+                if t.is_inference():
+                    return None
+                found.append((id(t), t._version))
+        todo += part.children()
+    return tuple(found)
+
+
+def _build_tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     grid = chunked.fine_grid(call, B, Hq, Sq, Sk, Hq // Hkv, q.device)
     bq, bk = grid.block_q, fused_attention.BLOCK_K
     partial = (grid.nonempty & ~grid.full).nonzero()  # (n, 2), row-major
@@ -72,9 +133,7 @@ def tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
         bits = torch.cat([b.expand(-1, mb, mh, -1, -1) for b in blocks]).contiguous()
     else:
         mb, mh, bits = 1, 1, torch.zeros(0, 1, 1, bq, bk, dtype=torch.uint8)
-    found = fused_attention.Tiles.from_grid(grid.nonempty, grid.full, bq, bits, mb, mh)
-    call.tile_kinds_cache[key] = found
-    return found
+    return fused_attention.Tiles.from_grid(grid.nonempty, grid.full, bq, bits, mb, mh)
 
 
 def _seed0(seed: int) -> int:

@@ -296,10 +296,12 @@ def memory_row(row: Row, sizes: Sizes) -> Row:
 CASES = ("dense", "causal", "window", "window_dense", "documents", "gqa", "ceiling", "memory")
 # The fused C kernel (backend "cpu_fused", issue 16), forced, against its peers: dense and causal
 # against SDPA in fp32 and bf16, the sparse masks against chunked (the composed-ops path it
-# replaces) and as a share of the matmul ceiling of their dtype, and the window's fwd + bwd.
+# replaces), against compiled FlexAttention (fp32; its cold compile not counted) and as a share
+# of the matmul ceiling of their dtype, and the window's fwd + bwd.
 KERNEL_CASES = (
     "cpu_dense", "cpu_causal", "cpu_dense_bf16", "cpu_causal_bf16",
-    "cpu_window", "cpu_documents", "cpu_window_bf16", "cpu_documents_bf16",
+    "cpu_window", "cpu_documents", "cpu_window_flex", "cpu_documents_flex",
+    "cpu_window_bf16", "cpu_documents_bf16",
     "ceiling_cpu_window", "ceiling_cpu_documents", "ceiling_cpu_window_bf16",
     "ceiling_cpu_documents_bf16", "cpu_window_fwdbwd",
 )  # fmt: skip
@@ -309,7 +311,7 @@ CASES = CASES + KERNEL_CASES
 def run(args) -> dict:
     sz = Sizes().quick() if args.quick else Sizes()
     only = set(args.only) if args.only else set(CASES)
-    peer_flex = "compiled FlexAttention" if not args.no_compile else "eager FlexAttention"
+    peer_flex = _flex_name(args)
     start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -401,6 +403,10 @@ def run(args) -> dict:
     }
 
 
+def _flex_name(args) -> str:
+    return "compiled FlexAttention" if not args.no_compile else "eager FlexAttention"
+
+
 def _kernel_isa() -> str:
     from selfattn.kernels import fused_attention
 
@@ -473,13 +479,15 @@ def kernel_rows(rows: dict, only: set, sz: Sizes, args, ceiling: float, log) -> 
         if wants_ceiling and dtype != torch.float32:
             log(f"ceiling: {name} matmul {sz.matmul}² ...")
             matmul = _util.matmul_gflops(sz.matmul, repeat=args.matmul_repeat, dtype=dtype)
-        for case, mask, label, target in (
-            ("window", sa.masks.sliding_window(sz.window), f"sliding window {sz.window}", 0.7),
+        for case, mask, mask_mod, label, target in (
+            ("window", sa.masks.sliding_window(sz.window), _window_mod(sz.window),
+             f"sliding window {sz.window}", 0.7),
             ("documents", sa.masks.causal() & sa.masks.documents(doc_ids),
-             f"{SL // sz.doc_len} causal documents", 0.7),
+             _documents_mod(doc_ids), f"{SL // sz.doc_len} causal documents", 0.7),
         ):  # fmt: skip
             key, ceiling_key = f"cpu_{case}{suffix}", f"ceiling_cpu_{case}{suffix}"
-            if not only & {key, ceiling_key}:
+            flex_key = f"cpu_{case}_flex" if dtype == torch.float32 else None
+            if not only & {key, ceiling_key, flex_key}:
                 continue
             log(f"{key} ...")
             ours = measure_ours(q, k, v, mask=mask, args=cpu)
@@ -495,6 +503,12 @@ def kernel_rows(rows: dict, only: set, sz: Sizes, args, ceiling: float, log) -> 
                 c.ours_backend, c.ours, c.ours_error = "cpu_fused", row.gflops, row.ours_error
                 c.peer_value = matmul
                 rows[ceiling_key] = c
+            if flex_key in only:
+                log(f"{flex_key} ...")
+                f = Row(flex_key, f"{label}, S={SL}, {name}", _flex_name(args), "<=", 0.5)
+                make = flex_peer(q, k, v, mask_mod, compiled=not args.no_compile)
+                rows[flex_key] = speed_row(f, ours, make, args)
+                rows[flex_key].notes.append(isa)
         del q, k, v
     if "cpu_window_fwdbwd" in only:
         log("cpu_window_fwdbwd ...")

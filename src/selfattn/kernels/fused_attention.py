@@ -21,7 +21,13 @@ is within the ratio rule of bf16 arithmetic, the dtype it is returned in, and th
 Measured, bf16 sliding window 256 at S=16384 (B=1, H=8, D=64), one thread, CPU time,
 interleaved on a loaded Zen 4: 220 ms before, 141 ms with bf16 scores, 109 ms with bf16 P·V
 too (2.0x; 78 GFLOP/s useful, 19% of a 2048³ bf16 matmul's ~400 GFLOP/s in the same run). The
-backward stays float32.
+backward stays float32. Since then (session 6) the forward takes each block of 4 rows through
+scores, mask, softmax and P·V in one pass (its scores stay in L1; row sums kept as vectors),
+masks the rows of PARTIAL tiles that are key intervals (windows, causal diagonals, document
+edges: found once per call) by comparing key indices instead of reading their bytes, and keeps
+the packed K/V buffer from call to call on 2 MiB pages (fresh pages cost a fifth of the time):
+same case 68 ms against 90 ms (bf16: 32% of the 4096² bf16 matmul's 389 GFLOP/s) and 97 ms
+against 149 ms (fp32: 90% of its 98 GFLOP/s), interleaved, best of 5.
 The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
 query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 
@@ -34,11 +40,17 @@ memory: for a sliding window of 256 at S=16384, 512 blocks of 4 KiB.
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build`, with ``-march=native`` (the library
 name hashes the CPU's flags, so AVX-512 code never loads on an AVX2 machine) and portable code
 where that fails; :data:`GENERIC_SPEC` is the same source built for the baseline ISA, what a CPU
-without the vector features gets, and what ``SELFATTN_ATTN_KERNEL=generic`` (or ``generic=True``)
-forces. ``SELFATTN_ATTN_KERNEL=0`` turns the kernel off. :func:`isa` names what a build uses.
+without the vector features gets, and :data:`AVX2_SPEC` the AVX2 + FMA build (what an AVX2-only
+CPU such as Zen 3 gets from ``-march=native``). ``SELFATTN_FUSED_ISA=avx2|generic`` forces a
+lower build (``native``, the default: the best); ``SELFATTN_ATTN_KERNEL=generic`` and
+``generic=True`` force the generic one, ``SELFATTN_ATTN_KERNEL=0`` turns the kernel off. A forced
+``avx2`` on a CPU without AVX2 and FMA runs the generic build (logged once). :func:`isa` names
+what the build that runs uses.
 q, k, v are read in their dtype (float32, bf16, fp16) and converted as tiles are packed (a
 whole-tensor ``.float()`` first measured 0.19 s for bf16 q, k, v at S=16384, H=8, D=64 on a
-loaded 2-core EPYC: as long as the kernel itself); accumulation and outputs are float32.
+loaded 2-core EPYC: as long as the kernel itself); accumulation is float32, and so are the
+outputs but the forward's ``out``, which the kernel writes in q's dtype (a float32 ``out`` for
+bf16 inputs was twice the fresh pages and a copy after the call).
 Threads: POSIX threads pulling work items, as many as ``torch.get_num_threads()``; each item
 writes only its own rows, so the result is bitwise the same for any thread count.
 
@@ -52,6 +64,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import math
 import os
 
@@ -60,19 +73,25 @@ import torch
 from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = [
+    "AVX2_SPEC",
     "BLOCK_K",
     "GENERIC_SPEC",
+    "ISAS",
     "SPEC",
     "Tiles",
     "backward",
     "forward",
     "isa",
     "library",
+    "requested_isa",
     "tanh",
     "twin",
 ]
 
 ENV_VAR = "SELFATTN_ATTN_KERNEL"
+ISA_VAR = "SELFATTN_FUSED_ISA"
+# The builds SELFATTN_FUSED_ISA chooses from, lowest first; "native" is -march=native.
+ISAS = ("generic", "avx2", "native")
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x · LOG2E)
 BLOCK_K = 64  # keys per tile: the kernel's BK (fa_block_k() checks it)
 MAX_BLOCK_Q = 64  # query rows per tile at most: the kernel's MAXBQ
@@ -100,6 +119,13 @@ SPEC = CLibrary(
 # The same source for the baseline ISA of the compiler's target (x86-64: SSE2): the code a CPU
 # without AVX gets, and the forced path tests compare the vector build with.
 GENERIC_SPEC = dataclasses.replace(SPEC, name="fused_attention_generic", targets=((),))
+# AVX2 + FMA without AVX-512 (x86-64 only): the code an AVX2-only CPU (AMD Zen 3) runs, forced on
+# a larger CPU to test it there.
+AVX2_SPEC = dataclasses.replace(
+    SPEC, name="fused_attention_avx2", targets=(("-mavx2", "-mfma", "-mf16c"),)
+)
+_SPECS = {"generic": GENERIC_SPEC, "avx2": AVX2_SPEC, "native": SPEC}
+log = logging.getLogger("selfattn")
 
 # The kernel's arguments in the order of its enums (``A_*``, ``P_*`` in csrc/fused_attention.c;
 # a test reads them from the source).
@@ -117,24 +143,42 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.cache
-def _load(generic: bool) -> ctypes.CDLL | None:
-    lib = load(GENERIC_SPEC if generic else SPEC)
+def _load(build: str) -> ctypes.CDLL | None:
+    if build == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning(  # AVX2 code would stop the process with SIGILL here
+            "selfattn: %s=avx2 on a CPU without AVX2 and FMA; the generic build runs", ISA_VAR
+        )
+        build = "generic"
+    lib = load(_SPECS[build])
     if lib is not None and lib.fa_block_k() != BLOCK_K:
         return None  # a source edited out of step with this module
     return lib
 
 
+def requested_isa() -> str:
+    """The build ``SELFATTN_FUSED_ISA`` asks for (one of :data:`ISAS`; ``native`` when unset,
+    ``generic`` under ``SELFATTN_ATTN_KERNEL=generic``)."""
+    name = os.environ.get(ISA_VAR, "")
+    if not name:
+        return "generic" if os.environ.get(ENV_VAR, "1") == "generic" else "native"
+    if name not in ISAS:
+        raise ValueError(f"{ISA_VAR}={name!r}: expected one of {', '.join(ISAS)}")
+    return name
+
+
 def forced_generic() -> bool:
-    """Whether ``SELFATTN_ATTN_KERNEL=generic`` forces the baseline-ISA build."""
-    return os.environ.get(ENV_VAR, "1") == "generic"
+    """Whether ``SELFATTN_FUSED_ISA=generic`` or ``SELFATTN_ATTN_KERNEL=generic`` forces the
+    baseline-ISA build."""
+    return requested_isa() == "generic"
 
 
 def library(generic: bool = False) -> ctypes.CDLL | None:
-    """The compiled kernel (the baseline-ISA build with ``generic`` or ``SELFATTN_ATTN_KERNEL=
-    generic``), built on first use; None where it cannot be built or ``SELFATTN_ATTN_KERNEL=0``."""
+    """The compiled kernel: the build :func:`requested_isa` names (the baseline-ISA one with
+    ``generic``), built on first use; None where it cannot be built or with
+    ``SELFATTN_ATTN_KERNEL=0``."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
-    return _load(generic or forced_generic())
+    return _load("generic" if generic else requested_isa())
 
 
 def isa(generic: bool = False) -> str:
@@ -308,7 +352,7 @@ def _dropout(p: float) -> dict:
 def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
             alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed0: int = 0,
             bias: torch.Tensor | None = None, softcap: float = 0.0):  # fmt: skip
-    """``(out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq))``, float32.
+    """``(out (B, Hq, Sq, Dv) in q's dtype, lse, m, l (B, Hq, Sq) float32)``.
 
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
     of one dtype in :func:`supported_dtypes`, ``Hq`` a multiple of ``Hkv``. ``lse`` natural
@@ -324,7 +368,7 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     """
     _check(tiles, (q, k, v), generic=generic)
     B, Hq, Sq, _ = q.shape
-    out = torch.empty(B, Hq, Sq, v.shape[3], dtype=torch.float32)
+    out = torch.empty(B, Hq, Sq, v.shape[3], dtype=q.dtype)  # rounded once, in the kernel
     lse, m, l = (torch.empty(B, Hq, Sq, dtype=torch.float32) for _ in range(3))
     tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
     tensors.update(_tile_ptrs(tiles))

@@ -16,9 +16,9 @@ op                                     kernel                              outpu
                                        triton.attention` (imported on      ``lse`` float32;
                                        first call)                         differentiable
 ``selfattn::attention_triton_bwd``     the same module                     ``dq, dk, dv``
-``selfattn::attention_fwd_cpu``        C, ``csrc/fused_attention.c``       ``out``, ``lse``,
-                                       (:mod:`selfattn.kernels.fused_      ``m``, ``l`` float32,
-                                       attention`), with an autograd       CPU
+``selfattn::attention_fwd_cpu``        C, ``csrc/fused_attention.c``       ``out`` in q's dtype,
+                                       (:mod:`selfattn.kernels.fused_      ``lse``, ``m``, ``l``
+                                       attention`), with an autograd       float32, CPU
                                        formula: the op below
 ``selfattn::attention_bwd_cpu``        the same C library                  ``dq, dk, dv`` float32
 =====================================  ==================================  ====================
@@ -261,7 +261,7 @@ def attention_fwd_cpu(
 @attention_fwd_cpu.register_fake
 def _(q, k, v, *tiles_and_args):
     (B, Hq, Sq, _), Dv = q.shape, v.shape[3]
-    out = q.new_empty((B, Hq, Sq, Dv), dtype=torch.float32)
+    out = q.new_empty((B, Hq, Sq, Dv))  # q's dtype
     return out, *(q.new_empty((B, Hq, Sq), dtype=torch.float32) for _ in range(3))
 
 
@@ -318,6 +318,7 @@ def _fwd_backward(ctx, dout, dlse, _dm, _dl):
     """dQ, dK, dV from the saved output and row statistics; dlse: the lse's own gradient (e.g.
     from attention sinks merged through it)."""
     q, k, v, out, m, l, *tiles = ctx.saved_tensors
+    out = out.to(torch.float32)  # q's dtype: Δ = rowsum(dO ∘ O) from it, as sdpa's backward
     dout = torch.zeros_like(out) if dout is None else dout.to(torch.float32).contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()

@@ -6,7 +6,7 @@
    enums below; the host fills both by name from the same lists (INT_ARGS, PTR_ARGS), and a test
    checks that they match these enums. Plain C11 with GNU vector extensions and POSIX threads:
    no PyTorch headers. Every tensor is contiguous; q, k, v float32, bf16 or fp16 (A_DT, converted
-   to float32 as tiles are packed), everything else float32.
+   to float32 as tiles are packed), the forward's out in their dtype, everything else float32.
 
    The score matrix is cut into tiles of BQ query rows x BK keys. The host lists, per query tile,
    its non-EMPTY key tiles (CSR: rowptr, cols) and for each the index of its PARTIAL mask block
@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -39,7 +40,7 @@ enum {
   P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_NPTRS
 };
 
-/* dtype of q, k, v (A_DT); dO and every output are float32 */
+/* dtype of q, k, v (A_DT) and of the forward's out; dO and every other output are float32 */
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 #define VW 16      /* floats per vector: one AVX-512 register (two AVX2 ones) */
@@ -67,15 +68,22 @@ static inline v16 vmax(v16 a, v16 b) {
   const v16i gt = a > b;
   return (v16)(((v16i)a & gt) | ((v16i)b & ~gt));
 }
+/* Horizontal max / sum of 16 floats by halving shuffles (4 steps, not 15 scalar ones). */
+static inline v16 swap_halves(v16 x, int w) {
+  switch (w) {
+    case 8: return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    case 4: return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    case 2: return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    default: return __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
+}
 static inline float hmax(v16 x) {
-  float m = x[0];
-  for (int i = 1; i < VW; i++) m = x[i] > m ? x[i] : m;
-  return m;
+  for (int w = 8; w >= 1; w /= 2) x = vmax(x, swap_halves(x, w));
+  return x[0];
 }
 static inline float hsum(v16 x) {
-  float s = 0.0f;
-  for (int i = 0; i < VW; i++) s += x[i];
-  return s;
+  for (int w = 8; w >= 1; w /= 2) x += swap_halves(x, w);
+  return x[0];
 }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -138,14 +146,16 @@ void fa_tanh(const float *x, float *y, int64_t n) {
 }
 
 /* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
-   ldb), with nv a constant at each call site, so the accumulators stay in registers. */
+   ldb), with nv a constant at each call site, so the accumulators stay in registers; zero: C =
+   A B instead (C is not read). */
 static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc, const float *A,
                                                            int64_t lda, const float *B,
-                                                           int64_t ldb, int64_t K, int nv) {
+                                                           int64_t ldb, int64_t K, int nv,
+                                                           int zero) {
   v16 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = ld(C + r * ldc + x * VW);
+    for (x = 0; x < nv; x++) acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
   for (int64_t k = 0; k < K; k++) {
     v16 b[NV];
     for (x = 0; x < nv; x++) b[x] = ld(B + k * ldb + x * VW);
@@ -158,19 +168,30 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
     for (x = 0; x < nv; x++) st(C + r * ldc + x * VW, acc[r][x]);
 }
 
-/* C (M x N) += A (M x K) B (K x N); M a multiple of RB, N of VW (the callers pad). */
-static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
-                    int64_t ldb, int64_t K, int64_t N) { /* RB rows */
+/* RB rows of C (RB x N) += A (RB x K) B (K x N) (zero: C = A B); N a multiple of VW (the
+   callers pad). */
+static inline __attribute__((always_inline)) void mm_rows_z(float *C, int64_t ldc,
+                                                            const float *A, int64_t lda,
+                                                            const float *B, int64_t ldb,
+                                                            int64_t K, int64_t N, int zero) {
   for (int64_t n = 0; n < N; n += NV * VW) {
     float *c = C + n;
     const float *b = B + n;
     switch ((N - n) / VW) {
-      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1); break;
-      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2); break;
-      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3); break;
-      default: mm_block(c, ldc, A, lda, b, ldb, K, 4); break;
+      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1, zero); break;
+      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2, zero); break;
+      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3, zero); break;
+      default: mm_block(c, ldc, A, lda, b, ldb, K, 4, zero); break;
     }
   }
+}
+static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, int64_t K, int64_t N) {
+  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 0);
+}
+static void mm_rows0(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
+                     int64_t ldb, int64_t K, int64_t N) {
+  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 1);
 }
 
 static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *B, int64_t ldb,
@@ -187,11 +208,13 @@ static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *
 static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_t ldc,
                                                                 const uint32_t *A, int64_t lda,
                                                                 const uint32_t *B, int64_t ldb,
-                                                                int64_t npairs, int nv) {
+                                                                int64_t npairs, int nv,
+                                                                int zero) {
   __m512 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = _mm512_loadu_ps(C + r * ldc + x * VW);
+    for (x = 0; x < nv; x++)
+      acc[r][x] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(C + r * ldc + x * VW);
   for (int64_t k = 0; k < npairs; k++) {
     __m512bh b[NV];
     for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * VW);
@@ -204,15 +227,20 @@ static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_
     for (x = 0; x < nv; x++) _mm512_storeu_ps(C + r * ldc + x * VW, acc[r][x]);
 }
 
-/* RB rows of C += A B for N columns of B (a multiple of VW). */
+/* RB rows of C += A B for N columns of B (a multiple of VW); zero: C = A B. */
 static void mm_bf16_rows(float *C, int64_t ldc, const uint32_t *A, int64_t lda,
-                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N) {
+                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N, int zero) {
   for (int64_t n = 0; n < N; n += NV * VW) {
-    switch ((N - n) / VW) {
-      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1); break;
-      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2); break;
-      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3); break;
-      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4); break;
+    const int64_t nv = (N - n) / VW < NV ? (N - n) / VW : NV;
+    switch (nv + NV * !!zero) { /* nv and zero constants in each call */
+      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1, 0); break;
+      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2, 0); break;
+      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3, 0); break;
+      case 4: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4, 0); break;
+      case 5: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1, 1); break;
+      case 6: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2, 1); break;
+      case 7: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3, 1); break;
+      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4, 1); break;
     }
   }
 }
@@ -251,23 +279,42 @@ static void pack_pairs(uint32_t *dst, int64_t ld, const uint16_t *src, int64_t o
 
 /* nk keys (rows of width bf16) as pair words transposed, t (pairs x BK), keys >= nk 0. */
 static void pack_pairs_t(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk,
-                         int64_t width, uint32_t *row) {
+                         int64_t width) {
   const int64_t np = (width + 1) / 2;
   for (int64_t e = 0; e < np; e++) memset(t + e * BK + nk, 0, sizeof(uint32_t) * (BK - nk));
   for (int64_t k = 0; k < nk; k++) {
-    pack_pairs(row, np, src, off + k * width, 1, width, 1);
-    for (int64_t e = 0; e < np; e++) t[e * BK + k] = row[e];
+    const uint16_t *x = src + off + k * width;
+    for (int64_t e = 0; e < width / 2; e++) t[e * BK + k] = x[2 * e] | (uint32_t)x[2 * e + 1] << 16;
+    if (width % 2) t[(np - 1) * BK + k] = x[width - 1];
   }
 }
 
 /* nk V rows (width bf16 each, from element offset off) as pair words of keys 2p, 2p + 1: t
-   (BK / 2 x ld), keys >= nk and columns >= width 0. */
+   (BK / 2 x ld), keys >= nk and columns >= width 0. Two rows are interleaved 16 columns at a
+   time (a word per element of each was a tenth of a bf16 forward's time). */
 static void pack_v_pairs(uint32_t *t, const uint16_t *src, int64_t off, int64_t nk, int64_t width,
                          int64_t ld) {
-  memset(t, 0, sizeof(uint32_t) * (BK / 2) * ld);
-  for (int64_t k = 0; k < nk; k++)
-    for (int64_t e = 0; e < width; e++)
-      t[k / 2 * ld + e] |= (uint32_t)src[off + k * width + e] << (16 * (k % 2));
+  typedef uint16_t v16h __attribute__((vector_size(VW * 2)));
+  typedef uint32_t v16w __attribute__((vector_size(VW * 4)));
+  for (int64_t p = 0; p < BK / 2; p++) {
+    uint32_t *o = t + p * ld;
+    const uint16_t *x = src + off + 2 * p * width, *y = x + width;
+    const int second = 2 * p + 1 < nk; /* the pair's second key exists */
+    int64_t e = 0;
+    if (2 * p >= nk) {
+      memset(o, 0, sizeof(uint32_t) * ld);
+      continue;
+    }
+    for (; e + VW <= width; e += VW) {
+      v16h a, b = {0};
+      memcpy(&a, x + e, sizeof a);
+      if (second) memcpy(&b, y + e, sizeof b);
+      const v16w w = __builtin_convertvector(a, v16w) | __builtin_convertvector(b, v16w) << 16;
+      memcpy(o + e, &w, sizeof w);
+    }
+    for (; e < width; e++) o[e] = x[e] | (uint32_t)(second ? y[e] : 0) << 16;
+    for (; e < ld; e++) o[e] = 0;
+  }
 }
 
 typedef struct {
@@ -288,6 +335,9 @@ typedef struct {
   /* bf16 V for the bf16 P V (forward): per block, pairs of keys' V rows as bf16 pair words
      (BK / 2 x Dvp uint32); vp is then not packed */
   float *vb;
+  float *packed; /* the one buffer holding them (pack_kv) */
+  uint8_t *rr;    /* forward: row_ranges of every PARTIAL block's rows */
+  int pooled;    /* 1: packed is the kept pool, held locked until free_packed */
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -336,6 +386,29 @@ static inline void load_row(float *dst, const void *src, int64_t off, int64_t n,
   }
 }
 
+/* n floats of src into dst (dtype dt) from element offset off: bf16 rounded to nearest even
+   (NaN stays NaN), fp16 by the compiler's conversion. A bf16 call's out written as bf16 is half
+   the fresh pages of a float32 one, and no float32 -> bf16 copy after the call. */
+static inline void store_row(void *dst, int64_t off, const float *src, int64_t n, int dt) {
+  int64_t e;
+  if (dt == BF16) {
+    uint16_t *y = (uint16_t *)dst + off;
+    for (e = 0; e < n; e++) {
+      uint32_t bits;
+      memcpy(&bits, src + e, 4);
+      const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
+      y[e] = nan ? (uint16_t)(bits >> 16 | 0x40) : (uint16_t)((bits + 0x7fffu + (bits >> 16 & 1)) >> 16);
+    }
+#ifdef __FLT16_MAX__
+  } else if (dt == F16) {
+    _Float16 *y = (_Float16 *)dst + off;
+    for (e = 0; e < n; e++) y[e] = (_Float16)src[e];
+#endif
+  } else {
+    memcpy((float *)dst + off, src, sizeof(float) * (size_t)n);
+  }
+}
+
 /* n rows of width elements from element offset off of src (dtype dt), times mul, into dst
    (rows_padded x ld floats, zero padded). */
 static void pack_rows(float *dst, int64_t ld, const void *src, int64_t off, int64_t n,
@@ -378,19 +451,47 @@ static void mask_scores(float *s, int64_t tq, int64_t nk, const uint8_t *bits) {
   }
 }
 
+/* Each row of the PARTIAL mask blocks (n_rows rows of BK bytes) as two bytes: the keys [lo, hi)
+   from its first to its last attended key, lo | NOT_INTERVAL when it attends only some of them
+   (then the kernel reads its bytes). A window's, a causal diagonal's or a document edge's rows
+   are intervals: the forward masks them by comparing key indices, and never reads their bytes
+   again (it read them once per head and tile, L3 misses measured a tenth of a bf16 window-256
+   forward). The bytes are OR-folded 8 at a time: bit 0 of each byte of f says "nonzero". */
+#define NOT_INTERVAL 0x80
+static void row_ranges(uint8_t *rr, const uint8_t *bits, int64_t n_rows) {
+  const uint64_t low = 0x0101010101010101ull;
+  for (int64_t r = 0; r < n_rows; r++) {
+    int lo = -1, hi = 0, n = 0;
+    for (int i = 0; i < BK / 8; i++) {
+      uint64_t w;
+      memcpy(&w, bits + r * BK + 8 * i, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+      w = __builtin_bswap64(w); /* byte j of the row in bits 8j.. as below */
+#endif
+      w |= w >> 4, w |= w >> 2, w |= w >> 1;
+      const uint64_t f = w & low;
+      if (!f) continue;
+      if (lo < 0) lo = 8 * i + __builtin_ctzll(f) / 8;
+      hi = 8 * i + (63 - __builtin_clzll(f)) / 8 + 1;
+      n += __builtin_popcountll(f);
+    }
+    if (lo < 0) lo = 0; /* attends nothing: the empty interval [0, 0) */
+    rr[2 * r] = (uint8_t)(lo | (n != hi - lo ? NOT_INTERVAL : 0)), rr[2 * r + 1] = (uint8_t)hi;
+  }
+}
+
 /* For each block of RB rows of a tile, the keys [lo, hi) that one of its rows attends: [0, nk)
-   for a FULL tile (bits NULL), from the mask block for a PARTIAL one (empty: lo >= hi). */
-static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *bits, int64_t tq, int64_t tqp,
+   for a FULL tile (rr NULL), from its rows' ranges (rr, row_ranges) for a PARTIAL one (empty:
+   lo >= hi). Bytes past nk are not the mask's: ranges are clipped there. */
+static void key_ranges(int64_t *lo, int64_t *hi, const uint8_t *rr, int64_t tq, int64_t tqp,
                        int64_t nk) {
   for (int64_t r0 = 0; r0 < tqp; r0 += RB) {
-    int64_t a = bits ? nk : 0, b = bits ? 0 : nk;
-    for (int64_t r = r0; bits && r < r0 + RB && r < tq; r++) {
-      const uint8_t *m = bits + r * BK;
-      int64_t k = 0, e = nk;
-      while (k < a && !m[k]) k++;
-      while (e > b && !m[e - 1]) e--;
-      if (k < a) a = k;
-      if (e > b) b = e;
+    int64_t a = rr ? nk : 0, b = rr ? 0 : nk;
+    for (int64_t r = r0; rr && r < r0 + RB && r < tq; r++) {
+      const int64_t l = rr[2 * r] & ~NOT_INTERVAL, h = rr[2 * r + 1] < nk ? rr[2 * r + 1] : nk;
+      if (l >= h) continue;
+      a = l < a ? l : a;
+      b = h > b ? h : b;
     }
     lo[r0 / RB] = a, hi[r0 / RB] = b;
   }
@@ -520,6 +621,69 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
 /* Forward: work item (b, h, query tile i)                                                     */
 /* ------------------------------------------------------------------------------------------ */
 
+/* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
+   mul in columns [v0, v1), the only ones read or written), in one pass per row: scale, mask
+   (bits: the rows' mask bytes, stride BK, NULL for a FULL tile; keys >= nk), the row max, the
+   rescale of the row's running sum and output accumulator (stride dvp) to a new max, then the
+   weights 2^(s - m) (over s) and their sum, kept as a vector per row (lv: RB x VW; summed
+   across once, at the end: not once per tile and row). Rows [nr, RB) (padding) get weight 0.
+   rr: the rows' ranges (row_ranges; NULL with bits): an interval row is masked by key index. */
+static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, int64_t nk,
+                                 const uint8_t *bits, const uint8_t *rr, float mul, float *m,
+                                 float *lv, float *acc, int64_t dvp) {
+  typedef uint8_t v16b __attribute__((vector_size(VW)));
+  v16 iota;
+  for (int i = 0; i < VW; i++) iota[i] = (float)i;
+  const v16 ninf = splat(-INFINITY);
+  for (int64_t r = 0; r < RB; r++) {
+    float *row = s + r * BK;
+    int64_t k;
+    if (r >= nr) {
+      for (k = v0; k < v1; k += VW) st(row + k, splat(0.0f));
+      continue;
+    }
+    v16 mx = ninf;
+    const int holes = bits && (rr[2 * r] & NOT_INTERVAL); /* read this row's mask bytes */
+    const int64_t hi = bits && rr[2 * r + 1] < nk ? rr[2 * r + 1] : nk;
+    const v16 lo_v = splat(bits ? (float)(rr[2 * r] & ~NOT_INTERVAL) : 0.0f);
+    for (k = v0; k < v1; k += VW) {
+      v16 x = ld(row + k) * mul;
+      if (holes) {
+        v16b b;
+        memcpy(&b, bits + r * BK + k, VW);
+        const v16i keep = __builtin_convertvector(b, v16i) != 0;
+        x = (v16)(((v16i)x & keep) | ((v16i)ninf & ~keep));
+      }
+      if (bits || k + VW > hi) { /* keys [lo, hi) of an interval row, below nk */
+        const v16 key = iota + (float)k;
+        const v16i keep = (key >= lo_v) & (key < (float)hi);
+        x = (v16)(((v16i)x & keep) | ((v16i)ninf & ~keep));
+      }
+      st(row + k, x);
+      mx = vmax(mx, x);
+    }
+    const float mn = fmaxf(m[r], hmax(mx));
+    if (mn == -INFINITY) { /* no key yet: weights 0, nothing to rescale */
+      for (k = v0; k < v1; k += VW) st(row + k, splat(0.0f));
+      continue;
+    }
+    if (mn > m[r]) {
+      const float alpha = exp2f(m[r] - mn); /* 0 while m is -inf: acc and l are 0 then */
+      st(lv + r * VW, ld(lv + r * VW) * alpha);
+      for (k = 0; k < dvp; k += VW) st(acc + r * dvp + k, ld(acc + r * dvp + k) * alpha);
+      m[r] = mn;
+    }
+    const v16 mv = splat(mn);
+    v16 sum = splat(0.0f);
+    for (k = v0; k < v1; k += VW) {
+      const v16 w = exp2v(ld(row + k) - mv);
+      st(row + k, w);
+      sum += w;
+    }
+    st(lv + r * VW, ld(lv + r * VW) + sum);
+  }
+}
+
 static void fwd_item(const void *vjob, int64_t item, float *buf) {
   const Job *job = (const Job *)vjob;
   const Dims d = dims(job->a);
@@ -529,6 +693,9 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *s = qs + MAXBQ * d.Dp, *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp;
   float *l = m + MAXBQ;
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  const int mods = p[P_SLOPES] || p[P_BIAS] || p[P_CAP];
+  const float *drop = (const float *)p[P_DROP];
+  const uint32_t xbh = drop ? dropout_bh(job->a[A_SEED], b, h) : 0;
   int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
 
   const int64_t npairs = (d.D + 1) / 2;
@@ -538,97 +705,88 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
   else
     pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
-  for (r = 0; r < tqp; r++) m[r] = -INFINITY, l[r] = 0.0f;
+  float *lv = (float *)(pw + RB * BK / 2); /* each row's running sum as a vector */
+  for (r = 0; r < tqp; r++) m[r] = -INFINITY;
+  memset(lv, 0, sizeof(float) * tqp * VW);
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    /* -- scores of the tile, base 2 */
     const int64_t blk = blk0 + qt.cols[t];
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], b, h);
+    const uint8_t *rr = bits ? job->rr + (bits - (const uint8_t *)p[P_BITS]) / BK * 2 : NULL;
     const float *kt = job->kb ? NULL : job->kt + blk * d.D * BK;
+    const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
     /* each block of RB rows computes only the keys [lo, hi) some of its rows attend: a PARTIAL
        tile's masked corners (a window's or a causal diagonal's triangle) are skipped */
-    key_ranges(lo, hi, bits, tq, tqp, nk);
-    memset(s, 0, sizeof(float) * tqp * BK);
-    for (r = 0; r < tqp; r += RB) {
-      const int64_t v0 = lo[r / RB] / VW * VW, v1 = round_up(hi[r / RB], VW);
-      if (v1 <= v0) continue;
-#if HAVE_DPBF16
-      if (job->kb) { /* exact bf16 products summed in float32, then times c */
-        const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
-        mm_bf16_rows(s + r * BK + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0);
-        for (int64_t i = r; i < r + RB; i++)
-          for (k = v0; k < v1; k += VW) st(s + i * BK + k, ld(s + i * BK + k) * job->c);
-        continue;
-      }
-#endif
-      mm_rows(s + r * BK + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
-    }
-    apply_mods(s, NULL, job->a, p, b, h, qt.i * d.bq, c0, tq, tqp, nk);
-    mask_scores(s, tq, nk, bits);
-    /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
-    for (r = 0; r < tqp; r++) {
-      float *row = s + r * BK;
-      v16 mx = ld(row);
-      for (k = VW; k < BK; k += VW) mx = vmax(mx, ld(row + k));
-      const float mn = r < tq ? fmaxf(m[r], hmax(mx)) : -INFINITY;
-      if (mn == -INFINITY) { /* no key yet (or a padding row): weights 0, nothing to rescale */
-        memset(row, 0, sizeof(float) * BK);
-        continue;
-      }
-      if (mn > m[r]) {
-        const float alpha = exp2f(m[r] - mn); /* 0 while m is -inf: acc and l are 0 then */
-        l[r] *= alpha;
-        for (k = 0; k < d.Dvp; k += VW) st(acc + r * d.Dvp + k, ld(acc + r * d.Dvp + k) * alpha);
-        m[r] = mn;
-      }
-      v16 sum = splat(0.0f);
-      for (k = 0; k < BK; k += VW) {
-        const v16 w = exp2v(ld(row + k) - mn);
-        st(row + k, w);
-        sum += w;
-      }
-      l[r] += hsum(sum);
-    }
-    if (p[P_DROP]) /* l (and so lse) stays the undropped normaliser */
-      dropout_scale(s, tq, dropout_bh(job->a[A_SEED], b, h), job->a[A_QOFF] + qt.i * d.bq, c0,
-                    (const float *)p[P_DROP]);
-    /* -- weighted V rows: acc += P V over the tile's nk keys */
-    const float *vb = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (kvh + c0) * d.Dv;
+    key_ranges(lo, hi, rr, tq, tqp, nk);
+    /* one block of RB rows at a time through scores and softmax, its scores in L1; then P V
+       block by block (K's tile, then V's, stay in L1: alternating them per block measured 1.25x
+       slower on dense float32 tiles) */
     for (r = 0; r < tqp; r += RB) {
       const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
       if (k1 <= k0) continue;
+      const int64_t v0 = k0 / VW * VW, v1 = round_up(k1, VW), nr = tq - r < RB ? tq - r : RB;
+      float *sb = s + r * BK, mul = 1.0f;
+      /* -- scores of the block, base 2 */
+#if HAVE_DPBF16
+      if (job->kb) { /* exact bf16 products summed in float32, times c in the softmax pass */
+        const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
+        mm_bf16_rows(sb + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0, 1);
+        mul = job->c;
+      } else
+#endif
+        mm_rows0(sb + v0, BK, qs + r * d.Dp, d.Dp, kt + v0, BK, d.D, v1 - v0);
+      if (mods) { /* the mods take scaled scores */
+        for (int64_t i = 0; i < RB * BK; i += VW) st(sb + i, ld(sb + i) * mul);
+        mul = 1.0f;
+        apply_mods(sb, NULL, job->a, p, b, h, qt.i * d.bq + r, c0, nr, RB, nk);
+      }
+      /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
+      softmax_block(sb, nr, v0, v1, nk, bits ? bits + r * BK : NULL, rr ? rr + 2 * r : NULL, mul,
+                    m + r, lv + r * VW,
+                    acc + r * d.Dvp, d.Dvp);
+      if (drop) /* l (and so lse) stays the undropped normaliser */
+        dropout_scale(sb, nr, xbh, job->a[A_QOFF] + qt.i * d.bq + r, c0, drop);
+    }
+    /* -- weighted V rows: acc += P V over each block's keys [k0, k1) */
+    for (r = 0; r < tqp; r += RB) {
+      const int64_t k0 = lo[r / RB], k1 = hi[r / RB];
+      if (k1 <= k0) continue;
+      float *sb = s + r * BK;
 #if HAVE_DPBF16
       if (job->vb) { /* weights rounded to bf16, times bf16 V pairs, summed in float32 */
         const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
         const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
-        weights_bf16(pw, s + r * BK);
+        weights_bf16(pw, sb);
         mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0, BK / 2, vpairs + p0 * d.Dvp, d.Dvp,
-                     p1 - p0, d.Dvp);
+                     p1 - p0, d.Dvp, 0);
         continue;
       }
 #endif
-      mm_rows(acc + r * d.Dvp, d.Dvp, s + r * BK + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
+      mm_rows(acc + r * d.Dvp, d.Dvp, sb + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
     }
   }
   /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
      make every weight the backward recomputes 0 */
-  float *out = (float *)p[P_OUT] + row0 * d.Dv;
   float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
+  for (r = 0; r < tq; r++) l[r] = hsum(ld(lv + r * VW));
   for (r = 0; r < tq; r++) {
+    float *o = acc + r * d.Dvp;
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
       const float inv = 1.0f / l[r];
-      for (k = 0; k < d.Dv; k++) out[r * d.Dv + k] = acc[r * d.Dvp + k] * inv;
+      for (k = 0; k < d.Dv; k++) o[k] *= inv;
       lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
     } else {
-      memset(out + r * d.Dv, 0, sizeof(float) * d.Dv);
+      memset(o, 0, sizeof(float) * d.Dv);
       lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
     }
+    store_row(p[P_OUT], (row0 + r) * d.Dv, o, d.Dv, d.dt);
   }
 }
 
 static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of bf16 weights */
-  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2;
+  return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2 +
+         MAXBQ * VW; /* and the row sums' vectors */
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -822,7 +980,7 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
   if (job->kb)
     pack_pairs_t((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (const uint16_t *)p[P_K],
-                 kv0 * d.D, nk, d.D, (uint32_t *)row);
+                 kv0 * d.D, nk, d.D);
   if (job->vb) pack_v_pairs((uint32_t *)job->vb + blk * (BK / 2) * d.Dvp, (const uint16_t *)p[P_V],
                             kv0 * d.Dv, nk, d.Dv, d.Dvp);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
@@ -831,6 +989,20 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
     pack_rows(job->vp + blk * BK * d.Dvp, d.Dvp, p[P_V], kv0 * d.Dv, nk, d.Dv, BK, 1.0f, d.dt);
 }
 
+/* The packed K and V live in one buffer that is kept from call to call (while at most
+   POOL_KEEP_BYTES): a fresh malloc of tens of MiB is fresh pages, and their page faults and
+   zeroing measured a fifth of a bf16 window-256 forward at S=16384 (one thread, Zen 4). One
+   call at a time holds it (a concurrent call allocates its own). */
+#define POOL_KEEP_BYTES ((size_t)256 << 20)
+/* The pool is asked for 2 MiB pages (where the OS has transparent huge pages on request): kept
+   4 KiB pages measured 1.25x slower than fresh ones on dense float32 tiles (each query tile
+   reads a kv head's whole packed K, 1 MiB at S=4096: TLB misses), huge ones as fast as fresh
+   ones there and 0.8-0.9x on a window's (one thread, Zen 4). */
+#define POOL_ALIGN ((size_t)2 << 20)
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *pool;
+static size_t pool_bytes;
+
 /* Allocate and fill the packed layouts job asks for (a non-NULL placeholder in kt/vt/kp/vp
    means: wanted). 0, or 1 when memory ran out. */
 static int pack_kv(Job *job, const Dims *d, int n_threads) {
@@ -838,13 +1010,30 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
   float **slots[6] = {&job->kt, &job->vt, &job->kp, &job->vp, &job->kb, &job->vb};
   const int64_t sizes[6] = {d->D * BK, d->Dv * BK,  BK * d->Dp, BK * d->Dvp, (d->D + 1) / 2 * BK,
                             BK / 2 * d->Dvp};
-  int bad = 0;
+  size_t total = 0;
   for (int i = 0; i < 6; i++)
-    if (*slots[i]) {
-      *slots[i] = malloc(sizeof(float) * (size_t)(n_blk * sizes[i]));
-      bad |= *slots[i] == NULL;
+    if (*slots[i]) total += sizeof(float) * (size_t)(n_blk * sizes[i]);
+  job->packed = NULL, job->pooled = 0;
+  if (total && pthread_mutex_trylock(&pool_lock) == 0) {
+    if (pool_bytes < total) {
+      free(pool);
+      if (posix_memalign(&pool, POOL_ALIGN, total)) pool = NULL;
+#ifdef MADV_HUGEPAGE
+      if (pool) madvise(pool, total, MADV_HUGEPAGE); /* a hint: failure changes nothing */
+#endif
+      pool_bytes = pool ? total : 0;
     }
-  if (bad) return 1;
+    if (pool) job->packed = pool, job->pooled = 1;
+    else pthread_mutex_unlock(&pool_lock);
+  }
+  if (total && !job->packed) job->packed = malloc(total);
+  if (total && !job->packed) {
+    for (int i = 0; i < 6; i++) *slots[i] = NULL;
+    return 1;
+  }
+  float *next = job->packed;
+  for (int i = 0; i < 6; i++)
+    if (*slots[i]) *slots[i] = next, next += n_blk * sizes[i];
   Job pack = *job;
   pack.n_items = n_blk, pack.next = 0, pack.item = pack_item;
   pack.scratch = d->Dp + d->Dvp;
@@ -852,7 +1041,13 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
 }
 
 static void free_packed(Job *job) {
-  free(job->kt), free(job->vt), free(job->kp), free(job->vp), free(job->kb), free(job->vb);
+  if (!job->pooled) {
+    free(job->packed);
+  } else {
+    if (pool_bytes > POOL_KEEP_BYTES) free(pool), pool = NULL, pool_bytes = 0;
+    pthread_mutex_unlock(&pool_lock);
+  }
+  job->packed = NULL, job->pooled = 0;
 }
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
@@ -867,10 +1062,20 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
   float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb};
+             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb, NULL, NULL, 0};
+  /* the PARTIAL blocks: as many as the largest index in pids, plus one */
+  const int32_t *pids = (const int32_t *)ptrs[P_PIDS];
+  int64_t n_partial = 0;
+  for (int64_t t = 0; t < ((const int32_t *)ptrs[P_ROWPTR])[d.nq]; t++)
+    n_partial = pids[t] >= n_partial ? pids[t] + 1 : n_partial;
+  const int64_t n_rows = n_partial * d.mb * d.mh * d.bq;
+  job.rr = malloc(2 * (size_t)n_rows + 1);
+  if (job.rr == NULL) return 1;
+  row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
   int status = pack_kv(&job, &d, n_threads);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
+  free(job.rr);
   return status;
 }
 
@@ -902,7 +1107,7 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   const Dims d = dims(iargs);
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
-            WANTED, WANTED, WANTED, NULL, NULL, NULL};
+            WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
