@@ -14,9 +14,10 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 Threads: the engine steps on ONE worker thread (:class:`EngineWorker`) while it has work; the
 event loop only validates, tokenises, submits (:meth:`Engine.add_request`; after each step the
 worker hands the outputs to the requests' ``asyncio.Queue`` s through
-``loop.call_soon_threadsafe``) and writes responses. A failed batch ends only its own
-requests (:meth:`Engine.step`); a failure of the step itself ends the open requests
-(:meth:`Engine.fail_open`); the worker goes on either way.
+``loop.call_soon_threadsafe``) and writes responses. Requests reaching an idle engine
+together (clients starting at once) share its first step (:data:`ADMIT_QUIET_S`). A failed
+batch ends only its own requests (:meth:`Engine.step`); a failure of the step itself ends the
+open requests (:meth:`Engine.fail_open`); the worker goes on either way.
 
 Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, unknown fields, bad values (sampling ranges, ``max_tokens``, an empty prompt, a prompt or
