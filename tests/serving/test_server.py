@@ -625,3 +625,70 @@ def test_generate_refuses_while_the_server_worker_steps_the_engine(model, tokeni
         with pytest.raises(RuntimeError, match="server worker steps this engine"):
             engine.generate("w1 w2", SamplingParams(max_tokens=2))
     engine.check()
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def _burst(engine: Engine, prompts, gap_s: float, **worker_kw) -> list:
+    """``prompts`` submitted to an idle server worker from an event loop, ``gap_s`` apart (as a
+    server's loop submits clients starting together); each request's outputs, in order."""
+    from selfattn.serving.server import EngineWorker
+
+    worker = EngineWorker(engine)
+    for k, v in worker_kw.items():  # set after construction: the same test runs on older code
+        setattr(worker, k, v)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        worker.start()
+        for k, p in enumerate(prompts):
+            worker.submit(p, params, f"burst-{k}", loop, queue, k)
+            await asyncio.sleep(gap_s)
+        outs, done = [[] for _ in prompts], 0
+        while done < len(prompts):
+            k, out = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+            outs[k].append(out)
+            done += out.finished
+        return outs
+
+    try:
+        return asyncio.run(main())
+    finally:
+        worker.stop(TIMEOUT_S)
+
+
+def test_a_burst_of_arrivals_is_admitted_into_one_step(model, tokenizer):
+    # Requests reaching an idle engine a few ms apart share its first step: the first does not
+    # start a prefill alone while the rest arrive (which would cost the burst a whole step).
+    prompts = [[3 + k, 5, 7 + k, 11] for k in range(7)]
+    want = [expected(model, tokenizer, p, 3, ignore_eos=True) for p in prompts]
+    engine = make_engine(model, tokenizer)
+    # a quiet gap far above the 2 ms between arrivals: the test holds on a loaded machine
+    outs = _burst(engine, prompts, 0.002, admit_quiet_s=0.25, admit_window_s=5.0)
+    assert [list(o[-1].outputs[0].token_ids) for o in outs] == want
+    firsts = {o[-1].first_token_time for o in outs}
+    assert len(firsts) == 1, "the burst's first tokens came from more than one step"
+    engine.check()
+
+
+def test_admit_window_zero_steps_at_once(model, tokenizer):
+    # admit_window_s=0: every request is stepped as soon as the worker sees it (and arrivals
+    # 30 ms apart never wait for each other).
+    prompts = [[3 + k, 5, 7 + k, 11] for k in range(3)]
+    engine = make_engine(model, tokenizer)
+    outs = _burst(engine, prompts, 0.03, admit_quiet_s=0.25, admit_window_s=0.0)
+    assert len({o[-1].first_token_time for o in outs}) == len(prompts)
+    engine.check()
+
+
+@pytest.mark.parametrize("bad", [-0.001, 60, "0.1", True, float("nan")])
+def test_admission_windows_are_checked(model, tokenizer, bad):
+    from selfattn.serving.server import EngineWorker
+
+    engine = make_engine(model, tokenizer)
+    with pytest.raises(ValueError, match="admit_quiet_s must be seconds in"):
+        EngineWorker(engine, admit_quiet_s=bad)
+    with pytest.raises(ValueError, match="admit_window_s must be seconds in"):
+        EngineWorker(engine, admit_window_s=bad)
