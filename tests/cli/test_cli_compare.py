@@ -43,7 +43,7 @@ def test_compare_mqar_flags_shape_the_run(capsys, tmp_path):
     out = tmp_path / "cmp"
     argv = ["compare", "--quick", "--only", "mqar", "--pairs", "1,2", "--state-size", "2",
             "--state-sizes", "2,3", "--steps", "3", "--batch", "4", "--seed", "5", "--json",
-            "--out", str(out)]  # fmt: skip
+            "--jobs", "1", "--out", str(out)]  # fmt: skip
     rc, stdout, err = run(capsys, *argv)
     assert rc == 0, err
     report = json.loads(stdout)

@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -201,14 +202,15 @@ class MQAR:
     d_ff: int = 128
     kv_vocab: int = 16
     # trained on 8 pairs alone, attention reached 0.38 in 500 steps (1.00 in 1000); on the mix of
-    # 2, 4 and 8 pairs it recalls all three in 500
-    steps: int = 500
+    # 2, 4 and 8 pairs it recalls all three in 500, but Mamba-2 with state 16 needs 800 to
+    # recall 8 pairs exactly (0.92 in 500, 0.999 in 800)
+    steps: int = 800
     batch: int = 64
     lr: float = 5e-3
     eval_batch: int = 256
     # CPU ms per training step (one thread, batch 64) at 2 / 4 / 8 pairs: attention ~15 / 31 / 61,
     # Mamba-2 ~32 / 63 / 128, gated DeltaNet ~37 / 73 / 135, hybrid ~30 / 60 / 96 (16 pairs
-    # cost 2.2-2.5x 8 pairs): 6 trainings of 500 steps on the mix are ~4 CPU-minutes
+    # cost 2.2-2.5x 8 pairs): 6 trainings of 800 steps on the mix are ~5.5 CPU-minutes
     pairs: tuple[int, ...] = (2, 4, 8)
     state_sizes: tuple[int, ...] = (1, 4, 16)
     seed: int = 0
@@ -286,19 +288,49 @@ def train_mqar(kind: str, run: MQAR, state_size: int | None = None) -> list[dict
     return rows
 
 
-def mqar(run: MQAR, kinds=MQAR_KINDS, log: Callable[[str], None] = _quiet) -> list[dict]:
+def _train_one(kind: str, run: MQAR, state_size: int) -> list[dict]:
+    """:func:`train_mqar` on one torch thread (the process pool's job): a model this small gains
+    less from a second thread than the thread costs, and one thread makes every run of a seed
+    give the same numbers, however many run at once."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_mqar(kind, run, state_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def mqar(run: MQAR, kinds=MQAR_KINDS, log: Callable[[str], None] = _quiet,
+         jobs: int = 1) -> list[dict]:  # fmt: skip
     """Accuracy vs the number of pairs for each model, then Mamba-2's at its other state sizes
-    (``sweep: "state_size"``); ``log`` gets a line per trained model."""
-    jobs = [(kind, run.state_size, {}) for kind in kinds]
-    jobs += [("mamba2", N, {"sweep": "state_size"}) for N in run.state_sizes if N != run.state_size]
-    rows = []
-    for i, (kind, N, extra) in enumerate(jobs, 1):
-        trained = [dict(r, **extra) for r in train_mqar(kind, run, state_size=N)]
-        rows += trained
+    (``sweep: "state_size"``); ``log`` gets a line per trained model. Each model trains on one
+    thread; ``jobs > 1`` trains that many at once, each in a process of its own."""
+    todo = [(kind, run.state_size, {}) for kind in kinds]
+    todo += [("mamba2", N, {"sweep": "state_size"}) for N in run.state_sizes if N != run.state_size]
+    results: list = [None] * len(todo)
+
+    def done(i: int, trained: list[dict]) -> None:
+        kind, N, extra = todo[i]
+        results[i] = [dict(r, **extra) for r in trained]
         accuracy = ", ".join(f"{r['accuracy']:.3f}" for r in trained)
-        log(f"mqar {i}/{len(jobs)}: {kind}, state {N}: accuracy {accuracy} at "
-            f"{','.join(map(str, run.pairs))} pairs ({trained[0]['train_s']:.0f} s)")  # fmt: skip
-    return rows
+        log(f"mqar {sum(r is not None for r in results)}/{len(todo)}: {kind}, state {N}: "
+            f"accuracy {accuracy} at {','.join(map(str, run.pairs))} pairs "
+            f"({trained[0]['train_s']:.0f} s)")  # fmt: skip
+
+    if jobs <= 1:
+        for i, (kind, N, _) in enumerate(todo):
+            done(i, _train_one(kind, run, N))
+    else:  # spawn: a forked child of a process that ran OpenMP threads may hang
+        import concurrent.futures
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            futures = {pool.submit(_train_one, kind, run, N): i
+                       for i, (kind, N, _) in enumerate(todo)}  # fmt: skip
+            for future in concurrent.futures.as_completed(futures):
+                done(futures[future], future.result())
+    return [row for trained in results for row in trained]
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -374,9 +406,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _cpu_s() -> float:
-    """User + system CPU seconds of this process so far, every thread."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """User + system CPU seconds so far of this process (every thread) and of its children
+    that ended (the MQAR worker processes)."""
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usages)
+
+
+def default_jobs() -> int:
+    """MQAR trainings at once by default: 2 (one per core of a 2-core machine), 1 on one core."""
+    return min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 
 def configure(args) -> tuple[Sizes, MQAR]:
@@ -419,7 +457,7 @@ def run(args) -> dict:
         rows += cost(sizes, args.repeat, args.seed, log)
         rows += crossovers(rows)
     if args.only in (None, "mqar"):
-        rows += mqar(recall, log=log)
+        rows += mqar(recall, log=log, jobs=args.jobs or default_jobs())
     return {
         "machine": _util.machine(),
         "sizes": dataclasses.asdict(sizes),

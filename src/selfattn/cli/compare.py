@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", choices=("cost", "mqar"), help="one section")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--threads", type=n, metavar="N",
-                   help="torch intra-op threads (default torch's: one per core)")  # fmt: skip
+                   help="torch intra-op threads of the cost section (default torch's: one per "
+                   "core; MQAR trains on one thread per model, see --jobs)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0,
                    help="seeds weights, MQAR data and cost inputs (default 0)")  # fmt: skip
     groups = {
@@ -53,8 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "small to recall 4 or 8 pairs)"),
             ("--state-sizes", _sizes, "N,N,..", "Mamba-2's state sizes, one more training each "
              "(default 1,4,16)"),
-            ("--steps", n, "N", "training steps per model (default 500)"),
+            ("--steps", n, "N", "training steps per model (default 800)"),
             ("--batch", n, "N", "sequences per training step (default 64)"),
+            ("--jobs", n, "N", "models trained at once, a process and a thread each (default "
+             "2, 1 on a 1-core machine); the numbers do not depend on it"),
         ],
     }  # fmt: skip
     for title, flags in groups.items():
