@@ -17,9 +17,10 @@ def test_compare_writes_a_report_and_one_png_per_metric(capsys, tmp_path):
 
     out = tmp_path / "cmp"
     rc, stdout, err = run(capsys, "compare", "--quick", "--only", "cost", "--out", str(out),
-                          "--json")  # fmt: skip
+                          "--json", "--clock", "cpu")  # fmt: skip
     assert rc == 0, err
     report = json.loads(stdout)
+    assert report["clock"] == "cpu"  # timed by CPU time: steady on a shared machine
     assert json.loads((out / "report.json").read_text())["rows"] == report["rows"]
     names = sorted(p.name for p in out.glob("*.png"))
     assert names == ["cache_bytes.png", "decode_ms_per_token.png", "prefill_ms_per_token.png"]

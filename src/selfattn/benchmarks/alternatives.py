@@ -115,12 +115,13 @@ def _quiet(message: str) -> None:
     """The default progress sink of :func:`cost` and :func:`mqar`: none."""
 
 
-def cost(
-    sizes: Sizes, repeat: int = 1, seed: int = 0, log: Callable[[str], None] = _quiet
-) -> list[dict]:
+def cost(sizes: Sizes, repeat: int = 1, seed: int = 0, log: Callable[[str], None] = _quiet,
+         clock: str = "wall") -> list[dict]:  # fmt: skip
     """One row per (model, T): prefill ms per token, decode ms per token at context T (median
     of ``decode_steps``), cache bytes. ``repeat`` prefills per row (the fastest counts);
-    ``log`` gets a line per row."""
+    ``log`` gets a line per row. ``clock``: ``"wall"`` (elapsed) or ``"cpu"`` (the process's
+    CPU time, every thread: steady on a shared machine with one torch thread)."""
+    timer = time.process_time if clock == "cpu" else time.perf_counter
     rows = []
     gen = torch.Generator().manual_seed(seed)
     for kind in KINDS:
@@ -139,14 +140,14 @@ def cost(
             with torch.inference_mode():
                 for _ in range(repeat):
                     cache = model.make_cache(cache_kind, 1, T + sizes.decode_steps)
-                    t0 = time.perf_counter()
+                    t0 = timer()
                     model(ids, cache=cache, logits_to_keep=1)
-                    prefill = min(prefill, time.perf_counter() - t0)
+                    prefill = min(prefill, timer() - t0)
                 times = []
                 for i in range(sizes.decode_steps):
-                    t0 = time.perf_counter()
+                    t0 = timer()
                     model(steps[:, i : i + 1], cache=cache)
-                    times.append(time.perf_counter() - t0)
+                    times.append(timer() - t0)
             times.sort()
             rows.append(dict(
                 section="cost", model=kind, T=T, params=params,
@@ -454,7 +455,7 @@ def run(args) -> dict:
 
     rows = []
     if args.only in (None, "cost"):
-        rows += cost(sizes, args.repeat, args.seed, log)
+        rows += cost(sizes, args.repeat, args.seed, log, args.clock)
         rows += crossovers(rows)
     if args.only in (None, "mqar"):
         rows += mqar(recall, log=log, jobs=args.jobs or default_jobs())
@@ -463,6 +464,7 @@ def run(args) -> dict:
         "sizes": dataclasses.asdict(sizes),
         "mqar": dataclasses.asdict(recall),
         "rows": rows,
+        "clock": args.clock,
         "run_s": time.perf_counter() - start,
         "cpu_s": _cpu_s() - cpu0,
     }
@@ -530,9 +532,10 @@ def plot(report: dict, out_dir) -> list:
         return fig, ax
 
     cost_rows = [r for r in rows if r["section"] == "cost"]
+    clocked = " (CPU time)" if report.get("clock") == "cpu" else ""
     for metric in METRICS if cost_rows else ():
         fig, ax = axes(xscale="log", yscale="log", xlabel="context length T (tokens)",
-                       ylabel=_LABELS[metric], title=_LABELS[metric])  # fmt: skip
+                       ylabel=_LABELS[metric], title=_LABELS[metric] + clocked)  # fmt: skip
         for kind in KINDS:
             pts = [(r["T"], r[metric]) for r in cost_rows if r["model"] == kind]
             ax.plot(*zip(*pts), label=kind, **_STYLE[kind])

@@ -60,10 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "2, 1 on a 1-core machine); the numbers do not depend on it"),
         ],
     }  # fmt: skip
+    made = {title: p.add_argument_group(title) for title in groups}
     for title, flags in groups.items():
-        group = p.add_argument_group(title)
         for flag, kind, metavar, text in flags:
-            group.add_argument(flag, type=kind, metavar=metavar, help=text)
+            made[title].add_argument(flag, type=kind, metavar=metavar, help=text)
+    made[next(iter(groups))].add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="time the cost rows by the wall clock (default) or by this process's CPU time "
+        "(steady on a shared machine with --threads 1)",
+    )  # fmt: skip
     p.set_defaults(repeat=1)
 
 
