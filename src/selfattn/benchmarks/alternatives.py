@@ -515,6 +515,7 @@ def plot(report: dict, out_dir) -> list:
     from selfattn._optional import require
 
     Figure = require("matplotlib.figure", purpose="selfattn compare").Figure
+    ticker = require("matplotlib.ticker", purpose="selfattn compare")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows, paths = report["rows"], []
@@ -535,13 +536,23 @@ def plot(report: dict, out_dir) -> list:
     clocked = " (CPU time)" if report.get("clock") == "cpu" else ""
     for metric in METRICS if cost_rows else ():
         fig, ax = axes(xscale="log", yscale="log", xlabel="context length T (tokens)",
-                       ylabel=_LABELS[metric], title=_LABELS[metric] + clocked)  # fmt: skip
+                       ylabel=_LABELS[metric], title=_LABELS[metric])  # fmt: skip
+        if metric != "cache_bytes":
+            ax.set_title(_LABELS[metric] + clocked)
         for kind in KINDS:
             pts = [(r["T"], r[metric]) for r in cost_rows if r["model"] == kind]
             ax.plot(*zip(*pts), label=kind, **_STYLE[kind])
         lengths = sorted({r["T"] for r in cost_rows})
         ax.set_xticks(lengths, [f"{T // 1024}k" if T >= 1024 else str(T) for T in lengths])
         ax.minorticks_off()
+        # ticks at 1, 2, 5 per decade, labelled plainly: a curve spanning less than a decade
+        # would otherwise have one labelled tick
+        if metric == "cache_bytes":  # powers of 4: 256 KiB, 1 MiB, 4 MiB, ...
+            ax.yaxis.set_major_locator(ticker.LogLocator(base=4))
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: _fmt_bytes(int(v))))
+        else:
+            ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.legend(fontsize=8)
         save(fig, f"{metric}.png")
     recall = [r for r in rows if r["section"] == "mqar"]
