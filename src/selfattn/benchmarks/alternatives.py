@@ -507,6 +507,9 @@ _STYLE = {
 }
 
 
+_DODGE = 1.025  # x factor between neighbouring MQAR curves (log axis)
+
+
 def plot(report: dict, out_dir) -> list:
     """One PNG per metric into ``out_dir``: each cost metric vs context length (log-log), MQAR
     accuracy vs the number of pairs, and vs the state each model carries. Returns the paths."""
@@ -562,17 +565,19 @@ def plot(report: dict, out_dir) -> list:
         pairs = sorted({r["pairs"] for r in recall if "sweep" not in r})
         fig, ax = axes(xscale="log", ylim=(0, 1.05), xlabel="key-value pairs",
                        ylabel="MQAR accuracy", title="recall vs number of pairs")  # fmt: skip
-        for kind in MQAR_KINDS:
-            pts = [(r["pairs"], r["accuracy"]) for r in recall
-                   if r["model"] == kind and "sweep" not in r]  # fmt: skip
-            label = f"{kind} (state {state})" if kind in ("mamba2", "hybrid") else kind
-            ax.plot(*zip(*pts), label=label, **_STYLE[kind])
+        series = [(kind, f"{kind} (state {state})" if kind in ("mamba2", "hybrid") else kind,
+                   [r for r in recall if r["model"] == kind and "sweep" not in r], _STYLE[kind])
+                  for kind in MQAR_KINDS]  # fmt: skip
         swept = sorted({r["state_size"] for r in recall if "sweep" in r})  # Mamba-2's others
         for N, marker in zip(swept, itertools.cycle("<>ph")):
-            pts = [(r["pairs"], r["accuracy"]) for r in recall
-                   if "sweep" in r and r["state_size"] == N]  # fmt: skip
             style = dict(_STYLE["mamba2"], marker=marker, linewidth=0.9, markerfacecolor="white")
-            ax.plot(*zip(*pts), label=f"mamba2 (state {N})", **style)
+            pts = [r for r in recall if "sweep" in r and r["state_size"] == N]
+            series.append(("mamba2", f"mamba2 (state {N})", pts, style))
+        for i, (_, label, pts, style) in enumerate(series):
+            # curves at equal accuracy would hide each other: each is shifted a little along x
+            dodge = _DODGE ** (i - (len(series) - 1) / 2)
+            ax.plot([r["pairs"] * dodge for r in pts], [r["accuracy"] for r in pts], label=label,
+                    **style)  # fmt: skip
         ax.axhline(chance, color="grey", linewidth=0.8, linestyle="--", label="chance")
         ax.set_xticks(pairs, [str(n) for n in pairs])
         ax.minorticks_off()
@@ -591,6 +596,9 @@ def plot(report: dict, out_dir) -> list:
                     ax.annotate(f"state {N}", (b, a), textcoords="offset points", xytext=(4, -10),
                                 fontsize=7)  # fmt: skip
         ax.axhline(chance, color="grey", linewidth=0.8, linestyle="--", label="chance")
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=2))  # 8 KiB, 16 KiB, ...
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: _fmt_bytes(int(v))))
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.legend(fontsize=8)
         save(fig, "mqar_state.png")
     return paths

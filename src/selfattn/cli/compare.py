@@ -13,8 +13,8 @@ DESCRIPTION = (
     "token vs context length for attention (full and windowed KV cache), Mamba-2, gated DeltaNet "
     "and a hybrid of equal width and depth, with the crossover lengths; then tiny models trained "
     "on multi-query associative recall (MQAR), accuracy vs the number of key-value pairs and vs "
-    "the state size. The defaults take about 8 CPU-minutes (one thread; 2 threads on 2 cores: "
-    "within 10 minutes), mostly the recall training; --only cost takes about 2; --quick seconds. "
+    "the state size. The defaults take about 8 CPU-minutes (so at most 8 minutes on an idle "
+    "2-core machine), mostly the recall training; --only cost about 2; --quick seconds. "
     "Progress lines go to stderr."
 )
 EPILOG = (
