@@ -75,8 +75,9 @@ class Sizes:
     d_ff: int = 512
     window: int = 512
     vocab: int = 256
-    # 1k .. 16k: the whole section takes ~2 CPU-minutes; 32k adds ~1, 64k ~4 more (full
-    # attention's prefill grows with T^2): --max-len 65536 for the full range
+    # 1k .. 16k: the whole section took 111 CPU-s (one thread, 3 prefills per length); full
+    # attention's prefill grows with T^2, so 32k adds about a CPU-minute and 64k about four more
+    # (estimated from 16k, not timed): --max-len 65536 for the full range
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
     decode_steps: int = 16
 
