@@ -196,6 +196,77 @@ __attribute__((target("avx512bf16"))) static void scores_bf16dp(
   else
     scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8);
 }
+
+/* The fused page step (page_step) for bf16 V rows and a bf16 query, the weighted V sum by
+   vdpbf16ps: each instruction adds two slots' products (rows s and s + 1, their bf16 elements
+   interleaved by vpunpckl/hwd) for 16 dims, half the FMAs of the fp32 block. The weights are
+   rounded to bf16 for it (as SDPA's bf16 kernels round the probabilities before P @ V; the
+   denominator l keeps the fp32 weights), products exact, sums in fp32. The interleave puts dims
+   8L + i (i < 4: lo, else hi, per 128-bit lane L) in lane 4L + i of a 32-dim chunk's lo/hi
+   accumulators: permuted from and back to the natural order of acc as they are loaded and stored.
+   Dims past the last whole chunk of 32 take the fp32 block. */
+__attribute__((target("avx512bf16"), always_inline)) static inline void page_step_dp_rb(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, const float *lut,
+    float *wbuf) {
+  enum { NP = PD_SLOTS / 2 }; /* slot pairs */
+  float alpha[4];
+  uint32_t wp[4][NP]; /* the weights of slots 2p, 2p + 1 as a bf16 pair */
+  int r, p;
+  int64_t d;
+  const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i to_hi = _mm512_add_epi32(to_lo, _mm512_set1_epi32(4));
+  const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
+  page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
+  for (r = 0; r < RB; r++) {
+    const __m256i w = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(wbuf + r * PD_SLOTS));
+    _mm256_storeu_si256((__m256i *)wp[r], w);
+  }
+  for (d = 0; d + 32 <= Dv; d += 32) {
+    __m512 lo[4], hi[4];
+    for (r = 0; r < RB; r++) {
+      const __m512 n0 = _mm512_loadu_ps(acc + r * Dv + d), n1 = _mm512_loadu_ps(acc + r * Dv + d + 16);
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      lo[r] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_lo, n1), a);
+      hi[r] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_hi, n1), a);
+    }
+    for (p = 0; 2 * p < ns; p++) {
+      const uint16_t *va = (const uint16_t *)(v0 + 2 * p * vstride) + d;
+      const __m512i x = _mm512_loadu_si512(va);
+      /* an odd ns: slot ns is past the page's used slots (its weight is 0, its bytes may be NaN) */
+      const __m512i y = 2 * p + 1 < ns ? _mm512_loadu_si512((const uint16_t *)(v0 + (2 * p + 1) * vstride) + d)
+                                       : _mm512_setzero_si512();
+      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (r = 0; r < RB; r++) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wp[r][p]);
+        lo[r] = _mm512_dpbf16_ps(lo[r], vl, w);
+        hi[r] = _mm512_dpbf16_ps(hi[r], vh, w);
+      }
+    }
+    for (r = 0; r < RB; r++) {
+      _mm512_storeu_ps(acc + r * Dv + d, _mm512_permutex2var_ps(lo[r], back0, hi[r]));
+      _mm512_storeu_ps(acc + r * Dv + d + 16, _mm512_permutex2var_ps(lo[r], back1, hi[r]));
+    }
+  }
+  for (; d < Dv; d += 16)
+    pv_cols_avx512(acc, Dv, wbuf, PD_SLOTS, RB, 1, d, Dv - d < 16 ? Dv - d : 16, v0, vstride, 0,
+                   ns, BF16, lut, alpha);
+}
+
+__attribute__((target("avx512bf16"))) static void page_step_bf16dp(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
+    float *wbuf) {
+  (void)dt; /* BF16: the caller picks this step for bf16 V only */
+  switch (RB) {
+    case 4: page_step_dp_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    case 3: page_step_dp_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    case 2: page_step_dp_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    default: page_step_dp_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+  }
+}
 #pragma GCC pop_options
 #define HAVE_X86_PATHS 1
 #endif
@@ -333,9 +404,10 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   const int64_t kesz = elem_size(kdt), vesz = elem_size(vdt);
   /* bf16 query rows against bf16 or int8 keys: vdpbf16ps on the raw query (exact products) */
   const int dp = job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8) && qdt == BF16;
-  /* The weighted V sum stays in fp32 FMAs for bf16 pages too: vdpbf16ps over interleaved V
-     row pairs (bf16-rounded weights, accumulators permuted to the pair layout) measured 1.13-1.16x
-     the CPU time of this path (B=8 x 2,048, one thread, EPYC with avx512_bf16). */
+  /* The general path's weighted V sum stays in fp32 FMAs for bf16 pages: vdpbf16ps there
+     (session 5: accumulators kept in the pair layout in memory) measured 1.13-1.16x its CPU time.
+     The fused step's (page_step_bf16dp: the pair layout in registers only) measured 0.87x
+     (session 6, B=8 x 2,048, one thread, EPYC with avx512_bf16). */
   const pv_fn pv = job->pv;
   int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d, k;
   const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq * NI;
@@ -552,6 +624,8 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2, job.page = page_step_avx2;
   if (job.isa >= ISA_AVX512)
     job.scores = scores_avx512, job.pv = pv_avx512, job.page = page_step_avx512;
+  if (job.isa == ISA_AVX512_BF16 && iargs[A_VDT] == BF16 && iargs[A_QDT] == BF16)
+    job.page = page_step_bf16dp;
 #endif
   if (n > n_items) n = n_items > 0 ? (int)n_items : 1;
   for (t = 1; t < n; t++)
@@ -909,16 +983,15 @@ AI float ISA(hsum)(VF x) {
 #undef PD_SWAPS
 
 /* One page's whole step for RB <= 4 rows of a kv head (rows r: acc + r * Dv, m[r], l[r], scores
-   sc + r * P) that all attend every one of the page's ns <= PD_SLOTS slots: each row's scores
-   as PD_SLOTS / VW vectors (lanes past ns: -inf), dequantised by ksc (per slot, or NULL); the
-   online softmax update in registers (max, weights, sum: no scalar loop over the slots); the
-   weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS); then the weighted V sum,
-   the accumulators rescaled as the V block loads them (no separate pass over acc). */
-AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
-                          int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
-                          int64_t vstride, int dt, const float *lut, float *wbuf) {
+   sc + r * P) that all attend every one of the page's ns <= PD_SLOTS slots. page_weights: each
+   row's scores as PD_SLOTS / VW vectors (lanes past ns: -inf), dequantised by ksc (per slot, or
+   NULL); the online softmax update in registers (max, weights, sum: no scalar loop over the
+   slots); the weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS, 0 past ns), each
+   row's rescale factor into alpha. page_step: then the weighted V sum, the accumulators rescaled
+   as the V block loads them (no separate pass over acc). */
+AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+                          const float *ksc, const float *vsc, float *wbuf, float *alpha) {
   enum { NV = PD_SLOTS / VW };
-  float alpha[4];
   VI lane;
   int r, c, e;
   for (e = 0; e < VW; e++) lane[e] = e;
@@ -954,6 +1027,13 @@ AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const floa
       l[r] = l[r] * alpha[r] + ISA(hsum)(sum);
     }
   }
+}
+
+AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
+                          int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
+                          int64_t vstride, int dt, const float *lut, float *wbuf) {
+  float alpha[4];
+  ISA(page_weights)(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   ISA(pv_dt)(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, dt, lut, alpha);
 }
 
