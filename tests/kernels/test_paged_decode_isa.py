@@ -195,3 +195,73 @@ def test_streaming_paged_cache_decodes_through_the_kernel(monkeypatch):
     naive = masked_forward(model, ids, mask, pos)
     oracle = masked_forward(copy.deepcopy(model).double(), ids, mask, pos)
     assert_close_to_reference(torch.cat(out, 1), oracle, naive)
+
+
+def _intervals_oracle(q, kp, vp, table, lo, hi, scale, ks, vs, compute_dtype):
+    """The twin over a union of disjoint key intervals ``lo, hi (B, Sq, NI)``: each interval alone,
+    joined by their log-sum-exps (an empty interval: lse -inf, weight 0)."""
+    parts = [
+        paged_attention_twin(q, kp, vp, table, lo[..., k], hi[..., k], scale, ks, vs,
+                             compute_dtype=compute_dtype)
+        for k in range(lo.shape[-1])
+    ]  # fmt: skip
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+    w = [torch.nan_to_num(torch.exp(p[1] - lse)).unsqueeze(-1) for p in parts]
+    out = sum(wk * torch.nan_to_num(p[0]).to(w[0].dtype) for wk, p in zip(w, parts))
+    return out, lse
+
+
+# (lens, Hq, Hkv, D, Dv, P, Sq, window, intervals): the fused page step (pages of <= 16 slots that
+# every row attends whole) and the general path (pages of 32 slots; a window's first page, which
+# rows attend in part) in one call, odd slot counts on last pages (the bf16 V pairs' zero row)
+_MIXED = {
+    "p16-odd-window": ([83, 1, 37], 8, 2, 128, 72, 16, 1, 50, 1),
+    "p32-general": ([83, 40], 8, 2, 64, 40, 32, 1, 70, 1),
+    "sq3-rows-over-groups": ([61, 29], 6, 2, 48, 40, 8, 3, 200, 1),
+    "four-intervals": ([97, 64], 8, 2, 64, 36, 8, 1, 0, 4),
+}
+
+
+@pytest.mark.parametrize(
+    "storage, qdtype",
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),  # vdpbf16ps scores and V sum where the CPU has avx512_bf16
+        ("int8", torch.bfloat16),
+        ("fp8", torch.float32),
+    ],
+    ids=["fp32", "bf16", "int8", "fp8"],
+)
+@pytest.mark.parametrize("case", list(_MIXED))
+def test_fused_and_general_pages_split_over_keys(isa, storage, qdtype, case):
+    """Every path and page dtype with the fused page step and the general one in one call, each
+    sequence cut into work items of 2 pages (the splits' merge; the online rescale inside an
+    item), against the fp64 twin by the ratio rule: windows starting mid-page, 32-slot pages, 3
+    query rows per sequence (row groups of 4 across queries and heads), rows attending 4 disjoint
+    key intervals, NaN in the float pages' slots past each sequence's end (never read)."""
+    lens, Hq, Hkv, D, Dv, P, Sq, window, n_int = _MIXED[case]
+    seed = hash((isa, storage, case)) % 2**31
+    q, kp, vp, table, sl = make_paged(lens, Hq, Hkv, D=D, P=P, Sq=Sq, Dv=Dv, seed=seed)
+    kp, vp, ks, vs = _pages(storage, kp, vp)
+    if kp.is_floating_point() and kp.element_size() > 1:  # slots past a sequence's end: NaN
+        for b, n in enumerate(lens):
+            if n % P:
+                kp[table[b, n // P], n % P :] = vp[table[b, n // P], n % P :] = float("nan")
+    q = q.to(qdtype)
+    pos = sl.long().view(-1, 1) - Sq + torch.arange(Sq)  # (B, Sq) absolute positions
+    if n_int == 1:
+        lo, hi = (pos - window).clamp(min=0), pos + 1
+    else:  # disjoint intervals at odd offsets, some empty for the short rows
+        cuts = torch.tensor([0, 3, 11, 20, 29, 45, 52, 70])
+        lo = torch.minimum(cuts[0::2].expand(*pos.shape, n_int), pos.unsqueeze(-1) + 1)
+        hi = torch.minimum(cuts[1::2].expand(*pos.shape, n_int), pos.unsqueeze(-1) + 1)
+        hi[..., -1] = pos + 1  # the last interval runs to the row's own position
+        lo[..., -1] = torch.minimum(lo[..., -1], hi[..., -1])
+    pages = int(((hi.amax() + P - 1) // P).item())
+    args = (table, lo, hi, D**-0.5, ks, vs)
+    out, lse = paged_decode.decode(q, kp, vp, *args, splits=((pages + 1) // 2, 2))
+    oracle = _intervals_oracle if n_int > 1 else paged_attention_twin
+    o64, l64 = oracle(q.double(), kp, vp, *args, compute_dtype=torch.float64)
+    naive, naive_lse = oracle(q, kp, vp, *args, compute_dtype=qdtype)
+    assert_close_to_reference(out.to(qdtype), o64, naive.to(qdtype), dtype=qdtype)
+    assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")

@@ -13,7 +13,11 @@ softmax update, then the weighted V rows, asking for the next page's rows meanwh
 prefetch: the pages of a sequence lie anywhere in the pool). Low-precision and quantised pages
 are converted in registers inside the dot-product and weighted-sum blocks (int8 and fp8 scales
 multiply the scores and the V weights); bf16 queries against bf16 or int8 keys use
-``vdpbf16ps`` where the CPU has it. One source, three instruction-set paths picked at run time
+``vdpbf16ps`` where the CPU has it, and against bf16 values too (weights rounded to bf16, as
+SDPA's bf16 kernels round the probabilities). A page every query row attends whole (every
+decode page) takes one fused step per kv head: softmax update as vectors over its slots, then
+the V sum with the rescale folded in; other pages (a window's first page, pages over 16 slots)
+the general path. One source, three instruction-set paths picked at run time
 (:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version
 read bf16 pages slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``.
 Torch.compile was measured as the alternative: 18 s to compile a gather-and-reduce decode on

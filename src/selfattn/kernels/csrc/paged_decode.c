@@ -29,6 +29,19 @@
    a kv head (GQA: K/V read once per kv head), and a block's dot products are reduced together by
    a shuffle tree, not one by one.
 
+   Session 6 (one thread, CPU time, B=32 x 4,096 tokens, old -> new, interleaved): the page
+   step was ~1/3 scalar glue (each row's max, exp and sum over a 16-slot page in 8-float pieces
+   with scalar reductions, a separate pass rescaling acc, another scaling the scores). A page
+   that every row attends whole (every decode page, first and last included) now takes one fused
+   step per kv head and group of 4 rows (page_step): max, exp and sum as vectors over the slots,
+   the dequantisation scales folded in, acc rescaled as the V block loads it; and for bf16 V with
+   a bf16 query the V sum runs on vdpbf16ps (page_step_bf16dp: half the FMAs). bf16 47.6 -> 38.8
+   ms, int8 30.4 -> 25.7, fp32 81.0 -> 76.0, fp8 46.1 -> 43.6. fp32 pages are bound by one core's
+   miss bandwidth (~14 GB/s; the loads of each next page carry the samples). Tried and dropped:
+   int8 keys by vpdpbusd on the raw bytes against a 16-bit fixed-point query (1.2x slower: the
+   accumulators spill), prefetch 2-3 pages ahead, into L2 only, or in address order (no gain or
+   slower).
+
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
    and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
@@ -93,6 +106,13 @@ typedef void (*scores_fn)(const float *q, int64_t Rh, int64_t Dp, int64_t D, con
 typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
                       const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
                       const float *lut);
+
+/* A page's slots the fused step (page_step) takes at once: a row's scores are PD_SLOTS / VW
+   vectors; pages with more slots, or slots only some rows attend, take the general path. */
+#define PD_SLOTS 16
+typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
+                        int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
+                        int64_t vstride, int dt, const float *lut, float *wbuf);
 
 /* the generic pass returns vectors wider than a portable target's registers from functions that
    are always inlined: no ABI is crossed */
@@ -189,6 +209,77 @@ __attribute__((target("avx512bf16"))) static void scores_bf16dp(
   else
     scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8);
 }
+
+/* The fused page step (page_step) for bf16 V rows and a bf16 query, the weighted V sum by
+   vdpbf16ps: each instruction adds two slots' products (rows s and s + 1, their bf16 elements
+   interleaved by vpunpckl/hwd) for 16 dims, half the FMAs of the fp32 block. The weights are
+   rounded to bf16 for it (as SDPA's bf16 kernels round the probabilities before P @ V; the
+   denominator l keeps the fp32 weights), products exact, sums in fp32. The interleave puts dims
+   8L + i (i < 4: lo, else hi, per 128-bit lane L) in lane 4L + i of a 32-dim chunk's lo/hi
+   accumulators: permuted from and back to the natural order of acc as they are loaded and stored.
+   Dims past the last whole chunk of 32 take the fp32 block. */
+__attribute__((target("avx512bf16"), always_inline)) static inline void page_step_dp_rb(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, const float *lut,
+    float *wbuf) {
+  enum { NP = PD_SLOTS / 2 }; /* slot pairs */
+  float alpha[4];
+  uint32_t wp[4][NP]; /* the weights of slots 2p, 2p + 1 as a bf16 pair */
+  int r, p;
+  int64_t d;
+  const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i to_hi = _mm512_add_epi32(to_lo, _mm512_set1_epi32(4));
+  const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
+  page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
+  for (r = 0; r < RB; r++) {
+    const __m256i w = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(wbuf + r * PD_SLOTS));
+    _mm256_storeu_si256((__m256i *)wp[r], w);
+  }
+  for (d = 0; d + 32 <= Dv; d += 32) {
+    __m512 lo[4], hi[4];
+    for (r = 0; r < RB; r++) {
+      const __m512 n0 = _mm512_loadu_ps(acc + r * Dv + d), n1 = _mm512_loadu_ps(acc + r * Dv + d + 16);
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      lo[r] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_lo, n1), a);
+      hi[r] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_hi, n1), a);
+    }
+    for (p = 0; 2 * p < ns; p++) {
+      const uint16_t *va = (const uint16_t *)(v0 + 2 * p * vstride) + d;
+      const __m512i x = _mm512_loadu_si512(va);
+      /* an odd ns: slot ns is past the page's used slots (its weight is 0, its bytes may be NaN) */
+      const __m512i y = 2 * p + 1 < ns ? _mm512_loadu_si512((const uint16_t *)(v0 + (2 * p + 1) * vstride) + d)
+                                       : _mm512_setzero_si512();
+      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (r = 0; r < RB; r++) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wp[r][p]);
+        lo[r] = _mm512_dpbf16_ps(lo[r], vl, w);
+        hi[r] = _mm512_dpbf16_ps(hi[r], vh, w);
+      }
+    }
+    for (r = 0; r < RB; r++) {
+      _mm512_storeu_ps(acc + r * Dv + d, _mm512_permutex2var_ps(lo[r], back0, hi[r]));
+      _mm512_storeu_ps(acc + r * Dv + d + 16, _mm512_permutex2var_ps(lo[r], back1, hi[r]));
+    }
+  }
+  for (; d < Dv; d += 16)
+    pv_cols_avx512(acc, Dv, wbuf, PD_SLOTS, RB, 1, d, Dv - d < 16 ? Dv - d : 16, v0, vstride, 0,
+                   ns, BF16, lut, alpha);
+}
+
+__attribute__((target("avx512bf16"))) static void page_step_bf16dp(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
+    float *wbuf) {
+  (void)dt; /* BF16: the caller picks this step for bf16 V only */
+  switch (RB) {
+    case 4: page_step_dp_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    case 3: page_step_dp_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    case 2: page_step_dp_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    default: page_step_dp_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+  }
+}
 #pragma GCC pop_options
 #define HAVE_X86_PATHS 1
 #endif
@@ -221,6 +312,7 @@ typedef struct {
   int isa;      /* paged_decode_isa() of the call */
   scores_fn scores;
   pv_fn pv;
+  page_fn page;
 } Job;
 
 /* GCC/Clang vector extension: 8 floats, one AVX register on x86-64 with -march=native, lowered
@@ -237,28 +329,6 @@ static inline float hsum8(v8 x) {
 }
 typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-/* exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes expf polynomial
-   (about 1 ulp), times 2^n built in the exponent bits. x below -87.3 (exp under FLT_MIN; -inf for a
-   masked key) gives exactly 0; callers pass x <= 0 (scores minus their running max). Libm's
-   scalar expf is ~20x slower per value and, without -ffast-math, never vectorised. */
-static inline v8 exp8(v8 x) {
-  const v8 lo = splat8(-87.33654f);
-  const v8i under = x < lo;
-  x = (v8)(((v8i)lo & under) | ((v8i)x & ~under));
-  const v8 magic = splat8(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-  const v8 n = (x * splat8(1.44269504f) + magic) - magic;
-  const v8 r = x - n * splat8(0.693359375f) - n * splat8(-2.12194440e-4f);
-  v8 y = splat8(1.9875691500e-4f);
-  y = y * r + splat8(1.3981999507e-3f);
-  y = y * r + splat8(8.3334519073e-3f);
-  y = y * r + splat8(4.1665795894e-2f);
-  y = y * r + splat8(1.6666665459e-1f);
-  y = y * r + splat8(5.0000001201e-1f);
-  y = y * r * r + r + splat8(1.0f);
-  const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  return (v8)((v8i)(y * (v8)e) & ~under);
-}
 
 /* The weighted V sum of one kv head's G * Sq rows (row g * Sq + i) over the page slots
    [0, nv) whose rows start at v0: query i's allowed slots are the NI disjoint ranges
@@ -312,6 +382,10 @@ static inline __attribute__((always_inline)) void scale_slots(float *sc, const v
 
 /* Bytes a cache line holds: the prefetch stride. */
 #define LINE 64
+/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 (one thread, B=32 x
+   4,096 tokens); asking into L2 only (prefetcht2) or non-temporally, or a dense page in address
+   order rather than head by head, measured the same or slower (address order: 1.8x bf16). */
+#define AHEAD 1
 
 /* Ask for the rows of slots [0, ns) of kv head h of a page (`bytes` each, slot stride st[1])
    ahead of their use: pages lie anywhere in the pool, so the hardware prefetcher cannot know the
@@ -343,9 +417,10 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   const int64_t kesz = elem_size(kdt), vesz = elem_size(vdt);
   /* bf16 query rows against bf16 or int8 keys: vdpbf16ps on the raw query (exact products) */
   const int dp = job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8) && qdt == BF16;
-  /* The weighted V sum stays in fp32 FMAs for bf16 pages too: vdpbf16ps over interleaved V
-     row pairs (bf16-rounded weights, accumulators permuted to the pair layout) measured 1.13-1.16x
-     the CPU time of this path (B=8 x 2,048, one thread, EPYC with avx512_bf16). */
+  /* The general path's weighted V sum stays in fp32 FMAs for bf16 pages: vdpbf16ps there
+     (session 5: accumulators kept in the pair layout in memory) measured 1.13-1.16x its CPU time.
+     The fused step's (page_step_bf16dp: the pair layout in registers only) measured 0.87x
+     (session 6, B=8 x 2,048, one thread, EPYC with avx512_bf16). */
   const pv_fn pv = job->pv;
   int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d, k;
   const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq * NI;
@@ -389,11 +464,12 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
     if (!used) continue;
     const int64_t page = table[j];
-    /* the next page's used slots: [0, n1) (0: no next page in this item) */
-    const int64_t n1 = j + 1 < j1 ? (kmax < (j + 2) * P ? kmax - (j + 1) * P : P) : 0;
+    /* the used slots [0, n1) of the page AHEAD pages on (0: none in this item) */
+    const int64_t jn = j + AHEAD;
+    const int64_t n1 = jn < j1 ? (kmax < (jn + 1) * P ? kmax - jn * P : P) : 0;
     /* -- scores sc[r * P + s], kv head by kv head */
     for (h = 0; h < Hkv; h++) {
-      if (n1) prefetch_head(kbase, a + A_KSN, kesz, table[j + 1], n1, h, D * kesz);
+      if (n1) prefetch_head(kbase, a + A_KSN, kesz, table[jn], n1, h, D * kesz);
       const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
 #ifdef HAVE_X86_PATHS
       if (dp) {
@@ -404,6 +480,31 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
 #endif
       job->scores(qbuf + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, kdt, lut,
                   sc + h * Rh * P, P);
+    }
+    /* -- a page every row attends whole (in decode, every page: the first and last ones'
+       used slots are [s0, s1)): the softmax and the V sum fused, kv head by kv head */
+    int whole_all = ns <= PD_SLOTS;
+    for (i = 0; i < Sq; i++) {
+      int whole = 0;
+      for (k = 0; k < NI; k++) whole |= sa[i * NI + k] == 0 && sb[i * NI + k] == ns;
+      whole_all &= whole;
+    }
+    if (whole_all) {
+      float *ksh = a[A_KSC] ? stmp + P : NULL, *vsh = a[A_VSC] ? stmp + P + PD_SLOTS : NULL;
+      float *wbuf = stmp + P + 2 * PD_SLOTS;
+      for (h = 0; h < Hkv; h++) {
+        if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[jn], n1, h, Dv * vesz);
+        const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
+        for (s = 0; s < PD_SLOTS; s++) { /* this head's dequantisation scales; 1 past ns */
+          if (ksh) ksh[s] = s < ns ? dequant_scale(ksc, a[A_KSC], page, s0 + s, P, Hkv, h) : 1.0f;
+          if (vsh) vsh[s] = s < ns ? dequant_scale(vsc, a[A_VSC], page, s0 + s, P, Hkv, h) : 1.0f;
+        }
+        for (r = h * Rh; r < (h + 1) * Rh; r += 4)
+          job->page(acc + r * Dv, Dv, m + r, l + r, sc + r * P, P,
+                    (h + 1) * Rh - r < 4 ? (int)((h + 1) * Rh - r) : 4, ns, ksh, vsh, v0,
+                    a[A_VSP] * vesz, vdt, lut, wbuf);
+      }
+      continue;
     }
     if (a[A_KSC]) /* dequantise the scores */
       scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
@@ -441,7 +542,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
         m[r] = mx;
       }
       for (s = 0; s + 8 <= ns; s += 8) {
-        const v8 w = exp8(ld8(row + s) - splat8(m[r]));
+        const v8 w = expv_generic(ld8(row + s) - splat8(m[r]));
         st8(row + s, w);
         sum += hsum8(w);
       }
@@ -455,7 +556,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh, stmp);
     /* -- weighted V rows, kv head by kv head */
     for (h = 0; h < Hkv; h++) {
-      if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[j + 1], n1, h, Dv * vesz);
+      if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[jn], n1, h, Dv * vesz);
       const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
       weighted_sum(pv, acc + h * Rh * Dv, G, Sq, Dv, sc + h * Rh * P, P, v0, a[A_VSP] * vesz,
                    vdt, lut, sa, sb, NI);
@@ -467,7 +568,9 @@ static void *worker(void *arg) {
   Job *job = (Job *)arg;
   const int64_t *a = job->a;
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
-  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P));
+  /* q rows, scores, then scratch: P slot scales (general path), or the fused step's K and V
+     scales and its weights (page_step: 2 + 4 rows of PD_SLOTS) */
+  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS));
   uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
   int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
   void *ret = NULL;
@@ -526,13 +629,16 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   const int64_t n_items = iargs[A_B] * iargs[A_NSPLIT], R = iargs[A_HQ] * iargs[A_SQ];
   float *part = malloc(sizeof(float) * n_items * R * (iargs[A_DV] + 2));
   Job job = {iargs, ptrs, scale, part, part + n_items * R, part + 2 * n_items * R, n_items, 0,
-             paged_decode_isa((int)iargs[A_ISA]), scores_generic, pv_generic};
+             paged_decode_isa((int)iargs[A_ISA]), scores_generic, pv_generic, page_step_generic};
   pthread_t tid[64];
   int n = n_threads < 1 ? 1 : (n_threads > 64 ? 64 : n_threads), started = 0, t, bad = 0;
   if (part == NULL) return 1;
 #ifdef HAVE_X86_PATHS
-  if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2;
-  if (job.isa >= ISA_AVX512) job.scores = scores_avx512, job.pv = pv_avx512;
+  if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2, job.page = page_step_avx2;
+  if (job.isa >= ISA_AVX512)
+    job.scores = scores_avx512, job.pv = pv_avx512, job.page = page_step_avx512;
+  if (job.isa == ISA_AVX512_BF16 && iargs[A_VDT] == BF16 && iargs[A_QDT] == BF16)
+    job.page = page_step_bf16dp;
 #endif
   if (n > n_items) n = n_items > 0 ? (int)n_items : 1;
   for (t = 1; t < n; t++)
@@ -770,15 +876,17 @@ static void ISA(scores)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const
    converted) once for the RB rows. A last partial vector of Dv goes through a zero-filled one. */
 AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int NC,
                      int64_t d, int64_t nd, const char *v0, int64_t vstride, int64_t sa,
-                     int64_t sb, int dt, const float *lut) {
+                     int64_t sb, int dt, const float *lut, const float *alpha) {
   const int full = nd == NC * VW;
   VF t[4][4];
   int r, c;
   int64_t s;
   for (r = 0; r < RB; r++)
-    for (c = 0; c < NC; c++)
+    for (c = 0; c < NC; c++) {
       t[r][c] = full ? ISA(load)(acc + r * as, d + c * VW, F32)
                      : ISA(load_tail)(acc + r * as, d, nd, F32, lut);
+      if (alpha) t[r][c] *= ISA(splat)(alpha[r]); /* the online softmax's rescale, on the way */
+    }
   for (s = sa; s < sb; s++) {
     const char *v = v0 + s * vstride;
     VF vv[4];
@@ -800,15 +908,15 @@ AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB,
 
 AI void ISA(pv_dt)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
                    const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
-                   const float *lut) {
+                   const float *lut, const float *alpha) {
   /* accumulator vectors per row in registers: up to 16 zmm of 32, 8 ymm of avx2's 16 */
   const int NC = (VW == 16 ? 16 : 8) / RB > 4 ? 4 : (VW == 16 ? 16 : 8) / RB;
   int64_t d = 0;
   for (; d + NC * VW <= Dv; d += NC * VW)
-    ISA(pv_cols)(acc, as, w, ws, RB, NC, d, NC * VW, v0, vstride, sa, sb, dt, lut);
+    ISA(pv_cols)(acc, as, w, ws, RB, NC, d, NC * VW, v0, vstride, sa, sb, dt, lut, alpha);
   for (; d < Dv; d += VW) {
     const int64_t nd = Dv - d < VW ? Dv - d : VW;
-    ISA(pv_cols)(acc, as, w, ws, RB, 1, d, nd, v0, vstride, sa, sb, dt, lut);
+    ISA(pv_cols)(acc, as, w, ws, RB, 1, d, nd, v0, vstride, sa, sb, dt, lut, alpha);
   }
 }
 
@@ -817,10 +925,10 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
                     const float *lut) {
 #define PD_PV(DT)                                                                                 \
   switch (RB) {                                                                                   \
-    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut); break;               \
-    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut); break;               \
-    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut); break;               \
-    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut); break;              \
+    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;         \
+    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;         \
+    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;         \
+    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;        \
   }
   switch (dt) {
     case F32: PD_PV(F32) break;
@@ -830,6 +938,141 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
     default: PD_PV(LUT8) break;
   }
 #undef PD_PV
+}
+
+/* exp of VW floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes expf polynomial
+   (about 1 ulp), times 2^n built in the exponent bits. x below -87.3 (exp under FLT_MIN; -inf for
+   a masked key) gives exactly 0; callers pass x <= 0 (scores minus their running max). Libm's
+   scalar expf is ~20x slower per value and, without -ffast-math, never vectorised. */
+AI VF ISA(expv)(VF x) {
+  const VF lo = ISA(splat)(-87.33654f);
+  const VI under = x < lo;
+  x = (VF)(((VI)lo & under) | ((VI)x & ~under));
+  const VF magic = ISA(splat)(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+  const VF n = (x * ISA(splat)(1.44269504f) + magic) - magic;
+  const VF r = x - n * ISA(splat)(0.693359375f) - n * ISA(splat)(-2.12194440e-4f);
+  VF y = ISA(splat)(1.9875691500e-4f);
+  y = y * r + ISA(splat)(1.3981999507e-3f);
+  y = y * r + ISA(splat)(8.3334519073e-3f);
+  y = y * r + ISA(splat)(4.1665795894e-2f);
+  y = y * r + ISA(splat)(1.6666665459e-1f);
+  y = y * r + ISA(splat)(5.0000001201e-1f);
+  y = y * r * r + r + ISA(splat)(1.0f);
+  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  return (VF)((VI)(y * (VF)e) & ~under);
+}
+
+/* Lane-wise select and the horizontal max and sum of a vector, by a butterfly of lane swaps
+   (every lane ends holding the result). The max never picks a NaN lane (x > y is false). */
+AI VF ISA(select)(VI take_a, VF a, VF b) { return (VF)(((VI)a & take_a) | ((VI)b & ~take_a)); }
+#if VW == 16
+#define PD_SWAPS(F, x)                                                                            \
+  F(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)                                      \
+  F(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)                                      \
+  F(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)                                      \
+  F(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+#else
+#define PD_SWAPS(F, x)                                                                            \
+  F(x, 4, 5, 6, 7, 0, 1, 2, 3)                                                                    \
+  F(x, 2, 3, 0, 1, 6, 7, 4, 5)                                                                    \
+  F(x, 1, 0, 3, 2, 5, 4, 7, 6)
+#endif
+#define PD_MAX_STEP(x, ...)                                                                       \
+  {                                                                                               \
+    const VF y = PD_SHUFFLE(x, x, __VA_ARGS__);                                                   \
+    x = ISA(select)(x > y, x, y);                                                                 \
+  }
+#define PD_ADD_STEP(x, ...) x += PD_SHUFFLE(x, x, __VA_ARGS__);
+AI float ISA(hmax)(VF x) {
+  PD_SWAPS(PD_MAX_STEP, x)
+  return x[0];
+}
+AI float ISA(hsum)(VF x) {
+  PD_SWAPS(PD_ADD_STEP, x)
+  return x[0];
+}
+#undef PD_MAX_STEP
+#undef PD_ADD_STEP
+#undef PD_SWAPS
+
+/* One page's whole step for RB <= 4 rows of a kv head (rows r: acc + r * Dv, m[r], l[r], scores
+   sc + r * P) that all attend every one of the page's ns <= PD_SLOTS slots. page_weights: each
+   row's scores as PD_SLOTS / VW vectors (lanes past ns: -inf), dequantised by ksc (per slot, or
+   NULL); the online softmax update in registers (max, weights, sum: no scalar loop over the
+   slots); the weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS, 0 past ns), each
+   row's rescale factor into alpha. page_step: then the weighted V sum, the accumulators rescaled
+   as the V block loads them (no separate pass over acc). */
+AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+                          const float *ksc, const float *vsc, float *wbuf, float *alpha) {
+  enum { NV = PD_SLOTS / VW };
+  VI lane;
+  int r, c, e;
+  for (e = 0; e < VW; e++) lane[e] = e;
+  for (r = 0; r < RB; r++) {
+    VF x[NV], mv = ISA(splat)(-INFINITY);
+    for (c = 0; c < NV; c++) {
+      const VI in = lane + c * VW < (VI){0} + (int32_t)ns;
+      VF y;
+      if ((c + 1) * VW <= ns)
+        memcpy(&y, sc + r * P + c * VW, sizeof y);
+      else
+        for (e = 0; e < VW; e++) y[e] = c * VW + e < ns ? sc[r * P + c * VW + e] : 0.0f;
+      if (ksc) y *= ISA(load)(ksc, c * VW, F32);
+      x[c] = y = ISA(select)(in, y, ISA(splat)(-INFINITY));
+      mv = ISA(select)(y > mv, y, mv);
+    }
+    {
+      const float mx = ISA(hmax)(mv);
+      VF sum = {0};
+      if (mx == -INFINITY) { /* no finite score: this page adds nothing to the row */
+        alpha[r] = 1.0f;
+        for (c = 0; c < NV; c++) memset(wbuf + r * PD_SLOTS + c * VW, 0, sizeof(VF));
+        continue;
+      }
+      alpha[r] = mx > m[r] ? expf(m[r] - mx) : 1.0f; /* 0 while m is -inf: acc, l are 0 */
+      if (mx > m[r]) m[r] = mx;
+      for (c = 0; c < NV; c++) {
+        VF w = ISA(expv)(x[c] - ISA(splat)(m[r]));
+        sum += w;
+        if (vsc) w *= ISA(load)(vsc, c * VW, F32);
+        memcpy(wbuf + r * PD_SLOTS + c * VW, &w, sizeof w);
+      }
+      l[r] = l[r] * alpha[r] + ISA(hsum)(sum);
+    }
+  }
+}
+
+AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
+                          int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
+                          int64_t vstride, int dt, const float *lut, float *wbuf) {
+  float alpha[4];
+  ISA(page_weights)(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
+  ISA(pv_dt)(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, dt, lut, alpha);
+}
+
+static void ISA(page_step)(float *acc, int64_t Dv, float *m, float *l, const float *sc,
+                           int64_t P, int RB, int64_t ns, const float *ksc, const float *vsc,
+                           const char *v0, int64_t vstride, int dt, const float *lut,
+                           float *wbuf) {
+#define PD_STEP_RB(DT)                                                                            \
+  switch (RB) {                                                                                   \
+    case 4: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, DT, lut, wbuf);  \
+      break;                                                                                      \
+    case 3: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, DT, lut, wbuf);  \
+      break;                                                                                      \
+    case 2: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, DT, lut, wbuf);  \
+      break;                                                                                      \
+    default: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, DT, lut, wbuf); \
+      break;                                                                                      \
+  }
+  switch (dt) {
+    case F32: PD_STEP_RB(F32) break;
+    case BF16: PD_STEP_RB(BF16) break;
+    case F16: PD_STEP_RB(F16) break;
+    case I8: PD_STEP_RB(I8) break;
+    default: PD_STEP_RB(LUT8) break;
+  }
+#undef PD_STEP_RB
 }
 
 #undef LVL1
