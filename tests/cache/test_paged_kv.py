@@ -434,3 +434,24 @@ def test_fast_in_place_check_agrees_with_the_protocol(kind):
         isinstance(c, InPlaceKVCache) for c in objects
     ]
     assert attends_in_place(step.layers[0]) == (kind == "paged")
+
+
+@torch.no_grad()
+def test_own_table_is_not_checked_again(monkeypatch):
+    """A PagedKV vouches for its own block table and lengths (valid_for): its steps never read
+    them back to check them; a plan of a caller's table still checks it once."""
+    checks = []
+    real = paged_plan._check_values
+    monkeypatch.setattr(paged_plan, "_check_values", lambda *a: checks.append(real(*a)))
+    model = tiny("llama")
+    cache = model.make_cache("paged", 2, 16, page_size=4)
+    model(tokens(2, 5, seed=2), cache=cache)
+    model(tokens(2, 1, seed=3), cache=cache)
+    assert checks == []
+    kv, step = cache.cache, cache.cache.plan(cache.seq_ids, 1)
+    plan = PagedAttentionPlan(step.block_table, step.seq_lens)  # no word given: checked
+    q = torch.randn(2, 4, 1, 6, dtype=F64)
+    for layer in range(kv.n_layers):
+        paged_attention(q, kv.k_layers[layer], kv.v_layers[layer], step.block_table,
+                        step.seq_lens, plan=plan)  # fmt: skip
+    assert len(checks) == 1

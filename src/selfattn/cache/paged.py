@@ -451,7 +451,8 @@ class PagedKV:
             max_len=max((n for _, _, n in before), default=0) + S,
             before=before,
             epoch=self._epoch,
-            attention=PagedAttentionPlan(table, seq_lens),
+            # ours: valid for our pool and this step (_reserve checked the lengths)
+            attention=PagedAttentionPlan(table, seq_lens, valid_for=(self.num_pages, P, S)),
         )
 
     def plan_packed(self, seq_ids, counts) -> Step:

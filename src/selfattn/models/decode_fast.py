@@ -35,6 +35,7 @@ from torch.nn.modules import module as _module
 
 from selfattn.cache.paged import PagedLayer
 from selfattn.nn import DecoderBlock, MultiHeadAttention, RMSNorm, SwiGLU
+from selfattn.nn.norms import rms_norm
 from selfattn.positions import RoPE
 
 __all__ = ["FastBlocks", "fast_blocks"]
@@ -127,11 +128,9 @@ class FastBlocks:
         module docstring says); ``caches[i]`` is layer ``i``'s PagedLayer, ``masks[i]`` its
         self-attention's mask (:meth:`~selfattn.nn.DecoderBlock.causal_mask`)."""
         B, S = h.shape[0], h.shape[1]
-        linear, rms_norm = torch._C._nn.linear, torch.rms_norm
+        linear = torch._C._nn.linear
         for p, cache, mask in zip(self.layers, caches, masks):
-            n = p.norm1
-            x = rms_norm(h, (n.dim,), None, n.eps)
-            x = x if n.weight is None else x * n.weight
+            x = rms_norm(h, p.norm1.weight, p.norm1.eps)
             qkv = linear(x, p.qkv["weight"], p.qkv["bias"]).view(B, S, *p.heads)
             qk, v = qkv.split_with_sizes(p.sizes, 2)  # (B, S, Hq + Hkv, D), (B, S, Hkv, D)
             if p.rope is not None:
@@ -150,9 +149,7 @@ class FastBlocks:
             # (B, Hq, S, Dv) -> (B, S, Hq·Dv); one row per sequence: a view of the same memory
             o = o.view(B, S, -1) if S == 1 and o.is_contiguous() else att.merge_heads(o)
             h = h + linear(o, p.out["weight"], p.out["bias"])
-            n = p.norm2
-            x = rms_norm(h, (n.dim,), None, n.eps)
-            x = x if n.weight is None else x * n.weight
+            x = rms_norm(h, p.norm2.weight, p.norm2.eps)
             g = p.act(linear(x, p.gate["weight"], p.gate["bias"]))
             x = g * linear(x, p.up["weight"], p.up["bias"])
             h = h + linear(x, p.down["weight"], p.down["bias"])
