@@ -151,6 +151,11 @@ def test_swapped_module_is_used():
     with _module_path():
         slow = _decode(model, prompts, tokens)
     assert torch.equal(fast, slow)
+    model.layers[0].mlp.activation = torch.tanh  # an attribute, not a module
+    fast = _decode(model, prompts, tokens)
+    with _module_path():
+        slow = _decode(model, prompts, tokens)
+    assert torch.equal(fast, slow)
     model.layers[1].mlp = nn.Sequential(nn.Linear(48, 48), nn.Tanh())  # not a SwiGLU at all
     fast = _decode(model, prompts, tokens)
     with _module_path():

@@ -242,6 +242,7 @@ class Launch:
             q, k_pages, v_pages, table, lo, hi, None, None, None, splits
         )
         self._shapes = (out.shape, lse.shape)
+        self._scratch = lse  # the lse of calls that do not want it: written, never read
         self._q = (q.shape, q.dtype)
         self._pages = (k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape,
                        v_pages.dtype, v_pages.stride())  # fmt: skip
@@ -253,18 +254,24 @@ class Launch:
             v_pages.stride(),
         )  # fmt: skip
 
-    def __call__(self, q, k_pages, v_pages, scale: float, sinks=None):
-        """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch."""
+    def __call__(self, q, k_pages, v_pages, scale: float, sinks=None, return_lse: bool = True):
+        """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch; ``lse``
+        None unless ``return_lse`` (the kernel then writes it to a scratch tensor)."""
         q = q.contiguous()
         out = torch.empty(self._shapes[0], dtype=torch.float32, device="cpu")
-        lse = torch.empty(self._shapes[1], dtype=torch.float32, device="cpu")
+        lse = (
+            torch.empty(self._shapes[1], dtype=torch.float32, device="cpu")
+            if return_lse
+            else self._scratch
+        )
         if sinks is not None:
             sinks = sinks.detach().to(torch.float32).contiguous()
         ptrs = self._ptrs
         ptrs[_Q], ptrs[_K], ptrs[_V] = q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr()
         ptrs[_OUT], ptrs[_LSE] = out.data_ptr(), lse.data_ptr()
         ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
-        return _launch(self._lib, self._iargs, ptrs, scale, out, lse)
+        out, lse = _launch(self._lib, self._iargs, ptrs, scale, out, lse)
+        return out, (lse if return_lse else None)
 
 
 def _requested_isa() -> int:

@@ -30,6 +30,7 @@ each container's children, so a module swapped in later is seen.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -39,6 +40,8 @@ from selfattn.nn.norms import rms_norm
 from selfattn.positions import RoPE
 
 __all__ = ["FastBlocks", "fast_blocks"]
+
+_silu = torch._C._nn.silu
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # torch.nn.modules.module's hooks registered for every module (register_module_forward_hook...)
@@ -51,7 +54,7 @@ _GLOBAL_HOOKS = (
 class _Layer:
     """One block's parts and the sizes its forward derives from them."""
 
-    __slots__ = ("act", "att", "down", "gate", "heads", "norm1", "norm2", "out", "qkv", "rope",
+    __slots__ = ("att", "down", "gate", "heads", "mlp", "norm1", "norm2", "out", "qkv", "rope",
                  "sizes", "split", "up")  # fmt: skip
 
     def __init__(self, block: DecoderBlock):
@@ -60,7 +63,7 @@ class _Layer:
         self.qkv, self.out = att.qkv_proj._parameters, att.out_proj._parameters
         self.norm1, self.norm2 = block.self_res.norm, block.mlp_res.norm
         self.gate, self.up = mlp.gate._parameters, mlp.up._parameters
-        self.down, self.act = mlp.down._parameters, mlp.activation
+        self.down, self.mlp = mlp.down._parameters, mlp
         Hq, Hkv = att.n_heads, att.n_kv_heads
         self.heads = (Hq + 2 * Hkv, att.head_dim)  # the fused projection's heads: q, k, v
         self.sizes = [Hq + Hkv, Hkv]  # rotated (q and k), not (v)
@@ -82,7 +85,6 @@ def _plain(block) -> bool:
         )
         and att.fused
         and att.q_norm is None
-        and att.alibi is None
         and (rope is None or type(rope) is RoPE)
         and isinstance(mlp.dropout, nn.Identity)
     )
@@ -118,6 +120,7 @@ class FastBlocks:
                 att.attention_observer is not None
                 or att.head_mask is not None
                 or att.q_temperature is not None
+                or att.alibi is not None
                 or (att.training and att.dropout > 0)
             ):
                 return False
@@ -150,7 +153,9 @@ class FastBlocks:
             o = o.view(B, S, -1) if S == 1 and o.is_contiguous() else att.merge_heads(o)
             h = h + linear(o, p.out["weight"], p.out["bias"])
             x = rms_norm(h, p.norm2.weight, p.norm2.eps)
-            g = p.act(linear(x, p.gate["weight"], p.gate["bias"]))
+            act = p.mlp.activation
+            act = _silu if act is F.silu else act  # the op without F.silu's Python wrapper
+            g = act(linear(x, p.gate["weight"], p.gate["bias"]))
             x = g * linear(x, p.up["weight"], p.up["bias"])
             h = h + linear(x, p.down["weight"], p.down["bias"])
         return h

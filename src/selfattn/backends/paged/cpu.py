@@ -41,7 +41,7 @@ def _intervals(mask, lens, Sq):
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
-    """``(out in q.dtype, lse float32)``."""
+    """``(out in q.dtype, lse float32)``; lse may be None unless ``call.return_lse``."""
     if call.planned is None:
         lo, hi = _intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
         splits = launch = None
@@ -54,7 +54,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     elif launch is not None and call.k_scales is None and launch.fits(q, k_pages, v_pages):
         # a planned step's layer: only the pointers change (the table, intervals and splits
         # are the plan's, the tensors block_table and seq_lens it was made from)
-        out, lse = launch(q, k_pages, v_pages, call.scale, call.sinks)
+        out, lse = launch(q, k_pages, v_pages, call.scale, call.sinks, call.return_lse)
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
         out, lse = paged_decode.decode(*args, splits=splits)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse  # (B, Hq, Sq, Dv)
