@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import selfattn as sa
-import selfattn.cache.paged as paged_mod
 from selfattn import masks, scores
 from selfattn.backends.paged import plan as paged_plan
 from selfattn.backends.paged.call import PagedCall
@@ -97,18 +96,18 @@ def test_one_plan_and_one_block_table_per_step(monkeypatch):
     cache = model.make_cache("paged", 2, 16, page_size=4)
     model(tokens(2, 5, seed=2), cache=cache)
     plans, tables = [], []
-    plan, attend = PagedKV.plan, paged_mod.paged_attention
+    plan, write = PagedKV.plan, PagedKV.write_rows
 
     def spy_plan(self, *args, **kw):
         plans.append(args)
         return plan(self, *args, **kw)
 
-    def spy_attention(q, k_pages, v_pages, block_table, seq_lens, **kw):
-        tables.append((block_table, seq_lens))
-        return attend(q, k_pages, v_pages, block_table, seq_lens, **kw)
+    def spy_write(self, layer, step, *args):  # every layer writes, on either decoder path
+        tables.append((step.block_table, step.seq_lens))
+        return write(self, layer, step, *args)
 
     monkeypatch.setattr(PagedKV, "plan", spy_plan)
-    monkeypatch.setattr(paged_mod, "paged_attention", spy_attention)
+    monkeypatch.setattr(PagedKV, "write_rows", spy_write)
     model(tokens(2, 1, seed=3), cache=cache)
     assert len(plans) == 1 and len(tables) == model.config.n_layers
     assert all(t is tables[0][0] and s is tables[0][1] for t, s in tables)
@@ -212,20 +211,20 @@ def test_a_failing_layer_undoes_the_step(monkeypatch):
     cache = model.make_cache("paged", 2, 12, page_size=4)
     model(ids[:, :4], cache=cache)  # the next token opens a page
     before = snapshot(cache.cache)
-    attend, calls = paged_mod.paged_attention, []
+    write, calls = PagedKV.write_rows, []
 
-    def fail_in_layer_1(*args, **kw):
+    def fail_in_layer_1(*args, **kw):  # every layer writes, on either decoder path
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("boom in layer 1")
-        return attend(*args, **kw)
+        return write(*args, **kw)
 
-    monkeypatch.setattr(paged_mod, "paged_attention", fail_in_layer_1)
+    monkeypatch.setattr(PagedKV, "write_rows", fail_in_layer_1)
     with pytest.raises(RuntimeError, match="boom in layer 1"):
         model(ids[:, 4:5], cache=cache)
     assert snapshot(cache.cache) == before
     cache.cache.check()
-    monkeypatch.setattr(paged_mod, "paged_attention", attend)
+    monkeypatch.setattr(PagedKV, "write_rows", write)
     assert_rel(model(ids[:, 4:6], cache=cache), model(ids[:, :6])[:, 4:], "the retried step")
     wrong = model.make_cache("paged", 2, 12, page_size=4, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"q is torch\.float64 but the cache stores torch\.float32"):
@@ -435,3 +434,24 @@ def test_fast_in_place_check_agrees_with_the_protocol(kind):
         isinstance(c, InPlaceKVCache) for c in objects
     ]
     assert attends_in_place(step.layers[0]) == (kind == "paged")
+
+
+@torch.no_grad()
+def test_own_table_is_not_checked_again(monkeypatch):
+    """A PagedKV vouches for its own block table and lengths (valid_for): its steps never read
+    them back to check them; a plan of a caller's table still checks it once."""
+    checks = []
+    real = paged_plan._check_values
+    monkeypatch.setattr(paged_plan, "_check_values", lambda *a: checks.append(real(*a)))
+    model = tiny("llama")
+    cache = model.make_cache("paged", 2, 16, page_size=4)
+    model(tokens(2, 5, seed=2), cache=cache)
+    model(tokens(2, 1, seed=3), cache=cache)
+    assert checks == []
+    kv, step = cache.cache, cache.cache.plan(cache.seq_ids, 1)
+    plan = PagedAttentionPlan(step.block_table, step.seq_lens)  # no word given: checked
+    q = torch.randn(2, 4, 1, 6, dtype=F64)
+    for layer in range(kv.n_layers):
+        paged_attention(q, kv.k_layers[layer], kv.v_layers[layer], step.block_table,
+                        step.seq_lens, plan=plan)  # fmt: skip
+    assert len(checks) == 1

@@ -68,13 +68,17 @@ def labelled_attention():
         (paged_mod, "paged_attention", ATTENTION_LABEL),
         (nn_mod, "attention", ATTENTION_LABEL),
     ]
-    # The C kernel's Python entry point; its module moved (cache/ before issue 12, kernels/ after).
+    # The C kernel's call: ``_launch`` (the ctypes call itself, which decode() and a planned
+    # step's Launch both make), else the older trees' Python entry point ``decode`` (its module
+    # moved: cache/ before issue 12, kernels/ after).
     for name in ("selfattn.kernels.paged_decode", "selfattn.cache._decode_kernels"):
         try:
-            patched.append((importlib.import_module(name), "decode", KERNEL_LABEL))
-            break
+            module = importlib.import_module(name)
         except ImportError:
             continue
+        entry = "_launch" if hasattr(module, "_launch") else "decode"
+        patched.append((module, entry, KERNEL_LABEL))
+        break
     originals = [getattr(m, name) for m, name, _ in patched]
 
     def labelled(fn, label):

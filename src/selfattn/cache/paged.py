@@ -133,6 +133,8 @@ class PagedPlan:
     attention: PagedAttentionPlan
     rows: torch.Tensor | None = None  # packed plans: (T_rows,) indices of the row tokens
     blocks: tuple[PackedBlock, ...] = ()
+    # PagedLayer.attend_rows: (mask, score mod, scale, sinks, shapes) -> its checked call
+    fast: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)
@@ -202,6 +204,11 @@ class PagedKV:
         # under autograd)
         self.k_layers = [self.k_store[i] for i in range(n_layers)]
         self.v_layers = [self.v_store[i] for i in range(n_layers)]
+        # L × the layer's pages as (N·P, Hkv, ·) rows, for writes without autograd (write_rows)
+        self._rows = [
+            (k.view(-1, n_kv_heads, head_dim), v.view(-1, n_kv_heads, value_dim))
+            for k, v in zip(self.k_layers, self.v_layers)
+        ]
         # Quantised pages: int8 bfloat16 scales (L, N, P, Hkv), fp8 float32 (L, Hkv); None for
         # float pages.
         self.k_scales = self.v_scales = None
@@ -444,7 +451,8 @@ class PagedKV:
             max_len=max((n for _, _, n in before), default=0) + S,
             before=before,
             epoch=self._epoch,
-            attention=PagedAttentionPlan(table, seq_lens),
+            # ours: valid for our pool and this step (_reserve checked the lengths)
+            attention=PagedAttentionPlan(table, seq_lens, valid_for=(self.num_pages, P, S)),
         )
 
     def plan_packed(self, seq_ids, counts) -> Step:
@@ -588,13 +596,22 @@ class PagedKV:
         """Store layer ``layer``'s ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` of the planned
         step at its slots (shapes as planned: :class:`PagedLayer` checks them)."""
         B, Hkv, S, D = k.shape
-        # The layer's pages as (N·P, Hkv, ·) rows, a view made now: one made before a write
-        # under autograd would be refused as a stale leaf.
-        kr = self.k_store[layer].view(-1, Hkv, D)
-        vr = self.v_store[layer].view(-1, *self.v_store.shape[3:])
         # (B, Hkv, S, ·) -> (B·S, Hkv, ·): row b·S + s is slot slots[b·S + s]
         k_rows = k.transpose(1, 2).reshape(B * S, Hkv, D)
-        v_rows = v.transpose(1, 2).reshape(B * S, *vr.shape[1:])
+        v_rows = v.transpose(1, 2).reshape(B * S, Hkv, v.shape[3])
+        self.write_rows(layer, plan, k_rows, v_rows)
+
+    def write_rows(self, layer: int, plan: PagedPlan, k_rows: torch.Tensor, v_rows) -> None:
+        """:meth:`write` of ``k_rows (B·S, Hkv, D)``, ``v_rows (B·S, Hkv, Dv)``: row ``b·S + s``
+        is token ``s`` of sequence ``b``."""
+        Hkv = k_rows.shape[1]
+        if torch.is_grad_enabled():
+            # The layer's pages as (N·P, Hkv, ·) rows, a view made now: one made before a write
+            # under autograd would be refused as a stale leaf.
+            kr = self.k_store[layer].view(-1, Hkv, self.k_store.shape[4])
+            vr = self.v_store[layer].view(-1, Hkv, self.v_store.shape[4])
+        else:
+            kr, vr = self._rows[layer]
         if self.k_scales is None:
             # the dtype tests skip no-op ``to`` calls: a write runs once per layer of each step
             kr.index_copy_(
@@ -850,6 +867,11 @@ class PagedLayer:
         Bool tensor masks and bias tensors are read in query-row order, columns by key position.
         Any error undoes the step's bookkeeping (:meth:`PagedKV.undo`) before it propagates.
         """
+        mask, score_mod = self._checked(q, k, v, mask, score_mod)
+        return self._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
+
+    def _checked(self, q, k, v, mask, score_mod):
+        """:meth:`attend`'s checks; ``(mask, score_mod)`` bound to each sequence's rows."""
         plan = self.plan
         try:
             _check_attend(self.kv, plan.seq_ids, q, k, v)
@@ -864,7 +886,58 @@ class PagedLayer:
         except BaseException:
             self.kv.undo(plan)
             raise
-        return self._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
+        return mask, score_mod
+
+    def attend_rows(self, q, k_rows, v_rows, *, mask=None, score_mod=None, scale=None, sinks=None):
+        """:meth:`attend` (no weights) with this step's keys and values as rows ``k_rows (B·S,
+        Hkv, D)``, ``v_rows (B·S, Hkv, Dv)``, row ``b·S + s`` token ``s`` of sequence ``b``: a
+        fused projection's ``(B, S, H, ·)`` layout, written without transposing.
+
+        The decoder's fast path (:mod:`selfattn.models.decode_fast`): the checks of
+        :meth:`attend`, the backend choice and its call run at the first layer of each kind
+        (shapes, dtypes, mask, score mod, scale and sinks objects) of the step; its other layers
+        only write their rows and run the chosen backend (float pages; quantised pages take
+        :meth:`attend`'s path at every layer, their scales being per layer).
+        """
+        plan, kv = self.plan, self.kv
+        key = (id(mask), id(score_mod), scale, id(sinks), q.shape, q.dtype, k_rows.shape,
+               k_rows.dtype, v_rows.shape, v_rows.dtype)  # fmt: skip
+        hit = plan.fast.get(key)
+        if hit is None or kv.k_scales is not None:
+            B, S = len(plan.seq_ids), plan.n_tokens
+            if k_rows.dim() != 3 or v_rows.dim() != 3 or k_rows.shape[0] != B * S:
+                kv.undo(plan)
+                raise ValueError(
+                    f"k_rows and v_rows must be (B·S={B * S}, Hkv, ·) for this step of {B} "
+                    f"sequence(s) × {S} token(s), got {tuple(k_rows.shape)}, "
+                    f"{tuple(v_rows.shape)}"
+                )
+            k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)  # (B, Hkv, S, D)
+            v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
+            if kv.k_scales is not None or type(kv).write is not PagedKV.write:
+                return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+                                   sinks=sinks)  # fmt: skip
+            mask_obj, mod_obj = self._checked(q, k, v, mask, score_mod)
+            try:
+                hit = plan.attention.prepare(
+                    q, kv.k_layers[self.layer], kv.v_layers[self.layer], mask=mask_obj,
+                    score_mod=mod_obj, scale=scale, sinks=sinks,
+                )  # fmt: skip
+            except BaseException:
+                kv.undo(plan)
+                raise
+            # the entry holds the objects keyed by id, so that their ids stay unique
+            plan.fast[key] = hit = (*hit, mask, score_mod, sinks)
+        chosen, call = hit[0], hit[1]
+        layer = self.layer
+        try:
+            kv.write_rows(layer, plan, k_rows, v_rows)
+            out, _ = chosen.run(q, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
+                                plan.seq_lens, call)  # fmt: skip
+        except BaseException:
+            kv.undo(plan)
+            raise
+        return out
 
     def _run(self, q, k, v, mask, score_mod, scale, return_weights, sinks=None):
         """:meth:`attend` once its inputs are checked (masks already per sequence)."""

@@ -44,7 +44,7 @@ import torch
 
 from selfattn.kernels.build import CLibrary, Function, load
 
-__all__ = ["ISAS", "SPEC", "decode", "isa", "key_splits", "library", "supported_dtypes"]
+__all__ = ["ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "supported_dtypes"]
 
 SPEC = CLibrary(
     name="paged_decode",
@@ -173,6 +173,15 @@ def decode(
     ``splits``: :func:`key_splits` of these ``lo, hi`` when the caller has them already (a
     planned step computes them once for every layer).
     """
+    lib, args, out, lse, _ = _arguments(
+        q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits
+    )
+    return _launch(lib, *args, scale, out, lse)
+
+
+def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits):
+    """``(lib, (int args, pointer args), out, lse, tensors)`` of one :func:`decode` call, the
+    arguments as ctypes arrays; ``tensors``: the (converted) ones the pointers point into."""
     lib = library()
     if lib is None:
         raise RuntimeError(
@@ -212,15 +221,61 @@ def decode(
     }  # fmt: skip
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]
-    status = lib.paged_decode(
-        (ctypes.c_int64 * len(iargs))(*iargs),
-        (ctypes.c_void_p * len(ptrs))(*ptrs),
-        torch.get_num_threads(),
-        ctypes.c_float(scale),
-    )
+    args = ((ctypes.c_int64 * len(iargs))(*iargs), (ctypes.c_void_p * len(ptrs))(*ptrs))
+    return lib, args, out, lse, tensors
+
+
+def _launch(lib, iargs, ptrs, scale, out, lse):
+    status = lib.paged_decode(iargs, ptrs, torch.get_num_threads(), ctypes.c_float(scale))
     if status:
         raise MemoryError("paged_attention: the decode kernel could not allocate its scratch")
     return out, lse
+
+
+_Q, _K, _V, _OUT, _LSE, _SINKS = (PTR_ARGS.index(n) for n in ("Q", "K", "V", "OUT", "LSE", "SINKS"))
+
+
+class Launch:
+    """:func:`decode` for the layers of a planned step: the arguments of one layout (q's shape
+    and dtype, the pages' layout, the table, the intervals and splits; float pages) built once,
+    then per call only the pointers of q, the layer's pages, the sinks and the outputs are set
+    (~4 µs of Python a call instead of ~11). Same results as :func:`decode`."""
+
+    def __init__(self, q, k_pages, v_pages, table, lo, hi, splits):
+        self._lib, (self._iargs, self._ptrs), out, lse, self._tensors = _arguments(
+            q, k_pages, v_pages, table, lo, hi, None, None, None, splits
+        )
+        self._shapes = (out.shape, lse.shape)
+        self._scratch = lse  # the lse of calls that do not want it: written, never read
+        self._q = (q.shape, q.dtype)
+        self._pages = (k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape,
+                       v_pages.dtype, v_pages.stride())  # fmt: skip
+
+    def fits(self, q, k_pages, v_pages) -> bool:
+        """Whether a call with these tensors has this launch's layout."""
+        return (q.shape, q.dtype) == self._q and self._pages == (
+            k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape, v_pages.dtype,
+            v_pages.stride(),
+        )  # fmt: skip
+
+    def __call__(self, q, k_pages, v_pages, scale: float, sinks=None, return_lse: bool = True):
+        """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch; ``lse``
+        None unless ``return_lse`` (the kernel then writes it to a scratch tensor)."""
+        q = q.contiguous()
+        out = torch.empty(self._shapes[0], dtype=torch.float32, device="cpu")
+        lse = (
+            torch.empty(self._shapes[1], dtype=torch.float32, device="cpu")
+            if return_lse
+            else self._scratch
+        )
+        if sinks is not None:
+            sinks = sinks.detach().to(torch.float32).contiguous()
+        ptrs = self._ptrs
+        ptrs[_Q], ptrs[_K], ptrs[_V] = q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr()
+        ptrs[_OUT], ptrs[_LSE] = out.data_ptr(), lse.data_ptr()
+        ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
+        out, lse = _launch(self._lib, self._iargs, ptrs, scale, out, lse)
+        return out, (lse if return_lse else None)
 
 
 def _requested_isa() -> int:

@@ -89,6 +89,7 @@ from selfattn.cache import (
     StreamingPagedKV,
 )
 from selfattn.cache.layers import LayerCaches
+from selfattn.models.decode_fast import fast_blocks
 from selfattn.models.hf_mapping import decoder_fields, gpt2_state, llama_state
 from selfattn.models.hub import register, unsupported
 from selfattn.models.masking import padding_mask
@@ -406,14 +407,20 @@ class CausalLM(nn.Module):
         # One mask per kind of layer (window or global), in absolute positions.
         masks = {w: _layer_mask(w, pad, attention_mask) for w in set(self._windows)}
         layer_caches = [None] * len(self.layers) if step is None else step.layers
-        for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
-            h = block(
-                h,
-                mask=masks[window],
-                score_mod=self.score_mod,
-                positions=position_ids,
-                cache=layer_cache,
-            )
+        fast = None if step is None else fast_blocks(self, layer_caches)
+        if fast is not None:  # a planned paged step, no hooks: the blocks' ops without modules
+            causal = {w: DecoderBlock.causal_mask(m) for w, m in masks.items()}
+            layer_masks = [causal[w] for w in self._windows]
+            h = fast.run(h, layer_caches, layer_masks, self.score_mod, position_ids)
+        else:
+            for block, window, layer_cache in zip(self.layers, self._windows, layer_caches):
+                h = block(
+                    h,
+                    mask=masks[window],
+                    score_mod=self.score_mod,
+                    positions=position_ids,
+                    cache=layer_cache,
+                )
         if isinstance(logits_to_keep, torch.Tensor):
             h = h[:, logits_to_keep]  # (B, S, d_model) -> (B, n, d_model)
         elif logits_to_keep is not None:

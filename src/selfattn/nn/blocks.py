@@ -114,6 +114,12 @@ class DecoderBlock(nn.Module):
         self.cross_res = None if cross_norm is None else _Residual(cross_norm, norm_first, dropout)
         self.mlp_res = _Residual(mlp_norm, norm_first, dropout)
 
+    @staticmethod
+    def causal_mask(mask):
+        """The mask of the self-attention: ``causal() & mask`` (``causal()`` for None), the same
+        object for the same ``mask`` (across the blocks of one step)."""
+        return _with_causal(mask)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -132,7 +138,7 @@ class DecoderBlock(nn.Module):
                 f"(has cross_attention: {self.cross_attention is not None}, "
                 f"context given: {context is not None})"
             )
-        causal = _with_causal(mask)
+        causal = self.causal_mask(mask)
         x = self.self_res(
             x,
             lambda h: self.self_attention(

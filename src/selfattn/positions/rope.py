@@ -308,7 +308,11 @@ _MAX_CACHED = 1 << 17
 Scaling = Linear | NTK | DynamicNTK | YaRN | Llama3 | LongRoPE
 
 
-def _check_positions(positions, x: torch.Tensor, trailing: tuple[int, ...] = ()) -> None:
+def _check_positions(
+    positions, x: torch.Tensor, trailing: tuple[int, ...] = (), tokens_first: bool = False
+) -> None:
+    """TypeError / ValueError unless ``positions`` are integer ``(S,)`` or ``(B, S)`` (plus
+    ``trailing``) for ``x (B, H, S, D)``, or ``x (B, S, H, D)`` with ``tokens_first``."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(
             f"positions must be an int tensor, got {type(positions).__name__}; "
@@ -319,7 +323,7 @@ def _check_positions(positions, x: torch.Tensor, trailing: tuple[int, ...] = ())
             f"positions must be an integer tensor, got {positions.dtype}; "
             "pass positions.long() (float positions lose precision past 2^24)"
         )
-    B, _, S, _ = x.shape
+    B, S = (x.shape[0], x.shape[1]) if tokens_first else (x.shape[0], x.shape[2])
     ok_shape = positions.shape in (
         torch.Size((S, *trailing)),
         torch.Size((B, S, *trailing)),
@@ -440,7 +444,7 @@ class RoPE(nn.Module):
         angles = positions.to(torch.float64)[..., None] * inv64.to(positions.device)
         return (angles.cos() * attn).to(dtype), (angles.sin() * attn).to(dtype)
 
-    def _factors(self, positions, x: torch.Tensor, work: torch.dtype):
+    def _factors(self, positions, x: torch.Tensor, work: torch.dtype, tokens_first=False):
         """The rotation's factors for ``positions``, memoised for the last positions tensor seen.
 
         Half-split layout: ``cos2 = [cos, cos]`` and ``sin2 = [-sin, sin]`` over the ``r``
@@ -453,25 +457,28 @@ class RoPE(nn.Module):
         to every layer: the checks and the table lookup (a device sync for the max) then run once
         per step instead of twice per layer. The memo is keyed on the tensor object and its
         version counter, so an in-place change of the positions is never missed.
+
+        ``tokens_first``: for ``x (B, S, H, D)``, the factors as ``(S, 1, ·)`` or ``(B, S, 1, ·)``.
         """
         if torch.compiler.is_compiling():  # the graph computes them once; no memo to trace
-            _check_positions(positions, x)
-            return self._rotation(*self.cos_sin(positions.to(x.device), work))
+            _check_positions(positions, x, tokens_first=tokens_first)
+            return self._rotation(*self.cos_sin(positions.to(x.device), work), tokens_first)
         # Inference-mode tensors have no version counter: they are never memoised.
         tensor = isinstance(positions, torch.Tensor)
         version = positions._version if tensor and not positions.is_inference() else None
-        key = (version, x.device, work, x.shape[0], x.shape[2])
+        key = (version, x.device, work, x.shape[0], x.shape[2 - tokens_first], tokens_first)
         memo = getattr(self, "_memo", None)
         if version is not None and memo is not None and memo[0] is positions and memo[1] == key:
             return memo[2]
-        _check_positions(positions, x)
-        factors = self._rotation(*self.cos_sin(positions.to(x.device), work))
+        _check_positions(positions, x, tokens_first=tokens_first)
+        factors = self._rotation(*self.cos_sin(positions.to(x.device), work), tokens_first)
         self._memo = (positions, key, factors) if version is not None else None
         return factors
 
-    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor):
-        cos = cos.unsqueeze(-3)  # (S, r/2) -> (1, S, r/2); (B, S, r/2) -> (B, 1, S, r/2)
-        sin = sin.unsqueeze(-3)
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor, tokens_first: bool = False):
+        # (S, r/2) -> (1, S, r/2), (B, S, r/2) -> (B, 1, S, r/2); tokens first (S, 1, r/2) ...
+        at = -2 if tokens_first else -3
+        cos, sin = cos.unsqueeze(at), sin.unsqueeze(at)
         if self.interleaved:
             return cos, sin
         return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # (..., r/2) -> (..., r)
@@ -482,8 +489,21 @@ class RoPE(nn.Module):
             raise ValueError(
                 f"RoPE expects x (B, H, S, D={self.head_dim}), got shape {tuple(x.shape)}"
             )
+        return self._rotate(x, positions)
+
+    def rotate_tokens_first(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x (B, S, H, D)`` (tokens before heads: a fused q/k projection's layout, so
+        that q and k rotate in one call) at ``positions (S,)`` or ``(B, S)``: bitwise
+        ``forward(x.transpose(1, 2), positions).transpose(1, 2)``."""
+        if x.dim() != 4 or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"RoPE expects x (B, S, H, D={self.head_dim}), got shape {tuple(x.shape)}"
+            )
+        return self._rotate(x, positions, tokens_first=True)
+
+    def _rotate(self, x, positions, tokens_first: bool = False):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self._factors(positions, x, work)
+        cos, sin = self._factors(positions, x, work, tokens_first)
         r = self.rotary_dim
         rot = x[..., :r] if r < self.head_dim else x
         # A decode step rotates twice per layer: the dtype tests skip no-op ``to`` calls (~2 µs

@@ -44,18 +44,14 @@ def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
 def _key_intervals(mask, lens: torch.Tensor, Sq: int):
     """Per query row, the allowed keys as one interval ``[lo, hi)``, or None if the mask is not one.
 
-    ``lo, hi (B, Sq)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: no allowed key). Exact
-    for no mask and every mask whose ``is_interval`` holds; any other mask is evaluated
-    elementwise on the PyTorch path.
+    ``lo, hi (B, Sq)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: no allowed key): the
+    union of one interval (:func:`_key_interval_union`). Exact for no mask and every mask whose
+    ``is_interval`` holds; any other mask is evaluated elementwise on the PyTorch path.
     """
-    pos = lens.view(-1, 1) - Sq + torch.arange(Sq, device=lens.device)  # (B, Sq) absolute
-    lo, hi = torch.zeros_like(pos), lens.view(-1, 1).expand_as(pos).clone()
-    if mask is not None:
-        interval = mask.key_interval(torch.arange(len(lens), device=lens.device).view(-1, 1), pos)
-        if interval is None:
-            return None
-        lo, hi = torch.maximum(lo, interval[0]), torch.minimum(hi, interval[1])
-    return lo, torch.maximum(hi, lo)
+    if mask is not None and not mask.is_interval:
+        return None
+    lo, hi = _key_interval_union(mask, lens, Sq)
+    return lo[..., 0], hi[..., 0]
 
 
 def interval_count(mask) -> int | None:
@@ -67,16 +63,19 @@ def interval_count(mask) -> int | None:
 def _key_interval_union(mask, lens: torch.Tensor, Sq: int):
     """Per query row, the allowed keys as ``NI`` disjoint intervals, sorted: ``lo, hi (B, Sq,
     NI)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: an empty one), for a mask with an
-    :func:`interval_count`. Overlaps are cut off the later interval (sorted by ``lo``, each
-    starts at or after every earlier end), so no key is counted twice."""
+    :func:`interval_count` (None: every key, ``NI = 1``). Overlaps are cut off the later
+    interval (sorted by ``lo``, each starts at or after every earlier end), so no key is
+    counted twice."""
     pos = lens.view(-1, 1) - Sq + torch.arange(Sq, device=lens.device)  # (B, Sq) absolute
     b = torch.arange(len(lens), device=lens.device).view(-1, 1)
     end = lens.view(-1, 1, 1)
-    parts = mask.key_intervals(b, pos)
-    lo = torch.stack([torch.broadcast_to(x[0], pos.shape) for x in parts], -1)
+    parts = [(0, end[..., 0])] if mask is None else mask.key_intervals(b, pos)
+    lo = torch.stack([torch.broadcast_to(torch.as_tensor(x[0]), pos.shape) for x in parts], -1)
     hi = torch.stack([torch.broadcast_to(x[1], pos.shape) for x in parts], -1)
     lo, hi = lo.clamp(min=0).minimum(end), hi.minimum(end)
     hi = torch.maximum(hi, lo)
+    if len(parts) == 1:  # one interval: nothing overlaps
+        return lo, hi
     lo, order = lo.sort(dim=-1)
     hi = hi.gather(-1, order)
     ends = torch.cat([torch.zeros_like(hi[..., :1]), hi.cummax(dim=-1).values[..., :-1]], -1)

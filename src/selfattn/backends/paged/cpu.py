@@ -22,11 +22,16 @@ KERNEL_MAX_SQ = 16
 
 
 def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
-    """``(lo, hi, splits)``: each row's key interval ``(B, Sq)`` (or disjoint intervals ``(B,
-    Sq, NI)`` for a union mask such as StreamingLLM's sinks | window) and the kernel's key
-    splits, the same for every layer of a step."""
+    """``(lo, hi, splits, launch)``: each row's key interval ``(B, Sq)`` (or disjoint intervals
+    ``(B, Sq, NI)`` for a union mask such as StreamingLLM's sinks | window), the kernel's key
+    splits and its arguments (:class:`~selfattn.kernels.paged_decode.Launch`; None for
+    quantised pages, whose scales differ per layer), the same for every layer of a step."""
     lo, hi = _intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
-    return lo, hi, paged_decode.key_splits(lo, hi, k_pages.shape[1])
+    splits = paged_decode.key_splits(lo, hi, k_pages.shape[1])
+    launch = None
+    if call.k_scales is None and call.v_scales is None:
+        launch = paged_decode.Launch(q, k_pages, v_pages, block_table, lo, hi, splits)
+    return lo, hi, splits, launch
 
 
 def _intervals(mask, lens, Sq):
@@ -36,16 +41,20 @@ def _intervals(mask, lens, Sq):
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
-    """``(out in q.dtype, lse float32)``."""
+    """``(out in q.dtype, lse float32)``; lse may be None unless ``call.return_lse``."""
     if call.planned is None:
         lo, hi = _intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
-        splits = None
+        splits = launch = None
     else:
-        lo, hi, splits = call.planned
+        lo, hi, splits, launch = call.planned
     args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales,
             call.sinks)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         out, lse = ops.paged_decode_cpu(*args)
+    elif launch is not None and call.k_scales is None and launch.fits(q, k_pages, v_pages):
+        # a planned step's layer: only the pointers change (the table, intervals and splits
+        # are the plan's, the tensors block_table and seq_lens it was made from)
+        out, lse = launch(q, k_pages, v_pages, call.scale, call.sinks, call.return_lse)
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call (2-core EPYC)
         out, lse = paged_decode.decode(*args, splits=splits)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse  # (B, Hq, Sq, Dv)

@@ -44,11 +44,17 @@ __all__ = ["PagedAttentionPlan"]
 class PagedAttentionPlan:
     """The per-step half of ``paged_attention`` over ``block_table (B, max_pages)`` int32 and
     ``seq_lens (B,)`` (module docstring); pass it as ``paged_attention(..., plan=plan)`` with
-    these very tensors."""
+    these very tensors. ``valid_for=(N, P, Sq)``: the maker of the tensors vouches that they
+    pass the value checks for pools of ``N`` pages of ``P`` tokens and ``Sq`` queries (a
+    :class:`~selfattn.cache.PagedKV` for its own step), which then never read them."""
 
-    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor):
+    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, valid_for=None):
         self.block_table, self.seq_lens = block_table, seq_lens
-        self._values_checked: set[tuple[int, int, int]] = set()  # (N, P, Sq) found valid
+        # (N, P, Sq) found valid; ``valid_for``: one its maker vouches for (a PagedKV's own
+        # table and lengths, for its pool and step), not read again
+        self._values_checked: set[tuple[int, int, int]] = set()
+        if valid_for is not None:
+            self._values_checked.add(tuple(valid_for))
         # layer key -> (mask and score mod as given: they keep their ids unique while the plan
         # lives, the backend, the normalised mask and score mod, the backend's planned state)
         self._prepared: dict[tuple, tuple] = {}
@@ -87,7 +93,7 @@ class PagedAttentionPlan:
         versions = self._versions_now()
         if versions != self._versions:  # changed in place: check and prepare again
             self._prepared.clear()
-            self._values_checked.clear()
+            self._values_checked.clear()  # the maker's word was for the tensors as they were
             self._calls.clear()
             self._versions = versions
         # A scale of another type (a bool, a tensor) is never memoised: layer_call rejects it.

@@ -1,0 +1,179 @@
+"""The decode fast path of CausalLM (selfattn.models.decode_fast): a planned paged step's blocks
+run without module calls, bit for bit the logits of the module path, and only where nothing
+(hooks, inspection, autograd, a swapped module) could tell the difference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from selfattn.models.decoder import Llama
+from selfattn.nn import SwiGLU
+from selfattn.positions import RoPE
+
+VOCAB = 97
+_WINDOWED = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _llama(seed: int, **extra) -> Llama:
+    torch.manual_seed(seed)
+    cfg = {
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 76,
+        "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, **extra,
+    }  # fmt: skip
+    model = Llama.from_config(cfg).eval()
+    with torch.no_grad():  # norms off their init (ones), so that a skipped weight would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _decode(model, prompts, tokens, *, steps=(1, 1, 2, 1), attention_mask=None):
+    """Logits of a paged prefill (one row per prompt: ragged lengths when they differ) and decode
+    steps of ``steps`` tokens each, concatenated flat."""
+    B = len(prompts)
+    cache = model.make_cache("paged", B, 64, page_size=4)
+    out = []
+    with torch.no_grad():
+        for b, p in enumerate(prompts):  # rows of different lengths: a ragged batch
+            row = cache.cache.view([cache.seq_ids[b]])
+            out.append(model(p[None], cache=row, attention_mask=attention_mask).flatten())
+        t = 0
+        for S in steps:
+            out.append(model(tokens[:, t : t + S], cache=cache).flatten())
+            t += S
+    return torch.cat(out)
+
+
+def _hooked(model):
+    """A no-op forward hook on a block's module: the model takes its module path."""
+    return model.layers[1].mlp.register_forward_hook(lambda *args: None)
+
+
+def _case(seed: int, B: int, ragged: bool):
+    g = torch.Generator().manual_seed(seed)
+    lens = [11 + 3 * b if ragged else 11 for b in range(B)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+    return prompts, torch.randint(0, VOCAB, (B, 5), generator=g)
+
+
+@pytest.mark.parametrize(
+    "B, ragged, extra",
+    [
+        (1, False, {}),
+        (3, True, {}),  # (B, S) positions
+        (2, False, {"layer_types": _WINDOWED, "sliding_window": 6, "model_type": "qwen2"}),
+        (2, True, {"attention_bias": True, "model_type": "qwen2"}),
+    ],
+)
+def test_fast_path_logits_bitwise_equal_module_path(B, ragged, extra):
+    model = _llama(B + 10 * len(extra), **extra)
+    prompts, tokens = _case(B, B, ragged)
+    fast = _decode(model, prompts, tokens)
+    handle = _hooked(model)
+    try:
+        slow = _decode(model, prompts, tokens)
+    finally:
+        handle.remove()
+    assert torch.equal(fast, slow)
+
+
+def test_fast_path_bf16_bitwise_equal_module_path():
+    model = _llama(3).to(torch.bfloat16)
+    prompts, tokens = _case(3, 2, True)
+    fast = _decode(model, prompts, tokens)
+    with _module_path():
+        slow = _decode(model, prompts, tokens)
+    assert torch.equal(fast, slow)
+
+
+class _module_path:
+    """A global forward hook: every model takes its module path."""
+
+    def __enter__(self):
+        self.handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_fast_path_calls_no_module_forward(monkeypatch):
+    model = _llama(4)
+    prompts, tokens = _case(4, 2, False)
+    calls = []
+    original = SwiGLU.forward
+
+    def counted(self, x):
+        calls.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(SwiGLU, "forward", counted)
+    cache = model.make_cache("paged", 2, 64, page_size=4)
+    with torch.no_grad():
+        model(torch.stack(prompts), cache=cache)  # a prefill: planned too
+        n = len(calls)
+        model(tokens[:, :1], cache=cache)
+    assert len(calls) == n  # the decode step called no SwiGLU
+    with torch.enable_grad():  # autograd: the module path
+        model(tokens[:, 1:2], cache=cache)
+    assert len(calls) == n + len(model.layers)
+
+
+def test_hooks_fire_and_inspection_is_honoured():
+    model = _llama(5)
+    prompts, tokens = _case(5, 2, False)
+    seen = []
+    handle = model.layers[2].self_attention.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        _decode(model, prompts, tokens)
+    finally:
+        handle.remove()
+    assert len(seen) == 2 + 4  # two prefills, four decode steps
+    # A head mask (selfattn.inspect.mask_heads sets it) reaches the output on the fast path too.
+    plain = _decode(model, prompts, tokens)
+    model.layers[0].self_attention.head_mask = torch.tensor([1.0, 0, 1, 1, 0, 1])
+    masked = _decode(model, prompts, tokens)
+    with _module_path():
+        masked_slow = _decode(model, prompts, tokens)
+    assert not torch.equal(plain, masked) and torch.equal(masked, masked_slow)
+
+
+def test_swapped_module_is_used():
+    model = _llama(6)
+    prompts, tokens = _case(6, 1, False)
+    _decode(model, prompts, tokens)  # the fast path has seen the tree
+    torch.manual_seed(1)
+    model.layers[1].mlp = SwiGLU(48, 50)  # another module (and width)
+    fast = _decode(model, prompts, tokens)
+    with _module_path():
+        slow = _decode(model, prompts, tokens)
+    assert torch.equal(fast, slow)
+    model.layers[0].mlp.activation = torch.tanh  # an attribute, not a module
+    fast = _decode(model, prompts, tokens)
+    with _module_path():
+        slow = _decode(model, prompts, tokens)
+    assert torch.equal(fast, slow)
+    model.layers[1].mlp = nn.Sequential(nn.Linear(48, 48), nn.Tanh())  # not a SwiGLU at all
+    fast = _decode(model, prompts, tokens)
+    with _module_path():
+        slow = _decode(model, prompts, tokens)
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"interleaved": True}, {"rotary_dim": 6}], ids=["half", "interleaved", "partial"]
+)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_rope_rotate_tokens_first_is_forward_transposed(kw, ragged):
+    g = torch.Generator().manual_seed(7)
+    rope = RoPE(10, **kw)
+    B, S, H = 3, 5, 4
+    x = torch.randn(B, S, H, 10, generator=g)
+    pos = torch.randint(0, 40, (B, S) if ragged else (S,), generator=g)
+    want = rope(x.transpose(1, 2), pos).transpose(1, 2)
+    assert torch.equal(rope.rotate_tokens_first(x, pos), want)
+    with pytest.raises(ValueError, match="positions shape"):
+        rope.rotate_tokens_first(x, pos[..., :-1])
