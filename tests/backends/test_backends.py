@@ -116,7 +116,8 @@ _FUSED = "cpu_fused" if fused_attention.library() is not None else "chunked"
         (_S, dict(mask=masks.causal()), "sdpa"),
         (_S, dict(mask=masks.causal(), q_offset=0), "sdpa"),
         (1, dict(mask=masks.causal()), "sdpa"),
-        (1, dict(mask=masks.sliding_window(8)), "chunked"),  # decode: 8 of 517 keys
+        # decode: 8 of 517 keys, but too small a call for the tile backends' per-call set-up
+        (1, dict(mask=masks.sliding_window(8)), "sdpa"),
         (33, dict(mask=masks.causal()), "sdpa"),
         (_S, dict(mask=masks.sliding_window(8)), _FUSED),
         (_S, dict(mask=masks.documents(_DOCS)), _FUSED),
@@ -166,7 +167,9 @@ def _fake(device: str, *shape):
 def test_auto_choices_on_cuda_follow_the_cost_hooks(mask, q_offset, score_mod, capable, chosen):
     """CUDA's rules from the same hooks: flex for masks, sdpa's flash kernel for dense and
     causal work, flex before chunked for score mods; without flex, the mask's density decides."""
-    q, k = _fake("cuda", 1, 2, 1 if q_offset else 64, 16), _fake("cuda", 1, 2, 64, 16)
+    # The density case is long enough for the tile backends' per-call set-up to vanish.
+    S = 4096 if chosen == "density" else 64
+    q, k = _fake("cuda", 1, 2, 1 if q_offset else S, 16), _fake("cuda", 1, 2, S, 16)
     call = AttentionCall(mask=mask, score_mod=score_mod, q_offset=q_offset)
     names = [n for n in sa.backends.names() if n in (*capable, "reference")]  # registry order
     costs = {n: sa.backends.get(n).cost(q, k, None, call) for n in names}
@@ -211,6 +214,24 @@ def test_auto_ranks_by_cost_hooks_and_asks_density_only_when_it_decides(monkeypa
     ex = sa.backends.explain(q, k, v, mask=masks.causal(), print_table=False)
     assert ex.chosen == "tiles" and len(estimates) == 3
     assert ex.notes["mine"].endswith("costs 0.6 per pair vs 0.1 × density")
+
+
+def test_a_decode_sized_masked_call_is_ranked_without_reading_the_mask(monkeypatch):
+    """The tile backends' per-call set-up (``Cost.fixed``) outweighs what skipping tiles saves
+    on a decode step, so auto sends it to sdpa without estimating the density; a long call with
+    the same mask still reads it and goes to a tile backend."""
+    estimates = []
+    real_density = registry()._density
+    monkeypatch.setattr(registry(), "_density", lambda *a: estimates.append(1) or real_density(*a))
+    window = masks.sliding_window(96)
+    q, _, _ = make_qkv(1, 4, 1, 32, seed=11)
+    _, k, v = make_qkv(1, 4, 97, 32, seed=12)
+    ex = sa.backends.explain(q, k, v, mask=window, print_table=False)
+    assert ex.chosen == "sdpa" and ex.density is None and estimates == []
+    assert "× density + " in ex.notes["chunked"]
+    q, k, v = make_qkv(1, 4, 2048, 32, seed=13)
+    ex = sa.backends.explain(q, k, v, mask=window, print_table=False)
+    assert ex.chosen != "sdpa" and ex.density is not None and estimates == [1]
 
 
 def _spy(ran):

@@ -86,12 +86,16 @@ class Cost:
     (dense: PyTorch's fused SDPA kernel on the same device; paged: the C decode kernel). A
     ``sparse`` backend computes only the pairs in the mask's non-empty tiles, a fraction
     ``density`` of them (``_auto.density``), so its time is ``per_pair · density``; a dense one
-    computes them all. ``why``: the estimate in words, as ``explain`` prints it.
+    computes them all. ``fixed``: the per-call set-up that does not shrink with the density (tile
+    plans, per-tile dispatch), spread over the call's pairs in the same unit, so a small call
+    (a decode step) is ranked by it without reading the mask. ``why``: the estimate in words, as
+    ``explain`` prints it.
     """
 
     per_pair: float
     why: str
     sparse: bool = False
+    fixed: float = 0.0
 
 
 @dataclass(frozen=True)

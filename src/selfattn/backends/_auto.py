@@ -4,9 +4,10 @@ Every backend that can run a case gives its :class:`~selfattn.backends.Cost` for
 ``cost`` hook, next to its ``run``): a time per (query, key) pair, and whether it computes only
 the pairs in the mask's non-empty tiles (``sparse``: time ``per_pair · density``) or all of them.
 ``auto`` runs the cheapest. The density estimate reads the mask's tiles (a device sync on a GPU,
-a graph break under ``torch.compile``), so it is computed only when it decides: when the best
-sparse backend is not cheaper than the best dense one even at density 1. Equal costs go to the
-backend registered first.
+a graph break under ``torch.compile``), so it is computed only when it decides: when a different
+backend is cheapest at density 1 and just above 0. A cost's ``fixed`` part (per-call set-up that
+does not shrink with the density, spread over the call's pairs) keeps small calls, decode steps
+above all, on sdpa without reading the mask. Equal costs go to the backend registered first.
 
 The dense costs are measured, not guessed (2-thread x86 CPU, torch 2.13, fp32, B=1, H=8, D=64;
 numbers in BENCHMARKS.md, ``benchmarks/attention.py``), each in its backend's module:
@@ -54,20 +55,30 @@ def rank(costs: dict, density: Callable[[], float]) -> tuple[str, str, float | N
     """``(backend name, why, density)``: the cheapest of ``costs`` (name -> Cost, the backends
     that can run the case, in registration order). ``density()`` is called only when it
     decides; the density returned is None otherwise."""
-    best: dict[bool, str] = {}  # the cheapest dense and sparse backends (first on ties)
-    for name, c in costs.items():
-        held = best.get(c.sparse)
-        if held is None or c.per_pair < costs[held].per_pair:
-            best[c.sparse] = name
+
+    def total(c, d: float) -> float:
+        return (c.per_pair * d if c.sparse else c.per_pair) + c.fixed
+
+    def cheapest(d: float) -> str:
+        # At a density just above 0 equal costs go to the smaller slope (the limit from above:
+        # an all-empty mask is no case to rank for); otherwise to the first registered.
+        def key(name):
+            c = costs[name]
+            return (total(c, d), c.per_pair if d == 0.0 and c.sparse else 0.0)
+
+        best = None
+        for name in costs:
+            if best is None or key(name) < key(best):
+                best = name
+        return best
+
+    # Each cost is linear in the density: a backend cheapest at both ends is cheapest between,
+    # and only then is the mask not read.
     d = None
-    if len(best) == 1:
-        name = next(iter(best.values()))
-    elif costs[best[True]].per_pair < costs[best[False]].per_pair:
-        name = best[True]  # cheaper even if it computed every pair
-    else:
+    name = cheapest(1.0)
+    if cheapest(0.0) != name:
         d = density()
-        sparse, dense = costs[best[True]], costs[best[False]]
-        name = best[True] if sparse.per_pair * d < dense.per_pair else best[False]
+        name = cheapest(d)
     why = costs[name].why
     return name, why if d is None else f"{why} (mask density {d:.2f})", d
 
@@ -76,9 +87,10 @@ def notes(costs: dict, chosen: str, density: float | None) -> dict[str, str]:
     """For each backend of ``costs`` but ``chosen``: its estimate against the chosen one's."""
 
     def estimate(c) -> str:
-        if not c.sparse:
-            return f"{c.per_pair:g}"
-        return f"{c.per_pair:g} × density" if density is None else f"{c.per_pair * density:.3g}"
+        if c.sparse and density is None:
+            per = f"{c.per_pair:g} × density"
+            return per if not c.fixed else f"{per} + {c.fixed:.3g}"
+        return f"{(c.per_pair * density if c.sparse else c.per_pair) + c.fixed:.3g}"
 
     mine = estimate(costs[chosen])
     return {

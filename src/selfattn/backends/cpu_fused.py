@@ -227,9 +227,10 @@ def cost(q, k, v, call: AttentionCall) -> Cost:
     B, Hq, Sq, _ = q.shape
     pairs = max(1, B * Hq * Sq * k.shape[2])
     return Cost(
-        _PER_PAIR + _OVERHEAD_PAIRS / pairs,
+        _PER_PAIR,
         "fused C kernel over the mask's tiles, skipping empty ones",
         sparse=True,
+        fixed=_OVERHEAD_PAIRS / pairs,
     )
 
 
