@@ -197,8 +197,7 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     hi = (hi if hi.dtype == torch.int64 else hi.to(torch.int64)).contiguous()
     n_intervals = 1 if lo.dim() == 2 else lo.shape[2]
     k_scales, v_scales = (None if s is None else s.contiguous() for s in (k_scales, v_scales))
-    if sinks is not None:
-        sinks = sinks.detach().to(torch.float32).contiguous()
+    sinks = _sinks_f32(sinks)
     B, Hq, Sq, D = q.shape
     P, Hkv, Dv = v_pages.shape[1:]
     n_split, split_pages = key_splits(lo, hi, P) if splits is None else splits
@@ -225,6 +224,11 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     return lib, args, out, lse, tensors
 
 
+def _sinks_f32(sinks):
+    """The sinks as the kernel reads them: float32, contiguous, outside autograd (or None)."""
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
 def _launch(lib, iargs, ptrs, scale, out, lse):
     status = lib.paged_decode(iargs, ptrs, torch.get_num_threads(), ctypes.c_float(scale))
     if status:
@@ -247,16 +251,16 @@ class Launch:
         )
         self._shapes = (out.shape, lse.shape)
         self._scratch = lse  # the lse of calls that do not want it: written, never read
-        self._q = (q.shape, q.dtype)
-        self._pages = (k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape,
-                       v_pages.dtype, v_pages.stride())  # fmt: skip
+        self._layout = self._layout_of(q, k_pages, v_pages)
+
+    @staticmethod
+    def _layout_of(q, k_pages, v_pages) -> tuple:
+        return (q.shape, q.dtype, k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape,
+                v_pages.dtype, v_pages.stride())  # fmt: skip
 
     def fits(self, q, k_pages, v_pages) -> bool:
         """Whether a call with these tensors has this launch's layout."""
-        return (q.shape, q.dtype) == self._q and self._pages == (
-            k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape, v_pages.dtype,
-            v_pages.stride(),
-        )  # fmt: skip
+        return self._layout_of(q, k_pages, v_pages) == self._layout
 
     def __call__(self, q, k_pages, v_pages, scale: float, sinks=None, return_lse: bool = True):
         """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch; ``lse``
@@ -268,8 +272,7 @@ class Launch:
             if return_lse
             else self._scratch
         )
-        if sinks is not None:
-            sinks = sinks.detach().to(torch.float32).contiguous()
+        sinks = _sinks_f32(sinks)
         ptrs = self._ptrs
         ptrs[_Q], ptrs[_K], ptrs[_V] = q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr()
         ptrs[_OUT], ptrs[_LSE] = out.data_ptr(), lse.data_ptr()
