@@ -4,6 +4,8 @@ run without module calls, bit for bit the logits of the module path, and only wh
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -177,3 +179,23 @@ def test_rope_rotate_tokens_first_is_forward_transposed(kw, ragged):
     assert torch.equal(rope.rotate_tokens_first(x, pos), want)
     with pytest.raises(ValueError, match="positions shape"):
         rope.rotate_tokens_first(x, pos[..., :-1])
+
+
+def test_leaving_the_fast_path_is_logged_once(caplog, monkeypatch):
+    """A planned paged step that cannot take the fast path says why, once, on the selfattn
+    logger; the module path's logits are unchanged by it."""
+    from selfattn import _log
+
+    model = _llama(21)
+    prompts, tokens = _case(22, 2, ragged=False)
+    handle = _hooked(model)
+    monkeypatch.setattr(_log, "_said", set())  # as tests/test_fallback_logging.py's fixture
+    with caplog.at_level(logging.INFO, logger="selfattn"):
+        _decode(model, prompts, tokens)
+        _decode(model, prompts, tokens)
+    handle.remove()
+    said = [r.getMessage() for r in caplog.records if "fast path" in r.getMessage()]
+    assert said == [
+        "selfattn: Llama's paged decode steps run module by module (module hooks are "
+        "registered), not the fast path"
+    ]

@@ -29,11 +29,14 @@ each container's children, so a module swapped in later is seen.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from selfattn._log import log_once
 from selfattn.cache.paged import PagedLayer
 from selfattn.nn import DecoderBlock, MultiHeadAttention, RMSNorm, SwiGLU
 from selfattn.nn.norms import rms_norm
@@ -108,23 +111,23 @@ class FastBlocks:
         """Whether no module of the tree was swapped since this view was built."""
         return self.children == self.children_then
 
-    def usable(self) -> bool:
-        """Whether the fast path may run now: the layout, no hooks, no inspection."""
-        if self.layers is None or any(getattr(_module, name, None) for name in _GLOBAL_HOOKS):
-            return False
-        if any(self.hooks):
-            return False
+    def unusable(self) -> str | None:
+        """Why the fast path may not run now (None: it may): the layout, hooks, inspection."""
+        if self.layers is None:
+            return "a block is not the plain Llama layout"
+        if any(getattr(_module, name, None) for name in _GLOBAL_HOOKS) or any(self.hooks):
+            return "module hooks are registered"
         for p in self.layers:
             att = p.att
+            if att.attention_observer is not None or att.head_mask is not None:
+                return "attention is being inspected (an observer or a head mask)"
             if (
-                att.attention_observer is not None
-                or att.head_mask is not None
-                or att.q_temperature is not None
+                att.q_temperature is not None
                 or att.alibi is not None
                 or (att.training and att.dropout > 0)
             ):
-                return False
-        return True
+                return "an attention layer uses query temperature, ALiBi or dropout"
+        return None
 
     def run(self, h, caches, masks, score_mod, positions):
         """``h (B, S, d_model)`` through every block (the modules' forwards, fused as the
@@ -172,4 +175,10 @@ def fast_blocks(model, caches) -> FastBlocks | None:
     if fast is None or not fast.current():
         fast = FastBlocks(model.layers)
         model.__dict__["_fast_blocks"] = fast
-    return fast if fast.usable() else None
+    why = fast.unusable()
+    if why is None:
+        return fast
+    log_once(("decode fast path", type(model).__name__, why), logging.INFO,
+             "selfattn: %s's paged decode steps run module by module (%s), not the fast path",
+             type(model).__name__, why)  # fmt: skip
+    return None
