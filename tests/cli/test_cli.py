@@ -14,6 +14,7 @@ import torch
 
 import selfattn as sa
 from selfattn.cli import main
+from selfattn.kernels import build
 
 SCRIPT = Path(sys.executable).parent / "selfattn"
 
@@ -162,6 +163,7 @@ def test_help_imports_neither_torch_nor_rich():
     code = f"""
 import contextlib, io, sys
 from selfattn.cli import main
+from selfattn.kernels import build
 for argv in [[], *([c] for c in {COMMANDS!r})]:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         rc = main([*argv, "--help"])
@@ -528,16 +530,22 @@ def test_bench_runs_scripts_and_collects_json(capsys, tmp_path):
 def test_info_says_whether_each_kernel_runs_here(capsys):
     rc, out, _ = run(capsys, "info", "--json")
     assert rc == 0
-    c_kernel, triton, flex = json.loads(out)["kernels"]
-    from selfattn.kernels import paged_decode
+    c_kernel, fused, triton, flex = json.loads(out)["kernels"]
+    from selfattn.kernels import fused_attention, paged_decode
 
-    assert c_kernel["loaded"] == (paged_decode.library() is not None)
-    assert (c_kernel["why_not"] is None) == c_kernel["loaded"]
-    assert c_kernel["dtypes"] == [str(d)[6:] for d in paged_decode.supported_dtypes()]
+    for state, kernel in ((c_kernel, paged_decode), (fused, fused_attention)):
+        assert state["loaded"] == (kernel.library() is not None)
+        assert (state["why_not"] is None) == state["loaded"]
+        assert state["dtypes"] == [str(d)[6:] for d in kernel.supported_dtypes()]
+        assert state["isa"] == (kernel.isa() if state["loaded"] else None)
+    flags = set(build._cpu_id().split(":", 1)[-1].split())
+    assert set(c_kernel["cpu_flags"]) <= flags  # spelled as /proc/cpuinfo spells them
+    assert ("avx512_bf16" in flags) == ("avx512_bf16" in c_kernel["cpu_flags"])
     assert triton["cuda"] == torch.cuda.is_available()
     assert flex["torch_has_it"] and flex["compiles"] is None  # compiled only with --probe
     rc, text, _ = run(capsys, "info")
-    assert "C paged decode" in text and "selfattn info --probe" in text
+    assert "C paged decode" in text and "C fused attention" in text
+    assert "selfattn info --probe" in text
 
 
 def test_info_without_a_compiler_triton_or_rich(tmp_path):
@@ -549,8 +557,9 @@ def test_info_without_a_compiler_triton_or_rich(tmp_path):
     done = run_without(code, ("rich", "triton"), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     as_json, text = done.stdout.split("@@")
-    c_kernel, triton, _ = json.loads(as_json)["kernels"]
-    assert not c_kernel["loaded"] and "no C compiler found" in c_kernel["why_not"]
+    c_kernel, fused, triton, _ = json.loads(as_json)["kernels"]
+    for state in (c_kernel, fused):
+        assert not state["loaded"] and "no C compiler found" in state["why_not"]
     assert "pip install 'selfattn[triton]'" in triton["why_not"]
     assert "no C compiler found" in text and "selfattn[triton]" in text
 

@@ -43,8 +43,19 @@ def _version_of(dist: str) -> str | None:
 
 # Optional packages whose versions info reports (the extras of pyproject.toml).
 _OPTIONAL = ("numpy", "rich", "matplotlib", "safetensors", "tokenizers", "jinja2", "tqdm", "triton")
-# CPU feature flags (/proc/cpuinfo) that the C kernel's -march=native code can use.
-_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bf16", "avx512_fp16", "amx_bf16", "asimd")
+# CPU feature flags (/proc/cpuinfo spellings) that the C kernels' -march=native code can use;
+# amx_bf16 is reported although no kernel uses AMX tiles yet (the machines measured so far lack it).
+_CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "asimd",
+)
 
 
 def _cpu_flags() -> list[str]:
@@ -75,24 +86,44 @@ def _captured_warnings(fn):
 
 
 def _c_kernel() -> dict:
-    """The C paged-decode kernel: compiler, cache, built and loaded, or why not."""
-    from selfattn.kernels import build, paged_decode
+    """The C paged-decode kernel: compiler, cache, built and loaded, its path, or why not."""
+    from selfattn.kernels import paged_decode
 
-    spec = paged_decode.SPEC
+    state = _c_state("C paged decode (CPU)", paged_decode.SPEC)
+    if os.environ.get("SELFATTN_DECODE_KERNEL", "1") == "0":
+        state["why_not"] = "SELFATTN_DECODE_KERNEL=0 turns it off"
+        return state
+    if state["why_not"] is None:
+        _load_into(state, paged_decode)
+    return state
+
+
+def _fused_kernel() -> dict:
+    """The fused attention kernel (the ``cpu_fused`` backend): as :func:`_c_kernel`."""
+    from selfattn.kernels import fused_attention
+
+    state = _c_state("C fused attention (CPU)", fused_attention.SPEC)
+    if state["why_not"] is None:
+        _load_into(state, fused_attention)
+    return state
+
+
+def _c_state(name: str, spec) -> dict:
+    """What every C kernel reports before loading: compiler, cache dir, CPU flags, cached."""
+    from selfattn.kernels import build
+
     cc = build.compiler()
     state = {
-        "name": "C paged decode (CPU)",
+        "name": name,
         "compiler": cc,
         "cache_dir": str(build.cache_dir()),
         "cpu_flags": _cpu_flags(),
         "cached": False,
         "loaded": False,
         "dtypes": [],
+        "isa": None,
         "why_not": None,
     }
-    if os.environ.get("SELFATTN_DECODE_KERNEL", "1") == "0":
-        state["why_not"] = "SELFATTN_DECODE_KERNEL=0 turns it off"
-        return state
     if cc is None:
         state["why_not"] = "no C compiler found ($CC, cc, gcc, clang); e.g. apt-get install gcc"
         return state
@@ -100,12 +131,18 @@ def _c_kernel() -> dict:
         (build.cache_dir() / build.library_name(spec, cc, [*spec.flags, *t])).is_file()
         for t in spec.targets
     )
-    lib, messages = _captured_warnings(paged_decode.library)  # builds it where not cached
+    return state
+
+
+def _load_into(state: dict, kernel) -> None:
+    """Load ``kernel`` (a module with ``library``, ``supported_dtypes``, ``isa``) into ``state``."""
+    lib, messages = _captured_warnings(kernel.library)  # builds it where not cached
     state["loaded"] = lib is not None
-    state["dtypes"] = [str(d).removeprefix("torch.") for d in paged_decode.supported_dtypes()]
     if lib is None:
         state["why_not"] = " | ".join(messages) or "the build failed (see the selfattn log)"
-    return state
+        return
+    state["dtypes"] = [str(d).removeprefix("torch.") for d in kernel.supported_dtypes()]
+    state["isa"] = kernel.isa()
 
 
 def _triton() -> dict:
@@ -191,7 +228,7 @@ def _info(probe: bool = False) -> dict:
             else [],
         },
         "backends": backend_availability(),
-        "kernels": [_c_kernel(), _triton(), _flex(probe)],
+        "kernels": [_c_kernel(), _fused_kernel(), _triton(), _flex(probe)],
     }
 
 
@@ -247,7 +284,8 @@ def _details(k: dict) -> str:
     if "compiler" in k:  # the C kernel
         facts = [f"compiler {k['compiler'] or 'none'}", f"CPU flags {' '.join(k['cpu_flags'])}"]
         if k["loaded"]:
-            facts += ["cached" if k["cached"] else "built now", f"reads {', '.join(k['dtypes'])}"]
+            facts += ["cached" if k["cached"] else "built now", f"runs {k['isa']}"]
+            facts.append(f"reads {', '.join(k['dtypes'])}")
     elif "importable" in k:  # Triton
         facts = [f"version {k['version'] or 'none'}", f"CUDA {'yes' if k['cuda'] else 'no'}"]
     else:
