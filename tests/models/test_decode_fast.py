@@ -124,6 +124,33 @@ def test_fast_path_calls_no_module_forward(monkeypatch):
     assert len(calls) == n + len(model.layers)
 
 
+def test_rope_factors_once_per_step_under_inference_mode(monkeypatch):
+    """The server decodes under inference_mode, whose tensors have no version counter: the
+    shared RoPE must still compute the step's factors once, not once per layer, and the logits
+    must be those of no_grad."""
+    model = _llama(5)
+    prompts, tokens = _case(5, 2, True)
+    calls = []
+    original = RoPE.cos_sin
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    logits = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache = model.make_cache("paged", 2, 64, page_size=4)
+        with mode():
+            for b, p in enumerate(prompts):
+                model(p[None], cache=cache.cache.view([cache.seq_ids[b]]))
+            monkeypatch.setattr(RoPE, "cos_sin", counted)
+            calls.clear()
+            logits.append(model(tokens[:, :1], cache=cache))
+            monkeypatch.setattr(RoPE, "cos_sin", original)
+        assert len(calls) == 1, (mode.__name__, len(calls), len(model.layers))
+    assert torch.equal(*logits)
+
+
 def test_hooks_fire_and_inspection_is_honoured():
     model = _llama(5)
     prompts, tokens = _case(5, 2, False)

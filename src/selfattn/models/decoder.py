@@ -107,6 +107,7 @@ from selfattn.positions import (
     LearnedPositions,
     RoPE,
 )
+from selfattn.positions.rope import memoisable
 
 __all__ = ["GPT2", "CausalLM", "DecoderConfig", "GptOss", "LayerCaches", "Llama"]
 
@@ -399,6 +400,7 @@ class CausalLM(nn.Module):
                 position_ids = step.positions  # (S,), or (B, S) for ragged paged sequences
             else:
                 position_ids = torch.arange(S, device=input_ids.device)
+        position_ids = memoisable(position_ids)  # the factors once per step, not per layer
         h = self.embed(input_ids)  # (B, S) -> (B, S, d_model)
         if self.pos_embed is not None:
             h = h + self.pos_embed(position_ids)

@@ -50,6 +50,7 @@ from selfattn.models.masking import padding_mask
 from selfattn.nn import DecoderBlock, MultiHeadAttention, RMSNorm, SwiGLU
 from selfattn.nn.blocks import _Residual
 from selfattn.positions import RoPE
+from selfattn.positions.rope import memoisable
 
 __all__ = ["Bamba", "HybridConfig", "HybridLM", "Mamba2", "MixerBlock"]
 
@@ -229,6 +230,7 @@ class HybridLM(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = past + torch.arange(S, device=input_ids.device)
+        position_ids = memoisable(position_ids)  # the factors once per step, not per layer
         mask = _layer_mask(self.config.window, pad)
         h = self.embed(input_ids)  # (B, S) -> (B, S, d_model)
         caches = [None] * len(self.layers) if step is None else step.layers

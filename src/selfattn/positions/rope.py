@@ -42,7 +42,17 @@ from torch import nn
 from selfattn._validate import checked_int, int_at_least, positive_int
 from selfattn.positions.sinusoidal import _check_position_values
 
-__all__ = ["NTK", "DynamicNTK", "Linear", "Llama3", "LongRoPE", "RoPE", "RoPE2D", "YaRN"]
+__all__ = [
+    "NTK",
+    "DynamicNTK",
+    "Linear",
+    "Llama3",
+    "LongRoPE",
+    "RoPE",
+    "RoPE2D",
+    "YaRN",
+    "memoisable",
+]
 
 
 def _check_number(owner: str, name: str, value, *, minimum: float, fix: str) -> None:
@@ -335,6 +345,18 @@ def _check_positions(
             f"expected {expected}"
         )
     _check_position_values("RoPE", positions)
+
+
+def memoisable(positions: torch.Tensor) -> torch.Tensor:
+    """``positions`` as a tensor RoPE's factor memo can key on: under ``torch.inference_mode``
+    (the server, ``selfattn generate``) tensors have no version counter, so a model that passes
+    one positions tensor to every layer would have the factors recomputed per layer; a normal
+    copy (made outside inference mode, a few µs) has one. Other tensors are returned as they are.
+    """
+    if not positions.is_inference():
+        return positions
+    with torch.inference_mode(False):
+        return positions.clone()
 
 
 class RoPE(nn.Module):
