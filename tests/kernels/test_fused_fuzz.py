@@ -454,6 +454,37 @@ def test_an_additive_mask_of_float32_min_is_a_score_not_an_empty_row():
     )  # fp32 min on some keys of every row: those keys get weight 0, gradients by the rule
 
 
+def _nan_case(name: str, dtype: torch.dtype):
+    q, k, v = make_qkv(1, 2, 3, 8, Sk=130, dtype=dtype, seed=52)
+    kw: dict = {}
+    if name == "one-key":  # every row attends its one key, NaN for head 1
+        k, v = k[:, :, :1].clone(), v[:, :, :1]
+        k[0, 1, 0, 2] = math.nan
+    elif name == "nan-tile-first":  # head 0's first key tile all NaN, finite keys after it
+        k[0, 0, :64] = math.nan
+    else:  # window 1 at the top-left: row i attends key i, NaN for head 0
+        k[0, 0, :3, 5] = math.nan
+        kw = dict(mask=masks.sliding_window(1), q_offset=0)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["one-key", "nan-tile-first", "window-1"])
+def test_nan_scores_reach_the_rows_that_attend_them(name, dtype):
+    """A NaN score at a key a row attends makes its out and lse NaN (attention()'s contract).
+    The kernel's vector max never keeps a NaN, so a tile whose attended scores were all NaN
+    looked empty: the row came back (0, -inf), or ignored those keys when others followed."""
+    q, k, v, kw = _nan_case(name, dtype)
+    out, lse = cpu_attention(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = selfattn.attention(
+        q.double(), k.double(), v.double(), return_lse=True, backend="reference", **kw
+    )
+    assert bool(torch.isnan(ref_lse).any())
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    torch.testing.assert_close(out.double().nan_to_num(), ref.nan_to_num(), atol=2e-2, rtol=0)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 

@@ -228,6 +228,31 @@ def test_long_sequences_split_over_the_keys_match_the_oracle():
     assert_close_to_reference(out, o64, on)
 
 
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+@pytest.mark.parametrize("P", [8, 32], ids=["page-step", "general-path"])
+def test_nan_scores_reach_the_rows_that_attend_them(P, storage, monkeypatch):
+    """A NaN key score makes out and lse NaN for the rows attending that key, as the PyTorch
+    path gives, on every instruction-set path. The kernel took a row whose split sum was NaN
+    for a row with no key (out 0, lse -inf: ``sum > 0`` is false for NaN), and skipped a page
+    whose attended scores were all NaN. P = 8: pages take the fused page step; 32: the general
+    path."""
+    for isa in _paths():
+        monkeypatch.setenv("SELFATTN_DECODE_ISA", isa)
+        q, kp, vp, table, lens = make_paged([70, 5], 4, 2, D=16, P=P, Sq=1, seed=62)
+        kp[int(table[0, 0]), 2, 0, 3] = math.nan  # one key of 70, kv head 0
+        kp[int(table[1, 0]), 4, 1, 3] = math.nan  # sequence 1's last key, kv head 1
+        dtype = STORAGES[storage]
+        q, kp, vp = q.to(dtype), kp.to(dtype), vp.to(dtype)
+        for mask in (None, masks.sliding_window(1)):  # window 1: only the NaN key, for seq 1
+            kw = dict(mask=mask, return_lse=True)
+            out, lse = paged_attention(q, kp, vp, table, lens, backend="cpu", **kw)
+            ref, ref_lse = paged_attention(q, kp, vp, table, lens, backend="torch", **kw)
+            assert bool(torch.isnan(ref_lse).any()), isa
+            assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), isa
+            assert torch.equal(torch.isnan(out), torch.isnan(ref)), isa
+            torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num())
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
