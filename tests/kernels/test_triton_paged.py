@@ -164,6 +164,24 @@ def test_nonfinite_v_stays_in_the_rows_that_attend_it(kernel):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_scores_reach_the_rows_that_attend_them(kernel):
+    """A NaN key score makes out and lse NaN in the rows attending that key (the twin's and the
+    C kernel's result); the kernel took such a split for one with no key (``l > 0`` is false for
+    NaN) and the merge gave it weight 0, so the row came back empty or without those keys."""
+    q, kp, vp, table, lo, hi = _case(9, 2, 4, 2, 1, 16, 16, 4, [21, 11], torch.float32)
+    kp[int(table[0, 0]), 2, 0, 3] = math.nan  # sequence 0, key 2 of 21, kv head 0
+    kp[int(table[1, 2]), 2, 1, 3] = math.nan  # sequence 1, its last key, kv head 1
+    for lo_ in (lo, hi - 1):  # every key, or only each sequence's last
+        out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo_, hi, 0.25, num_splits=3)
+        ref, ref_lse = paged_attention_twin(q.double(), kp, vp.double(), table, lo_, hi, 0.25)
+        assert bool(ref_lse.isnan().any())
+        assert torch.equal(lse.isnan(), ref_lse.isnan()) and torch.equal(out.isnan(), ref.isnan())
+        torch.testing.assert_close(
+            out.double().nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=1e-6
+        )
+
+
 @pytest.mark.parametrize("P", [16, 32, 128])
 @pytest.mark.parametrize("storage", ["bf16", "int8", "fp8"])
 def test_whole_page_tiles_match_the_twin(kernel, P, storage):

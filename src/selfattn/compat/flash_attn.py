@@ -216,6 +216,11 @@ class _Alibi(ScoreMod):
         dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
         return score + self._bias(b, h, q_idx, kv_idx, dtype).to(score.dtype)
 
+    def kernel_terms(self, q_offset, Sq, Sk):
+        # slopes (H,) on unpacked rows: the kernels' own ALiBi term (cpu_fused, triton); per
+        # sequence or packed slopes have no kernel form
+        return (("alibi", self.slopes),) if self.relative else None
+
     def __repr__(self) -> str:
         return f"flash_attn_alibi(<slopes {tuple(self.slopes.shape)}>)"
 

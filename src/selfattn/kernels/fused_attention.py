@@ -331,13 +331,25 @@ def _mods(q, k, alibi, bias, softcap: float) -> dict:
                 f"bias must broadcast to (B, Hq, Sq, Sk) = {want} with sizes 1 or full, got "
                 f"{tuple(bias.shape)}"
             )
-        mods["BIAS"] = (bias.detach().to(torch.float32) * LOG2E).contiguous()
+        mods["BIAS"] = _base2_bias(bias)
     if softcap:
         if not (math.isfinite(softcap) and softcap > 0):
             raise ValueError(f"softcap must be a positive finite number (0: none), got {softcap}")
         cap2 = softcap * LOG2E
         mods["CAP"] = torch.tensor([cap2, 1.0 / cap2], dtype=torch.float32)
     return mods
+
+
+def _base2_bias(bias: torch.Tensor) -> torch.Tensor:
+    """``bias · log2(e)`` float32, contiguous, finite where ``bias`` is: a finite bias beyond
+    ``±FLT_MAX / log2(e)`` (transformers' additive masks hold ``finfo(float32).min``) would
+    overflow to ``∓inf`` and make a row whose every key carries it empty (output 0) instead of the
+    softmax of equal scores that the oracle and sdpa give; it is held at ``±FLT_MAX`` instead."""
+    b2 = bias.detach().to(torch.float32) * LOG2E
+    overflowed = b2.isinf() & bias.isfinite()
+    if bool(overflowed.any()):
+        b2 = torch.where(overflowed, b2.sign() * torch.finfo(torch.float32).max, b2)
+    return b2.contiguous()
 
 
 def _dropout(p: float) -> dict:

@@ -664,6 +664,12 @@ static inline void softmax_block(float *s, int64_t nr, int64_t v0, int64_t v1, i
     }
     const float mn = fmaxf(m[r], hmax(mx));
     if (mn == -INFINITY) { /* no key yet: weights 0, nothing to rescale */
+      /* vmax never keeps a NaN, so a tile whose attended scores are all NaN looks empty here:
+         a NaN sum instead (NaN out and lse, for the host's exact redo), or the row would come
+         back empty (0, -inf) or ignore those keys */
+      int nan = 0;
+      for (k = v0; k < v1; k++) nan |= row[k] != row[k];
+      if (nan) st(lv + r * VW, splat(NAN));
       for (k = v0; k < v1; k += VW) st(row + k, splat(0.0f));
       continue;
     }

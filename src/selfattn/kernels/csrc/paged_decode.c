@@ -534,7 +534,11 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
         for (e = 0; e < 8; e++) mx = mv[e] > mx ? mv[e] : mx;
       }
       for (s = ns / 8 * 8; s < ns; s++) mx = row[s] > mx ? row[s] : mx;
-      if (mx == -INFINITY) continue; /* no allowed key on this page: its slot range is empty */
+      if (mx == -INFINITY) { /* no finite allowed score on this page: it adds nothing... */
+        for (s = 0; s < ns; s++) /* ...unless one is NaN: then the row's sum is (see merge) */
+          if (row[s] != row[s]) l[r] = NAN;
+        continue;
+      }
       if (mx > m[r]) {
         const float alpha = expf(m[r] - mx); /* 0 while m is -inf: acc and l are 0 then */
         l[r] *= alpha;
@@ -604,7 +608,16 @@ static void merge(const Job *job) {
       const float sink = sinks ? sinks[r / Sq] : -INFINITY; /* row r = head * Sq + query */
       float mx = sink, sum = 0.0f, *o = out + (b * R + r) * Dv;
       int64_t k, d;
-      for (k = 0; k < ns; k++) mx = fmaxf(mx, job->m[(b * ns + k) * R + r]);
+      int nan = 0; /* a NaN score of an attended key (its split's sum is NaN): out, lse NaN */
+      for (k = 0; k < ns; k++) {
+        mx = fmaxf(mx, job->m[(b * ns + k) * R + r]);
+        nan |= job->l[(b * ns + k) * R + r] != job->l[(b * ns + k) * R + r];
+      }
+      if (nan) {
+        for (d = 0; d < Dv; d++) o[d] = NAN;
+        lse[b * R + r] = NAN;
+        continue;
+      }
       if (sink > -INFINITY) sum = expf(sink - mx);
       memset(o, 0, sizeof(float) * Dv);
       for (k = 0; k < ns && mx > -INFINITY; k++) {
@@ -1024,8 +1037,11 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
     {
       const float mx = ISA(hmax)(mv);
       VF sum = {0};
-      if (mx == -INFINITY) { /* no finite score: this page adds nothing to the row */
+      if (mx == -INFINITY) { /* no finite score: this page adds nothing to the row... */
         alpha[r] = 1.0f;
+        for (c = 0; c < NV; c++) /* ...but a NaN one makes its sum NaN (see merge) */
+          for (e = 0; e < VW; e++)
+            if (x[c][e] != x[c][e]) l[r] = NAN;
         for (c = 0; c < NV; c++) memset(wbuf + r * PD_SLOTS + c * VW, 0, sizeof(VF));
         continue;
       }

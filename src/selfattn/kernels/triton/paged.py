@@ -223,8 +223,9 @@ def _paged_fwd(
             s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
             D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True, PAGE,
         )  # fmt: skip
-    # -- this split's normalised output and base-2 lse (-inf: no allowed key)
-    seen = l_i > 0
+    # -- this split's normalised output and base-2 lse (-inf: no allowed key; NaN, from a NaN
+    # score of an attended key, stays NaN: `l_i > 0` alone took such a row for an empty one)
+    seen = (l_i > 0) | (l_i != l_i)
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     o_ptrs = O + b * s_ob + h[:, None] * s_oh + i[:, None] * s_os + split * s_osp + dv[None, :]
@@ -334,7 +335,8 @@ def merge_splits(
 ):
     """Merge per-split ``out (B, Hq, Sq, n, Dv)`` and ``lse (B, Hq, Sq, n)`` through the lse.
 
-    Splits with lse ``-inf`` weigh 0; a row with no allowed key anywhere gives 0 and ``-inf``.
+    Splits with lse ``-inf`` weigh 0; a row with no allowed key anywhere gives 0 and ``-inf``; a
+    split with lse NaN (a NaN score) makes its row's out and lse NaN.
     ``sinks (Hq,)``: each row's sink joins the merge as one more split with no value (output
     0, lse ``sink`` for a row with no key).
     """
@@ -345,6 +347,6 @@ def merge_splits(
     total = torch.logsumexp(parts, dim=-1)  # (B, Hq, Sq)
     finite = torch.isfinite(total)
     w = torch.exp(lse - torch.where(finite, total, 0.0).unsqueeze(-1))  # (B, Hq, Sq, n)
-    w = torch.where(torch.isfinite(lse), w, 0.0)
+    w = torch.where(torch.isfinite(lse) | lse.isnan(), w, 0.0)  # a NaN split makes the row NaN
     merged = (w.unsqueeze(-1) * out).sum(dim=-2)  # (B, Hq, Sq, n, Dv) -> (B, Hq, Sq, Dv)
     return merged.to(dtype), total
