@@ -441,18 +441,27 @@ def test_an_additive_mask_of_float32_min_is_a_score_not_an_empty_row():
     key carries it (a left-padded query row) is the softmax of equal scores, as the oracle,
     sdpa and transformers' eager give, not an empty row. The kernel kept its base-2 bias
     ``bias · log2(e)``, which overflowed to -inf there, and returned 0."""
+    _float32_min_bias_rows(cpu_attention)
+
+
+def test_float32_min_bias_rows_in_chunked():
+    """chunked kept its scores in base 2 the same way (``s · log2(e)`` overflowed to -inf)."""
+    _float32_min_bias_rows(functools.partial(selfattn.attention, backend="chunked"))
+
+
+def _float32_min_bias_rows(attend):
     q, k, v = make_qkv(2, 4, 70, 32, Hkv=2, Sk=90, seed=49, requires_grad=True)
     bias = torch.zeros(2, 1, 70, 90)
     lo = torch.finfo(torch.float32).min
     bias[0, :, :, 60:] = lo  # padded keys
     bias[1, :, :5] = lo  # padded query rows: every key at finfo.min
-    out, lse = cpu_attention(q, k, v, score_mod=bias, return_lse=True)
+    out, lse = attend(q, k, v, score_mod=bias, return_lse=True)
     assert bool((lse[1, :, :5] < -1e38).all()) and bool(torch.isfinite(lse).all())
     # the lse of those rows is -FLT_MAX·ln 2 + log(Sk), not -FLT_MAX: outside the ratio rule
     ref = selfattn.attention(q, k, v, score_mod=bias, backend="reference")
     torch.testing.assert_close(out, ref)  # uniform weights over the padded rows' keys
     check_against_reference(
-        cpu_attention, q[:1], k[:1], v[:1], score_mod=bias[:1], lse=False
+        attend, q[:1], k[:1], v[:1], score_mod=bias[:1], lse=False
     )  # fp32 min on some keys of every row: those keys get weight 0, gradients by the rule
 
 

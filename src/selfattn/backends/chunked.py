@@ -51,6 +51,7 @@ from selfattn.backends._common import (
     run_with_sinks,
     unattended_columns_zeroed,
 )
+from selfattn.kernels.fused_attention import base2
 from selfattn.masks import FULL, TileGrid, _callable_failure
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
@@ -512,7 +513,7 @@ class _Setup:
         with torch.enable_grad() if leaf else torch.no_grad():
             s_mod = call.score_mod.score_mod(s_nat, b, h, q_idx, kv_idx)
             s_mod = s_mod.expand(self.B, self.Hq, tq, span)
-        s2 = (s_mod.detach() * LOG2E).to(self.cd).reshape(self.BH, R, span)
+        s2 = base2(s_mod.detach(), self.cd).reshape(self.BH, R, span)  # finfo.min stays finite
         return s2, ((s_nat, s_mod) if leaf else None)
 
 

@@ -80,6 +80,7 @@ __all__ = [
     "SPEC",
     "Tiles",
     "backward",
+    "base2",
     "forward",
     "isa",
     "library",
@@ -341,15 +342,21 @@ def _mods(q, k, alibi, bias, softcap: float) -> dict:
 
 
 def _base2_bias(bias: torch.Tensor) -> torch.Tensor:
-    """``bias · log2(e)`` float32, contiguous, finite where ``bias`` is: a finite bias beyond
-    ``±FLT_MAX / log2(e)`` (transformers' additive masks hold ``finfo(float32).min``) would
-    overflow to ``∓inf`` and make a row whose every key carries it empty (output 0) instead of the
-    softmax of equal scores that the oracle and sdpa give; it is held at ``±FLT_MAX`` instead."""
-    b2 = bias.detach().to(torch.float32) * LOG2E
-    overflowed = b2.isinf() & bias.isfinite()
-    if bool(overflowed.any()):
-        b2 = torch.where(overflowed, b2.sign() * torch.finfo(torch.float32).max, b2)
-    return b2.contiguous()
+    """``bias · log2(e)`` float32, contiguous, finite where ``bias`` is (:func:`base2`)."""
+    return base2(bias.detach(), torch.float32).contiguous()
+
+
+def base2(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x · log2(e)`` in ``dtype``, finite where ``x`` is: a finite score or bias beyond
+    ``±max / log2(e)`` (transformers' additive masks hold ``finfo(float32).min``) would overflow
+    to ``∓inf`` and make a row whose every key carries it empty (output 0) instead of the softmax
+    of equal scores that the oracle and sdpa give; it is held at ``±finfo(dtype).max`` instead.
+    ``-inf`` (a masked score) stays ``-inf``. One extra pass where nothing is infinite."""
+    x2 = (x * LOG2E).to(dtype)
+    if x2.is_cuda or bool(x2.isinf().any()):  # CUDA: no host sync, always the exact form
+        overflowed = x2.isinf() & x.isfinite()
+        x2 = torch.where(overflowed, x2.sign() * torch.finfo(dtype).max, x2)
+    return x2
 
 
 def _dropout(p: float) -> dict:
