@@ -124,6 +124,9 @@ typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB
 /* A page's slots the fused step (page_step) takes at once: a row's scores are PD_SLOTS / VW
    vectors; pages with more slots, or slots only some rows attend, take the general path. */
 #define PD_SLOTS 16
+/* How far a score may exceed a row's running max before the fused step moves the max (see
+   page_weights): the weights then stay <= e^8 ~ 3e3, far from fp32's range. */
+#define PD_MAX_SLACK 8.0f
 typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
                         int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
                         int64_t vstride, int dt, const float *lut, float *wbuf, int64_t pf);
@@ -418,6 +421,24 @@ static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int6
   }
 }
 
+/* The R rows' softmax denominators from the fused step's partial sums lv (PD_SLOTS a row) to
+   the general path's l (to_l), or back (the whole of l[r] into lv's first lane); the source is
+   zeroed. */
+static void move_sums(float *l, float *lv, int64_t R, int to_l) {
+  for (int64_t r = 0; r < R; r++) {
+    float *v = lv + r * PD_SLOTS;
+    if (to_l) {
+      float sum = 0.0f;
+      for (int s = 0; s < PD_SLOTS; s++) sum += v[s];
+      l[r] = sum;
+      memset(v, 0, sizeof(float) * PD_SLOTS);
+    } else {
+      v[0] = l[r];
+      l[r] = 0.0f;
+    }
+  }
+}
+
 /* Work item (b, split): the rows of sequence b (all Hq heads, all Sq queries) against the keys of
    one split of its pages; writes the partial max m, sum l and weighted V sum acc. Rows are
    (Hq, Sq)-ordered: row (h * G + g) * Sq + i, so the G * Sq rows of kv head h are contiguous.
@@ -459,6 +480,11 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
   for (r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * R * Dv);
+  /* The denominators as the fused step keeps them (lv: PD_SLOTS partial sums a row, see
+     page_weights) or as the general path does (l): one of the two holds them at a time. */
+  float *lv = stmp + P + 6 * PD_SLOTS;
+  int in_lv = 1;
+  memset(lv, 0, sizeof(float) * R * PD_SLOTS);
   for (i = 0; i < Sq * NI; i++)
     if (hi[i] > lo[i]) {
       if (lo[i] < kmin) kmin = lo[i];
@@ -511,6 +537,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       whole_all &= whole;
     }
     if (whole_all) {
+      if (!in_lv) move_sums(l, lv, R, 0), in_lv = 1;
       float *ksh = a[A_KSC] ? stmp + P : NULL, *vsh = a[A_VSC] ? stmp + P + PD_SLOTS : NULL;
       float *wbuf = stmp + P + 2 * PD_SLOTS;
       for (h = 0; h < Hkv; h++) {
@@ -520,12 +547,13 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
           if (vsh) vsh[s] = s < ns ? dequant_scale(vsc, a[A_VSC], page, s0 + s, P, Hkv, h) : 1.0f;
         }
         for (r = h * Rh; r < (h + 1) * Rh; r += 4)
-          job->page(acc + r * Dv, Dv, m + r, l + r, sc + r * P, P,
+          job->page(acc + r * Dv, Dv, m + r, lv + r * PD_SLOTS, sc + r * P, P,
                     (h + 1) * Rh - r < 4 ? (int)((h + 1) * Rh - r) : 4, ns, ksh, vsh, v0,
                     a[A_VSP] * vesz, vdt, lut, wbuf, r == h * Rh ? pfv : 0);
       }
       continue;
     }
+    if (in_lv) move_sums(l, lv, R, 1), in_lv = 0;
     if (a[A_KSC]) /* dequantise the scores */
       scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
     /* -inf scores outside each query's allowed slots */
@@ -582,6 +610,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
                    vdt, lut, sa, sb, NI);
     }
   }
+  if (in_lv) move_sums(l, lv, R, 1);
 }
 
 static void *worker(void *arg) {
@@ -589,8 +618,9 @@ static void *worker(void *arg) {
   const int64_t *a = job->a;
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
   /* q rows, scores, then scratch: P slot scales (general path), or the fused step's K and V
-     scales and its weights (page_step: 2 + 4 rows of PD_SLOTS) */
-  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS));
+     scales and its weights (page_step: 2 + 4 rows of PD_SLOTS), and its denominators (R rows of
+     PD_SLOTS) */
+  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS + R * PD_SLOTS));
   uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
   int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
   void *ret = NULL;
@@ -969,7 +999,8 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
 
 /* exp of VW floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes expf polynomial
    (about 1 ulp), times 2^n built in the exponent bits. x below -87.3 (exp under FLT_MIN; -inf for
-   a masked key) gives exactly 0; callers pass x <= 0 (scores minus their running max). Libm's
+   a masked key) gives exactly 0; callers pass x <= PD_MAX_SLACK (scores minus their running
+   max). Libm's
    scalar expf is ~20x slower per value and, without -ffast-math, never vectorised. */
 AI VF ISA(expv)(VF x) {
   const VF lo = ISA(splat)(-87.33654f);
@@ -1022,13 +1053,30 @@ AI float ISA(hsum)(VF x) {
 #undef PD_ADD_STEP
 #undef PD_SWAPS
 
-/* One page's whole step for RB <= 4 rows of a kv head (rows r: acc + r * Dv, m[r], l[r], scores
-   sc + r * P) that all attend every one of the page's ns <= PD_SLOTS slots. page_weights: each
-   row's scores as PD_SLOTS / VW vectors (lanes past ns: -inf), dequantised by ksc (per slot, or
-   NULL); the online softmax update in registers (max, weights, sum: no scalar loop over the
-   slots); the weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS, 0 past ns), each
-   row's rescale factor into alpha. page_step: then the weighted V sum, the accumulators rescaled
-   as the V block loads them (no separate pass over acc). */
+/* Whether any lane of a comparison's result is true. */
+AI int ISA(any)(VI v) {
+#if PD_X86 == 512
+  return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
+#elif PD_X86 == 256
+  return !_mm256_testz_si256((__m256i)v, (__m256i)v);
+#else
+  int r = 0;
+  for (int e = 0; e < VW; e++) r |= v[e] != 0;
+  return r;
+#endif
+}
+
+/* One page's whole step for RB <= 4 rows of a kv head (rows r: acc + r * Dv, m[r], scores
+   sc + r * P, and the softmax denominator as the VW partial sums of the PD_SLOTS floats at
+   l + r * PD_SLOTS, summed when the item ends: no horizontal sum a page) that all attend every
+   one of the page's ns <= PD_SLOTS slots. page_weights: each row's scores as PD_SLOTS / VW
+   vectors (lanes past ns: -inf), dequantised by ksc (per slot, or NULL); the online softmax
+   update in registers; the weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS, 0
+   past ns), each row's rescale factor into alpha. The running max m moves only when a score
+   exceeds it by more than PD_MAX_SLACK (then to the page's max): the weights stay <= e^slack,
+   and the common page (no new max) takes one vector compare instead of a horizontal max and an
+   expf. page_step: then the weighted V sum, the accumulators rescaled as the V block loads them
+   (no separate pass over acc). */
 AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
                           const float *ksc, const float *vsc, float *wbuf, float *alpha) {
   enum { NV = PD_SLOTS / VW };
@@ -1036,7 +1084,9 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
   int r, c, e;
   for (e = 0; e < VW; e++) lane[e] = e;
   for (r = 0; r < RB; r++) {
-    VF x[NV], mv = ISA(splat)(-INFINITY);
+    VF x[NV], mv = ISA(splat)(-INFINITY), lr;
+    VI over = {0};
+    memcpy(&lr, l + r * PD_SLOTS, sizeof lr);
     for (c = 0; c < NV; c++) {
       const VI in = lane + c * VW < (VI){0} + (int32_t)ns;
       VF y;
@@ -1047,25 +1097,28 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
       if (ksc) y *= ISA(load)(ksc, c * VW, F32);
       x[c] = y = ISA(select)(in, y, ISA(splat)(-INFINITY));
       mv = ISA(select)(y > mv, y, mv);
+      over |= y > ISA(splat)(m[r] + PD_MAX_SLACK);
     }
-    {
+    alpha[r] = 1.0f;
+    if (m[r] == -INFINITY || ISA(any)(over)) { /* the first page, or a new max past the slack */
       const float mx = ISA(hmax)(mv);
-      VF sum = {0};
       if (mx == -INFINITY) { /* no finite score: this page adds nothing to the row */
-        alpha[r] = 1.0f;
         for (c = 0; c < NV; c++) memset(wbuf + r * PD_SLOTS + c * VW, 0, sizeof(VF));
         continue;
       }
-      alpha[r] = mx > m[r] ? expf(m[r] - mx) : 1.0f; /* 0 while m is -inf: acc, l are 0 */
-      if (mx > m[r]) m[r] = mx;
-      for (c = 0; c < NV; c++) {
-        VF w = ISA(expv)(x[c] - ISA(splat)(m[r]));
-        sum += w;
-        if (vsc) w *= ISA(load)(vsc, c * VW, F32);
-        memcpy(wbuf + r * PD_SLOTS + c * VW, &w, sizeof w);
+      if (mx > m[r]) {
+        alpha[r] = expf(m[r] - mx); /* 0 while m is -inf: acc, l are 0 */
+        m[r] = mx;
+        lr *= ISA(splat)(alpha[r]);
       }
-      l[r] = l[r] * alpha[r] + ISA(hsum)(sum);
     }
+    for (c = 0; c < NV; c++) {
+      VF w = ISA(expv)(x[c] - ISA(splat)(m[r]));
+      lr += w;
+      if (vsc) w *= ISA(load)(vsc, c * VW, F32);
+      memcpy(wbuf + r * PD_SLOTS + c * VW, &w, sizeof w);
+    }
+    memcpy(l + r * PD_SLOTS, &lr, sizeof lr);
   }
 }
 
