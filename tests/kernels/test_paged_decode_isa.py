@@ -268,8 +268,9 @@ def test_fused_and_general_pages_split_over_keys(isa, storage, qdtype, case):
 
 
 # Score offsets (in logits) of each logical page of 16 slots: rises within the fused step's slack
-# on its running max (8: weights up to e^8, the max kept), rises past it (the max moved), falls.
-_RAMP = (0.0, 3.0, 6.5, 7.9, 25.0, 24.0, 33.5, 48.0, 10.0)
+# on its running max (8: weights up to e^8, the max kept), rises past it (the max moved; past
+# fp32 exp's range from the last max: 130), falls.
+_RAMP = (0.0, 3.0, 6.5, 7.9, 25.0, 24.0, 33.5, 130.0, 10.0)
 
 
 @pytest.mark.parametrize(
