@@ -42,6 +42,21 @@
    accumulators spill), prefetch 2-3 pages ahead, into L2 only, or in address order (no gain or
    slower).
 
+   Session 7 (Zen 5 EPYC, one thread, CPU time, interleaved with the session-6 code, best of
+   rounds; B=8 x 4,096 tokens from DRAM / B=1 x 1,024 hot in cache): the next page's rows are
+   prefetched one line per line loaded inside the blocks (PD_PREFETCH), not a kv head's rows in a
+   burst; the fused step moves the running max only past a slack (one vector compare a page, no
+   horizontal max or expf) and keeps the denominators as vector partial sums. DRAM: fp32 0.91x,
+   bf16 0.88x, int8 0.89x, fp8 0.96x; hot: 0.91x, 0.97x, 0.79x, 0.91x. bf16 hot is ~260 ns a
+   page-head (4 query rows x 16 slots x 128 dims, K and V): its 512 vdpbf16ps alone take ~200 ns
+   at the ~2.6 a ns this core issues, so what remains is the memory side (~490 ns a page-head
+   from DRAM on one thread). Tried and dropped (one thread; hot unless said): the bf16 V
+   accumulators kept in the pair order across pages (no permutes: 1.00x), int8 keys by vpdpwssd
+   on an int16-quantised query (one vpmovsxbw a piece of key instead of 7 conversions: 1.00x;
+   0.94x from DRAM, within the noise), int8 V rows converted to bf16 pairs for vdpbf16ps (1.14x),
+   from DRAM: prefetching 2 pages ahead (bf16 0.98x, fp32 1.07x, int8 1.10x), prefetchnta or
+   prefetcht1 instead of prefetcht0 (0.97-1.19x).
+
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
    and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
@@ -403,15 +418,17 @@ static inline __attribute__((always_inline)) void scale_slots(float *sc, const v
   }
 }
 
-/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 (one thread, B=32 x
-   4,096 tokens); asking into L2 only (prefetcht2) or non-temporally, or a dense page in address
-   order rather than head by head, measured the same or slower (address order: 1.8x bf16). */
+/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 or slower (sessions 6
+   and 7, one thread, B=32 and B=8 x 4,096 tokens); asking into L2 only (prefetcht2) or
+   non-temporally, or a dense page in address order rather than head by head, measured the same
+   or slower (address order: 1.8x bf16). */
 #define AHEAD 1
 
 /* Ask for the rows of slots [0, ns) of kv head h of a page (`bytes` each, slot stride st[1])
    ahead of their use: pages lie anywhere in the pool, so the hardware prefetcher cannot know the
-   next one. Asked one kv head at a time, between the computations of this page's heads: a whole
-   page asked at once fills the core's miss buffers and stalls it until the page arrives. */
+   next one. The general path's V rows only, one kv head at a time between the heads' work (a
+   whole page asked at once fills the core's miss buffers); the blocks ask for K rows, and the
+   fused step for V rows, line by line as they go (PD_PREFETCH). */
 static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int64_t page,
                           int64_t ns, int64_t h, int64_t bytes) {
   const char *row = base + (page * st[0] + h * st[2]) * esz;
