@@ -53,7 +53,9 @@
    from DRAM on one thread). Tried and dropped (one thread; hot unless said): the bf16 V
    accumulators kept in the pair order across pages (no permutes: 1.00x), int8 keys by vpdpwssd
    on an int16-quantised query (one vpmovsxbw a piece of key instead of 7 conversions: 1.00x;
-   0.94x from DRAM, within the noise), int8 V rows converted to bf16 pairs for vdpbf16ps (1.14x),
+   0.94x from DRAM, within the noise), int8 V rows converted to bf16 pairs for vdpbf16ps (1.14x)
+   or sign-extended to words for vpdpwssd against int16 weights (1.35x; gcc 12 also copies a
+   VNNI intrinsic's accumulator each call, an inline asm keeps it in place),
    from DRAM: prefetching 2 pages ahead (bf16 0.98x, fp32 1.07x, int8 1.10x), prefetchnta or
    prefetcht1 instead of prefetcht0 (0.97-1.19x).
 
