@@ -105,7 +105,9 @@ DECODE_ROWS = [
     ("int8 decode, paged", "bf16 pages, paged (ours)", "<= 0.6"),
     ("fp8 decode, paged", "bf16 pages, paged (ours)", "<= 0.6"),
     ("fp32 paged decode: K/V bytes read per second", "large-tensor copy", ">= 0.70"),
+    ("fp32 paged decode: K/V bytes read per second", "large-tensor sum", "-"),
     ("bf16 paged decode: K/V bytes read per second", "large-tensor copy", ">= 0.70"),
+    ("bf16 paged decode: K/V bytes read per second", "large-tensor sum", "-"),
     ("int8 cache bytes (scales included)", "bf16 cache bytes", "<= 0.53"),
 ]
 
@@ -121,9 +123,12 @@ def check_decode(report: dict) -> None:
         assert row["max_abs_diff"] <= tol and row["kv_gbs"] > 0, row
     for row in rows[3:5]:  # 1-byte pages vs bf16 pages: the quantisation error, no more
         assert row["max_abs_diff"] <= 0.25 and row["kv_gbs"] > 0, row
-    for row in rows[:7]:  # every timed row names the kernel that ran
+    for row in rows[:9]:  # every timed row names the kernel that ran
         assert row["kernel"].startswith(("C kernel, ", "PyTorch")), row
-    size = rows[7]
+    for row in rows[5:9]:  # bytes read per second against the copy and the read rate
+        assert row["ours_gbs"] > 0 and row["peer_gbs"] > 0, row
+        assert (row["met"] is None) == (row["target"] == "-"), row
+    size = rows[9]
     # B=4, S=512, 8 kv heads, D=128: int8 data plus one bfloat16 scale per token and head, K, V.
     tokens_heads = 4 * 512 * 8
     assert size["ours_bytes"] == 2 * tokens_heads * (128 + 2)

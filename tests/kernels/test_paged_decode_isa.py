@@ -265,3 +265,38 @@ def test_fused_and_general_pages_split_over_keys(isa, storage, qdtype, case):
     naive, naive_lse = oracle(q, kp, vp, *args, compute_dtype=qdtype)
     assert_close_to_reference(out.to(qdtype), o64, naive.to(qdtype), dtype=qdtype)
     assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
+
+
+# Score offsets (in logits) of each logical page of 16 slots: rises within the fused step's slack
+# on its running max (8: weights up to e^8, the max kept), rises past it (the max moved; past
+# fp32 exp's range from the last max: 130), falls.
+_RAMP = (0.0, 3.0, 6.5, 7.9, 25.0, 24.0, 33.5, 130.0, 10.0)
+
+
+@pytest.mark.parametrize(
+    "storage, qdtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.bfloat16)]
+)
+def test_running_max_within_and_past_its_slack(isa, storage, qdtype):
+    """Scores that climb page by page (query head 0 of each kv head, and its group's rows) by less
+    and by more than the fused step's slack on the running max, then fall: every path against
+    the fp64 twin by the ratio rule (out and lse), with the sequence in one work item and in
+    items of 2 pages (the splits' merge of maxes set past the slack)."""
+    Hq, Hkv, D, P = 8, 2, 64, 16
+    lens = [len(_RAMP) * P, 5 * P + 3]
+    q, kp, vp, table, sl = make_paged(lens, Hq, Hkv, D=D, P=P, Sq=1, seed=hash((isa, storage)))
+    G = Hq // Hkv
+    for b, n in enumerate(lens):
+        for j in range(-(-n // P)):
+            for h in range(Hkv):  # k += t q_h0 / |q_h0|^2 * sqrt(D): q_h0's scores rise by t
+                qh = q[b, h * G, 0]
+                kp[table[b, j], :, h] += _RAMP[j] * qh / qh.dot(qh) * D**0.5
+    kp, vp, ks, vs = _pages(storage, kp, vp)
+    q = q.to(qdtype)
+    lo, hi = torch.zeros(len(lens), 1, dtype=torch.int64), sl.long().view(-1, 1)
+    args = (table, lo, hi, D**-0.5, ks, vs)
+    o64, l64 = paged_attention_twin(q.double(), kp, vp, *args)
+    naive, naive_lse = paged_attention_twin(q, kp, vp, *args, compute_dtype=qdtype)
+    for splits in (None, (-(-len(_RAMP) // 2), 2)):
+        out, lse = paged_decode.decode(q, kp, vp, *args, splits=splits)
+        assert_close_to_reference(out.to(qdtype), o64, naive, dtype=qdtype)
+        assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")

@@ -42,6 +42,23 @@
    accumulators spill), prefetch 2-3 pages ahead, into L2 only, or in address order (no gain or
    slower).
 
+   Session 7 (Zen 5 EPYC, one thread, CPU time, interleaved with the session-6 code, best of
+   rounds; B=8 x 4,096 tokens from DRAM / B=1 x 1,024 hot in cache): the next page's rows are
+   prefetched one line per line loaded inside the blocks (PD_PREFETCH), not a kv head's rows in a
+   burst; the fused step moves the running max only past a slack (one vector compare a page, no
+   horizontal max or expf) and keeps the denominators as vector partial sums. DRAM: fp32 0.91x,
+   bf16 0.88x, int8 0.89x, fp8 0.96x; hot: 0.91x, 0.97x, 0.79x, 0.91x. bf16 hot is ~260 ns a
+   page-head (4 query rows x 16 slots x 128 dims, K and V): its 512 vdpbf16ps alone take ~200 ns
+   at the ~2.6 a ns this core issues, so what remains is the memory side (~490 ns a page-head
+   from DRAM on one thread). Tried and dropped (one thread; hot unless said): the bf16 V
+   accumulators kept in the pair order across pages (no permutes: 1.00x), int8 keys by vpdpwssd
+   on an int16-quantised query (one vpmovsxbw a piece of key instead of 7 conversions: 1.00x;
+   0.94x from DRAM, within the noise), int8 V rows converted to bf16 pairs for vdpbf16ps (1.14x)
+   or sign-extended to words for vpdpwssd against int16 weights (1.35x; gcc 12 also copies a
+   VNNI intrinsic's accumulator each call, an inline asm keeps it in place),
+   from DRAM: prefetching 2 pages ahead (bf16 0.98x, fp32 1.07x, int8 1.10x), prefetchnta or
+   prefetcht1 instead of prefetcht0 (0.97-1.19x).
+
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
    and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
@@ -98,11 +115,25 @@ static inline float to_f32(const void *row, int64_t i, int dt, const float *lut)
   return lut[((const uint8_t *)row)[i]];
 }
 
+/* Bytes a cache line holds: the prefetch stride. */
+#define LINE 64
+/* Ask for the line at p + pf (the same row of the next page, pf bytes on; pf 0: no next page)
+   where `off`, a row's byte offset, starts a line: the blocks below ask for the next page's rows
+   one line per line they load, spread through their work. Asked in bursts (a kv head's rows at
+   once, session 6), the prefetches filled the core's miss buffers and stalled it on the
+   prefetch instructions themselves: a C model of the walk (one thread, random 32 KiB pages,
+   loads and nothing else) read 18 GB/s that way and 22 GB/s spread. */
+#define PD_PREFETCH(p, pf, off)                                                                   \
+  do {                                                                                            \
+    if ((pf) && (off) % LINE == 0) __builtin_prefetch((const char *)(p) + (pf), 0, 3);            \
+  } while (0)
+
 /* -- the block kernels, per instruction set: scores of a kv head's rows against a run of page
-   slots, and their weighted V sum (the SIMD pass at the end of this file) */
+   slots, and their weighted V sum (the SIMD pass at the end of this file). pf: the byte offset
+   of the next page's rows from these (0: none), prefetched as they go. */
 typedef void (*scores_fn)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
                           int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
-                          int64_t P);
+                          int64_t P, int64_t pf);
 typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
                       const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
                       const float *lut);
@@ -110,9 +141,12 @@ typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB
 /* A page's slots the fused step (page_step) takes at once: a row's scores are PD_SLOTS / VW
    vectors; pages with more slots, or slots only some rows attend, take the general path. */
 #define PD_SLOTS 16
+/* How far a score may exceed a row's running max before the fused step moves the max (see
+   page_weights): the weights then stay <= e^8 ~ 3e3, far from fp32's range. */
+#define PD_MAX_SLACK 8.0f
 typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
                         int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
-                        int64_t vstride, int dt, const float *lut, float *wbuf);
+                        int64_t vstride, int dt, const float *lut, float *wbuf, int64_t pf);
 
 /* the generic pass returns vectors wider than a portable target's registers from functions that
    are always inlined: no ABI is crossed */
@@ -168,8 +202,9 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
 
 __attribute__((target("avx512bf16"), always_inline)) static inline void scores_dp_dt(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, int kdt) {
+    int64_t ns, float *out, int64_t P, float scale, int kdt, int64_t pf) {
   enum { RB = 4, SB = 4 };
+  const int64_t kesz = elem_size(kdt);
   int64_t r, s, d;
   for (r = 0; r < Rh; r += RB) {
     const int64_t nr = Rh - r < RB ? Rh - r : RB;
@@ -184,7 +219,10 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
       for (i = 0; i < RB * SB; i++) acc[i] = _mm512_setzero_ps();
       for (d = 0; d < Dq; d += 32) {
         __m512i kv[SB];
-        for (j = 0; j < SB; j++) kv[j] = key_pairs(k[j], d, D, kdt);
+        for (j = 0; j < SB; j++) {
+          kv[j] = key_pairs(k[j], d, D, kdt);
+          if (r == 0) PD_PREFETCH(k[j] + d * kesz, pf, d * kesz);
+        }
         for (i = 0; i < RB; i++) {
           const __m512i qv = _mm512_loadu_si512(qr[i] + d);
           for (j = 0; j < SB; j++)
@@ -203,11 +241,11 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
 /* bf16 or int8 keys (one instance each: the loads specialise) */
 __attribute__((target("avx512bf16"))) static void scores_bf16dp(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, int kdt) {
+    int64_t ns, float *out, int64_t P, float scale, int kdt, int64_t pf) {
   if (kdt == BF16)
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, BF16);
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, BF16, pf);
   else
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8);
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8, pf);
 }
 
 /* The fused page step (page_step) for bf16 V rows and a bf16 query, the weighted V sum by
@@ -221,7 +259,7 @@ __attribute__((target("avx512bf16"))) static void scores_bf16dp(
 __attribute__((target("avx512bf16"), always_inline)) static inline void page_step_dp_rb(
     float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, const float *lut,
-    float *wbuf) {
+    float *wbuf, int64_t pf) {
   enum { NP = PD_SLOTS / 2 }; /* slot pairs */
   float alpha[4];
   uint32_t wp[4][NP]; /* the weights of slots 2p, 2p + 1 as a bf16 pair */
@@ -247,6 +285,8 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
     for (p = 0; 2 * p < ns; p++) {
       const uint16_t *va = (const uint16_t *)(v0 + 2 * p * vstride) + d;
       const __m512i x = _mm512_loadu_si512(va);
+      PD_PREFETCH(va, pf, d * 2);
+      if (2 * p + 1 < ns) PD_PREFETCH((const char *)va + vstride, pf, d * 2);
       /* an odd ns: slot ns is past the page's used slots (its weight is 0, its bytes may be NaN) */
       const __m512i y = 2 * p + 1 < ns ? _mm512_loadu_si512((const uint16_t *)(v0 + (2 * p + 1) * vstride) + d)
                                        : _mm512_setzero_si512();
@@ -265,19 +305,19 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
   }
   for (; d < Dv; d += 16)
     pv_cols_avx512(acc, Dv, wbuf, PD_SLOTS, RB, 1, d, Dv - d < 16 ? Dv - d : 16, v0, vstride, 0,
-                   ns, BF16, lut, alpha);
+                   ns, BF16, lut, alpha, pf);
 }
 
 __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
     float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
-    float *wbuf) {
+    float *wbuf, int64_t pf) {
   (void)dt; /* BF16: the caller picks this step for bf16 V only */
   switch (RB) {
-    case 4: page_step_dp_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
-    case 3: page_step_dp_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
-    case 2: page_step_dp_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
-    default: page_step_dp_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf); break;
+    case 4: page_step_dp_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+    case 3: page_step_dp_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+    case 2: page_step_dp_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+    default: page_step_dp_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
   }
 }
 #pragma GCC pop_options
@@ -380,23 +420,41 @@ static inline __attribute__((always_inline)) void scale_slots(float *sc, const v
   }
 }
 
-/* Bytes a cache line holds: the prefetch stride. */
-#define LINE 64
-/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 (one thread, B=32 x
-   4,096 tokens); asking into L2 only (prefetcht2) or non-temporally, or a dense page in address
-   order rather than head by head, measured the same or slower (address order: 1.8x bf16). */
+/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 or slower (sessions 6
+   and 7, one thread, B=32 and B=8 x 4,096 tokens); asking into L2 only (prefetcht2) or
+   non-temporally, or a dense page in address order rather than head by head, measured the same
+   or slower (address order: 1.8x bf16). */
 #define AHEAD 1
 
 /* Ask for the rows of slots [0, ns) of kv head h of a page (`bytes` each, slot stride st[1])
    ahead of their use: pages lie anywhere in the pool, so the hardware prefetcher cannot know the
-   next one. Asked one kv head at a time, between the computations of this page's heads: a whole
-   page asked at once fills the core's miss buffers and stalls it until the page arrives. */
+   next one. The general path's V rows only, one kv head at a time between the heads' work (a
+   whole page asked at once fills the core's miss buffers); the blocks ask for K rows, and the
+   fused step for V rows, line by line as they go (PD_PREFETCH). */
 static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int64_t page,
                           int64_t ns, int64_t h, int64_t bytes) {
   const char *row = base + (page * st[0] + h * st[2]) * esz;
   for (int64_t s = 0; s < ns; s++, row += st[1] * esz) {
 #pragma GCC unroll 4
     for (int64_t o = 0; o < bytes; o += LINE) __builtin_prefetch(row + o, 0, 3);
+  }
+}
+
+/* The R rows' softmax denominators from the fused step's partial sums lv (PD_SLOTS a row) to
+   the general path's l (to_l), or back (the whole of l[r] into lv's first lane); the source is
+   zeroed. */
+static void move_sums(float *l, float *lv, int64_t R, int to_l) {
+  for (int64_t r = 0; r < R; r++) {
+    float *v = lv + r * PD_SLOTS;
+    if (to_l) {
+      float sum = 0.0f;
+      for (int s = 0; s < PD_SLOTS; s++) sum += v[s];
+      l[r] = sum;
+      memset(v, 0, sizeof(float) * PD_SLOTS);
+    } else {
+      v[0] = l[r];
+      l[r] = 0.0f;
+    }
   }
 }
 
@@ -441,6 +499,11 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
   for (r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * R * Dv);
+  /* The denominators as the fused step keeps them (lv: PD_SLOTS partial sums a row, see
+     page_weights) or as the general path does (l): one of the two holds them at a time. */
+  float *lv = stmp + P + 6 * PD_SLOTS;
+  int in_lv = 1;
+  memset(lv, 0, sizeof(float) * R * PD_SLOTS);
   for (i = 0; i < Sq * NI; i++)
     if (hi[i] > lo[i]) {
       if (lo[i] < kmin) kmin = lo[i];
@@ -467,19 +530,22 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     /* the used slots [0, n1) of the page AHEAD pages on (0: none in this item) */
     const int64_t jn = j + AHEAD;
     const int64_t n1 = jn < j1 ? (kmax < (jn + 1) * P ? kmax - jn * P : P) : 0;
+    /* the bytes from this page's K and V rows to the next one's (0: no next page), which the
+       blocks prefetch as they go */
+    const int64_t pfk = n1 ? (table[jn] - page) * a[A_KSN] * kesz : 0;
+    const int64_t pfv = n1 ? (table[jn] - page) * a[A_VSN] * vesz : 0;
     /* -- scores sc[r * P + s], kv head by kv head */
     for (h = 0; h < Hkv; h++) {
-      if (n1) prefetch_head(kbase, a + A_KSN, kesz, table[jn], n1, h, D * kesz);
       const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
 #ifdef HAVE_X86_PATHS
       if (dp) {
         scores_bf16dp(qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, sc + h * Rh * P, P,
-                      job->scale, kdt);
+                      job->scale, kdt, pfk);
         continue;
       }
 #endif
       job->scores(qbuf + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, kdt, lut,
-                  sc + h * Rh * P, P);
+                  sc + h * Rh * P, P, pfk);
     }
     /* -- a page every row attends whole (in decode, every page: the first and last ones'
        used slots are [s0, s1)): the softmax and the V sum fused, kv head by kv head */
@@ -490,22 +556,23 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       whole_all &= whole;
     }
     if (whole_all) {
+      if (!in_lv) move_sums(l, lv, R, 0), in_lv = 1;
       float *ksh = a[A_KSC] ? stmp + P : NULL, *vsh = a[A_VSC] ? stmp + P + PD_SLOTS : NULL;
       float *wbuf = stmp + P + 2 * PD_SLOTS;
       for (h = 0; h < Hkv; h++) {
-        if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[jn], n1, h, Dv * vesz);
         const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
         for (s = 0; s < PD_SLOTS; s++) { /* this head's dequantisation scales; 1 past ns */
           if (ksh) ksh[s] = s < ns ? dequant_scale(ksc, a[A_KSC], page, s0 + s, P, Hkv, h) : 1.0f;
           if (vsh) vsh[s] = s < ns ? dequant_scale(vsc, a[A_VSC], page, s0 + s, P, Hkv, h) : 1.0f;
         }
         for (r = h * Rh; r < (h + 1) * Rh; r += 4)
-          job->page(acc + r * Dv, Dv, m + r, l + r, sc + r * P, P,
+          job->page(acc + r * Dv, Dv, m + r, lv + r * PD_SLOTS, sc + r * P, P,
                     (h + 1) * Rh - r < 4 ? (int)((h + 1) * Rh - r) : 4, ns, ksh, vsh, v0,
-                    a[A_VSP] * vesz, vdt, lut, wbuf);
+                    a[A_VSP] * vesz, vdt, lut, wbuf, r == h * Rh ? pfv : 0);
       }
       continue;
     }
+    if (in_lv) move_sums(l, lv, R, 1), in_lv = 0;
     if (a[A_KSC]) /* dequantise the scores */
       scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
     /* -inf scores outside each query's allowed slots */
@@ -566,6 +633,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
                    vdt, lut, sa, sb, NI);
     }
   }
+  if (in_lv) move_sums(l, lv, R, 1);
 }
 
 static void *worker(void *arg) {
@@ -573,8 +641,9 @@ static void *worker(void *arg) {
   const int64_t *a = job->a;
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
   /* q rows, scores, then scratch: P slot scales (general path), or the fused step's K and V
-     scales and its weights (page_step: 2 + 4 rows of PD_SLOTS) */
-  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS));
+     scales and its weights (page_step: 2 + 4 rows of PD_SLOTS), and its denominators (R rows of
+     PD_SLOTS) */
+  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS + R * PD_SLOTS));
   uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
   int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
   void *ret = NULL;
@@ -818,8 +887,10 @@ AI void ISA(reduce_store)(const VF *v, float *out) {
    s < nk; a block past the last key repeats it, its sums dropped): RB * SB = VW accumulators,
    one FMA chain each, each key vector loaded (and converted) once for the RB rows. */
 AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, int64_t kstride,
-                         int64_t nk, int dt, const float *lut, int RB, float *out, int64_t P) {
+                         int64_t nk, int dt, const float *lut, int RB, float *out, int64_t P,
+                         int64_t pf) {
   const int SB = VW / RB;
+  const int64_t esz = elem_size(dt);
   VF acc[VW];
   const char *k[VW];
   int r, s;
@@ -831,6 +902,7 @@ AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, 
     for (r = 0; r < RB; r++) memcpy(&qv[r], q + r * Dp + d, sizeof(VF));
     for (s = 0; s < SB; s++) {
       const VF kv = ISA(load)(k[s], d, dt);
+      PD_PREFETCH(k[s] + d * esz, pf, d * esz);
       for (r = 0; r < RB; r++) acc[r * SB + s] += qv[r] * kv;
     }
   }
@@ -853,34 +925,35 @@ AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, 
 /* Scores of a kv head's Rh rows against the ns slots from k0, in blocks of 4, 2 and 1 rows. */
 AI void ISA(scores_dt)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
                        int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
-                       int64_t P) {
+                       int64_t P, int64_t pf) {
   int64_t r = 0, s;
+  /* the first block of rows asks for the next page's keys, the others find them asked */
   for (; r + 4 <= Rh; r += 4)
     for (s = 0; s < ns; s += VW / 4)
       ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 4,
-                       out + r * P + s, P);
+                       out + r * P + s, P, r ? 0 : pf);
   if (r + 2 <= Rh) {
     for (s = 0; s < ns; s += VW / 2)
       ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 2,
-                       out + r * P + s, P);
+                       out + r * P + s, P, r ? 0 : pf);
     r += 2;
   }
   if (r < Rh)
     for (s = 0; s < ns; s += VW)
       ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 1,
-                       out + r * P + s, P);
+                       out + r * P + s, P, r ? 0 : pf);
 }
 
 /* One instance per key dtype: the dtype is a constant inside each, so the loads specialise. */
 static void ISA(scores)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
                         int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
-                        int64_t P) {
+                        int64_t P, int64_t pf) {
   switch (dt) {
-    case F32: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F32, lut, out, P); break;
-    case BF16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, BF16, lut, out, P); break;
-    case F16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F16, lut, out, P); break;
-    case I8: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, I8, lut, out, P); break;
-    default: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, LUT8, lut, out, P); break;
+    case F32: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F32, lut, out, P, pf); break;
+    case BF16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, BF16, lut, out, P, pf); break;
+    case F16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F16, lut, out, P, pf); break;
+    case I8: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, I8, lut, out, P, pf); break;
+    default: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, LUT8, lut, out, P, pf); break;
   }
 }
 
@@ -889,8 +962,9 @@ static void ISA(scores)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const
    converted) once for the RB rows. A last partial vector of Dv goes through a zero-filled one. */
 AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int NC,
                      int64_t d, int64_t nd, const char *v0, int64_t vstride, int64_t sa,
-                     int64_t sb, int dt, const float *lut, const float *alpha) {
+                     int64_t sb, int dt, const float *lut, const float *alpha, int64_t pf) {
   const int full = nd == NC * VW;
+  const int64_t esz = elem_size(dt);
   VF t[4][4];
   int r, c;
   int64_t s;
@@ -903,8 +977,10 @@ AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB,
   for (s = sa; s < sb; s++) {
     const char *v = v0 + s * vstride;
     VF vv[4];
-    for (c = 0; c < NC; c++)
+    for (c = 0; c < NC; c++) {
       vv[c] = full ? ISA(load)(v, d + c * VW, dt) : ISA(load_tail)(v, d, nd, dt, lut);
+      PD_PREFETCH(v + (d + c * VW) * esz, pf, (d + c * VW) * esz);
+    }
     for (r = 0; r < RB; r++) {
       const VF wr = ISA(splat)(w[r * ws + s]);
       for (c = 0; c < NC; c++) t[r][c] += wr * vv[c];
@@ -921,15 +997,15 @@ AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB,
 
 AI void ISA(pv_dt)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
                    const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
-                   const float *lut, const float *alpha) {
+                   const float *lut, const float *alpha, int64_t pf) {
   /* accumulator vectors per row in registers: up to 16 zmm of 32, 8 ymm of avx2's 16 */
   const int NC = (VW == 16 ? 16 : 8) / RB > 4 ? 4 : (VW == 16 ? 16 : 8) / RB;
   int64_t d = 0;
   for (; d + NC * VW <= Dv; d += NC * VW)
-    ISA(pv_cols)(acc, as, w, ws, RB, NC, d, NC * VW, v0, vstride, sa, sb, dt, lut, alpha);
+    ISA(pv_cols)(acc, as, w, ws, RB, NC, d, NC * VW, v0, vstride, sa, sb, dt, lut, alpha, pf);
   for (; d < Dv; d += VW) {
     const int64_t nd = Dv - d < VW ? Dv - d : VW;
-    ISA(pv_cols)(acc, as, w, ws, RB, 1, d, nd, v0, vstride, sa, sb, dt, lut, alpha);
+    ISA(pv_cols)(acc, as, w, ws, RB, 1, d, nd, v0, vstride, sa, sb, dt, lut, alpha, pf);
   }
 }
 
@@ -938,10 +1014,10 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
                     const float *lut) {
 #define PD_PV(DT)                                                                                 \
   switch (RB) {                                                                                   \
-    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;         \
-    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;         \
-    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;         \
-    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut, NULL); break;        \
+    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;      \
+    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;      \
+    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;      \
+    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;     \
   }
   switch (dt) {
     case F32: PD_PV(F32) break;
@@ -955,7 +1031,8 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
 
 /* exp of VW floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes expf polynomial
    (about 1 ulp), times 2^n built in the exponent bits. x below -87.3 (exp under FLT_MIN; -inf for
-   a masked key) gives exactly 0; callers pass x <= 0 (scores minus their running max). Libm's
+   a masked key) gives exactly 0; callers pass x <= PD_MAX_SLACK (scores minus their running
+   max). Libm's
    scalar expf is ~20x slower per value and, without -ffast-math, never vectorised. */
 AI VF ISA(expv)(VF x) {
   const VF lo = ISA(splat)(-87.33654f);
@@ -1008,13 +1085,30 @@ AI float ISA(hsum)(VF x) {
 #undef PD_ADD_STEP
 #undef PD_SWAPS
 
-/* One page's whole step for RB <= 4 rows of a kv head (rows r: acc + r * Dv, m[r], l[r], scores
-   sc + r * P) that all attend every one of the page's ns <= PD_SLOTS slots. page_weights: each
-   row's scores as PD_SLOTS / VW vectors (lanes past ns: -inf), dequantised by ksc (per slot, or
-   NULL); the online softmax update in registers (max, weights, sum: no scalar loop over the
-   slots); the weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS, 0 past ns), each
-   row's rescale factor into alpha. page_step: then the weighted V sum, the accumulators rescaled
-   as the V block loads them (no separate pass over acc). */
+/* Whether any lane of a comparison's result is true. */
+AI int ISA(any)(VI v) {
+#if PD_X86 == 512
+  return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
+#elif PD_X86 == 256
+  return !_mm256_testz_si256((__m256i)v, (__m256i)v);
+#else
+  int r = 0;
+  for (int e = 0; e < VW; e++) r |= v[e] != 0;
+  return r;
+#endif
+}
+
+/* One page's whole step for RB <= 4 rows of a kv head (rows r: acc + r * Dv, m[r], scores
+   sc + r * P, and the softmax denominator as the VW partial sums of the PD_SLOTS floats at
+   l + r * PD_SLOTS, summed when the item ends: no horizontal sum a page) that all attend every
+   one of the page's ns <= PD_SLOTS slots. page_weights: each row's scores as PD_SLOTS / VW
+   vectors (lanes past ns: -inf), dequantised by ksc (per slot, or NULL); the online softmax
+   update in registers; the weights times the V scales vsc (or NULL) into wbuf (RB x PD_SLOTS, 0
+   past ns), each row's rescale factor into alpha. The running max m moves only when a score
+   exceeds it by more than PD_MAX_SLACK (then to the page's max): the weights stay <= e^slack,
+   and the common page (no new max) takes one vector compare instead of a horizontal max and an
+   expf. page_step: then the weighted V sum, the accumulators rescaled as the V block loads them
+   (no separate pass over acc). */
 AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
                           const float *ksc, const float *vsc, float *wbuf, float *alpha) {
   enum { NV = PD_SLOTS / VW };
@@ -1022,7 +1116,9 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
   int r, c, e;
   for (e = 0; e < VW; e++) lane[e] = e;
   for (r = 0; r < RB; r++) {
-    VF x[NV], mv = ISA(splat)(-INFINITY);
+    VF x[NV], mv = ISA(splat)(-INFINITY), lr;
+    VI over = {0};
+    memcpy(&lr, l + r * PD_SLOTS, sizeof lr);
     for (c = 0; c < NV; c++) {
       const VI in = lane + c * VW < (VI){0} + (int32_t)ns;
       VF y;
@@ -1033,52 +1129,60 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
       if (ksc) y *= ISA(load)(ksc, c * VW, F32);
       x[c] = y = ISA(select)(in, y, ISA(splat)(-INFINITY));
       mv = ISA(select)(y > mv, y, mv);
+      over |= y > ISA(splat)(m[r] + PD_MAX_SLACK);
     }
-    {
+    alpha[r] = 1.0f;
+    if (m[r] == -INFINITY || ISA(any)(over)) { /* the first page, or a new max past the slack */
       const float mx = ISA(hmax)(mv);
-      VF sum = {0};
       if (mx == -INFINITY) { /* no finite score: this page adds nothing to the row... */
-        alpha[r] = 1.0f;
         for (c = 0; c < NV; c++) /* ...but a NaN one makes its sum NaN (see merge) */
           for (e = 0; e < VW; e++)
-            if (x[c][e] != x[c][e]) l[r] = NAN;
+            if (x[c][e] != x[c][e]) lr = ISA(splat)(NAN);
+        memcpy(l + r * PD_SLOTS, &lr, sizeof lr);
         for (c = 0; c < NV; c++) memset(wbuf + r * PD_SLOTS + c * VW, 0, sizeof(VF));
         continue;
       }
-      alpha[r] = mx > m[r] ? expf(m[r] - mx) : 1.0f; /* 0 while m is -inf: acc, l are 0 */
-      if (mx > m[r]) m[r] = mx;
-      for (c = 0; c < NV; c++) {
-        VF w = ISA(expv)(x[c] - ISA(splat)(m[r]));
-        sum += w;
-        if (vsc) w *= ISA(load)(vsc, c * VW, F32);
-        memcpy(wbuf + r * PD_SLOTS + c * VW, &w, sizeof w);
+      if (mx > m[r]) {
+        alpha[r] = expf(m[r] - mx); /* 0 while m is -inf: acc, l are 0 */
+        m[r] = mx;
+        lr *= ISA(splat)(alpha[r]);
       }
-      l[r] = l[r] * alpha[r] + ISA(hsum)(sum);
     }
+    for (c = 0; c < NV; c++) {
+      VF w = ISA(expv)(x[c] - ISA(splat)(m[r]));
+      lr += w;
+      if (vsc) w *= ISA(load)(vsc, c * VW, F32);
+      memcpy(wbuf + r * PD_SLOTS + c * VW, &w, sizeof w);
+    }
+    memcpy(l + r * PD_SLOTS, &lr, sizeof lr);
   }
 }
 
 AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
                           int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
-                          int64_t vstride, int dt, const float *lut, float *wbuf) {
+                          int64_t vstride, int dt, const float *lut, float *wbuf, int64_t pf) {
   float alpha[4];
   ISA(page_weights)(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
-  ISA(pv_dt)(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, dt, lut, alpha);
+  ISA(pv_dt)(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, dt, lut, alpha, pf);
 }
 
 static void ISA(page_step)(float *acc, int64_t Dv, float *m, float *l, const float *sc,
                            int64_t P, int RB, int64_t ns, const float *ksc, const float *vsc,
                            const char *v0, int64_t vstride, int dt, const float *lut,
-                           float *wbuf) {
+                           float *wbuf, int64_t pf) {
 #define PD_STEP_RB(DT)                                                                            \
   switch (RB) {                                                                                   \
-    case 4: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, DT, lut, wbuf);  \
+    case 4: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
+                              pf);                                                                \
       break;                                                                                      \
-    case 3: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, DT, lut, wbuf);  \
+    case 3: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
+                              pf);                                                                \
       break;                                                                                      \
-    case 2: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, DT, lut, wbuf);  \
+    case 2: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
+                              pf);                                                                \
       break;                                                                                      \
-    default: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, DT, lut, wbuf); \
+    default: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, DT, lut, wbuf, \
+                               pf);                                                               \
       break;                                                                                      \
   }
   switch (dt) {
