@@ -80,6 +80,7 @@ __all__ = [
     "SPEC",
     "Tiles",
     "backward",
+    "exp2_weights",
     "forward",
     "isa",
     "library",
@@ -109,6 +110,8 @@ SPEC = CLibrary(
         Function("fa_has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
         # fa_tanh(x, y, n): the soft cap's vectorised tanh, for tests
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
+        # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
+        Function("fa_exp2w", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.
@@ -409,12 +412,22 @@ def _tile_ptrs(tiles: Tiles) -> dict:
     return dict(zip(names, tiles.tensors()))
 
 
-def tanh(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
-    """``tanh`` of float32 ``x`` as the kernel's soft cap computes it (for tests)."""
+def _map(name: str, x: torch.Tensor, generic: bool) -> torch.Tensor:
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty_like(x)
-    _lib(generic).fa_tanh(x.data_ptr(), y.data_ptr(), x.numel())
+    getattr(_lib(generic), name)(x.data_ptr(), y.data_ptr(), x.numel())
     return y
+
+
+def tanh(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """``tanh`` of float32 ``x`` as the kernel's soft cap computes it (for tests)."""
+    return _map("fa_tanh", x, generic)
+
+
+def exp2_weights(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """``2^x`` of float32 ``x`` as the forward computes its weights (for tests): the degree-5
+    ``exp2w`` of the bf16 path where the build has avx512_bf16, the float32 path's else."""
+    return _map("fa_exp2w", x, generic)
 
 
 def twin(q, k, v, tiles: Tiles, scale: float, dtype: torch.dtype = torch.float64,

@@ -133,17 +133,20 @@ static inline v16 tanhv(v16 x) {
   return (v16)((v16i)t | sign);
 }
 
-/* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
-void fa_tanh(const float *x, float *y, int64_t n) {
+/* n floats: y = f(x), 16 at a time (the test entry points of the kernel's vector functions). */
+static void map16(const float *x, float *y, int64_t n, v16 (*f)(v16)) {
   int64_t i = 0;
-  for (; i + VW <= n; i += VW) st(y + i, tanhv(ld(x + i)));
+  for (; i + VW <= n; i += VW) st(y + i, f(ld(x + i)));
   if (i < n) {
     float buf[VW] = {0};
     memcpy(buf, x + i, sizeof(float) * (size_t)(n - i));
-    const v16 t = tanhv(ld(buf));
+    const v16 t = f(ld(buf));
     memcpy(y + i, &t, sizeof(float) * (size_t)(n - i));
   }
 }
+
+/* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
+void fa_tanh(const float *x, float *y, int64_t n) { map16(x, y, n, tanhv); }
 
 /* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
    ldb), with nv a constant at each call site, so the accumulators stay in registers; zero: C =
@@ -977,7 +980,10 @@ static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) {
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], qt.b, qt.h);
     const KeyMasks *km = bits ? job->tb + (bits - (const uint8_t *)p[P_BITS]) / (d.bq * BK) : NULL;
     const int64_t ka = km ? km->ka : 0, kz = km ? km->kz : nk;
-    const uint32_t *kr = (const uint32_t *)job->kb + blk * BK * np;
+    /* K's rows of pair words: in place for even D (a pair word is 4 bytes of k), but for a
+       last tile of fewer than BK keys, which the blocks of RB keys would read past */
+    const uint32_t *kr = d.D % 2 == 0 && nk == BK ? (const uint32_t *)p[P_K] + (qt.kvh + c0) * np
+                                                   : (const uint32_t *)job->kb + blk * BK * np;
     const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
     if (kz <= ka) continue;
     /* -- Sᵀ of keys [ka, kz) by blocks of RB keys, each over the vectors of rows that attend
@@ -1255,7 +1261,9 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   const int32_t *colptr = (const int32_t *)p[P_COLPTR];
   if (colptr[j] == colptr[j + 1]) return; /* no query tile reads this key tile */
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
-  if (job->kb && job->bt)
+  if (job->kb && job->bt && d.D % 2 == 0 && nk == BK) {
+    /* fwd_bf16_item reads these keys' pair words in place */
+  } else if (job->kb && job->bt)
     pack_pairs((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (d.D + 1) / 2,
                (const uint16_t *)p[P_K], kv0 * d.D, nk, d.D, BK);
   else if (job->kb)
@@ -1331,6 +1339,20 @@ static void free_packed(Job *job) {
 }
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
+
+#if HAVE_DPBF16
+static v16 exp2w_all(v16 x) { return (v16)exp2w((__m512)x, 0xffff); }
+#endif
+
+/* n floats: y = 2^x as the forward computes its weights: exp2w on the transposed bf16 path,
+   exp2v elsewhere (tests measure its error). */
+void fa_exp2w(const float *x, float *y, int64_t n) {
+#if HAVE_DPBF16
+  map16(x, y, n, exp2w_all);
+#else
+  map16(x, y, n, exp2v);
+#endif
+}
 
 /* 0 on success, 1 when scratch memory could not be allocated, 2 for a tile width this build
    does not have (BK). out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq): float32. */
