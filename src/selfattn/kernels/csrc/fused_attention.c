@@ -161,7 +161,14 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
     for (x = 0; x < nv; x++) acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
   for (int64_t k = 0; k < K; k++) {
     v16 b[NV];
-    for (x = 0; x < nv; x++) b[x] = ld(B + k * ldb + x * VW);
+    for (x = 0; x < nv; x++) {
+      b[x] = ld(B + k * ldb + x * VW);
+#if defined(__AVX512F__)
+      /* in a register: gcc folds the load into each of the RB FMAs that read it (RB loads
+         instead of one: the loop then waits on loads, not on FMAs) */
+      __asm__("" : "+v"(b[x]));
+#endif
+    }
     for (r = 0; r < RB; r++) {
       const float a = A[r * lda + k];
       for (x = 0; x < nv; x++) acc[r][x] += a * b[x];
