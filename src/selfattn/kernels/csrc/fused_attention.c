@@ -25,8 +25,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+/* the transposed forward (fwd_t) uses AVX-512 lane masks, and BW's byte tests for its masks */
+#define HAVE_TRANSPOSED 1
+#else
+#define HAVE_TRANSPOSED 0
 #endif
 
 /* iargs, in order */
@@ -148,17 +152,22 @@ static void map16(const float *x, float *y, int64_t n, v16 (*f)(v16)) {
 /* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
 void fa_tanh(const float *x, float *y, int64_t n) { map16(x, y, n, tanhv); }
 
-/* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
-   ldb), with nv a constant at each call site, so the accumulators stay in registers; zero: C =
-   A B instead (C is not read). */
+/* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K; element k of row r at A[r lda +
+   k ldk]) B (K x nv*VW, stride ldb), with nv a constant at each call site, so the accumulators
+   stay in registers; zero: C = A B instead (C is not read); scale (not NULL): C's rows are first
+   multiplied by scale[r] (the online softmax's rescale, folded into the load). */
 static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc, const float *A,
-                                                           int64_t lda, const float *B,
-                                                           int64_t ldb, int64_t K, int nv,
-                                                           int zero) {
+                                                           int64_t lda, int64_t ldk,
+                                                           const float *B, int64_t ldb,
+                                                           int64_t K, int nv, int zero,
+                                                           const float *scale) {
   v16 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
+    for (x = 0; x < nv; x++) {
+      acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
+      if (scale) acc[r][x] *= scale[r];
+    }
   for (int64_t k = 0; k < K; k++) {
     v16 b[NV];
     for (x = 0; x < nv; x++) {
@@ -170,7 +179,7 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
 #endif
     }
     for (r = 0; r < RB; r++) {
-      const float a = A[r * lda + k];
+      const float a = A[r * lda + k * ldk];
       for (x = 0; x < nv; x++) acc[r][x] += a * b[x];
     }
   }
@@ -182,27 +191,35 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
    callers pad). */
 static inline __attribute__((always_inline)) void mm_rows_z(float *C, int64_t ldc,
                                                             const float *A, int64_t lda,
-                                                            const float *B, int64_t ldb,
-                                                            int64_t K, int64_t N, int zero) {
+                                                            int64_t ldk, const float *B,
+                                                            int64_t ldb, int64_t K, int64_t N,
+                                                            int zero, const float *scale) {
   for (int64_t n = 0; n < N; n += NV * VW) {
     float *c = C + n;
     const float *b = B + n;
     switch ((N - n) / VW) {
-      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1, zero); break;
-      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2, zero); break;
-      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3, zero); break;
-      default: mm_block(c, ldc, A, lda, b, ldb, K, 4, zero); break;
+      case 1: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 1, zero, scale); break;
+      case 2: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 2, zero, scale); break;
+      case 3: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 3, zero, scale); break;
+      default: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 4, zero, scale); break;
     }
   }
 }
 static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                     int64_t ldb, int64_t K, int64_t N) {
-  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 0);
+  mm_rows_z(C, ldc, A, lda, 1, B, ldb, K, N, 0, NULL);
 }
 static void mm_rows0(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                      int64_t ldb, int64_t K, int64_t N) {
-  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 1);
+  mm_rows_z(C, ldc, A, lda, 1, B, ldb, K, N, 1, NULL);
 }
+#if HAVE_TRANSPOSED
+/* mm_rows with A's elements k apart by ldk and C's rows first scaled (scale NULL: not) */
+static void mm_rows_s(float *C, int64_t ldc, const float *A, int64_t lda, int64_t ldk,
+                      const float *B, int64_t ldb, int64_t K, int64_t N, const float *scale) {
+  mm_rows_z(C, ldc, A, lda, ldk, B, ldb, K, N, 0, scale);
+}
+#endif
 
 static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *B, int64_t ldb,
                int64_t M, int64_t K, int64_t N) {
@@ -837,7 +854,7 @@ typedef struct KeyMasks {
   uint8_t lo[MAXBQ / RB], hi[MAXBQ / RB], ka, kz;
 } KeyMasks;
 
-#if HAVE_DPBF16
+#if HAVE_TRANSPOSED
 /* The key masks of every PARTIAL block instance (index as block_bits'), from the byte blocks,
    clipped to each tile's rows (tq) and keys (nk): each row's bytes as a 64-bit key mask (one
    vptestmb), then that 64 x 64 bit matrix transposed 8 rows at a time (vptestmq per key). */
@@ -926,57 +943,66 @@ static inline void transpose16(__m512i w[VW]) {
 
 /* Work item (b, h, query tile i), as fwd_item's, on transposed tiles: Sᵀ = K Qᵀ (a key per row,
    16 query rows a vector), then per vector of 16 rows the max over the tile's keys, the new
-   running max and rescale factor, the weights 2^(s c - m) as bf16 pair words of two keys
-   (pw: pair p, row r at p MAXBQ + r) and their sum, then out += P V with P's words broadcast
-   from pw (the rescale folded into the accumulator's load). */
-static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) {
+   running max and rescale factor, the weights 2^(s - m) and their sum, then out += P V with P's
+   elements broadcast from the weights' tile (the rescale folded into the accumulator's load).
+   bf (a constant): bf16 q, k, v by vdpbf16ps, the weights as bf16 pair words of two keys (pw:
+   pair p, row r at p MAXBQ + r) and raw scores times c in the softmax; else float32, q times c
+   as it is packed and the weights in place of the scores. */
+static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_t item,
+                                                        float *buf, const int bf) {
   const Job *job = (const Job *)vjob;
   const Dims d = dims(job->a);
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
   const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, np = (d.D + 1) / 2;
   const int64_t nqv = (tq + VW - 1) / VW; /* vectors of 16 query rows */
-  uint32_t *qT = (uint32_t *)buf;                    /* Qᵀ: np x MAXBQ pair words */
-  float *st = (float *)(qT + np * MAXBQ);            /* Sᵀ: BK x MAXBQ */
-  uint32_t *pw = (uint32_t *)(st + BK * MAXBQ);      /* P: BK / 2 x MAXBQ pair words */
+  /* Qᵀ: float32 D x MAXBQ, or bf16 pair words np x MAXBQ */
+  float *qT = buf, *st = buf + d.D * MAXBQ; /* Sᵀ: BK x MAXBQ */
+  uint32_t *pw = (uint32_t *)(st + BK * MAXBQ);      /* P (bf): BK / 2 x MAXBQ pair words */
   float *acc = (float *)(pw + BK / 2 * MAXBQ);       /* out: MAXBQ x Dvp */
   float *m = acc + MAXBQ * d.Dvp, *l = m + MAXBQ, *alpha = l + MAXBQ;
   const int64_t blk0 = qt.kvh / d.Sk * d.nk;
-  /* scores are s c with c = scale log2(e): the max is taken on s, so c must be positive; a
-     negative scale negates q instead (exact in bf16) */
-  const float c = fabsf(job->c);
-  const uint32_t flip = job->c < 0 ? 0x80008000u : 0;
+  /* bf16 scores are s c with c = scale log2(e): the max is taken on s, so c must be positive;
+     a negative scale negates q instead (exact in bf16). float32 q is packed times c. */
+  const float c = bf ? fabsf(job->c) : 1.0f;
+  const uint32_t flip = bf && job->c < 0 ? 0x80008000u : 0;
   const __m512 vc = _mm512_set1_ps(c), ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1);
-  /* interleaves the bf16 of two 16-lane vectors (a, b: words lane i = (a_i, b_i)) */
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
   int64_t r, k, t, v;
 
-  /* -- Qᵀ as pair words, rows [tq, nqv VW) 0: for even D a pair word is 4 bytes of q, and
-     blocks of 16 rows x 16 words are transposed in registers (scalar stores were a quarter of
-     this item's time, vpgatherdd 40%) */
-  if (d.D % 2 == 0) {
+  /* -- Qᵀ, rows [tq, nqv VW) 0: blocks of 16 rows x 16 32-bit words (floats, or for even D
+     bf16 pairs: 4 bytes of q) transposed in registers (scalar stores were a quarter of this
+     item's time, vpgatherdd 40%) */
+  if (!bf && d.dt != F32) { /* fp16: converted and scaled element by element */
+    memset(qT, 0, sizeof(float) * d.D * MAXBQ);
+    for (r = 0; r < tq; r++)
+      for (k = 0; k < d.D; k++) load_row(qT + k * MAXBQ + r, p[P_Q], (row0 + r) * d.D + k, 1, d.dt, job->c);
+  } else if (!bf || d.D % 2 == 0) {
+    const int64_t words = bf ? np : d.D;
     const __m512i fl = _mm512_set1_epi32((int)flip);
+    const __m512 cq = _mm512_set1_ps(job->c);
     for (v = 0; v < nqv; v++)
-      for (k = 0; k < np; k += VW) {
-        const __mmask16 cols = np - k >= VW ? 0xffff : (__mmask16)((1u << (np - k)) - 1);
+      for (k = 0; k < words; k += VW) {
+        const __mmask16 cols = words - k >= VW ? 0xffff : (__mmask16)((1u << (words - k)) - 1);
         const __mmask16 in = tq - v * VW >= VW ? 0xffff : (__mmask16)((1u << (tq - v * VW)) - 1);
-        const uint32_t *x = (const uint32_t *)p[P_Q] + (row0 + v * VW) * np + k;
+        const uint32_t *x = (const uint32_t *)p[P_Q] + (row0 + v * VW) * words + k;
         __m512i w[VW];
         for (r = 0; r < VW; r++)
-          w[r] = v * VW + r < tq ? _mm512_maskz_loadu_epi32(cols, x + r * np) : _mm512_setzero_si512();
+          w[r] = v * VW + r < tq ? _mm512_maskz_loadu_epi32(cols, x + r * words)
+                                 : _mm512_setzero_si512();
         transpose16(w);
-        for (r = 0; r < VW && k + r < np; r++)
-          _mm512_storeu_si512(qT + (k + r) * MAXBQ + v * VW, _mm512_maskz_xor_epi32(in, w[r], fl));
+        for (r = 0; r < VW && k + r < words; r++)
+          _mm512_storeu_si512(qT + (k + r) * MAXBQ + v * VW,
+                              bf ? _mm512_maskz_xor_epi32(in, w[r], fl)
+                                 : (__m512i)_mm512_maskz_mul_ps(in, (__m512)w[r], cq));
       }
   } else {
-    memset(qT, 0, sizeof(uint32_t) * np * MAXBQ);
+    uint32_t *qw = (uint32_t *)qT;
+    memset(qw, 0, sizeof(uint32_t) * np * MAXBQ);
     for (r = 0; r < tq; r++) {
       const uint16_t *x = (const uint16_t *)p[P_Q] + (row0 + r) * d.D;
       for (k = 0; k < d.D / 2; k++)
-        qT[k * MAXBQ + r] = (x[2 * k] | (uint32_t)x[2 * k + 1] << 16) ^ flip;
-      qT[(np - 1) * MAXBQ + r] = x[d.D - 1] ^ (flip & 0xffffu);
+        qw[k * MAXBQ + r] = (x[2 * k] | (uint32_t)x[2 * k + 1] << 16) ^ flip;
+      qw[(np - 1) * MAXBQ + r] = x[d.D - 1] ^ (flip & 0xffffu);
     }
   }
   for (r = 0; r < nqv * VW; r++) m[r] = -INFINITY, l[r] = 0.0f;
@@ -987,14 +1013,16 @@ static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) {
     const uint8_t *bits = block_bits(&d, p, qt.pids[t], qt.b, qt.h);
     const KeyMasks *km = bits ? job->tb + (bits - (const uint8_t *)p[P_BITS]) / (d.bq * BK) : NULL;
     const int64_t ka = km ? km->ka : 0, kz = km ? km->kz : nk;
-    /* K's rows of pair words: in place for even D (a pair word is 4 bytes of k), but for a
-       last tile of fewer than BK keys, which the blocks of RB keys would read past */
-    const uint32_t *kr = d.D % 2 == 0 && nk == BK ? (const uint32_t *)p[P_K] + (qt.kvh + c0) * np
-                                                   : (const uint32_t *)job->kb + blk * BK * np;
-    const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
+    /* K's rows (of pair words for bf16): in place (a bf16 pair word is 4 bytes of k), but for
+       odd bf16 D and a last tile of fewer than BK keys, which the blocks of RB keys would read
+       past: packed there (kb / kp, zero rows past nk) */
+    const int in_place = nk == BK && (bf ? d.D % 2 == 0 : d.dt == F32);
+    const int64_t lda = bf ? np : (in_place ? d.D : d.Dp);
+    const float *kr = in_place ? (const float *)p[P_K] + (qt.kvh + c0) * (bf ? np : d.D)
+                               : (bf ? job->kb + blk * BK * np : job->kp + blk * BK * d.Dp);
     if (kz <= ka) continue;
     /* -- Sᵀ of keys [ka, kz) by blocks of RB keys, each over the vectors of rows that attend
-       one of them (a PARTIAL tile's masked corner is skipped); K's padding rows are 0 */
+       one of them (a PARTIAL tile's masked corner is skipped) */
     for (k = ka / RB * RB; k < kz; k += RB) {
       int64_t v0 = 0, v1 = nqv;
       if (km) {
@@ -1002,13 +1030,20 @@ static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) {
         if (!any) continue;
         v0 = __builtin_ctzll(any) / VW, v1 = (63 - __builtin_clzll(any)) / VW + 1;
       }
-      mm_bf16_rows(st + k * MAXBQ + v0 * VW, MAXBQ, kr + k * np, np, 1, qT + v0 * VW, MAXBQ, np,
-                   (v1 - v0) * VW, 1, NULL);
+#if HAVE_DPBF16
+      if (bf) {
+        mm_bf16_rows(st + k * MAXBQ + v0 * VW, MAXBQ, (const uint32_t *)kr + k * np, np, 1,
+                     (const uint32_t *)qT + v0 * VW, MAXBQ, np, (v1 - v0) * VW, 1, NULL);
+        continue;
+      }
+#endif
+      mm_rows0(st + k * MAXBQ + v0 * VW, MAXBQ, kr + k * lda, lda, qT + v0 * VW, MAXBQ, d.D,
+               (v1 - v0) * VW);
     }
     /* -- per vector of rows: max, new running max, rescale, then weights and their sum */
     uint64_t rescale = 0; /* rows whose running max rose (their out must be rescaled) */
     for (v = 0; v < nqv; v++) {
-      const float *sv = st + v * VW;
+      float *sv = st + v * VW;
       __m512 mx = ninf, mx2 = ninf; /* two chains: vmaxps' latency, not its rate, bounds one */
       if (km) {
         for (k = ka; k + 1 < kz; k += 2) {
@@ -1040,7 +1075,7 @@ static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) {
       _mm512_storeu_ps(alpha + v * VW, a);
       const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), mn);
       __m512 sum = _mm512_setzero_ps();
-      for (k = ka / 2 * 2; k < kz; k += 2) { /* keys k, k + 1 as one pair word a row */
+      for (k = ka / 2 * 2; k < kz; k += 2) { /* keys k, k + 1 (one bf16 pair word a row) */
         __mmask16 k0, k1;
         if (km) {
           k0 = (__mmask16)(km->keys[k] >> (VW * v)), k1 = (__mmask16)(km->keys[k + 1] >> (VW * v));
@@ -1051,26 +1086,51 @@ static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) {
         const __m512 w1 =
             exp2w(_mm512_fmadd_ps(_mm512_loadu_ps(sv + (k + 1) * MAXBQ), vc, negm), k1);
         sum = _mm512_add_ps(sum, _mm512_add_ps(w0, w1));
-        const __m512i wb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-        _mm512_storeu_si512(pw + k / 2 * MAXBQ + v * VW, wb);
+#if HAVE_DPBF16
+        if (bf) {
+          /* interleaves the bf16 of w0, w1: word of lane i = (w0_i, w1_i) */
+          const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                 18, 2, 17, 1, 16, 0);
+          const __m512i wb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+          _mm512_storeu_si512(pw + k / 2 * MAXBQ + v * VW, wb);
+          continue;
+        }
+#endif
+        _mm512_storeu_ps(sv + k * MAXBQ, w0); /* float32: the weights over the scores */
+        _mm512_storeu_ps(sv + (k + 1) * MAXBQ, w1);
       }
       _mm512_storeu_ps(l + v * VW, _mm512_fmadd_ps(_mm512_loadu_ps(l + v * VW), a, sum));
     }
-    /* -- out += P V, each block of RB rows over the key pairs one of its rows attends */
+    /* -- out += P V, each block of RB rows over the keys one of its rows attends */
     for (r = 0; r < tqp; r += RB) {
       const int64_t lo = km ? km->lo[r / RB] : 0, hi = km ? km->hi[r / RB] : nk;
       const float *sc = rescale >> r & ((1u << RB) - 1) ? alpha + r : NULL;
       if (hi <= lo) continue; /* no key for these rows: their max did not move */
-      const int64_t p0 = lo / 2, p1 = (hi + 1) / 2;
-      mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0 * MAXBQ + r, 1, MAXBQ, vpairs + p0 * d.Dvp,
-                   d.Dvp, p1 - p0, d.Dvp, 0, sc);
+#if HAVE_DPBF16
+      if (bf) {
+        const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
+        const int64_t p0 = lo / 2, p1 = (hi + 1) / 2;
+        mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0 * MAXBQ + r, 1, MAXBQ, vpairs + p0 * d.Dvp,
+                     d.Dvp, p1 - p0, d.Dvp, 0, sc);
+        continue;
+      }
+#endif
+      const float *vr = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (qt.kvh + c0) * d.Dv;
+      mm_rows_s(acc + r * d.Dvp, d.Dvp, st + lo * MAXBQ + r, 1, MAXBQ, vr + lo * d.Dvp, d.Dvp,
+                hi - lo, d.Dvp, sc);
     }
   }
   finish_rows(&d, p, row0, tq, acc, m, l);
 }
 
-static int64_t fwd_bf16_scratch(const Dims *d) { /* fwd_bf16_item's buffers */
-  return MAXBQ * ((d->D + 1) / 2) + BK * MAXBQ + BK / 2 * MAXBQ + MAXBQ * d->Dvp + 3 * MAXBQ;
+static void fwd_f32_item(const void *vjob, int64_t item, float *buf) { fwd_t(vjob, item, buf, 0); }
+#if HAVE_DPBF16
+static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) { fwd_t(vjob, item, buf, 1); }
+#endif
+
+static int64_t fwd_t_scratch(const Dims *d) { /* fwd_t's buffers */
+  return MAXBQ * d->D + BK * MAXBQ + BK / 2 * MAXBQ + MAXBQ * d->Dvp + 3 * MAXBQ;
 }
 #endif
 
@@ -1279,7 +1339,8 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   if (job->vb) pack_v_pairs((uint32_t *)job->vb + blk * (BK / 2) * d.Dvp, (const uint16_t *)p[P_V],
                             kv0 * d.Dv, nk, d.Dv, d.Dvp);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
-  if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
+  if (job->kp && !(job->bt && nk == BK && d.dt == F32)) /* fwd_t reads those in place */
+    pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
   if (job->vp)
     pack_rows(job->vp + blk * BK * d.Dvp, d.Dvp, p[P_V], kv0 * d.Dv, nk, d.Dv, BK, 1.0f, d.dt);
 }
@@ -1347,14 +1408,14 @@ static void free_packed(Job *job) {
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
 
-#if HAVE_DPBF16
+#if HAVE_TRANSPOSED
 static v16 exp2w_all(v16 x) { return (v16)exp2w((__m512)x, 0xffff); }
 #endif
 
-/* n floats: y = 2^x as the forward computes its weights: exp2w on the transposed bf16 path,
-   exp2v elsewhere (tests measure its error). */
+/* n floats: y = 2^x as the forward computes its weights: exp2w on the transposed path (AVX-512
+   builds), exp2v elsewhere (tests measure its error). */
 void fa_exp2w(const float *x, float *y, int64_t n) {
-#if HAVE_DPBF16
+#if HAVE_TRANSPOSED
   map16(x, y, n, exp2w_all);
 #else
   map16(x, y, n, exp2v);
@@ -1370,12 +1431,19 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   float *vp = d.dt == F32 && d.Dv == d.Dvp ? NULL : WANTED;
   /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
   float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
+  /* transposed tiles (fwd_t) where the build has AVX-512 (bf16 by vdpbf16ps where it has
+     avx512_bf16, else converted as float32 and fp16 are); score mods and dropout act on
+     fwd_item's row-major tiles */
+  const int bt = HAVE_TRANSPOSED && !ptrs[P_SLOPES] && !ptrs[P_BIAS] && !ptrs[P_CAP] &&
+                 !ptrs[P_DROP];
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb, NULL, NULL, 0, 0, NULL};
+             kb || bt ? NULL : WANTED, NULL, bt && !kb ? WANTED : NULL, kb ? NULL : vp, kb, kb,
+             NULL, NULL, 0, bt, NULL};
+#if HAVE_TRANSPOSED
+  if (bt) job.item = fwd_f32_item, job.scratch = fwd_t_scratch(&d);
+#endif
 #if HAVE_DPBF16
-  /* score mods and dropout act on fwd_item's row-major tiles */
-  job.bt = kb && !ptrs[P_SLOPES] && !ptrs[P_BIAS] && !ptrs[P_CAP] && !ptrs[P_DROP];
-  if (job.bt) job.item = fwd_bf16_item, job.scratch = fwd_bf16_scratch(&d);
+  if (bt && kb) job.item = fwd_bf16_item;
 #endif
   /* the PARTIAL blocks: as many as the largest index in pids, plus one */
   const int32_t *pids = (const int32_t *)ptrs[P_PIDS];
@@ -1383,7 +1451,7 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   for (int64_t t = 0; t < ((const int32_t *)ptrs[P_ROWPTR])[d.nq]; t++)
     n_partial = pids[t] >= n_partial ? pids[t] + 1 : n_partial;
   const int64_t n_rows = n_partial * d.mb * d.mh * d.bq;
-#if HAVE_DPBF16
+#if HAVE_TRANSPOSED
   if (job.bt) {
     job.tb = malloc(sizeof(KeyMasks) * (size_t)(n_partial * d.mb * d.mh) + 1);
     if (job.tb == NULL) return 1;
