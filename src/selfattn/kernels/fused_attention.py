@@ -28,18 +28,19 @@ edges: found once per call) by comparing key indices instead of reading their by
 the packed K/V buffer from call to call on 2 MiB pages (fresh pages cost a fifth of the time):
 same case 68 ms against 90 ms (bf16: 32% of the 4096² bf16 matmul's 389 GFLOP/s) and 97 ms
 against 149 ms (fp32: 90% of its 98 GFLOP/s), interleaved, best of 5.
-Session 7: a bf16 call without score mods or dropout runs on transposed score tiles
-(``fwd_bf16_item``): ``Sᵀ = K Qᵀ`` puts 16 query rows in a vector, so the online softmax's row
-max, sum, running max and rescale factor are vertical vector operations (per row they were
-latency-bound chains of horizontal reductions, a scalar ``exp2f`` and branches: half the time);
-PARTIAL tiles are 64-bit row masks per key, used as AVX-512 lane masks (any mask, intervals or
-not); the weights' ``2^x`` is a degree-5 polynomial with ``vscalefps`` (float32-exact: the lse
-keeps float32 accuracy; degree 3 measured only 1-2% faster); the rescale is folded into P·V's
-accumulator load; Qᵀ is packed by 16x16 register transposes; full key tiles of even D read K in
-place; ``out`` is rounded to bf16 16 at a time. Window 256 / 8 causal documents at S=16384, one
-thread, CPU time, interleaved, best of 7 on the loaded Zen 5 EPYC: 55.9 -> 35.2 ms (242 GFLOP/s,
-61% of torch's one-thread 2048³ bf16 matmul) / 165 -> 106 ms (325 GFLOP/s); float32 and fp16
-results bitwise unchanged.
+Session 7: a call without score mods or dropout runs on transposed score tiles (``fwd_t``, AVX-512
+builds; the others and calls with mods or dropout keep ``fwd_item``): ``Sᵀ = K Qᵀ`` puts 16
+query rows in a vector, so the online softmax's row max, sum, running max and rescale factor are
+vertical vector operations (per row they were latency-bound chains of horizontal reductions, a
+scalar ``exp2f`` and branches: half of a bf16 window's time); PARTIAL tiles are 64-bit row masks
+per key, used as AVX-512 lane masks (any mask, intervals or not); the weights' ``2^x`` is a
+degree-5 polynomial with ``vscalefps`` (float32-exact: the lse keeps float32 accuracy; degree 3
+measured only 1-2% faster in bf16); the rescale is folded into P·V's accumulator load; Qᵀ is
+packed by 16x16 register transposes; full key tiles read K in place (float32, even-D bf16).
+The float32 micro-kernel also keeps its B rows in registers (gcc folded each load into the 4
+FMAs reading it: load-bound). One thread, CPU time, interleaved with main's kernel, best of 7,
+loaded Zen 5 EPYC: see BENCHMARKS.md (session 7); e.g. window 256 at S=16384 bf16 55.9 -> 35.2
+ms (242 GFLOP/s, 61% of torch's one-thread 2048³ bf16 matmul), fp32 84.9 -> 60.2 ms.
 The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
 query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 

@@ -17,7 +17,9 @@
    Every product is one micro-kernel, mm: C (M x N) += A (M x K) B (K x N), A's elements
    broadcast against 16-float rows of B, RB x 4 vector accumulators held in registers. Scores
    are in base 2 (the host passes c = scale * log2(e), applied to q as it is packed), so the
-   softmax uses exp2. */
+   softmax uses exp2. The forward has two work items: fwd_t on transposed tiles (16 query rows
+   a vector; AVX-512 builds, calls without score mods or dropout) and fwd_item on row-major ones
+   (everything else). */
 
 #include <math.h>
 #include <pthread.h>
