@@ -231,19 +231,21 @@ def test_exp2_weights_is_within_a_few_ulp_of_float64():
         assert y[x == 0].eq(1).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
 @pytest.mark.parametrize("shape", ["97x150-G2-D40-Dv24", "1x130-MQA-D59"])
-def test_bf16_scores_with_a_negative_or_zero_scale(shape, scale):
-    """The transposed bf16 path takes the row max on unscaled scores: a negative scale negates q
-    as it is packed (even and odd D), and a zero scale gives every attended key weight 1."""
+def test_negative_or_zero_scale(shape, scale, dtype):
+    """The transposed forward takes bf16's row max on unscaled scores: a negative scale negates q
+    as it is packed (even and odd D); float32 q is packed times the scale; a zero scale gives
+    every attended key weight 1."""
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES[shape]
     t = _tiles(Sq, Sk, bq, seed=41)
-    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.bfloat16, seed=42)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=dtype, seed=42)
     out, lse, _, _ = fa.forward(q, k, v, t, scale)
     o64, lse64 = fa.twin(q, k, v, t, scale)
     _, lse32 = fa.twin(q, k, v, t, scale, dtype=torch.float32)
-    o16, _ = fa.twin(q, k, v, t, scale, dtype=torch.bfloat16)
-    assert_close_to_reference(out.bfloat16(), o64, o16)
+    naive, _ = fa.twin(q, k, v, t, scale, dtype=dtype)
+    assert_close_to_reference(out.to(dtype), o64, naive)
     assert_close_to_reference(lse, lse64, lse32, what="lse")
 
 
