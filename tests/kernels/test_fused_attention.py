@@ -212,6 +212,43 @@ def test_tanh_is_within_a_few_ulp_of_float64():
     assert torch.isnan(fa.tanh(torch.tensor([math.nan]))).all()
 
 
+def test_exp2_weights_is_within_a_few_ulp_of_float64():
+    """The forward's 2^x for the weights (degree 5 + vscalefps on the bf16 path, the float32
+    path's exp2v in the generic build) on a sweep of float32 bit patterns in [-160, 0] (the
+    weights' exponents s·c - max are <= 0) and up to 1: within 4 ulp where 2^x is a normal
+    float, 1 at 0, 0 far below FLT_MIN (the lse keeps float32 accuracy: the row sums are of these
+    weights)."""
+    neg = torch.arange(0, 0x43200000, 1009, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([-neg, torch.linspace(0, 1, 1001), torch.tensor([0.0, -0.5, 0.5, -126.0])])
+    for generic in (False, True):
+        y = fa.exp2_weights(x, generic=generic).double()
+        exact = torch.exp2(x.double())
+        normal = x >= -126
+        ulp = torch.nextafter(exact.float(), torch.tensor(math.inf)) - exact.float()
+        err_ulp = ((y - exact).abs() / ulp.double())[normal]
+        assert err_ulp.max().item() <= 4, (generic, x[normal][err_ulp.argmax()].item())
+        assert bool((y[~normal] <= 2.0**-126).all()) and bool((y[x < -151] == 0).all())
+        assert y[x == 0].eq(1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
+@pytest.mark.parametrize("shape", ["97x150-G2-D40-Dv24", "1x130-MQA-D59"])
+def test_negative_or_zero_scale(shape, scale, dtype):
+    """The transposed forward takes bf16's row max on unscaled scores: a negative scale negates q
+    as it is packed (even and odd D); float32 q is packed times the scale; a zero scale gives
+    every attended key weight 1."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES[shape]
+    t = _tiles(Sq, Sk, bq, seed=41)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=dtype, seed=42)
+    out, lse, _, _ = fa.forward(q, k, v, t, scale)
+    o64, lse64 = fa.twin(q, k, v, t, scale)
+    _, lse32 = fa.twin(q, k, v, t, scale, dtype=torch.float32)
+    naive, _ = fa.twin(q, k, v, t, scale, dtype=dtype)
+    assert_close_to_reference(out.to(dtype), o64, naive)
+    assert_close_to_reference(lse, lse64, lse32, what="lse")
+
+
 # bias (B|1, Hq|1, Sq|1, Sk|1) and softcap cases of the score mods
 MODS = {
     "softcap": lambda B, Hq, Sq, Sk, g: (None, 2.5),

@@ -296,12 +296,12 @@ def memory_row(row: Row, sizes: Sizes) -> Row:
 CASES = ("dense", "causal", "window", "window_dense", "documents", "gqa", "ceiling", "memory")
 # The fused C kernel (backend "cpu_fused", issue 16), forced, against its peers: dense and causal
 # against SDPA in fp32 and bf16, the sparse masks against chunked (the composed-ops path it
-# replaces), against compiled FlexAttention (fp32; its cold compile not counted) and as a share
-# of the matmul ceiling of their dtype, and the window's fwd + bwd.
+# replaces), against compiled FlexAttention (fp32 and bf16; its cold compile not counted) and as
+# a share of the matmul ceiling of their dtype, and the window's fwd + bwd.
 KERNEL_CASES = (
     "cpu_dense", "cpu_causal", "cpu_dense_bf16", "cpu_causal_bf16",
     "cpu_window", "cpu_documents", "cpu_window_flex", "cpu_documents_flex",
-    "cpu_window_bf16", "cpu_documents_bf16",
+    "cpu_window_bf16", "cpu_documents_bf16", "cpu_window_bf16_flex", "cpu_documents_bf16_flex",
     "ceiling_cpu_window", "ceiling_cpu_documents", "ceiling_cpu_window_bf16",
     "ceiling_cpu_documents_bf16", "cpu_window_fwdbwd",
 )  # fmt: skip
@@ -486,7 +486,7 @@ def kernel_rows(rows: dict, only: set, sz: Sizes, args, ceiling: float, log) -> 
              _documents_mod(doc_ids), f"{SL // sz.doc_len} causal documents", 0.7),
         ):  # fmt: skip
             key, ceiling_key = f"cpu_{case}{suffix}", f"ceiling_cpu_{case}{suffix}"
-            flex_key = f"cpu_{case}_flex" if dtype == torch.float32 else None
+            flex_key = f"cpu_{case}{suffix}_flex"
             if not only & {key, ceiling_key, flex_key}:
                 continue
             log(f"{key} ...")

@@ -28,6 +28,19 @@ edges: found once per call) by comparing key indices instead of reading their by
 the packed K/V buffer from call to call on 2 MiB pages (fresh pages cost a fifth of the time):
 same case 68 ms against 90 ms (bf16: 32% of the 4096² bf16 matmul's 389 GFLOP/s) and 97 ms
 against 149 ms (fp32: 90% of its 98 GFLOP/s), interleaved, best of 5.
+Session 7: a call without score mods or dropout runs on transposed score tiles (``fwd_t``, AVX-512
+builds; the others and calls with mods or dropout keep ``fwd_item``): ``Sᵀ = K Qᵀ`` puts 16
+query rows in a vector, so the online softmax's row max, sum, running max and rescale factor are
+vertical vector operations (per row they were latency-bound chains of horizontal reductions, a
+scalar ``exp2f`` and branches: half of a bf16 window's time); PARTIAL tiles are 64-bit row masks
+per key, used as AVX-512 lane masks (any mask, intervals or not); the weights' ``2^x`` is a
+degree-5 polynomial with ``vscalefps`` (float32-exact: the lse keeps float32 accuracy; degree 3
+measured only 1-2% faster in bf16); the rescale is folded into P·V's accumulator load; Qᵀ is
+packed by 16x16 register transposes; full key tiles read K in place (float32, even-D bf16).
+The float32 micro-kernel also keeps its B rows in registers (gcc folded each load into the 4
+FMAs reading it: load-bound). One thread, CPU time, interleaved with main's kernel, best of 7,
+loaded Zen 5 EPYC: see BENCHMARKS.md (session 7); e.g. window 256 at S=16384 bf16 55.9 -> 35.2
+ms (242 GFLOP/s, 61% of torch's one-thread 2048³ bf16 matmul), fp32 84.9 -> 60.2 ms.
 The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
 query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
 
@@ -81,6 +94,7 @@ __all__ = [
     "Tiles",
     "backward",
     "base2",
+    "exp2_weights",
     "forward",
     "isa",
     "library",
@@ -110,6 +124,8 @@ SPEC = CLibrary(
         Function("fa_has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
         # fa_tanh(x, y, n): the soft cap's vectorised tanh, for tests
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
+        # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
+        Function("fa_exp2w", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.
@@ -428,12 +444,22 @@ def _tile_ptrs(tiles: Tiles) -> dict:
     return dict(zip(names, tiles.tensors()))
 
 
-def tanh(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
-    """``tanh`` of float32 ``x`` as the kernel's soft cap computes it (for tests)."""
+def _map(name: str, x: torch.Tensor, generic: bool) -> torch.Tensor:
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty_like(x)
-    _lib(generic).fa_tanh(x.data_ptr(), y.data_ptr(), x.numel())
+    getattr(_lib(generic), name)(x.data_ptr(), y.data_ptr(), x.numel())
     return y
+
+
+def tanh(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """``tanh`` of float32 ``x`` as the kernel's soft cap computes it (for tests)."""
+    return _map("fa_tanh", x, generic)
+
+
+def exp2_weights(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """``2^x`` of float32 ``x`` as the forward computes its weights (for tests): the degree-5
+    ``exp2w`` of the bf16 path where the build has avx512_bf16, the float32 path's else."""
+    return _map("fa_exp2w", x, generic)
 
 
 def twin(q, k, v, tiles: Tiles, scale: float, dtype: torch.dtype = torch.float64,

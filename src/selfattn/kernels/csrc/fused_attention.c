@@ -17,7 +17,9 @@
    Every product is one micro-kernel, mm: C (M x N) += A (M x K) B (K x N), A's elements
    broadcast against 16-float rows of B, RB x 4 vector accumulators held in registers. Scores
    are in base 2 (the host passes c = scale * log2(e), applied to q as it is packed), so the
-   softmax uses exp2. */
+   softmax uses exp2. The forward has two work items: fwd_t on transposed tiles (16 query rows
+   a vector; AVX-512 builds, calls without score mods or dropout) and fwd_item on row-major ones
+   (everything else). */
 
 #include <math.h>
 #include <pthread.h>
@@ -25,8 +27,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+/* the transposed forward (fwd_t) uses AVX-512 lane masks, and BW's byte tests for its masks */
+#define HAVE_TRANSPOSED 1
+#else
+#define HAVE_TRANSPOSED 0
 #endif
 
 /* iargs, in order */
@@ -133,34 +139,49 @@ static inline v16 tanhv(v16 x) {
   return (v16)((v16i)t | sign);
 }
 
-/* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
-void fa_tanh(const float *x, float *y, int64_t n) {
+/* n floats: y = f(x), 16 at a time (the test entry points of the kernel's vector functions). */
+static void map16(const float *x, float *y, int64_t n, v16 (*f)(v16)) {
   int64_t i = 0;
-  for (; i + VW <= n; i += VW) st(y + i, tanhv(ld(x + i)));
+  for (; i + VW <= n; i += VW) st(y + i, f(ld(x + i)));
   if (i < n) {
     float buf[VW] = {0};
     memcpy(buf, x + i, sizeof(float) * (size_t)(n - i));
-    const v16 t = tanhv(ld(buf));
+    const v16 t = f(ld(buf));
     memcpy(y + i, &t, sizeof(float) * (size_t)(n - i));
   }
 }
 
-/* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K, stride lda) B (K x nv*VW, stride
-   ldb), with nv a constant at each call site, so the accumulators stay in registers; zero: C =
-   A B instead (C is not read). */
+/* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
+void fa_tanh(const float *x, float *y, int64_t n) { map16(x, y, n, tanhv); }
+
+/* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K; element k of row r at A[r lda +
+   k ldk]) B (K x nv*VW, stride ldb), with nv a constant at each call site, so the accumulators
+   stay in registers; zero: C = A B instead (C is not read); scale (not NULL): C's rows are first
+   multiplied by scale[r] (the online softmax's rescale, folded into the load). */
 static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc, const float *A,
-                                                           int64_t lda, const float *B,
-                                                           int64_t ldb, int64_t K, int nv,
-                                                           int zero) {
+                                                           int64_t lda, int64_t ldk,
+                                                           const float *B, int64_t ldb,
+                                                           int64_t K, int nv, int zero,
+                                                           const float *scale) {
   v16 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++) acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
+    for (x = 0; x < nv; x++) {
+      acc[r][x] = zero ? splat(0.0f) : ld(C + r * ldc + x * VW);
+      if (scale) acc[r][x] *= scale[r];
+    }
   for (int64_t k = 0; k < K; k++) {
     v16 b[NV];
-    for (x = 0; x < nv; x++) b[x] = ld(B + k * ldb + x * VW);
+    for (x = 0; x < nv; x++) {
+      b[x] = ld(B + k * ldb + x * VW);
+#if defined(__AVX512F__)
+      /* in a register: gcc folds the load into each of the RB FMAs that read it (RB loads
+         instead of one: the loop then waits on loads, not on FMAs) */
+      __asm__("" : "+v"(b[x]));
+#endif
+    }
     for (r = 0; r < RB; r++) {
-      const float a = A[r * lda + k];
+      const float a = A[r * lda + k * ldk];
       for (x = 0; x < nv; x++) acc[r][x] += a * b[x];
     }
   }
@@ -172,27 +193,35 @@ static inline __attribute__((always_inline)) void mm_block(float *C, int64_t ldc
    callers pad). */
 static inline __attribute__((always_inline)) void mm_rows_z(float *C, int64_t ldc,
                                                             const float *A, int64_t lda,
-                                                            const float *B, int64_t ldb,
-                                                            int64_t K, int64_t N, int zero) {
+                                                            int64_t ldk, const float *B,
+                                                            int64_t ldb, int64_t K, int64_t N,
+                                                            int zero, const float *scale) {
   for (int64_t n = 0; n < N; n += NV * VW) {
     float *c = C + n;
     const float *b = B + n;
     switch ((N - n) / VW) {
-      case 1: mm_block(c, ldc, A, lda, b, ldb, K, 1, zero); break;
-      case 2: mm_block(c, ldc, A, lda, b, ldb, K, 2, zero); break;
-      case 3: mm_block(c, ldc, A, lda, b, ldb, K, 3, zero); break;
-      default: mm_block(c, ldc, A, lda, b, ldb, K, 4, zero); break;
+      case 1: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 1, zero, scale); break;
+      case 2: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 2, zero, scale); break;
+      case 3: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 3, zero, scale); break;
+      default: mm_block(c, ldc, A, lda, ldk, b, ldb, K, 4, zero, scale); break;
     }
   }
 }
 static void mm_rows(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                     int64_t ldb, int64_t K, int64_t N) {
-  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 0);
+  mm_rows_z(C, ldc, A, lda, 1, B, ldb, K, N, 0, NULL);
 }
 static void mm_rows0(float *C, int64_t ldc, const float *A, int64_t lda, const float *B,
                      int64_t ldb, int64_t K, int64_t N) {
-  mm_rows_z(C, ldc, A, lda, B, ldb, K, N, 1);
+  mm_rows_z(C, ldc, A, lda, 1, B, ldb, K, N, 1, NULL);
 }
+#if HAVE_TRANSPOSED
+/* mm_rows with A's elements k apart by ldk and C's rows first scaled (scale NULL: not) */
+static void mm_rows_s(float *C, int64_t ldc, const float *A, int64_t lda, int64_t ldk,
+                      const float *B, int64_t ldb, int64_t K, int64_t N, const float *scale) {
+  mm_rows_z(C, ldc, A, lda, ldk, B, ldb, K, N, 0, scale);
+}
+#endif
 
 static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *B, int64_t ldb,
                int64_t M, int64_t K, int64_t N) {
@@ -201,25 +230,29 @@ static void mm(float *C, int64_t ldc, const float *A, int64_t lda, const float *
 
 #if defined(__AVX512BF16__)
 /* -- bf16 scores (forward): vdpbf16ps multiplies bf16 pairs exactly and sums them in float32,
-   32 products per instruction against 16 per float32 FMA. A (RB rows, stride lda) and B (pairs
-   x BK, a row per pair) hold 32-bit words of two bf16 (elements 2p, 2p + 1 of a row of q, of a
-   key; or of two keys' weights, of two V rows); C (RB x nv*VW, stride ldc) += A B over npairs
-   pairs (B: stride ldb words). */
+   32 products per instruction against 16 per float32 FMA. A (RB rows; word k of row r at
+   A[r lda + k ldk]) and B (pairs x BK, a row per pair) hold 32-bit words of two bf16 (elements
+   2p, 2p + 1 of a row of q, of a key; or of two keys' weights, of two V rows); C (RB x nv*VW,
+   stride ldc) += A B over npairs pairs (B: stride ldb words). scale (not NULL): C's rows are
+   first multiplied by scale[r] (the online softmax's rescale, folded into the load). */
 static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_t ldc,
                                                                 const uint32_t *A, int64_t lda,
-                                                                const uint32_t *B, int64_t ldb,
-                                                                int64_t npairs, int nv,
-                                                                int zero) {
+                                                                int64_t ldk, const uint32_t *B,
+                                                                int64_t ldb, int64_t npairs,
+                                                                int nv, int zero,
+                                                                const float *scale) {
   __m512 acc[RB][NV];
   int r, x;
   for (r = 0; r < RB; r++)
-    for (x = 0; x < nv; x++)
+    for (x = 0; x < nv; x++) {
       acc[r][x] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(C + r * ldc + x * VW);
+      if (scale) acc[r][x] = _mm512_mul_ps(acc[r][x], _mm512_set1_ps(scale[r]));
+    }
   for (int64_t k = 0; k < npairs; k++) {
     __m512bh b[NV];
     for (x = 0; x < nv; x++) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * VW);
     for (r = 0; r < RB; r++) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k * ldk]);
       for (x = 0; x < nv; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a, b[x]);
     }
   }
@@ -228,19 +261,22 @@ static inline __attribute__((always_inline)) void mm_bf16_block(float *C, int64_
 }
 
 /* RB rows of C += A B for N columns of B (a multiple of VW); zero: C = A B. */
-static void mm_bf16_rows(float *C, int64_t ldc, const uint32_t *A, int64_t lda,
-                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N, int zero) {
+static void mm_bf16_rows(float *C, int64_t ldc, const uint32_t *A, int64_t lda, int64_t ldk,
+                         const uint32_t *B, int64_t ldb, int64_t npairs, int64_t N, int zero,
+                         const float *scale) {
   for (int64_t n = 0; n < N; n += NV * VW) {
     const int64_t nv = (N - n) / VW < NV ? (N - n) / VW : NV;
+    float *c = C + n;
+    const uint32_t *b = B + n;
     switch (nv + NV * !!zero) { /* nv and zero constants in each call */
-      case 1: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1, 0); break;
-      case 2: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2, 0); break;
-      case 3: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3, 0); break;
-      case 4: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4, 0); break;
-      case 5: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 1, 1); break;
-      case 6: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 2, 1); break;
-      case 7: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 3, 1); break;
-      default: mm_bf16_block(C + n, ldc, A, lda, B + n, ldb, npairs, 4, 1); break;
+      case 1: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 1, 0, scale); break;
+      case 2: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 2, 0, scale); break;
+      case 3: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 3, 0, scale); break;
+      case 4: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 4, 0, scale); break;
+      case 5: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 1, 1, NULL); break;
+      case 6: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 2, 1, NULL); break;
+      case 7: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 3, 1, NULL); break;
+      default: mm_bf16_block(c, ldc, A, lda, ldk, b, ldb, npairs, 4, 1, NULL); break;
     }
   }
 }
@@ -338,6 +374,11 @@ typedef struct {
   float *packed; /* the one buffer holding them (pack_kv) */
   uint8_t *rr;    /* forward: row_ranges of every PARTIAL block's rows */
   int pooled;    /* 1: packed is the kept pool, held locked until free_packed */
+  /* bf16 forward on transposed score tiles (fwd_bf16_item): kb holds each block's keys as rows
+     of pair words (BK x (D + 1) / 2, zero past the last key), not transposed; tb the PARTIAL
+     blocks as key masks (key_masks) */
+  int bt;
+  struct KeyMasks *tb;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -393,7 +434,13 @@ static inline void store_row(void *dst, int64_t off, const float *src, int64_t n
   int64_t e;
   if (dt == BF16) {
     uint16_t *y = (uint16_t *)dst + off;
-    for (e = 0; e < n; e++) {
+    e = 0;
+#if defined(__AVX512BF16__) /* the same rounding, 16 at a time (scalar: 7% of a bf16 forward);
+                               denormal floats (below 2^-126) come out as 0 */
+    for (; e + VW <= n; e += VW)
+      _mm256_storeu_si256((__m256i *)(y + e), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + e)));
+#endif
+    for (; e < n; e++) {
       uint32_t bits;
       memcpy(&bits, src + e, 4);
       const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
@@ -621,6 +668,26 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
 /* Forward: work item (b, h, query tile i)                                                     */
 /* ------------------------------------------------------------------------------------------ */
 
+/* -- normalise rows [0, tq) of a forward item (first row row0 of (B, Hq, Sq)): acc (stride Dvp)
+   / l into out, lse, and the statistics m, l for the backward; a row with no key gets out 0, lse
+   -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. */
+static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq, float *acc,
+                        const float *m, const float *l) {
+  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
+  for (int64_t r = 0; r < tq; r++) {
+    float *o = acc + r * d->Dvp;
+    if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
+      const float inv = 1.0f / l[r];
+      for (int64_t k = 0; k < d->Dv; k++) o[k] *= inv;
+      lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
+    } else {
+      memset(o, 0, sizeof(float) * d->Dv);
+      lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
+    }
+    store_row(p[P_OUT], (row0 + r) * d->Dv, o, d->Dv, d->dt);
+  }
+}
+
 /* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
    mul in columns [v0, v1), the only ones read or written), in one pass per row: scale, mask
    (bits: the rows' mask bytes, stride BK, NULL for a FULL tile; keys >= nk), the row max, the
@@ -702,7 +769,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   const int mods = p[P_SLOPES] || p[P_BIAS] || p[P_CAP];
   const float *drop = (const float *)p[P_DROP];
   const uint32_t xbh = drop ? dropout_bh(job->a[A_SEED], b, h) : 0;
-  int64_t r, k, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
+  int64_t r, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
 
   const int64_t npairs = (d.D + 1) / 2;
   uint32_t *qb = (uint32_t *)(l + MAXBQ); /* q's bf16 pair words, unscaled (bf16 path) */
@@ -737,7 +804,8 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
 #if HAVE_DPBF16
       if (job->kb) { /* exact bf16 products summed in float32, times c in the softmax pass */
         const uint32_t *kb = (const uint32_t *)job->kb + blk * npairs * BK;
-        mm_bf16_rows(sb + v0, BK, qb + r * npairs, npairs, kb + v0, BK, npairs, v1 - v0, 1);
+        mm_bf16_rows(sb + v0, BK, qb + r * npairs, npairs, 1, kb + v0, BK, npairs, v1 - v0, 1,
+                     NULL);
         mul = job->c;
       } else
 #endif
@@ -764,31 +832,315 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
         const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
         const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
         weights_bf16(pw, sb);
-        mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0, BK / 2, vpairs + p0 * d.Dvp, d.Dvp,
-                     p1 - p0, d.Dvp, 0);
+        mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0, BK / 2, 1, vpairs + p0 * d.Dvp, d.Dvp,
+                     p1 - p0, d.Dvp, 0, NULL);
         continue;
       }
 #endif
       mm_rows(acc + r * d.Dvp, d.Dvp, sb + k0, BK, vb + k0 * d.Dvp, d.Dvp, k1 - k0, d.Dvp);
     }
   }
-  /* -- normalise; a row with no key gets out 0, lse -inf and the statistics (m, l) = (0, 1) that
-     make every weight the backward recomputes 0 */
-  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
   for (r = 0; r < tq; r++) l[r] = hsum(ld(lv + r * VW));
-  for (r = 0; r < tq; r++) {
-    float *o = acc + r * d.Dvp;
-    if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
-      const float inv = 1.0f / l[r];
-      for (k = 0; k < d.Dv; k++) o[k] *= inv;
-      lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
-    } else {
-      memset(o, 0, sizeof(float) * d.Dv);
-      lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
+  finish_rows(&d, p, row0, tq, acc, m, l);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* bf16 forward on transposed score tiles (avx512_bf16 builds, calls without score mods or     */
+/* dropout): the layout puts 16 query rows in a vector, so the online softmax's row max, sum, */
+/* rescale factor and running max are vertical vector operations, with no horizontal          */
+/* reduction, scalar step or branch per row (per row they were half the time of a window-256  */
+/* forward, on 4 vectors a row: latency-bound chains).                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A PARTIAL block (one per tile, mask batch and mask head) as the transposed forward reads it:
+   per key a 64-bit mask of the query rows that attend it (bit r: row r; rows past the tile's
+   and keys past the tile's last are 0), so a vector of 16 rows takes its 16 bits as an AVX-512
+   lane mask; the keys [ka, kz) some row attends, and per block of RB rows the keys [lo, hi)
+   one of its rows attends (empty: lo >= hi). */
+typedef struct KeyMasks {
+  uint64_t keys[BK];
+  uint8_t lo[MAXBQ / RB], hi[MAXBQ / RB], ka, kz;
+} KeyMasks;
+
+#if HAVE_TRANSPOSED
+/* The key masks of every PARTIAL block instance (index as block_bits'), from the byte blocks,
+   clipped to each tile's rows (tq) and keys (nk): each row's bytes as a 64-bit key mask (one
+   vptestmb), then that 64 x 64 bit matrix transposed 8 rows at a time (vptestmq per key). */
+static void key_masks(KeyMasks *tb, const Dims *d, void *const *p) {
+  const int32_t *rowptr = (const int32_t *)p[P_ROWPTR], *cols = (const int32_t *)p[P_COLS];
+  const int32_t *pids = (const int32_t *)p[P_PIDS];
+  const int64_t per_tile = d->mb * d->mh;
+  for (int64_t i = 0; i < d->nq; i++) {
+    const int64_t tq = d->bq < d->Sq - i * d->bq ? d->bq : d->Sq - i * d->bq;
+    for (int64_t t = rowptr[i]; t < rowptr[i + 1]; t++) {
+      if (pids[t] < 0) continue;
+      const int64_t c0 = (int64_t)cols[t] * BK, nk = BK < d->Sk - c0 ? BK : d->Sk - c0;
+      const uint64_t in_tile = nk == 64 ? ~0ull : (1ull << nk) - 1;
+      for (int64_t inst = pids[t] * per_tile; inst < (pids[t] + 1) * per_tile; inst++) {
+        const uint8_t *bits = (const uint8_t *)p[P_BITS] + inst * d->bq * BK;
+        KeyMasks *km = tb + inst;
+        uint64_t rows[MAXBQ] = {0}, all = 0;
+        for (int64_t r = 0; r < tq; r++) {
+          const __m512i x = _mm512_loadu_si512(bits + r * BK);
+          rows[r] = _mm512_test_epi8_mask(x, x) & in_tile;
+          all |= rows[r];
+        }
+        __m512i R[MAXBQ / 8];
+        for (int j = 0; j < MAXBQ / 8; j++) R[j] = _mm512_loadu_si512(rows + 8 * j);
+        for (int k = 0; k < BK; k++) {
+          const __m512i bit = _mm512_set1_epi64((long long)(1ull << k));
+          uint64_t mk = 0;
+          for (int j = 0; j < MAXBQ / 8; j++)
+            mk |= (uint64_t)_mm512_test_epi64_mask(R[j], bit) << (8 * j);
+          km->keys[k] = mk;
+        }
+        for (int rb = 0; rb < MAXBQ / RB; rb++) {
+          uint64_t u = 0;
+          for (int r = RB * rb; r < RB * (rb + 1); r++) u |= rows[r];
+          km->lo[rb] = u ? (uint8_t)__builtin_ctzll(u) : BK;
+          km->hi[rb] = u ? (uint8_t)(64 - __builtin_clzll(u)) : 0;
+        }
+        km->ka = all ? (uint8_t)__builtin_ctzll(all) : 0;
+        km->kz = all ? (uint8_t)(64 - __builtin_clzll(all)) : 0;
+      }
     }
-    store_row(p[P_OUT], (row0 + r) * d.Dv, o, d.Dv, d.dt);
   }
 }
+
+/* 2^x of 16 floats for the bf16 path's weights: x = n + f, |f| <= 1/2, 2^f by a degree-5
+   polynomial (minimax in relative error on [-1/2, 1/2] with p(0) = 1: 1.8e-7 in float32, as
+   exact as exp2v's degree 7), 2^n by vscalefps (0 far below FLT_MIN: no clamp, no exponent
+   arithmetic). Lanes not in keep are 0. Degree 3 (1.0e-4, a twentieth of bf16's half ulp, fine
+   for the weights) measured only 1-2% faster and would take the lse, whose row sums it makes,
+   off float32 accuracy. */
+static inline __m512 exp2w(__m512 x, __mmask16 keep) {
+  static const float c[] = {0.0013264708686619997f, 0.009671511128544807f, 0.05550733953714371f,
+                            0.24022242426872253f, 0.6931470036506653f};
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(c[0]);
+  for (unsigned i = 1; i < sizeof c / sizeof c[0]; i++) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(c[i]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+/* w[i] (16 words each) <- column i of the 16 x 16 matrix of words w held by rows */
+static inline void transpose16(__m512i w[VW]) {
+  __m512i t[VW];
+  int i, j;
+  for (i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(w[2 * i], w[2 * i + 1]);
+  }
+  for (i = 0; i < 4; i++) {
+    w[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    w[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    w[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    w[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (i = 0; i < 2; i++)
+    for (j = 0; j < 4; j++) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(w[8 * i + j], w[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(w[8 * i + j], w[8 * i + j + 4], 0xdd);
+    }
+  for (j = 0; j < 8; j++) {
+    w[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    w[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+/* Work item (b, h, query tile i), as fwd_item's, on transposed tiles: Sᵀ = K Qᵀ (a key per row,
+   16 query rows a vector), then per vector of 16 rows the max over the tile's keys, the new
+   running max and rescale factor, the weights 2^(s - m) and their sum, then out += P V with P's
+   elements broadcast from the weights' tile (the rescale folded into the accumulator's load).
+   bf (a constant): bf16 q, k, v by vdpbf16ps, the weights as bf16 pair words of two keys (pw:
+   pair p, row r at p MAXBQ + r) and raw scores times c in the softmax; else float32, q times c
+   as it is packed and the weights in place of the scores. */
+static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_t item,
+                                                        float *buf, const int bf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const QTile qt = q_tile(&d, p, item);
+  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, np = (d.D + 1) / 2;
+  const int64_t nqv = (tq + VW - 1) / VW; /* vectors of 16 query rows */
+  /* Qᵀ: float32 D x MAXBQ, or bf16 pair words np x MAXBQ */
+  float *qT = buf, *st = buf + d.D * MAXBQ; /* Sᵀ: BK x MAXBQ */
+  uint32_t *pw = (uint32_t *)(st + BK * MAXBQ);      /* P (bf): BK / 2 x MAXBQ pair words */
+  float *acc = (float *)(pw + BK / 2 * MAXBQ);       /* out: MAXBQ x Dvp */
+  float *m = acc + MAXBQ * d.Dvp, *l = m + MAXBQ, *alpha = l + MAXBQ;
+  const int64_t blk0 = qt.kvh / d.Sk * d.nk;
+  /* bf16 scores are s c with c = scale log2(e): the max is taken on s, so c must be positive;
+     a negative scale negates q instead (exact in bf16). float32 q is packed times c. */
+  const float c = bf ? fabsf(job->c) : 1.0f;
+  const uint32_t flip = bf && job->c < 0 ? 0x80008000u : 0;
+  const __m512 vc = _mm512_set1_ps(c), ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1);
+  int64_t r, k, t, v;
+
+  /* -- Qᵀ, rows [tq, nqv VW) 0: blocks of 16 rows x 16 32-bit words (floats, or for even D
+     bf16 pairs: 4 bytes of q) transposed in registers (scalar stores were a quarter of this
+     item's time, vpgatherdd 40%) */
+  if (!bf && d.dt != F32) { /* fp16: converted and scaled element by element */
+    memset(qT, 0, sizeof(float) * d.D * MAXBQ);
+    for (r = 0; r < tq; r++)
+      for (k = 0; k < d.D; k++) load_row(qT + k * MAXBQ + r, p[P_Q], (row0 + r) * d.D + k, 1, d.dt, job->c);
+  } else if (!bf || d.D % 2 == 0) {
+    const int64_t words = bf ? np : d.D;
+    const __m512i fl = _mm512_set1_epi32((int)flip);
+    const __m512 cq = _mm512_set1_ps(job->c);
+    for (v = 0; v < nqv; v++)
+      for (k = 0; k < words; k += VW) {
+        const __mmask16 cols = words - k >= VW ? 0xffff : (__mmask16)((1u << (words - k)) - 1);
+        const __mmask16 in = tq - v * VW >= VW ? 0xffff : (__mmask16)((1u << (tq - v * VW)) - 1);
+        const uint32_t *x = (const uint32_t *)p[P_Q] + (row0 + v * VW) * words + k;
+        __m512i w[VW];
+        for (r = 0; r < VW; r++)
+          w[r] = v * VW + r < tq ? _mm512_maskz_loadu_epi32(cols, x + r * words)
+                                 : _mm512_setzero_si512();
+        transpose16(w);
+        for (r = 0; r < VW && k + r < words; r++)
+          _mm512_storeu_si512(qT + (k + r) * MAXBQ + v * VW,
+                              bf ? _mm512_maskz_xor_epi32(in, w[r], fl)
+                                 : (__m512i)_mm512_maskz_mul_ps(in, (__m512)w[r], cq));
+      }
+  } else {
+    uint32_t *qw = (uint32_t *)qT;
+    memset(qw, 0, sizeof(uint32_t) * np * MAXBQ);
+    for (r = 0; r < tq; r++) {
+      const uint16_t *x = (const uint16_t *)p[P_Q] + (row0 + r) * d.D;
+      for (k = 0; k < d.D / 2; k++)
+        qw[k * MAXBQ + r] = (x[2 * k] | (uint32_t)x[2 * k + 1] << 16) ^ flip;
+      qw[(np - 1) * MAXBQ + r] = x[d.D - 1] ^ (flip & 0xffffu);
+    }
+  }
+  for (r = 0; r < nqv * VW; r++) m[r] = -INFINITY, l[r] = 0.0f;
+  memset(acc, 0, sizeof(float) * tqp * d.Dvp);
+  for (t = 0; t < qt.n; t++) {
+    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+    const int64_t blk = blk0 + qt.cols[t];
+    const uint8_t *bits = block_bits(&d, p, qt.pids[t], qt.b, qt.h);
+    const KeyMasks *km = bits ? job->tb + (bits - (const uint8_t *)p[P_BITS]) / (d.bq * BK) : NULL;
+    const int64_t ka = km ? km->ka : 0, kz = km ? km->kz : nk;
+    /* K's rows (of pair words for bf16): in place (a bf16 pair word is 4 bytes of k), but for
+       odd bf16 D and a last tile of fewer than BK keys, which the blocks of RB keys would read
+       past: packed there (kb / kp, zero rows past nk) */
+    const int in_place = nk == BK && (bf ? d.D % 2 == 0 : d.dt == F32);
+    const int64_t lda = bf ? np : (in_place ? d.D : d.Dp);
+    const float *kr = in_place ? (const float *)p[P_K] + (qt.kvh + c0) * (bf ? np : d.D)
+                               : (bf ? job->kb + blk * BK * np : job->kp + blk * BK * d.Dp);
+    if (kz <= ka) continue;
+    /* -- Sᵀ of keys [ka, kz) by blocks of RB keys, each over the vectors of rows that attend
+       one of them (a PARTIAL tile's masked corner is skipped) */
+    for (k = ka / RB * RB; k < kz; k += RB) {
+      int64_t v0 = 0, v1 = nqv;
+      if (km) {
+        const uint64_t any = km->keys[k] | km->keys[k + 1] | km->keys[k + 2] | km->keys[k + 3];
+        if (!any) continue;
+        v0 = __builtin_ctzll(any) / VW, v1 = (63 - __builtin_clzll(any)) / VW + 1;
+      }
+#if HAVE_DPBF16
+      if (bf) {
+        mm_bf16_rows(st + k * MAXBQ + v0 * VW, MAXBQ, (const uint32_t *)kr + k * np, np, 1,
+                     (const uint32_t *)qT + v0 * VW, MAXBQ, np, (v1 - v0) * VW, 1, NULL);
+        continue;
+      }
+#endif
+      mm_rows0(st + k * MAXBQ + v0 * VW, MAXBQ, kr + k * lda, lda, qT + v0 * VW, MAXBQ, d.D,
+               (v1 - v0) * VW);
+    }
+    /* -- per vector of rows: max, new running max, rescale, then weights and their sum */
+    uint64_t rescale = 0; /* rows whose running max rose (their out must be rescaled) */
+    for (v = 0; v < nqv; v++) {
+      float *sv = st + v * VW;
+      __m512 mx = ninf, mx2 = ninf; /* two chains: vmaxps' latency, not its rate, bounds one */
+      if (km) {
+        for (k = ka; k + 1 < kz; k += 2) {
+          mx = _mm512_mask_max_ps(mx, (__mmask16)(km->keys[k] >> (VW * v)), mx,
+                                  _mm512_loadu_ps(sv + k * MAXBQ));
+          mx2 = _mm512_mask_max_ps(mx2, (__mmask16)(km->keys[k + 1] >> (VW * v)), mx2,
+                                   _mm512_loadu_ps(sv + (k + 1) * MAXBQ));
+        }
+        if (k < kz)
+          mx = _mm512_mask_max_ps(mx, (__mmask16)(km->keys[k] >> (VW * v)), mx,
+                                  _mm512_loadu_ps(sv + k * MAXBQ));
+      } else {
+        for (k = ka; k + 1 < kz; k += 2) {
+          mx = _mm512_max_ps(mx, _mm512_loadu_ps(sv + k * MAXBQ));
+          mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sv + (k + 1) * MAXBQ));
+        }
+        if (k < kz) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sv + k * MAXBQ));
+      }
+      mx = _mm512_max_ps(mx, mx2);
+      const __m512 mo = _mm512_loadu_ps(m + v * VW);
+      const __mmask16 some = _mm512_cmp_ps_mask(mx, ninf, _CMP_GT_OQ);
+      const __m512 mn = _mm512_max_ps(mo, _mm512_mask_mul_ps(ninf, some, mx, vc));
+      /* 2^(m_old - m_new): 0 while m_old is -inf, 1 where no key has come yet (exp2v: float32
+         exact, the running sums keep their precision) */
+      const __mmask16 live = _mm512_cmp_ps_mask(mn, ninf, _CMP_GT_OQ);
+      const __m512 a = _mm512_mask_blend_ps(live, one, (__m512)exp2v((v16)_mm512_sub_ps(mo, mn)));
+      rescale |= (uint64_t)_mm512_cmp_ps_mask(a, one, _CMP_NEQ_UQ) << (VW * v);
+      _mm512_storeu_ps(m + v * VW, mn);
+      _mm512_storeu_ps(alpha + v * VW, a);
+      const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), mn);
+      __m512 sum = _mm512_setzero_ps();
+      for (k = ka / 2 * 2; k < kz; k += 2) { /* keys k, k + 1 (one bf16 pair word a row) */
+        __mmask16 k0, k1;
+        if (km) {
+          k0 = (__mmask16)(km->keys[k] >> (VW * v)), k1 = (__mmask16)(km->keys[k + 1] >> (VW * v));
+        } else {
+          k0 = 0xffff, k1 = k + 1 < kz ? 0xffff : 0;
+        }
+        const __m512 w0 = exp2w(_mm512_fmadd_ps(_mm512_loadu_ps(sv + k * MAXBQ), vc, negm), k0);
+        const __m512 w1 =
+            exp2w(_mm512_fmadd_ps(_mm512_loadu_ps(sv + (k + 1) * MAXBQ), vc, negm), k1);
+        sum = _mm512_add_ps(sum, _mm512_add_ps(w0, w1));
+#if HAVE_DPBF16
+        if (bf) {
+          /* interleaves the bf16 of w0, w1: word of lane i = (w0_i, w1_i) */
+          const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                 18, 2, 17, 1, 16, 0);
+          const __m512i wb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+          _mm512_storeu_si512(pw + k / 2 * MAXBQ + v * VW, wb);
+          continue;
+        }
+#endif
+        _mm512_storeu_ps(sv + k * MAXBQ, w0); /* float32: the weights over the scores */
+        _mm512_storeu_ps(sv + (k + 1) * MAXBQ, w1);
+      }
+      _mm512_storeu_ps(l + v * VW, _mm512_fmadd_ps(_mm512_loadu_ps(l + v * VW), a, sum));
+    }
+    /* -- out += P V, each block of RB rows over the keys one of its rows attends */
+    for (r = 0; r < tqp; r += RB) {
+      const int64_t lo = km ? km->lo[r / RB] : 0, hi = km ? km->hi[r / RB] : nk;
+      const float *sc = rescale >> r & ((1u << RB) - 1) ? alpha + r : NULL;
+      if (hi <= lo) continue; /* no key for these rows: their max did not move */
+#if HAVE_DPBF16
+      if (bf) {
+        const uint32_t *vpairs = (const uint32_t *)job->vb + blk * (BK / 2) * d.Dvp;
+        const int64_t p0 = lo / 2, p1 = (hi + 1) / 2;
+        mm_bf16_rows(acc + r * d.Dvp, d.Dvp, pw + p0 * MAXBQ + r, 1, MAXBQ, vpairs + p0 * d.Dvp,
+                     d.Dvp, p1 - p0, d.Dvp, 0, sc);
+        continue;
+      }
+#endif
+      const float *vr = job->vp ? job->vp + blk * BK * d.Dvp : (const float *)p[P_V] + (qt.kvh + c0) * d.Dv;
+      mm_rows_s(acc + r * d.Dvp, d.Dvp, st + lo * MAXBQ + r, 1, MAXBQ, vr + lo * d.Dvp, d.Dvp,
+                hi - lo, d.Dvp, sc);
+    }
+  }
+  finish_rows(&d, p, row0, tq, acc, m, l);
+}
+
+static void fwd_f32_item(const void *vjob, int64_t item, float *buf) { fwd_t(vjob, item, buf, 0); }
+#if HAVE_DPBF16
+static void fwd_bf16_item(const void *vjob, int64_t item, float *buf) { fwd_t(vjob, item, buf, 1); }
+#endif
+
+static int64_t fwd_t_scratch(const Dims *d) { /* fwd_t's buffers */
+  return MAXBQ * d->D + BK * MAXBQ + BK / 2 * MAXBQ + MAXBQ * d->Dvp + 3 * MAXBQ;
+}
+#endif
 
 static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of bf16 weights */
   return MAXBQ * d->Dp + MAXBQ * BK + MAXBQ * d->Dvp + 2 * MAXBQ + MAXBQ * d->Dp + RB * BK / 2 +
@@ -984,13 +1336,19 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
   const int32_t *colptr = (const int32_t *)p[P_COLPTR];
   if (colptr[j] == colptr[j + 1]) return; /* no query tile reads this key tile */
   if (job->kt) pack_t(job->kt + blk * d.D * BK, p[P_K], kv0 * d.D, nk, d.D, d.dt, row);
-  if (job->kb)
+  if (job->kb && job->bt && d.D % 2 == 0 && nk == BK) {
+    /* fwd_bf16_item reads these keys' pair words in place */
+  } else if (job->kb && job->bt)
+    pack_pairs((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (d.D + 1) / 2,
+               (const uint16_t *)p[P_K], kv0 * d.D, nk, d.D, BK);
+  else if (job->kb)
     pack_pairs_t((uint32_t *)job->kb + blk * ((d.D + 1) / 2) * BK, (const uint16_t *)p[P_K],
                  kv0 * d.D, nk, d.D);
   if (job->vb) pack_v_pairs((uint32_t *)job->vb + blk * (BK / 2) * d.Dvp, (const uint16_t *)p[P_V],
                             kv0 * d.Dv, nk, d.Dv, d.Dvp);
   if (job->vt) pack_t(job->vt + blk * d.Dv * BK, p[P_V], kv0 * d.Dv, nk, d.Dv, d.dt, row);
-  if (job->kp) pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
+  if (job->kp && !(job->bt && nk == BK && d.dt == F32)) /* fwd_t reads those in place */
+    pack_rows(job->kp + blk * BK * d.Dp, d.Dp, p[P_K], kv0 * d.D, nk, d.D, BK, 1.0f, d.dt);
   if (job->vp)
     pack_rows(job->vp + blk * BK * d.Dvp, d.Dvp, p[P_V], kv0 * d.Dv, nk, d.Dv, BK, 1.0f, d.dt);
 }
@@ -1058,6 +1416,20 @@ static void free_packed(Job *job) {
 
 #define WANTED ((float *)1) /* placeholder: pack_kv allocates it */
 
+#if HAVE_TRANSPOSED
+static v16 exp2w_all(v16 x) { return (v16)exp2w((__m512)x, 0xffff); }
+#endif
+
+/* n floats: y = 2^x as the forward computes its weights: exp2w on the transposed path (AVX-512
+   builds), exp2v elsewhere (tests measure its error). */
+void fa_exp2w(const float *x, float *y, int64_t n) {
+#if HAVE_TRANSPOSED
+  map16(x, y, n, exp2w_all);
+#else
+  map16(x, y, n, exp2v);
+#endif
+}
+
 /* 0 on success, 1 when scratch memory could not be allocated, 2 for a tile width this build
    does not have (BK). out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq): float32. */
 int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) {
@@ -1067,21 +1439,46 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   float *vp = d.dt == F32 && d.Dv == d.Dvp ? NULL : WANTED;
   /* bf16 scores by vdpbf16ps where the build has it (-march=native on a CPU with avx512_bf16) */
   float *kb = HAVE_DPBF16 && d.dt == BF16 ? WANTED : NULL;
+  /* transposed tiles (fwd_t) where the build has AVX-512 (bf16 by vdpbf16ps where it has
+     avx512_bf16, else converted as float32 and fp16 are); score mods and dropout act on
+     fwd_item's row-major tiles */
+  const int bt = HAVE_TRANSPOSED && !ptrs[P_SLOPES] && !ptrs[P_BIAS] && !ptrs[P_CAP] &&
+                 !ptrs[P_DROP];
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
-             kb ? NULL : WANTED, NULL, NULL, kb ? NULL : vp, kb, kb, NULL, NULL, 0};
+             kb || bt ? NULL : WANTED, NULL, bt && !kb ? WANTED : NULL, kb ? NULL : vp, kb, kb,
+             NULL, NULL, 0, bt, NULL};
+#if HAVE_TRANSPOSED
+  if (bt) job.item = fwd_f32_item, job.scratch = fwd_t_scratch(&d);
+#endif
+#if HAVE_DPBF16
+  if (bt && kb) job.item = fwd_bf16_item;
+#endif
   /* the PARTIAL blocks: as many as the largest index in pids, plus one */
   const int32_t *pids = (const int32_t *)ptrs[P_PIDS];
   int64_t n_partial = 0;
   for (int64_t t = 0; t < ((const int32_t *)ptrs[P_ROWPTR])[d.nq]; t++)
     n_partial = pids[t] >= n_partial ? pids[t] + 1 : n_partial;
   const int64_t n_rows = n_partial * d.mb * d.mh * d.bq;
+#if HAVE_TRANSPOSED
+  if (job.bt) {
+    job.tb = malloc(sizeof(KeyMasks) * (size_t)(n_partial * d.mb * d.mh) + 1);
+    if (job.tb == NULL) return 1;
+    key_masks(job.tb, &d, ptrs);
+  } else {
+    job.rr = malloc(2 * (size_t)n_rows + 1);
+    if (job.rr == NULL) return 1;
+    row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
+  }
+#else
   job.rr = malloc(2 * (size_t)n_rows + 1);
   if (job.rr == NULL) return 1;
   row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
+#endif
   int status = pack_kv(&job, &d, n_threads);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
   free(job.rr);
+  free(job.tb);
   return status;
 }
 
