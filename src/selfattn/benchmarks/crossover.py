@@ -165,7 +165,7 @@ def table(report: dict) -> list[list[str]]:
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def _pairs(text: str) -> tuple[tuple[int, int], ...]:
