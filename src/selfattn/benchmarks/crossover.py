@@ -1,8 +1,9 @@
 """Where the fused C kernel beats SDPA on CPU: cpu_fused, sdpa and chunked on no-mask and causal
 calls over a grid of shapes, forward and forward + backward, and what ``auto`` picks for each.
 
-    python -m selfattn.benchmarks.crossover --threads 1     # one thread, CPU time (loaded host)
+    python -m selfattn.benchmarks.crossover --threads 1     # one thread, CPU time (~10 min)
     python -m selfattn.benchmarks.crossover --threads 2     # two threads, wall time
+    python -m selfattn.benchmarks.crossover --full          # also D=128 and B=8 (~1 h)
     python -m selfattn.benchmarks.crossover --quick --json  # a smoke run
 
 Each row times the three backends on the same inputs (``backend=`` forced), interleaved with
@@ -13,7 +14,8 @@ work alone, steady on a loaded shared host); with more, wall time. ``auto`` is t
 and ``auto ok`` says whether its best time is within ``--margin`` of the fastest's: the cost
 model in ``backends/cpu_fused.py`` is fitted to these rows.
 
-The grid (``--S``, ``--chunks``, ``--D``, ``--heads``, ``--B``, ``--dtypes``, ``--threads``):
+The grid (``--S``, ``--chunks``, ``--D``, ``--heads``, ``--B``, ``--dtypes``, ``--threads``;
+D=64 and B=1 unless ``--full``):
 square calls ``Sq = Sk = S``; decode and prefill chunks ``Sq < Sk`` (a chunk of queries against
 a longer cache, causal bottom-right); MHA 8/8 and GQA 32/8 heads. Cases over ``--max-pairs``
 (B·Hq·Sq·Sk) are left out.
@@ -177,19 +179,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two small sizes: a smoke run")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--repeat", type=int, default=5, help="rounds per case (5)")
-    p.add_argument("--budget-s", type=float, default=5.0, help="per backend and case (5 s)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds per case (3)")
+    p.add_argument("--budget-s", type=float, default=3.0, help="per backend and case (3 s)")
+    p.add_argument("--full", action="store_true", help="D 64,128 and B 1,8 (default 64 and 1)")
     p.add_argument("--threads", type=_ints, default=(1,), help="torch threads, e.g. 1,2 (1)")
     p.add_argument("--S", type=_ints, default=SIZES, help="square sizes Sq = Sk")
     p.add_argument("--chunks", type=str, default=None, help="Sq x Sk cases, e.g. 1x4096,64x4096")
-    p.add_argument("--D", type=_ints, default=(64, 128), help="head dims (64,128)")
+    p.add_argument("--D", type=_ints, default=None, help="head dims (64; --full 64,128)")
     p.add_argument("--heads", type=str, default="8/8,32/8", help="Hq/Hkv pairs (8/8,32/8)")
-    p.add_argument("--B", type=_ints, default=(1, 8), help="batch sizes (1,8)")
+    p.add_argument("--B", type=_ints, default=None, help="batch sizes (1; --full 1,8)")
     p.add_argument("--dtypes", type=str, default="fp32,bf16", help="fp32,bf16")
     p.add_argument("--passes", type=str, default="fwd,fwdbwd", help="fwd,fwdbwd")
     p.add_argument("--max-pairs", type=int, default=MAX_PAIRS, help="B·Hq·Sq·Sk cap (2^28)")
     p.add_argument("--margin", type=float, default=MARGIN, help="auto ok within (0.1)")
     args = p.parse_args(argv)
+    if args.D is None:
+        args.D = (64, 128) if args.full else (64,)
+    if args.B is None:
+        args.B = (1, 8) if args.full else (1,)
     args.heads = tuple(tuple(int(h) for h in x.split("/")) for x in args.heads.split(","))
     args.dtypes = tuple(args.dtypes.split(","))
     args.passes = tuple(x == "fwdbwd" for x in args.passes.split(","))
