@@ -1,5 +1,5 @@
 """``auto`` and the fused C kernel on no-mask and causal CPU calls (issue 16): the cost model of
-``backends/cpu_fused.py`` (measured regimes: dtype, forward or forward + backward, decode-sized
+``backends/cpu_fused.py`` (measured regimes: dtype, forward or forward + backward, decode step
 or not) decides, ``explain`` says which regime and why, and the calls it now sends to cpu_fused
 give the oracle's values and gradients.
 
@@ -49,12 +49,14 @@ CASES = {
     "fp32 small 128": ((1, 8, 8, 128, 128, 64, F32, False), "sdpa"),  # the set-up dominates
     "fp32 decode": ((1, 32, 8, 1, 4096, 64, F32, False), "sdpa"),  # sdpa's decode path wins
     "fp32 decode B=8": ((8, 32, 8, 1, 4096, 64, F32, False), "sdpa"),
+    "fp32 GQA 4 rows of 4096": ((1, 32, 8, 4, 4096, 64, F32, False), "cpu_fused"),  # no decode
     "fp32 train 1024": ((1, 8, 8, 1024, 1024, 64, F32, True), "cpu_fused"),
     "fp32 train 128": ((1, 8, 8, 128, 128, 64, F32, True), "sdpa"),
     "bf16 prefill 512": ((1, 8, 8, 512, 512, 64, BF16, False), "cpu_fused"),
     "bf16 small 64": ((1, 8, 8, 64, 64, 64, BF16, False), "sdpa"),
     "bf16 decode GQA": ((1, 32, 8, 1, 4096, 128, BF16, False), "cpu_fused"),  # sdpa: 5x slower
     "bf16 decode short": ((1, 8, 8, 1, 256, 64, BF16, False), "sdpa"),
+    "bf16 4 rows of 1024": ((1, 8, 8, 4, 1024, 64, BF16, False), "sdpa"),  # sdpa's fast path
     "bf16 train 512": ((1, 8, 8, 512, 512, 64, BF16, True), "cpu_fused"),
 }
 
@@ -93,7 +95,7 @@ def test_explain_says_why():
     pairs = 8 * 4096 * 4096
     assert ex.notes["sdpa"].endswith(f"costs 1 per pair vs {fit.per_pair + fit.fixed / pairs:.3g}")
     ex = _choice(1, 8, 8, 1, 4096, 64, F32)  # decode: sdpa, and cpu_fused's note says why not
-    assert ex.chosen == "sdpa" and "fp32 decode-sized forward" in ex.notes["cpu_fused"]
+    assert ex.chosen == "sdpa" and "fp32 decode-step forward" in ex.notes["cpu_fused"]
 
 
 @pytest.mark.parametrize(

@@ -228,22 +228,24 @@ class Fit:
 # per_pair is about the worst large-call ratio of its regime, so that a call goes to cpu_fused
 # only where it wins by a margin; each fixed puts the crossover where the small calls measured it.
 # Regimes: the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32
-# one), whether a backward follows (q, k or v needs grad under grad mode), and decode-sized
-# calls (Sq <= DECODE_ROWS: sdpa's time per pair is ~40 ns (fp32) / ~100-200 ns (bf16) there,
-# against 2-7 ns on prefills, and the kernel packs all of K/V for those few rows).
-DECODE_ROWS = 4
+# one), whether a backward follows (q, k or v needs grad under grad mode), and decode steps
+# (Sq <= DECODE_ROWS: sdpa takes ~40 ns per pair in fp32 and ~100-200 ns in bf16 there, against
+# 2-7 ns on prefills, and the kernel packs all of K/V for the one row; from Sq = 2 on, sdpa's
+# bf16 runs its fast path again, measured: 2 x 1024, 8 heads, 0.56 ms against 0.87 ms for 1 x
+# 1024).
+DECODE_ROWS = 1
 FITS = {
     # (dtype, backward, decode) -> Fit; in brackets the measured ratios the per_pair covers
     (torch.float32, False, False): Fit(0.70, 7e4, "fp32 forward"),  # [0.41, 0.71]
     (torch.float32, True, False): Fit(0.80, 7e4, "fp32 forward + backward"),  # [0.42, 0.83]
     # sdpa's decode path wins: slower per pair here (B=8: chunked is faster than both)
-    (torch.float32, False, True): Fit(1.5, 1e4, "fp32 decode-sized forward"),  # [0.99, 4.2]
-    (torch.float32, True, True): Fit(1.5, 1e4, "fp32 decode-sized forward + backward"),
+    (torch.float32, False, True): Fit(1.5, 1e4, "fp32 decode-step forward"),  # [0.99, 4.2]
+    (torch.float32, True, True): Fit(1.5, 1e4, "fp32 decode-step forward + backward"),
     (torch.bfloat16, False, False): Fit(0.40, 4e4, "bf16 forward"),  # [0.23, 0.43]
     (torch.bfloat16, True, False): Fit(0.90, 5e3, "bf16 forward + backward"),  # [0.30, 0.89]
     # sdpa's bf16 decode runs ~100-200 ns per pair; GQA 32/8 at Sk=4096: 0.17-0.20x
-    (torch.bfloat16, False, True): Fit(0.70, 2.5e3, "bf16 decode-sized forward"),  # [0.13, 0.75]
-    (torch.bfloat16, True, True): Fit(0.90, 2e3, "bf16 decode-sized forward + backward"),
+    (torch.bfloat16, False, True): Fit(0.70, 2.5e3, "bf16 decode-step forward"),  # [0.13, 0.75]
+    (torch.bfloat16, True, True): Fit(0.90, 2e3, "bf16 decode-step forward + backward"),
 }
 # Not measured (fp16, which the kernel converts to float32; builds without AVX-512F, or bf16
 # without avx512_bf16): sdpa's equal, so that no-mask and causal calls stay on sdpa (equal costs
