@@ -156,6 +156,23 @@ def check_ring(report: dict) -> None:
         assert r[sent] == r[theory] == f"{(int(r[w]) - 1) / int(r[w]):.3f}", r
 
 
+def check_crossover(report: dict) -> None:
+    from selfattn.benchmarks import crossover
+
+    rows = report["rows"]
+    assert len(rows) == 2 * 2 * 2 * (len(crossover.QUICK_SIZES) + len(crossover.QUICK_CHUNKS))
+    for r in rows:
+        times = {b: r[f"{b}_ms"] for b in crossover.BACKENDS}
+        assert all(t > 0 for t in times.values()), r
+        assert r["fastest"] == min(times, key=times.get), r
+        assert r["auto"] in sa.backends.names(), r
+        if r["auto"] in times:  # auto's pick is "ok" within the margin of the fastest
+            ok = times[r["auto"]] <= (1 + report["setup"]["margin"]) * times[r["fastest"]]
+            assert r["auto_ok"] == ok, r
+        tol = 5e-2 if r["dtype"] == "bf16" else 1e-4  # bf16 outputs: a few of its ulps
+        assert r["max_abs_diff"] < tol, r
+
+
 def check_gpu_decode(report: dict) -> None:
     ours = report["paged_attention"]
     assert report["device"] == "cpu" and ours["ms"] > 0 and report["copy GB/s"] > 0
@@ -343,6 +360,7 @@ SMOKES = {
         ),
         marks=pytest.mark.slow,
     ),
+    "crossover": Smoke(packaged("crossover", "--threads", "1"), check_crossover),
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
     "variants": Smoke(packaged("variants", "--repeat", "2"), check_variants),
     "layers": pytest.param(

@@ -161,6 +161,35 @@ def test_forward_is_bitwise_deterministic_across_thread_counts():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
+def _backward_case(seed: int):
+    """Tiles, (q, k, v), dout and dlse of a GQA case with odd sizes, for the backward tests."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
+    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=seed)
+    qkv = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    dout, dlse = torch.randn(B, Hq, Sq, Dv, generator=g), torch.randn(B, Hq, Sq, generator=g)
+    return t, qkv, dout, dlse
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
+def test_backward_one_pass_is_bitwise_the_two_passes(generic):
+    """One thread runs the one-pass backward (dQ, dK, dV per (b, kv head)); three threads with
+    B·Hkv = 4 items run the two passes (dK, dV by key tile, then dQ by query tile): the same
+    bits, as the kernel promises for any thread count."""
+    t, (q, k, v), dout, dlse = _backward_case(seed=12)
+    out, _, m, l = fa.forward(q, k, v, t, 0.3, generic=generic)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results.append(fa.backward(dout, dlse, q, k, v, out, m, l, t, 0.3, generic=generic))
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, b in zip(("dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), (name, float((a - b).abs().max()))
+
+
 def test_generic_and_native_builds_agree():
     """The forced baseline-ISA build is another compilation of the same source: it agrees with
     the vector build to rounding, and names no vector ISA."""
@@ -179,11 +208,7 @@ def test_backward_matches_the_twins_gradients(build, monkeypatch):
     """dq, dk, dv (GQA: summed over the G heads of a kv head) and the lse's own gradient, against
     autograd through the float64 twin."""
     generic = _force_build(monkeypatch, build)
-    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
-    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=9)
-    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=10)
-    g = torch.Generator().manual_seed(11)
-    dout, dlse = torch.randn(B, Hq, Sq, Dv, generator=g), torch.randn(B, Hq, Sq, generator=g)
+    t, (q, k, v), dout, dlse = _backward_case(seed=9)
     out, _, m, l = fa.forward(q, k, v, t, 0.25, generic=generic)
     grads = fa.backward(dout, dlse, q, k, v, out, m, l, t, 0.25, generic=generic)
 

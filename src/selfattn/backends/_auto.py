@@ -12,18 +12,20 @@ above all, on sdpa without reading the mask. Equal costs go to the backend regis
 The dense costs are measured, not guessed (2-thread x86 CPU, torch 2.13, fp32, B=1, H=8, D=64;
 numbers in BENCHMARKS.md, ``benchmarks/attention.py``), each in its backend's module:
 
-- ``sdpa`` (the yardstick, 1 per pair): PyTorch's fused CPU flash kernel is the fastest we have
-  for dense and causal work (S=4096: sdpa 0.22 s, chunked 0.29 s, compiled flex 0.61 s; causal:
-  sdpa 0.12 s, chunked 0.13 s, flex 0.45 s). With any other mask it does all ``Sq·Sk`` work.
+- ``sdpa`` (the yardstick, 1 per pair): PyTorch's fused CPU flash kernel is PyTorch's fastest
+  for dense and causal work, and ours on small calls and fp32 decode steps (S=4096: sdpa
+  0.22 s, chunked 0.29 s, compiled flex 0.61 s; causal: sdpa 0.12 s, chunked 0.13 s, flex
+  0.45 s). With any other mask it does all ``Sq·Sk`` work.
 - ``chunked`` (2 per pair, sparse): skips empty tiles, so for a sparse mask it wins by about the
   inverse density (sliding window 256 at S=16384: chunked 0.12 s, compiled flex 0.14 s, sdpa with
   a dense mask 4.2 s; 8 packed causal documents: chunked 0.29 s, flex 0.36 s). The crossover
   with sdpa-with-a-mask sits near half the tiles empty: hence 2.
-- ``cpu_fused`` (1 per pair plus a fixed cost per call, sparse; CPU only): the fused C kernel
-  over the same tiles as chunked (issue 16; figures in its module). Costed as sdpa's equal, it
-  takes every masked CPU call big enough for its ~0.35 ms of per-call set-up, while no mask and
-  ``causal()`` (sdpa's own flag) stay on sdpa, conservatively: in CPU time it measured faster
-  there too.
+- ``cpu_fused`` (sparse, plus a fixed cost per call; CPU only): the fused C kernel over the
+  same tiles as chunked (issue 16). Its per-pair cost and set-up against sdpa are measured per
+  regime (dtype, forward or forward + backward, decode-sized or not: ``cpu_fused.FITS``, from
+  ``benchmarks/crossover.py``), so it takes no-mask and causal calls where it measured faster
+  (fp32 prefills ~0.65x sdpa, bf16 ~0.35x, bf16 GQA decode ~0.2x) and leaves small calls and
+  fp32 decode steps to sdpa; masked calls come to it from sdpa's dense mask and from chunked.
 - ``flex``: compiled per mask/score-mod code and shape (4-10 s cold on CPU) and no CPU backward,
   so on CPU a last resort before ``reference``; on CUDA its fused block-sparse kernel beats
   everything for masks and, after sdpa, for score mods.

@@ -27,6 +27,8 @@ hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplie
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import logging
 import threading
 
@@ -46,7 +48,7 @@ from selfattn.backends._common import (
 )
 from selfattn.kernels import fused_attention, ops
 
-__all__ = ["run", "tiles"]
+__all__ = ["DECODE_ROWS", "FITS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles"]
 
 # Partial-tile masks are evaluated in groups of tiles, bounding the index tensors built for one
 # mask_mod call (chunked's cap).
@@ -208,29 +210,77 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
     return None
 
 
-# Per pair against sdpa's 1 (backends/_auto.py). Measured in CPU time (wall times on the loaded
-# 2-core EPYC, Zen 4 AVX-512, were noise), one thread, interleaved, B=1, H=8, D=64, fp32 / bf16:
-# dense S=2048 0.69x / 0.66x sdpa, causal 0.61x / 0.58x sdpa is_causal; sliding window 256 at
-# S=8192 0.71x / 0.58x chunked, 8 causal documents 0.53x / 0.70x chunked; window fwd+bwd at
-# S=4096 0.07x sdpa with the dense mask (0.64x chunked); since then bf16 runs vdpbf16ps for both
-# forward products (window 256 at S=16384: 2.0x faster, kernels/fused_attention.py). Costed
-# as sdpa's equal all the same: masked work comes here (sdpa would use a dense mask, chunked
-# costs 2), while no mask and causal() stay on sdpa (ties go to it), conservatively.
-_PER_PAIR = 1.0
-# The fixed cost of a call (tile plan, partial masks, the finiteness check, the op): ~0.35 ms of
-# CPU time against sdpa's ~0.08 ms, i.e. sdpa's time for ~1e5 (query, key) pairs (its ~3 ns per
-# pair at S=512). A decode step (Sq = 1) therefore stays on sdpa or chunked.
-_OVERHEAD_PAIRS = 1e5
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """cpu_fused's cost against sdpa's in one regime, from ``benchmarks/crossover.py``:
+    ``per_pair``, its time per computed (query, key) pair over sdpa's on large calls;
+    ``fixed``, its extra per-call set-up (tile plan, packing K/V, the op) in sdpa's pairs of
+    the same regime (sdpa's time per pair differs ~10x between a decode row and a prefill)."""
+
+    per_pair: float
+    fixed: float
+    what: str  # the regime in words, for explain
+
+
+# Measured by ``python -m selfattn.benchmarks.crossover --threads 1`` (one thread, CPU time,
+# interleaved, best of 3; Zen 4 with AVX-512F + avx512_bf16, torch 2.13): no mask and causal,
+# B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk chunks. Each
+# per_pair is about the worst large-call ratio of its regime, so that a call goes to cpu_fused
+# only where it wins by a margin; each fixed puts the crossover where the small calls measured it.
+# Regimes: the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32
+# one), whether a backward follows (q, k or v needs grad under grad mode), and decode steps
+# (Sq <= DECODE_ROWS: sdpa takes ~40 ns per pair in fp32 and ~100-200 ns in bf16 there, against
+# 2-7 ns on prefills, and the kernel packs all of K/V for the one row; from Sq = 2 on, sdpa's
+# bf16 runs its fast path again, measured: 2 x 1024, 8 heads, 0.56 ms against 0.87 ms for 1 x
+# 1024).
+DECODE_ROWS = 1
+FITS = {
+    # (dtype, backward, decode) -> Fit; in brackets the measured ratios the per_pair covers
+    (torch.float32, False, False): Fit(0.70, 7e4, "fp32 forward"),  # [0.41, 0.71]
+    (torch.float32, True, False): Fit(0.80, 7e4, "fp32 forward + backward"),  # [0.42, 0.83]
+    # sdpa's decode path wins: slower per pair here (B=8: chunked is faster than both)
+    (torch.float32, False, True): Fit(1.5, 1e4, "fp32 decode-step forward"),  # [0.99, 4.2]
+    (torch.float32, True, True): Fit(1.5, 1e4, "fp32 decode-step forward + backward"),
+    (torch.bfloat16, False, False): Fit(0.40, 4e4, "bf16 forward"),  # [0.23, 0.43]
+    (torch.bfloat16, True, False): Fit(0.90, 5e3, "bf16 forward + backward"),  # [0.30, 0.89]
+    # sdpa's bf16 decode runs ~100-200 ns per pair; GQA 32/8 at Sk=4096: 0.17-0.20x
+    (torch.bfloat16, False, True): Fit(0.70, 2.5e3, "bf16 decode-step forward"),  # [0.13, 0.75]
+    (torch.bfloat16, True, True): Fit(0.90, 2e3, "bf16 decode-step forward + backward"),
+}
+# Not measured (fp16, which the kernel converts to float32; builds without AVX-512F, or bf16
+# without avx512_bf16): sdpa's equal, so that no-mask and causal calls stay on sdpa (equal costs
+# go to it) and masked ones come here (sdpa would run a dense mask, chunked costs 2), with the
+# set-up of the fp32 forward.
+UNMEASURED = Fit(1.0, 1e5, "not measured for this dtype/build: costed as sdpa's equal")
+
+
+@functools.cache
+def _measured_features(build: str) -> tuple[bool, bool]:
+    """(AVX-512F, avx512_bf16) of the kernel build ``build`` runs (the measured machine's)."""
+    names = fused_attention.isa(build == "generic").split("+")
+    return "avx512f" in names, "avx512_bf16" in names
+
+
+def fit(q, k, v, call: AttentionCall) -> Fit:
+    """The measured regime of this call (:data:`FITS`), or :data:`UNMEASURED`."""
+    avx512, bf16 = _measured_features(fused_attention.requested_isa())
+    if not avx512 or q.dtype not in (torch.float32, torch.bfloat16):
+        return UNMEASURED
+    if q.dtype == torch.bfloat16 and not bf16:
+        return UNMEASURED
+    return FITS[q.dtype, grad_needed(q, k, v, call), q.shape[2] <= DECODE_ROWS]
 
 
 def cost(q, k, v, call: AttentionCall) -> Cost:
     B, Hq, Sq, _ = q.shape
     pairs = max(1, B * Hq * Sq * k.shape[2])
+    f = fit(q, k, v, call)
     return Cost(
-        _PER_PAIR,
-        "fused C kernel over the mask's tiles, skipping empty ones",
+        f.per_pair,
+        f"fused C kernel over the mask's tiles, skipping empty ones ({f.what}: "
+        f"{f.per_pair:g} x sdpa per pair + {f.fixed:.0e} pairs of set-up)",
         sparse=True,
-        fixed=_OVERHEAD_PAIRS / pairs,
+        fixed=f.fixed / pairs,
     )
 
 

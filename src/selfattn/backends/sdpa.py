@@ -382,7 +382,7 @@ _BIG_MASK_PER_PAIR = 3.0
 # measured 2-3x slower than chunked (benchmarks/mla.py's absorbed MLA decode: D 576, Dv 512):
 # ranked just above chunked's 2 per pair.
 _MATH_PER_PAIR = 2.5
-_FLAG = Cost(1.0, "dense or causal work: PyTorch's fused kernel is fastest", sparse=True)
+_FLAG = Cost(1.0, "dense or causal work in PyTorch's fused kernel (the yardstick)", sparse=True)
 _DENSE_MASK = Cost(1.0, "fused kernel with a dense mask: does all Sq·Sk work")
 
 

@@ -11,6 +11,7 @@ imports no benchmark.
 NAMES = (
     "alternatives",
     "attention",
+    "crossover",
     "decode",
     "decode_step",
     "gpu",

@@ -26,6 +26,7 @@ __all__ = [
     "reset_peak_rss",
     "run_in_fresh_process",
     "time_call",
+    "time_interleaved",
     "time_pair",
 ]
 
@@ -73,32 +74,43 @@ def time_pair(
     budget_s: float = 30.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[Timing, Timing]:
-    """Time two calls interleaved (a, b, b, a, a, b, ...: each goes first in every other round) so
-    that drifting machine load hits both alike.
+    """:func:`time_interleaved` of two calls (a, b, b, a, a, b, ...)."""
+    return tuple(time_interleaved((fn_a, fn_b), repeat, budget_s, clock))
 
-    Each side gets one untimed warm-up call first (its compile cost is reported as ``warmup_s``).
-    Rounds stop early, after at least two, once they have used ``2 · budget_s`` seconds.
+
+def time_interleaved(
+    fns: Sequence[Callable[[], object]],
+    repeat: int = 5,
+    budget_s: float = 30.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Timing]:
+    """Time calls interleaved, each round's order rotated by one (a, b, c, then b, c, a, ...) so
+    that drifting machine load hits them alike.
+
+    Each gets one untimed warm-up call first (its compile cost is reported as ``warmup_s``).
+    Rounds stop early, after at least two, once they have used ``len(fns) · budget_s`` seconds.
     ``clock``: wall time by default; ``time.thread_time`` with one torch thread times the work
     alone, which a loaded shared machine's descheduling leaves out.
     """
-    firsts, results = [], [None, None]
-    for fn in (fn_a, fn_b):
+    n = len(fns)
+    firsts, results = [], [None] * n
+    for fn in fns:
         t0 = time.perf_counter()
         fn()
         firsts.append(time.perf_counter() - t0)
-    times: tuple[list[float], list[float]] = ([], [])
+    times: list[list[float]] = [[] for _ in fns]
     while len(times[0]) < repeat:
-        order = (0, 1) if len(times[0]) % 2 == 0 else (1, 0)
-        for i in order:
+        r = len(times[0])
+        for i in [(r + j) % n for j in range(n)]:
             t0 = clock()
-            results[i] = (fn_a, fn_b)[i]()
+            results[i] = fns[i]()
             times[i].append(clock() - t0)
-        if len(times[0]) >= 2 and sum(times[0]) + sum(times[1]) > 2 * budget_s:
+        if len(times[0]) >= 2 and sum(map(sum, times)) > n * budget_s:
             break
-    return tuple(
+    return [
         Timing(statistics.median(ts), first, len(ts), res, best_s=min(ts))
         for ts, first, res in zip(times, firsts, results)
-    )
+    ]
 
 
 def matmul_gflops(n: int, repeat: int = 3, dtype=torch.float32) -> float:

@@ -1287,6 +1287,72 @@ static int64_t dq_scratch(const Dims *d) {
   return MAXBQ * (d->Dp + d->Dvp) + 3 * MAXBQ * BK + MAXBQ * d->Dp;
 }
 
+/* dK, dV of every key tile of kv head hk, sequence b, and dQ of its G heads, in one pass: each
+   (query tile, head) recomputes its tiles' scores and dP once for all three gradients, where the
+   two passes above compute them twice (5 products per tile against 7) and pack Q and dO again
+   for every key tile. dK, dV accumulate in scratch for all Sk keys, in the two-pass order
+   (query tile, then head, per key tile) and dQ per key tile in order, so the result is bitwise
+   the two passes'. Used while there are enough (b, kv head) items for the threads (fused_bwd). */
+static void dkvq_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const int64_t hk = item % d.Hkv, b = item / d.Hkv;
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dcap = dst + BK * MAXBQ;
+  float *dq = dcap + MAXBQ * BK, *dk = dq + MAXBQ * d.Dp, *dv = dk + d.nk * BK * d.Dp;
+  const int64_t blk0 = (b * d.Hkv + hk) * d.nk, kv0 = (b * d.Hkv + hk) * d.Sk;
+  int64_t i, g, t, r, k;
+
+  memset(dk, 0, sizeof(float) * d.nk * BK * (d.Dp + d.Dvp)); /* dk and dv */
+  for (i = 0; i < d.nq; i++) {
+    for (g = 0; g < d.G; g++) {
+      const QTile qt = q_tile(&d, p, ((b * d.Hq + hk * d.G + g) * d.nq) + i);
+      const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0;
+      pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+      pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
+      memset(dq, 0, sizeof(float) * tqp * d.Dp);
+      for (t = 0; t < qt.n; t++) {
+        const int64_t j = qt.cols[t], c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+        const int64_t blk = blk0 + j;
+        const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
+        tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
+                block_bits(&d, p, qt.pids[t], b, qt.h), (const float *)p[P_M] + row0,
+                (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, qt.h, i * d.bq,
+                c0);
+        mm(dq, d.Dp, dp, BK, job->kp + blk * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+        transpose(pt, s, tqp);
+        transpose(dst, dp, tqp);
+        mm(dv + c0 * d.Dvp, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
+        mm(dk + c0 * d.Dp, d.Dp, dst, MAXBQ, qs, d.Dp, BK, tqp, d.Dp);    /* dK += dSᵀ (Q c) */
+      }
+      float *DQ = (float *)p[P_DQ] + row0 * d.D;
+      for (r = 0; r < tq; r++)
+        for (k = 0; k < d.D; k++) DQ[r * d.D + k] = dq[r * d.Dp + k] * job->scale;
+    }
+  }
+  /* as dkv_item: dK = dk * ln(2) (qs holds q * scale * log2(e)) */
+  float *DK = (float *)p[P_DK] + kv0 * d.D, *DV = (float *)p[P_DV] + kv0 * d.Dv;
+  for (r = 0; r < d.Sk; r++) {
+    for (k = 0; k < d.D; k++) DK[r * d.D + k] = dk[r * d.Dp + k] * LN2F;
+    for (k = 0; k < d.Dv; k++) DV[r * d.Dv + k] = dv[r * d.Dvp + k];
+  }
+}
+
+static int64_t dkvq_scratch(const Dims *d) {
+  return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp);
+}
+
+/* The one-pass backward (dkvq_item) runs while each thread gets FUSED_ITEMS_PER_THREAD (b, kv
+   head) items or more (fewer leave threads idle at the end: the two passes split by tile) and
+   its per-thread dK, dV scratch stays under FUSED_SCRATCH_BYTES. */
+#define FUSED_ITEMS_PER_THREAD 4
+#define FUSED_SCRATCH_BYTES ((int64_t)64 << 20)
+static int fused_bwd(const Dims *d, int n_threads) {
+  return (n_threads <= 1 || d->B * d->Hkv >= (int64_t)FUSED_ITEMS_PER_THREAD * n_threads) &&
+         (int64_t)sizeof(float) * dkvq_scratch(d) <= FUSED_SCRATCH_BYTES;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Threads: POSIX threads pulling work items from an atomic counter; each item writes its own  */
 /* output rows, so the result does not depend on the thread count or the schedule.             */
@@ -1514,8 +1580,13 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
-  if (!status) status = run_items(&kv, n_threads);
-  if (!status) status = run_items(&q, n_threads);
+  if (fused_bwd(&d, n_threads)) { /* one pass: dkvq_item */
+    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d);
+    if (!status) status = run_items(&kv, n_threads);
+  } else {
+    if (!status) status = run_items(&kv, n_threads);
+    if (!status) status = run_items(&q, n_threads);
+  }
   free_packed(&kv);
   return status;
 }
