@@ -36,6 +36,15 @@ def gathered_counts(monkeypatch) -> list[int]:
     return counts
 
 
+@pytest.fixture
+def every_thread(monkeypatch):
+    """The C kernels start every torch thread even for a tiny call (they otherwise start only
+    as many as the work pays for): for the tests of thread-count independence."""
+    from selfattn.kernels import threads
+
+    monkeypatch.setattr(threads, "MIN_SECONDS", 0.0)
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for a module of tiny-model tests: on a loaded 2-core machine the

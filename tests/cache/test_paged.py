@@ -463,6 +463,7 @@ def test_kernel_per_sequence_padding(kernel_calls):
         assert_close_to_reference(out[b : b + 1], o64, naive, dtype=q.dtype, what=f"out[{b}]")
 
 
+@pytest.mark.usefixtures("every_thread")
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("mask", [None, masks.sliding_window(30)])

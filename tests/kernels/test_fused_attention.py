@@ -145,6 +145,7 @@ def test_bf16_native_build_takes_the_dpbf16_path():
     assert not torch.equal(out, fa.forward(q.float(), k.float(), v.float(), t, 0.2)[0])
 
 
+@pytest.mark.usefixtures("every_thread")
 def test_forward_is_bitwise_deterministic_across_thread_counts():
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES["97x150-G2-D40-Dv24"]
     t = _tiles(Sq, Sk, bq, seed=5)
@@ -171,6 +172,7 @@ def _backward_case(seed: int):
     return t, qkv, dout, dlse
 
 
+@pytest.mark.usefixtures("every_thread")
 @pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
 def test_backward_one_pass_is_bitwise_the_two_passes(generic):
     """One thread runs the one-pass backward (dQ, dK, dV per (b, kv head)); three threads with

@@ -365,6 +365,7 @@ def test_dropout_drops_the_pairs_every_backend_drops(shape):
         assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
 
 
+@pytest.mark.usefixtures("every_thread")
 def test_backward_is_bitwise_deterministic_across_runs_and_threads():
     """flash-attn's ``deterministic=True`` promise, kept always: no atomics, each work item
     writes its own rows, so the gradients do not depend on the run or the thread count."""

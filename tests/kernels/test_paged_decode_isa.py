@@ -113,6 +113,7 @@ def test_one_key_returns_its_value_row_exactly(isa, storage):
         torch.testing.assert_close(out[0, h, 0], want[0, 1, h // 2], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.usefixtures("every_thread")
 @pytest.mark.parametrize("storage", ["bf16", "int8"])
 def test_output_is_bitwise_reproducible(isa, storage):
     """The same call twice, two threads pulling work items in whatever order: identical bits (each

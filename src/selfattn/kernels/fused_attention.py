@@ -64,7 +64,8 @@ whole-tensor ``.float()`` first measured 0.19 s for bf16 q, k, v at S=16384, H=8
 loaded 2-core EPYC: as long as the kernel itself); accumulation is float32, and so are the
 outputs but the forward's ``out``, which the kernel writes in q's dtype (a float32 ``out`` for
 bf16 inputs was twice the fresh pages and a copy after the call).
-Threads: POSIX threads pulling work items, as many as ``torch.get_num_threads()``; each item
+Threads: POSIX threads pulling work items, as many as ``torch.get_num_threads()`` and the work
+pays for (:mod:`~selfattn.kernels.threads`: a small call runs on the calling thread); each item
 writes only its own rows, so the result is bitwise the same for any thread count.
 
 The ops ``torch.ops.selfattn.attention_fwd_cpu`` / ``attention_bwd_cpu`` (:mod:`selfattn.
@@ -83,6 +84,7 @@ import os
 
 import torch
 
+from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = [
@@ -257,19 +259,25 @@ class Tiles:
         return (self.rowptr, self.cols, self.pids, self.colptr, self.rows, self.cpids, self.bits)
 
 
-def _call(lib_fn, ints: dict, tensors: dict, *scalars) -> None:
+def _call(lib_fn, ints: dict, tensors: dict, *scalars, flops: float) -> None:
+    """Run ``lib_fn`` on as many threads as ``flops`` pay for (:mod:`~selfattn.kernels.threads`)."""
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors.get(name)) is None else t.data_ptr() for name in PTR_ARGS]
     status = lib_fn(
         (ctypes.c_int64 * len(iargs))(*iargs),
         (ctypes.c_void_p * len(ptrs))(*ptrs),
-        torch.get_num_threads(),
+        threads.for_flops(flops),
         *(ctypes.c_float(s) for s in scalars),
     )
     if status == 1:
         raise MemoryError("the fused attention kernel could not allocate its scratch")
     if status:
         raise ValueError(f"the fused attention kernel refused its tile sizes (status {status})")
+
+
+def _pairs(q: torch.Tensor, tiles: Tiles) -> int:
+    """The (query, key) pairs the call computes: every visited tile of every (batch, head)."""
+    return q.shape[0] * q.shape[1] * tiles.cols.numel() * tiles.block_q * BLOCK_K
 
 
 def supported_dtypes(generic: bool = False) -> tuple[torch.dtype, ...]:
@@ -410,7 +418,8 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     tensors.update(mods := _mods(q, k, alibi, bias, softcap))
     tensors.update(_dropout(dropout_p))
     ints = _ints(q, k, v, tiles, q_offset, seed0, mods)
-    _call(_lib(generic).fa_forward, ints, tensors, scale * LOG2E)
+    flops = 2 * _pairs(q, tiles) * (q.shape[3] + v.shape[3])  # Q Kᵀ and P V
+    _call(_lib(generic).fa_forward, ints, tensors, scale * LOG2E, flops=flops)
     return out, lse, m, l
 
 
@@ -431,7 +440,8 @@ def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic
     tensors.update(mods := _mods(q, k, alibi, bias, softcap))
     tensors.update(_dropout(dropout_p))
     ints = _ints(q, k, v, tiles, q_offset, seed0, mods)
-    _call(_lib(generic).fa_backward, ints, tensors, scale * LOG2E, scale)
+    flops = 2 * _pairs(q, tiles) * (3 * q.shape[3] + 2 * v.shape[3])  # Q Kᵀ, dO Vᵀ, dV, dQ, dK
+    _call(_lib(generic).fa_backward, ints, tensors, scale * LOG2E, scale, flops=flops)
     return dq, dk, dv
 
 

@@ -27,8 +27,9 @@ same machine.
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
 EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
 through :mod:`ctypes`, which releases the GIL during the call. Threads: POSIX threads pulling
-``(sequence, key split)`` work items, as many as ``torch.get_num_threads()``. No compiler, a
-failed build or ``SELFATTN_DECODE_KERNEL=0``: :func:`library` returns None.
+``(sequence, key split)`` work items, as many as ``torch.get_num_threads()`` and the pages read
+pay for (:mod:`~selfattn.kernels.threads`: a short context runs on the calling thread). No
+compiler, a failed build or ``SELFATTN_DECODE_KERNEL=0``: :func:`library` returns None.
 
 The op ``torch.ops.selfattn.paged_decode_cpu`` (:mod:`selfattn.kernels.ops`) wraps
 :func:`decode`; its plain-PyTorch twin is :func:`selfattn.kernels.paged_twin.paged_attention_twin`.
@@ -42,6 +43,7 @@ import os
 
 import torch
 
+from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = ["ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "supported_dtypes"]
@@ -220,7 +222,20 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     }  # fmt: skip
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]
-    args = ((ctypes.c_int64 * len(iargs))(*iargs), (ctypes.c_void_p * len(ptrs))(*ptrs))
+    # the pages the walk may read (an upper bound: every sequence's longest span)
+    n_bytes = (
+        B
+        * n_split
+        * split_pages
+        * P
+        * Hkv
+        * (D * k_pages.element_size() + Dv * v_pages.element_size())
+    )
+    args = (
+        (ctypes.c_int64 * len(iargs))(*iargs),
+        (ctypes.c_void_p * len(ptrs))(*ptrs),
+        threads.for_bytes(n_bytes),
+    )
     return lib, args, out, lse, tensors
 
 
@@ -229,8 +244,8 @@ def _sinks_f32(sinks):
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
-def _launch(lib, iargs, ptrs, scale, out, lse):
-    status = lib.paged_decode(iargs, ptrs, torch.get_num_threads(), ctypes.c_float(scale))
+def _launch(lib, iargs, ptrs, n_threads, scale, out, lse):
+    status = lib.paged_decode(iargs, ptrs, n_threads, ctypes.c_float(scale))
     if status:
         raise MemoryError("paged_attention: the decode kernel could not allocate its scratch")
     return out, lse
@@ -246,7 +261,7 @@ class Launch:
     (~4 µs of Python a call instead of ~11). Same results as :func:`decode`."""
 
     def __init__(self, q, k_pages, v_pages, table, lo, hi, splits):
-        self._lib, (self._iargs, self._ptrs), out, lse, self._tensors = _arguments(
+        self._lib, (self._iargs, self._ptrs, self._threads), out, lse, self._tensors = _arguments(
             q, k_pages, v_pages, table, lo, hi, None, None, None, splits
         )
         self._shapes = (out.shape, lse.shape)
@@ -277,7 +292,7 @@ class Launch:
         ptrs[_Q], ptrs[_K], ptrs[_V] = q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr()
         ptrs[_OUT], ptrs[_LSE] = out.data_ptr(), lse.data_ptr()
         ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
-        out, lse = _launch(self._lib, self._iargs, ptrs, scale, out, lse)
+        out, lse = _launch(self._lib, self._iargs, ptrs, self._threads, scale, out, lse)
         return out, (lse if return_lse else None)
 
 
