@@ -26,10 +26,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _measured(dtype: torch.dtype) -> bool:
-    """Whether this build is the measured one (AVX-512F, and avx512_bf16 for bf16): elsewhere
-    cpu_fused is costed as sdpa's equal and no-mask/causal calls stay on sdpa."""
+    """Whether this build is the measured one (AVX-512F, and avx512_bf16 without AMX for bf16):
+    elsewhere cpu_fused is costed as sdpa's equal and no-mask/causal calls stay on sdpa."""
+    from selfattn.kernels import build
+
     isa = fused_attention.isa().split("+")
-    return "avx512f" in isa and (dtype != torch.bfloat16 or "avx512_bf16" in isa)
+    bf16 = "avx512_bf16" in isa and "amx_bf16" not in build.cpu_flags()
+    return "avx512f" in isa and (dtype != torch.bfloat16 or bf16)
 
 
 def _choice(B, Hq, Hkv, Sq, Sk, D, dtype, *, grad=False, mask=None):
@@ -109,6 +112,19 @@ def test_unmeasured_builds_and_dtypes_keep_no_mask_calls_on_sdpa(monkeypatch, dt
     assert _choice(1, 8, 8, 1024, 1024, 64, torch.float16).chosen == "sdpa"
     window = masks.sliding_window(64)
     assert _choice(1, 8, 8, 1024, 1024, 64, dtype, grad=grad, mask=window).chosen == "cpu_fused"
+
+
+def test_bf16_on_an_amx_cpu_stays_on_sdpa(monkeypatch):
+    """On a CPU with AMX tiles sdpa's bf16 GEMMs run on them and ours do not (not measured):
+    bf16 no-mask calls stay on sdpa there, fp32 ones still follow the measured fit."""
+    if not _measured(BF16):
+        pytest.skip("this build is not the measured one")
+    from selfattn.kernels import build
+
+    assert _choice(1, 8, 8, 1024, 1024, 64, BF16).chosen == "cpu_fused"
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert _choice(1, 8, 8, 1024, 1024, 64, BF16).chosen == "sdpa"
+    assert _choice(1, 8, 8, 1024, 1024, 64, F32).chosen == "cpu_fused"
 
 
 auto = functools.partial(sa.attention, backend="auto")

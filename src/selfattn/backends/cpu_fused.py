@@ -46,7 +46,7 @@ from selfattn.backends._common import (
     run_with_sinks,
     score_terms,
 )
-from selfattn.kernels import fused_attention, ops
+from selfattn.kernels import build, fused_attention, ops
 
 __all__ = ["DECODE_ROWS", "FITS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles"]
 
@@ -223,8 +223,9 @@ class Fit:
 
 
 # Measured by ``python -m selfattn.benchmarks.crossover --threads 1`` (one thread, CPU time,
-# interleaved, best of 3; Zen 4 with AVX-512F + avx512_bf16, torch 2.13): no mask and causal,
-# B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk chunks. Each
+# interleaved, best of 3; AMD Zen 5 with AVX-512F + avx512_bf16, no AMX, torch 2.13): no mask
+# and causal, B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk
+# chunks. Each
 # per_pair is about the worst large-call ratio of its regime, so that a call goes to cpu_fused
 # only where it wins by a margin; each fixed puts the crossover where the small calls measured it.
 # Regimes: the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32
@@ -248,9 +249,10 @@ FITS = {
     (torch.bfloat16, True, True): Fit(0.90, 2e3, "bf16 decode-step forward + backward"),
 }
 # Not measured (fp16, which the kernel converts to float32; builds without AVX-512F, or bf16
-# without avx512_bf16): sdpa's equal, so that no-mask and causal calls stay on sdpa (equal costs
-# go to it) and masked ones come here (sdpa would run a dense mask, chunked costs 2), with the
-# set-up of the fp32 forward.
+# without avx512_bf16, or bf16 on a CPU with AMX tiles, where sdpa's brgemm micro-kernels run on
+# them and our kernel does not): sdpa's equal, so that no-mask and causal calls stay on sdpa
+# (equal costs go to it) and masked ones come here (sdpa would run a dense mask, chunked costs
+# 2), with the set-up of the fp32 forward.
 UNMEASURED = Fit(1.0, 1e5, "not measured for this dtype/build: costed as sdpa's equal")
 
 
@@ -266,7 +268,7 @@ def fit(q, k, v, call: AttentionCall) -> Fit:
     avx512, bf16 = _measured_features(fused_attention.requested_isa())
     if not avx512 or q.dtype not in (torch.float32, torch.bfloat16):
         return UNMEASURED
-    if q.dtype == torch.bfloat16 and not bf16:
+    if q.dtype == torch.bfloat16 and (not bf16 or "amx_bf16" in build.cpu_flags()):
         return UNMEASURED
     return FITS[q.dtype, grad_needed(q, k, v, call), q.shape[2] <= DECODE_ROWS]
 

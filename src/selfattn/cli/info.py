@@ -59,10 +59,9 @@ _CPU_FLAGS = (
 
 
 def _cpu_flags() -> list[str]:
-    from selfattn.kernels.build import _cpu_id
+    from selfattn.kernels.build import cpu_flags
 
-    present = set(_cpu_id().split(":", 1)[-1].split())
-    return [f for f in _CPU_FLAGS if f in present]
+    return [f for f in _CPU_FLAGS if f in cpu_flags()]
 
 
 def _captured_warnings(fn):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -109,6 +110,13 @@ def _cpu_id() -> str:
             return next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
         return platform.processor()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` spells them (``avx512_bf16``,
+    ``amx_bf16``, ...); empty where there is no such file."""
+    return frozenset(_cpu_id().split(":", 1)[-1].split()) if ":" in _cpu_id() else frozenset()
 
 
 def library_name(spec: CLibrary, cc: str, flags: list[str]) -> str:
