@@ -353,7 +353,7 @@ def memoisable(positions: torch.Tensor) -> torch.Tensor:
     one positions tensor to every layer would have the factors recomputed per layer; a normal
     copy (made outside inference mode, a few µs) has one. Other tensors are returned as they are.
     """
-    if not positions.is_inference():
+    if torch.compiler.is_compiling() or not positions.is_inference():  # Dynamo: no is_inference
         return positions
     with torch.inference_mode(False):
         return positions.clone()
