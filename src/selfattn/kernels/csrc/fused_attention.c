@@ -674,7 +674,9 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
    -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. */
 static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq, float *acc,
                         const float *m, const float *l) {
-  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
+  /* the statistics go through these, then out in whole vectors: one scalar store per row and
+     statistic held the store buffer full while the lines came in */
+  float lse[MAXBQ], mo[MAXBQ], lout[MAXBQ];
   for (int64_t r = 0; r < tq; r++) {
     float *o = acc + r * d->Dvp;
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
@@ -687,6 +689,9 @@ static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq,
     }
     store_row(p[P_OUT], (row0 + r) * d->Dv, o, d->Dv, d->dt);
   }
+  memcpy((float *)p[P_LSE] + row0, lse, sizeof(float) * (size_t)tq);
+  memcpy((float *)p[P_M] + row0, mo, sizeof(float) * (size_t)tq);
+  memcpy((float *)p[P_L] + row0, lout, sizeof(float) * (size_t)tq);
 }
 
 /* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
@@ -986,6 +991,12 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
     const int64_t n1 = row0 + tq + d.bq < last ? d.bq : last - row0 - tq;
     const char *nx = (const char *)p[P_Q] + (row0 + tq) * d.D * esz;
     for (k = 0; k < n1 * d.D * esz; k += CACHE_LINE) _mm_prefetch(nx + k, _MM_HINT_T0);
+    /* and this item's output lines for writing: finish_rows' stores waited on their misses */
+    const char *ox = (const char *)p[P_OUT] + row0 * d.Dv * esz;
+    for (k = 0; k < tq * d.Dv * esz; k += CACHE_LINE) _mm_prefetch(ox + k, _MM_HINT_ET0);
+    for (v = P_LSE; v <= P_L; v++)
+      for (k = 0; k < tq * (int64_t)sizeof(float); k += CACHE_LINE)
+        _mm_prefetch((const char *)((const float *)p[v] + row0) + k, _MM_HINT_ET0);
   }
   /* -- Qᵀ, rows [tq, nqv VW) 0: blocks of 16 rows x 16 32-bit words (floats, or for even D
      bf16 pairs: 4 bytes of q) transposed in registers (scalar stores were a quarter of this
