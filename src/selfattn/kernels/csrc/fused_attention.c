@@ -1080,7 +1080,10 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
       if (km) {
         va = BK, vz = 0;
         for (int b = VW / RB * (int)v; b < VW / RB * ((int)v + 1); b++)
-          if (km->lo[b] < km->hi[b]) va = va < km->lo[b] ? va : km->lo[b], vz = vz > km->hi[b] ? vz : km->hi[b];
+          if (km->lo[b] < km->hi[b]) {
+            va = va < km->lo[b] ? va : km->lo[b];
+            vz = vz > km->hi[b] ? vz : km->hi[b];
+          }
         if (vz <= va) continue; /* no key for these rows: m, l unchanged, P V skips them */
       }
       __m512 mx = ninf, mx2 = ninf; /* two chains: vmaxps' latency, not its rate, bounds one */
