@@ -53,6 +53,8 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 #define BK 64      /* keys per tile: four vectors, the width of every score tile */
 #define MAXBQ 64   /* most query rows per tile */
 #define CACHE_LINE 64 /* bytes: the stride of software prefetches */
+#define FWD_GRAIN 8   /* most forward items a thread claims at once (Job.grain) */
+#define FWD_CLAIMS 8  /* fewest claims per thread that Job.grain leaves */
 #define NV 4       /* vectors per accumulator row of mm */
 #if defined(__AVX512F__)
 #define RB 4 /* rows per register block: 4 x 4 accumulators + 4 B rows fit 32 zmm registers */
@@ -380,6 +382,12 @@ typedef struct {
      blocks as key masks (key_masks) */
   int bt;
   struct KeyMasks *tb;
+  /* items a thread claims at once (0 or 1: one): consecutive forward items are consecutive query
+     tiles of a head, which share most of their key tiles (a sliding window's 5 of 5 but one) and
+     whose q rows follow each other (fwd_t prefetches the next ones): one thread running a run of
+     them reads K, V and q once into its own core's cache, where single claims alternated the
+     tiles between the cores */
+  int64_t grain;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -1397,10 +1405,12 @@ static void *worker(void *arg) {
   /* calloc: padding columns that no pack writes are zero, never garbage */
   float *scratch = calloc((size_t)job->scratch, sizeof(float));
   if (scratch == NULL) return (void *)1;
+  const int64_t grain = job->grain > 1 ? job->grain : 1;
   for (;;) {
-    const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-    if (item >= job->n_items) break;
-    job->item(job, item, scratch);
+    const int64_t first = __atomic_fetch_add(&job->next, grain, __ATOMIC_RELAXED);
+    if (first >= job->n_items) break;
+    for (int64_t item = first; item < first + grain && item < job->n_items; item++)
+      job->item(job, item, scratch);
   }
   free(scratch);
   return NULL;
@@ -1575,6 +1585,10 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
 #endif
   int status = pack_kv(&job, &d, n_threads);
+  /* runs of FWD_GRAIN items, but fewer where a thread would get under FWD_CLAIMS claims (the
+     last claims balance the threads' ends) */
+  const int64_t per_thread = job.n_items / (n_threads > 1 ? n_threads : 1) / FWD_CLAIMS;
+  job.grain = per_thread < 1 ? 1 : (per_thread < FWD_GRAIN ? per_thread : FWD_GRAIN);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
   free(job.rr);
