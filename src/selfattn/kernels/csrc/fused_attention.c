@@ -52,6 +52,9 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 #define VW 16      /* floats per vector: one AVX-512 register (two AVX2 ones) */
 #define BK 64      /* keys per tile: four vectors, the width of every score tile */
 #define MAXBQ 64   /* most query rows per tile */
+#define CACHE_LINE 64 /* bytes: the stride of software prefetches */
+#define FWD_GRAIN 8   /* most forward items a thread claims at once (Job.grain) */
+#define FWD_CLAIMS 8  /* fewest claims per thread that Job.grain leaves */
 #define NV 4       /* vectors per accumulator row of mm */
 #if defined(__AVX512F__)
 #define RB 4 /* rows per register block: 4 x 4 accumulators + 4 B rows fit 32 zmm registers */
@@ -379,6 +382,12 @@ typedef struct {
      blocks as key masks (key_masks) */
   int bt;
   struct KeyMasks *tb;
+  /* items a thread claims at once (0 or 1: one): consecutive forward items are consecutive query
+     tiles of a head, which share most of their key tiles (a sliding window's 5 of 5 but one) and
+     whose q rows follow each other (fwd_t prefetches the next ones): one thread running a run of
+     them reads K, V and q once into its own core's cache, where single claims alternated the
+     tiles between the cores */
+  int64_t grain;
 } Job;
 
 /* Shapes of one call, read from iargs. */
@@ -673,7 +682,9 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
    -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. */
 static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq, float *acc,
                         const float *m, const float *l) {
-  float *lse = (float *)p[P_LSE] + row0, *mo = (float *)p[P_M] + row0, *lout = (float *)p[P_L] + row0;
+  /* the statistics go through these, then out in whole vectors: one scalar store per row and
+     statistic held the store buffer full while the lines came in */
+  float lse[MAXBQ], mo[MAXBQ], lout[MAXBQ];
   for (int64_t r = 0; r < tq; r++) {
     float *o = acc + r * d->Dvp;
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
@@ -686,6 +697,9 @@ static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq,
     }
     store_row(p[P_OUT], (row0 + r) * d->Dv, o, d->Dv, d->dt);
   }
+  memcpy((float *)p[P_LSE] + row0, lse, sizeof(float) * (size_t)tq);
+  memcpy((float *)p[P_M] + row0, mo, sizeof(float) * (size_t)tq);
+  memcpy((float *)p[P_L] + row0, lout, sizeof(float) * (size_t)tq);
 }
 
 /* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
@@ -977,6 +991,21 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
   const __m512 vc = _mm512_set1_ps(c), ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1);
   int64_t r, k, t, v;
 
+  /* -- the next item's q rows (the next rows of (B, Hq, Sq), where an item usually follows) into
+     cache while this one computes: packing Qᵀ from memory stalled on its misses (~8% of a bf16
+     window forward: one burst of loads per item that the hardware prefetcher does not foresee) */
+  {
+    const int64_t esz = d.dt == F32 ? 4 : 2, last = d.B * d.Hq * d.Sq;
+    const int64_t n1 = row0 + tq + d.bq < last ? d.bq : last - row0 - tq;
+    const char *nx = (const char *)p[P_Q] + (row0 + tq) * d.D * esz;
+    for (k = 0; k < n1 * d.D * esz; k += CACHE_LINE) _mm_prefetch(nx + k, _MM_HINT_T0);
+    /* and this item's output lines for writing: finish_rows' stores waited on their misses */
+    const char *ox = (const char *)p[P_OUT] + row0 * d.Dv * esz;
+    for (k = 0; k < tq * d.Dv * esz; k += CACHE_LINE) _mm_prefetch(ox + k, _MM_HINT_ET0);
+    for (v = P_LSE; v <= P_L; v++)
+      for (k = 0; k < tq * (int64_t)sizeof(float); k += CACHE_LINE)
+        _mm_prefetch((const char *)((const float *)p[v] + row0) + k, _MM_HINT_ET0);
+  }
   /* -- Qᵀ, rows [tq, nqv VW) 0: blocks of 16 rows x 16 32-bit words (floats, or for even D
      bf16 pairs: 4 bytes of q) transposed in registers (scalar stores were a quarter of this
      item's time, vpgatherdd 40%) */
@@ -1052,15 +1081,28 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
     uint64_t rescale = 0; /* rows whose running max rose (their out must be rescaled) */
     for (v = 0; v < nqv; v++) {
       float *sv = st + v * VW;
+      /* keys [va, vz): those a row of this vector attends (a PARTIAL tile's masked corner is
+         not exponentiated: its weights would be 0, which adds nothing to the sum, and P V reads
+         only keys in its row block's [lo, hi), inside [va, vz)) */
+      int64_t va = ka, vz = kz;
+      if (km) {
+        va = BK, vz = 0;
+        for (int b = VW / RB * (int)v; b < VW / RB * ((int)v + 1); b++)
+          if (km->lo[b] < km->hi[b]) {
+            va = va < km->lo[b] ? va : km->lo[b];
+            vz = vz > km->hi[b] ? vz : km->hi[b];
+          }
+        if (vz <= va) continue; /* no key for these rows: m, l unchanged, P V skips them */
+      }
       __m512 mx = ninf, mx2 = ninf; /* two chains: vmaxps' latency, not its rate, bounds one */
       if (km) {
-        for (k = ka; k + 1 < kz; k += 2) {
+        for (k = va; k + 1 < vz; k += 2) {
           mx = _mm512_mask_max_ps(mx, (__mmask16)(km->keys[k] >> (VW * v)), mx,
                                   _mm512_loadu_ps(sv + k * MAXBQ));
           mx2 = _mm512_mask_max_ps(mx2, (__mmask16)(km->keys[k + 1] >> (VW * v)), mx2,
                                    _mm512_loadu_ps(sv + (k + 1) * MAXBQ));
         }
-        if (k < kz)
+        if (k < vz)
           mx = _mm512_mask_max_ps(mx, (__mmask16)(km->keys[k] >> (VW * v)), mx,
                                   _mm512_loadu_ps(sv + k * MAXBQ));
       } else {
@@ -1083,7 +1125,7 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
       _mm512_storeu_ps(alpha + v * VW, a);
       const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), mn);
       __m512 sum = _mm512_setzero_ps();
-      for (k = ka / 2 * 2; k < kz; k += 2) { /* keys k, k + 1 (one bf16 pair word a row) */
+      for (k = va / 2 * 2; k < vz; k += 2) { /* keys k, k + 1 (one bf16 pair word a row) */
         __mmask16 k0, k1;
         if (km) {
           k0 = (__mmask16)(km->keys[k] >> (VW * v)), k1 = (__mmask16)(km->keys[k + 1] >> (VW * v));
@@ -1363,10 +1405,12 @@ static void *worker(void *arg) {
   /* calloc: padding columns that no pack writes are zero, never garbage */
   float *scratch = calloc((size_t)job->scratch, sizeof(float));
   if (scratch == NULL) return (void *)1;
+  const int64_t grain = job->grain > 1 ? job->grain : 1;
   for (;;) {
-    const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-    if (item >= job->n_items) break;
-    job->item(job, item, scratch);
+    const int64_t first = __atomic_fetch_add(&job->next, grain, __ATOMIC_RELAXED);
+    if (first >= job->n_items) break;
+    for (int64_t item = first; item < first + grain && item < job->n_items; item++)
+      job->item(job, item, scratch);
   }
   free(scratch);
   return NULL;
@@ -1541,6 +1585,10 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
 #endif
   int status = pack_kv(&job, &d, n_threads);
+  /* runs of FWD_GRAIN items, but fewer where a thread would get under FWD_CLAIMS claims (the
+     last claims balance the threads' ends) */
+  const int64_t per_thread = job.n_items / (n_threads > 1 ? n_threads : 1) / FWD_CLAIMS;
+  job.grain = per_thread < 1 ? 1 : (per_thread < FWD_GRAIN ? per_thread : FWD_GRAIN);
   if (!status) status = run_items(&job, n_threads);
   free_packed(&job);
   free(job.rr);
