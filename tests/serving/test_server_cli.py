@@ -22,7 +22,8 @@ from tests._no_extras import PYTHONPATH  # noqa: E402
 from tests._serving_helpers import free_port, save_tiny_llama  # noqa: E402
 
 START_TIMEOUT_S = 60  # a fresh interpreter imports torch and loads the model
-NEW_TOKENS = 120  # long enough to be running when SIGTERM lands (~10 ms a token here)
+# long enough to be running when SIGTERM lands (uvicorn checks ~every 0.1 s; 1-10 ms a token)
+NEW_TOKENS = 400
 
 
 @pytest.mark.slow  # a fresh interpreter: ~10 s
