@@ -548,6 +548,14 @@ def test_info_says_whether_each_kernel_runs_here(capsys):
     assert "selfattn info --probe" in text
 
 
+@pytest.mark.parametrize("var, index", [("SELFATTN_DECODE_KERNEL", 0), ("SELFATTN_ATTN_KERNEL", 1)])
+def test_info_names_the_switch_that_turned_a_kernel_off(capsys, monkeypatch, var, index):
+    monkeypatch.setenv(var, "0")
+    rc, out, _ = run(capsys, "info", "--json")
+    state = json.loads(out)["kernels"][index]
+    assert rc == 0 and not state["loaded"] and state["why_not"] == f"{var}=0 turns it off"
+
+
 def test_info_without_a_compiler_triton_or_rich(tmp_path):
     """Nothing missing makes info fail: each kernel says why it cannot run."""
     from tests._no_extras import run_without

@@ -225,9 +225,9 @@ class Fit:
 # Measured by ``python -m selfattn.benchmarks.crossover --threads 1`` (one thread, CPU time,
 # interleaved, best of 3; AMD Zen 5 with AVX-512F + avx512_bf16, no AMX, torch 2.13): no mask
 # and causal, B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk
-# chunks. Each
-# per_pair is about the worst large-call ratio of its regime, so that a call goes to cpu_fused
-# only where it wins by a margin; each fixed puts the crossover where the small calls measured it.
+# chunks. Each per_pair is about the worst large-call ratio of its regime, so that a call goes
+# to cpu_fused only where it wins by a margin; each fixed puts the crossover where the small
+# calls measured it.
 # Regimes: the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32
 # one), whether a backward follows (q, k or v needs grad under grad mode), and decode steps
 # (Sq <= DECODE_ROWS: sdpa takes ~40 ns per pair in fp32 and ~100-200 ns in bf16 there, against
@@ -257,9 +257,9 @@ UNMEASURED = Fit(1.0, 1e5, "not measured for this dtype/build: costed as sdpa's 
 
 
 @functools.cache
-def _measured_features(build: str) -> tuple[bool, bool]:
-    """(AVX-512F, avx512_bf16) of the kernel build ``build`` runs (the measured machine's)."""
-    names = fused_attention.isa(build == "generic").split("+")
+def _measured_features(isa_name: str) -> tuple[bool, bool]:
+    """(AVX-512F, avx512_bf16) of the kernel build ``isa_name`` (the measured machine's)."""
+    names = fused_attention.isa(isa_name == "generic").split("+")
     return "avx512f" in names, "avx512_bf16" in names
 
 

@@ -88,10 +88,7 @@ def _c_kernel() -> dict:
     """The C paged-decode kernel: compiler, cache, built and loaded, its path, or why not."""
     from selfattn.kernels import paged_decode
 
-    state = _c_state("C paged decode (CPU)", paged_decode.SPEC)
-    if os.environ.get("SELFATTN_DECODE_KERNEL", "1") == "0":
-        state["why_not"] = "SELFATTN_DECODE_KERNEL=0 turns it off"
-        return state
+    state = _c_state("C paged decode (CPU)", paged_decode.SPEC, "SELFATTN_DECODE_KERNEL")
     if state["why_not"] is None:
         _load_into(state, paged_decode)
     return state
@@ -101,14 +98,15 @@ def _fused_kernel() -> dict:
     """The fused attention kernel (the ``cpu_fused`` backend): as :func:`_c_kernel`."""
     from selfattn.kernels import fused_attention
 
-    state = _c_state("C fused attention (CPU)", fused_attention.SPEC)
+    state = _c_state("C fused attention (CPU)", fused_attention.SPEC, fused_attention.ENV_VAR)
     if state["why_not"] is None:
         _load_into(state, fused_attention)
     return state
 
 
-def _c_state(name: str, spec) -> dict:
-    """What every C kernel reports before loading: compiler, cache dir, CPU flags, cached."""
+def _c_state(name: str, spec, off_var: str) -> dict:
+    """What every C kernel reports before loading: compiler, cache dir, CPU flags, cached; or
+    why not (``off_var=0`` turns it off, no compiler)."""
     from selfattn.kernels import build
 
     cc = build.compiler()
@@ -123,6 +121,9 @@ def _c_state(name: str, spec) -> dict:
         "isa": None,
         "why_not": None,
     }
+    if os.environ.get(off_var, "1") == "0":
+        state["why_not"] = f"{off_var}=0 turns it off"
+        return state
     if cc is None:
         state["why_not"] = "no C compiler found ($CC, cc, gcc, clang); e.g. apt-get install gcc"
         return state

@@ -116,7 +116,8 @@ def _cpu_id() -> str:
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as ``/proc/cpuinfo`` spells them (``avx512_bf16``,
     ``amx_bf16``, ...); empty where there is no such file."""
-    return frozenset(_cpu_id().split(":", 1)[-1].split()) if ":" in _cpu_id() else frozenset()
+    line = _cpu_id()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
 def library_name(spec: CLibrary, cc: str, flags: list[str]) -> str:

@@ -356,18 +356,13 @@ def _mods(q, k, alibi, bias, softcap: float) -> dict:
                 f"bias must broadcast to (B, Hq, Sq, Sk) = {want} with sizes 1 or full, got "
                 f"{tuple(bias.shape)}"
             )
-        mods["BIAS"] = _base2_bias(bias)
+        mods["BIAS"] = base2(bias.detach(), torch.float32).contiguous()
     if softcap:
         if not (math.isfinite(softcap) and softcap > 0):
             raise ValueError(f"softcap must be a positive finite number (0: none), got {softcap}")
         cap2 = softcap * LOG2E
         mods["CAP"] = torch.tensor([cap2, 1.0 / cap2], dtype=torch.float32)
     return mods
-
-
-def _base2_bias(bias: torch.Tensor) -> torch.Tensor:
-    """``bias · log2(e)`` float32, contiguous, finite where ``bias`` is (:func:`base2`)."""
-    return base2(bias.detach(), torch.float32).contiguous()
 
 
 def base2(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -222,20 +222,10 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     }  # fmt: skip
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]
-    # the pages the walk may read (an upper bound: every sequence's longest span)
-    n_bytes = (
-        B
-        * n_split
-        * split_pages
-        * P
-        * Hkv
-        * (D * k_pages.element_size() + Dv * v_pages.element_size())
-    )
-    args = (
-        (ctypes.c_int64 * len(iargs))(*iargs),
-        (ctypes.c_void_p * len(ptrs))(*ptrs),
-        threads.for_bytes(n_bytes),
-    )
+    # the K/V bytes the walk may read: every sequence's longest span of slots (an upper bound)
+    slot_bytes = Hkv * (D * k_pages.element_size() + Dv * v_pages.element_size())
+    n_threads = threads.for_bytes(B * n_split * split_pages * P * slot_bytes)
+    args = ((ctypes.c_int64 * len(iargs))(*iargs), (ctypes.c_void_p * len(ptrs))(*ptrs), n_threads)
     return lib, args, out, lse, tensors
 
 
