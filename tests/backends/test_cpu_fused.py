@@ -27,9 +27,10 @@ from selfattn.testing import (
 )
 from tests.backends.test_chunked import MASKS, NEEDS_NONNEGATIVE_OFFSET
 
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     fused_attention.library() is None, reason="no C compiler here: the kernel cannot be built"
 )
+pytestmark = needs_kernel
 cpu_attention = functools.partial(selfattn.attention, backend="cpu_fused")
 
 

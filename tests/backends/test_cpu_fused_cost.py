@@ -19,10 +19,9 @@ from selfattn import masks
 from selfattn.backends import cpu_fused
 from selfattn.kernels import fused_attention
 from selfattn.testing import check_against_reference, make_qkv
+from tests.backends.test_cpu_fused import needs_kernel
 
-pytestmark = pytest.mark.skipif(
-    fused_attention.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = needs_kernel
 
 
 def _measured(dtype: torch.dtype) -> bool:

@@ -41,12 +41,10 @@ from selfattn.testing import (
     naive_attention,
     reference_attention,
 )
-from tests.backends.test_cpu_fused import cpu_attention
+from tests.backends.test_cpu_fused import cpu_attention, needs_kernel
 from tests.compat.test_compat_flash_attn import _ratio_check, attention_ref
 
-pytestmark = pytest.mark.skipif(
-    fused_attention.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = needs_kernel
 
 SEED = int(os.environ.get("SELFATTN_FUZZ_SEED", "16"))
 CASES = int(os.environ.get("SELFATTN_FUZZ_CASES", "32"))
