@@ -117,15 +117,24 @@ static inline float to_f32(const void *row, int64_t i, int dt, const float *lut)
 
 /* Bytes a cache line holds: the prefetch stride. */
 #define LINE 64
-/* Ask for the line at p + pf (the same row of the next page, pf bytes on; pf 0: no next page)
-   where `off`, a row's byte offset, starts a line: the blocks below ask for the next page's rows
-   one line per line they load, spread through their work. Asked in bursts (a kv head's rows at
-   once, session 6), the prefetches filled the core's miss buffers and stalled it on the
-   prefetch instructions themselves: a C model of the walk (one thread, random 32 KiB pages,
-   loads and nothing else) read 18 GB/s that way and 22 GB/s spread. */
-#define PD_PREFETCH(p, pf, off)                                                                   \
+/* The next page's bytes, asked for one line per line the blocks load (PD_PREFETCH), in address
+   order: `at` the next line to ask for, `end` past the page's used rows (all kv heads). Asked in
+   bursts (a kv head's rows at once, session 6), the prefetches filled the core's miss buffers and
+   stalled it on the prefetch instructions themselves: a C model of the walk (one thread, random
+   32 KiB pages, loads and nothing else) read 18 GB/s that way and 22 GB/s spread. Asked in the
+   order the blocks load this page (session 7: the same row of the next page), the lines of a
+   2 KiB-strided slot column reach DRAM scattered over the page; in address order the model with
+   the bf16 blocks' vdpbf16ps between its loads read 1.12x the bytes a second on one thread
+   (20.4 vs 18.0 GB/s, session 8), and the hardware prefetcher follows the run. */
+typedef struct {
+  const char *at, *end;
+} Pf;
+#define PD_PREFETCH(pf, off)                                                                      \
   do {                                                                                            \
-    if ((pf) && (off) % LINE == 0) __builtin_prefetch((const char *)(p) + (pf), 0, 3);            \
+    if ((pf) && (off) % LINE == 0 && (pf)->at < (pf)->end) {                                      \
+      __builtin_prefetch((pf)->at, 0, 3);                                                         \
+      (pf)->at += LINE;                                                                           \
+    }                                                                                             \
   } while (0)
 
 /* -- the block kernels, per instruction set: scores of a kv head's rows against a run of page
@@ -133,7 +142,7 @@ static inline float to_f32(const void *row, int64_t i, int dt, const float *lut)
    of the next page's rows from these (0: none), prefetched as they go. */
 typedef void (*scores_fn)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
                           int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
-                          int64_t P, int64_t pf);
+                          int64_t P, Pf *pf);
 typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
                       const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
                       const float *lut);
@@ -146,7 +155,7 @@ typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB
 #define PD_MAX_SLACK 8.0f
 typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
                         int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
-                        int64_t vstride, int dt, const float *lut, float *wbuf, int64_t pf);
+                        int64_t vstride, int dt, const float *lut, float *wbuf, Pf *pf);
 
 /* the generic pass returns vectors wider than a portable target's registers from functions that
    are always inlined: no ABI is crossed */
@@ -202,7 +211,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
 
 __attribute__((target("avx512bf16"), always_inline)) static inline void scores_dp_dt(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, int kdt, int64_t pf) {
+    int64_t ns, float *out, int64_t P, float scale, int kdt, Pf *pf) {
   enum { RB = 4, SB = 4 };
   const int64_t kesz = elem_size(kdt);
   int64_t r, s, d;
@@ -221,7 +230,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
         __m512i kv[SB];
         for (j = 0; j < SB; j++) {
           kv[j] = key_pairs(k[j], d, D, kdt);
-          if (r == 0) PD_PREFETCH(k[j] + d * kesz, pf, d * kesz);
+          if (r == 0) PD_PREFETCH(pf, d * kesz);
         }
         for (i = 0; i < RB; i++) {
           const __m512i qv = _mm512_loadu_si512(qr[i] + d);
@@ -241,7 +250,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
 /* bf16 or int8 keys (one instance each: the loads specialise) */
 __attribute__((target("avx512bf16"))) static void scores_bf16dp(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, int kdt, int64_t pf) {
+    int64_t ns, float *out, int64_t P, float scale, int kdt, Pf *pf) {
   if (kdt == BF16)
     scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, BF16, pf);
   else
@@ -259,7 +268,7 @@ __attribute__((target("avx512bf16"))) static void scores_bf16dp(
 __attribute__((target("avx512bf16"), always_inline)) static inline void page_step_dp_rb(
     float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, const float *lut,
-    float *wbuf, int64_t pf) {
+    float *wbuf, Pf *pf) {
   enum { NP = PD_SLOTS / 2 }; /* slot pairs */
   float alpha[4];
   uint32_t wp[4][NP]; /* the weights of slots 2p, 2p + 1 as a bf16 pair */
@@ -285,8 +294,8 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
     for (p = 0; 2 * p < ns; p++) {
       const uint16_t *va = (const uint16_t *)(v0 + 2 * p * vstride) + d;
       const __m512i x = _mm512_loadu_si512(va);
-      PD_PREFETCH(va, pf, d * 2);
-      if (2 * p + 1 < ns) PD_PREFETCH((const char *)va + vstride, pf, d * 2);
+      PD_PREFETCH(pf, d * 2);
+      if (2 * p + 1 < ns) PD_PREFETCH(pf, d * 2);
       /* an odd ns: slot ns is past the page's used slots (its weight is 0, its bytes may be NaN) */
       const __m512i y = 2 * p + 1 < ns ? _mm512_loadu_si512((const uint16_t *)(v0 + (2 * p + 1) * vstride) + d)
                                        : _mm512_setzero_si512();
@@ -311,7 +320,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
 __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
     float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
-    float *wbuf, int64_t pf) {
+    float *wbuf, Pf *pf) {
   (void)dt; /* BF16: the caller picks this step for bf16 V only */
   switch (RB) {
     case 4: page_step_dp_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
@@ -440,6 +449,19 @@ static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int6
   }
 }
 
+/* The prefetch cursor over page jn's used rows [0, n1) (strides st: page, slot, head; rows of
+   `row` elements of esz bytes), or NULL where there is none (n1 0) or its rows are not one run
+   (their span over 1.5x their bytes: a view with gaps, whose gaps would be fetched for nothing). */
+static Pf *next_page(Pf *pf, const char *base, const int64_t *st, int64_t esz,
+                     const int32_t *table, int64_t jn, int64_t n1, int64_t H, int64_t row) {
+  if (n1 <= 0) return NULL;
+  const int64_t span = ((n1 - 1) * st[1] + (H - 1) * st[2] + row) * esz;
+  if (st[1] < 0 || st[2] < 0 || 2 * span > 3 * n1 * H * row * esz) return NULL;
+  pf->at = base + table[jn] * st[0] * esz;
+  pf->end = pf->at + span;
+  return pf;
+}
+
 /* The R rows' softmax denominators from the fused step's partial sums lv (PD_SLOTS a row) to
    the general path's l (to_l), or back (the whole of l[r] into lv's first lane); the source is
    zeroed. */
@@ -530,10 +552,10 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     /* the used slots [0, n1) of the page AHEAD pages on (0: none in this item) */
     const int64_t jn = j + AHEAD;
     const int64_t n1 = jn < j1 ? (kmax < (jn + 1) * P ? kmax - jn * P : P) : 0;
-    /* the bytes from this page's K and V rows to the next one's (0: no next page), which the
-       blocks prefetch as they go */
-    const int64_t pfk = n1 ? (table[jn] - page) * a[A_KSN] * kesz : 0;
-    const int64_t pfv = n1 ? (table[jn] - page) * a[A_VSN] * vesz : 0;
+    /* the next page's K and V rows, which the blocks prefetch as they go (NULL: no next page) */
+    Pf kpf, vpf;
+    Pf *pfk = next_page(&kpf, kbase, a + A_KSN, kesz, table, jn, n1, Hkv, D);
+    Pf *pfv = next_page(&vpf, vbase, a + A_VSN, vesz, table, jn, n1, Hkv, Dv);
     /* -- scores sc[r * P + s], kv head by kv head */
     for (h = 0; h < Hkv; h++) {
       const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
@@ -568,7 +590,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
         for (r = h * Rh; r < (h + 1) * Rh; r += 4)
           job->page(acc + r * Dv, Dv, m + r, lv + r * PD_SLOTS, sc + r * P, P,
                     (h + 1) * Rh - r < 4 ? (int)((h + 1) * Rh - r) : 4, ns, ksh, vsh, v0,
-                    a[A_VSP] * vesz, vdt, lut, wbuf, r == h * Rh ? pfv : 0);
+                    a[A_VSP] * vesz, vdt, lut, wbuf, r == h * Rh ? pfv : NULL);
       }
       continue;
     }
@@ -888,7 +910,7 @@ AI void ISA(reduce_store)(const VF *v, float *out) {
    one FMA chain each, each key vector loaded (and converted) once for the RB rows. */
 AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, int64_t kstride,
                          int64_t nk, int dt, const float *lut, int RB, float *out, int64_t P,
-                         int64_t pf) {
+                         Pf *pf) {
   const int SB = VW / RB;
   const int64_t esz = elem_size(dt);
   VF acc[VW];
@@ -902,7 +924,7 @@ AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, 
     for (r = 0; r < RB; r++) memcpy(&qv[r], q + r * Dp + d, sizeof(VF));
     for (s = 0; s < SB; s++) {
       const VF kv = ISA(load)(k[s], d, dt);
-      PD_PREFETCH(k[s] + d * esz, pf, d * esz);
+      PD_PREFETCH(pf, d * esz);
       for (r = 0; r < RB; r++) acc[r * SB + s] += qv[r] * kv;
     }
   }
@@ -925,29 +947,29 @@ AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, 
 /* Scores of a kv head's Rh rows against the ns slots from k0, in blocks of 4, 2 and 1 rows. */
 AI void ISA(scores_dt)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
                        int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
-                       int64_t P, int64_t pf) {
+                       int64_t P, Pf *pf) {
   int64_t r = 0, s;
   /* the first block of rows asks for the next page's keys, the others find them asked */
   for (; r + 4 <= Rh; r += 4)
     for (s = 0; s < ns; s += VW / 4)
       ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 4,
-                       out + r * P + s, P, r ? 0 : pf);
+                       out + r * P + s, P, r ? NULL : pf);
   if (r + 2 <= Rh) {
     for (s = 0; s < ns; s += VW / 2)
       ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 2,
-                       out + r * P + s, P, r ? 0 : pf);
+                       out + r * P + s, P, r ? NULL : pf);
     r += 2;
   }
   if (r < Rh)
     for (s = 0; s < ns; s += VW)
       ISA(score_block)(q + r * Dp, Dp, D, k0 + s * kstride, kstride, ns - s, dt, lut, 1,
-                       out + r * P + s, P, r ? 0 : pf);
+                       out + r * P + s, P, r ? NULL : pf);
 }
 
 /* One instance per key dtype: the dtype is a constant inside each, so the loads specialise. */
 static void ISA(scores)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const char *k0,
                         int64_t kstride, int64_t ns, int dt, const float *lut, float *out,
-                        int64_t P, int64_t pf) {
+                        int64_t P, Pf *pf) {
   switch (dt) {
     case F32: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, F32, lut, out, P, pf); break;
     case BF16: ISA(scores_dt)(q, Rh, Dp, D, k0, kstride, ns, BF16, lut, out, P, pf); break;
@@ -962,7 +984,7 @@ static void ISA(scores)(const float *q, int64_t Rh, int64_t Dp, int64_t D, const
    converted) once for the RB rows. A last partial vector of Dv goes through a zero-filled one. */
 AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int NC,
                      int64_t d, int64_t nd, const char *v0, int64_t vstride, int64_t sa,
-                     int64_t sb, int dt, const float *lut, const float *alpha, int64_t pf) {
+                     int64_t sb, int dt, const float *lut, const float *alpha, Pf *pf) {
   const int full = nd == NC * VW;
   const int64_t esz = elem_size(dt);
   VF t[4][4];
@@ -979,7 +1001,7 @@ AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB,
     VF vv[4];
     for (c = 0; c < NC; c++) {
       vv[c] = full ? ISA(load)(v, d + c * VW, dt) : ISA(load_tail)(v, d, nd, dt, lut);
-      PD_PREFETCH(v + (d + c * VW) * esz, pf, (d + c * VW) * esz);
+      PD_PREFETCH(pf, (d + c * VW) * esz);
     }
     for (r = 0; r < RB; r++) {
       const VF wr = ISA(splat)(w[r * ws + s]);
@@ -997,7 +1019,7 @@ AI void ISA(pv_cols)(float *acc, int64_t as, const float *w, int64_t ws, int RB,
 
 AI void ISA(pv_dt)(float *acc, int64_t as, const float *w, int64_t ws, int RB, int64_t Dv,
                    const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
-                   const float *lut, const float *alpha, int64_t pf) {
+                   const float *lut, const float *alpha, Pf *pf) {
   /* accumulator vectors per row in registers: up to 16 zmm of 32, 8 ymm of avx2's 16 */
   const int NC = (VW == 16 ? 16 : 8) / RB > 4 ? 4 : (VW == 16 ? 16 : 8) / RB;
   int64_t d = 0;
@@ -1014,10 +1036,10 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
                     const float *lut) {
 #define PD_PV(DT)                                                                                 \
   switch (RB) {                                                                                   \
-    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;      \
-    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;      \
-    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;      \
-    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut, NULL, 0); break;     \
+    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;      \
+    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;      \
+    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;      \
+    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;     \
   }
   switch (dt) {
     case F32: PD_PV(F32) break;
@@ -1160,7 +1182,7 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
 
 AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P,
                           int RB, int64_t ns, const float *ksc, const float *vsc, const char *v0,
-                          int64_t vstride, int dt, const float *lut, float *wbuf, int64_t pf) {
+                          int64_t vstride, int dt, const float *lut, float *wbuf, Pf *pf) {
   float alpha[4];
   ISA(page_weights)(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   ISA(pv_dt)(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, dt, lut, alpha, pf);
@@ -1169,7 +1191,7 @@ AI void ISA(page_step_dt)(float *acc, int64_t Dv, float *m, float *l, const floa
 static void ISA(page_step)(float *acc, int64_t Dv, float *m, float *l, const float *sc,
                            int64_t P, int RB, int64_t ns, const float *ksc, const float *vsc,
                            const char *v0, int64_t vstride, int dt, const float *lut,
-                           float *wbuf, int64_t pf) {
+                           float *wbuf, Pf *pf) {
 #define PD_STEP_RB(DT)                                                                            \
   switch (RB) {                                                                                   \
     case 4: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
