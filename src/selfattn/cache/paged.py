@@ -68,6 +68,7 @@ import torch
 from selfattn._validate import checked_int, int_at_least, positive_int
 from selfattn.backends.paged.call import QUANT_DTYPES
 from selfattn.backends.paged.plan import PagedAttentionPlan
+from selfattn.cache import memory
 from selfattn.cache.base import Step, next_positions
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
@@ -198,8 +199,9 @@ class PagedKV:
         value_dim = head_dim if value_dim is None else positive_int(value_dim, f"{owner} value_dim")
         fk = {"dtype": dtype, "device": device}
         shape = (n_layers, num_pages, page_size, n_kv_heads)
-        self.k_store = torch.zeros(*shape, head_dim, **fk)  # (L, N, P, Hkv, D)
-        self.v_store = torch.zeros(*shape, value_dim, **fk)  # (L, N, P, Hkv, Dv)
+        # (L, N, P, Hkv, D) and (L, N, P, Hkv, Dv), on huge pages where the OS has them (memory.py)
+        self.k_store = memory.zeros(*shape, head_dim, **fk)
+        self.v_store = memory.zeros(*shape, value_dim, **fk)
         # L × (N, P, Hkv, ·) views (one select each: unbind's views refuse in-place writes
         # under autograd)
         self.k_layers = [self.k_store[i] for i in range(n_layers)]

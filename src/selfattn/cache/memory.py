@@ -1,0 +1,89 @@
+"""Memory for large caches: page pools on transparent huge pages where Linux offers them.
+
+A paged decode reads cache pages at random places in a pool of hundreds of MiB. On 4 KiB memory
+pages each 32 KiB cache page (16 slots x 8 kv heads x 128 dims in bf16) spans 8 TLB entries, and
+a 512 MiB pool is 32 times what the second-level TLB of a Zen or Xeon core maps: nearly every
+page the kernel reads starts with a page walk. On 2 MiB pages the pool needs 256 entries. Linux
+backs memory with huge pages where ``/sys/kernel/mm/transparent_hugepage/enabled`` says
+``always``, or says ``madvise`` (the common default) and the range was marked with
+``madvise(MADV_HUGEPAGE)`` before its first touch, which :func:`zeros` does.
+
+Measured (2-core Zen 5 EPYC, B=32 x 4,096 tokens, 32q/8kv heads, D=128, 2 threads, the C decode
+kernel, interleaved, session 8): see BENCHMARKS.md "Huge pages".
+
+``SELFATTN_HUGEPAGES=0`` turns it off. Small tensors, other devices and other systems get plain
+``torch.zeros``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from selfattn._log import log_once
+
+__all__ = ["HUGE_PAGE", "MIN_BYTES", "zeros"]
+
+HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB base pages) transparent huge page
+# Below this a pool gains too little to mark (at most two partial huge pages are lost at its ends).
+MIN_BYTES = 8 * HUGE_PAGE
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux, every architecture
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or ``""``
+    where the system has none."""
+    try:
+        text = _THP_ENABLED.read_text()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else ""
+
+
+@functools.cache
+def _madvise():
+    # The process's own C library (already loaded): nothing is looked up on a search path.
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _wanted(n_bytes: int, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and n_bytes >= MIN_BYTES
+        and sys.platform.startswith("linux")
+        and os.environ.get("SELFATTN_HUGEPAGES", "1") != "0"
+        and thp_mode() in ("always", "madvise")
+    )
+
+
+def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """``torch.zeros(*shape, dtype=dtype, device=device)``; on Linux CPUs, a large one's memory
+    is marked for transparent huge pages before it is first touched (see the module docstring)."""
+    device = torch.device("cpu" if device is None else device)
+    n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not _wanted(n_bytes, device):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    x = torch.empty(*shape, dtype=dtype)  # large: fresh, untouched memory from mmap
+    start = -(-x.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the whole huge pages inside it
+    end = (x.data_ptr() + n_bytes) // HUGE_PAGE * HUGE_PAGE
+    if end > start and _madvise()(start, end - start, _MADV_HUGEPAGE) != 0:
+        log_once(
+            "madvise-hugepage",
+            logging.INFO,
+            "selfattn: madvise(MADV_HUGEPAGE) failed (%s); the cache pool stays on base pages",
+            os.strerror(ctypes.get_errno()),
+        )
+    return x.zero_()
