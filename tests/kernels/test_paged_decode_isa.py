@@ -113,6 +113,35 @@ def test_one_key_returns_its_value_row_exactly(isa, storage):
         torch.testing.assert_close(out[0, h, 0], want[0, 1, h // 2], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_narrow_queries_get_their_output_rounded_as_pytorch_rounds(isa, qdtype):
+    """The kernel writes out in q's dtype itself (no conversion op after it). One allowed key
+    makes out that key's float32 value row, so its rounding must be bit-equal to PyTorch's:
+    random values, exact halfway ties of both parities, values past the dtype's range, ±inf,
+    signed zeros and NaN."""
+    if qdtype not in paged_decode.supported_dtypes():
+        pytest.skip("this compiler has no _Float16")
+    g = torch.Generator().manual_seed(11)
+    Dv = 64
+    row = torch.randn(Dv, generator=g) * 5
+    bits = row.view(torch.int32)
+    half = 0x8000 if qdtype == torch.bfloat16 else 0x1000  # a tie: half a unit in the last place
+    row[:8] = (bits[:8] & ~0xFFFF | half).view(torch.float32)  # ties, odd and even neighbours
+    row[8:12] = torch.tensor([7e4, -1e38, float("inf"), -float("inf")])
+    row[12:15] = torch.tensor([0.0, -0.0, float("nan")])
+    vp = torch.zeros(2, 4, 2, Dv)
+    vp[0, 1, :] = row  # key 5: logical page 1 = physical page 0 (table[0, 1]), slot 1
+    kp = torch.randn(2, 4, 2, 16, generator=g)
+    q = torch.randn(1, 4, 1, 16, generator=g).to(qdtype)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    lo, hi = torch.tensor([[5]]), torch.tensor([[6]])
+    out, lse = paged_decode.decode(q, kp, vp, table, lo, hi, 0.25, None, None)
+    assert out.dtype == qdtype and lse.dtype == torch.float32
+    want = row.to(qdtype)
+    for h in range(4):
+        torch.testing.assert_close(out[0, h, 0], want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.usefixtures("every_thread")
 @pytest.mark.parametrize("storage", ["bf16", "int8"])
 def test_output_is_bitwise_reproducible(isa, storage):

@@ -6,7 +6,7 @@ graph does.
 =====================================  ==================================  ====================
 op                                     kernel                              outputs
 =====================================  ==================================  ====================
-``selfattn::paged_decode_cpu``         C, ``csrc/paged_decode.c``          ``out`` float32,
+``selfattn::paged_decode_cpu``         C, ``csrc/paged_decode.c``          ``out`` in q's dtype,
                                        (:mod:`selfattn.kernels.paged_     ``lse`` float32, CPU
                                        decode`)
 ``selfattn::paged_decode_triton``      Triton, :mod:`selfattn.kernels.     ``out`` in q's dtype,
@@ -73,7 +73,7 @@ def paged_decode_cpu(
 @paged_decode_cpu.register_fake
 def _(q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, sinks=None):
     (B, Hq, Sq, _), Dv = q.shape, v_pages.shape[3]
-    out = q.new_empty((B, Hq, Sq, Dv), dtype=torch.float32, device="cpu")
+    out = q.new_empty((B, Hq, Sq, Dv), device="cpu")  # q's dtype
     return out, q.new_empty((B, Hq, Sq), dtype=torch.float32, device="cpu")
 
 

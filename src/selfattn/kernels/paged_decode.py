@@ -86,7 +86,7 @@ _DTYPE_CODES = {
 # test reads them from the source): the integers, then the data pointers.
 INT_ARGS = (
     "B", "HQ", "HKV", "SQ", "D", "DV", "P", "MAXP", "NSPLIT", "SPLIT_PAGES",
-    "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT", "ISA", "NI",
+    "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT", "ISA", "NI", "ODT",
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS",
@@ -156,7 +156,8 @@ def decode(
     sinks: torch.Tensor | None = None,
     splits: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` over pages, in float32: ``out (B, Hq, Sq, Dv)``, ``lse (B, Hq, Sq)``.
+    """Attention of ``q`` over pages: ``out (B, Hq, Sq, Dv)`` in q's dtype (summed in float32),
+    ``lse (B, Hq, Sq)`` float32.
 
     ``q (B, Hq, Sq, D)`` fp32/bf16/fp16 (scaled by ``scale`` inside); pages ``(N, P, Hkv, D|Dv)``
     with unit stride on the last dim, of a dtype in :func:`supported_dtypes`; ``table
@@ -203,8 +204,9 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     B, Hq, Sq, D = q.shape
     P, Hkv, Dv = v_pages.shape[1:]
     n_split, split_pages = key_splits(lo, hi, P) if splits is None else splits
-    # The kernel writes float32 CPU memory, whatever torch's default dtype is.
-    out = torch.empty(B, Hq, Sq, Dv, dtype=torch.float32, device="cpu")
+    # The kernel writes out in q's dtype (float32, bfloat16 or float16; see merge in the C
+    # source for why it converts), lse in float32, whatever torch's default dtype is.
+    out = torch.empty(B, Hq, Sq, Dv, dtype=q.dtype, device="cpu")
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device="cpu")
     ks, vs = k_pages.stride(), v_pages.stride()
     ints = {
@@ -214,6 +216,7 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
         "KDT": _DTYPE_CODES[k_pages.dtype], "VDT": _DTYPE_CODES[v_pages.dtype],
         "KSC": _scales_code(k_scales), "VSC": _scales_code(v_scales),
         "QDT": _DTYPE_CODES[q.dtype], "ISA": _requested_isa(), "NI": n_intervals,
+        "ODT": _DTYPE_CODES[q.dtype],
     }  # fmt: skip
     tensors = {
         "Q": q, "K": k_pages, "V": v_pages, "KSCALE": k_scales, "VSCALE": v_scales,
@@ -271,7 +274,7 @@ class Launch:
         """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch; ``lse``
         None unless ``return_lse`` (the kernel then writes it to a scratch tensor)."""
         q = q.contiguous()
-        out = torch.empty(self._shapes[0], dtype=torch.float32, device="cpu")
+        out = torch.empty(self._shapes[0], dtype=q.dtype, device="cpu")
         lse = (
             torch.empty(self._shapes[1], dtype=torch.float32, device="cpu")
             if return_lse
