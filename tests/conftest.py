@@ -45,6 +45,15 @@ def every_thread(monkeypatch):
     monkeypatch.setattr(threads, "MIN_SECONDS", 0.0)
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads (the kernels' thread-count tests), restored after the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for a module of tiny-model tests: on a loaded 2-core machine the

@@ -8,14 +8,6 @@ import torch
 from selfattn.kernels import fused_attention, paged_decode, threads
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.usefixtures("two_threads")
 def test_thread_count_follows_the_work():
     assert threads.for_flops(1e3) == 1  # a 16 x 16 tile: the calling thread alone

@@ -119,6 +119,7 @@ def _c_state(name: str, spec, off_var: str) -> dict:
         "loaded": False,
         "dtypes": [],
         "isa": None,
+        "openmp": False,
         "why_not": None,
     }
     if os.environ.get(off_var, "1") == "0":
@@ -129,13 +130,14 @@ def _c_state(name: str, spec, off_var: str) -> dict:
         return state
     state["cached"] = any(
         (build.cache_dir() / build.library_name(spec, cc, [*spec.flags, *t])).is_file()
-        for t in spec.targets
+        for t in spec.target_flags(cc)
     )
     return state
 
 
 def _load_into(state: dict, kernel) -> None:
-    """Load ``kernel`` (a module with ``library``, ``supported_dtypes``, ``isa``) into ``state``."""
+    """Load ``kernel`` (a module with ``library``, ``supported_dtypes``, ``isa``, ``openmp``)
+    into ``state``."""
     lib, messages = _captured_warnings(kernel.library)  # builds it where not cached
     state["loaded"] = lib is not None
     if lib is None:
@@ -143,6 +145,7 @@ def _load_into(state: dict, kernel) -> None:
         return
     state["dtypes"] = [str(d).removeprefix("torch.") for d in kernel.supported_dtypes()]
     state["isa"] = kernel.isa()
+    state["openmp"] = kernel.openmp()
 
 
 def _triton() -> dict:
@@ -285,6 +288,7 @@ def _details(k: dict) -> str:
         facts = [f"compiler {k['compiler'] or 'none'}", f"CPU flags {' '.join(k['cpu_flags'])}"]
         if k["loaded"]:
             facts += ["cached" if k["cached"] else "built now", f"runs {k['isa']}"]
+            facts.append("on PyTorch's OpenMP threads" if k["openmp"] else "on its own threads")
             facts.append(f"reads {', '.join(k['dtypes'])}")
     elif "importable" in k:  # Triton
         facts = [f"version {k['version'] or 'none'}", f"CUDA {'yes' if k['cuda'] else 'no'}"]

@@ -43,7 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLibrary", "Function", "cache_dir", "compile_library", "compiler", "load"]
+__all__ = [
+    "CLibrary", "Function", "cache_dir", "compile_library", "compiler", "load", "openmp_flags",
+]  # fmt: skip
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The cache holds code this process runs: its directories are created owner-only.
@@ -81,9 +83,22 @@ class CLibrary:
     # Target flags, tried in order until one builds: e.g. -march=native, then portable code.
     targets: tuple[tuple[str, ...], ...] = ((),)
     libraries: tuple[str, ...] = ()  # linked as -l<name>, after the sources
+    headers: tuple[str, ...] = ()  # paths under kernels/csrc/ the sources include (hashed)
+    # Built with -fopenmp where PyTorch's OpenMP runtime is one a C build can share (see
+    # openmp_flags), each target first with it, then without.
+    openmp: bool = False
 
     def source_paths(self) -> list[Path]:
         return [CSRC / s for s in self.sources]
+
+    def header_paths(self) -> list[Path]:
+        return [CSRC / h for h in self.headers]
+
+    def target_flags(self, cc: str) -> list[tuple[str, ...]]:
+        """The target flags to try with compiler ``cc``, in order: with OpenMP first where it
+        can be shared."""
+        extra = openmp_flags(cc) if self.openmp else ()
+        return [*(t + extra for t in self.targets if extra), *self.targets]
 
 
 def compiler() -> str | None:
@@ -120,9 +135,46 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
+def _maps_libgomp() -> bool:
+    """Whether this process has GNU libgomp loaded (PyTorch's Linux wheels load their copy)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return False
+
+
+@functools.cache
+def _is_gcc(cc: str) -> bool:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"Free Software Foundation" in out.stdout and b"clang" not in out.stdout
+
+
+def openmp_flags(cc: str) -> tuple[str, ...]:
+    """``("-fopenmp",)`` where a kernel built by ``cc`` with it shares PyTorch's OpenMP threads
+    (see ``csrc/parallel.h`` for why that matters): Linux, GCC (whose -fopenmp links GNU
+    libgomp), PyTorch's parallel backend OpenMP on libgomp (loaded in this process: the soname
+    libgomp.so.1 then binds the build's libgomp to that copy), and ``SELFATTN_KERNEL_OPENMP``
+    not ``0``. Else ``()``: the kernels start threads of their own (a second runtime, e.g.
+    clang's libomp beside PyTorch's libgomp, would be two pools fighting for the cores)."""
+    if os.environ.get("SELFATTN_KERNEL_OPENMP", "1") == "0" or platform.system() != "Linux":
+        return ()
+    return ("-fopenmp",) if _torch_on_libgomp() and _is_gcc(cc) else ()
+
+
+@functools.cache
+def _torch_on_libgomp() -> bool:
+    import torch  # the kernels run on PyTorch tensors; imported here to ask its build
+
+    return "OpenMP" in torch.__config__.parallel_info() and _maps_libgomp()
+
+
 def library_name(spec: CLibrary, cc: str, flags: list[str]) -> str:
     """The cached library's file name: a hash of everything that shapes the machine code."""
-    sources = [p.read_text() for p in spec.source_paths()]
+    sources = [p.read_text() for p in [*spec.source_paths(), *spec.header_paths()]]
     key = hashlib.sha256("\0".join([*sources, cc, *flags, _cpu_id()]).encode()).hexdigest()
     return f"{spec.name}_{key[:16]}.so"
 
@@ -263,7 +315,7 @@ def load(spec: CLibrary) -> ctypes.CDLL | None:
         return None
     cache = _trusted_cache_dir()
     failures = []
-    for target in spec.targets:
+    for target in spec.target_flags(cc):
         flags = [*spec.flags, *target]
         try:
             name = library_name(spec, cc, flags)

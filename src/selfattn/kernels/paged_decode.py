@@ -46,7 +46,10 @@ import torch
 from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
-__all__ = ["ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "supported_dtypes"]
+__all__ = [
+    "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "openmp",
+    "supported_dtypes",
+]  # fmt: skip
 
 SPEC = CLibrary(
     name="paged_decode",
@@ -63,6 +66,8 @@ SPEC = CLibrary(
             ),
         ),
         Function("has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
+        # 1: calls run on PyTorch's OpenMP threads (csrc/parallel.h)
+        Function("paged_decode_openmp", (), ctypes.c_int),
         # paged_decode_isa(want) -> the instruction-set code a call with A_ISA = want runs
         Function("paged_decode_isa", (ctypes.c_int,), ctypes.c_int),
     ),
@@ -73,6 +78,8 @@ SPEC = CLibrary(
     # the compiler or CPU rejects -march=native.
     targets=(("-march=native",), ()),
     libraries=("m",),
+    headers=("parallel.h",),
+    openmp=True,
 )
 # Page dtype -> kernel code (the enum at the top of csrc/paged_decode.c).
 _DTYPE_CODES = {
@@ -287,6 +294,13 @@ class Launch:
         ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
         out, lse = _launch(self._lib, self._iargs, ptrs, self._threads, scale, out, lse)
         return out, (lse if return_lse else None)
+
+
+def openmp() -> bool:
+    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/parallel.h``), not on
+    threads of their own."""
+    lib = library()
+    return lib is not None and bool(lib.paged_decode_openmp())
 
 
 def _requested_isa() -> int:

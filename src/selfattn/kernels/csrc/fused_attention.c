@@ -27,6 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "parallel.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 /* the transposed forward (fwd_t) uses AVX-512 lane masks, and BW's byte tests for its masks */
@@ -1396,8 +1399,9 @@ static int fused_bwd(const Dims *d, int n_threads) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Threads: POSIX threads pulling work items from an atomic counter; each item writes its own  */
-/* output rows, so the result does not depend on the thread count or the schedule.             */
+/* Threads (parallel.h: PyTorch's OpenMP threads, or POSIX threads) pulling work items from an */
+/* atomic counter; each item writes its own output rows, so the result does not depend on the  */
+/* thread count or the schedule.                                                               */
 /* ------------------------------------------------------------------------------------------ */
 
 static void *worker(void *arg) {
@@ -1416,23 +1420,14 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-#define MAX_THREADS 256
-
 static int run_items(Job *job, int n_threads) {
-  pthread_t tid[MAX_THREADS];
-  int n = n_threads < 1 ? 1 : (n_threads > MAX_THREADS ? MAX_THREADS : n_threads);
-  int started = 0, bad = 0, t;
+  int n = n_threads < 1 ? 1 : n_threads;
   if (n > job->n_items) n = job->n_items > 0 ? (int)job->n_items : 1;
-  for (t = 1; t < n; t++)
-    if (pthread_create(&tid[started], NULL, worker, job) == 0) started++;
-  bad |= worker(job) != NULL;
-  for (t = 0; t < started; t++) {
-    void *ret;
-    pthread_join(tid[t], &ret);
-    bad |= ret != NULL;
-  }
-  return bad;
+  return parallel_run(worker, job, n);
 }
+
+/* 1 where calls run on PyTorch's OpenMP threads (parallel.h), 0 on threads of their own */
+int fa_openmp(void) { return parallel_is_openmp(); }
 
 /* -- K and V packed once per call, as the work items read them: block (b, kv head, key tile) of
    each layout the job asks for, converted to float32. Packing per work item instead repeats it

@@ -67,10 +67,11 @@
 #ifndef PD_SIMD_PASS
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, LUT8 = 4 };
 /* instruction sets, lowest first; ISA_AVX512_BF16 adds vdpbf16ps to ISA_AVX512 */
@@ -87,6 +88,9 @@ enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_L
 /* Widest vector of any pass, in floats: query rows are zero-padded to a multiple of it, so
    every block kernel loads whole vectors of q (and bf16 q pairs for vdpbf16ps: 2x as many). */
 #define QPAD 32
+
+/* 1 where calls run on PyTorch's OpenMP threads (parallel.h), 0 on threads of their own */
+int paged_decode_openmp(void) { return parallel_is_openmp(); }
 
 int has_f16(void) {
 #ifdef __FLT16_MAX__
@@ -765,8 +769,7 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   float *part = malloc(sizeof(float) * n_items * R * (iargs[A_DV] + 2));
   Job job = {iargs, ptrs, scale, part, part + n_items * R, part + 2 * n_items * R, n_items, 0,
              paged_decode_isa((int)iargs[A_ISA]), scores_generic, pv_generic, page_step_generic};
-  pthread_t tid[64];
-  int n = n_threads < 1 ? 1 : (n_threads > 64 ? 64 : n_threads), started = 0, t, bad = 0;
+  int n = n_threads < 1 ? 1 : n_threads, bad;
   if (part == NULL) return 1;
 #ifdef HAVE_X86_PATHS
   if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2, job.page = page_step_avx2;
@@ -776,14 +779,7 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
     job.page = page_step_bf16dp;
 #endif
   if (n > n_items) n = n_items > 0 ? (int)n_items : 1;
-  for (t = 1; t < n; t++)
-    if (pthread_create(&tid[started], NULL, worker, &job) == 0) started++;
-  bad |= worker(&job) != NULL;
-  for (t = 0; t < started; t++) {
-    void *ret;
-    pthread_join(tid[t], &ret);
-    bad |= ret != NULL;
-  }
+  bad = parallel_run(worker, &job, n);
   if (!bad) bad = merge(&job);
   free(part);
   return bad;
