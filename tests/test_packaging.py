@@ -83,7 +83,11 @@ def test_every_optional_import_has_its_extra(wheel):
 
 def test_wheel_ships_sources_types_benchmarks_and_licence(wheel):
     names = set(wheel.namelist())
-    assert "selfattn/kernels/csrc/paged_decode.c" in names  # built on first use
+    from selfattn.kernels import fused_attention, paged_decode
+
+    for spec in (paged_decode.SPEC, fused_attention.SPEC):  # built on first use: every file
+        for path in (*spec.sources, *spec.headers):
+            assert f"selfattn/kernels/csrc/{path}" in names
     assert "selfattn/inspect/view.html" in names  # the explorer page's template
     assert "selfattn/py.typed" in names
     for bench in ("__init__", "_util", *NAMES):
