@@ -43,7 +43,8 @@ enum {
 /* ptrs, in order */
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
-  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_NPTRS
+  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_DBIAS,
+  P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT) and of the forward's out; dO and every other output are float32 */
@@ -1222,18 +1223,16 @@ static void transpose(float *t, const float *s, int64_t tqp) {
     for (int64_t k = 0; k < BK; k++) t[k * MAXBQ + r] = s[r * BK + k];
 }
 
-/* Scores and dS (with respect to the unmodded score) of query rows qs (tqp x Dp, times c; rows
-   r0 + [0, tq) of sequence b, head h) and dO rows dob (tqp x Dvp) against one key tile (kt: D x
-   BK, vt: Dv x BK; keys c0 + [0, nk)), into s and dp; dcap: the soft cap's derivative (tqp x
-   BK scratch). */
-static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
+/* Scores s (base 2, score mods applied, masked pairs -inf) of query rows qs (tqp x Dp, times
+   c; rows r0 + [0, tq) of sequence b, head h) against one key tile (kt: D x BK; keys c0 + [0,
+   nk)), and dP = dO Vᵀ of dO rows dob (tqp x Dvp) against vt (Dv x BK), times keep / (1 - p)
+   under dropout; dcap: the soft cap's derivative (tqp x BK scratch). The Δ pre-pass
+   (delta_item) and tile_ds both start here, so they see bitwise the same P and dP. */
+static void tile_sp(const Dims *d, const int64_t *a, void *const *p, const float *qs,
                     const float *dob, const float *kt, const float *vt, float *s, float *dp,
                     float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
-                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
-                    int64_t r0, int64_t c0) {
+                    int64_t b, int64_t h, int64_t r0, int64_t c0) {
   const float *drop = (const float *)p[P_DROP];
-  const int64_t qpos0 = a[A_QOFF] + r0;
-  const uint32_t xbh = dropout_bh(a[A_SEED], b, h);
   memset(s, 0, sizeof(float) * tqp * BK);
   mm(s, BK, qs, d->Dp, kt, BK, tqp, d->D, BK);
   apply_mods(s, dcap, a, p, b, h, r0, c0, tq, tqp, nk);
@@ -1241,9 +1240,21 @@ static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float
   memset(dp, 0, sizeof(float) * tqp * BK);
   mm(dp, BK, dob, d->Dvp, vt, BK, tqp, d->Dv, BK);
   /* dropout: dS = P ∘ (dP ∘ keep / (1 - p) - Δ), and dV takes the dropped weights */
-  if (drop) dropout_scale(dp, tq, xbh, qpos0, c0, drop);
+  if (drop) dropout_scale(dp, tq, dropout_bh(a[A_SEED], b, h), a[A_QOFF] + r0, c0, drop);
+}
+
+/* Scores and dS (with respect to the unmodded score) of one tile (arguments as tile_sp), into
+   s (the weights, dropped) and dp (dS). */
+static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
+                    const float *dob, const float *kt, const float *vt, float *s, float *dp,
+                    float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
+                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
+                    int64_t r0, int64_t c0) {
+  const float *drop = (const float *)p[P_DROP];
+  tile_sp(d, a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk, bits, b, h, r0, c0);
   weights_and_ds(s, dp, tq, tqp, m, l, delta);
-  if (drop) dropout_scale(s, tq, xbh, qpos0, c0, drop);
+  if (drop)
+    dropout_scale(s, tq, dropout_bh(a[A_SEED], b, h), a[A_QOFF] + r0, c0, drop);
   if (p[P_CAP]) /* through the cap: dS · (1 - tanh²) */
     for (int64_t i = 0; i < tqp * BK; i += VW) st(dp + i, ld(dp + i) * ld(dcap + i));
 }
@@ -1294,10 +1305,24 @@ static int64_t dkv_scratch(const Dims *d) {
   return MAXBQ * (d->Dp + d->Dvp) + 5 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
 }
 
-/* dQ of query tile i of head h, sequence b. */
-static void dq_item(const void *vjob, int64_t item, float *buf) {
-  const Job *job = (const Job *)vjob;
-  const Dims d = dims(job->a);
+/* dS of rows [0, tq) and keys [0, nk) of a tile (first row r0, first key c0; sequence b, query
+   head h) added into the bias gradient db (float64, the bias's shape: the strides A_BIAS_S*, 0
+   on its broadcast axes, which the adds sum over in the callers' fixed order). */
+static void add_dbias(double *db, const int64_t *a, const float *ds, int64_t b, int64_t h,
+                      int64_t r0, int64_t c0, int64_t tq, int64_t nk) {
+  const int64_t sq = a[A_BIAS_SQ], sk = a[A_BIAS_SK];
+  double *base = db + b * a[A_BIAS_SB] + h * a[A_BIAS_SH] + r0 * sq + c0 * sk;
+  for (int64_t r = 0; r < tq; r++) {
+    double *row = base + r * sq;
+    const float *x = ds + r * BK;
+    for (int64_t k = 0; k < nk; k++) row[k * sk] += x[k];
+  }
+}
+
+/* dQ of query tile i of head h, sequence b (item, as q_tile numbers them); with db (not NULL)
+   its dS also goes into the bias gradient (add_dbias). */
+static void dq_rows(const Job *job, const Dims *dd, int64_t item, float *buf, double *db) {
+  const Dims d = *dd;
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
   const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
@@ -1318,11 +1343,42 @@ static void dq_item(const void *vjob, int64_t item, float *buf) {
             block_bits(&d, p, qt.pids[t], b, h), (const float *)p[P_M] + row0,
             (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, h, qt.i * d.bq,
             c0);
+    if (db) add_dbias(db, job->a, dp, b, h, qt.i * d.bq, c0, tq, nk);
     mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
   }
   float *DQ = (float *)p[P_DQ] + row0 * d.D;
   for (r = 0; r < tq; r++)
     for (k = 0; k < d.D; k++) DQ[r * d.D + k] = dq[r * d.Dp + k] * job->scale;
+}
+
+static void dq_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  dq_rows(job, &d, item, buf, NULL);
+}
+
+/* The bias gradient's items: one per block of it that no other item adds into, (bias batch,
+   bias head, query tile) over the axes the bias does not broadcast (a broadcast axis: one
+   block for all of it). */
+static int64_t dbias_items(const Dims *d, const int64_t *a) {
+  return (a[A_BIAS_SB] ? d->B : 1) * (a[A_BIAS_SH] ? d->Hq : 1) * (a[A_BIAS_SQ] ? d->nq : 1);
+}
+
+/* dQ of every (sequence, head, query tile) whose dS adds into one block of the bias gradient
+   (dbias_items), in a fixed order (query tile, sequence, head): the sums over broadcast axes
+   never depend on the thread count, with no atomics. */
+static void dq_dbias_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  const int64_t *a = job->a;
+  const int64_t ni = a[A_BIAS_SQ] ? d.nq : 1, nh = a[A_BIAS_SH] ? d.Hq : 1;
+  const int64_t i0 = item % ni, h0 = item / ni % nh, b0 = item / ni / nh;
+  const int64_t i1 = a[A_BIAS_SQ] ? i0 + 1 : d.nq, h1 = a[A_BIAS_SH] ? h0 + 1 : d.Hq;
+  const int64_t b1 = a[A_BIAS_SB] ? b0 + 1 : d.B;
+  for (int64_t i = a[A_BIAS_SQ] ? i0 : 0; i < i1; i++)
+    for (int64_t b = a[A_BIAS_SB] ? b0 : 0; b < b1; b++)
+      for (int64_t h = a[A_BIAS_SH] ? h0 : 0; h < h1; h++)
+        dq_rows(job, &d, (b * d.Hq + h) * d.nq + i, buf, (double *)job->p[P_DBIAS]);
 }
 
 static int64_t dq_scratch(const Dims *d) {
@@ -1596,10 +1652,8 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   return status;
 }
 
-/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA. The dot product is one FMA chain from
-   0 in element order, as mm computes each entry of dP = dO Vᵀ: for a row whose weight is all on
-   one key, O is that key's V row exactly, so dP - Δ cancels to exactly 0 there (dS = 0), as
-   it does in exact arithmetic. */
+/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA (delta_item then redoes peaked rows). The
+   dot product is one FMA chain from 0 in element order, as mm computes each entry of dP. */
 static void row_deltas(const Dims *d, void *const *p) {
   const float *dout = (const float *)p[P_DO], *out = (const float *)p[P_OUT];
   const float *dlse = (const float *)p[P_DLSE];
@@ -1617,8 +1671,71 @@ static void row_deltas(const Dims *d, void *const *p) {
   }
 }
 
+/* -- Δ on peaked rows. dS = P ∘ (dP - Δ) sums to -dlse over a row only while Δ is the mean of
+   the very dP the backward computes, weighted by its very P; rowsum(dO ∘ O) (FlashAttention-2's
+   Δ, Dao 2023, Algorithm 2 line 4; PyTorch's CPU flash backward, aten/src/ATen/native/cpu/
+   FlashAttentionKernel.cpp, `grad_out * out` summed per row) matches it only to the rounding of
+   O: O rounded to q's dtype (bf16: 2^-9 of |O|), and the forward's scores and weights, which
+   differ from the backward's recomputed ones in the last bits (fp32: 4.5x the naive error on a
+   decode row even with O exact), all of it landing in Δ. That error reaches each key of the row
+   in proportion to its weight; on a row with most of its weight on one key, that key's dS is a
+   small difference ((1 - P) times the spread of dP) and the error swamps it: dq 87x the naive
+   fp32 error on a decode row of weight 0.9 on one key, and an error at all where each row
+   attends one key under dropout (exact dS 0). Rows whose largest weight 1/l is over 1/PEAKED_L
+   (the error then grows past 1 / (1 - 1/PEAKED_L) = 2x that of a spread row; measured: none
+   below 0.6 in bf16/fp16) take Δ = rowsum(P ∘ dP) / rowsum(P) from an extra pass over their
+   query tile's key tiles (the score and dP products again: two more per tile against the
+   backward's five or seven), P and dP bitwise tile_ds's, summed in float64. A one-key row's dS
+   is then exactly 0 and a peaked row's as precise as the naive formula's: the weights' own sum
+   (not 1: the forward's l) cancels their common rounding. Other rows keep rowsum(dO ∘ O), whose
+   error their spread-out dS absorbs; a query tile without a peaked row costs one scan of l. */
+#define PEAKED_L 2.0f
+static void delta_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const QTile qt = q_tile(&d, p, item);
+  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, blk0 = qt.kvh / d.Sk * d.nk;
+  const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
+  const float *dlse = (const float *)p[P_DLSE];
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *dcap = dp + MAXBQ * BK;
+  double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
+  int64_t t, r, k;
+  int peaked = 0;
+
+  for (r = 0; r < tq; r++) peaked |= l[r] < PEAKED_L;
+  if (!peaked || qt.n == 0) return;
+  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
+  for (t = 0; t < qt.n; t++) {
+    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+    const int64_t blk = blk0 + qt.cols[t];
+    tile_sp(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK, s, dp,
+            dcap, tq, tqp, nk, block_bits(&d, p, qt.pids[t], qt.b, qt.h), qt.b, qt.h,
+            qt.i * d.bq, c0);
+    for (r = 0; r < tq; r++) { /* the weights as weights_and_ds computes them */
+      const float inv = 1.0f / l[r], mr = m[r];
+      v16 sum = splat(0.0f), ws = splat(0.0f);
+      for (k = 0; k < BK; k += VW) {
+        const v16 w = exp2v(ld(s + r * BK + k) - mr) * inv;
+        sum += w * ld(dp + r * BK + k), ws += w;
+      }
+      acc[r] += hsum(sum), wsum[r] += hsum(ws);
+    }
+  }
+  /* every row of the tile: the rowsum is at least as precise where the row is not peaked */
+  float *delta = (float *)p[P_DELTA] + row0;
+  for (r = 0; r < tq; r++) {
+    const double mean = wsum[r] > 0 ? acc[r] / wsum[r] : 0.0; /* 0: a row with no key */
+    delta[r] = (float)(dlse ? mean - dlse[row0 + r] : mean);
+  }
+}
+
 /* dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv): float32, from dO, the forward's
-   out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). */
+   out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). P_DBIAS
+   (not NULL): the bias's gradient, float64 zeros of the bias's shape on entry; dQ then runs
+   as its own pass (dq_dbias_item), not in the one-pass dkvq_item. */
 int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
@@ -1627,8 +1744,12 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
-  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
-  if (fused_bwd(&d, n_threads)) { /* one pass: dkvq_item */
+  q.n_items = d.B * d.Hq * d.nq, q.item = delta_item, q.scratch = dq_scratch(&d);
+  if (!status) status = run_items(&q, n_threads); /* Δ of peaked rows */
+  q.next = 0, q.item = dq_item;
+  if (ptrs[P_DBIAS]) /* dQ by blocks of the bias gradient */
+    q.n_items = dbias_items(&d, iargs), q.item = dq_dbias_item;
+  if (!ptrs[P_DBIAS] && fused_bwd(&d, n_threads)) { /* one pass: dkvq_item */
     kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d);
     if (!status) status = run_items(&kv, n_threads);
   } else {
