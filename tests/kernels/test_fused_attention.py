@@ -183,19 +183,23 @@ def _backward_case(seed: int):
 
 
 @pytest.mark.usefixtures("every_thread")
+@pytest.mark.parametrize("scale", [0.3, 3.0], ids=["spread", "peaked"])
 @pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
-def test_backward_one_pass_is_bitwise_the_two_passes(generic):
+def test_backward_one_pass_is_bitwise_the_two_passes(generic, scale):
     """One thread runs the one-pass backward (dQ, dK, dV per (b, kv head)); three threads with
     B·Hkv = 4 items run the two passes (dK, dV by key tile, then dQ by query tile): the same
-    bits, as the kernel promises for any thread count."""
+    bits, as the kernel promises for any thread count. Scale 3 makes most rows peaked (largest
+    weight over 1/2): their Δ comes from the kernel's own P ∘ dP, kept per query tile in the one
+    pass and from a pre-pass in the two."""
     t, (q, k, v), dout, dlse = _backward_case(seed=12)
-    out, _, m, l = fa.forward(q, k, v, t, 0.3, generic=generic)
+    out, _, m, l = fa.forward(q, k, v, t, scale, generic=generic)
+    assert (float((l < 2).float().mean()) > 0.5) == (scale > 1)  # the share of peaked rows
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, 3):
             torch.set_num_threads(n)
-            results.append(fa.backward(dout, dlse, q, k, v, out, m, l, t, 0.3, generic=generic))
+            results.append(fa.backward(dout, dlse, q, k, v, out, m, l, t, scale, generic=generic))
     finally:
         torch.set_num_threads(threads)
     for name, a, b in zip(("dq", "dk", "dv"), *results):

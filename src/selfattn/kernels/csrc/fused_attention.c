@@ -1243,20 +1243,83 @@ static void tile_sp(const Dims *d, const int64_t *a, void *const *p, const float
   if (drop) dropout_scale(dp, tq, dropout_bh(a[A_SEED], b, h), a[A_QOFF] + r0, c0, drop);
 }
 
-/* Scores and dS (with respect to the unmodded score) of one tile (arguments as tile_sp), into
-   s (the weights, dropped) and dp (dS). */
-static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
-                    const float *dob, const float *kt, const float *vt, float *s, float *dp,
-                    float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
-                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
-                    int64_t r0, int64_t c0) {
+/* The weights (dropped) into s and dS (with respect to the unmodded score) into dp, from
+   tile_sp's scores and dP (dcap: its soft cap derivative) and the rows' Δ. */
+static void tile_finish(const int64_t *a, void *const *p, float *s, float *dp, const float *dcap,
+                        int64_t tq, int64_t tqp, const float *m, const float *l, const float *delta,
+                        int64_t b, int64_t h, int64_t r0, int64_t c0) {
   const float *drop = (const float *)p[P_DROP];
-  tile_sp(d, a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk, bits, b, h, r0, c0);
   weights_and_ds(s, dp, tq, tqp, m, l, delta);
   if (drop)
     dropout_scale(s, tq, dropout_bh(a[A_SEED], b, h), a[A_QOFF] + r0, c0, drop);
   if (p[P_CAP]) /* through the cap: dS · (1 - tanh²) */
     for (int64_t i = 0; i < tqp * BK; i += VW) st(dp + i, ld(dp + i) * ld(dcap + i));
+}
+
+/* Scores and dS of one tile (arguments as tile_sp and tile_finish), into s (the weights,
+   dropped) and dp (dS). */
+static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
+                    const float *dob, const float *kt, const float *vt, float *s, float *dp,
+                    float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
+                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
+                    int64_t r0, int64_t c0) {
+  tile_sp(d, a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk, bits, b, h, r0, c0);
+  tile_finish(a, p, s, dp, dcap, tq, tqp, m, l, delta, b, h, r0, c0);
+}
+
+/* -- Δ on peaked rows. dS = P ∘ (dP - Δ) sums to -dlse over a row only while Δ is the mean of
+   the very dP the backward computes, weighted by its very P; rowsum(dO ∘ O) (FlashAttention-2's
+   Δ, Dao 2023, Algorithm 2 line 4; PyTorch's CPU flash backward, aten/src/ATen/native/cpu/
+   FlashAttentionKernel.cpp, `grad_out * out` summed per row) matches it only to the rounding of
+   O: O rounded to q's dtype (bf16: 2^-9 of |O|), and the forward's scores and weights, which
+   differ from the backward's recomputed ones in the last bits (fp32: 4.5x the naive error on a
+   decode row even with O exact), all of it landing in Δ. That error reaches each key of the row
+   in proportion to its weight; on a row with most of its weight on one key, that key's dS is a
+   small difference ((1 - P) times the spread of dP) and the error swamps it: dq 87x the naive
+   fp32 error on a decode row of weight 0.9 on one key, and an error at all where each row
+   attends one key under dropout (exact dS 0). Rows whose largest weight 1/l is over 1/PEAKED_L
+   (the error then grows past 1 / (1 - 1/PEAKED_L) = 2x that of a spread row; measured: none
+   below 0.6 in bf16/fp16) take Δ = rowsum(P ∘ dP) / rowsum(P) from an extra pass over their
+   query tile's key tiles (the score and dP products again: two more per tile against the
+   backward's five or seven), P and dP bitwise tile_ds's, summed in float64. A one-key row's dS
+   is then exactly 0 and a peaked row's as precise as the naive formula's: the weights' own sum
+   (not 1: the forward's l) cancels their common rounding. Other rows keep rowsum(dO ∘ O), whose
+   error their spread-out dS absorbs; a query tile without a peaked row costs one scan of l. */
+#define PEAKED_L 2.0f
+
+/* Whether one of rows [0, tq) (their forward l) is peaked. */
+static int rows_peaked(const float *l, int64_t tq) {
+  int peaked = 0;
+  for (int64_t r = 0; r < tq; r++) peaked |= l[r] < PEAKED_L;
+  return peaked;
+}
+
+/* rowsum(P ∘ dP) into acc and rowsum(P) into wsum (float64, rows [0, tq)) of one tile's scores
+   s and dP (tile_sp's), the weights as weights_and_ds computes them. */
+static void delta_sums(double *acc, double *wsum, const float *s, const float *dp,
+                       const float *m, const float *l, int64_t tq) {
+  for (int64_t r = 0; r < tq; r++) {
+    const float inv = 1.0f / l[r], mr = m[r];
+    v16 sum = splat(0.0f), ws = splat(0.0f);
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16 w = exp2v(ld(s + r * BK + k) - mr) * inv;
+      sum += w * ld(dp + r * BK + k), ws += w;
+    }
+    acc[r] += hsum(sum), wsum[r] += hsum(ws);
+  }
+}
+
+/* Δ of rows [0, tq) (first row row0 of (B, Hq, Sq)) from their sums: every row of the tile,
+   the weighted mean being at least as precise where a row is not peaked; 0 for a row with no
+   key (no weight: its dS is 0 whatever Δ is). */
+static void delta_store(void *const *p, int64_t row0, int64_t tq, const double *acc,
+                        const double *wsum) {
+  const float *dlse = (const float *)p[P_DLSE];
+  float *delta = (float *)p[P_DELTA] + row0;
+  for (int64_t r = 0; r < tq; r++) {
+    const double mean = wsum[r] > 0 ? acc[r] / wsum[r] : 0.0;
+    delta[r] = (float)(dlse ? mean - dlse[row0 + r] : mean);
+  }
 }
 
 /* dK, dV of key tile j of kv head hk, sequence b. */
@@ -1303,6 +1366,33 @@ static void dkv_item(const void *vjob, int64_t item, float *buf) {
 
 static int64_t dkv_scratch(const Dims *d) {
   return MAXBQ * (d->Dp + d->Dvp) + 5 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
+}
+
+/* Δ of the rows of query tile i of head h, sequence b, where one of them is peaked (the two-pass
+   backward's pre-pass; dkvq_item does the same within its item). */
+static void delta_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  void *const *p = job->p;
+  const QTile qt = q_tile(&d, p, item);
+  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, blk0 = qt.kvh / d.Sk * d.nk;
+  const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
+  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
+  float *dcap = dp + MAXBQ * BK;
+  double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
+
+  if (qt.n == 0 || !rows_peaked(l, tq)) return;
+  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
+  for (int64_t t = 0; t < qt.n; t++) {
+    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+    const int64_t blk = blk0 + qt.cols[t];
+    tile_sp(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK, s, dp,
+            dcap, tq, tqp, nk, block_bits(&d, p, qt.pids[t], qt.b, qt.h), qt.b, qt.h,
+            qt.i * d.bq, c0);
+    delta_sums(acc, wsum, s, dp, m, l, tq);
+  }
+  delta_store(p, row0, tq, acc, wsum);
 }
 
 /* dS of rows [0, tq) and keys [0, nk) of a tile (first row r0, first key c0; sequence b, query
@@ -1399,6 +1489,9 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dcap = dst + BK * MAXBQ;
   float *dq = dcap + MAXBQ * BK, *dk = dq + MAXBQ * d.Dp, *dv = dk + d.nk * BK * d.Dp;
+  /* a peaked query tile's scores, dP and cap derivatives for all its key tiles (dkvq_scratch
+     has them where some row is peaked) */
+  float *ss = dv + d.nk * BK * d.Dvp, *dps = ss + d.nk * MAXBQ * BK, *caps = dps + d.nk * MAXBQ * BK;
   const int64_t blk0 = (b * d.Hkv + hk) * d.nk, kv0 = (b * d.Hkv + hk) * d.Sk;
   int64_t i, g, t, r, k;
 
@@ -1406,21 +1499,41 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   for (i = 0; i < d.nq; i++) {
     for (g = 0; g < d.G; g++) {
       const QTile qt = q_tile(&d, p, ((b * d.Hq + hk * d.G + g) * d.nq) + i);
-      const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0;
+      const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, r0 = i * d.bq;
+      const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
+      const float *delta = (const float *)p[P_DELTA] + row0;
+      /* a peaked tile: every key tile's scores and dP first, kept, for Δ (delta_item's, in the
+         same order), then the gradients from them: no product computed twice */
+      const int peaked = qt.n > 0 && rows_peaked(l, tq);
       pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
       pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
       memset(dq, 0, sizeof(float) * tqp * d.Dp);
+      if (peaked) {
+        double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
+        for (t = 0; t < qt.n; t++) {
+          const int64_t j = qt.cols[t], c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
+          const int64_t blk = blk0 + j, at = t * MAXBQ * BK;
+          tile_sp(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK,
+                  ss + at, dps + at, caps + at, tq, tqp, nk,
+                  block_bits(&d, p, qt.pids[t], b, qt.h), b, qt.h, r0, c0);
+          delta_sums(acc, wsum, ss + at, dps + at, m, l, tq);
+        }
+        delta_store(p, row0, tq, acc, wsum);
+      }
       for (t = 0; t < qt.n; t++) {
         const int64_t j = qt.cols[t], c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
         const int64_t blk = blk0 + j;
-        const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
-        tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
-                block_bits(&d, p, qt.pids[t], b, qt.h), (const float *)p[P_M] + row0,
-                (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, qt.h, i * d.bq,
-                c0);
-        mm(dq, d.Dp, dp, BK, job->kp + blk * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
-        transpose(pt, s, tqp);
-        transpose(dst, dp, tqp);
+        float *st_ = peaked ? ss + t * MAXBQ * BK : s, *dpt = peaked ? dps + t * MAXBQ * BK : dp;
+        if (peaked)
+          tile_finish(job->a, p, st_, dpt, caps + t * MAXBQ * BK, tq, tqp, m, l, delta, b, qt.h,
+                      r0, c0);
+        else
+          tile_ds(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK, s,
+                  dp, dcap, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, qt.h), m, l, delta, b,
+                  qt.h, r0, c0);
+        mm(dq, d.Dp, dpt, BK, job->kp + blk * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+        transpose(pt, st_, tqp);
+        transpose(dst, dpt, tqp);
         mm(dv + c0 * d.Dvp, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
         mm(dk + c0 * d.Dp, d.Dp, dst, MAXBQ, qs, d.Dp, BK, tqp, d.Dp);    /* dK += dSᵀ (Q c) */
       }
@@ -1437,8 +1550,11 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   }
 }
 
-static int64_t dkvq_scratch(const Dims *d) {
-  return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp);
+/* peaked: some row is (rows_peaked), and the items keep a query tile's scores, dP and cap
+   derivatives for every key tile */
+static int64_t dkvq_scratch(const Dims *d, int peaked) {
+  return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp) +
+         (peaked ? 3 * d->nk * MAXBQ * BK : 0);
 }
 
 /* The one-pass backward (dkvq_item) runs while each thread gets FUSED_ITEMS_PER_THREAD (b, kv
@@ -1446,9 +1562,9 @@ static int64_t dkvq_scratch(const Dims *d) {
    its per-thread dK, dV scratch stays under FUSED_SCRATCH_BYTES. */
 #define FUSED_ITEMS_PER_THREAD 4
 #define FUSED_SCRATCH_BYTES ((int64_t)64 << 20)
-static int fused_bwd(const Dims *d, int n_threads) {
+static int fused_bwd(const Dims *d, int n_threads, int peaked) {
   return (n_threads <= 1 || d->B * d->Hkv >= (int64_t)FUSED_ITEMS_PER_THREAD * n_threads) &&
-         (int64_t)sizeof(float) * dkvq_scratch(d) <= FUSED_SCRATCH_BYTES;
+         (int64_t)sizeof(float) * dkvq_scratch(d, peaked) <= FUSED_SCRATCH_BYTES;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1671,67 +1787,6 @@ static void row_deltas(const Dims *d, void *const *p) {
   }
 }
 
-/* -- Δ on peaked rows. dS = P ∘ (dP - Δ) sums to -dlse over a row only while Δ is the mean of
-   the very dP the backward computes, weighted by its very P; rowsum(dO ∘ O) (FlashAttention-2's
-   Δ, Dao 2023, Algorithm 2 line 4; PyTorch's CPU flash backward, aten/src/ATen/native/cpu/
-   FlashAttentionKernel.cpp, `grad_out * out` summed per row) matches it only to the rounding of
-   O: O rounded to q's dtype (bf16: 2^-9 of |O|), and the forward's scores and weights, which
-   differ from the backward's recomputed ones in the last bits (fp32: 4.5x the naive error on a
-   decode row even with O exact), all of it landing in Δ. That error reaches each key of the row
-   in proportion to its weight; on a row with most of its weight on one key, that key's dS is a
-   small difference ((1 - P) times the spread of dP) and the error swamps it: dq 87x the naive
-   fp32 error on a decode row of weight 0.9 on one key, and an error at all where each row
-   attends one key under dropout (exact dS 0). Rows whose largest weight 1/l is over 1/PEAKED_L
-   (the error then grows past 1 / (1 - 1/PEAKED_L) = 2x that of a spread row; measured: none
-   below 0.6 in bf16/fp16) take Δ = rowsum(P ∘ dP) / rowsum(P) from an extra pass over their
-   query tile's key tiles (the score and dP products again: two more per tile against the
-   backward's five or seven), P and dP bitwise tile_ds's, summed in float64. A one-key row's dS
-   is then exactly 0 and a peaked row's as precise as the naive formula's: the weights' own sum
-   (not 1: the forward's l) cancels their common rounding. Other rows keep rowsum(dO ∘ O), whose
-   error their spread-out dS absorbs; a query tile without a peaked row costs one scan of l. */
-#define PEAKED_L 2.0f
-static void delta_item(const void *vjob, int64_t item, float *buf) {
-  const Job *job = (const Job *)vjob;
-  const Dims d = dims(job->a);
-  void *const *p = job->p;
-  const QTile qt = q_tile(&d, p, item);
-  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, blk0 = qt.kvh / d.Sk * d.nk;
-  const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
-  const float *dlse = (const float *)p[P_DLSE];
-  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
-  float *dcap = dp + MAXBQ * BK;
-  double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
-  int64_t t, r, k;
-  int peaked = 0;
-
-  for (r = 0; r < tq; r++) peaked |= l[r] < PEAKED_L;
-  if (!peaked || qt.n == 0) return;
-  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
-  pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
-  for (t = 0; t < qt.n; t++) {
-    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    const int64_t blk = blk0 + qt.cols[t];
-    tile_sp(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK, s, dp,
-            dcap, tq, tqp, nk, block_bits(&d, p, qt.pids[t], qt.b, qt.h), qt.b, qt.h,
-            qt.i * d.bq, c0);
-    for (r = 0; r < tq; r++) { /* the weights as weights_and_ds computes them */
-      const float inv = 1.0f / l[r], mr = m[r];
-      v16 sum = splat(0.0f), ws = splat(0.0f);
-      for (k = 0; k < BK; k += VW) {
-        const v16 w = exp2v(ld(s + r * BK + k) - mr) * inv;
-        sum += w * ld(dp + r * BK + k), ws += w;
-      }
-      acc[r] += hsum(sum), wsum[r] += hsum(ws);
-    }
-  }
-  /* every row of the tile: the rowsum is at least as precise where the row is not peaked */
-  float *delta = (float *)p[P_DELTA] + row0;
-  for (r = 0; r < tq; r++) {
-    const double mean = wsum[r] > 0 ? acc[r] / wsum[r] : 0.0; /* 0: a row with no key */
-    delta[r] = (float)(dlse ? mean - dlse[row0 + r] : mean);
-  }
-}
-
 /* dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv): float32, from dO, the forward's
    out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). P_DBIAS
    (not NULL): the bias's gradient, float64 zeros of the bias's shape on entry; dQ then runs
@@ -1744,15 +1799,19 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
   Job q = kv;
-  q.n_items = d.B * d.Hq * d.nq, q.item = delta_item, q.scratch = dq_scratch(&d);
-  if (!status) status = run_items(&q, n_threads); /* Δ of peaked rows */
-  q.next = 0, q.item = dq_item;
+  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
   if (ptrs[P_DBIAS]) /* dQ by blocks of the bias gradient */
     q.n_items = dbias_items(&d, iargs), q.item = dq_dbias_item;
-  if (!ptrs[P_DBIAS] && fused_bwd(&d, n_threads)) { /* one pass: dkvq_item */
-    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d);
+  const int peaked = rows_peaked((const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
+  if (!ptrs[P_DBIAS] && fused_bwd(&d, n_threads, peaked)) { /* one pass: dkvq_item */
+    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d, peaked);
     if (!status) status = run_items(&kv, n_threads);
   } else {
+    if (peaked && !status) { /* Δ of peaked rows first */
+      Job dj = q;
+      dj.n_items = d.B * d.Hq * d.nq, dj.item = delta_item;
+      status = run_items(&dj, n_threads);
+    }
     if (!status) status = run_items(&kv, n_threads);
     if (!status) status = run_items(&q, n_threads);
   }
