@@ -182,11 +182,14 @@ def _pick(g: torch.Generator, options: list):
     return options[int(torch.randint(len(options), (1,), generator=g))]
 
 
-def _score_mod(case: Case, g: torch.Generator, dtype: torch.dtype):
+def _score_mod(case: Case, g: torch.Generator, dtype: torch.dtype, bias_leaf=None):
+    """The case's score mod; ``bias_leaf(tensor)``: the tensor its bias term adds instead of the
+    drawn one (a copy that requires grad, in another dtype)."""
     B, Hq, Sq, Sk = case.B, case.Hq, case.Sq, case.Sk
     shape = {"BHQK": (B, Hq, Sq, Sk), "H1K": (Hq, 1, Sk), "QK": (Sq, Sk), "1K": (1, Sk),
              "B11K": (B, 1, 1, Sk), "Q1": (Sq, 1)}[case.bias_shape]  # fmt: skip
-    bias = scores.bias((torch.randn(*shape, generator=g) * 2).to(dtype))
+    tensor = (torch.randn(*shape, generator=g) * 2).to(dtype)
+    bias = scores.bias(tensor if bias_leaf is None else bias_leaf(tensor))
     return {
         "none": None,
         "softcap": scores.softcap(_pick(g, [0.5, 2.0, 30.0])),
@@ -196,7 +199,7 @@ def _score_mod(case: Case, g: torch.Generator, dtype: torch.dtype):
     }[case.mod]
 
 
-def _inputs(case: Case, grad: bool):
+def _inputs(case: Case, grad: bool, bias_leaf=None):
     dtype = DTYPES[case.dtype]
     q, k, v = make_qkv(
         case.B, case.Hq, case.Sq, case.D, Hkv=case.Hkv, Sk=case.Sk, Dv=case.Dv, dtype=dtype,
@@ -208,8 +211,8 @@ def _inputs(case: Case, grad: bool):
         k, v = k[:1], v[:1]
     g = torch.Generator().manual_seed(case.seed % 2**31 + 1)
     kwargs = dict(
-        mask=_mask(case, g), score_mod=_score_mod(case, g, dtype), q_offset=case.q_offset,
-        scale=case.scale,
+        mask=_mask(case, g), score_mod=_score_mod(case, g, dtype, bias_leaf),
+        q_offset=case.q_offset, scale=case.scale,
     )  # fmt: skip
     if case.sinks:
         kwargs["sinks"] = torch.randn(case.Hq, generator=g)
@@ -232,6 +235,47 @@ def test_random_calls_match_the_fp64_oracle(case: Case, monkeypatch):
     why = backends.explain(q, k, v, print_table=False, **kwargs).reasons["cpu_fused"]
     assert why is None, f"{case}: cpu_fused declined: {why}"
     check_against_reference(cpu_attention, q, k, v, grad=grad, **kwargs)
+
+
+def _bias_cases(n: int) -> list[Case]:
+    """``n`` drawn cases (past the first ``CASES``) whose score mod adds a bias, small enough for
+    gradients."""
+    found, i = [], CASES
+    while len(found) < n:
+        case = draw(i)
+        pairs = case.B * case.Hq * case.Sq * case.Sk
+        if "bias" in case.mod and pairs <= MAX_GRAD_PAIRS // (4 if case.dtype == "fp16" else 1):
+            found.append(case)
+        i += 1
+    return found
+
+
+@pytest.mark.parametrize("case", _bias_cases(max(1, CASES // 3)), ids=str)
+def test_random_bias_gradients_match_the_fp64_oracle(case: Case, monkeypatch):
+    """A bias that requires grad, in the random calls of every mask kind, broadcast shape, build,
+    q_offset, with sinks, ALiBi and the soft cap: cpu_fused runs it (it declined before) and its
+    dBias is within the ratio rule of the float64 oracle's (the bias in float64 there)."""
+    _use_build(monkeypatch, case.build)
+    grads = []
+    for attend, dtype in ((cpu_attention, None), (reference_attention, torch.float64),
+                          (naive_attention, None)):  # fmt: skip
+        leaf = []
+
+        def bias_leaf(t, dtype=dtype, leaf=leaf):
+            leaf.append(t.to(dtype or t.dtype).requires_grad_(True))
+            return leaf[0]
+
+        (q, k, v), kwargs = _inputs(case, True, bias_leaf)
+        if attend is cpu_attention:
+            why = backends.explain(q, k, v, print_table=False, **kwargs).reasons["cpu_fused"]
+            assert why is None, f"{case}: cpu_fused declined: {why}"
+        out = attend(q, k, v, **kwargs)
+        out = out if attend is cpu_attention else out[0]
+        g = torch.Generator().manual_seed(case.seed % 2**31 + 3)
+        dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+        grads.append(torch.autograd.grad(out, leaf, dout)[0])
+    assert grads[0].shape == grads[1].shape
+    assert_close_to_reference(*grads, factor=GRAD_FACTOR, dtype=DTYPES[case.dtype], what="dbias")
 
 
 def _one_hot_row(dtype):

@@ -1277,14 +1277,19 @@ static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float
    in proportion to its weight; on a row with most of its weight on one key, that key's dS is a
    small difference ((1 - P) times the spread of dP) and the error swamps it: dq 87x the naive
    fp32 error on a decode row of weight 0.9 on one key, and an error at all where each row
-   attends one key under dropout (exact dS 0). Rows whose largest weight 1/l is over 1/PEAKED_L
-   (the error then grows past 1 / (1 - 1/PEAKED_L) = 2x that of a spread row; measured: none
-   below 0.6 in bf16/fp16) take Δ = rowsum(P ∘ dP) / rowsum(P) from an extra pass over their
-   query tile's key tiles (the score and dP products again: two more per tile against the
-   backward's five or seven), P and dP bitwise tile_ds's, summed in float64. A one-key row's dS
-   is then exactly 0 and a peaked row's as precise as the naive formula's: the weights' own sum
-   (not 1: the forward's l) cancels their common rounding. Other rows keep rowsum(dO ∘ O), whose
-   error their spread-out dS absorbs; a query tile without a peaked row costs one scan of l. */
+   attends one key under dropout (exact dS 0). A query tile with a row whose largest weight
+   1/l is over 1/PEAKED_L (past it, that error grows over 1 / (1 - 1/PEAKED_L) = 2x a spread
+   row's; measured on 400 single decode rows, rowsum(dO ∘ O) stayed under a fifth of the ratio
+   rule's bound in bf16/fp16 below weight 0.8) takes Δ = rowsum(P ∘ dP) /
+   rowsum(P) from P and dP bitwise tile_ds's, summed in float64: the one-pass dkvq_item computes
+   the tile's scores and dP for all its key tiles first and keeps them (no product twice: peaked
+   fwd+bwd measured 1.00-1.07x the rowsum(dO ∘ O) kernel, one thread), the two-pass path runs a
+   pre-pass (delta_item: the score and dP products again, two more per tile against seven). A
+   one-key row's dS is then exactly 0 and a peaked row's as precise as the naive formula's: the
+   weights' own sum (not 1: the forward's l) cancels their common rounding. Other rows keep
+   rowsum(dO ∘ O), whose error their spread-out dS absorbs (a query tile without a peaked row
+   costs a scan of its l). Left: in fp32 such sharp rows' P itself is ~2x less precise than
+   sgemm's (one FMA chain over D in base 2; tests/kernels/test_fused_fuzz.py). */
 #define PEAKED_L 2.0f
 
 /* Whether one of rows [0, tq) (their forward l) is peaked. */
@@ -1481,6 +1486,15 @@ static int64_t dq_scratch(const Dims *d) {
    for every key tile. dK, dV accumulate in scratch for all Sk keys, in the two-pass order
    (query tile, then head, per key tile) and dQ per key tile in order, so the result is bitwise
    the two passes'. Used while there are enough (b, kv head) items for the threads (fused_bwd). */
+/* The most key tiles one query tile visits. */
+static int64_t most_key_tiles(const Dims *d, void *const *p) {
+  const int32_t *rowptr = (const int32_t *)p[P_ROWPTR];
+  int64_t most = 0;
+  for (int64_t i = 0; i < d->nq; i++)
+    most = rowptr[i + 1] - rowptr[i] > most ? rowptr[i + 1] - rowptr[i] : most;
+  return most;
+}
+
 static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   const Job *job = (const Job *)vjob;
   const Dims d = dims(job->a);
@@ -1489,9 +1503,10 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dcap = dst + BK * MAXBQ;
   float *dq = dcap + MAXBQ * BK, *dk = dq + MAXBQ * d.Dp, *dv = dk + d.nk * BK * d.Dp;
-  /* a peaked query tile's scores, dP and cap derivatives for all its key tiles (dkvq_scratch
-     has them where some row is peaked) */
-  float *ss = dv + d.nk * BK * d.Dvp, *dps = ss + d.nk * MAXBQ * BK, *caps = dps + d.nk * MAXBQ * BK;
+  /* a peaked query tile's scores, dP and cap derivatives for each of its key tiles (room for
+     nt where some row is peaked: dkvq_scratch) */
+  const int64_t nt = most_key_tiles(&d, p);
+  float *ss = dv + d.nk * BK * d.Dvp, *dps = ss + nt * MAXBQ * BK, *caps = dps + nt * MAXBQ * BK;
   const int64_t blk0 = (b * d.Hkv + hk) * d.nk, kv0 = (b * d.Hkv + hk) * d.Sk;
   int64_t i, g, t, r, k;
 
@@ -1551,10 +1566,10 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
 }
 
 /* peaked: some row is (rows_peaked), and the items keep a query tile's scores, dP and cap
-   derivatives for every key tile */
-static int64_t dkvq_scratch(const Dims *d, int peaked) {
+   derivatives for each of its key tiles (as many as most_key_tiles: a window's few, not nk) */
+static int64_t dkvq_scratch(const Dims *d, void *const *p, int peaked) {
   return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp) +
-         (peaked ? 3 * d->nk * MAXBQ * BK : 0);
+         (peaked ? 3 * most_key_tiles(d, p) * MAXBQ * BK : 0);
 }
 
 /* The one-pass backward (dkvq_item) runs while each thread gets FUSED_ITEMS_PER_THREAD (b, kv
@@ -1562,9 +1577,9 @@ static int64_t dkvq_scratch(const Dims *d, int peaked) {
    its per-thread dK, dV scratch stays under FUSED_SCRATCH_BYTES. */
 #define FUSED_ITEMS_PER_THREAD 4
 #define FUSED_SCRATCH_BYTES ((int64_t)64 << 20)
-static int fused_bwd(const Dims *d, int n_threads, int peaked) {
+static int fused_bwd(const Dims *d, void *const *p, int n_threads, int peaked) {
   return (n_threads <= 1 || d->B * d->Hkv >= (int64_t)FUSED_ITEMS_PER_THREAD * n_threads) &&
-         (int64_t)sizeof(float) * dkvq_scratch(d, peaked) <= FUSED_SCRATCH_BYTES;
+         (int64_t)sizeof(float) * dkvq_scratch(d, p, peaked) <= FUSED_SCRATCH_BYTES;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1803,8 +1818,8 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   if (ptrs[P_DBIAS]) /* dQ by blocks of the bias gradient */
     q.n_items = dbias_items(&d, iargs), q.item = dq_dbias_item;
   const int peaked = rows_peaked((const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
-  if (!ptrs[P_DBIAS] && fused_bwd(&d, n_threads, peaked)) { /* one pass: dkvq_item */
-    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d, peaked);
+  if (!ptrs[P_DBIAS] && fused_bwd(&d, ptrs, n_threads, peaked)) { /* one pass: dkvq_item */
+    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d, ptrs, peaked);
     if (!status) status = run_items(&kv, n_threads);
   } else {
     if (peaked && !status) { /* Δ of peaked rows first */
