@@ -187,10 +187,10 @@ def _backward_case(seed: int):
 @pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
 def test_backward_one_pass_is_bitwise_the_two_passes(generic, scale):
     """One thread runs the one-pass backward (dQ, dK, dV per (b, kv head)); three threads with
-    B·Hkv = 4 items run the two passes (dK, dV by key tile, then dQ by query tile): the same
+    B·Hkv = 4 items run the two passes (dQ by query tile, then dK, dV by key tile): the same
     bits, as the kernel promises for any thread count. Scale 3 makes most rows peaked (largest
-    weight over 1/2): their Δ comes from the kernel's own P ∘ dP, kept per query tile in the one
-    pass and from a pre-pass in the two."""
+    weight over 1/2): their Δ comes from the kernel's own P ∘ dP, the query tile's scores and dP
+    kept for it (in the one pass, and in the two passes' dQ pass, which then runs first)."""
     t, (q, k, v), dout, dlse = _backward_case(seed=12)
     out, _, m, l = fa.forward(q, k, v, t, scale, generic=generic)
     assert (float((l < 2).float().mean()) > 0.5) == (scale > 1)  # the share of peaked rows

@@ -42,8 +42,11 @@ The float32 micro-kernel also keeps its B rows in registers (gcc folded each loa
 FMAs reading it: load-bound). One thread, CPU time, interleaved with main's kernel, best of 7,
 loaded Zen 5 EPYC: see BENCHMARKS.md (session 7); e.g. window 256 at S=16384 bf16 55.9 -> 35.2
 ms (242 GFLOP/s, 61% of torch's one-thread 2048³ bf16 matmul), fp32 84.9 -> 60.2 ms.
-The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
-query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
+The backward recomputes the weights from the saved row max and sum: dQ by query tile, then dK/dV
+by key tile (over the query tiles and the G heads of a kv head), or all three in one pass per
+(sequence, kv head); no atomics. Δ is rowsum(dO ∘ O), but rowsum(P ∘ dP) / rowsum(P) from the
+kernel's own P and dP on query tiles with a row of weight over 1/2 on one key (their scores and
+dP kept for the tile: no product twice), where rowsum(dO ∘ O)'s rounding swamped dS.
 
 The tile description (:class:`Tiles`, built by the backend from ``Mask.tile_kinds``): the query
 tiles' non-EMPTY key tiles as CSR lists (and their transpose for the backward), and one byte

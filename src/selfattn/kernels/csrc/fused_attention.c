@@ -1193,8 +1193,9 @@ static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of b
 /* ------------------------------------------------------------------------------------------ */
 /* Backward: P = 2^(s - m) / l recomputed from the forward's row statistics;                   */
 /* dP = dO Vᵀ, dS = P ∘ (dP - Δ), dV = Pᵀ dO, dK = dSᵀ Q scale, dQ = dS K scale.                */
-/* Two passes, each writing its own rows (no atomics, deterministic): dK, dV by key tile       */
-/* (all query tiles and the G heads of a kv head), then dQ by query tile.                      */
+/* Two passes, each writing its own rows (no atomics, deterministic): dQ by query tile (and    */
+/* the Δ of peaked rows), then dK, dV by key tile (all query tiles, the G heads of a kv head); */
+/* or one pass per (b, kv head) (dkvq_item), bitwise the same.                                 */
 /* ------------------------------------------------------------------------------------------ */
 
 /* The weights P (in s) and dS (in dp) of one tile, given its scores s and dP = dO Vᵀ in dp:
@@ -1226,8 +1227,8 @@ static void transpose(float *t, const float *s, int64_t tqp) {
 /* Scores s (base 2, score mods applied, masked pairs -inf) of query rows qs (tqp x Dp, times
    c; rows r0 + [0, tq) of sequence b, head h) against one key tile (kt: D x BK; keys c0 + [0,
    nk)), and dP = dO Vᵀ of dO rows dob (tqp x Dvp) against vt (Dv x BK), times keep / (1 - p)
-   under dropout; dcap: the soft cap's derivative (tqp x BK scratch). The Δ pre-pass
-   (delta_item) and tile_ds both start here, so they see bitwise the same P and dP. */
+   under dropout; dcap: the soft cap's derivative (tqp x BK scratch). keep_tiles and tile_ds both
+   start here, so they see bitwise the same P and dP. */
 static void tile_sp(const Dims *d, const int64_t *a, void *const *p, const float *qs,
                     const float *dob, const float *kt, const float *vt, float *s, float *dp,
                     float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
@@ -1277,19 +1278,20 @@ static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float
    in proportion to its weight; on a row with most of its weight on one key, that key's dS is a
    small difference ((1 - P) times the spread of dP) and the error swamps it: dq 87x the naive
    fp32 error on a decode row of weight 0.9 on one key, and an error at all where each row
-   attends one key under dropout (exact dS 0). A query tile with a row whose largest weight
-   1/l is over 1/PEAKED_L (past it, that error grows over 1 / (1 - 1/PEAKED_L) = 2x a spread
-   row's; measured on 400 single decode rows, rowsum(dO ∘ O) stayed under a fifth of the ratio
-   rule's bound in bf16/fp16 below weight 0.8) takes Δ = rowsum(P ∘ dP) /
-   rowsum(P) from P and dP bitwise tile_ds's, summed in float64: the one-pass dkvq_item computes
-   the tile's scores and dP for all its key tiles first and keeps them (no product twice: peaked
-   fwd+bwd measured 1.00-1.07x the rowsum(dO ∘ O) kernel, one thread), the two-pass path runs a
-   pre-pass (delta_item: the score and dP products again, two more per tile against seven). A
-   one-key row's dS is then exactly 0 and a peaked row's as precise as the naive formula's: the
-   weights' own sum (not 1: the forward's l) cancels their common rounding. Other rows keep
-   rowsum(dO ∘ O), whose error their spread-out dS absorbs (a query tile without a peaked row
-   costs a scan of its l). Left: in fp32 such sharp rows' P itself is ~2x less precise than
-   sgemm's (one FMA chain over D in base 2; tests/kernels/test_fused_fuzz.py). */
+   attends one key under dropout (exact dS 0).
+   A query tile with a row whose largest weight 1/l is over 1/PEAKED_L (past it, that error
+   grows over 1 / (1 - 1/PEAKED_L) = 2x a spread row's; on 400 single decode rows, rowsum(dO ∘ O)
+   stayed under a fifth of the ratio rule's bound in bf16/fp16 below weight 0.8) takes Δ =
+   rowsum(P ∘ dP) / rowsum(P), with P and dP bitwise tile_ds's, summed in float64: its item
+   (dkvq_item, or dq_rows in the two-pass backward, whose dQ pass then runs first) computes the
+   tile's scores and dP for all its key tiles first and keeps them (keep_tiles). No product is
+   computed twice: fwd+bwd with most rows peaked measured 1.02-1.07x the rowsum(dO ∘ O) kernel
+   (one thread, CPU time), where an extra pass over the products measured 1.31x. A one-key
+   row's dS is then exactly 0 and a peaked row's as precise as the naive formula's (the weights'
+   own sum, not 1 but the forward's l, cancels their common rounding). Other rows keep
+   rowsum(dO ∘ O), whose error their spread-out dS absorbs; a query tile without a peaked row
+   costs a scan of its l. Left: in fp32 such sharp rows' P itself is ~2x less precise than
+   sgemm's (scores by one FMA chain over D, in base 2). */
 #define PEAKED_L 2.0f
 
 /* Whether one of rows [0, tq) (their forward l) is peaked. */
@@ -1373,31 +1375,63 @@ static int64_t dkv_scratch(const Dims *d) {
   return MAXBQ * (d->Dp + d->Dvp) + 5 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
 }
 
-/* Δ of the rows of query tile i of head h, sequence b, where one of them is peaked (the two-pass
-   backward's pre-pass; dkvq_item does the same within its item). */
-static void delta_item(const void *vjob, int64_t item, float *buf) {
-  const Job *job = (const Job *)vjob;
-  const Dims d = dims(job->a);
-  void *const *p = job->p;
-  const QTile qt = q_tile(&d, p, item);
-  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, blk0 = qt.kvh / d.Sk * d.nk;
-  const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
-  float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
-  float *dcap = dp + MAXBQ * BK;
-  double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
+/* The most key tiles one query tile visits. */
+static int64_t most_key_tiles(const Dims *d, void *const *p) {
+  const int32_t *rowptr = (const int32_t *)p[P_ROWPTR];
+  int64_t most = 0;
+  for (int64_t i = 0; i < d->nq; i++)
+    most = rowptr[i + 1] - rowptr[i] > most ? rowptr[i + 1] - rowptr[i] : most;
+  return most;
+}
 
-  if (qt.n == 0 || !rows_peaked(l, tq)) return;
-  pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
-  pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
-  for (int64_t t = 0; t < qt.n; t++) {
-    const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    const int64_t blk = blk0 + qt.cols[t];
-    tile_sp(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK, s, dp,
-            dcap, tq, tqp, nk, block_bits(&d, p, qt.pids[t], qt.b, qt.h), qt.b, qt.h,
-            qt.i * d.bq, c0);
-    delta_sums(acc, wsum, s, dp, m, l, tq);
+/* A peaked query tile (qt; q rows qs, dO rows dob packed; its kv head's first packed block
+   blk0): the scores, dP and cap derivatives of each of its key tiles into kept (3 x
+   most_key_tiles tiles of MAXBQ x BK: scores, then dP, then the cap's), and its rows' Δ from
+   them into P_DELTA; tile_dS then takes each tile's dS from them. */
+static void keep_tiles(const Job *job, const Dims *d, const QTile *qt, const float *qs,
+                       const float *dob, int64_t blk0, float *kept) {
+  void *const *p = job->p;
+  const int64_t nt = most_key_tiles(d, p);
+  const float *m = (const float *)p[P_M] + qt->row0, *l = (const float *)p[P_L] + qt->row0;
+  double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
+  for (int64_t t = 0; t < qt->n; t++) {
+    const int64_t c0 = (int64_t)qt->cols[t] * BK, nk = BK < d->Sk - c0 ? BK : d->Sk - c0;
+    const int64_t blk = blk0 + qt->cols[t];
+    float *s = kept + t * MAXBQ * BK, *dp = s + nt * MAXBQ * BK, *dcap = dp + nt * MAXBQ * BK;
+    tile_sp(d, job->a, p, qs, dob, job->kt + blk * d->D * BK, job->vt + blk * d->Dv * BK, s, dp,
+            dcap, qt->tq, qt->tqp, nk, block_bits(d, p, qt->pids[t], qt->b, qt->h), qt->b, qt->h,
+            qt->i * d->bq, c0);
+    delta_sums(acc, wsum, s, dp, m, l, qt->tq);
   }
-  delta_store(p, row0, tq, acc, wsum);
+  delta_store(p, qt->row0, qt->tq, acc, wsum);
+}
+
+/* The weights (in *s) and dS (in *dp) of key tile t of query tile qt: from the kept tiles
+   (kept not NULL: keep_tiles ran), else computed here in the buffers *s, *dp (dcap scratch). */
+static void tile_dS(const Job *job, const Dims *d, const QTile *qt, const float *qs,
+                    const float *dob, int64_t blk0, int64_t t, const float *kept, float **s,
+                    float **dp, float *dcap) {
+  void *const *p = job->p;
+  const int64_t c0 = (int64_t)qt->cols[t] * BK, nk = BK < d->Sk - c0 ? BK : d->Sk - c0;
+  const int64_t blk = blk0 + qt->cols[t], r0 = qt->i * d->bq, row0 = qt->row0;
+  const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
+  const float *delta = (const float *)p[P_DELTA] + row0;
+  if (kept) {
+    const int64_t nt = most_key_tiles(d, p);
+    *s = (float *)kept + t * MAXBQ * BK, *dp = *s + nt * MAXBQ * BK;
+    tile_finish(job->a, p, *s, *dp, *dp + nt * MAXBQ * BK, qt->tq, qt->tqp, m, l, delta, qt->b,
+                qt->h, r0, c0);
+  } else {
+    tile_ds(d, job->a, p, qs, dob, job->kt + blk * d->D * BK, job->vt + blk * d->Dv * BK, *s, *dp,
+            dcap, qt->tq, qt->tqp, nk, block_bits(d, p, qt->pids[t], qt->b, qt->h), m, l, delta,
+            qt->b, qt->h, r0, c0);
+  }
+}
+
+/* Floats of scratch for kept tiles: where some row is peaked (rows_peaked), 3 x most_key_tiles
+   tiles (a window's few, not nk). */
+static int64_t kept_scratch(const Dims *d, void *const *p, int peaked) {
+  return peaked ? 3 * most_key_tiles(d, p) * MAXBQ * BK : 0;
 }
 
 /* dS of rows [0, tq) and keys [0, nk) of a tile (first row r0, first key c0; sequence b, query
@@ -1415,31 +1449,30 @@ static void add_dbias(double *db, const int64_t *a, const float *ds, int64_t b, 
 }
 
 /* dQ of query tile i of head h, sequence b (item, as q_tile numbers them); with db (not NULL)
-   its dS also goes into the bias gradient (add_dbias). */
+   its dS also goes into the bias gradient (add_dbias). A peaked tile first sets its rows' Δ
+   (keep_tiles): this pass runs before dkv_item's, which reads them. */
 static void dq_rows(const Job *job, const Dims *dd, int64_t item, float *buf, double *db) {
   const Dims d = *dd;
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
-  const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
+  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0;
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
-  float *dq = dp + MAXBQ * BK, *dcap = dq + MAXBQ * d.Dp;
-  const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  float *dq = dp + MAXBQ * BK, *dcap = dq + MAXBQ * d.Dp, *kept = dcap + MAXBQ * BK;
+  const int64_t blk0 = qt.kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  const int peaked = qt.n > 0 && rows_peaked((const float *)p[P_L] + row0, tq);
   int64_t t, r, k;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
   pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
   memset(dq, 0, sizeof(float) * tqp * d.Dp);
+  if (peaked) keep_tiles(job, &d, &qt, qs, dob, blk0, kept);
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    const int64_t blk = blk0 + qt.cols[t];
-    const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
-    const float *kp = job->kp + blk * BK * d.Dp;
-    tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
-            block_bits(&d, p, qt.pids[t], b, h), (const float *)p[P_M] + row0,
-            (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, h, qt.i * d.bq,
-            c0);
-    if (db) add_dbias(db, job->a, dp, b, h, qt.i * d.bq, c0, tq, nk);
-    mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+    float *ws = s, *ds = dp;
+    tile_dS(job, &d, &qt, qs, dob, blk0, t, peaked ? kept : NULL, &ws, &ds, dcap);
+    if (db) add_dbias(db, job->a, ds, qt.b, qt.h, qt.i * d.bq, c0, tq, nk);
+    mm(dq, d.Dp, ds, BK, job->kp + (blk0 + qt.cols[t]) * BK * d.Dp, d.Dp, tqp, nk,
+       d.Dp); /* dQ += dS K */
   }
   float *DQ = (float *)p[P_DQ] + row0 * d.D;
   for (r = 0; r < tq; r++)
@@ -1476,8 +1509,8 @@ static void dq_dbias_item(const void *vjob, int64_t item, float *buf) {
         dq_rows(job, &d, (b * d.Hq + h) * d.nq + i, buf, (double *)job->p[P_DBIAS]);
 }
 
-static int64_t dq_scratch(const Dims *d) {
-  return MAXBQ * (d->Dp + d->Dvp) + 3 * MAXBQ * BK + MAXBQ * d->Dp;
+static int64_t dq_scratch(const Dims *d, void *const *p, int peaked) {
+  return MAXBQ * (d->Dp + d->Dvp) + 3 * MAXBQ * BK + MAXBQ * d->Dp + kept_scratch(d, p, peaked);
 }
 
 /* dK, dV of every key tile of kv head hk, sequence b, and dQ of its G heads, in one pass: each
@@ -1486,15 +1519,6 @@ static int64_t dq_scratch(const Dims *d) {
    for every key tile. dK, dV accumulate in scratch for all Sk keys, in the two-pass order
    (query tile, then head, per key tile) and dQ per key tile in order, so the result is bitwise
    the two passes'. Used while there are enough (b, kv head) items for the threads (fused_bwd). */
-/* The most key tiles one query tile visits. */
-static int64_t most_key_tiles(const Dims *d, void *const *p) {
-  const int32_t *rowptr = (const int32_t *)p[P_ROWPTR];
-  int64_t most = 0;
-  for (int64_t i = 0; i < d->nq; i++)
-    most = rowptr[i + 1] - rowptr[i] > most ? rowptr[i + 1] - rowptr[i] : most;
-  return most;
-}
-
 static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   const Job *job = (const Job *)vjob;
   const Dims d = dims(job->a);
@@ -1503,10 +1527,7 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dcap = dst + BK * MAXBQ;
   float *dq = dcap + MAXBQ * BK, *dk = dq + MAXBQ * d.Dp, *dv = dk + d.nk * BK * d.Dp;
-  /* a peaked query tile's scores, dP and cap derivatives for each of its key tiles (room for
-     nt where some row is peaked: dkvq_scratch) */
-  const int64_t nt = most_key_tiles(&d, p);
-  float *ss = dv + d.nk * BK * d.Dvp, *dps = ss + nt * MAXBQ * BK, *caps = dps + nt * MAXBQ * BK;
+  float *kept = dv + d.nk * BK * d.Dvp;
   const int64_t blk0 = (b * d.Hkv + hk) * d.nk, kv0 = (b * d.Hkv + hk) * d.Sk;
   int64_t i, g, t, r, k;
 
@@ -1514,41 +1535,19 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   for (i = 0; i < d.nq; i++) {
     for (g = 0; g < d.G; g++) {
       const QTile qt = q_tile(&d, p, ((b * d.Hq + hk * d.G + g) * d.nq) + i);
-      const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, r0 = i * d.bq;
-      const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
-      const float *delta = (const float *)p[P_DELTA] + row0;
-      /* a peaked tile: every key tile's scores and dP first, kept, for Δ (delta_item's, in the
-         same order), then the gradients from them: no product computed twice */
-      const int peaked = qt.n > 0 && rows_peaked(l, tq);
+      const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0;
+      const int peaked = qt.n > 0 && rows_peaked((const float *)p[P_L] + row0, tq);
       pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
       pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
       memset(dq, 0, sizeof(float) * tqp * d.Dp);
-      if (peaked) {
-        double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
-        for (t = 0; t < qt.n; t++) {
-          const int64_t j = qt.cols[t], c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-          const int64_t blk = blk0 + j, at = t * MAXBQ * BK;
-          tile_sp(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK,
-                  ss + at, dps + at, caps + at, tq, tqp, nk,
-                  block_bits(&d, p, qt.pids[t], b, qt.h), b, qt.h, r0, c0);
-          delta_sums(acc, wsum, ss + at, dps + at, m, l, tq);
-        }
-        delta_store(p, row0, tq, acc, wsum);
-      }
+      if (peaked) keep_tiles(job, &d, &qt, qs, dob, blk0, kept);
       for (t = 0; t < qt.n; t++) {
         const int64_t j = qt.cols[t], c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-        const int64_t blk = blk0 + j;
-        float *st_ = peaked ? ss + t * MAXBQ * BK : s, *dpt = peaked ? dps + t * MAXBQ * BK : dp;
-        if (peaked)
-          tile_finish(job->a, p, st_, dpt, caps + t * MAXBQ * BK, tq, tqp, m, l, delta, b, qt.h,
-                      r0, c0);
-        else
-          tile_ds(&d, job->a, p, qs, dob, job->kt + blk * d.D * BK, job->vt + blk * d.Dv * BK, s,
-                  dp, dcap, tq, tqp, nk, block_bits(&d, p, qt.pids[t], b, qt.h), m, l, delta, b,
-                  qt.h, r0, c0);
-        mm(dq, d.Dp, dpt, BK, job->kp + blk * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
-        transpose(pt, st_, tqp);
-        transpose(dst, dpt, tqp);
+        float *ws = s, *ds = dp;
+        tile_dS(job, &d, &qt, qs, dob, blk0, t, peaked ? kept : NULL, &ws, &ds, dcap);
+        mm(dq, d.Dp, ds, BK, job->kp + (blk0 + j) * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+        transpose(pt, ws, tqp);
+        transpose(dst, ds, tqp);
         mm(dv + c0 * d.Dvp, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
         mm(dk + c0 * d.Dp, d.Dp, dst, MAXBQ, qs, d.Dp, BK, tqp, d.Dp);    /* dK += dSᵀ (Q c) */
       }
@@ -1565,11 +1564,9 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   }
 }
 
-/* peaked: some row is (rows_peaked), and the items keep a query tile's scores, dP and cap
-   derivatives for each of its key tiles (as many as most_key_tiles: a window's few, not nk) */
 static int64_t dkvq_scratch(const Dims *d, void *const *p, int peaked) {
   return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp) +
-         (peaked ? 3 * most_key_tiles(d, p) * MAXBQ * BK : 0);
+         kept_scratch(d, p, peaked);
 }
 
 /* The one-pass backward (dkvq_item) runs while each thread gets FUSED_ITEMS_PER_THREAD (b, kv
@@ -1783,7 +1780,7 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   return status;
 }
 
-/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA (delta_item then redoes peaked rows). The
+/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA (keep_tiles then redoes peaked rows). The
    dot product is one FMA chain from 0 in element order, as mm computes each entry of dP. */
 static void row_deltas(const Dims *d, void *const *p) {
   const float *dout = (const float *)p[P_DO], *out = (const float *)p[P_OUT];
@@ -1805,7 +1802,8 @@ static void row_deltas(const Dims *d, void *const *p) {
 /* dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv): float32, from dO, the forward's
    out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). P_DBIAS
    (not NULL): the bias's gradient, float64 zeros of the bias's shape on entry; dQ then runs
-   as its own pass (dq_dbias_item), not in the one-pass dkvq_item. */
+   as its own pass (dq_dbias_item), not in the one-pass dkvq_item. The two-pass backward runs
+   dQ first: its peaked query tiles set their rows' Δ, which dK, dV read. */
 int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
@@ -1813,22 +1811,17 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
+  const int peaked = rows_peaked((const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
   Job q = kv;
-  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
+  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d, ptrs, peaked);
   if (ptrs[P_DBIAS]) /* dQ by blocks of the bias gradient */
     q.n_items = dbias_items(&d, iargs), q.item = dq_dbias_item;
-  const int peaked = rows_peaked((const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
   if (!ptrs[P_DBIAS] && fused_bwd(&d, ptrs, n_threads, peaked)) { /* one pass: dkvq_item */
     kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d, ptrs, peaked);
     if (!status) status = run_items(&kv, n_threads);
-  } else {
-    if (peaked && !status) { /* Δ of peaked rows first */
-      Job dj = q;
-      dj.n_items = d.B * d.Hq * d.nq, dj.item = delta_item;
-      status = run_items(&dj, n_threads);
-    }
-    if (!status) status = run_items(&kv, n_threads);
+  } else { /* dQ first: it sets the Δ of peaked rows that dK, dV read */
     if (!status) status = run_items(&q, n_threads);
+    if (!status) status = run_items(&kv, n_threads);
   }
   free_packed(&kv);
   return status;
