@@ -429,8 +429,7 @@ def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic
     """``(dq, dk, dv, dbias)`` float32 from ``dout (B, Hq, Sq, Dv)``, the lse's gradient ``dlse
     (B, Hq, Sq)`` (None: 0) and the forward's ``out, m, l`` (all float32); q, k, v as
     :func:`forward`. ``dbias``: with ``bias_grad``, the gradient of ``bias`` (its shape: the
-    score gradient summed over the axes it broadcasts, in a fixed order, accumulated in float64),
-    else None."""
+    score gradient summed over the axes it broadcasts, in a fixed order), else None."""
     extra = () if dlse is None else (dlse,)
     _check(tiles, (q, k, v), dout, out, m, l, *extra, generic=generic)
     if bias_grad and bias is None:
@@ -439,7 +438,11 @@ def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic
     dk = torch.empty(k.shape, dtype=torch.float32)
     dv = torch.empty(v.shape, dtype=torch.float32)
     delta = torch.empty(m.shape, dtype=torch.float32)  # the kernel's scratch
-    dbias = torch.zeros(bias.shape, dtype=torch.float64) if bias_grad else None
+    # float64 sums where the bias broadcasts over query rows or keys (a small tensor, summing
+    # many terms; the kernel's dbias_wide), float32 else
+    wide = bias is not None and (bias.shape[2] == 1 or bias.shape[3] == 1)
+    dtype = torch.float64 if wide else torch.float32
+    dbias = torch.zeros(bias.shape, dtype=dtype) if bias_grad else None
     names = ("Q", "K", "V", "OUT", "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "DBIAS")
     tensors = dict(zip(names, (q, k, v, out, m, l, dout, dlse, delta, dq, dk, dv, dbias)))
     tensors.update(_tile_ptrs(tiles))

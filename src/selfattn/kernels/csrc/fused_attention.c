@@ -1435,23 +1435,32 @@ static int64_t kept_scratch(const Dims *d, void *const *p, int peaked) {
 }
 
 /* dS of rows [0, tq) and keys [0, nk) of a tile (first row r0, first key c0; sequence b, query
-   head h) added into the bias gradient db (float64, the bias's shape: the strides A_BIAS_S*, 0
-   on its broadcast axes, which the adds sum over in the callers' fixed order). */
-static void add_dbias(double *db, const int64_t *a, const float *ds, int64_t b, int64_t h,
+   head h) added into the bias gradient db (the bias's shape: the strides A_BIAS_S*, 0 on its
+   broadcast axes, which the adds sum over in the callers' fixed order). float64 where the bias
+   broadcasts over query rows or keys (dbias_wide: sums of up to B·Hq·Sq terms, into a row- or
+   column-sized tensor), float32 else (a bias of (Sq, Sk) scores sums at most B·Hq terms per
+   element, and its float64 copy would be twice its own size). */
+static int dbias_wide(const int64_t *a) { return a[A_BIAS_SQ] == 0 || a[A_BIAS_SK] == 0; }
+static void add_dbias(void *db, const int64_t *a, const float *ds, int64_t b, int64_t h,
                       int64_t r0, int64_t c0, int64_t tq, int64_t nk) {
   const int64_t sq = a[A_BIAS_SQ], sk = a[A_BIAS_SK];
-  double *base = db + b * a[A_BIAS_SB] + h * a[A_BIAS_SH] + r0 * sq + c0 * sk;
+  const int64_t off = b * a[A_BIAS_SB] + h * a[A_BIAS_SH] + r0 * sq + c0 * sk;
   for (int64_t r = 0; r < tq; r++) {
-    double *row = base + r * sq;
     const float *x = ds + r * BK;
-    for (int64_t k = 0; k < nk; k++) row[k * sk] += x[k];
+    if (dbias_wide(a)) {
+      double *row = (double *)db + off + r * sq;
+      for (int64_t k = 0; k < nk; k++) row[k * sk] += x[k];
+    } else {
+      float *row = (float *)db + off + r * sq; /* sk == 1 */
+      for (int64_t k = 0; k < nk; k++) row[k] += x[k];
+    }
   }
 }
 
 /* dQ of query tile i of head h, sequence b (item, as q_tile numbers them); with db (not NULL)
    its dS also goes into the bias gradient (add_dbias). A peaked tile first sets its rows' Δ
    (keep_tiles): this pass runs before dkv_item's, which reads them. */
-static void dq_rows(const Job *job, const Dims *dd, int64_t item, float *buf, double *db) {
+static void dq_rows(const Job *job, const Dims *dd, int64_t item, float *buf, void *db) {
   const Dims d = *dd;
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
@@ -1506,7 +1515,7 @@ static void dq_dbias_item(const void *vjob, int64_t item, float *buf) {
   for (int64_t i = a[A_BIAS_SQ] ? i0 : 0; i < i1; i++)
     for (int64_t b = a[A_BIAS_SB] ? b0 : 0; b < b1; b++)
       for (int64_t h = a[A_BIAS_SH] ? h0 : 0; h < h1; h++)
-        dq_rows(job, &d, (b * d.Hq + h) * d.nq + i, buf, (double *)job->p[P_DBIAS]);
+        dq_rows(job, &d, (b * d.Hq + h) * d.nq + i, buf, job->p[P_DBIAS]);
 }
 
 static int64_t dq_scratch(const Dims *d, void *const *p, int peaked) {
@@ -1801,7 +1810,8 @@ static void row_deltas(const Dims *d, void *const *p) {
 
 /* dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv): float32, from dO, the forward's
    out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). P_DBIAS
-   (not NULL): the bias's gradient, float64 zeros of the bias's shape on entry; dQ then runs
+   (not NULL): the bias's gradient, zeros of the bias's shape on entry (float64 where
+   dbias_wide, else float32); dQ then runs
    as its own pass (dq_dbias_item), not in the one-pass dkvq_item. The two-pass backward runs
    dQ first: its peaked query tiles set their rows' Δ, which dK, dV read. */
 int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
