@@ -328,12 +328,17 @@ def test_score_mods_forward_and_backward_match_the_twin(mod, generic):
         assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
 
 
-def test_ops_pass_opcheck():
-    """Schema, fake, autograd registration and AOT dispatch of selfattn::attention_fwd_cpu."""
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "learned-bias"])
+def test_ops_pass_opcheck(bias):
+    """Schema, fake, autograd registration and AOT dispatch of selfattn::attention_fwd_cpu; with
+    a bias that requires grad, its gradient comes back through the backward op's fourth output."""
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = 1, 2, 1, 9, 70, 8, 16, 9
     t = _tiles(Sq, Sk, bq, p_empty=0.0, seed=12)
     q, k, v = (x.requires_grad_() for x in _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=13))
     args = (q, k, v, *t.tensors(), t.block_q, t.mask_b, t.mask_h, 0.3, False)
+    if bias:
+        b = torch.randn(1, Hq, Sq, Sk, generator=torch.Generator().manual_seed(14))
+        args += (0, None, 0.0, 0, b.requires_grad_(), 0.0)
     torch.library.opcheck(ops.attention_fwd_cpu, args)
 
 

@@ -307,8 +307,9 @@ def attention_bwd_cpu(
 
 
 @attention_bwd_cpu.register_fake
-def _(dout, dlse, q, k, v, out, m, l, *tiles_and_args, bias_grad=False):
-    bias = tiles_and_args[-2]  # then softcap (the op's order)
+def _(dout, dlse, q, k, v, out, m, l, rowptr, cols, pids, colptr, rows, cpids, bits, block_q,
+      mask_b, mask_h, scale, generic=False, q_offset=0, alibi=None, dropout_p=0.0, seed0=0,
+      bias=None, softcap=0.0, bias_grad=False):  # fmt: skip
     dbias = q.new_empty(bias.shape if bias_grad else (0,), dtype=torch.float32)
     return *(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v)), dbias
 
