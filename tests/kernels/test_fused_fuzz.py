@@ -345,8 +345,8 @@ def test_peaked_decode_rows_each_within_the_ratio_rule(dtype):
     scale 2, dropout), each sequence checked on its own: the rule over a whole batch lets one
     bad row hide under another row's naive error. Δ from O rounded to bf16/fp16 was up to 4.2x
     (bf16) and 1.6x (fp16) a sequence's bound; from the kernel's own P and dP it is ~0.04x.
-    (fp32 rows this sharp sit near their bound either way: the scores' own rounding, one FMA
-    chain over D in base 2, is ~2x sgemm's; NOTES.md.)"""
+    Not fp32: rows this sharp still pass a sequence's bound by up to 4x there (10x before), the
+    scores' own rounding (one FMA chain over D, in base 2: ~2x sgemm's error) then dominates."""
     B = 32
     q, k, v = make_qkv(B, 4, 1, 111, Hkv=2, Sk=239, seed=218, dtype=dtype, contiguous=False)
     kwargs = dict(mask=masks.chunked(64, causal=False), scale=2.0, dropout_p=0.2)
