@@ -183,19 +183,23 @@ def _backward_case(seed: int):
 
 
 @pytest.mark.usefixtures("every_thread")
+@pytest.mark.parametrize("scale", [0.3, 3.0], ids=["spread", "peaked"])
 @pytest.mark.parametrize("generic", [False, True], ids=["native", "generic"])
-def test_backward_one_pass_is_bitwise_the_two_passes(generic):
+def test_backward_one_pass_is_bitwise_the_two_passes(generic, scale):
     """One thread runs the one-pass backward (dQ, dK, dV per (b, kv head)); three threads with
-    B·Hkv = 4 items run the two passes (dK, dV by key tile, then dQ by query tile): the same
-    bits, as the kernel promises for any thread count."""
+    B·Hkv = 4 items run the two passes (dQ by query tile, then dK, dV by key tile): the same
+    bits, as the kernel promises for any thread count. Scale 3 makes most rows peaked (largest
+    weight over 1/2): their Δ comes from the kernel's own P ∘ dP, the query tile's scores and dP
+    kept for it (in the one pass, and in the two passes' dQ pass, which then runs first)."""
     t, (q, k, v), dout, dlse = _backward_case(seed=12)
-    out, _, m, l = fa.forward(q, k, v, t, 0.3, generic=generic)
+    out, _, m, l = fa.forward(q, k, v, t, scale, generic=generic)
+    assert (float((l < 2).float().mean()) > 0.5) == (scale > 1)  # the share of peaked rows
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, 3):
             torch.set_num_threads(n)
-            results.append(fa.backward(dout, dlse, q, k, v, out, m, l, t, 0.3, generic=generic))
+            results.append(fa.backward(dout, dlse, q, k, v, out, m, l, t, scale, generic=generic))
     finally:
         torch.set_num_threads(threads)
     for name, a, b in zip(("dq", "dk", "dv"), *results):
@@ -324,12 +328,17 @@ def test_score_mods_forward_and_backward_match_the_twin(mod, generic):
         assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
 
 
-def test_ops_pass_opcheck():
-    """Schema, fake, autograd registration and AOT dispatch of selfattn::attention_fwd_cpu."""
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "learned-bias"])
+def test_ops_pass_opcheck(bias):
+    """Schema, fake, autograd registration and AOT dispatch of selfattn::attention_fwd_cpu; with
+    a bias that requires grad, its gradient comes back through the backward op's fourth output."""
     B, Hq, Hkv, Sq, Sk, D, Dv, bq = 1, 2, 1, 9, 70, 8, 16, 9
     t = _tiles(Sq, Sk, bq, p_empty=0.0, seed=12)
     q, k, v = (x.requires_grad_() for x in _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, seed=13))
     args = (q, k, v, *t.tensors(), t.block_q, t.mask_b, t.mask_h, 0.3, False)
+    if bias:
+        b = torch.randn(1, Hq, Sq, Sk, generator=torch.Generator().manual_seed(14))
+        args += (0, None, 0.0, 0, b.requires_grad_(), 0.0)
     torch.library.opcheck(ops.attention_fwd_cpu, args)
 
 

@@ -18,9 +18,10 @@ reads each kv head's K/V in place for its G query heads.
 
 Not run (declined with the reason): non-CPU tensors, float64 (it accumulates in float64, the
 kernel in float32), score mods not made of ALiBi, bias and softcap terms (a callable, T5's table:
-chunked runs them), a bias that needs its gradient (the kernel computes no dBias), calls under
-``torch.compile`` (the tile plan reads mask values), and wherever the kernel cannot be
-built (no compiler: logged once, chunked runs instead). Non-finite inputs are checked and
+chunked runs them), calls under ``torch.compile`` (the tile plan reads mask values), and
+wherever the kernel cannot be built (no compiler: logged once, chunked runs instead). A bias
+that requires grad gets its gradient from the kernel's backward (its dQ pass sums dS over the
+bias's broadcast axes in a fixed order). Non-finite inputs are checked and
 redone exactly (``_common.fused_or_exact``), as sdpa's are; a call needing gradients whose K/V
 hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplies whole tiles)."""
 
@@ -42,7 +43,6 @@ from selfattn.backends._common import (
     all_finite,
     fused_or_exact,
     grad_needed,
-    learned_bias,
     run_with_sinks,
     score_terms,
 )
@@ -188,11 +188,6 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
     terms = score_terms(q, k, call)
     if isinstance(terms, str):
         return terms + " (chunked runs it)"
-    if learned_bias(terms):
-        return (
-            "the bias requires grad: the fused kernel's backward computes no bias gradient "
-            "(chunked routes it)"
-        )
     if torch.compiler.is_compiling():
         return "under torch.compile its tile plan reads mask values (a graph break)"
     if fused_attention.library() is None:

@@ -11,9 +11,10 @@ mask applied from a byte block, the online-softmax update with a vectorised ``ex
 weighted V rows by the same micro-kernel. FULL tiles do no mask work; EMPTY tiles are never
 visited; within a PARTIAL tile each block of 4 rows computes only the keys one of its rows
 attends. In the kernel too: ALiBi (absolute positions), an additive bias tensor (broadcast
-strides; no bias gradient), the soft cap ``cap·tanh(s / cap)`` last (a vectorised tanh within 2.8
-ulp of float32; the backward chains through ``1 - tanh²``), and attention dropout with the
-counter-based pattern of ``backends/_common.dropout_keep`` (same kept pairs as every backend).
+strides; its gradient is dS summed over the broadcast axes by the backward's dQ pass), the soft
+cap ``cap·tanh(s / cap)`` last (a vectorised tanh within 2.8 ulp of float32; the backward
+chains through ``1 - tanh²``), and attention dropout with the counter-based pattern of
+``backends/_common.dropout_keep`` (same kept pairs as every backend).
 bf16 q, k, v on a build with ``avx512_bf16`` run the forward's two products with ``vdpbf16ps``
 (K and V packed once as bf16 pair words): scores as exact bf16 products summed in float32, then
 times the scale; P·V with the weights rounded to bf16 (the row sums stay float32): the output
@@ -41,8 +42,11 @@ The float32 micro-kernel also keeps its B rows in registers (gcc folded each loa
 FMAs reading it: load-bound). One thread, CPU time, interleaved with main's kernel, best of 7,
 loaded Zen 5 EPYC: see BENCHMARKS.md (session 7); e.g. window 256 at S=16384 bf16 55.9 -> 35.2
 ms (242 GFLOP/s, 61% of torch's one-thread 2048³ bf16 matmul), fp32 84.9 -> 60.2 ms.
-The backward recomputes the weights from the saved row max and sum: dK/dV by key tile (over the
-query tiles and the G heads of a kv head), then dQ by query tile; no atomics.
+The backward recomputes the weights from the saved row max and sum: dQ by query tile, then dK/dV
+by key tile (over the query tiles and the G heads of a kv head), or all three in one pass per
+(sequence, kv head); no atomics. Δ is rowsum(dO ∘ O), but rowsum(P ∘ dP) / rowsum(P) from the
+kernel's own P and dP on query tiles with a row of weight over 1/2 on one key (their scores and
+dP kept for the tile: no product twice), where rowsum(dO ∘ O)'s rounding swamped dS.
 
 The tile description (:class:`Tiles`, built by the backend from ``Mask.tile_kinds``): the query
 tiles' non-EMPTY key tiles as CSR lists (and their transpose for the backward), and one byte
@@ -158,7 +162,7 @@ INT_ARGS = (
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
-    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES", "DROP", "BIAS", "CAP",
+    "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES", "DROP", "BIAS", "CAP", "DBIAS",
 )  # fmt: skip
 _ISA_BITS = ((4, "avx512f"), (8, "avx512_bf16"), (1, "avx2"), (2, "fma"))
 # q, k, v dtype -> kernel code (the enum at the top of csrc/fused_attention.c)
@@ -431,24 +435,34 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
 
 def backward(dout, dlse, q, k, v, out, m, l, tiles: Tiles, scale: float, generic: bool = False,
              q_offset: int = 0, alibi: torch.Tensor | None = None, dropout_p: float = 0.0,
-             seed0: int = 0, bias: torch.Tensor | None = None, softcap: float = 0.0):  # fmt: skip
-    """``(dq, dk, dv)`` float32 from ``dout (B, Hq, Sq, Dv)``, the lse's gradient ``dlse (B, Hq,
-    Sq)`` (None: 0) and the forward's ``out, m, l`` (all float32); q, k, v as :func:`forward`."""
+             seed0: int = 0, bias: torch.Tensor | None = None, softcap: float = 0.0,
+             bias_grad: bool = False):  # fmt: skip
+    """``(dq, dk, dv, dbias)`` float32 from ``dout (B, Hq, Sq, Dv)``, the lse's gradient ``dlse
+    (B, Hq, Sq)`` (None: 0) and the forward's ``out, m, l`` (all float32); q, k, v as
+    :func:`forward`. ``dbias``: with ``bias_grad``, the gradient of ``bias`` (its shape: the
+    score gradient summed over the axes it broadcasts, in a fixed order), else None."""
     extra = () if dlse is None else (dlse,)
     _check(tiles, (q, k, v), dout, out, m, l, *extra, generic=generic)
+    if bias_grad and bias is None:
+        raise ValueError("bias_grad=True needs the bias tensor")
     dq = torch.empty(q.shape, dtype=torch.float32)
     dk = torch.empty(k.shape, dtype=torch.float32)
     dv = torch.empty(v.shape, dtype=torch.float32)
     delta = torch.empty(m.shape, dtype=torch.float32)  # the kernel's scratch
-    names = ("Q", "K", "V", "OUT", "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV")
-    tensors = dict(zip(names, (q, k, v, out, m, l, dout, dlse, delta, dq, dk, dv)))
+    # float64 sums where the bias broadcasts over query rows or keys (a small tensor, summing
+    # many terms; the kernel's dbias_wide), float32 else
+    wide = bias is not None and (bias.shape[2] == 1 or bias.shape[3] == 1)
+    dtype = torch.float64 if wide else torch.float32
+    dbias = torch.zeros(bias.shape, dtype=dtype) if bias_grad else None
+    names = ("Q", "K", "V", "OUT", "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "DBIAS")
+    tensors = dict(zip(names, (q, k, v, out, m, l, dout, dlse, delta, dq, dk, dv, dbias)))
     tensors.update(_tile_ptrs(tiles))
     tensors.update(mods := _mods(q, k, alibi, bias, softcap))
     tensors.update(_dropout(dropout_p))
     ints = _ints(q, k, v, tiles, q_offset, seed0, mods)
     flops = 2 * _pairs(q, tiles) * (3 * q.shape[3] + 2 * v.shape[3])  # Q Kᵀ, dO Vᵀ, dV, dQ, dK
     _call(_lib(generic).fa_backward, ints, tensors, scale * LOG2E, scale, flops=flops)
-    return dq, dk, dv
+    return dq, dk, dv, (None if dbias is None else dbias.to(torch.float32))
 
 
 def _tile_ptrs(tiles: Tiles) -> dict:

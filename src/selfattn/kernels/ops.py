@@ -293,38 +293,55 @@ def attention_bwd_cpu(
     seed0: int = 0,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dbias)`` float32; ``dbias`` has the bias's shape with ``bias_grad``, else
+    it is empty (an op returns no None)."""
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
-    return fused_attention.backward(
+    *grads, dbias = fused_attention.backward(
         dout, dlse, q, k, v, out, m, l, t, scale, generic, q_offset, alibi, dropout_p, seed0,
-        bias, softcap,
+        bias, softcap, bias_grad,
     )  # fmt: skip
+    return *grads, (q.new_empty(0, dtype=torch.float32) if dbias is None else dbias)
 
 
 @attention_bwd_cpu.register_fake
-def _(dout, dlse, q, k, v, *rest):
-    return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v))
+def _(dout, dlse, q, k, v, out, m, l, rowptr, cols, pids, colptr, rows, cpids, bits, block_q,
+      mask_b, mask_h, scale, generic=False, q_offset=0, alibi=None, dropout_p=0.0, seed0=0,
+      bias=None, softcap=0.0, bias_grad=False):  # fmt: skip
+    dbias = q.new_empty(bias.shape if bias_grad else (0,), dtype=torch.float32)
+    return *(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v)), dbias
+
+
+_BIAS_ARG = 19  # attention_fwd_cpu's argument index of the bias
 
 
 def _fwd_setup(ctx, inputs, output):
     out, _, m, l = output
     ctx.save_for_backward(*inputs[:3], out, m, l, *inputs[3:10])  # q, k, v, ..., the tiles
-    # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout, bias (no gradient), cap
+    # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout, bias, cap
     ctx.args = inputs[10:]
+    bias = inputs[_BIAS_ARG]
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _fwd_backward(ctx, dout, dlse, _dm, _dl):
-    """dQ, dK, dV from the saved output and row statistics; dlse: the lse's own gradient (e.g.
-    from attention sinks merged through it)."""
+    """dQ, dK, dV (and dBias where the bias needs it) from the saved output and row statistics;
+    dlse: the lse's own gradient (e.g. from attention sinks merged through it)."""
     q, k, v, out, m, l, *tiles = ctx.saved_tensors
     out = out.to(torch.float32)  # q's dtype: Δ = rowsum(dO ∘ O) from it, as sdpa's backward
     dout = torch.zeros_like(out) if dout is None else dout.to(torch.float32).contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    dq, dk, dv = attention_bwd_cpu(dout, dlse, q, k, v, out, m, l, *tiles, *ctx.args)
-    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    return dq, dk, dv, *[None] * (len(tiles) + len(ctx.args))
+    bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[_BIAS_ARG]
+    dq, dk, dv, dbias = attention_bwd_cpu(
+        dout, dlse, q, k, v, out, m, l, *tiles, *ctx.args, bias_grad=bias_grad
+    )
+    grads = [None] * (len(tiles) + len(ctx.args))
+    if bias_grad:
+        grads[_BIAS_ARG - 3] = dbias.to(ctx.bias_dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads
 
 
 torch.library.register_autograd(

@@ -46,7 +46,8 @@ enum {
 /* ptrs, in order */
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
-  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_NPTRS
+  P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_DBIAS,
+  P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT) and of the forward's out; dO and every other output are float32 */
@@ -1195,8 +1196,9 @@ static int64_t fwd_scratch(const Dims *d) { /* then q's bf16 pairs, RB rows of b
 /* ------------------------------------------------------------------------------------------ */
 /* Backward: P = 2^(s - m) / l recomputed from the forward's row statistics;                   */
 /* dP = dO Vᵀ, dS = P ∘ (dP - Δ), dV = Pᵀ dO, dK = dSᵀ Q scale, dQ = dS K scale.                */
-/* Two passes, each writing its own rows (no atomics, deterministic): dK, dV by key tile       */
-/* (all query tiles and the G heads of a kv head), then dQ by query tile.                      */
+/* Two passes, each writing its own rows (no atomics, deterministic): dQ by query tile (and    */
+/* the Δ of peaked rows), then dK, dV by key tile (all query tiles, the G heads of a kv head); */
+/* or one pass per (b, kv head) (dkvq_item), bitwise the same.                                 */
 /* ------------------------------------------------------------------------------------------ */
 
 /* The weights P (in s) and dS (in dp) of one tile, given its scores s and dP = dO Vᵀ in dp:
@@ -1225,18 +1227,16 @@ static void transpose(float *t, const float *s, int64_t tqp) {
     for (int64_t k = 0; k < BK; k++) t[k * MAXBQ + r] = s[r * BK + k];
 }
 
-/* Scores and dS (with respect to the unmodded score) of query rows qs (tqp x Dp, times c; rows
-   r0 + [0, tq) of sequence b, head h) and dO rows dob (tqp x Dvp) against one key tile (kt: D x
-   BK, vt: Dv x BK; keys c0 + [0, nk)), into s and dp; dcap: the soft cap's derivative (tqp x
-   BK scratch). */
-static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
+/* Scores s (base 2, score mods applied, masked pairs -inf) of query rows qs (tqp x Dp, times
+   c; rows r0 + [0, tq) of sequence b, head h) against one key tile (kt: D x BK; keys c0 + [0,
+   nk)), and dP = dO Vᵀ of dO rows dob (tqp x Dvp) against vt (Dv x BK), times keep / (1 - p)
+   under dropout; dcap: the soft cap's derivative (tqp x BK scratch). keep_tiles and tile_ds both
+   start here, so they see bitwise the same P and dP. */
+static void tile_sp(const Dims *d, const int64_t *a, void *const *p, const float *qs,
                     const float *dob, const float *kt, const float *vt, float *s, float *dp,
                     float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
-                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
-                    int64_t r0, int64_t c0) {
+                    int64_t b, int64_t h, int64_t r0, int64_t c0) {
   const float *drop = (const float *)p[P_DROP];
-  const int64_t qpos0 = a[A_QOFF] + r0;
-  const uint32_t xbh = dropout_bh(a[A_SEED], b, h);
   memset(s, 0, sizeof(float) * tqp * BK);
   mm(s, BK, qs, d->Dp, kt, BK, tqp, d->D, BK);
   apply_mods(s, dcap, a, p, b, h, r0, c0, tq, tqp, nk);
@@ -1244,11 +1244,92 @@ static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float
   memset(dp, 0, sizeof(float) * tqp * BK);
   mm(dp, BK, dob, d->Dvp, vt, BK, tqp, d->Dv, BK);
   /* dropout: dS = P ∘ (dP ∘ keep / (1 - p) - Δ), and dV takes the dropped weights */
-  if (drop) dropout_scale(dp, tq, xbh, qpos0, c0, drop);
+  if (drop) dropout_scale(dp, tq, dropout_bh(a[A_SEED], b, h), a[A_QOFF] + r0, c0, drop);
+}
+
+/* The weights (dropped) into s and dS (with respect to the unmodded score) into dp, from
+   tile_sp's scores and dP (dcap: its soft cap derivative) and the rows' Δ. */
+static void tile_finish(const int64_t *a, void *const *p, float *s, float *dp, const float *dcap,
+                        int64_t tq, int64_t tqp, const float *m, const float *l, const float *delta,
+                        int64_t b, int64_t h, int64_t r0, int64_t c0) {
+  const float *drop = (const float *)p[P_DROP];
   weights_and_ds(s, dp, tq, tqp, m, l, delta);
-  if (drop) dropout_scale(s, tq, xbh, qpos0, c0, drop);
+  if (drop)
+    dropout_scale(s, tq, dropout_bh(a[A_SEED], b, h), a[A_QOFF] + r0, c0, drop);
   if (p[P_CAP]) /* through the cap: dS · (1 - tanh²) */
     for (int64_t i = 0; i < tqp * BK; i += VW) st(dp + i, ld(dp + i) * ld(dcap + i));
+}
+
+/* Scores and dS of one tile (arguments as tile_sp and tile_finish), into s (the weights,
+   dropped) and dp (dS). */
+static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float *qs,
+                    const float *dob, const float *kt, const float *vt, float *s, float *dp,
+                    float *dcap, int64_t tq, int64_t tqp, int64_t nk, const uint8_t *bits,
+                    const float *m, const float *l, const float *delta, int64_t b, int64_t h,
+                    int64_t r0, int64_t c0) {
+  tile_sp(d, a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk, bits, b, h, r0, c0);
+  tile_finish(a, p, s, dp, dcap, tq, tqp, m, l, delta, b, h, r0, c0);
+}
+
+/* -- Δ on peaked rows. dS = P ∘ (dP - Δ) sums to -dlse over a row only while Δ is the mean of
+   the very dP the backward computes, weighted by its very P; rowsum(dO ∘ O) (FlashAttention-2's
+   Δ, Dao 2023, Algorithm 2 line 4; PyTorch's CPU flash backward, aten/src/ATen/native/cpu/
+   FlashAttentionKernel.cpp, `grad_out * out` summed per row) matches it only to the rounding of
+   O: O rounded to q's dtype (bf16: 2^-9 of |O|), and the forward's scores and weights, which
+   differ from the backward's recomputed ones in the last bits (fp32: 4.5x the naive error on a
+   decode row even with O exact), all of it landing in Δ. That error reaches each key of the row
+   in proportion to its weight; on a row with most of its weight on one key, that key's dS is a
+   small difference ((1 - P) times the spread of dP) and the error swamps it: dq 87x the naive
+   fp32 error on a decode row of weight 0.9 on one key, and an error at all where each row
+   attends one key under dropout (exact dS 0).
+   A query tile with a row whose largest weight 1/l is over 1/PEAKED_L (past it, that error
+   grows over 1 / (1 - 1/PEAKED_L) = 2x a spread row's; on 400 single decode rows, rowsum(dO ∘ O)
+   stayed under a fifth of the ratio rule's bound in bf16/fp16 below weight 0.8) takes Δ =
+   rowsum(P ∘ dP) / rowsum(P), with P and dP bitwise tile_ds's, summed in float64: its item
+   (dkvq_item, or dq_rows in the two-pass backward, whose dQ pass then runs first) computes the
+   tile's scores and dP for all its key tiles first and keeps them (keep_tiles). No product is
+   computed twice: fwd+bwd with most rows peaked measured 1.02-1.07x the rowsum(dO ∘ O) kernel
+   (one thread, CPU time), where an extra pass over the products measured 1.31x. A one-key
+   row's dS is then exactly 0 and a peaked row's as precise as the naive formula's (the weights'
+   own sum, not 1 but the forward's l, cancels their common rounding). Other rows keep
+   rowsum(dO ∘ O), whose error their spread-out dS absorbs; a query tile without a peaked row
+   costs a scan of its l. Left: in fp32 such sharp rows' P itself is ~2x less precise than
+   sgemm's (scores by one FMA chain over D, in base 2). */
+#define PEAKED_L 2.0f
+
+/* Whether one of rows [0, tq) (their forward l) is peaked. */
+static int rows_peaked(const float *l, int64_t tq) {
+  int peaked = 0;
+  for (int64_t r = 0; r < tq; r++) peaked |= l[r] < PEAKED_L;
+  return peaked;
+}
+
+/* rowsum(P ∘ dP) into acc and rowsum(P) into wsum (float64, rows [0, tq)) of one tile's scores
+   s and dP (tile_sp's), the weights as weights_and_ds computes them. */
+static void delta_sums(double *acc, double *wsum, const float *s, const float *dp,
+                       const float *m, const float *l, int64_t tq) {
+  for (int64_t r = 0; r < tq; r++) {
+    const float inv = 1.0f / l[r], mr = m[r];
+    v16 sum = splat(0.0f), ws = splat(0.0f);
+    for (int64_t k = 0; k < BK; k += VW) {
+      const v16 w = exp2v(ld(s + r * BK + k) - mr) * inv;
+      sum += w * ld(dp + r * BK + k), ws += w;
+    }
+    acc[r] += hsum(sum), wsum[r] += hsum(ws);
+  }
+}
+
+/* Δ of rows [0, tq) (first row row0 of (B, Hq, Sq)) from their sums: every row of the tile,
+   the weighted mean being at least as precise where a row is not peaked; 0 for a row with no
+   key (no weight: its dS is 0 whatever Δ is). */
+static void delta_store(void *const *p, int64_t row0, int64_t tq, const double *acc,
+                        const double *wsum) {
+  const float *dlse = (const float *)p[P_DLSE];
+  float *delta = (float *)p[P_DELTA] + row0;
+  for (int64_t r = 0; r < tq; r++) {
+    const double mean = wsum[r] > 0 ? acc[r] / wsum[r] : 0.0;
+    delta[r] = (float)(dlse ? mean - dlse[row0 + r] : mean);
+  }
 }
 
 /* dK, dV of key tile j of kv head hk, sequence b. */
@@ -1297,39 +1378,151 @@ static int64_t dkv_scratch(const Dims *d) {
   return MAXBQ * (d->Dp + d->Dvp) + 5 * MAXBQ * BK + BK * (d->Dp + d->Dvp);
 }
 
-/* dQ of query tile i of head h, sequence b. */
-static void dq_item(const void *vjob, int64_t item, float *buf) {
-  const Job *job = (const Job *)vjob;
-  const Dims d = dims(job->a);
+/* The most key tiles one query tile visits. */
+static int64_t most_key_tiles(const Dims *d, void *const *p) {
+  const int32_t *rowptr = (const int32_t *)p[P_ROWPTR];
+  int64_t most = 0;
+  for (int64_t i = 0; i < d->nq; i++)
+    most = rowptr[i + 1] - rowptr[i] > most ? rowptr[i + 1] - rowptr[i] : most;
+  return most;
+}
+
+/* A peaked query tile (qt; q rows qs, dO rows dob packed; its kv head's first packed block
+   blk0): the scores, dP and cap derivatives of each of its key tiles into kept (3 x
+   most_key_tiles tiles of MAXBQ x BK: scores, then dP, then the cap's), and its rows' Δ from
+   them into P_DELTA; tile_dS then takes each tile's dS from them. */
+static void keep_tiles(const Job *job, const Dims *d, const QTile *qt, const float *qs,
+                       const float *dob, int64_t blk0, float *kept) {
+  void *const *p = job->p;
+  const int64_t nt = most_key_tiles(d, p);
+  const float *m = (const float *)p[P_M] + qt->row0, *l = (const float *)p[P_L] + qt->row0;
+  double acc[MAXBQ] = {0}, wsum[MAXBQ] = {0};
+  for (int64_t t = 0; t < qt->n; t++) {
+    const int64_t c0 = (int64_t)qt->cols[t] * BK, nk = BK < d->Sk - c0 ? BK : d->Sk - c0;
+    const int64_t blk = blk0 + qt->cols[t];
+    float *s = kept + t * MAXBQ * BK, *dp = s + nt * MAXBQ * BK, *dcap = dp + nt * MAXBQ * BK;
+    tile_sp(d, job->a, p, qs, dob, job->kt + blk * d->D * BK, job->vt + blk * d->Dv * BK, s, dp,
+            dcap, qt->tq, qt->tqp, nk, block_bits(d, p, qt->pids[t], qt->b, qt->h), qt->b, qt->h,
+            qt->i * d->bq, c0);
+    delta_sums(acc, wsum, s, dp, m, l, qt->tq);
+  }
+  delta_store(p, qt->row0, qt->tq, acc, wsum);
+}
+
+/* The weights (in *s) and dS (in *dp) of key tile t of query tile qt: from the kept tiles
+   (kept not NULL: keep_tiles ran), else computed here in the buffers *s, *dp (dcap scratch). */
+static void tile_dS(const Job *job, const Dims *d, const QTile *qt, const float *qs,
+                    const float *dob, int64_t blk0, int64_t t, const float *kept, float **s,
+                    float **dp, float *dcap) {
+  void *const *p = job->p;
+  const int64_t c0 = (int64_t)qt->cols[t] * BK, nk = BK < d->Sk - c0 ? BK : d->Sk - c0;
+  const int64_t blk = blk0 + qt->cols[t], r0 = qt->i * d->bq, row0 = qt->row0;
+  const float *m = (const float *)p[P_M] + row0, *l = (const float *)p[P_L] + row0;
+  const float *delta = (const float *)p[P_DELTA] + row0;
+  if (kept) {
+    const int64_t nt = most_key_tiles(d, p);
+    *s = (float *)kept + t * MAXBQ * BK, *dp = *s + nt * MAXBQ * BK;
+    tile_finish(job->a, p, *s, *dp, *dp + nt * MAXBQ * BK, qt->tq, qt->tqp, m, l, delta, qt->b,
+                qt->h, r0, c0);
+  } else {
+    tile_ds(d, job->a, p, qs, dob, job->kt + blk * d->D * BK, job->vt + blk * d->Dv * BK, *s, *dp,
+            dcap, qt->tq, qt->tqp, nk, block_bits(d, p, qt->pids[t], qt->b, qt->h), m, l, delta,
+            qt->b, qt->h, r0, c0);
+  }
+}
+
+/* Floats of scratch for kept tiles: where some row is peaked (rows_peaked), 3 x most_key_tiles
+   tiles (a window's few, not nk). */
+static int64_t kept_scratch(const Dims *d, void *const *p, int peaked) {
+  return peaked ? 3 * most_key_tiles(d, p) * MAXBQ * BK : 0;
+}
+
+/* dS of rows [0, tq) and keys [0, nk) of a tile (first row r0, first key c0; sequence b, query
+   head h) added into the bias gradient db (the bias's shape: the strides A_BIAS_S*, 0 on its
+   broadcast axes, which the adds sum over in the callers' fixed order). float64 where the bias
+   broadcasts over query rows or keys (dbias_wide: sums of up to B·Hq·Sq terms, into a row- or
+   column-sized tensor), float32 else (a bias of (Sq, Sk) scores sums at most B·Hq terms per
+   element, and its float64 copy would be twice its own size). */
+static int dbias_wide(const int64_t *a) { return a[A_BIAS_SQ] == 0 || a[A_BIAS_SK] == 0; }
+static void add_dbias(void *db, const int64_t *a, const float *ds, int64_t b, int64_t h,
+                      int64_t r0, int64_t c0, int64_t tq, int64_t nk) {
+  const int64_t sq = a[A_BIAS_SQ], sk = a[A_BIAS_SK];
+  const int64_t off = b * a[A_BIAS_SB] + h * a[A_BIAS_SH] + r0 * sq + c0 * sk;
+  for (int64_t r = 0; r < tq; r++) {
+    const float *x = ds + r * BK;
+    if (dbias_wide(a)) {
+      double *row = (double *)db + off + r * sq;
+      for (int64_t k = 0; k < nk; k++) row[k * sk] += x[k];
+    } else {
+      float *row = (float *)db + off + r * sq; /* sk == 1 */
+      for (int64_t k = 0; k < nk; k++) row[k] += x[k];
+    }
+  }
+}
+
+/* dQ of query tile i of head h, sequence b (item, as q_tile numbers them); with db (not NULL)
+   its dS also goes into the bias gradient (add_dbias). A peaked tile first sets its rows' Δ
+   (keep_tiles): this pass runs before dkv_item's, which reads them. */
+static void dq_rows(const Job *job, const Dims *dd, int64_t item, float *buf, void *db) {
+  const Dims d = *dd;
   void *const *p = job->p;
   const QTile qt = q_tile(&d, p, item);
-  const int64_t b = qt.b, h = qt.h, tq = qt.tq, tqp = qt.tqp, row0 = qt.row0, kvh = qt.kvh;
+  const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0;
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
-  float *dq = dp + MAXBQ * BK, *dcap = dq + MAXBQ * d.Dp;
-  const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  float *dq = dp + MAXBQ * BK, *dcap = dq + MAXBQ * d.Dp, *kept = dcap + MAXBQ * BK;
+  const int64_t blk0 = qt.kvh / d.Sk * d.nk; /* first packed block of this kv head */
+  const int peaked = qt.n > 0 && rows_peaked((const float *)p[P_L] + row0, tq);
   int64_t t, r, k;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
   pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
   memset(dq, 0, sizeof(float) * tqp * d.Dp);
+  if (peaked) keep_tiles(job, &d, &qt, qs, dob, blk0, kept);
   for (t = 0; t < qt.n; t++) {
     const int64_t c0 = (int64_t)qt.cols[t] * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-    const int64_t blk = blk0 + qt.cols[t];
-    const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
-    const float *kp = job->kp + blk * BK * d.Dp;
-    tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
-            block_bits(&d, p, qt.pids[t], b, h), (const float *)p[P_M] + row0,
-            (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, h, qt.i * d.bq,
-            c0);
-    mm(dq, d.Dp, dp, BK, kp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+    float *ws = s, *ds = dp;
+    tile_dS(job, &d, &qt, qs, dob, blk0, t, peaked ? kept : NULL, &ws, &ds, dcap);
+    if (db) add_dbias(db, job->a, ds, qt.b, qt.h, qt.i * d.bq, c0, tq, nk);
+    mm(dq, d.Dp, ds, BK, job->kp + (blk0 + qt.cols[t]) * BK * d.Dp, d.Dp, tqp, nk,
+       d.Dp); /* dQ += dS K */
   }
   float *DQ = (float *)p[P_DQ] + row0 * d.D;
   for (r = 0; r < tq; r++)
     for (k = 0; k < d.D; k++) DQ[r * d.D + k] = dq[r * d.Dp + k] * job->scale;
 }
 
-static int64_t dq_scratch(const Dims *d) {
-  return MAXBQ * (d->Dp + d->Dvp) + 3 * MAXBQ * BK + MAXBQ * d->Dp;
+static void dq_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  dq_rows(job, &d, item, buf, NULL);
+}
+
+/* The bias gradient's items: one per block of it that no other item adds into, (bias batch,
+   bias head, query tile) over the axes the bias does not broadcast (a broadcast axis: one
+   block for all of it). */
+static int64_t dbias_items(const Dims *d, const int64_t *a) {
+  return (a[A_BIAS_SB] ? d->B : 1) * (a[A_BIAS_SH] ? d->Hq : 1) * (a[A_BIAS_SQ] ? d->nq : 1);
+}
+
+/* dQ of every (sequence, head, query tile) whose dS adds into one block of the bias gradient
+   (dbias_items), in a fixed order (query tile, sequence, head): the sums over broadcast axes
+   never depend on the thread count, with no atomics. */
+static void dq_dbias_item(const void *vjob, int64_t item, float *buf) {
+  const Job *job = (const Job *)vjob;
+  const Dims d = dims(job->a);
+  const int64_t *a = job->a;
+  const int64_t ni = a[A_BIAS_SQ] ? d.nq : 1, nh = a[A_BIAS_SH] ? d.Hq : 1;
+  const int64_t i0 = item % ni, h0 = item / ni % nh, b0 = item / ni / nh;
+  const int64_t i1 = a[A_BIAS_SQ] ? i0 + 1 : d.nq, h1 = a[A_BIAS_SH] ? h0 + 1 : d.Hq;
+  const int64_t b1 = a[A_BIAS_SB] ? b0 + 1 : d.B;
+  for (int64_t i = a[A_BIAS_SQ] ? i0 : 0; i < i1; i++)
+    for (int64_t b = a[A_BIAS_SB] ? b0 : 0; b < b1; b++)
+      for (int64_t h = a[A_BIAS_SH] ? h0 : 0; h < h1; h++)
+        dq_rows(job, &d, (b * d.Hq + h) * d.nq + i, buf, job->p[P_DBIAS]);
+}
+
+static int64_t dq_scratch(const Dims *d, void *const *p, int peaked) {
+  return MAXBQ * (d->Dp + d->Dvp) + 3 * MAXBQ * BK + MAXBQ * d->Dp + kept_scratch(d, p, peaked);
 }
 
 /* dK, dV of every key tile of kv head hk, sequence b, and dQ of its G heads, in one pass: each
@@ -1346,6 +1539,7 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *pt = dp + MAXBQ * BK, *dst = pt + BK * MAXBQ, *dcap = dst + BK * MAXBQ;
   float *dq = dcap + MAXBQ * BK, *dk = dq + MAXBQ * d.Dp, *dv = dk + d.nk * BK * d.Dp;
+  float *kept = dv + d.nk * BK * d.Dvp;
   const int64_t blk0 = (b * d.Hkv + hk) * d.nk, kv0 = (b * d.Hkv + hk) * d.Sk;
   int64_t i, g, t, r, k;
 
@@ -1354,20 +1548,18 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
     for (g = 0; g < d.G; g++) {
       const QTile qt = q_tile(&d, p, ((b * d.Hq + hk * d.G + g) * d.nq) + i);
       const int64_t tq = qt.tq, tqp = qt.tqp, row0 = qt.row0;
+      const int peaked = qt.n > 0 && rows_peaked((const float *)p[P_L] + row0, tq);
       pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
       pack_rows(dob, d.Dvp, p[P_DO], row0 * d.Dv, tq, d.Dv, tqp, 1.0f, F32);
       memset(dq, 0, sizeof(float) * tqp * d.Dp);
+      if (peaked) keep_tiles(job, &d, &qt, qs, dob, blk0, kept);
       for (t = 0; t < qt.n; t++) {
         const int64_t j = qt.cols[t], c0 = j * BK, nk = BK < d.Sk - c0 ? BK : d.Sk - c0;
-        const int64_t blk = blk0 + j;
-        const float *kt = job->kt + blk * d.D * BK, *vt = job->vt + blk * d.Dv * BK;
-        tile_ds(&d, job->a, p, qs, dob, kt, vt, s, dp, dcap, tq, tqp, nk,
-                block_bits(&d, p, qt.pids[t], b, qt.h), (const float *)p[P_M] + row0,
-                (const float *)p[P_L] + row0, (const float *)p[P_DELTA] + row0, b, qt.h, i * d.bq,
-                c0);
-        mm(dq, d.Dp, dp, BK, job->kp + blk * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
-        transpose(pt, s, tqp);
-        transpose(dst, dp, tqp);
+        float *ws = s, *ds = dp;
+        tile_dS(job, &d, &qt, qs, dob, blk0, t, peaked ? kept : NULL, &ws, &ds, dcap);
+        mm(dq, d.Dp, ds, BK, job->kp + (blk0 + j) * BK * d.Dp, d.Dp, tqp, nk, d.Dp); /* dQ += dS K */
+        transpose(pt, ws, tqp);
+        transpose(dst, ds, tqp);
         mm(dv + c0 * d.Dvp, d.Dvp, pt, MAXBQ, dob, d.Dvp, BK, tqp, d.Dvp); /* dV += Pᵀ dO */
         mm(dk + c0 * d.Dp, d.Dp, dst, MAXBQ, qs, d.Dp, BK, tqp, d.Dp);    /* dK += dSᵀ (Q c) */
       }
@@ -1384,8 +1576,9 @@ static void dkvq_item(const void *vjob, int64_t item, float *buf) {
   }
 }
 
-static int64_t dkvq_scratch(const Dims *d) {
-  return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp);
+static int64_t dkvq_scratch(const Dims *d, void *const *p, int peaked) {
+  return dkv_scratch(d) + MAXBQ * d->Dp + d->nk * BK * (d->Dp + d->Dvp) +
+         kept_scratch(d, p, peaked);
 }
 
 /* The one-pass backward (dkvq_item) runs while each thread gets FUSED_ITEMS_PER_THREAD (b, kv
@@ -1393,9 +1586,9 @@ static int64_t dkvq_scratch(const Dims *d) {
    its per-thread dK, dV scratch stays under FUSED_SCRATCH_BYTES. */
 #define FUSED_ITEMS_PER_THREAD 4
 #define FUSED_SCRATCH_BYTES ((int64_t)64 << 20)
-static int fused_bwd(const Dims *d, int n_threads) {
+static int fused_bwd(const Dims *d, void *const *p, int n_threads, int peaked) {
   return (n_threads <= 1 || d->B * d->Hkv >= (int64_t)FUSED_ITEMS_PER_THREAD * n_threads) &&
-         (int64_t)sizeof(float) * dkvq_scratch(d) <= FUSED_SCRATCH_BYTES;
+         (int64_t)sizeof(float) * dkvq_scratch(d, p, peaked) <= FUSED_SCRATCH_BYTES;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1591,10 +1784,8 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   return status;
 }
 
-/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA. The dot product is one FMA chain from
-   0 in element order, as mm computes each entry of dP = dO Vᵀ: for a row whose weight is all on
-   one key, O is that key's V row exactly, so dP - Δ cancels to exactly 0 there (dS = 0), as
-   it does in exact arithmetic. */
+/* Δ = rowsum(dO ∘ O) - dlse of every row, into P_DELTA (keep_tiles then redoes peaked rows). The
+   dot product is one FMA chain from 0 in element order, as mm computes each entry of dP. */
 static void row_deltas(const Dims *d, void *const *p) {
   const float *dout = (const float *)p[P_DO], *out = (const float *)p[P_OUT];
   const float *dlse = (const float *)p[P_DLSE];
@@ -1613,7 +1804,11 @@ static void row_deltas(const Dims *d, void *const *p) {
 }
 
 /* dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv): float32, from dO, the forward's
-   out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). */
+   out, m, l and the lse's gradient dlse (NULL: none); P_DELTA is scratch (B, Hq, Sq). P_DBIAS
+   (not NULL): the bias's gradient, zeros of the bias's shape on entry (float64 where
+   dbias_wide, else float32); dQ then runs
+   as its own pass (dq_dbias_item), not in the one-pass dkvq_item. The two-pass backward runs
+   dQ first: its peaked query tiles set their rows' Δ, which dK, dV read. */
 int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
@@ -1621,14 +1816,17 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
+  const int peaked = rows_peaked((const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
   Job q = kv;
-  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d);
-  if (fused_bwd(&d, n_threads)) { /* one pass: dkvq_item */
-    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d);
+  q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d, ptrs, peaked);
+  if (ptrs[P_DBIAS]) /* dQ by blocks of the bias gradient */
+    q.n_items = dbias_items(&d, iargs), q.item = dq_dbias_item;
+  if (!ptrs[P_DBIAS] && fused_bwd(&d, ptrs, n_threads, peaked)) { /* one pass: dkvq_item */
+    kv.n_items = d.B * d.Hkv, kv.item = dkvq_item, kv.scratch = dkvq_scratch(&d, ptrs, peaked);
     if (!status) status = run_items(&kv, n_threads);
-  } else {
-    if (!status) status = run_items(&kv, n_threads);
+  } else { /* dQ first: it sets the Δ of peaked rows that dK, dV read */
     if (!status) status = run_items(&q, n_threads);
+    if (!status) status = run_items(&kv, n_threads);
   }
   free_packed(&kv);
   return status;
