@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -49,6 +50,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # The cache holds code this process runs: its directories are created owner-only.
 _PRIVATE_DIR = 0o700
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+# A header of ours, included by a source: its text goes into the library's hash.
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 # A build of one of our kernels takes 1-4 s on a busy 2-core EPYC; a compiler still running
 # after this long is stuck.
 COMPILE_TIMEOUT_S = 120
@@ -84,6 +87,18 @@ class CLibrary:
 
     def source_paths(self) -> list[Path]:
         return [CSRC / s for s in self.sources]
+
+    def input_paths(self) -> list[Path]:
+        """Every file of ``kernels/csrc/`` the build reads: the sources and the headers they
+        include by quotes (``#include "thread_pool.h"``), transitively, each once."""
+        seen: list[Path] = []
+        todo = self.source_paths()
+        while todo:
+            path = todo.pop(0)
+            if path not in seen:
+                seen.append(path)
+                todo += [path.parent / name for name in _LOCAL_INCLUDE.findall(path.read_text())]
+        return seen
 
 
 def compiler() -> str | None:
@@ -121,8 +136,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def library_name(spec: CLibrary, cc: str, flags: list[str]) -> str:
-    """The cached library's file name: a hash of everything that shapes the machine code."""
-    sources = [p.read_text() for p in spec.source_paths()]
+    """The cached library's file name: a hash of everything that shapes the machine code (the
+    sources and the headers they include, the compiler, the flags, the CPU)."""
+    sources = [p.read_text() for p in spec.input_paths()]
     key = hashlib.sha256("\0".join([*sources, cc, *flags, _cpu_id()]).encode()).hexdigest()
     return f"{spec.name}_{key[:16]}.so"
 

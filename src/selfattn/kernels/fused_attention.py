@@ -128,6 +128,7 @@ SPEC = CLibrary(
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
         Function("fa_exp2w", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
+        *threads.POOL_FUNCTIONS,
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.

@@ -65,6 +65,7 @@ SPEC = CLibrary(
         Function("has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
         # paged_decode_isa(want) -> the instruction-set code a call with A_ISA = want runs
         Function("paged_decode_isa", (ctypes.c_int,), ctypes.c_int),
+        *threads.POOL_FUNCTIONS,
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.

@@ -10,9 +10,21 @@ calling thread alone.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-__all__ = ["MIN_SECONDS", "for_bytes", "for_flops"]
+from selfattn.kernels.build import Function
+
+__all__ = ["MIN_SECONDS", "POOL_FUNCTIONS", "for_bytes", "for_flops"]
+
+# What every C kernel library exports about its worker pool (csrc/thread_pool.h), for tests:
+# pool_workers() -> the workers started so far; pool_fail_allocs(n): the next n scratch
+# allocations of its calls fail.
+POOL_FUNCTIONS = (
+    Function("pool_workers", (), ctypes.c_int),
+    Function("pool_fail_allocs", (ctypes.c_int,), None),
+)
 
 # Work a thread beyond the first must get: ~10x its start and join on an idle machine.
 MIN_SECONDS = 0.3e-3
