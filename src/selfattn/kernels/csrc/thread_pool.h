@@ -27,6 +27,7 @@
 #define SELFATTN_THREAD_POOL_H
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -34,7 +35,8 @@
 #include <string.h>
 #include <time.h>
 #ifdef __linux__
-#include <sys/prctl.h>
+/* glibc and musl have it; its declaration in pthread.h needs _GNU_SOURCE before every include */
+int pthread_setname_np(pthread_t thread, const char *name);
 #endif
 
 #ifndef POOL_NAME
@@ -48,13 +50,25 @@
    layers, pack then work in one attention call) find it awake, while an idle process burns at
    most this much CPU time per worker after its last call. */
 #define POOL_SPIN_NS 50000
+/* Polls between looks at the clock, each with a sched_yield: a poller that shares its core
+   with a runnable thread (the scheduler may wake a worker on its caller's core) lets it run
+   instead of holding the core for the whole spin. */
+#define POOL_SPIN_CHECK 64
 
 typedef int (*pool_task)(void *ctx, void *scratch);
+
+/* A slot's state. The caller asks a worker (IDLE -> ASKED) and wakes it; the worker takes the
+   call (ASKED -> RUNNING, back to IDLE when done) unless the caller, its own share done and the
+   work all claimed, took the request back first (ASKED -> IDLE): a call never waits for a parked
+   worker's wake-up (~30 µs from futex to running on an idle core here) when there was no work
+   left for it. */
+enum { POOL_IDLE = 0, POOL_ASKED = 1, POOL_RUNNING = 2 };
 
 typedef struct {
   pthread_mutex_t mu; /* guards the wake-up: gen changes under it */
   pthread_cond_t cv;
-  unsigned gen;       /* bumped for each call this worker takes part in (atomic) */
+  unsigned gen;       /* bumped for each call this worker is asked to (atomic): the wake-up */
+  int state;          /* POOL_IDLE, POOL_ASKED, POOL_RUNNING (atomic): who owns the slot */
   void *scratch;      /* kept scratch and its size */
   size_t scratch_bytes;
   int status;         /* this participant's result in the last call */
@@ -123,11 +137,6 @@ static int pool_participate(PoolSlot *s) {
 
 static void *pool_worker(void *arg) {
   PoolSlot *s = (PoolSlot *)arg;
-#ifdef __linux__
-  char name[16]; /* as ps and top show it (15 characters) */
-  snprintf(name, sizeof name, "%s-%d", POOL_NAME, (int)(s - tpool.slot));
-  prctl(PR_SET_NAME, name);
-#endif
   unsigned seen = 0; /* a new slot's gen: the first call may bump it before this line runs */
   for (;;) {
     /* -- wait for the next call: poll for POOL_SPIN_NS, then park */
@@ -135,14 +144,19 @@ static void *pool_worker(void *arg) {
       const uint64_t until = pool_now_ns() + POOL_SPIN_NS;
       for (int k = 1; __atomic_load_n(&s->gen, __ATOMIC_ACQUIRE) == seen; k++) {
         pool_relax();
-        if (k % 64 == 0 && pool_now_ns() > until) break;
+        if (k % POOL_SPIN_CHECK == 0 && (sched_yield(), pool_now_ns() > until)) break;
       }
       pthread_mutex_lock(&s->mu);
       while (__atomic_load_n(&s->gen, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&s->cv, &s->mu);
       pthread_mutex_unlock(&s->mu);
     }
     seen = __atomic_load_n(&s->gen, __ATOMIC_ACQUIRE);
+    int asked = POOL_ASKED;
+    if (!__atomic_compare_exchange_n(&s->state, &asked, POOL_RUNNING, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+      continue; /* the caller took the request back: nothing was left to do */
     s->status = pool_participate(s);
+    __atomic_store_n(&s->state, POOL_IDLE, __ATOMIC_RELEASE);
     /* -- the last one done wakes the caller (under done_mu: it cannot miss the signal) */
     if (__atomic_sub_fetch(&tpool.pending, 1, __ATOMIC_ACQ_REL) == 0) {
       pthread_mutex_lock(&tpool.done_mu);
@@ -182,6 +196,11 @@ static void pool_grow(int want) {
     const int failed = pthread_create(&tid, &attr, pool_worker, s);
     pthread_attr_destroy(&attr);
     if (failed) break; /* fewer threads: the call runs on those there are */
+#ifdef __linux__
+    char name[16]; /* as ps, top and /proc show it (15 characters) */
+    snprintf(name, sizeof name, "%s-%d", POOL_NAME, tpool.n_workers + 1);
+    pthread_setname_np(tid, name);
+#endif
     tpool.n_workers++;
   }
   pthread_sigmask(SIG_SETMASK, &old, NULL);
@@ -208,17 +227,26 @@ static int pool_run(pool_task task, void *ctx, int n, size_t scratch_bytes) {
   /* -- wake workers 1..n-1 (a polling one sees gen move; a parked one gets the signal) */
   for (int t = 1; t < n; t++) {
     PoolSlot *s = &tpool.slot[t];
+    s->status = 0;
+    __atomic_store_n(&s->state, POOL_ASKED, __ATOMIC_RELEASE);
     pthread_mutex_lock(&s->mu);
     __atomic_add_fetch(&s->gen, 1, __ATOMIC_RELEASE);
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
   }
   int status = pool_participate(&tpool.slot[0]);
+  /* -- the work is all claimed: take back the requests no worker has taken yet */
+  for (int t = 1; t < n; t++) {
+    int asked = POOL_ASKED;
+    if (__atomic_compare_exchange_n(&tpool.slot[t].state, &asked, POOL_IDLE, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+      __atomic_sub_fetch(&tpool.pending, 1, __ATOMIC_ACQ_REL);
+  }
   /* -- wait for the workers: poll for as long as a worker would, then park */
   const uint64_t until = pool_now_ns() + POOL_SPIN_NS;
   for (int k = 1; __atomic_load_n(&tpool.pending, __ATOMIC_ACQUIRE) != 0; k++) {
     pool_relax();
-    if (k % 64 == 0 && pool_now_ns() > until) break;
+    if (k % POOL_SPIN_CHECK == 0 && (sched_yield(), pool_now_ns() > until)) break;
   }
   pthread_mutex_lock(&tpool.done_mu);
   while (__atomic_load_n(&tpool.pending, __ATOMIC_ACQUIRE) != 0)
