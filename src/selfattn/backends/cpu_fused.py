@@ -215,8 +215,7 @@ class Fit:
     """cpu_fused's cost against sdpa's in one regime, from ``benchmarks/crossover.py``:
     ``per_pair``, its time per computed (query, key) pair over sdpa's on large calls;
     ``fixed``, its extra per-call set-up (tile plan, packing K/V, the op) in sdpa's pairs of
-    the same regime on one thread (sdpa's time per pair differs ~10x between a decode row and a
-    prefill); :func:`cost` scales it by the thread count."""
+    the same regime (sdpa's time per pair differs ~10x between a decode row and a prefill)."""
 
     per_pair: float
     fixed: float
@@ -235,16 +234,17 @@ class Fit:
 # 2-7 ns on prefills, and the kernel packs all of K/V for the one row; from Sq = 2 on, sdpa's
 # bf16 runs its fast path again, measured: 2 x 1024, 8 heads, 0.56 ms against 0.87 ms for 1 x
 # 1024).
-# Session 8 (the C kernels on a persistent thread pool, kernels/threads.py): fixed is one
-# thread's set-up, which cost() multiplies by the thread count (not on decode steps), refitted
-# (the summed log of auto's slowdown against the fastest, per regime) on two runs of
-# ``crossover --threads 1 --S 64,128,256,1024,4096 --chunks 1x4096,16x1024,256x4096`` (CPU
-# time) and session 7's ``--threads 2`` table in BENCHMARKS.md (wall time): auto >10 % slower
-# than the fastest on 15 and 17 of the 120 one-thread rows -> 8 and 9; on the two-thread rows
-# 28 -> 28 (summed log slowdown 11.6 -> 11.5): no better there. This session's own two-thread
-# rows (a loaded host: torch's OpenMP waited a scheduler slice on small calls, sdpa's 64 x 64
-# took 6.7 ms, best of 9) were no guide. What still misses: Sq = 1 forward + backward
-# (chunked's, 2-4 rows a thread count) and small calls within 1.1-1.5x.
+# Session 8 (the C kernels on a persistent thread pool, kernels/threads.py): refitted (the
+# summed log of auto's slowdown against the fastest, per regime) on one and two threads
+# together: two runs of ``crossover --threads 1 --S 64,128,256,1024,4096 --chunks
+# 1x4096,16x1024,256x4096`` (CPU time) and one ``--threads 2 --repeat 9`` on a quiet host (wall
+# time). With the pool the kernel gains from a second thread as sdpa does, and both thread
+# counts put each regime's best fixed at the same value (within the grid's steps): no thread
+# term. (Costing the set-up per thread, right for session 7's per-call threads, took the
+# two-thread misses from 10 to 13.) Auto >10 % slower than the fastest: one thread 15 and 17 of
+# 120 rows -> 8 and 9; two threads (pool timings) 12 -> 10; session 7's two-thread table 28 ->
+# 27. What still misses: Sq = 1 forward + backward and GQA decode forward (chunked's fastest,
+# 4-7 rows) and small calls within 1.1-1.5x.
 DECODE_ROWS = 1
 FITS = {
     # (dtype, backward, decode) -> Fit; in brackets the measured ratios the per_pair covers
@@ -288,17 +288,12 @@ def cost(q, k, v, call: AttentionCall) -> Cost:
     B, Hq, Sq, _ = q.shape
     pairs = max(1, B * Hq * Sq * k.shape[2])
     f = fit(q, k, v, call)
-    # With t torch threads sdpa's pairs take ~1/t the time (both kernels split their work over
-    # the threads), while the set-up (Python, the tile plan) runs on one: t times the pairs.
-    # Not on decode steps: sdpa's one-row path gains little from threads (bf16 measured
-    # 0.11-0.17x of it on two threads, as on one).
-    fixed = f.fixed * (1 if Sq <= DECODE_ROWS else torch.get_num_threads())
     return Cost(
         f.per_pair,
         f"fused C kernel over the mask's tiles, skipping empty ones ({f.what}: "
-        f"{f.per_pair:g} x sdpa per pair + {fixed:.0e} pairs of set-up)",
+        f"{f.per_pair:g} x sdpa per pair + {f.fixed:.0e} pairs of set-up)",
         sparse=True,
-        fixed=fixed / pairs,
+        fixed=f.fixed / pairs,
     )
 
 
