@@ -13,6 +13,11 @@ core's rate), so a second thread joins calls of >= 0.1 ms (the fused forward mea
 one-thread wall time at ~0.11 ms, 1.0x at 0.036 ms), and a decode step of a short context or an
 attention call on a 64 x 64 tile runs on the calling thread alone.
 
+On a host whose other cores are busy the scheduler may wake a parked worker on its caller's
+core: the call then takes one thread's time (measured 1.01-1.02x it on the S=16384 window and
+documents forwards), where per-call threads took 1.05-1.18x it there and up to 5x on small
+calls. On a quiet host those forwards take 0.51-0.56x one thread's time on two.
+
 Measured in one process on the host above, wall time: the pool's start-up by a C probe that
 includes thread_pool.h (a task stamping the clock when the worker enters it), the kernels'
 1- vs 2-thread calls through their ctypes entries with 0.2 ms of other work between calls
