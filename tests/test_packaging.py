@@ -86,8 +86,8 @@ def test_wheel_ships_sources_types_benchmarks_and_licence(wheel):
     from selfattn.kernels import fused_attention, paged_decode
 
     for spec in (paged_decode.SPEC, fused_attention.SPEC):  # built on first use: every file
-        for path in (*spec.sources, *spec.headers):
-            assert f"selfattn/kernels/csrc/{path}" in names
+        for path in spec.input_paths():
+            assert f"selfattn/kernels/csrc/{path.name}" in names
     assert "selfattn/inspect/view.html" in names  # the explorer page's template
     assert "selfattn/py.typed" in names
     for bench in ("__init__", "_util", *NAMES):

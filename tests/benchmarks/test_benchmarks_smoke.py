@@ -171,6 +171,8 @@ def check_crossover(report: dict) -> None:
             assert r["auto_ok"] == ok, r
         tol = 5e-2 if r["dtype"] == "bf16" else 1e-4  # bf16 outputs: a few of its ulps
         assert r["max_abs_diff"] < tol, r
+    misses = sum(not r["auto_ok"] for r in rows)  # the summary counts the rows' verdicts
+    assert report["setup"]["auto_misses"] == {"threads=1": f"{misses} of {len(rows)} rows"}
 
 
 def check_gpu_decode(report: dict) -> None:

@@ -11,8 +11,9 @@ the order rotated every round, and keeps each one's best and median; ``ratio`` i
 best over sdpa's. With one thread the clock is the thread's CPU time (``time.thread_time``: the
 work alone, steady on a loaded shared host); with more, wall time. ``auto`` is the backend
 ``sa.backends.explain`` names for the same call (forward + backward rows: q, k, v require grad),
-and ``auto ok`` says whether its best time is within ``--margin`` of the fastest's: the cost
-model in ``backends/cpu_fused.py`` is fitted to these rows.
+and ``auto ok`` says whether its best time is within ``--margin`` of the fastest's (the setup's
+``auto_misses`` counts the rows where it is not, per thread count): the cost model in
+``backends/cpu_fused.py`` is fitted to these rows.
 
 The grid (``--S``, ``--chunks``, ``--D``, ``--heads``, ``--B``, ``--dtypes``, ``--threads``;
 D=64 and B=1 unless ``--full``):
@@ -154,8 +155,19 @@ def run(args) -> dict:
         "repeat": args.repeat,
         "margin": args.margin,
         "timing": "best of interleaved rounds; thread_time with 1 thread, wall time with more",
+        "auto_misses": misses(rows),
     }
     return {"machine": _util.machine(), "setup": setup, "rows": rows}
+
+
+def misses(rows: list[dict]) -> dict[str, str]:
+    """Per thread count: on how many rows auto's pick is slower than the fastest by more than
+    the margin (the number a cost-model change is judged by)."""
+    return {
+        f"threads={t}": f"{sum(not r['auto_ok'] for r in rows if r['threads'] == t)} of "
+        f"{sum(r['threads'] == t for r in rows)} rows"
+        for t in dict.fromkeys(r["threads"] for r in rows)
+    }
 
 
 def table(report: dict) -> list[list[str]]:

@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -51,6 +52,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # The cache holds code this process runs: its directories are created owner-only.
 _PRIVATE_DIR = 0o700
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+# A header of ours, included by a source: its text goes into the library's hash.
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 # A build of one of our kernels takes 1-4 s on a busy 2-core EPYC; a compiler still running
 # after this long is stuck.
 COMPILE_TIMEOUT_S = 120
@@ -83,7 +86,6 @@ class CLibrary:
     # Target flags, tried in order until one builds: e.g. -march=native, then portable code.
     targets: tuple[tuple[str, ...], ...] = ((),)
     libraries: tuple[str, ...] = ()  # linked as -l<name>, after the sources
-    headers: tuple[str, ...] = ()  # paths under kernels/csrc/ the sources include (hashed)
     # Built with -fopenmp where PyTorch's OpenMP runtime is one a C build can share (see
     # openmp_flags), each target first with it, then without.
     openmp: bool = False
@@ -91,8 +93,17 @@ class CLibrary:
     def source_paths(self) -> list[Path]:
         return [CSRC / s for s in self.sources]
 
-    def header_paths(self) -> list[Path]:
-        return [CSRC / h for h in self.headers]
+    def input_paths(self) -> list[Path]:
+        """Every file of ``kernels/csrc/`` the build reads: the sources and the headers they
+        include by quotes (``#include "thread_pool.h"``), transitively, each once."""
+        seen: list[Path] = []
+        todo = self.source_paths()
+        while todo:
+            path = todo.pop(0)
+            if path not in seen:
+                seen.append(path)
+                todo += [path.parent / name for name in _LOCAL_INCLUDE.findall(path.read_text())]
+        return seen
 
     def target_flags(self, cc: str) -> list[tuple[str, ...]]:
         """The target flags to try with compiler ``cc``, in order: with OpenMP first where it
@@ -155,7 +166,7 @@ def _is_gcc(cc: str) -> bool:
 
 def openmp_flags(cc: str) -> tuple[str, ...]:
     """``("-fopenmp",)`` where a kernel built by ``cc`` with it shares PyTorch's OpenMP threads
-    (see ``csrc/parallel.h`` for why that matters): Linux, GCC (whose -fopenmp links GNU
+    (see ``csrc/thread_pool.h`` for why that matters): Linux, GCC (whose -fopenmp links GNU
     libgomp), PyTorch's parallel backend OpenMP on libgomp (loaded in this process: the soname
     libgomp.so.1 then binds the build's libgomp to that copy), and ``SELFATTN_KERNEL_OPENMP``
     not ``0``. Else ``()``: the kernels start threads of their own (a second runtime, e.g.
@@ -173,8 +184,9 @@ def _torch_on_libgomp() -> bool:
 
 
 def library_name(spec: CLibrary, cc: str, flags: list[str]) -> str:
-    """The cached library's file name: a hash of everything that shapes the machine code."""
-    sources = [p.read_text() for p in [*spec.source_paths(), *spec.header_paths()]]
+    """The cached library's file name: a hash of everything that shapes the machine code (the
+    sources and the headers they include, the compiler, the flags, the CPU)."""
+    sources = [p.read_text() for p in spec.input_paths()]
     key = hashlib.sha256("\0".join([*sources, cc, *flags, _cpu_id()]).encode()).hexdigest()
     return f"{spec.name}_{key[:16]}.so"
 

@@ -134,13 +134,13 @@ SPEC = CLibrary(
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
         Function("fa_exp2w", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
+        *threads.POOL_FUNCTIONS,
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.
     flags=("-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-ffp-contract=fast"),
     targets=(("-march=native",), ()),
     libraries=("m",),
-    headers=("parallel.h",),
     openmp=True,
 )
 # The same source for the baseline ISA of the compiler's target (x86-64: SSE2): the code a CPU
@@ -221,7 +221,7 @@ def isa(generic: bool = False) -> str:
 
 
 def openmp() -> bool:
-    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/parallel.h``), not on
+    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/thread_pool.h``), not on
     threads of their own."""
     lib = library()
     return lib is not None and bool(lib.fa_openmp())

@@ -66,10 +66,11 @@ SPEC = CLibrary(
             ),
         ),
         Function("has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
-        # 1: calls run on PyTorch's OpenMP threads (csrc/parallel.h)
+        # 1: calls run on PyTorch's OpenMP threads (csrc/thread_pool.h)
         Function("paged_decode_openmp", (), ctypes.c_int),
         # paged_decode_isa(want) -> the instruction-set code a call with A_ISA = want runs
         Function("paged_decode_isa", (ctypes.c_int,), ctypes.c_int),
+        *threads.POOL_FUNCTIONS,
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
     # rate.
@@ -78,7 +79,6 @@ SPEC = CLibrary(
     # the compiler or CPU rejects -march=native.
     targets=(("-march=native",), ()),
     libraries=("m",),
-    headers=("parallel.h",),
     openmp=True,
 )
 # Page dtype -> kernel code (the enum at the top of csrc/paged_decode.c).
@@ -297,7 +297,7 @@ class Launch:
 
 
 def openmp() -> bool:
-    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/parallel.h``), not on
+    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/thread_pool.h``), not on
     threads of their own."""
     lib = library()
     return lib is not None and bool(lib.paged_decode_openmp())

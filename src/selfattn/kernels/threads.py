@@ -1,21 +1,50 @@
-"""How many threads a C kernel call starts: as many as the work pays for, at most torch's.
+"""How many threads a C kernel call uses: as many as the work pays for, at most torch's.
 
-The C kernels start POSIX threads per call and join them. For a small call that costs more than
-it saves: tens of µs to create and join, and on a busy machine the joined thread may wait a whole
-scheduler slice (ms) for a core, where the work itself took 0.1 ms. So each thread beyond the
-first must have at least :data:`MIN_SECONDS` of work (estimated from FLOPs or bytes at one core's
-rate), and a decode step of a short context or an attention call on a 64 x 64 tile runs on the
-calling thread alone.
+The C kernels run on a persistent worker pool (``csrc/thread_pool.h``): the workers are started
+once and park between calls, and a call wakes as many as it uses (the calling thread works too).
+A worker still polling from the previous call (up to 50 µs after it) starts within ~0.2 µs; a
+parked one runs ~30-50 µs after the call wakes it (median over 400 calls after 0.2-1 ms of other
+work, a 2-core Zen 5 EPYC shared with other jobs), and waking it costs the caller ~7 µs (a
+call with no work left for it takes the request back without waiting; the per-call
+``pthread_create`` + join this replaced cost 25-35 µs, and up to a scheduler slice on a busy
+host). A worker therefore shortens a call only when the call outlasts its start-up: each thread
+beyond the first gets at least :data:`MIN_SECONDS` of work (estimated from FLOPs or bytes at one
+core's rate), so a second thread joins calls of >= 0.1 ms (the fused forward measured 0.75x the
+one-thread wall time at ~0.11 ms, 1.0x at 0.036 ms), and a decode step of a short context or an
+attention call on a 64 x 64 tile runs on the calling thread alone.
+
+On a host whose other cores are busy the scheduler may wake a parked worker on its caller's
+core: the call then takes one thread's time (measured 1.01-1.02x it on the S=16384 window and
+documents forwards), where per-call threads took 1.05-1.18x it there and up to 5x on small
+calls. On a quiet host those forwards take 0.51-0.56x one thread's time on two.
+
+Measured in one process on the host above, wall time: the pool's start-up by a C probe that
+includes thread_pool.h (a task stamping the clock when the worker enters it), the kernels'
+1- vs 2-thread calls through their ctypes entries with 0.2 ms of other work between calls
+(10th percentile of 200-400 calls, best of 5 interleaved rounds).
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-__all__ = ["MIN_SECONDS", "for_bytes", "for_flops"]
+from selfattn.kernels.build import Function
 
-# Work a thread beyond the first must get: ~10x its start and join on an idle machine.
-MIN_SECONDS = 0.3e-3
+__all__ = ["MIN_SECONDS", "POOL_FUNCTIONS", "for_bytes", "for_flops"]
+
+# What every C kernel library exports about its worker pool (csrc/thread_pool.h), for tests:
+# pool_workers() -> the workers started so far; pool_fail_allocs(n): the next n scratch
+# allocations of its calls fail.
+POOL_FUNCTIONS = (
+    Function("pool_workers", (), ctypes.c_int),
+    Function("pool_fail_allocs", (ctypes.c_int,), None),
+)
+
+# Work a thread beyond the first must get: a parked worker's start-up (~30-50 µs), so it arrives
+# while half the work is left.
+MIN_SECONDS = 50e-6
 # One core's rates for the estimate (Zen 4/5, AVX-512: the fused kernels' fp32 products and a
 # decode's page reads); off by 2x only moves where a second thread starts.
 _FLOPS_PER_SECOND = 100e9

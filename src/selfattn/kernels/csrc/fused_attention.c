@@ -27,9 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-
-#include "parallel.h"
-
+#define POOL_NAME "sa-fused"
+#include "thread_pool.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 /* the transposed forward (fwd_t) uses AVX-512 lane masks, and BW's byte tests for its masks */
@@ -1592,35 +1591,32 @@ static int fused_bwd(const Dims *d, void *const *p, int n_threads, int peaked) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Threads (parallel.h: PyTorch's OpenMP threads, or POSIX threads) pulling work items from an */
-/* atomic counter; each item writes its own output rows, so the result does not depend on the  */
-/* thread count or the schedule.                                                               */
+/* Threads: the pool's participants (thread_pool.h: PyTorch's OpenMP threads, or workers of   */
+/* its own) pull work items from an atomic counter; each item writes its own output rows, so   */
+/* the result does not depend on the thread count or the schedule.                             */
 /* ------------------------------------------------------------------------------------------ */
 
-static void *worker(void *arg) {
+static int worker(void *arg, void *scratch) {
   Job *job = (Job *)arg;
-  /* calloc: padding columns that no pack writes are zero, never garbage */
-  float *scratch = calloc((size_t)job->scratch, sizeof(float));
-  if (scratch == NULL) return (void *)1;
+  /* scratch comes zeroed: padding columns that no pack writes are zero, never garbage */
   const int64_t grain = job->grain > 1 ? job->grain : 1;
   for (;;) {
     const int64_t first = __atomic_fetch_add(&job->next, grain, __ATOMIC_RELAXED);
     if (first >= job->n_items) break;
     for (int64_t item = first; item < first + grain && item < job->n_items; item++)
-      job->item(job, item, scratch);
+      job->item(job, item, (float *)scratch);
   }
-  free(scratch);
-  return NULL;
+  return 0;
 }
 
 static int run_items(Job *job, int n_threads) {
   int n = n_threads < 1 ? 1 : n_threads;
   if (n > job->n_items) n = job->n_items > 0 ? (int)job->n_items : 1;
-  return parallel_run(worker, job, n);
+  return pool_run(worker, job, n, sizeof(float) * (size_t)job->scratch);
 }
 
-/* 1 where calls run on PyTorch's OpenMP threads (parallel.h), 0 on threads of their own */
-int fa_openmp(void) { return parallel_is_openmp(); }
+/* 1 where calls run on PyTorch's OpenMP threads (thread_pool.h), 0 on threads of their own */
+int fa_openmp(void) { return pool_is_openmp(); }
 
 /* -- K and V packed once per call, as the work items read them: block (b, kv head, key tile) of
    each layout the job asks for, converted to float32. Packing per work item instead repeats it

@@ -71,7 +71,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel.h"
+#define POOL_NAME "sa-paged"
+#include "thread_pool.h"
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, LUT8 = 4 };
 /* instruction sets, lowest first; ISA_AVX512_BF16 adds vdpbf16ps to ISA_AVX512 */
@@ -89,8 +90,8 @@ enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_L
    every block kernel loads whole vectors of q (and bf16 q pairs for vdpbf16ps: 2x as many). */
 #define QPAD 32
 
-/* 1 where calls run on PyTorch's OpenMP threads (parallel.h), 0 on threads of their own */
-int paged_decode_openmp(void) { return parallel_is_openmp(); }
+/* 1 where calls run on PyTorch's OpenMP threads (thread_pool.h), 0 on threads of their own */
+int paged_decode_openmp(void) { return pool_is_openmp(); }
 
 int has_f16(void) {
 #ifdef __FLT16_MAX__
@@ -662,31 +663,35 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   if (in_lv) move_sums(l, lv, R, 1);
 }
 
-static void *worker(void *arg) {
+/* A participant's scratch (pool_run hands it zeroed, in one piece): the key ranges, the q rows,
+   scores, then scratch: P slot scales (general path), or the fused step's K and V scales and its
+   weights (page_step: 2 + 4 rows of PD_SLOTS), and its denominators (R rows of PD_SLOTS); then
+   the q rows as bf16. Each part starts on a cache line. */
+#define PD_ALIGN(x) (((x) + 63) / 64 * 64)
+static size_t worker_scratch(const int64_t *a, size_t parts[3]) {
+  const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
+  parts[0] = PD_ALIGN(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
+  parts[1] = parts[0] + PD_ALIGN(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS + R * PD_SLOTS));
+  parts[2] = parts[1] + PD_ALIGN(sizeof(uint16_t) * R * Dp);
+  return parts[2];
+}
+
+static int worker(void *arg, void *scratch) {
   Job *job = (Job *)arg;
   const int64_t *a = job->a;
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
-  /* q rows, scores, then scratch: P slot scales (general path), or the fused step's K and V
-     scales and its weights (page_step: 2 + 4 rows of PD_SLOTS), and its denominators (R rows of
-     PD_SLOTS) */
-  float *qbuf = malloc(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS + R * PD_SLOTS));
-  uint16_t *qbh = malloc(sizeof(uint16_t) * R * Dp);
-  int64_t *ranges = malloc(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
-  void *ret = NULL;
-  if (qbuf == NULL || qbh == NULL || ranges == NULL) {
-    ret = (void *)1;
-  } else {
-    for (;;) {
-      const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-      if (item >= job->n_items) break;
-      run_item(job, item, qbuf, qbh, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
-               ranges + a[A_SQ] * a[A_NI]);
-    }
+  size_t parts[3];
+  worker_scratch(a, parts);
+  int64_t *ranges = (int64_t *)scratch;
+  float *qbuf = (float *)((char *)scratch + parts[0]);
+  uint16_t *qbh = (uint16_t *)((char *)scratch + parts[1]);
+  for (;;) {
+    const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+    if (item >= job->n_items) break;
+    run_item(job, item, qbuf, qbh, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
+             ranges + a[A_SQ] * a[A_NI]);
   }
-  free(qbuf);
-  free(qbh);
-  free(ranges);
-  return ret;
+  return 0;
 }
 
 /* -- merge the key splits of each row: rescale each to the common max, then out = acc / l and
@@ -770,6 +775,7 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   Job job = {iargs, ptrs, scale, part, part + n_items * R, part + 2 * n_items * R, n_items, 0,
              paged_decode_isa((int)iargs[A_ISA]), scores_generic, pv_generic, page_step_generic};
   int n = n_threads < 1 ? 1 : n_threads, bad;
+  size_t parts[3];
   if (part == NULL) return 1;
 #ifdef HAVE_X86_PATHS
   if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2, job.page = page_step_avx2;
@@ -779,7 +785,7 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
     job.page = page_step_bf16dp;
 #endif
   if (n > n_items) n = n_items > 0 ? (int)n_items : 1;
-  bad = parallel_run(worker, &job, n);
+  bad = pool_run(worker, &job, n, worker_scratch(iargs, parts));
   if (!bad) bad = merge(&job);
   free(part);
   return bad;
