@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn.benchmarks import _util
-from selfattn.cache import paged_attention
+from selfattn.cache import memory, paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.cache.size import kv_cache_bytes
 from selfattn.kernels import paged_decode
@@ -61,8 +61,9 @@ def make_cache(B: int, S: int, dtype, seed: int = 0):
     """
     g = torch.Generator().manual_seed(seed)
     n_pages = B * S // PAGE
-    k_pages = torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype)
-    v_pages = torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype)
+    # the pools as PagedKV allocates them (on huge pages where the OS has them)
+    k_pages = _pooled(torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype))
+    v_pages = _pooled(torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype))
     table = torch.randperm(n_pages, generator=g).view(B, S // PAGE).to(torch.int32)
     lens = torch.full((B,), S, dtype=torch.int32)
     q = torch.randn(B, HQ, 1, D, generator=g).to(dtype)
@@ -81,6 +82,11 @@ def gather(k_pages, v_pages, table):
     return out
 
 
+def _pooled(pages: torch.Tensor) -> torch.Tensor:
+    """``pages`` copied into a pool allocated as PagedKV allocates its own."""
+    return memory.zeros(*pages.shape, dtype=pages.dtype).copy_(pages)
+
+
 def paged_case(B: int, S: int, storage: str):
     """``(decode call, bytes it reads)`` over pages of ``storage`` (see :data:`STORAGES`)."""
     dtype, quantise = STORAGES[storage]
@@ -88,6 +94,7 @@ def paged_case(B: int, S: int, storage: str):
     ks = vs = None
     if quantise is not None:
         (kp, ks), (vp, vs) = quantise(kp), quantise(vp)
+        kp, vp = _pooled(kp), _pooled(vp)
     n_bytes = sum(t.numel() * t.element_size() for t in (kp, vp, ks, vs) if t is not None)
 
     def call():
