@@ -96,6 +96,24 @@ def test_the_regime_follows_autograd():
     assert "fp32 forward (" in why or "fp32 forward:" in why
 
 
+@needs_kernel
+def test_a_learned_bias_is_costed_with_its_gradient():
+    """dBias forces the two-pass backward: a bias that needs grad costs LEARNED_BIAS x the
+    regime's per pair, so a dense call with one goes to sdpa; a fixed bias, or no grad mode,
+    costs the regime alone."""
+    if not _measured(F32):
+        pytest.skip("this build is not the measured one")
+    fit = cpu_fused.FITS[torch.float32, True, False]
+    q, k, v = (torch.randn(1, 8, 512, 64, requires_grad=True) for _ in "qkv")
+    bias = torch.randn(8, 512, 512, requires_grad=True)
+    ex = sa.backends.explain(q, k, v, score_mod=sa.scores.bias(bias))
+    got = ex.costs["cpu_fused"]
+    assert got.per_pair == pytest.approx(fit.per_pair * cpu_fused.LEARNED_BIAS)
+    assert "with the bias gradient" in got.why and ex.chosen == "sdpa", ex.why
+    fixed = sa.backends.explain(q, k, v, score_mod=sa.scores.bias(bias.detach()))
+    assert fixed.costs["cpu_fused"].per_pair == pytest.approx(fit.per_pair)
+
+
 def test_explain_says_why():
     """The pick's reason names the regime and its measured constants; the table shows sdpa's
     estimate against it."""

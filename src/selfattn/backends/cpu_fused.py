@@ -48,7 +48,9 @@ from selfattn.backends._common import (
 )
 from selfattn.kernels import build, fused_attention, ops
 
-__all__ = ["DECODE_ROWS", "FITS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles"]
+__all__ = [
+    "DECODE_ROWS", "FITS", "LEARNED_BIAS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles",
+]  # fmt: skip
 
 # Partial-tile masks are evaluated in groups of tiles, bounding the index tensors built for one
 # mask_mod call (chunked's cap).
@@ -260,6 +262,10 @@ FITS = {
 # (equal costs go to it) and masked ones come here (sdpa would run a dense mask, chunked costs
 # 2), with the set-up of the fp32 forward.
 UNMEASURED = Fit(1.0, 1e5, "not measured for this dtype/build: costed as sdpa's equal")
+# A bias that needs its gradient: dBias forces the two-pass backward and its own reduction,
+# 1.17-1.33x the time of the same call with a fixed bias (one thread, fp32 causal (1,8,2048²)
+# and (2048²) biases, window 256 at S=8192, session 8).
+LEARNED_BIAS = 1.3
 
 
 @functools.cache
@@ -283,10 +289,14 @@ def cost(q, k, v, call: AttentionCall) -> Cost:
     B, Hq, Sq, _ = q.shape
     pairs = max(1, B * Hq * Sq * k.shape[2])
     f = fit(q, k, v, call)
+    per_pair, what = f.per_pair, f.what
+    tensors = call.score_mod.tensors() if call.score_mod is not None else ()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        per_pair, what = per_pair * LEARNED_BIAS, f"{what}, with the bias gradient"
     return Cost(
-        f.per_pair,
-        f"fused C kernel over the mask's tiles, skipping empty ones ({f.what}: "
-        f"{f.per_pair:g} x sdpa per pair + {f.fixed:.0e} pairs of set-up)",
+        per_pair,
+        f"fused C kernel over the mask's tiles, skipping empty ones ({what}: "
+        f"{per_pair:g} x sdpa per pair + {f.fixed:.0e} pairs of set-up)",
         sparse=True,
         fixed=f.fixed / pairs,
     )
