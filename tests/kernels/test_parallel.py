@@ -82,3 +82,23 @@ def test_the_build_without_openmp_gives_the_same_results(monkeypatch):
     monkeypatch.setattr(paged_decode, "_library_once", lambda: own_threads)
     got = _decode_once(splits)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    "loaded, shareable",
+    [
+        (["torch/lib/libgomp.so.1"], True),  # PyTorch's CPU wheels
+        (["torch/lib/libgomp.so.1", "sklearn.libs/libgomp-e985bcbb.so.1.0.0"], True),
+        (["torch/lib/libgomp-a34b3233.so.1"], False),  # auditwheel's name: another soname
+        (["torch/lib/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1"], False),
+        (["/opt/conda/lib/libgomp.so.1.0.0"], True),  # PyTorch linking the environment's
+        ([], False),
+    ],
+)
+def test_openmp_only_where_a_build_binds_to_pytorchs_libgomp(monkeypatch, loaded, shareable):
+    """-fopenmp links libgomp.so.1: only where that soname is PyTorch's copy does the build
+    share its threads (else it would bring a second runtime)."""
+    root = Path("/site-packages")
+    paths = [root / p if not p.startswith("/") else Path(p) for p in loaded]
+    monkeypatch.setattr(build, "_mapped_libgomps", lambda: paths)
+    assert build._shareable_libgomp(root / "torch") == shareable

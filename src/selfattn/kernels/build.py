@@ -146,13 +146,26 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
-def _maps_libgomp() -> bool:
-    """Whether this process has GNU libgomp loaded (PyTorch's Linux wheels load their copy)."""
+def _mapped_libgomps() -> list[Path]:
+    """The GNU libgomp files this process has loaded (/proc/self/maps), each once."""
     try:
         with open("/proc/self/maps") as f:
-            return any("libgomp" in line for line in f)
+            paths = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
     except OSError:
+        return []
+    return sorted(Path(p) for p in paths)
+
+
+def _shareable_libgomp(torch_dir: Path) -> bool:
+    """Whether a build's ``-fopenmp`` (NEEDED libgomp.so.1) binds to PyTorch's copy: one named
+    by that soname is loaded (PyTorch's CPU wheels ship ``torch/lib/libgomp.so.1``), and PyTorch
+    ships none under another name (wheels repaired by auditwheel carry ``libgomp-<hash>.so.1``,
+    a soname a build cannot bind to: its libgomp.so.1 would be a second runtime)."""
+    loaded = _mapped_libgomps()
+    mine = [p for p in loaded if p.is_relative_to(torch_dir)]
+    if any(not p.name.startswith("libgomp.so.1") for p in mine):
         return False
+    return any(p.name.startswith("libgomp.so.1") for p in (mine or loaded))
 
 
 @functools.cache
@@ -180,7 +193,9 @@ def openmp_flags(cc: str) -> tuple[str, ...]:
 def _torch_on_libgomp() -> bool:
     import torch  # the kernels run on PyTorch tensors; imported here to ask its build
 
-    return "OpenMP" in torch.__config__.parallel_info() and _maps_libgomp()
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    return _shareable_libgomp(Path(torch.__file__).resolve().parent)
 
 
 def library_name(spec: CLibrary, cc: str, flags: list[str]) -> str:
