@@ -929,9 +929,21 @@ _TRACED = Cost(10.0, "under torch.compile its tile plan reads mask values")
 _OVERHEAD_PAIRS = 1e5
 
 
+# A one-row call whose backward follows, on CPU: sdpa's decode backward takes ~80 ns a pair
+# (against 2-7 on prefills) and cpu_fused packs all of K/V for the row, while chunked's tile
+# matmuls stay cheap: crossover --threads 2 (session 8) measured chunked at 0.30-0.90x sdpa's
+# time on all 5 such rows (fp32/bf16, 8 and GQA 32/8 heads, Sk=4096, none/causal), the
+# fastest of the three on each. Its set-up is small next to that backward: no fixed term.
+_DECODE_BACKWARD = Cost(
+    0.5, "online softmax over tiles: a one-row forward + backward on CPU", sparse=True
+)
+
+
 def cost(q, k, v, call: AttentionCall) -> Cost:
     if torch.compiler.is_compiling():
         return _TRACED
+    if q.shape[2] == 1 and q.device.type == "cpu" and grad_needed(q, k, v, call):
+        return _DECODE_BACKWARD
     pairs = max(1, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
     return dataclasses.replace(_COST, fixed=_OVERHEAD_PAIRS / pairs)
 
