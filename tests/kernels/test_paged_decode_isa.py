@@ -59,8 +59,9 @@ def _pages(storage: str, kp: torch.Tensor, vp: torch.Tensor):
         ("fp16", torch.float32),
         ("int8", torch.bfloat16),
         ("fp8", torch.float32),
+        ("fp8", torch.bfloat16),  # keys converted to bf16 pairs for vdpbf16ps
     ],
-    ids=["fp32", "bf16-q-fp32", "bf16", "fp16", "int8", "fp8"],
+    ids=["fp32", "bf16-q-fp32", "bf16", "fp16", "int8", "fp8", "fp8-q-bf16"],
 )
 @pytest.mark.parametrize(
     "Hq, Hkv, D, Dv, Sq",
@@ -111,6 +112,27 @@ def test_one_key_returns_its_value_row_exactly(isa, storage):
     out, _ = paged_decode.decode(q, kp, vp, table, lo, hi, 0.25, ks, vs)
     for h in range(4):  # query head h reads kv head h // 2
         torch.testing.assert_close(out[0, h, 0], want[0, 1, h // 2], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
+def test_every_fp8_key_code_scores_exactly(isa, qdtype):
+    """A key row holding every fp8 e4m3 code but the two NaNs (0 * NaN would make every score
+    NaN), and query b one-hot at dim b: with one key, row b's lse is its score, code b's value
+    times the scales, exactly (normals, subnormals, signed zeros), through whichever conversion
+    the path uses (bf16 queries: the codes as bf16 pairs for vdpbf16ps)."""
+    raw = torch.arange(256, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0
+    codes = raw.view(torch.float8_e4m3fn)
+    kp = torch.zeros(1, 4, 1, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    kp[0, 0, 0] = codes
+    vp = torch.zeros(1, 4, 1, 8).to(torch.float8_e4m3fn)
+    q = torch.eye(256).view(256, 1, 1, 256).to(qdtype)
+    table = torch.zeros(256, 1, dtype=torch.int32)
+    lo, hi = torch.zeros(256, 1, dtype=torch.long), torch.ones(256, 1, dtype=torch.long)
+    ks = torch.full((1,), 0.5)
+    _, lse = paged_decode.decode(q, kp, vp, table, lo, hi, 0.25, ks, torch.ones(1))
+    want = codes.float() * 0.25 * 0.5
+    torch.testing.assert_close(lse.view(256), want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

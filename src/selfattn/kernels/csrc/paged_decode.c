@@ -209,6 +209,20 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
   const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
   if (kdt == BF16) return _mm512_maskz_loadu_epi16(m, (const uint16_t *)k + d);
   const __m256i raw = _mm256_maskz_loadu_epi8(m, (const int8_t *)k + d);
+  if (kdt == LUT8) { /* fp8 e4m3fn (s eeee mmm, bias 7): exact in bf16, moved field by field */
+    const __m512i x = _mm512_cvtepu8_epi16(raw), mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+    /* normal: exponent and mantissa moved up 4 bits, the exponent rebased by 127 - 7 */
+    __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16((127 - 7) << 7));
+    /* subnormal (exponent 0): m * 2^-9 for m = 0..7, as bf16 (m = 0: zero) */
+    const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0, 0, 0, 0, 0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0,
+                                         0x3B80, 0x3B00, 0);
+    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
+                                         mag, sub);
+    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)),
+                                 _mm512_set1_epi16(0x7FC0)); /* NaN */
+    return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+  }
   const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
   const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
   return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
@@ -252,14 +266,16 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
     }
   }
 }
-/* bf16 or int8 keys (one instance each: the loads specialise) */
+/* bf16, int8 or fp8 keys (one instance each: the loads specialise) */
 __attribute__((target("avx512bf16"))) static void scores_bf16dp(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
     int64_t ns, float *out, int64_t P, float scale, int kdt, Pf *pf) {
   if (kdt == BF16)
     scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, BF16, pf);
-  else
+  else if (kdt == I8)
     scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8, pf);
+  else
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, LUT8, pf);
 }
 
 /* The fused page step (page_step) for bf16 V rows and a bf16 query, the weighted V sum by
@@ -500,8 +516,9 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   const int64_t Dp = (D + QPAD - 1) / QPAD * QPAD, b = item / nsplit, split = item % nsplit;
   const int kdt = (int)a[A_KDT], vdt = (int)a[A_VDT], qdt = (int)a[A_QDT];
   const int64_t kesz = elem_size(kdt), vesz = elem_size(vdt);
-  /* bf16 query rows against bf16 or int8 keys: vdpbf16ps on the raw query (exact products) */
-  const int dp = job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8) && qdt == BF16;
+  /* bf16 query rows against bf16, int8 or fp8 keys: vdpbf16ps on the raw query (exact products) */
+  const int dp =
+      job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8 || kdt == LUT8) && qdt == BF16;
   /* The general path's weighted V sum stays in fp32 FMAs for bf16 pages: vdpbf16ps there
      (session 5: accumulators kept in the pair layout in memory) measured 1.13-1.16x its CPU time.
      The fused step's (page_step_bf16dp: the pair layout in registers only) measured 0.87x
