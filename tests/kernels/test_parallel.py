@@ -42,8 +42,8 @@ def _libraries():
 def test_the_kernels_share_pytorchs_openmp_runtime_where_it_is_libgomp():
     libs = _libraries()
     shared = bool(build.openmp_flags(build.compiler()))
-    assert libs["paged_decode"].paged_decode_openmp() == shared
-    assert libs["fused_attention"].fa_openmp() == shared
+    assert libs["paged_decode"].pool_openmp() == shared
+    assert libs["fused_attention"].pool_openmp() == shared
     if shared:  # the kernels' OpenMP runtime is PyTorch's copy of libgomp, not a second one
         torch_dir = Path(torch.__file__).parent
         for lib in libs.values():
@@ -77,7 +77,7 @@ def test_the_build_without_openmp_gives_the_same_results(monkeypatch):
     shared = bool(build.openmp_flags(build.compiler()))
     monkeypatch.setenv("SELFATTN_KERNEL_OPENMP", "0")
     own_threads = build.load(paged_decode.SPEC)
-    assert own_threads is not None and own_threads.paged_decode_openmp() == 0
+    assert own_threads is not None and own_threads.pool_openmp() == 0
     assert (own_threads._name != libs["paged_decode"]._name) == shared  # another build
     monkeypatch.setattr(paged_decode, "_library_once", lambda: own_threads)
     got = _decode_once(splits)

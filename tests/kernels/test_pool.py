@@ -175,7 +175,7 @@ def test_a_forked_child_runs_multithreaded_calls(torch_threads, either_build):
     if either_build == "own workers":
         assert lib_fused.pool_workers() >= 1 and lib_paged.pool_workers() >= 1
     else:
-        assert lib_fused.fa_openmp() == lib_paged.paged_decode_openmp() == 1
+        assert lib_fused.pool_openmp() == lib_paged.pool_openmp() == 1
     pid = os.fork()
     if pid == 0:  # the child: exit 0 when both kernels give the parent's results on 2 threads
         ok = False

@@ -9,7 +9,8 @@ backs memory with huge pages where ``/sys/kernel/mm/transparent_hugepage/enabled
 ``madvise(MADV_HUGEPAGE)`` before its first touch, which :func:`zeros` does.
 
 Measured (2-core Zen 5 EPYC, B=32 x 4,096 tokens, 32q/8kv heads, D=128, 2 threads, the C decode
-kernel, interleaved, session 8): see BENCHMARKS.md "Huge pages".
+kernel, interleaved with the same pages on 4 KiB pages, busy host): fp32 0.91x, bf16 0.94x, int8
+1.00x the time; BENCHMARKS.md "Quiet runs, session 8" has the decode table on these pools.
 
 ``SELFATTN_HUGEPAGES=0`` turns it off. Small tensors, other devices and other systems get plain
 ``torch.zeros``.

@@ -136,8 +136,9 @@ def _c_state(name: str, spec, off_var: str) -> dict:
 
 
 def _load_into(state: dict, kernel) -> None:
-    """Load ``kernel`` (a module with ``library``, ``supported_dtypes``, ``isa``, ``openmp``)
-    into ``state``."""
+    """Load ``kernel`` (a module with ``library``, ``supported_dtypes``, ``isa``) into ``state``."""
+    from selfattn.kernels import threads
+
     lib, messages = _captured_warnings(kernel.library)  # builds it where not cached
     state["loaded"] = lib is not None
     if lib is None:
@@ -145,7 +146,7 @@ def _load_into(state: dict, kernel) -> None:
         return
     state["dtypes"] = [str(d).removeprefix("torch.") for d in kernel.supported_dtypes()]
     state["isa"] = kernel.isa()
-    state["openmp"] = kernel.openmp()
+    state["openmp"] = threads.openmp(lib)
 
 
 def _triton() -> dict:

@@ -104,7 +104,6 @@ __all__ = [
     "forward",
     "isa",
     "library",
-    "openmp",
     "requested_isa",
     "tanh",
     "twin",
@@ -129,7 +128,6 @@ SPEC = CLibrary(
         Function("fa_isa", (), ctypes.c_int),
         Function("fa_block_k", (), ctypes.c_int),
         Function("fa_has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
-        Function("fa_openmp", (), ctypes.c_int),  # 1: calls run on PyTorch's OpenMP threads
         # fa_tanh(x, y, n): the soft cap's vectorised tanh, for tests
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
@@ -218,13 +216,6 @@ def isa(generic: bool = False) -> str:
     bits = lib.fa_isa()
     names = [name for bit, name in _ISA_BITS if bits & bit]
     return "+".join(names) if names else "generic"
-
-
-def openmp() -> bool:
-    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/thread_pool.h``), not on
-    threads of their own."""
-    lib = library()
-    return lib is not None and bool(lib.fa_openmp())
 
 
 @dataclasses.dataclass(frozen=True)

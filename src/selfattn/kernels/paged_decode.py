@@ -47,8 +47,7 @@ from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = [
-    "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "openmp",
-    "supported_dtypes",
+    "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "supported_dtypes",
 ]  # fmt: skip
 
 SPEC = CLibrary(
@@ -66,8 +65,6 @@ SPEC = CLibrary(
             ),
         ),
         Function("has_f16", (), ctypes.c_int),  # 1 when the compiler has _Float16
-        # 1: calls run on PyTorch's OpenMP threads (csrc/thread_pool.h)
-        Function("paged_decode_openmp", (), ctypes.c_int),
         # paged_decode_isa(want) -> the instruction-set code a call with A_ISA = want runs
         Function("paged_decode_isa", (ctypes.c_int,), ctypes.c_int),
         *threads.POOL_FUNCTIONS,
@@ -294,13 +291,6 @@ class Launch:
         ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
         out, lse = _launch(self._lib, self._iargs, ptrs, self._threads, scale, out, lse)
         return out, (lse if return_lse else None)
-
-
-def openmp() -> bool:
-    """Whether the kernel's calls run on PyTorch's OpenMP threads (``csrc/thread_pool.h``), not on
-    threads of their own."""
-    lib = library()
-    return lib is not None and bool(lib.paged_decode_openmp())
 
 
 def _requested_isa() -> int:

@@ -1,7 +1,10 @@
 """How many threads a C kernel call uses: as many as the work pays for, at most torch's.
 
-The C kernels run on a persistent worker pool (``csrc/thread_pool.h``): the workers are started
-once and park between calls, and a call wakes as many as it uses (the calling thread works too).
+The C kernels run a call's participants as an OpenMP region on PyTorch's own threads where the
+build shares PyTorch's libgomp (``csrc/thread_pool.h``, ``build.openmp_flags``; :func:`openmp`
+says which), else on a persistent worker pool of their own, whose figures follow: the workers
+are started once and park between calls, and a call wakes as many as it uses (the calling
+thread works too).
 A worker still polling from the previous call (up to 50 µs after it) starts within ~0.2 µs; a
 parked one runs ~30-50 µs after the call wakes it (median over 400 calls after 0.2-1 ms of other
 work, a 2-core Zen 5 EPYC shared with other jobs), and waking it costs the caller ~7 µs (a
@@ -32,12 +35,14 @@ import torch
 
 from selfattn.kernels.build import Function
 
-__all__ = ["MIN_SECONDS", "POOL_FUNCTIONS", "for_bytes", "for_flops"]
+__all__ = ["MIN_SECONDS", "POOL_FUNCTIONS", "for_bytes", "for_flops", "openmp"]
 
-# What every C kernel library exports about its worker pool (csrc/thread_pool.h), for tests:
-# pool_workers() -> the workers started so far; pool_fail_allocs(n): the next n scratch
+# What every C kernel library exports about its threads (csrc/thread_pool.h): pool_openmp() ->
+# 1 where its calls run on PyTorch's OpenMP threads, 0 on the pool's own workers; for tests,
+# pool_workers() -> the workers started so far, pool_fail_allocs(n): the next n scratch
 # allocations of its calls fail.
 POOL_FUNCTIONS = (
+    Function("pool_openmp", (), ctypes.c_int),
     Function("pool_workers", (), ctypes.c_int),
     Function("pool_fail_allocs", (ctypes.c_int,), None),
 )
@@ -54,6 +59,11 @@ _BYTES_PER_SECOND = 15e9
 def _count(seconds: float) -> int:
     most = torch.get_num_threads()
     return most if MIN_SECONDS <= 0 else max(1, min(most, int(seconds / MIN_SECONDS)))
+
+
+def openmp(lib: ctypes.CDLL | None) -> bool:
+    """Whether the calls of C kernel library ``lib`` run on PyTorch's OpenMP threads."""
+    return lib is not None and bool(lib.pool_openmp())
 
 
 def for_flops(flops: float) -> int:

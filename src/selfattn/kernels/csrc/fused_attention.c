@@ -1615,9 +1615,6 @@ static int run_items(Job *job, int n_threads) {
   return pool_run(worker, job, n, sizeof(float) * (size_t)job->scratch);
 }
 
-/* 1 where calls run on PyTorch's OpenMP threads (thread_pool.h), 0 on threads of their own */
-int fa_openmp(void) { return pool_is_openmp(); }
-
 /* -- K and V packed once per call, as the work items read them: block (b, kv head, key tile) of
    each layout the job asks for, converted to float32. Packing per work item instead repeats it
    for every query tile and head that reads the key tile. */

@@ -90,9 +90,6 @@ enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_L
    every block kernel loads whole vectors of q (and bf16 q pairs for vdpbf16ps: 2x as many). */
 #define QPAD 32
 
-/* 1 where calls run on PyTorch's OpenMP threads (thread_pool.h), 0 on threads of their own */
-int paged_decode_openmp(void) { return pool_is_openmp(); }
-
 int has_f16(void) {
 #ifdef __FLT16_MAX__
   return 1;

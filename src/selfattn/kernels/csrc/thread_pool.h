@@ -255,7 +255,6 @@ static int pool_run(pool_task task, void *ctx, int n, size_t scratch_bytes) {
 #ifdef _OPENMP
   if (n > 1 && pool_is_openmp()) {
     int status = 0;
-    tpool.scratch_bytes = scratch_bytes;
 #pragma omp parallel num_threads(n)
     {
       PoolSlot *s = &tpool.slot[omp_get_thread_num()];
@@ -308,6 +307,8 @@ static int pool_run(pool_task task, void *ctx, int n, size_t scratch_bytes) {
 /* -- exported for tests: workers started so far, and make the next n scratch allocations of
    pool calls fail (a worker's failing allocation must still fail the call) */
 int pool_workers(void) { return __atomic_load_n(&tpool.n_workers, __ATOMIC_RELAXED); }
+/* 1 where calls run on PyTorch's OpenMP threads, 0 on the pool's own workers */
+int pool_openmp(void) { return pool_is_openmp(); }
 void pool_fail_allocs(int n) { __atomic_store_n(&tpool.failed_allocs, n, __ATOMIC_RELAXED); }
 
 #endif /* SELFATTN_THREAD_POOL_H */
