@@ -40,7 +40,7 @@ from selfattn.testing import (
     naive_attention,
     reference_attention,
 )
-from tests.backends.test_cpu_fused import cpu_attention, needs_kernel
+from tests.backends.test_cpu_fused import check_dropout_call, cpu_attention, needs_kernel
 from tests.compat.test_compat_flash_attn import _ratio_check, attention_ref
 
 pytestmark = needs_kernel
@@ -423,22 +423,10 @@ def test_dropout_drops_the_pairs_every_backend_drops(shape):
     (q, k, v), kwargs = _inputs(case, grad=True)
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
 
-    def gen():
-        return torch.Generator().manual_seed(Sq * Sk)
-
     kwargs.update(dropout_p=0.25)
-    out = cpu_attention(q, k, v, generator=gen(), **kwargs)
-    o64, _, leaves64 = reference_attention(q, k, v, generator=gen(), **kwargs)
-    on, _, leavesn = naive_attention(q, k, v, generator=gen(), **kwargs)
-    assert_close_to_reference(out, o64, on)
+    _, gen, o64, on = check_dropout_call(q, k, v, Sq * Sk, **kwargs)
     chunked = selfattn.attention(q, k, v, generator=gen(), backend="chunked", **kwargs)
     assert_close_to_reference(chunked, o64, on)
-    dout = torch.randn(out.shape, generator=gen())
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    g64 = torch.autograd.grad(o64, leaves64, dout.double())
-    gn = torch.autograd.grad(on, leavesn, dout)
-    for name, a, o, n in zip(("dq", "dk", "dv"), grads, g64, gn):
-        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, what=name)
 
 
 @pytest.mark.usefixtures("every_thread")
