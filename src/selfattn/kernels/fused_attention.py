@@ -68,9 +68,11 @@ whole-tensor ``.float()`` first measured 0.19 s for bf16 q, k, v at S=16384, H=8
 loaded 2-core EPYC: as long as the kernel itself); accumulation is float32, and so are the
 outputs but the forward's ``out``, which the kernel writes in q's dtype (a float32 ``out`` for
 bf16 inputs was twice the fresh pages and a copy after the call).
-Threads: POSIX threads pulling work items, as many as ``torch.get_num_threads()`` and the work
-pays for (:mod:`~selfattn.kernels.threads`: a small call runs on the calling thread); each item
-writes only its own rows, so the result is bitwise the same for any thread count.
+Threads (``csrc/thread_pool.h``: PyTorch's OpenMP threads where the build shares its libgomp,
+else the kernel's own worker pool) pulling work items, as many as ``torch.get_num_threads()``
+and the work pays for (:mod:`~selfattn.kernels.threads`: a small call runs on the calling
+thread); each item writes only its own rows, so the result is bitwise the same for any thread
+count.
 
 The ops ``torch.ops.selfattn.attention_fwd_cpu`` / ``attention_bwd_cpu`` (:mod:`selfattn.
 kernels.ops`) wrap :func:`forward` / :func:`backward`; the plain-PyTorch twin of both is

@@ -26,10 +26,11 @@ same machine.
 
 Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
 EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
-through :mod:`ctypes`, which releases the GIL during the call. Threads: POSIX threads pulling
-``(sequence, key split)`` work items, as many as ``torch.get_num_threads()`` and the pages read
-pay for (:mod:`~selfattn.kernels.threads`: a short context runs on the calling thread). No
-compiler, a failed build or ``SELFATTN_DECODE_KERNEL=0``: :func:`library` returns None.
+through :mod:`ctypes`, which releases the GIL during the call. Threads (``csrc/thread_pool.h``:
+PyTorch's OpenMP threads where the build shares its libgomp, else the kernel's own worker pool)
+pulling ``(sequence, key split)`` work items, as many as ``torch.get_num_threads()`` and the
+pages read pay for (:mod:`~selfattn.kernels.threads`: a short context runs on the calling
+thread). No compiler, a failed build or ``SELFATTN_DECODE_KERNEL=0``: :func:`library` returns None.
 
 The op ``torch.ops.selfattn.paged_decode_cpu`` (:mod:`selfattn.kernels.ops`) wraps
 :func:`decode`; its plain-PyTorch twin is :func:`selfattn.kernels.paged_twin.paged_attention_twin`.

@@ -4,8 +4,8 @@
    Entry points: fa_forward(iargs, ptrs, n_threads, c) and fa_backward(iargs, ptrs, n_threads, c,
    scale). iargs holds the integers and ptrs the data pointers, in the order of the A_* and P_*
    enums below; the host fills both by name from the same lists (INT_ARGS, PTR_ARGS), and a test
-   checks that they match these enums. Plain C11 with GNU vector extensions and POSIX threads:
-   no PyTorch headers. Every tensor is contiguous; q, k, v float32, bf16 or fp16 (A_DT, converted
+   checks that they match these enums. Plain C11 with GNU vector extensions, POSIX threads and
+   OpenMP (thread_pool.h): no PyTorch headers. Every tensor is contiguous; q, k, v float32, bf16 or fp16 (A_DT, converted
    to float32 as tiles are packed), the forward's out in their dtype, everything else float32.
 
    The score matrix is cut into tiles of BQ query rows x BK keys. The host lists, per query tile,

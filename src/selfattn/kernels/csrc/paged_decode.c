@@ -4,7 +4,7 @@
    Entry point: paged_decode(iargs, ptrs, n_threads, scale). iargs holds the integers and ptrs the
    data pointers, in the order of the A_* and P_* enums below; the host fills both by name from
    the same lists (INT_ARGS, PTR_ARGS), and a test checks that they match these enums. Plain C11
-   with GNU vector extensions and POSIX threads: no PyTorch headers.
+   with GNU vector extensions, POSIX threads and OpenMP (thread_pool.h): no PyTorch headers.
 
    Why the first version read bf16 pages slower than fp32 ones (issue 16; 2-core EPYC, perf
    record + annotate, gcc 12 -O3 -march=native): it converted every key/value row into an fp32
