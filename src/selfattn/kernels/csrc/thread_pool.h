@@ -185,22 +185,21 @@ static void *pool_worker(void *arg) {
   return NULL;
 }
 
-/* In a child after fork(): none of the workers exist there. Forget them (their scratch is the
-   child's copy, unused: free it) and re-create every lock, as a call may have held one. */
+static int pool_forked; /* set in a child after fork: libgomp is unusable there */
+
+/* In a child after fork(): none of the workers exist there, nor libgomp's. Forget ours (their
+   scratch is the child's copy, unused: free it), re-create every lock, as a call may have held
+   one, and take the pool's own workers from now on. */
 static void pool_after_fork_child(void) {
   for (int t = 0; t <= tpool.n_workers && t < POOL_MAX_THREADS; t++) free(tpool.slot[t].scratch);
   memset(&tpool, 0, sizeof tpool);
   pthread_mutex_init(&tpool.call, NULL);
   pthread_mutex_init(&tpool.done_mu, NULL);
   pthread_cond_init(&tpool.done_cv, NULL);
+  pool_forked = 1;
 }
 
-static int pool_forked; /* set in a child after fork: libgomp is unusable there */
-static void pool_mark_forked(void) { pool_forked = 1; }
-static void pool_register_fork(void) {
-  pthread_atfork(NULL, NULL, pool_after_fork_child);
-  pthread_atfork(NULL, NULL, pool_mark_forked);
-}
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
 
 /* 1 where calls run on PyTorch's OpenMP threads (a -fopenmp build, not in a forked child). */
 static int pool_is_openmp(void) {
