@@ -66,6 +66,7 @@
 
 #ifndef PD_SIMD_PASS
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -75,7 +76,8 @@
 #include "thread_pool.h"
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, LUT8 = 4 };
-/* instruction sets, lowest first; ISA_AVX512_BF16 adds vdpbf16ps to ISA_AVX512 */
+/* instruction sets, lowest first; ISA_AVX512_BF16 adds vdpbf16ps and vpdpwssd (avx512_bf16 and
+   avx512_vnni: every CPU with the first has the second) to ISA_AVX512 */
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 /* iargs, in order */
@@ -115,6 +117,20 @@ static inline float to_f32(const void *row, int64_t i, int dt, const float *lut)
 #endif
   if (dt == I8) return (float)((const int8_t *)row)[i];
   return lut[((const uint8_t *)row)[i]];
+}
+
+/* 2^e as a float for e in [-126, 127], and the unbiased exponent of a positive float (-127 for 0
+   and subnormals, 128 for Inf/NaN): bit arithmetic where ldexpf / ilogbf are library calls. */
+static inline float pow2f(int e) {
+  const uint32_t bits = (uint32_t)(e + 127) << 23;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+static inline int exponent_of(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, 4);
+  return (int)((bits >> 23) & 0xFF) - 127;
 }
 
 /* Bytes a cache line holds: the prefetch stride. */
@@ -275,6 +291,57 @@ __attribute__((target("avx512bf16"))) static void scores_bf16dp(
     scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, LUT8, pf);
 }
 
+/* acc += the pairwise products of a and b's int16 lanes, summed in int32 lanes. By inline asm:
+   gcc 12 copies the accumulator of _mm512_dpwssd_epi32 into a fresh register each call (and
+   spilled one to the stack in scores_i8dp), where the instruction updates it in place. */
+#define PD_DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+
+/* Scores of int8 keys against a query quantised to int16 (qi: each row times 2^e, rounded, e
+   per row so that its largest element sits in [2^13, 2^15) and a row's sum stays in int32; the
+   rows' factors qf = 2^-e times the softmax scale) by vpdpwssd: a key piece is one sign
+   extension (vpmovsxbw), where vdpbf16ps needs it widened, converted and packed (five
+   instructions); 32 products a vector, exact, summed in int32 (exact). A bf16 query element is
+   exact in int16 when it is within 2^7 of its row's largest; smaller ones round by at most
+   2^-15 of the largest, far under the keys' own quantisation step (2^-7 of theirs). */
+__attribute__((target("avx512bf16,avx512vnni"))) static void scores_i8dp(
+    const int16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
+    int64_t ns, float *out, int64_t P, const float *qf, Pf *pf) {
+  enum { RB = 4, SB = 4 };
+  int64_t r, s, d;
+  for (r = 0; r < Rh; r += RB) {
+    const int64_t nr = Rh - r < RB ? Rh - r : RB;
+    for (s = 0; s < ns; s += SB) {
+      const int64_t nk = ns - s < SB ? ns - s : SB;
+      const int8_t *k[SB];
+      const int16_t *qr[RB];
+      __m512i acc[RB * SB];
+      int i, j;
+      for (j = 0; j < SB; j++) k[j] = (const int8_t *)(k0 + (s + (j < nk ? j : nk - 1)) * kstride);
+      for (i = 0; i < RB; i++) qr[i] = q + (r + (i < nr ? i : nr - 1)) * Dq;
+      for (i = 0; i < RB * SB; i++) acc[i] = _mm512_setzero_si512();
+      for (d = 0; d < Dq; d += 32) {
+        const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
+        __m512i kv[SB];
+        for (j = 0; j < SB; j++) {
+          kv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k[j] + d));
+          if (r == 0) PD_PREFETCH(pf, d);
+        }
+        for (i = 0; i < RB; i++) {
+          const __m512i qv = _mm512_loadu_si512(qr[i] + d);
+          for (j = 0; j < SB; j++) PD_DPWSSD(acc[i * SB + j], qv, kv[j]);
+        }
+      }
+      {
+        __m512 f[RB * SB];
+        float sums[RB * SB];
+        for (i = 0; i < RB * SB; i++) f[i] = _mm512_cvtepi32_ps(acc[i]);
+        reduce_store_avx512((const vf_avx512 *)f, sums);
+        for (i = 0; i < nr; i++)
+          for (j = 0; j < nk; j++) out[(r + i) * P + s + j] = sums[i * SB + j] * qf[r + i];
+      }
+    }
+  }
+}
 /* The fused page step (page_step) for bf16 V rows and a bf16 query, the weighted V sum by
    vdpbf16ps: each instruction adds two slots' products (rows s and s + 1, their bf16 elements
    interleaved by vpunpckl/hwd) for 16 dims, half the FMAs of the fp32 block. The weights are
@@ -347,6 +414,115 @@ __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
     default: page_step_dp_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
   }
 }
+/* page_scales for a whole page (ns = PD_SLOTS) of int8 scales (bf16, (slot, head) order from x):
+   head h's 16 slots by one gather of 32-bit words, each holding the wanted bf16 and a neighbour
+   (head 0: the word from its element, the bf16 in the low half; others: the word ending with it,
+   the high half), so that no byte outside the page's slots is read. */
+__attribute__((target("avx512f"))) static void page_scales_bf16(float *out, const uint16_t *x,
+                                                                 int64_t Hkv) {
+  const __m512i slot = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)Hkv));
+  if (Hkv == 1) { /* contiguous */
+    _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16)));
+    return;
+  }
+  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(slot, x, 2), 16)));
+  for (int64_t h = 1; h < Hkv; h++) {
+    const __m512i w = _mm512_i32gather_epi32(_mm512_add_epi32(slot, _mm512_set1_epi32((int)h - 1)), x, 2);
+    _mm512_storeu_ps(out + h * PD_SLOTS,
+                     _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u))));
+  }
+}
+
+/* The fused page step (page_step) for int8 V rows, the weighted V sum by vpdpwssd: each row's
+   weights (the V scales folded in) quantised to int16 for this page (times 2^e, the largest in
+   [2^14, 2^15), e per row and page), each instruction adds two slots' products (rows s and
+   s + 1 sign-extended to words and interleaved by vpunpckl/hwd, as page_step_dp_rb interleaves
+   bf16 rows) for 16 dims, exact, in int32 accumulators per page (at most 16 slots x 2^15 x 2^7:
+   no overflow), scaled by 2^-e into acc's fp32 as it is rescaled. Half the FMAs of the fp32
+   block and one sign extension a piece where that needed a widening and a conversion. A weight
+   rounds by at most 2^-16 of the page's largest (bf16 weights, page_step_dp_rb's: 2^-9 of their
+   own). A row whose weights 2^e cannot bring into range (all under 2^-112: V scales near
+   float32's smallest) takes the fp32 block. Dims past the last whole chunk of 32 take it too. */
+__attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline void page_step_i8_rb(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, const float *lut,
+    float *wbuf, Pf *pf) {
+  enum { NP = PD_SLOTS / 2 }; /* slot pairs */
+  float alpha[4], winv[4];
+  uint32_t wp[4][NP]; /* the int16 weights of slots 2p, 2p + 1 as a pair */
+  int r, p;
+  int64_t d;
+  const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
+  page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
+  for (r = 0; r < RB; r++) {
+    const __m512 w = _mm512_loadu_ps(wbuf + r * PD_SLOTS);
+    const float wmax = _mm512_reduce_max_ps(w); /* weights are >= 0 (NaN: the row's l is NaN) */
+    int e = 0;
+    if (wmax > 0.0f) {
+      e = 14 - exponent_of(wmax);
+      if (!(wmax <= FLT_MAX) || e > 126) { /* out of int16's reach: the fp32 block */
+        pv_dt_avx512(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, I8, lut, alpha, pf);
+        return;
+      }
+    }
+    winv[r] = pow2f(-e);
+    const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(pow2f(e))));
+    _mm256_storeu_si256((__m256i *)wp[r], _mm512_cvtsepi32_epi16(wi)); /* saturates 2^15 */
+  }
+  for (d = 0; d + 32 <= Dv; d += 32) {
+    /* the accumulators as named variables: gcc keeps an array's elements that inline asm
+       updates in memory (a load and a store around each instruction) */
+    __m512i lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3;
+    lo0 = lo1 = lo2 = lo3 = hi0 = hi1 = hi2 = hi3 = _mm512_setzero_si512();
+    /* every slot pair of the page: an int8 byte is a finite integer, so the slots past ns (weight
+       0, stale bytes) add exactly 0, and the trip count is a constant (unrolled, the accumulators
+       in registers) */
+    for (p = 0; p < NP; p++) {
+      const char *va = v0 + 2 * p * vstride + d;
+      const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)va));
+      const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(va + vstride)));
+      if (2 * p < ns) PD_PREFETCH(pf, d);
+      if (2 * p + 1 < ns) PD_PREFETCH(pf, d);
+      const __m512i vl = _mm512_unpacklo_epi16(x, y), vh = _mm512_unpackhi_epi16(x, y);
+#define PD_ROW(R)                                                                                 \
+  if (RB > R) {                                                                                   \
+    const __m512i w = _mm512_set1_epi32((int)wp[R][p]);                                           \
+    PD_DPWSSD(lo##R, vl, w);                                                                      \
+    PD_DPWSSD(hi##R, vh, w);                                                                      \
+  }
+      PD_ROW(0) PD_ROW(1) PD_ROW(2) PD_ROW(3)
+#undef PD_ROW
+    }
+    const __m512i lo[4] = {lo0, lo1, lo2, lo3}, hi[4] = {hi0, hi1, hi2, hi3};
+    for (r = 0; r < RB; r++) {
+      const __m512 a = _mm512_set1_ps(alpha[r]), s = _mm512_set1_ps(winv[r]);
+      float *o = acc + r * Dv + d;
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo[r], back0, hi[r]));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo[r], back1, hi[r]));
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(f0, s, _mm512_mul_ps(_mm512_loadu_ps(o), a)));
+      _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(f1, s, _mm512_mul_ps(_mm512_loadu_ps(o + 16), a)));
+    }
+  }
+  for (; d < Dv; d += 16)
+    pv_cols_avx512(acc, Dv, wbuf, PD_SLOTS, RB, 1, d, Dv - d < 16 ? Dv - d : 16, v0, vstride, 0,
+                   ns, I8, lut, alpha, pf);
+}
+
+__attribute__((target("avx512bf16,avx512vnni"))) static void page_step_i8dp(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
+    float *wbuf, Pf *pf) {
+  (void)dt; /* I8: the caller picks this step for int8 V only */
+  switch (RB) {
+    case 4: page_step_i8_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+    case 3: page_step_i8_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+    case 2: page_step_i8_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+    default: page_step_i8_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
+  }
+}
 #pragma GCC pop_options
 #define HAVE_X86_PATHS 1
 #endif
@@ -364,7 +540,9 @@ int paged_decode_isa(int want) {
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl"))
     best = ISA_AVX512;
-  if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16")) best = ISA_AVX512_BF16;
+  if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16") &&
+      __builtin_cpu_supports("avx512vnni"))
+    best = ISA_AVX512_BF16;
 #endif
   return want >= 0 && want < best ? want : best;
 }
@@ -447,6 +625,24 @@ static inline __attribute__((always_inline)) void scale_slots(float *sc, const v
   }
 }
 
+/* The dequantisation scales of a page's slots [s0, s0 + ns), every kv head's: out[h * PD_SLOTS
+   + s], 1 past ns (one pass a page in the scales' (slot, head) order, not one a head). */
+static void page_scales(float *out, const void *scales, int64_t mode, int64_t page, int64_t s0,
+                        int64_t ns, int64_t P, int64_t Hkv, int isa) {
+  int64_t h, s;
+#ifdef HAVE_X86_PATHS
+  if (isa >= ISA_AVX512 && mode == 1 && ns == PD_SLOTS) {
+    page_scales_bf16(out, (const uint16_t *)scales + (page * P + s0) * Hkv, Hkv);
+    return;
+  }
+#else
+  (void)isa;
+#endif
+  for (s = 0; s < PD_SLOTS; s++)
+    for (h = 0; h < Hkv; h++)
+      out[h * PD_SLOTS + s] = s < ns ? dequant_scale(scales, mode, page, s0 + s, P, Hkv, h) : 1.0f;
+}
+
 /* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 or slower (sessions 6
    and 7, one thread, B=32 and B=8 x 4,096 tokens); asking into L2 only (prefetcht2) or
    non-temporally, or a dense page in address order rather than head by head, measured the same
@@ -498,12 +694,54 @@ static void move_sums(float *l, float *lv, int64_t R, int to_l) {
   }
 }
 
+#ifdef HAVE_X86_PATHS
+/* The query rows for scores_i8dp: each of the R rows of q32 (float32, times the softmax scale,
+   stride Dp, zero-padded; Dp a multiple of 32) times 2^e, rounded to int16 into qi, e per row such
+   that the row's largest |element| lands in [lim / 2, lim], lim = min(2^15 - 1, (2^31 - 1) /
+   (2^7 Dp)): a row's sum of Dp products with int8 keys then stays inside int32. qf[r] = 2^-e.
+   Returns 0 where a row holds NaN or Inf (scores_bf16dp then carries them into the scores) or Dp
+   is too long for a useful lim. */
+__attribute__((target("avx512f,avx512bw,avx512dq"))) static int quantise_query(
+    int16_t *qi, float *qf, const float *q32, int64_t R, int64_t Dp) {
+  enum { MIN_LIM = 1 << 12 };
+  const int64_t lim = (INT32_MAX / 128) / Dp < INT16_MAX ? (INT32_MAX / 128) / Dp : INT16_MAX;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  int64_t r, d;
+  if (lim < MIN_LIM) return 0;
+  for (r = 0; r < R; r++) { /* every row's largest |element| first: nothing written if one fails */
+    __m512 mv = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (d = 0; d < Dp; d += 16) {
+      const __m512 x = _mm512_andnot_ps(sign, _mm512_loadu_ps(q32 + r * Dp + d));
+      bad |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); /* NaN, Inf */
+      mv = _mm512_max_ps(mv, x);
+    }
+    if (bad) return 0;
+    const float mx = _mm512_reduce_max_ps(mv);
+    int e = mx > 0.0f ? exponent_of((float)(lim + 1)) - 1 - exponent_of(mx) : 0;
+    qf[r] = (float)(e > 126 ? 126 : e); /* |q| under 2^-112: scores ~0 at float32's scale anyway */
+  }
+  for (r = 0; r < R; r++) {
+    const int e = (int)qf[r];
+    const __m512 up = _mm512_set1_ps(pow2f(e));
+    const __m512i hi = _mm512_set1_epi32((int)lim), lo = _mm512_set1_epi32((int)-lim);
+    for (d = 0; d < Dp; d += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q32 + r * Dp + d), up);
+      const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(x), lo), hi);
+      _mm256_storeu_si256((__m256i *)(qi + r * Dp + d), _mm512_cvtepi32_epi16(v));
+    }
+    qf[r] = pow2f(-e);
+  }
+  return 1;
+}
+#endif
+
 /* Work item (b, split): the rows of sequence b (all Hq heads, all Sq queries) against the keys of
    one split of its pages; writes the partial max m, sum l and weighted V sum acc. Rows are
    (Hq, Sq)-ordered: row (h * G + g) * Sq + i, so the G * Sq rows of kv head h are contiguous.
    Per page: the next page is prefetched, then the scores of every row (kv head by kv head, so
    each key row serves its G * Sq query rows), the online softmax update, the weighted V rows. */
-static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, float *sc,
+static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, float *qf, float *sc,
                      float *stmp, int64_t *sa, int64_t *sb) {
   const int64_t *a = job->a;
   void *const *p = job->p;
@@ -538,11 +776,18 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       qbuf[r * Dp + d] = d < D ? to_f32(qsrc, r * D + d, qdt, NULL) * job->scale : 0.0f;
       if (dp) qbh[r * Dp + d] = d < D ? ((const uint16_t *)qsrc)[r * D + d] : 0;
     }
+#ifdef HAVE_X86_PATHS
+  /* int8 keys: vpdpwssd against the query rows quantised to int16 (scores_i8dp), unless a row
+     holds NaN/Inf (the bf16 rows then, which carry them into the scores) */
+  const int i8k = dp && kdt == I8 && quantise_query((int16_t *)qbh, qf, qbuf, R, Dp);
+#else
+  const int i8k = 0;
+#endif
   for (r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * R * Dv);
   /* The denominators as the fused step keeps them (lv: PD_SLOTS partial sums a row, see
      page_weights) or as the general path does (l): one of the two holds them at a time. */
-  float *lv = stmp + P + 6 * PD_SLOTS;
+  float *lv = stmp + P + (2 * Hkv + 4) * PD_SLOTS;
   int in_lv = 1;
   memset(lv, 0, sizeof(float) * R * PD_SLOTS);
   for (i = 0; i < Sq * NI; i++)
@@ -579,6 +824,11 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     for (h = 0; h < Hkv; h++) {
       const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
 #ifdef HAVE_X86_PATHS
+      if (i8k) {
+        scores_i8dp((const int16_t *)qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP], ns,
+                    sc + h * Rh * P, P, qf + h * Rh, pfk);
+        continue;
+      }
       if (dp) {
         scores_bf16dp(qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, sc + h * Rh * P, P,
                       job->scale, kdt, pfk);
@@ -598,14 +848,14 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
     if (whole_all) {
       if (!in_lv) move_sums(l, lv, R, 0), in_lv = 1;
-      float *ksh = a[A_KSC] ? stmp + P : NULL, *vsh = a[A_VSC] ? stmp + P + PD_SLOTS : NULL;
-      float *wbuf = stmp + P + 2 * PD_SLOTS;
+      /* the page's dequantisation scales, every kv head's (PD_SLOTS a head, 1 past ns) */
+      float *kst = a[A_KSC] ? stmp + P : NULL, *vst = a[A_VSC] ? stmp + P + Hkv * PD_SLOTS : NULL;
+      float *wbuf = stmp + P + 2 * Hkv * PD_SLOTS;
+      if (kst) page_scales(kst, ksc, a[A_KSC], page, s0, ns, P, Hkv, job->isa);
+      if (vst) page_scales(vst, vsc, a[A_VSC], page, s0, ns, P, Hkv, job->isa);
       for (h = 0; h < Hkv; h++) {
         const char *v0 = vbase + (page * a[A_VSN] + s0 * a[A_VSP] + h * a[A_VSH]) * vesz;
-        for (s = 0; s < PD_SLOTS; s++) { /* this head's dequantisation scales; 1 past ns */
-          if (ksh) ksh[s] = s < ns ? dequant_scale(ksc, a[A_KSC], page, s0 + s, P, Hkv, h) : 1.0f;
-          if (vsh) vsh[s] = s < ns ? dequant_scale(vsc, a[A_VSC], page, s0 + s, P, Hkv, h) : 1.0f;
-        }
+        const float *ksh = kst ? kst + h * PD_SLOTS : NULL, *vsh = vst ? vst + h * PD_SLOTS : NULL;
         for (r = h * Rh; r < (h + 1) * Rh; r += 4)
           job->page(acc + r * Dv, Dv, m + r, lv + r * PD_SLOTS, sc + r * P, P,
                     (h + 1) * Rh - r < 4 ? (int)((h + 1) * Rh - r) : 4, ns, ksh, vsh, v0,
@@ -678,31 +928,35 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
 }
 
 /* A participant's scratch (pool_run hands it zeroed, in one piece): the key ranges, the q rows,
-   scores, then scratch: P slot scales (general path), or the fused step's K and V scales and its
-   weights (page_step: 2 + 4 rows of PD_SLOTS), and its denominators (R rows of PD_SLOTS); then
-   the q rows as bf16. Each part starts on a cache line. */
+   scores, then scratch: P slot scales (general path), or the fused step's page of K and V scales
+   (2 Hkv rows of PD_SLOTS) and its weights (4 rows), and its denominators (R rows of PD_SLOTS);
+   then the q rows as bf16 or int16, and their int16 factors (R floats). Each part starts on a
+   cache line. */
 #define PD_ALIGN(x) (((x) + 63) / 64 * 64)
-static size_t worker_scratch(const int64_t *a, size_t parts[3]) {
+static size_t worker_scratch(const int64_t *a, size_t parts[4]) {
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
+  const int64_t fused = (2 * a[A_HKV] + 4) * PD_SLOTS + R * PD_SLOTS;
   parts[0] = PD_ALIGN(sizeof(int64_t) * 2 * a[A_SQ] * a[A_NI]);
-  parts[1] = parts[0] + PD_ALIGN(sizeof(float) * (R * Dp + R * P + P + 6 * PD_SLOTS + R * PD_SLOTS));
+  parts[1] = parts[0] + PD_ALIGN(sizeof(float) * (R * Dp + R * P + P + fused));
   parts[2] = parts[1] + PD_ALIGN(sizeof(uint16_t) * R * Dp);
-  return parts[2];
+  parts[3] = parts[2] + PD_ALIGN(sizeof(float) * R);
+  return parts[3];
 }
 
 static int worker(void *arg, void *scratch) {
   Job *job = (Job *)arg;
   const int64_t *a = job->a;
   const int64_t R = a[A_HQ] * a[A_SQ], P = a[A_P], Dp = (a[A_D] + QPAD - 1) / QPAD * QPAD;
-  size_t parts[3];
+  size_t parts[4];
   worker_scratch(a, parts);
   int64_t *ranges = (int64_t *)scratch;
   float *qbuf = (float *)((char *)scratch + parts[0]);
   uint16_t *qbh = (uint16_t *)((char *)scratch + parts[1]);
+  float *qf = (float *)((char *)scratch + parts[2]);
   for (;;) {
     const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
     if (item >= job->n_items) break;
-    run_item(job, item, qbuf, qbh, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
+    run_item(job, item, qbuf, qbh, qf, qbuf + R * Dp, qbuf + R * Dp + R * P, ranges,
              ranges + a[A_SQ] * a[A_NI]);
   }
   return 0;
@@ -789,7 +1043,7 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   Job job = {iargs, ptrs, scale, part, part + n_items * R, part + 2 * n_items * R, n_items, 0,
              paged_decode_isa((int)iargs[A_ISA]), scores_generic, pv_generic, page_step_generic};
   int n = n_threads < 1 ? 1 : n_threads, bad;
-  size_t parts[3];
+  size_t parts[4];
   if (part == NULL) return 1;
 #ifdef HAVE_X86_PATHS
   if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2, job.page = page_step_avx2;
@@ -797,6 +1051,8 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
     job.scores = scores_avx512, job.pv = pv_avx512, job.page = page_step_avx512;
   if (job.isa == ISA_AVX512_BF16 && iargs[A_VDT] == BF16 && iargs[A_QDT] == BF16)
     job.page = page_step_bf16dp;
+  if (job.isa == ISA_AVX512_BF16 && iargs[A_VDT] == I8 && iargs[A_QDT] == BF16)
+    job.page = page_step_i8dp;
 #endif
   if (n > n_items) n = n_items > 0 ? (int)n_items : 1;
   bad = pool_run(worker, &job, n, worker_scratch(iargs, parts));
