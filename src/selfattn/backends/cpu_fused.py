@@ -21,9 +21,11 @@ kernel in float32), score mods not made of ALiBi, bias and softcap terms (a call
 chunked runs them), calls under ``torch.compile`` (the tile plan reads mask values), and
 wherever the kernel cannot be built (no compiler: logged once, chunked runs instead). A bias
 that requires grad gets its gradient from the kernel's backward (its dQ pass sums dS over the
-bias's broadcast axes in a fixed order). Non-finite inputs are checked and
-redone exactly (``_common.fused_or_exact``), as sdpa's are; a call needing gradients whose K/V
-hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplies whole tiles)."""
+bias's broadcast axes in a fixed order). Non-finite inputs are checked and redone exactly
+(``_common.fused_or_exact``), as sdpa's are, by the kernel's own verdict on q and the output (it
+tests them as it reads and writes them: no pass over either on the host); a call needing
+gradients whose K/V hold NaN/Inf goes to chunked's exact path up front (the fused backward
+multiplies whole tiles)."""
 
 from __future__ import annotations
 
@@ -152,11 +154,11 @@ def _attend(q, k, v, call: AttentionCall):
     generic = fused_attention.forced_generic()
     mods = dict(score_terms(q, k, call))  # alibi, bias, softcap: checked by reject
     drop = (call.dropout_p, _seed0(call.dropout_seed)) if call.dropout_p > 0 else (0.0, 0)
-    out, lse, _, _ = ops.attention_fwd_cpu(
+    out, lse, _, _, finite = ops.attention_fwd_cpu(
         *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic, call.q_offset,
         mods.get("alibi"), *drop, mods.get("bias"), float(mods.get("softcap", 0.0)),
     )  # fmt: skip
-    return out.to(q.dtype), (lse if call.return_lse else None)
+    return out, (lse if call.return_lse else None), finite
 
 
 def run(q, k, v, call: AttentionCall):
@@ -175,8 +177,9 @@ def run(q, k, v, call: AttentionCall):
         )
         return chunked.run(q, k, v, call, exact=True)
     return fused_or_exact(
-        q, k, v, call, lambda: _attend(q, k, v, call), lambda: None, backend="cpu_fused"
-    )
+        q, k, v, call, lambda: _attend(q, k, v, call), lambda: None, backend="cpu_fused",
+        checked=True,
+    )  # fmt: skip
 
 
 def reject(q, k, v, call: AttentionCall) -> str | None:

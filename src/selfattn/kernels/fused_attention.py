@@ -163,6 +163,7 @@ INT_ARGS = (
 PTR_ARGS = (
     "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
     "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES", "DROP", "BIAS", "CAP", "DBIAS",
+    "FINITE",
 )  # fmt: skip
 _ISA_BITS = ((4, "avx512f"), (8, "avx512_bf16"), (1, "avx2"), (2, "fma"))
 # q, k, v dtype -> kernel code (the enum at the top of csrc/fused_attention.c)
@@ -397,7 +398,8 @@ def _dropout(p: float) -> dict:
 
 def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
             alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed0: int = 0,
-            bias: torch.Tensor | None = None, softcap: float = 0.0):  # fmt: skip
+            bias: torch.Tensor | None = None, softcap: float = 0.0,
+            finite: torch.Tensor | None = None):  # fmt: skip
     """``(out (B, Hq, Sq, Dv) in q's dtype, lse, m, l (B, Hq, Sq) float32)``.
 
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
@@ -410,13 +412,24 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     of ``_common.dropout_keep``; ``seed0`` is its seed hashed alone (the first step of it).
     ``bias``: an additive score term of shape ``(B|1, Hq|1, Sq|1, Sk|1)`` (row ``i`` = query row
     ``i``; no gradient); ``softcap``: ``cap·tanh(s / cap)`` of the score after ALiBi and the
-    bias (0: none).
+    bias (0: none). ``finite``: a bool tensor of one element, set to whether every element of
+    ``q`` and of ``out`` (as returned, in q's dtype) is finite: the kernel tests q's rows as it
+    packs them and out's as it stores them, so the caller needs no pass over either to trust
+    the result (``backends/_common.fused_or_exact``).
     """
     _check(tiles, (q, k, v), generic=generic)
+    if finite is not None:
+        if finite.dtype != torch.bool or finite.numel() != 1 or finite.device.type != "cpu":
+            raise ValueError(
+                f"finite must be a CPU bool tensor of one element, got {finite.dtype} "
+                f"{tuple(finite.shape)} on {finite.device}"
+            )
+        finite.fill_(True)  # the kernel writes False only
     B, Hq, Sq, _ = q.shape
     out = torch.empty(B, Hq, Sq, v.shape[3], dtype=q.dtype)  # rounded once, in the kernel
     lse, m, l = (torch.empty(B, Hq, Sq, dtype=torch.float32) for _ in range(3))
-    tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
+    names = ("Q", "K", "V", "OUT", "LSE", "M", "L", "FINITE")
+    tensors = dict(zip(names, (q, k, v, out, lse, m, l, finite)))
     tensors.update(_tile_ptrs(tiles))
     tensors.update(mods := _mods(q, k, alibi, bias, softcap))
     tensors.update(_dropout(dropout_p))

@@ -46,7 +46,7 @@ enum {
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
   P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_DBIAS,
-  P_NPTRS
+  P_FINITE, P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT) and of the forward's out; dO and every other output are float32 */
@@ -468,6 +468,34 @@ static inline void store_row(void *dst, int64_t off, const float *src, int64_t n
   }
 }
 
+/* -- Whether q and out hold only finite numbers, which the forward tells the host (P_FINITE: a
+   byte the host sets to 1, and an item that meets a NaN or Inf sets to 0; NULL: not asked). The
+   host trusts a result only when both are (backends/_common.fused_or_exact), and each item checks
+   its own q rows as it packs them and its out rows as it stores them, data it holds anyway: a
+   sum over each tensor on the host measured 1.2 ms of a 35 ms bf16 window-256 forward at
+   S=16384 (one thread), this ~nothing. */
+
+/* 1 when the n elements of dtype dt at element offset off of x are finite (NaN and Inf have
+   every exponent bit set) */
+static int elems_finite(const void *x, int64_t off, int64_t n, int dt) {
+  uint32_t bad = 0;
+  if (dt == F32) {
+    const uint32_t *w = (const uint32_t *)x + off;
+    for (int64_t e = 0; e < n; e++) bad |= (w[e] & 0x7f800000u) == 0x7f800000u;
+  } else {
+    const uint16_t *h = (const uint16_t *)x + off, ex = dt == BF16 ? 0x7f80 : 0x7c00;
+    for (int64_t e = 0; e < n; e++) bad |= (h[e] & ex) == ex;
+  }
+  return !bad;
+}
+
+/* The magnitude from which a float32 that store_row writes as dtype dt comes out infinite (it
+   rounds to nearest even): bf16's largest finite plus half its last place (0x7f7f8000: the tie
+   goes up, to the even Inf), fp16's 65504 + 16 likewise; float32's own Inf. */
+static float stored_inf_from(int dt) {
+  return dt == BF16 ? 0x1.ffp+127f : (dt == F16 ? 65520.0f : INFINITY);
+}
+
 /* n rows of width elements from element offset off of src (dtype dt), times mul, into dst
    (rows_padded x ld floats, zero padded). */
 static void pack_rows(float *dst, int64_t ld, const void *src, int64_t off, int64_t n,
@@ -682,17 +710,32 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
 
 /* -- normalise rows [0, tq) of a forward item (first row row0 of (B, Hq, Sq)): acc (stride Dvp)
    / l into out, lse, and the statistics m, l for the backward; a row with no key gets out 0, lse
-   -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. */
+   -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. finite: whether
+   the item's q rows were; with the out rows as stored, into P_FINITE. */
 static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq, float *acc,
-                        const float *m, const float *l) {
+                        const float *m, const float *l, int finite) {
   /* the statistics go through these, then out in whole vectors: one scalar store per row and
      statistic held the store buffer full while the lines came in */
   float lse[MAXBQ], mo[MAXBQ], lout[MAXBQ];
+  const float inf_from = stored_inf_from(d->dt);
+  /* lanes (and the rows' tails) that met an out element stored as NaN/Inf: reduced once, at
+     the end (a reduction per row measured ~0.5 ms of a 35 ms bf16 window forward) */
+  v16i bad = {0};
+  int bad_tail = 0;
   for (int64_t r = 0; r < tq; r++) {
     float *o = acc + r * d->Dvp;
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
       const float inv = 1.0f / l[r];
-      for (int64_t k = 0; k < d->Dv; k++) o[k] *= inv;
+      int64_t k = 0;
+      for (; k + VW <= d->Dv; k += VW) {
+        const v16 x = ld(o + k) * inv;
+        st(o + k, x);
+        bad |= ~((v16)((v16i)x & 0x7fffffff) < inf_from); /* NaN: not below */
+      }
+      for (; k < d->Dv; k++) {
+        o[k] *= inv;
+        bad_tail |= !(fabsf(o[k]) < inf_from);
+      }
       lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
     } else {
       memset(o, 0, sizeof(float) * d->Dv);
@@ -703,6 +746,9 @@ static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq,
   memcpy((float *)p[P_LSE] + row0, lse, sizeof(float) * (size_t)tq);
   memcpy((float *)p[P_M] + row0, mo, sizeof(float) * (size_t)tq);
   memcpy((float *)p[P_L] + row0, lout, sizeof(float) * (size_t)tq);
+  for (int i = 0; i < VW; i++) bad_tail |= bad[i];
+  if ((bad_tail || !finite) && p[P_FINITE]) /* a byte other items may write: the same 0 */
+    __atomic_store_n((uint8_t *)p[P_FINITE], 0, __ATOMIC_RELAXED);
 }
 
 /* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
@@ -795,6 +841,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
   else
     pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  const int q_finite = elems_finite(p[P_Q], row0 * d.D, tq * d.D, d.dt); /* rows now in L1 */
   float *lv = (float *)(pw + RB * BK / 2); /* each row's running sum as a vector */
   for (r = 0; r < tqp; r++) m[r] = -INFINITY;
   memset(lv, 0, sizeof(float) * tqp * VW);
@@ -858,7 +905,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     }
   }
   for (r = 0; r < tq; r++) l[r] = hsum(ld(lv + r * VW));
-  finish_rows(&d, p, row0, tq, acc, m, l);
+  finish_rows(&d, p, row0, tq, acc, m, l, q_finite);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1011,15 +1058,22 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
   }
   /* -- Qᵀ, rows [tq, nqv VW) 0: blocks of 16 rows x 16 32-bit words (floats, or for even D
      bf16 pairs: 4 bytes of q) transposed in registers (scalar stores were a quarter of this
-     item's time, vpgatherdd 40%) */
+     item's time, vpgatherdd 40%); their finiteness tested there too */
+  int q_finite;
   if (!bf && d.dt != F32) { /* fp16: converted and scaled element by element */
     memset(qT, 0, sizeof(float) * d.D * MAXBQ);
     for (r = 0; r < tq; r++)
       for (k = 0; k < d.D; k++) load_row(qT + k * MAXBQ + r, p[P_Q], (row0 + r) * d.D + k, 1, d.dt, job->c);
+    q_finite = elems_finite(p[P_Q], row0 * d.D, tq * d.D, d.dt);
   } else if (!bf || d.D % 2 == 0) {
     const int64_t words = bf ? np : d.D;
     const __m512i fl = _mm512_set1_epi32((int)flip);
     const __m512 cq = _mm512_set1_ps(job->c);
+    /* NaN/Inf: all 8 exponent bits of a bf16, which sit where a float32's do in its upper half
+       (16-bit lanes: both of a bf16 pair word, the odd ones of a float32) */
+    const __m512i ex = _mm512_set1_epi32(0x7f807f80);
+    const __mmask32 halves = bf ? 0xffffffffu : 0xaaaaaaaau;
+    __mmask32 nonfinite = 0;
     for (v = 0; v < nqv; v++)
       for (k = 0; k < words; k += VW) {
         const __mmask16 cols = words - k >= VW ? 0xffff : (__mmask16)((1u << (words - k)) - 1);
@@ -1029,12 +1083,15 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
         for (r = 0; r < VW; r++)
           w[r] = v * VW + r < tq ? _mm512_maskz_loadu_epi32(cols, x + r * words)
                                  : _mm512_setzero_si512();
+        for (r = 0; r < VW; r++)
+          nonfinite |= _mm512_mask_cmpeq_epi16_mask(halves, _mm512_and_si512(w[r], ex), ex);
         transpose16(w);
         for (r = 0; r < VW && k + r < words; r++)
           _mm512_storeu_si512(qT + (k + r) * MAXBQ + v * VW,
                               bf ? _mm512_maskz_xor_epi32(in, w[r], fl)
                                  : (__m512i)_mm512_maskz_mul_ps(in, (__m512)w[r], cq));
       }
+    q_finite = !nonfinite;
   } else {
     uint32_t *qw = (uint32_t *)qT;
     memset(qw, 0, sizeof(uint32_t) * np * MAXBQ);
@@ -1044,6 +1101,7 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
         qw[k * MAXBQ + r] = (x[2 * k] | (uint32_t)x[2 * k + 1] << 16) ^ flip;
       qw[(np - 1) * MAXBQ + r] = x[d.D - 1] ^ (flip & 0xffffu);
     }
+    q_finite = elems_finite(p[P_Q], row0 * d.D, tq * d.D, d.dt);
   }
   for (r = 0; r < nqv * VW; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
@@ -1174,7 +1232,7 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
                 hi - lo, d.Dvp, sc);
     }
   }
-  finish_rows(&d, p, row0, tq, acc, m, l);
+  finish_rows(&d, p, row0, tq, acc, m, l, q_finite);
 }
 
 static void fwd_f32_item(const void *vjob, int64_t item, float *buf) { fwd_t(vjob, item, buf, 0); }
