@@ -329,6 +329,26 @@ def test_finite_calls_trust_the_kernels_verdict_without_a_pass_over_q_or_out(dty
     assert out[0, 1, 50].isnan().all() and not out[0, 0].isnan().any()
 
 
+def test_only_calls_needing_gradients_go_through_the_op(monkeypatch):
+    """The custom op's dispatcher costs ~35 µs a call (as much as a small call's kernel): a call
+    autograd will not differentiate runs the op's implementation directly, one it will runs the
+    op (its autograd formula is the kernel's backward)."""
+    from selfattn.kernels import ops
+
+    through_op = []
+    op = ops.attention_fwd_cpu
+    monkeypatch.setattr(ops, "attention_fwd_cpu", lambda *a: through_op.append(1) or op(*a))
+    q, k, v = make_qkv(1, 2, 33, 16, Sk=70, seed=10)
+    check_against_reference(cpu_attention, q, k, v, grad=False, mask=masks.causal())
+    assert through_op == []
+    q.requires_grad_()
+    with torch.no_grad():
+        cpu_attention(q, k, v, mask=masks.causal())
+    assert through_op == []
+    cpu_attention(q, k, v, mask=masks.causal()).sum().backward()
+    assert through_op == [1] and q.grad is not None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "why"),
     [
