@@ -272,6 +272,25 @@ def test_exp2_weights_is_within_a_few_ulp_of_float64():
         assert y[x == 0].eq(1).all()
 
 
+def test_log2_of_row_sums_is_within_two_ulp_of_float64():
+    """The forward's vector log2 of the row sums (lse = (m + log2 l) ln 2; l >= 1 where a row
+    has a key): on a sweep of float32 bit patterns in [1, 2^31) and the mantissas next to
+    sqrt(2), where its range reduction switches, within 2 ulp; NaN stays NaN."""
+    lo, hi = 0x3F800000, 0x4F000000  # 1.0, 2^31
+    bits = torch.cat(
+        [torch.arange(lo, hi, 997), torch.arange(0x3FB504F0 - 4096, 0x3FB504F0 + 4096)]
+    )
+    x = bits.to(torch.int32).view(torch.float32)
+    for generic in (False, True):
+        y = fa.log2_sums(x, generic=generic).double()
+        exact = torch.log2(x.double())
+        ulp = torch.nextafter(exact.float(), torch.tensor(math.inf)) - exact.float()
+        err_ulp = ((y - exact).abs() / ulp.double().clamp(min=2.0**-149))[exact > 0]
+        assert err_ulp.max().item() <= 2, (generic, x[exact > 0][err_ulp.argmax()].item())
+        assert y[x == 1].eq(0).all()
+        assert torch.isnan(fa.log2_sums(torch.tensor([math.nan]), generic=generic)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
 @pytest.mark.parametrize("shape", ["97x150-G2-D40-Dv24", "1x130-MQA-D59"])

@@ -106,6 +106,7 @@ __all__ = [
     "forward",
     "isa",
     "library",
+    "log2_sums",
     "requested_isa",
     "tanh",
     "twin",
@@ -134,6 +135,8 @@ SPEC = CLibrary(
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
         Function("fa_exp2w", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
+        # fa_log2(x, y, n): the forward's log2 of the row sums (its lse), for tests
+        Function("fa_log2", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         *threads.POOL_FUNCTIONS,
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
@@ -496,6 +499,11 @@ def exp2_weights(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
     """``2^x`` of float32 ``x`` as the forward computes its weights (for tests): the degree-5
     ``exp2w`` of the bf16 path where the build has avx512_bf16, the float32 path's else."""
     return _map("fa_exp2w", x, generic)
+
+
+def log2_sums(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """``log2`` of float32 ``x`` as the forward computes its lse from the row sums (for tests)."""
+    return _map("fa_log2", x, generic)
 
 
 def twin(q, k, v, tiles: Tiles, scale: float, dtype: torch.dtype = torch.float64,
