@@ -125,8 +125,8 @@ static inline v16 exp2v(v16 x) {
    finite nonsense, which finish_rows replaces): Cephes' log2f (Moshier) on vectors. x = 2^e m
    with m in [sqrt(1/2), sqrt(2)), f = m - 1 (exact), ln(1 + f) = f - f^2/2 + f^3 P(f), and
    log2 e = 1 + LOG2E_1 applied so that its leading 1 multiplies exactly: 1.4 float32 ulps at
-   most over 2e7 values in [1, 2^31) (glibc's log2f, one call per row, measured ~1% of a bf16
-   window forward). */
+   most over 2e7 values in [1, 2^31) (glibc's log2f, one call per row, was ~1% of a bf16 window
+   forward in perf). */
 static inline v16 log2v(v16 x) {
   static const float c[] = {7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f,
                             -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
@@ -748,7 +748,7 @@ static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq,
   float lse[MAXBQ], mo[MAXBQ], lout[MAXBQ];
   const float inf_from = stored_inf_from(d->dt);
   /* lanes (and the rows' tails) that met an out element stored as NaN/Inf: reduced once, at
-     the end (a reduction per row measured ~0.5 ms of a 35 ms bf16 window forward) */
+     the end (a reduction per row showed as ~0.5 ms of a 35 ms bf16 window forward in perf) */
   v16i bad = {0};
   int bad_tail = 0;
   for (int64_t r = 0; r < tq; r++) {
@@ -1815,7 +1815,8 @@ void fa_exp2w(const float *x, float *y, int64_t n) {
 }
 
 /* 0 on success, 1 when scratch memory could not be allocated, 2 for a tile width this build
-   does not have (BK). out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq): float32. */
+   does not have (BK). out (B, Hq, Sq, Dv) in q's dtype, lse, m, l (B, Hq, Sq) float32; P_FINITE
+   (NULL or one byte the host set to 1): 0 where q or out holds a NaN or Inf (finish_rows). */
 int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
