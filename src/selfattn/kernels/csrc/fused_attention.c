@@ -1747,6 +1747,27 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
    reads a kv head's whole packed K, 1 MiB at S=4096: TLB misses), huge ones as fast as fresh
    ones there and 0.8-0.9x on a window's (one thread, Zen 4). */
 #define POOL_ALIGN ((size_t)2 << 20)
+
+/* Ask for 2 MiB pages over the whole 2 MiB pages of [p, p + bytes) (a hint: where the OS has
+   transparent huge pages on request; failure changes nothing). */
+static void huge_pages(void *p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t a = ((uintptr_t)p + POOL_ALIGN - 1) & ~(uintptr_t)(POOL_ALIGN - 1);
+  const uintptr_t z = ((uintptr_t)p + bytes) & ~(uintptr_t)(POOL_ALIGN - 1);
+  if (z > a) madvise((void *)a, z - a, MADV_HUGEPAGE);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+/* An output the host has just allocated, to be written whole: on 2 MiB pages where it is at
+   least FRESH_MAP_BYTES, glibc's largest mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit),
+   from which every allocation is a new mapping, faulted in page by page as the kernel writes it:
+   4 KiB faults measured 16 ms of an 86 ms float32 window-256 forward at S=16384 (a 32 MiB out,
+   one thread, in a VM). Smaller ones come from the heap, reused from call to call: left alone. */
+#define FRESH_MAP_BYTES ((size_t)32 << 20)
+static void fresh_output(void *p, size_t bytes) {
+  if (p && bytes >= FRESH_MAP_BYTES) huge_pages(p, bytes);
+}
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *pool;
 static size_t pool_bytes;
@@ -1766,9 +1787,7 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
     if (pool_bytes < total) {
       free(pool);
       if (posix_memalign(&pool, POOL_ALIGN, total)) pool = NULL;
-#ifdef MADV_HUGEPAGE
-      if (pool) madvise(pool, total, MADV_HUGEPAGE); /* a hint: failure changes nothing */
-#endif
+      if (pool) huge_pages(pool, total);
       pool_bytes = pool ? total : 0;
     }
     if (pool) job->packed = pool, job->pooled = 1;
@@ -1859,6 +1878,7 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   if (job.rr == NULL) return 1;
   row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
 #endif
+  fresh_output(ptrs[P_OUT], (size_t)(d.B * d.Hq * d.Sq * d.Dv) * (d.dt == F32 ? 4 : 2));
   int status = pack_kv(&job, &d, n_threads);
   /* runs of FWD_GRAIN items, but fewer where a thread would get under FWD_CLAIMS claims (the
      last claims balance the threads' ends) */
@@ -1899,6 +1919,9 @@ static void row_deltas(const Dims *d, void *const *p) {
 int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
+  fresh_output(ptrs[P_DQ], sizeof(float) * (size_t)(d.B * d.Hq * d.Sq * d.D));
+  fresh_output(ptrs[P_DK], sizeof(float) * (size_t)(d.B * d.Hkv * d.Sk * d.D));
+  fresh_output(ptrs[P_DV], sizeof(float) * (size_t)(d.B * d.Hkv * d.Sk * d.Dv));
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
