@@ -272,6 +272,25 @@ def test_exp2_weights_is_within_a_few_ulp_of_float64():
         assert y[x == 0].eq(1).all()
 
 
+def test_log2_of_row_sums_is_within_two_ulp_of_float64():
+    """The forward's vector log2 of the row sums (lse = (m + log2 l) ln 2; l >= 1 where a row
+    has a key): on a sweep of float32 bit patterns in [1, 2^31) and the mantissas next to
+    sqrt(2), where its range reduction switches, within 2 ulp; NaN stays NaN."""
+    lo, hi = 0x3F800000, 0x4F000000  # 1.0, 2^31
+    bits = torch.cat(
+        [torch.arange(lo, hi, 997), torch.arange(0x3FB504F0 - 4096, 0x3FB504F0 + 4096)]
+    )
+    x = bits.to(torch.int32).view(torch.float32)
+    for generic in (False, True):
+        y = fa.log2_sums(x, generic=generic).double()
+        exact = torch.log2(x.double())
+        ulp = torch.nextafter(exact.float(), torch.tensor(math.inf)) - exact.float()
+        err_ulp = ((y - exact).abs() / ulp.double().clamp(min=2.0**-149))[exact > 0]
+        assert err_ulp.max().item() <= 2, (generic, x[exact > 0][err_ulp.argmax()].item())
+        assert y[x == 1].eq(0).all()
+        assert torch.isnan(fa.log2_sums(torch.tensor([math.nan]), generic=generic)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
 @pytest.mark.parametrize("shape", ["97x150-G2-D40-Dv24", "1x130-MQA-D59"])
@@ -354,3 +373,68 @@ def test_bad_tensors_are_refused_with_their_shapes():
         fa.forward(q, k, v, t, 0.3, bias=torch.zeros(1, 2, 9, 3))
     with pytest.raises(ValueError, match="softcap must be a positive finite number"):
         fa.forward(q, k, v, t, 0.3, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"finite must be a CPU bool tensor .* torch.int32 \(2,\)"):
+        fa.forward(q, k, v, t, 0.3, finite=torch.ones(2, dtype=torch.int32))
+
+
+# Every path of the forward that reports finiteness: fwd_t (AVX-512 builds: float32 and even-D
+# bf16 tested in registers, odd-D bf16 and fp16 by rows), fwd_item with a score mod or dropout,
+# and the generic and AVX2 builds (fwd_item only).
+FINITE_PATHS = {
+    "fwd_t": ("native", {}),
+    "fwd_item-alibi": ("native", {"alibi": torch.tensor([0.5, 0.25])}),
+    "fwd_item-dropout": ("native", {"dropout_p": 0.8, "seed0": 7}),
+    "generic": ("generic", {}),
+    "avx2": ("avx2", {}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("path", list(FINITE_PATHS))
+def test_forward_reports_whether_q_and_out_are_finite(path, dtype, monkeypatch):
+    """``finite`` is exactly "every element of q and of out (in q's dtype) is finite", what
+    ``fused_or_exact`` needs to trust a result: NaN or Inf in q (also in a row with no key,
+    whose out stays 0), a NaN V at an attended key, an out that overflows from finite inputs
+    (float32 sums; fp16 rounding of dropout's 1/(1-p)); True otherwise. D and Dv 40 (full
+    vectors and a tail) and 59 (odd: bf16 pairs by rows), ragged tiles, a tile row with no key."""
+    generic = _force_build(monkeypatch, FINITE_PATHS[path][0])
+    kw = FINITE_PATHS[path][1]
+    if dtype not in fa.supported_dtypes(generic):
+        pytest.skip(f"this compiler has no {dtype}")
+    B, Hq, Hkv, Sq, Sk, bq = 1, 2, 1, 97, 150, 32
+    g = torch.Generator().manual_seed(17)
+    n_q, n_k = math.ceil(Sq / bq), math.ceil(Sk / fa.BLOCK_K)
+    nonempty = torch.ones(n_q, n_k, dtype=torch.bool)
+    nonempty[0] = False  # rows 0-31 attend no key: out 0 whatever q holds
+    full = torch.rand(n_q, n_k, generator=g) < 0.5
+    full[2, 1] = True  # rows 64-95 attend keys 64-127
+    n_partial = int((nonempty & ~full).sum())
+    bits = (torch.rand(n_partial, 1, 1, bq, fa.BLOCK_K, generator=g) < 0.6).to(torch.uint8)
+    t = fa.Tiles.from_grid(nonempty, full, bq, bits, 1, 1)
+    big = {torch.float32: 3e38, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
+    finite = torch.empty((), dtype=torch.bool)
+    for D in (40, 59):
+        cases = {  # name -> (q, v, what the flag must say)
+            "finite": (None, None, True),
+            "q NaN": ((0, 1, 50, 3), None, False),
+            "q Inf, last element": ((0, 0, 70, D - 1), None, False),
+            "q NaN in a row with no key": ((0, 1, 5, 0), None, False),
+            "V NaN at an attended key": (None, (0, 0, 69, 2), False),
+        }
+        for i, (name, (q_at, v_at, want)) in enumerate(cases.items()):
+            q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, D, dtype=dtype, seed=D + i)
+            if q_at is not None:
+                q[q_at] = math.inf if "Inf" in name else math.nan
+            if v_at is not None:
+                v[v_at] = math.nan
+            out = fa.forward(q, k, v, t, D**-0.5, generic=generic, finite=finite, **kw)[0]
+            truth = bool(q.isfinite().all() and out.isfinite().all())
+            assert bool(finite) == truth == want, (D, name)
+        # equal scores (q = 0) and huge V: every attended row's sum of weights x V overflows
+        # float32 (Inf); fp16's 6e4 does not, but dropout's 1/(1-p) = 5 takes a row whose kept
+        # share is over 0.22 past fp16's largest when stored
+        q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, D, dtype=dtype, seed=D)
+        q.zero_(), v.fill_(big)
+        out = fa.forward(q, k, v, t, D**-0.5, generic=generic, finite=finite, **kw)[0]
+        want = dtype != torch.float16 or "dropout_p" in kw
+        assert bool(finite) == bool(out.isfinite().all()) == (not want), (D, "out overflows")

@@ -236,16 +236,19 @@ def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -
     return out.masked_fill_((nan > 0) | ((up > 0) & (down > 0)), math.nan)
 
 
-def fused_or_exact(q, k, v, call, attend, attend_zeroed, *, backend: str):
-    """``(out, lse)`` from a fused kernel, checked: what sdpa and flex run.
+def fused_or_exact(q, k, v, call, attend, attend_zeroed, *, backend: str, checked=False):
+    """``(out, lse)`` from a fused kernel, checked: what sdpa, flex, triton and cpu_fused run.
 
     A fused kernel adds masks to the scores and multiplies every weight by every V row, so NaN/Inf
     at a masked entry leaks (``NaN + -inf``, ``0 · NaN``), and CPU kernels turn a NaN query row
     into 0. One reduction over ``q`` and the output finds all of these, so finite inputs pay
-    nothing else. Such a call is redone by ``attend_zeroed()`` (the kernel with the K/V columns no
-    query attends zeroed; None where non-finite values remain), which serves garbage in padded
-    cache slots at kernel speed, else by chunked's exact path (the reference where chunked cannot
-    run the call).
+    nothing else; with ``checked``, ``attend()`` returns ``(out, lse, finite)``, ``finite`` the
+    kernel's own verdict on the same question (every element of ``q`` and ``out`` finite: the
+    cpu_fused kernel tests them as it reads and writes them), and not even that reduction runs.
+    Such a call is redone by ``attend_zeroed()`` (the kernel with the K/V columns no query
+    attends zeroed; None where non-finite values remain), which serves garbage in padded cache
+    slots at kernel speed, else by chunked's exact path (the reference where chunked cannot run
+    the call).
 
     Under ``torch.compile`` nothing may branch on values, so the check and the exact fallback are
     left out: the kernel runs with the unattended K/V columns zeroed (``attend_zeroed``, without
@@ -259,9 +262,15 @@ def fused_or_exact(q, k, v, call, attend, attend_zeroed, *, backend: str):
     """
     if torch.compiler.is_compiling():
         result = attend_zeroed()
-        return attend() if result is None else result
+        if result is None:
+            result = attend()
+        return result[:2] if checked else result
     result = attend()
-    if all_finite(q, result[0]):
+    if checked:
+        result, finite = result[:2], bool(result[2])
+    else:
+        finite = all_finite(q, result[0])
+    if finite:
         return result
     if all_finite(q) and not all_finite(k, v):
         result = attend_zeroed()

@@ -21,9 +21,11 @@ kernel in float32), score mods not made of ALiBi, bias and softcap terms (a call
 chunked runs them), calls under ``torch.compile`` (the tile plan reads mask values), and
 wherever the kernel cannot be built (no compiler: logged once, chunked runs instead). A bias
 that requires grad gets its gradient from the kernel's backward (its dQ pass sums dS over the
-bias's broadcast axes in a fixed order). Non-finite inputs are checked and
-redone exactly (``_common.fused_or_exact``), as sdpa's are; a call needing gradients whose K/V
-hold NaN/Inf goes to chunked's exact path up front (the fused backward multiplies whole tiles)."""
+bias's broadcast axes in a fixed order). Non-finite inputs are checked and redone exactly
+(``_common.fused_or_exact``), as sdpa's are, by the kernel's own verdict on q and the output (it
+tests them as it reads and writes them: no pass over either on the host); a call needing
+gradients whose K/V hold NaN/Inf goes to chunked's exact path up front (the fused backward
+multiplies whole tiles)."""
 
 from __future__ import annotations
 
@@ -146,24 +148,30 @@ def _seed0(seed: int) -> int:
     return int(_fmix32(torch.tensor(seed & 0xFFFFFFFF) ^ ((seed >> 32) * _GOLDEN)))
 
 
-def _attend(q, k, v, call: AttentionCall):
+def _attend(q, k, v, call: AttentionCall, grad: bool):
+    """``(out, lse or None, finite)``; ``grad``: autograd will run the call's backward."""
     t = tiles(q, k, call)
-    qkv = (x.contiguous() for x in (q, k, v))
-    generic = fused_attention.forced_generic()
+    q, k, v = (x.contiguous() for x in (q, k, v))
     mods = dict(score_terms(q, k, call))  # alibi, bias, softcap: checked by reject
     drop = (call.dropout_p, _seed0(call.dropout_seed)) if call.dropout_p > 0 else (0.0, 0)
-    out, lse, _, _ = ops.attention_fwd_cpu(
-        *qkv, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, generic, call.q_offset,
-        mods.get("alibi"), *drop, mods.get("bias"), float(mods.get("softcap", 0.0)),
-    )  # fmt: skip
-    return out.to(q.dtype), (lse if call.return_lse else None)
+    args = (fused_attention.forced_generic(), call.q_offset, mods.get("alibi"), *drop,
+            mods.get("bias"), float(mods.get("softcap", 0.0)))  # fmt: skip
+    if grad:  # the op, whose autograd formula is the kernel's backward
+        out, lse, _, _, finite = ops.attention_fwd_cpu(
+            q, k, v, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, *args
+        )
+    else:  # the op's implementation itself: the dispatcher costs ~35 µs a call (2-core EPYC)
+        finite = torch.empty((), dtype=torch.bool)
+        out, lse, _, _ = fused_attention.forward(q, k, v, t, call.scale, *args, finite=finite)
+    return out, (lse if call.return_lse else None), finite
 
 
 def run(q, k, v, call: AttentionCall):
     """``(out in q's dtype, lse float32 or None)``."""
     if call.sinks is not None:  # merged after the kernel, through its lse (differentiable)
         return run_with_sinks(run, q, k, v, call)
-    if grad_needed(q, k, v, call) and not all_finite(k, v):
+    grad = grad_needed(q, k, v, call)
+    if grad and not all_finite(k, v):
         # The backward multiplies whole tiles of K and V (dQ = dS K, dP = dO Vᵀ), so NaN/Inf
         # at a masked key would reach rows that never attend it (0 · NaN): chunked's exact path
         # keeps them out, at its speed.
@@ -175,8 +183,9 @@ def run(q, k, v, call: AttentionCall):
         )
         return chunked.run(q, k, v, call, exact=True)
     return fused_or_exact(
-        q, k, v, call, lambda: _attend(q, k, v, call), lambda: None, backend="cpu_fused"
-    )
+        q, k, v, call, lambda: _attend(q, k, v, call, grad), lambda: None, backend="cpu_fused",
+        checked=True,
+    )  # fmt: skip
 
 
 def reject(q, k, v, call: AttentionCall) -> str | None:

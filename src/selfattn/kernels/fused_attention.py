@@ -106,6 +106,7 @@ __all__ = [
     "forward",
     "isa",
     "library",
+    "log2_sums",
     "requested_isa",
     "tanh",
     "twin",
@@ -134,6 +135,8 @@ SPEC = CLibrary(
         Function("fa_tanh", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         # fa_exp2w(x, y, n): the forward's 2^x for the weights, for tests
         Function("fa_exp2w", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
+        # fa_log2(x, y, n): the forward's log2 of the row sums (its lse), for tests
+        Function("fa_log2", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)),
         *threads.POOL_FUNCTIONS,
     ),
     # gnu11, not c11: ISO mode turns off FMA contraction (-ffp-contract=off), halving the FLOP
@@ -163,6 +166,7 @@ INT_ARGS = (
 PTR_ARGS = (
     "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
     "M", "L", "DO", "DLSE", "DELTA", "DQ", "DK", "DV", "SLOPES", "DROP", "BIAS", "CAP", "DBIAS",
+    "FINITE",
 )  # fmt: skip
 _ISA_BITS = ((4, "avx512f"), (8, "avx512_bf16"), (1, "avx2"), (2, "fma"))
 # q, k, v dtype -> kernel code (the enum at the top of csrc/fused_attention.c)
@@ -397,7 +401,8 @@ def _dropout(p: float) -> dict:
 
 def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset: int = 0,
             alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed0: int = 0,
-            bias: torch.Tensor | None = None, softcap: float = 0.0):  # fmt: skip
+            bias: torch.Tensor | None = None, softcap: float = 0.0,
+            finite: torch.Tensor | None = None):  # fmt: skip
     """``(out (B, Hq, Sq, Dv) in q's dtype, lse, m, l (B, Hq, Sq) float32)``.
 
     ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` contiguous CPU tensors
@@ -410,13 +415,24 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     of ``_common.dropout_keep``; ``seed0`` is its seed hashed alone (the first step of it).
     ``bias``: an additive score term of shape ``(B|1, Hq|1, Sq|1, Sk|1)`` (row ``i`` = query row
     ``i``; no gradient); ``softcap``: ``cap·tanh(s / cap)`` of the score after ALiBi and the
-    bias (0: none).
+    bias (0: none). ``finite``: a bool tensor of one element, set to whether every element of
+    ``q`` and of ``out`` (as returned, in q's dtype) is finite: the kernel tests q's rows as it
+    packs them and out's as it stores them, so the caller needs no pass over either to trust
+    the result (``backends/_common.fused_or_exact``).
     """
     _check(tiles, (q, k, v), generic=generic)
+    if finite is not None:
+        if finite.dtype != torch.bool or finite.numel() != 1 or finite.device.type != "cpu":
+            raise ValueError(
+                f"finite must be a CPU bool tensor of one element, got {finite.dtype} "
+                f"{tuple(finite.shape)} on {finite.device}"
+            )
+        finite.fill_(True)  # the kernel writes False only
     B, Hq, Sq, _ = q.shape
     out = torch.empty(B, Hq, Sq, v.shape[3], dtype=q.dtype)  # rounded once, in the kernel
     lse, m, l = (torch.empty(B, Hq, Sq, dtype=torch.float32) for _ in range(3))
-    tensors = dict(zip(("Q", "K", "V", "OUT", "LSE", "M", "L"), (q, k, v, out, lse, m, l)))
+    names = ("Q", "K", "V", "OUT", "LSE", "M", "L", "FINITE")
+    tensors = dict(zip(names, (q, k, v, out, lse, m, l, finite)))
     tensors.update(_tile_ptrs(tiles))
     tensors.update(mods := _mods(q, k, alibi, bias, softcap))
     tensors.update(_dropout(dropout_p))
@@ -483,6 +499,11 @@ def exp2_weights(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
     """``2^x`` of float32 ``x`` as the forward computes its weights (for tests): the degree-5
     ``exp2w`` of the bf16 path where the build has avx512_bf16, the float32 path's else."""
     return _map("fa_exp2w", x, generic)
+
+
+def log2_sums(x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """``log2`` of float32 ``x`` as the forward computes its lse from the row sums (for tests)."""
+    return _map("fa_log2", x, generic)
 
 
 def twin(q, k, v, tiles: Tiles, scale: float, dtype: torch.dtype = torch.float64,

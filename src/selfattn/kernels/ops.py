@@ -18,8 +18,8 @@ op                                     kernel                              outpu
 ``selfattn::attention_triton_bwd``     the same module                     ``dq, dk, dv``
 ``selfattn::attention_fwd_cpu``        C, ``csrc/fused_attention.c``       ``out`` in q's dtype,
                                        (:mod:`selfattn.kernels.fused_      ``lse``, ``m``, ``l``
-                                       attention`), with an autograd       float32, CPU
-                                       formula: the op below
+                                       attention`), with an autograd       float32, ``finite``
+                                       formula: the op below               bool (), CPU
 ``selfattn::attention_bwd_cpu``        the same C library                  ``dq, dk, dv`` float32
 =====================================  ==================================  ====================
 
@@ -250,19 +250,25 @@ def attention_fwd_cpu(
     seed0: int = 0,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, m, l, finite)``: :func:`fused_attention.forward`'s four and its ``finite``
+    (bool, shape ``()``): whether every element of q and out is finite, which the kernel tells
+    on data it holds anyway (the backend trusts the result by it: ``_common.fused_or_exact``)."""
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
-    return fused_attention.forward(
-        q, k, v, t, scale, generic, q_offset, alibi, dropout_p, seed0, bias, softcap
+    finite = torch.empty((), dtype=torch.bool)
+    out = fused_attention.forward(
+        q, k, v, t, scale, generic, q_offset, alibi, dropout_p, seed0, bias, softcap, finite
     )
+    return *out, finite
 
 
 @attention_fwd_cpu.register_fake
 def _(q, k, v, *tiles_and_args):
     (B, Hq, Sq, _), Dv = q.shape, v.shape[3]
     out = q.new_empty((B, Hq, Sq, Dv))  # q's dtype
-    return out, *(q.new_empty((B, Hq, Sq), dtype=torch.float32) for _ in range(3))
+    stats = (q.new_empty((B, Hq, Sq), dtype=torch.float32) for _ in range(3))
+    return out, *stats, q.new_empty((), dtype=torch.bool)
 
 
 @torch.library.custom_op("selfattn::attention_bwd_cpu", mutates_args=(), device_types="cpu")
@@ -318,7 +324,7 @@ _BIAS_ARG = 19  # attention_fwd_cpu's argument index of the bias
 
 
 def _fwd_setup(ctx, inputs, output):
-    out, _, m, l = output
+    out, _, m, l, _ = output
     ctx.save_for_backward(*inputs[:3], out, m, l, *inputs[3:10])  # q, k, v, ..., the tiles
     # block_q, mask_b, mask_h, scale, generic, q_offset, alibi, dropout, bias, cap
     ctx.args = inputs[10:]
@@ -326,7 +332,7 @@ def _fwd_setup(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _fwd_backward(ctx, dout, dlse, _dm, _dl):
+def _fwd_backward(ctx, dout, dlse, _dm, _dl, _dfinite):
     """dQ, dK, dV (and dBias where the bias needs it) from the saved output and row statistics;
     dlse: the lse's own gradient (e.g. from attention sinks merged through it)."""
     q, k, v, out, m, l, *tiles = ctx.saved_tensors

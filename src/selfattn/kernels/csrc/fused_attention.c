@@ -46,7 +46,7 @@ enum {
 enum {
   P_Q, P_K, P_V, P_ROWPTR, P_COLS, P_PIDS, P_COLPTR, P_ROWS, P_CPIDS, P_BITS, P_OUT, P_LSE,
   P_M, P_L, P_DO, P_DLSE, P_DELTA, P_DQ, P_DK, P_DV, P_SLOPES, P_DROP, P_BIAS, P_CAP, P_DBIAS,
-  P_NPTRS
+  P_FINITE, P_NPTRS
 };
 
 /* dtype of q, k, v (A_DT) and of the forward's out; dO and every other output are float32 */
@@ -121,6 +121,32 @@ static inline v16 exp2v(v16 x) {
   return (v16)((v16i)(y * (v16)e) & ~under);
 }
 
+/* log2 of 16 floats, for the forward's row sums (l >= 1, or 0, or NaN: NaN stays NaN; 0 gives
+   finite nonsense, which finish_rows replaces): Cephes' log2f (Moshier) on vectors. x = 2^e m
+   with m in [sqrt(1/2), sqrt(2)), f = m - 1 (exact), ln(1 + f) = f - f^2/2 + f^3 P(f), and
+   log2 e = 1 + LOG2E_1 applied so that its leading 1 multiplies exactly: 1.4 float32 ulps at
+   most over 2e7 values in [1, 2^31) (glibc's log2f, one call per row, was ~1% of a bf16 window
+   forward in perf). */
+static inline v16 log2v(v16 x) {
+  static const float c[] = {7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f,
+                            -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
+                            2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f};
+  const float LOG2E_1 = 0.44269504088896340736f; /* log2(e) - 1 */
+  const v16i bits = (v16i)x;
+  v16i e = ((bits >> 23) & 0xff) - 127;
+  v16 m = (v16)((bits & 0x007fffff) | 0x3f800000); /* [1, 2) */
+  const v16i big = m > 1.41421356f;                /* -1 where m is halved and e raised */
+  m = (v16)(((v16i)(m * 0.5f) & big) | ((v16i)m & ~big));
+  e -= big;
+  const v16 f = m - 1.0f, z = f * f;
+  v16 p = splat(c[0]);
+  for (unsigned i = 1; i < sizeof c / sizeof c[0]; i++) p = p * f + c[i];
+  const v16 y = f * z * p - 0.5f * z; /* ln(1 + f) - f */
+  const v16 r = y * LOG2E_1 + f * LOG2E_1 + y + f + __builtin_convertvector(e, v16);
+  const v16i nan = x != x;
+  return (v16)((bits & nan) | ((v16i)r & ~nan));
+}
+
 /* tanh of 16 floats, odd. |x| < TANH_POLY_MAX: x · p(x²), p a degree-5 least-squares fit of
    tanh(x)/x on [0, 1/2] (relative error 3.8e-10 in exact arithmetic); above it (1 - e) / (1 + e)
    with e = 2^(-2|x| log2(e)) from exp2v, where 1 - e >= 0.39 cancels no digits; e = 0 gives
@@ -159,6 +185,9 @@ static void map16(const float *x, float *y, int64_t n, v16 (*f)(v16)) {
 
 /* n floats: y = tanh(x) as the kernel computes it (tests measure its error). */
 void fa_tanh(const float *x, float *y, int64_t n) { map16(x, y, n, tanhv); }
+
+/* n floats: y = log2(x) as the forward computes its lse (tests measure its error). */
+void fa_log2(const float *x, float *y, int64_t n) { map16(x, y, n, log2v); }
 
 /* -- the micro-kernel: RB rows of C (stride ldc) += A (RB x K; element k of row r at A[r lda +
    k ldk]) B (K x nv*VW, stride ldb), with nv a constant at each call site, so the accumulators
@@ -468,6 +497,34 @@ static inline void store_row(void *dst, int64_t off, const float *src, int64_t n
   }
 }
 
+/* -- Whether q and out hold only finite numbers, which the forward tells the host (P_FINITE: a
+   byte the host sets to 1, and an item that meets a NaN or Inf sets to 0; NULL: not asked). The
+   host trusts a result only when both are (backends/_common.fused_or_exact), and each item checks
+   its own q rows as it packs them and its out rows as it stores them, data it holds anyway: a
+   sum over each tensor on the host measured 1.2 ms of a 35 ms bf16 window-256 forward at
+   S=16384 (one thread), this ~nothing. */
+
+/* 1 when the n elements of dtype dt at element offset off of x are finite (NaN and Inf have
+   every exponent bit set) */
+static int elems_finite(const void *x, int64_t off, int64_t n, int dt) {
+  uint32_t bad = 0;
+  if (dt == F32) {
+    const uint32_t *w = (const uint32_t *)x + off;
+    for (int64_t e = 0; e < n; e++) bad |= (w[e] & 0x7f800000u) == 0x7f800000u;
+  } else {
+    const uint16_t *h = (const uint16_t *)x + off, ex = dt == BF16 ? 0x7f80 : 0x7c00;
+    for (int64_t e = 0; e < n; e++) bad |= (h[e] & ex) == ex;
+  }
+  return !bad;
+}
+
+/* The magnitude from which a float32 that store_row writes as dtype dt comes out infinite (it
+   rounds to nearest even): bf16's largest finite plus half its last place (0x7f7f8000: the tie
+   goes up, to the even Inf), fp16's 65504 + 16 likewise; float32's own Inf. */
+static float stored_inf_from(int dt) {
+  return dt == BF16 ? 0x1.ffp+127f : (dt == F16 ? 65520.0f : INFINITY);
+}
+
 /* n rows of width elements from element offset off of src (dtype dt), times mul, into dst
    (rows_padded x ld floats, zero padded). */
 static void pack_rows(float *dst, int64_t ld, const void *src, int64_t off, int64_t n,
@@ -682,27 +739,51 @@ static QTile q_tile(const Dims *d, void *const *p, int64_t item) {
 
 /* -- normalise rows [0, tq) of a forward item (first row row0 of (B, Hq, Sq)): acc (stride Dvp)
    / l into out, lse, and the statistics m, l for the backward; a row with no key gets out 0, lse
-   -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. */
+   -inf and (m, l) = (0, 1), which make every weight the backward recomputes 0. finite: whether
+   the item's q rows were; with the out rows as stored, into P_FINITE. */
 static void finish_rows(const Dims *d, void *const *p, int64_t row0, int64_t tq, float *acc,
-                        const float *m, const float *l) {
+                        const float *m, const float *l, int finite) {
   /* the statistics go through these, then out in whole vectors: one scalar store per row and
      statistic held the store buffer full while the lines came in */
   float lse[MAXBQ], mo[MAXBQ], lout[MAXBQ];
+  const float inf_from = stored_inf_from(d->dt);
+  /* lanes (and the rows' tails) that met an out element stored as NaN/Inf: reduced once, at
+     the end (a reduction per row showed as ~0.5 ms of a 35 ms bf16 window forward in perf) */
+  v16i bad = {0};
+  int bad_tail = 0;
   for (int64_t r = 0; r < tq; r++) {
     float *o = acc + r * d->Dvp;
     if (l[r] != 0.0f) { /* NaN (a NaN score) normalises to NaN, for the host's exact redo */
       const float inv = 1.0f / l[r];
-      for (int64_t k = 0; k < d->Dv; k++) o[k] *= inv;
-      lse[r] = (m[r] + log2f(l[r])) * LN2F, mo[r] = m[r], lout[r] = l[r];
+      int64_t k = 0;
+      for (; k + VW <= d->Dv; k += VW) {
+        const v16 x = ld(o + k) * inv;
+        st(o + k, x);
+        bad |= ~((v16)((v16i)x & 0x7fffffff) < inf_from); /* NaN: not below */
+      }
+      for (; k < d->Dv; k++) {
+        o[k] *= inv;
+        bad_tail |= !(fabsf(o[k]) < inf_from);
+      }
+      mo[r] = m[r], lout[r] = l[r];
     } else {
       memset(o, 0, sizeof(float) * d->Dv);
-      lse[r] = -INFINITY, mo[r] = 0.0f, lout[r] = 1.0f;
+      mo[r] = 0.0f, lout[r] = 1.0f;
     }
     store_row(p[P_OUT], (row0 + r) * d->Dv, o, d->Dv, d->dt);
+  }
+  for (int64_t r = 0; r < tq; r += VW) { /* rows past tq: scratch, computed and not stored */
+    const v16 lr = ld(l + r);
+    const v16i empty = lr == 0.0f; /* no key: lse -inf */
+    const v16 y = (ld(m + r) + log2v(lr)) * LN2F;
+    st(lse + r, (v16)(((v16i)splat(-INFINITY) & empty) | ((v16i)y & ~empty)));
   }
   memcpy((float *)p[P_LSE] + row0, lse, sizeof(float) * (size_t)tq);
   memcpy((float *)p[P_M] + row0, mo, sizeof(float) * (size_t)tq);
   memcpy((float *)p[P_L] + row0, lout, sizeof(float) * (size_t)tq);
+  for (int i = 0; i < VW; i++) bad_tail |= bad[i];
+  if ((bad_tail || !finite) && p[P_FINITE]) /* a byte other items may write: the same 0 */
+    __atomic_store_n((uint8_t *)p[P_FINITE], 0, __ATOMIC_RELAXED);
 }
 
 /* The online-softmax step of one block of RB rows of a tile (s: RB x BK, base-2 scores times
@@ -795,6 +876,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     pack_pairs(qb, npairs, (const uint16_t *)p[P_Q], row0 * d.D, tq, d.D, tqp);
   else
     pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
+  const int q_finite = elems_finite(p[P_Q], row0 * d.D, tq * d.D, d.dt); /* rows now in L1 */
   float *lv = (float *)(pw + RB * BK / 2); /* each row's running sum as a vector */
   for (r = 0; r < tqp; r++) m[r] = -INFINITY;
   memset(lv, 0, sizeof(float) * tqp * VW);
@@ -858,7 +940,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
     }
   }
   for (r = 0; r < tq; r++) l[r] = hsum(ld(lv + r * VW));
-  finish_rows(&d, p, row0, tq, acc, m, l);
+  finish_rows(&d, p, row0, tq, acc, m, l, q_finite);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1011,15 +1093,22 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
   }
   /* -- Qᵀ, rows [tq, nqv VW) 0: blocks of 16 rows x 16 32-bit words (floats, or for even D
      bf16 pairs: 4 bytes of q) transposed in registers (scalar stores were a quarter of this
-     item's time, vpgatherdd 40%) */
+     item's time, vpgatherdd 40%); their finiteness tested there too */
+  int q_finite;
   if (!bf && d.dt != F32) { /* fp16: converted and scaled element by element */
     memset(qT, 0, sizeof(float) * d.D * MAXBQ);
     for (r = 0; r < tq; r++)
       for (k = 0; k < d.D; k++) load_row(qT + k * MAXBQ + r, p[P_Q], (row0 + r) * d.D + k, 1, d.dt, job->c);
+    q_finite = elems_finite(p[P_Q], row0 * d.D, tq * d.D, d.dt);
   } else if (!bf || d.D % 2 == 0) {
     const int64_t words = bf ? np : d.D;
     const __m512i fl = _mm512_set1_epi32((int)flip);
     const __m512 cq = _mm512_set1_ps(job->c);
+    /* NaN/Inf: all 8 exponent bits of a bf16, which sit where a float32's do in its upper half
+       (16-bit lanes: both of a bf16 pair word, the odd ones of a float32) */
+    const __m512i ex = _mm512_set1_epi32(0x7f807f80);
+    const __mmask32 halves = bf ? 0xffffffffu : 0xaaaaaaaau;
+    __mmask32 nonfinite = 0;
     for (v = 0; v < nqv; v++)
       for (k = 0; k < words; k += VW) {
         const __mmask16 cols = words - k >= VW ? 0xffff : (__mmask16)((1u << (words - k)) - 1);
@@ -1029,12 +1118,15 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
         for (r = 0; r < VW; r++)
           w[r] = v * VW + r < tq ? _mm512_maskz_loadu_epi32(cols, x + r * words)
                                  : _mm512_setzero_si512();
+        for (r = 0; r < VW; r++)
+          nonfinite |= _mm512_mask_cmpeq_epi16_mask(halves, _mm512_and_si512(w[r], ex), ex);
         transpose16(w);
         for (r = 0; r < VW && k + r < words; r++)
           _mm512_storeu_si512(qT + (k + r) * MAXBQ + v * VW,
                               bf ? _mm512_maskz_xor_epi32(in, w[r], fl)
                                  : (__m512i)_mm512_maskz_mul_ps(in, (__m512)w[r], cq));
       }
+    q_finite = !nonfinite;
   } else {
     uint32_t *qw = (uint32_t *)qT;
     memset(qw, 0, sizeof(uint32_t) * np * MAXBQ);
@@ -1044,6 +1136,7 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
         qw[k * MAXBQ + r] = (x[2 * k] | (uint32_t)x[2 * k + 1] << 16) ^ flip;
       qw[(np - 1) * MAXBQ + r] = x[d.D - 1] ^ (flip & 0xffffu);
     }
+    q_finite = elems_finite(p[P_Q], row0 * d.D, tq * d.D, d.dt);
   }
   for (r = 0; r < nqv * VW; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * tqp * d.Dvp);
@@ -1174,7 +1267,7 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
                 hi - lo, d.Dvp, sc);
     }
   }
-  finish_rows(&d, p, row0, tq, acc, m, l);
+  finish_rows(&d, p, row0, tq, acc, m, l, q_finite);
 }
 
 static void fwd_f32_item(const void *vjob, int64_t item, float *buf) { fwd_t(vjob, item, buf, 0); }
@@ -1654,6 +1747,27 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
    reads a kv head's whole packed K, 1 MiB at S=4096: TLB misses), huge ones as fast as fresh
    ones there and 0.8-0.9x on a window's (one thread, Zen 4). */
 #define POOL_ALIGN ((size_t)2 << 20)
+
+/* Ask for 2 MiB pages over the whole 2 MiB pages of [p, p + bytes) (a hint: where the OS has
+   transparent huge pages on request; failure changes nothing). */
+static void huge_pages(void *p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t a = ((uintptr_t)p + POOL_ALIGN - 1) & ~(uintptr_t)(POOL_ALIGN - 1);
+  const uintptr_t z = ((uintptr_t)p + bytes) & ~(uintptr_t)(POOL_ALIGN - 1);
+  if (z > a) madvise((void *)a, z - a, MADV_HUGEPAGE);
+#else
+  (void)p, (void)bytes;
+#endif
+}
+/* An output the host has just allocated, to be written whole: on 2 MiB pages where it is at
+   least FRESH_MAP_BYTES, glibc's largest mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit),
+   from which every allocation is a new mapping, faulted in page by page as the kernel writes it:
+   4 KiB faults measured 16 ms of an 86 ms float32 window-256 forward at S=16384 (a 32 MiB out,
+   one thread, in a VM). Smaller ones come from the heap, reused from call to call: left alone. */
+#define FRESH_MAP_BYTES ((size_t)32 << 20)
+static void fresh_output(void *p, size_t bytes) {
+  if (p && bytes >= FRESH_MAP_BYTES) huge_pages(p, bytes);
+}
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *pool;
 static size_t pool_bytes;
@@ -1673,9 +1787,7 @@ static int pack_kv(Job *job, const Dims *d, int n_threads) {
     if (pool_bytes < total) {
       free(pool);
       if (posix_memalign(&pool, POOL_ALIGN, total)) pool = NULL;
-#ifdef MADV_HUGEPAGE
-      if (pool) madvise(pool, total, MADV_HUGEPAGE); /* a hint: failure changes nothing */
-#endif
+      if (pool) huge_pages(pool, total);
       pool_bytes = pool ? total : 0;
     }
     if (pool) job->packed = pool, job->pooled = 1;
@@ -1722,7 +1834,8 @@ void fa_exp2w(const float *x, float *y, int64_t n) {
 }
 
 /* 0 on success, 1 when scratch memory could not be allocated, 2 for a tile width this build
-   does not have (BK). out (B, Hq, Sq, Dv), lse, m, l (B, Hq, Sq): float32. */
+   does not have (BK). out (B, Hq, Sq, Dv) in q's dtype, lse, m, l (B, Hq, Sq) float32; P_FINITE
+   (NULL or one byte the host set to 1): 0 where q or out holds a NaN or Inf (finish_rows). */
 int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
@@ -1765,6 +1878,7 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
   if (job.rr == NULL) return 1;
   row_ranges(job.rr, (const uint8_t *)ptrs[P_BITS], n_rows);
 #endif
+  fresh_output(ptrs[P_OUT], (size_t)(d.B * d.Hq * d.Sq * d.Dv) * (d.dt == F32 ? 4 : 2));
   int status = pack_kv(&job, &d, n_threads);
   /* runs of FWD_GRAIN items, but fewer where a thread would get under FWD_CLAIMS claims (the
      last claims balance the threads' ends) */
@@ -1805,6 +1919,9 @@ static void row_deltas(const Dims *d, void *const *p) {
 int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c, float scale) {
   if (iargs[A_BK] != BK || iargs[A_BQ] > MAXBQ || iargs[A_BQ] < 1) return 2;
   const Dims d = dims(iargs);
+  fresh_output(ptrs[P_DQ], sizeof(float) * (size_t)(d.B * d.Hq * d.Sq * d.D));
+  fresh_output(ptrs[P_DK], sizeof(float) * (size_t)(d.B * d.Hkv * d.Sk * d.D));
+  fresh_output(ptrs[P_DV], sizeof(float) * (size_t)(d.B * d.Hkv * d.Sk * d.Dv));
   row_deltas(&d, ptrs);
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
