@@ -352,3 +352,95 @@ def test_running_max_within_and_past_its_slack(isa, storage, qdtype):
         out, lse = paged_decode.decode(q, kp, vp, *args, splits=splits)
         assert_close_to_reference(out.to(qdtype), o64, naive, dtype=qdtype)
         assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
+
+
+# int8 pages with a bf16 query on the best path: keys by vpdpwssd against the query in int16,
+# V by vpdpwssd on int16 weights per page (csrc/paged_decode.c: scores_i8dp, page_step_i8dp).
+_INT8 = {
+    "gqa4-d128": ([83, 1, 37], 8, 2, 128, 128, 1),
+    "gqa3-odd-d": ([61, 29], 6, 2, 40, 72, 3),  # key pieces masked, V dims past 64 in fp32
+    "mha-odd": ([50, 17], 3, 3, 37, 7, 2),  # Dv under one 32-dim chunk: all of it in fp32
+    "gqa5-d576": ([40], 10, 2, 576, 64, 1),  # a narrower int16 query range (int32 sums)
+}
+
+
+@pytest.mark.parametrize("case", list(_INT8))
+@pytest.mark.parametrize("window", [None, 37], ids=["all", "window"])
+def test_int8_pages_bf16_query_whole_pages(isa, case, window):
+    """16-slot pages (the fused step: the V block reads all 16 slots of a page, those past the
+    last token with weight 0), windows starting mid-page (that page's slots run past the page:
+    the plain step), every row-group size, D and Dv tails: against the fp64 twin by the ratio
+    rule. The pools' slots past each sequence hold random bytes."""
+    lens, Hq, Hkv, D, Dv, Sq = _INT8[case]
+    P = 16
+    q, kp, vp, table, sl = make_paged(
+        lens, Hq, Hkv, D=D, P=P, Sq=Sq, Dv=Dv, seed=hash(case) % 2**31
+    )
+    kp, vp, ks, vs = _pages("int8", kp * 3, vp)
+    q = q.to(torch.bfloat16)
+    pos = sl.long().view(-1, 1) - Sq + torch.arange(Sq)
+    lo = torch.zeros_like(pos) if window is None else (pos - window).clamp(min=0)
+    args = (table, lo, pos + 1, D**-0.5, ks, vs)
+    out, lse = paged_decode.decode(q, kp, vp, *args)
+    o64, l64 = paged_attention_twin(q.double(), kp, vp, *args, compute_dtype=torch.float64)
+    naive, naive_lse = paged_attention_twin(q, kp, vp, *args, compute_dtype=torch.bfloat16)
+    assert_close_to_reference(out, o64, naive, dtype=torch.bfloat16)
+    assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
+
+
+@pytest.mark.parametrize(
+    "v_scale", [2.0**-125, 2.0**-100], ids=["weights-past-int16-reach", "tiny-in-reach"]
+)
+def test_int8_values_with_tiny_scales(isa, v_scale):
+    """V scales near float32's smallest normal: weights times scales under 2^-112 cannot be
+    brought into int16 by a float32 power of two, so that page takes the fp32 block; a little
+    larger ones stay on the int16 weights. Both against the fp64 twin (relative to the tiny
+    outputs, not flushed to 0)."""
+    q, kp, vp, table, sl = make_paged([48, 21], 8, 2, D=64, P=16, Sq=1, seed=11)
+    kp, vp, ks, vs = _pages("int8", kp, vp)
+    vs = torch.full_like(vs, v_scale)
+    q = q.to(torch.bfloat16)
+    args = (table, torch.zeros(2, 1, dtype=torch.long), sl.long().view(-1, 1), 0.125, ks, vs)
+    out, _ = paged_decode.decode(q, kp, vp, *args)
+    o64, _ = paged_attention_twin(q.double(), kp, vp, *args, compute_dtype=torch.float64)
+    naive, _ = paged_attention_twin(q, kp, vp, *args, compute_dtype=torch.bfloat16)
+    assert o64.abs().amax() > 0 and out.abs().amax() > 0
+    scale = o64.abs().amax()  # compare in units of the outputs' own size
+    assert_close_to_reference(
+        out.double() / scale, o64 / scale, naive.double() / scale, dtype=torch.bfloat16
+    )
+
+
+def test_int8_keys_with_a_nonfinite_query_row(isa):
+    """A query row holding NaN or Inf cannot be scaled into int16: that sequence's keys take the
+    bf16 path, which carries them into the scores of its own rows only (NaN out there, the other
+    rows and sequences as the fp64 twin)."""
+    q, kp, vp, table, sl = make_paged([40, 33], 8, 2, D=64, P=16, Sq=1, seed=5)
+    kp, vp, ks, vs = _pages("int8", kp, vp)
+    q = q.to(torch.bfloat16)
+    q[0, 1, 0, 3] = float("nan")
+    q[1, 6, 0, 0] = float("inf")
+    args = (table, torch.zeros(2, 1, dtype=torch.long), sl.long().view(-1, 1), 0.125, ks, vs)
+    out, _ = paged_decode.decode(q, kp, vp, *args)
+    assert out[0, 1].isnan().all() and out[1, 6].isnan().all()
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[0, 1] = keep[1, 6] = False
+    o64, _ = paged_attention_twin(q.double(), kp, vp, *args, compute_dtype=torch.float64)
+    naive, _ = paged_attention_twin(q, kp, vp, *args, compute_dtype=torch.bfloat16)
+    assert_close_to_reference(out[keep], o64[keep], naive[keep], dtype=torch.bfloat16)
+
+
+def test_int8_one_key_on_a_whole_page_returns_its_value_row_exactly(isa):
+    """One allowed key on a 16-slot page: its weight, 1, is exact in int16 (2^14), so the output
+    is its value row times its scale, bit for bit, on the int16-weight path too."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 64, generator=g).to(torch.bfloat16)
+    kp, vp, ks, vs = _pages(
+        "int8", torch.randn(2, 16, 2, 64, generator=g), torch.randn(2, 16, 2, 96, generator=g)
+    )
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    lo, hi = torch.tensor([[16]]), torch.tensor([[17]])  # key 16: page 0 (table[0, 1]), slot 0
+    out, _ = paged_decode.decode(q, kp, vp, table, lo, hi, 0.125, ks, vs)
+    want = (vp[0, 0].float() * vs[0, 0].float().unsqueeze(-1)).to(torch.bfloat16)  # (Hkv, Dv)
+    for h in range(4):
+        torch.testing.assert_close(out[0, h, 0], want[h // 2], rtol=0, atol=0)
