@@ -17,7 +17,10 @@ row compares with, each timed interleaved with the paged decode call in the same
 rates move 38-63 GB/s between runs): the copy rate, a large tensor copy's bytes read plus written
 per second (``dst.copy_(src)`` of 512 MiB, preallocated), which the issue's target uses; and the
 read rate, a large tensor sum's bytes read per second (``src.sum()``, the same 512 MiB), the
-ceiling of a kernel that only reads (a copy also writes, and its rate counts both).
+ceiling of a kernel that only reads (a copy also writes, and its rate counts both); and the
+page-copy rate, the same pages copied in table order (``index_select``, bytes read plus written):
+what memory gives the decode's own pattern, whole pages of a few KiB at random places, where the
+hardware prefetchers that make a large copy fast stop at every page.
 
 These calls take ``paged_attention``'s C kernel (its ``cpu`` backend); the line under the table
 names its instruction-set path and the CPU features it found, with the kernel's one-time build
@@ -88,7 +91,8 @@ def _pooled(pages: torch.Tensor) -> torch.Tensor:
 
 
 def paged_case(B: int, S: int, storage: str):
-    """``(decode call, bytes it reads)`` over pages of ``storage`` (see :data:`STORAGES`)."""
+    """``(decode call, bytes it reads)`` over pages of ``storage`` (see :data:`STORAGES`). The
+    call's ``pages`` attribute: ``(k_pages, v_pages, table)``."""
     dtype, quantise = STORAGES[storage]
     q, kp, vp, table, lens, _, _ = make_cache(B, S, dtype)
     ks = vs = None
@@ -100,23 +104,41 @@ def paged_case(B: int, S: int, storage: str):
     def call():
         return paged_attention(q, kp, vp, table, lens, k_scales=ks, v_scales=vs)
 
+    call.pages = (kp, vp, table)
     return call, n_bytes
 
 
+def page_copy(k_pages, v_pages, table):
+    """``(copy, bytes moved)``: every page of ``table`` copied, K then V, in table order into a
+    preallocated buffer (``index_select``): the decode's own access pattern (whole pages at
+    random places in the pool) as PyTorch copies it, bytes read plus written."""
+    ids = table.reshape(-1).long()
+    bufs = [torch.empty((ids.numel(), *p.shape[1:]), dtype=p.dtype) for p in (k_pages, v_pages)]
+
+    def copy():
+        for pages, buf in zip((k_pages, v_pages), bufs):
+            torch.index_select(pages, 0, ids, out=buf)
+
+    return copy, 2 * sum(b.numel() * b.element_size() for b in bufs)
+
+
 def bandwidth_rates(B: int, S: int, storage: str, repeat: int) -> dict[str, tuple[float, float]]:
-    """``{"copy" | "read": (paged decode's bytes read per second over storage pages, the memory
-    rate)}``: the copy rate (``dst.copy_(src)``, 512 MiB float32, preallocated; bytes read plus
-    written) and the read rate (``src.sum()``; bytes read), each timed interleaved with the decode
-    call so that a drifting machine load hits both alike."""
+    """``{"copy" | "read" | "pages": (paged decode's bytes read per second over storage pages,
+    the memory rate)}``: the copy rate (``dst.copy_(src)``, 512 MiB float32, preallocated; bytes
+    read plus written), the read rate (``src.sum()``; bytes read) and the page-copy rate (the
+    decode's own pages copied in table order, :func:`page_copy`; bytes read plus written), each
+    timed interleaved with the decode call so that a drifting machine load hits both alike."""
     call, n_bytes = paged_case(B, S, storage)
     src = torch.ones(1 << 27)  # 512 MiB
     dst = torch.empty_like(src)
     size = src.numel() * src.element_size()
+    pages_fn, pages_moved = page_copy(*call.pages)
     rates = {}
     with torch.inference_mode():
         for name, fn, moved in (
             ("copy", lambda: dst.copy_(src), 2 * size),
             ("read", src.sum, size),
+            ("pages", pages_fn, pages_moved),
         ):
             mine, peer = _util.time_pair(call, fn, repeat)
             rates[name] = (n_bytes / mine.median_s / 1e9, moved / peer.median_s / 1e9)
@@ -188,11 +210,12 @@ def narrow_rows(B: int, S: int, limit: float, repeat: int) -> list[dict]:
 
 
 # The memory rates of the bandwidth rows: (rate, peer as the table names it, target). The issue's
-# target is against the copy rate; the read rate (what a read-only kernel could reach) is shown
-# beside it, with no target.
+# target is against the copy rate; the read rate (what a read-only kernel could reach) and the
+# page-copy rate (what the decode's random-page pattern gets) are shown beside it, with no target.
 RATES = (
     ("copy", "large-tensor copy, bytes read + written per second", True),
     ("read", "large-tensor sum, bytes read per second", False),
+    ("pages", "the same pages copied in table order, bytes read + written per second", False),
 )
 
 

@@ -59,6 +59,19 @@
    from DRAM: prefetching 2 pages ahead (bf16 0.98x, fp32 1.07x, int8 1.10x), prefetchnta or
    prefetcht1 instead of prefetcht0 (0.97-1.19x).
 
+   Session 9 (Zen 5 EPYC; int8 pages with a bf16 query, the issue's int8 case): a page's int8
+   scales (bf16, per token and head) were read with a dequant_scale call per slot and head (~10 %
+   of a hot int8 step in perf) and, never prefetched, stalled on DRAM once per page (~9 % of a
+   2-thread B=32 x 4,096 decode); now gathered once a page for all heads (page_scales) and
+   prefetched with the next page's rows. Keys on vpdpwssd against the query in int16
+   (scores_i8dp), V on vpdpwssd against per-page int16 weights (page_step_i8dp): one thread in
+   cache 0.90-0.92x the CPU time, from DRAM 0.93x; at 2 threads on B=32 x 4,096 the same (the
+   decode is memory-bound there). The whole: 2 threads 0.89x wall, int8 / bf16 pages 0.52-0.58.
+   What bounds the 2-thread decode on this VM: a C model of its walk (two pools of 32 KiB pages
+   at random places, each page's rows read head by head, the next page prefetched line by line,
+   no arithmetic) reads 30-36 GB/s, against 58-64 GB/s for a large sequential copy's bytes and a
+   sum's; bf16 pages read 25-29 GB/s, ~0.85 of that model.
+
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
    and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
