@@ -88,12 +88,14 @@ def test_each_path_matches_the_fp64_oracle(isa, storage, Hq, Hkv, D, Dv, Sq, qdt
     assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
 
 
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
 @pytest.mark.parametrize("storage", ["fp32", "bf16", "fp16", "int8", "fp8"])
-def test_one_key_returns_its_value_row_exactly(isa, storage):
+def test_one_key_returns_its_value_row_exactly(isa, storage, qdtype):
     """With one allowed key its weight is exactly 1, so the output is that key's value row as
-    the kernel converted it: bit-equal to PyTorch's conversion. For fp8 the row holds all 256
-    byte codes: normals, subnormals, signed zeros and the NaN codes (NaN out in those lanes only),
-    through the in-register exponent arithmetic rather than the lookup table."""
+    the kernel converted it: bit-equal to PyTorch's conversion (rounded to q's dtype as PyTorch
+    rounds). For fp8 the row holds all 256 byte codes: normals, subnormals, signed zeros and the
+    NaN codes (NaN out in those lanes only), through the in-register exponent arithmetic (fp32
+    query) or the fields moved into bf16 for vdpbf16ps (bf16 query), not the lookup table."""
     if storage == "fp16" and torch.float16 not in paged_decode.supported_dtypes():
         pytest.skip("this compiler has no _Float16")
     g = torch.Generator().manual_seed(7)
@@ -109,7 +111,8 @@ def test_one_key_returns_its_value_row_exactly(isa, storage):
         want = vp.float() if vs is None else vp.float() * vs.unsqueeze(-1)
     table = torch.tensor([[1, 0]], dtype=torch.int32)
     lo, hi = torch.tensor([[5]]), torch.tensor([[6]])  # key 5: page 1 (table[0, 1] = 0), slot 1
-    out, _ = paged_decode.decode(q, kp, vp, table, lo, hi, 0.25, ks, vs)
+    out, _ = paged_decode.decode(q.to(qdtype), kp, vp, table, lo, hi, 0.25, ks, vs)
+    want = want.to(qdtype)
     for h in range(4):  # query head h reads kv head h // 2
         torch.testing.assert_close(out[0, h, 0], want[0, 1, h // 2], rtol=0, atol=0, equal_nan=True)
 
