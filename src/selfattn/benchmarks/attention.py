@@ -297,13 +297,16 @@ CASES = ("dense", "causal", "window", "window_dense", "documents", "gqa", "ceili
 # The fused C kernel (backend "cpu_fused", issue 16), forced, against its peers: dense and causal
 # against SDPA in fp32 and bf16, the sparse masks against chunked (the composed-ops path it
 # replaces), against compiled FlexAttention (fp32 and bf16; its cold compile not counted) and as
-# a share of the matmul ceiling of their dtype, and the window's fwd + bwd.
+# a share of the matmul ceiling of their dtype, and the window's fwd + bwd; fp16 (no target in
+# the issue) against SDPA and chunked only: without avx512_fp16 a CPU has no fp16 matmul worth a
+# ceiling, and the kernel computes fp16 in fp32 (converted as tiles are packed).
 KERNEL_CASES = (
     "cpu_dense", "cpu_causal", "cpu_dense_bf16", "cpu_causal_bf16",
     "cpu_window", "cpu_documents", "cpu_window_flex", "cpu_documents_flex",
     "cpu_window_bf16", "cpu_documents_bf16", "cpu_window_bf16_flex", "cpu_documents_bf16_flex",
     "ceiling_cpu_window", "ceiling_cpu_documents", "ceiling_cpu_window_bf16",
     "ceiling_cpu_documents_bf16", "cpu_window_fwdbwd",
+    "cpu_dense_fp16", "cpu_causal_fp16", "cpu_window_fp16", "cpu_documents_fp16",
 )  # fmt: skip
 CASES = CASES + KERNEL_CASES
 
@@ -458,8 +461,11 @@ def kernel_rows(rows: dict, only: set, sz: Sizes, args, ceiling: float, log) -> 
     cpu = _with_backend(args, "cpu_fused")
     B, H, D, S, SL = sz.B, sz.H, sz.D, sz.S, sz.S_long
     isa = f"kernel compiled for {_kernel_isa()}"
-    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
-        name = "fp32" if dtype == torch.float32 else "bf16"
+    for dtype, suffix, name in (
+        (torch.float32, "", "fp32"),
+        (torch.bfloat16, "_bf16", "bf16"),
+        (torch.float16, "_fp16", "fp16"),
+    ):
         q, k, v = (_randn(B, H, S, D, seed=i).to(dtype) for i in range(3))
         for key, mask, peer, kw in (
             ("cpu_dense", None, "SDPA", {}),
