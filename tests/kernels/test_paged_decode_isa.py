@@ -447,3 +447,29 @@ def test_int8_one_key_on_a_whole_page_returns_its_value_row_exactly(isa):
     want = (vp[0, 0].float() * vs[0, 0].float().unsqueeze(-1)).to(torch.bfloat16)  # (Hkv, Dv)
     for h in range(4):
         torch.testing.assert_close(out[0, h, 0], want[h // 2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "where, bad", [("k", float("nan")), ("v", float("nan")), ("v", float("inf"))],
+    ids=["k-nan", "v-nan", "v-inf"],
+)  # fmt: skip
+def test_int8_nonfinite_scale_reaches_the_rows_that_attend_it(isa, where, bad):
+    """A NaN int8 scale, or an Inf V scale (a corrupted page), on one used slot: the rows that
+    attend it get what the fp64 twin gets there (NaN), never a finite number; the other rows are
+    as usual. On the int16-weight path a NaN weight would otherwise saturate to a finite integer.
+    (An Inf K scale is left out: the kernel scales each score, ±Inf, where the twin scales each
+    element and gets 0 · Inf = NaN.)"""
+    q, kp, vp, table, sl = make_paged([40, 35], 8, 2, D=64, P=16, Sq=1, seed=9)
+    kp, vp, ks, vs = _pages("int8", kp, vp)
+    scales = ks if where == "k" else vs
+    scales[table[0, 1], 5, 1] = bad  # sequence 0, token 21, kv head 1 (query heads 4..7)
+    q = q.to(torch.bfloat16)
+    args = (table, torch.zeros(2, 1, dtype=torch.long), sl.long().view(-1, 1), 0.125, ks, vs)
+    out, _ = paged_decode.decode(q, kp, vp, *args)
+    o64, _ = paged_attention_twin(q.double(), kp, vp, *args, compute_dtype=torch.float64)
+    hit = o64[0, 4:].isfinite().logical_not()
+    assert hit.any()
+    assert torch.equal(out[0, 4:].float().isfinite(), o64[0, 4:].isfinite())
+    naive, _ = paged_attention_twin(q, kp, vp, *args, compute_dtype=torch.bfloat16)
+    assert_close_to_reference(out[1], o64[1], naive[1], dtype=torch.bfloat16)
+    assert_close_to_reference(out[0, :4], o64[0, :4], naive[0, :4], dtype=torch.bfloat16)

@@ -483,14 +483,15 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   for (r = 0; r < RB; r++) {
     const __m512 w = _mm512_loadu_ps(wbuf + r * PD_SLOTS);
-    const float wmax = _mm512_reduce_max_ps(w); /* weights are >= 0 (NaN: the row's l is NaN) */
+    /* a NaN or Inf weight (a NaN or Inf V scale: the weights carry the scales, the row's sum l
+       does not) must reach acc as the fp32 block carries it, not as a saturated integer */
+    const int bad = _mm512_cmp_ps_mask(w, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ) != 0;
+    const float wmax = _mm512_reduce_max_ps(w); /* weights are >= 0 */
     int e = 0;
-    if (wmax > 0.0f) {
-      e = 14 - exponent_of(wmax);
-      if (!(wmax <= FLT_MAX) || e > 126) { /* out of int16's reach: the fp32 block */
-        pv_dt_avx512(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, I8, lut, alpha, pf);
-        return;
-      }
+    if (wmax > 0.0f) e = 14 - exponent_of(wmax);
+    if (bad || e > 126) { /* out of int16's reach: the fp32 block */
+      pv_dt_avx512(acc, Dv, wbuf, PD_SLOTS, RB, Dv, v0, vstride, 0, ns, I8, lut, alpha, pf);
+      return;
     }
     winv[r] = pow2f(-e);
     const __m512i wi = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(pow2f(e))));
