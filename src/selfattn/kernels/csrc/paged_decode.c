@@ -179,7 +179,8 @@ typedef void (*pv_fn)(float *acc, int64_t as, const float *w, int64_t ws, int RB
                       const float *lut);
 
 /* A page's slots the fused step (page_step) takes at once: a row's scores are PD_SLOTS / VW
-   vectors; pages with more slots, or slots only some rows attend, take the general path. */
+   vectors; a page with more slots takes it PD_SLOTS at a time, and a page whose slots only some
+   rows attend takes the general path. */
 #define PD_SLOTS 16
 /* How far a score may exceed a row's running max before the fused step moves the max (see
    page_weights): the weights then stay <= e^8 ~ 3e3, far from fp32's range. */
