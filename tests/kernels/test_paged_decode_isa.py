@@ -364,6 +364,7 @@ _INT8 = {
     "gqa3-odd-d": ([61, 29], 6, 2, 40, 72, 3),  # key pieces masked, V dims past 64 in fp32
     "mha-odd": ([50, 17], 3, 3, 37, 7, 2),  # Dv under one 32-dim chunk: all of it in fp32
     "gqa5-d576": ([40], 10, 2, 576, 64, 1),  # a narrower int16 query range (int32 sums)
+    "mqa": ([45, 70], 4, 1, 64, 64, 1),  # one kv head: a page's scales are one contiguous run
 }
 
 
