@@ -64,8 +64,8 @@
    of a hot int8 step in perf) and, never prefetched, stalled on DRAM once per page (~9 % of a
    2-thread B=32 x 4,096 decode); now gathered once a page for all heads (page_scales) and
    prefetched with the next page's rows. Keys on vpdpwssd against the query in int16
-   (scores_i8dp), V on vpdpwssd against per-page int16 weights (page_step_i8dp): one thread in
-   cache 0.90-0.92x the CPU time, from DRAM 0.93x; at 2 threads on B=32 x 4,096 the same (the
+   (scores_dp_dt's int16 mode), V on vpdpwssd against per-page int16 weights (page_step_i8dp):
+   one thread in cache 0.90-0.92x the CPU time, from DRAM 0.93x; at 2 threads on B=32 x 4,096 the same (the
    decode is memory-bound there). The whole: 2 threads 0.89x wall, int8 / bf16 pages 0.52-0.58.
    What bounds the 2-thread decode on this VM: a C model of its walk (two pools of 32 KiB pages
    at random places, each page's rows read head by head, the next page prefetched line by line,
@@ -223,11 +223,6 @@ typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float 
 #undef ISA
 #undef VW
 #undef PD_X86
-/* Scores of bf16 query rows (pairs, zero-padded to Dq, a multiple of 32) against bf16 or int8
-   keys (their dequantisation scales multiply the scores afterwards, as on the fp32 path) by
-   vdpbf16ps: 32 products a vector, exact (8-bit mantissas), summed in fp32; 4 rows x 4 keys a
-   block, the 16 sums reduced by the same shuffle tree as the fp32 blocks. The softmax scale
-   multiplies the sums (a bf16 query scaled first would round). */
 /* 32 elements of a key (or value) row from d as bf16 pairs; past D: 0 (q is 0 there too, but a
    key's bytes past its row may be NaN). int8 keys are integers of at most 8 bits, exact in bf16:
    widened, converted to fp32 and packed to bf16 (vcvtne2ps2bf16) without rounding. */
@@ -255,9 +250,26 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
   return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
 }
 
-__attribute__((target("avx512bf16"), always_inline)) static inline void scores_dp_dt(
+/* acc += the pairwise products of a and b's int16 lanes, summed in int32 lanes. By inline asm:
+   gcc 12 copies the accumulator of _mm512_dpwssd_epi32 into a fresh register each call (and
+   spilled one to the stack in the int8 scores), where the instruction updates it in place. */
+#define PD_DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+
+/* The scores of a kv head's Rh query rows against ns keys, 4 rows x 4 keys a block, the 16 sums
+   reduced by the same shuffle tree as the fp32 blocks.
+   i16 = 0: bf16 query rows (pairs, zero-padded to Dq, a multiple of 32) against bf16, int8 or
+   fp8 keys (key_pairs) by vdpbf16ps, times `scale` (a bf16 query scaled first would round).
+   i16 = 1: int8 keys against the query quantised to int16 (quantise_query: each row, times the
+   softmax scale, times 2^e and rounded; qf[r] = 2^-e) by vpdpwssd: a key piece is one sign
+   extension (vpmovsxbw), where vdpbf16ps needs it widened, converted and packed (five
+   instructions); products and int32 sums exact. A query element rounds by at most 2^-16 of its
+   row's largest (about 2^-15 for D > 256), far under the keys' own quantisation step (2^-8 of
+   their largest). Scores alone, session 9: 0.90x the CPU time of the vdpbf16ps ones on int8 keys
+   (one thread, B=1 x 2,048 tokens in cache). The key dequantisation scales multiply the scores
+   afterwards, as on the fp32 path. */
+__attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline void scores_dp_dt(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, int kdt, Pf *pf) {
+    int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, int i16, Pf *pf) {
   enum { RB = 4, SB = 4 };
   const int64_t kesz = elem_size(kdt);
   int64_t r, s, d;
@@ -267,7 +279,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
       const int64_t nk = ns - s < SB ? ns - s : SB;
       const char *k[SB];
       const uint16_t *qr[RB];
-      __m512 acc[RB * SB];
+      __m512 acc[RB * SB]; /* fp32 sums, or int32 ones (i16) in the same bits */
       int i, j;
       for (j = 0; j < SB; j++) k[j] = k0 + (s + (j < nk ? j : nk - 1)) * kstride;
       for (i = 0; i < RB; i++) qr[i] = q + (r + (i < nr ? i : nr - 1)) * Dq;
@@ -275,87 +287,52 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void scores_d
       for (d = 0; d < Dq; d += 32) {
         __m512i kv[SB];
         for (j = 0; j < SB; j++) {
-          kv[j] = key_pairs(k[j], d, D, kdt);
+          if (i16) {
+            const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
+            kv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, (const int8_t *)k[j] + d));
+          } else {
+            kv[j] = key_pairs(k[j], d, D, kdt);
+          }
           if (r == 0) PD_PREFETCH(pf, d * kesz);
         }
         for (i = 0; i < RB; i++) {
           const __m512i qv = _mm512_loadu_si512(qr[i] + d);
-          for (j = 0; j < SB; j++)
-            acc[i * SB + j] = _mm512_dpbf16_ps(acc[i * SB + j], (__m512bh)qv, (__m512bh)kv[j]);
-        }
-      }
-      {
-        float sums[RB * SB];
-        reduce_store_avx512((const vf_avx512 *)acc, sums);
-        for (i = 0; i < nr; i++)
-          for (j = 0; j < nk; j++) out[(r + i) * P + s + j] = sums[i * SB + j] * scale;
-      }
-    }
-  }
-}
-/* bf16, int8 or fp8 keys (one instance each: the loads specialise) */
-__attribute__((target("avx512bf16"))) static void scores_bf16dp(
-    const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, int kdt, Pf *pf) {
-  if (kdt == BF16)
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, BF16, pf);
-  else if (kdt == I8)
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, I8, pf);
-  else
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, LUT8, pf);
-}
-
-/* acc += the pairwise products of a and b's int16 lanes, summed in int32 lanes. By inline asm:
-   gcc 12 copies the accumulator of _mm512_dpwssd_epi32 into a fresh register each call (and
-   spilled one to the stack in scores_i8dp), where the instruction updates it in place. */
-#define PD_DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
-
-/* Scores of int8 keys against a query quantised to int16 (quantise_query: each row, times the
-   softmax scale, times 2^e and rounded, e per row; qf = 2^-e) by vpdpwssd: a key piece is one
-   sign extension (vpmovsxbw), where vdpbf16ps needs it widened, converted and packed (five
-   instructions); 32 products a vector, exact, summed in int32 (exact). A query element rounds
-   by at most 2^-16 of its row's largest (about 2^-15 for D > 256), far under the keys' own
-   quantisation step (2^-8 of their largest). Scores alone: 0.90x the CPU time of
-   scores_bf16dp's on int8 keys (one thread, B=1 x 2,048 tokens in cache). */
-__attribute__((target("avx512bf16,avx512vnni"))) static void scores_i8dp(
-    const int16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, const float *qf, Pf *pf) {
-  enum { RB = 4, SB = 4 };
-  int64_t r, s, d;
-  for (r = 0; r < Rh; r += RB) {
-    const int64_t nr = Rh - r < RB ? Rh - r : RB;
-    for (s = 0; s < ns; s += SB) {
-      const int64_t nk = ns - s < SB ? ns - s : SB;
-      const int8_t *k[SB];
-      const int16_t *qr[RB];
-      __m512i acc[RB * SB];
-      int i, j;
-      for (j = 0; j < SB; j++) k[j] = (const int8_t *)(k0 + (s + (j < nk ? j : nk - 1)) * kstride);
-      for (i = 0; i < RB; i++) qr[i] = q + (r + (i < nr ? i : nr - 1)) * Dq;
-      for (i = 0; i < RB * SB; i++) acc[i] = _mm512_setzero_si512();
-      for (d = 0; d < Dq; d += 32) {
-        const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
-        __m512i kv[SB];
-        for (j = 0; j < SB; j++) {
-          kv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k[j] + d));
-          if (r == 0) PD_PREFETCH(pf, d);
-        }
-        for (i = 0; i < RB; i++) {
-          const __m512i qv = _mm512_loadu_si512(qr[i] + d);
-          for (j = 0; j < SB; j++) PD_DPWSSD(acc[i * SB + j], qv, kv[j]);
+          for (j = 0; j < SB; j++) {
+            if (i16) /* the asm takes the vector's bits, whatever its type */
+              PD_DPWSSD(acc[i * SB + j], qv, kv[j]);
+            else
+              acc[i * SB + j] = _mm512_dpbf16_ps(acc[i * SB + j], (__m512bh)qv, (__m512bh)kv[j]);
+          }
         }
       }
       {
         __m512 f[RB * SB];
         float sums[RB * SB];
-        for (i = 0; i < RB * SB; i++) f[i] = _mm512_cvtepi32_ps(acc[i]);
+        for (i = 0; i < RB * SB; i++)
+          f[i] = i16 ? _mm512_cvtepi32_ps(_mm512_castps_si512(acc[i])) : acc[i];
         reduce_store_avx512((const vf_avx512 *)f, sums);
         for (i = 0; i < nr; i++)
-          for (j = 0; j < nk; j++) out[(r + i) * P + s + j] = sums[i * SB + j] * qf[r + i];
+          for (j = 0; j < nk; j++)
+            out[(r + i) * P + s + j] = sums[i * SB + j] * (i16 ? qf[r + i] : scale);
       }
     }
   }
 }
+/* bf16, int8 or fp8 keys against a bf16 query, or int8 keys against an int16 one (qf non-NULL;
+   one instance each: the loads specialise) */
+__attribute__((target("avx512bf16,avx512vnni"))) static void scores_bf16dp(
+    const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
+    int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, Pf *pf) {
+  if (qf)
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, qf, I8, 1, pf);
+  else if (kdt == BF16)
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, BF16, 0, pf);
+  else if (kdt == I8)
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, I8, 0, pf);
+  else
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, LUT8, 0, pf);
+}
+
 /* The fused page step (page_step) for bf16 or fp8 e4m3 V rows and a bf16 query, the weighted V
    sum by vdpbf16ps: each instruction adds two slots' products (rows s and s + 1, their bf16
    elements interleaved by vpunpckl/hwd; fp8 rows converted to bf16 exactly, by key_pairs) for 16
@@ -730,8 +707,8 @@ static void move_sums(float *l, float *lv, int64_t R, int to_l) {
 }
 
 #ifdef HAVE_X86_PATHS
-/* The query rows for scores_i8dp: each of the R rows of q32 (float32, times the softmax scale,
-   stride Dp, zero-padded; Dp a multiple of 32) times 2^e, rounded to int16 into qi, e per row such
+/* The query rows for scores_dp_dt's int16 mode: each of the R rows of q32 (float32, times the
+   softmax scale, stride Dp, zero-padded; Dp a multiple of 32) times 2^e, rounded to int16 into qi, e per row such
    that the row's largest |element| lands in [lim / 2, lim], lim = min(2^15 - 1, (2^31 - 1) /
    (2^7 Dp)): a row's sum of Dp products with int8 keys then stays inside int32. qf[r] = 2^-e.
    Returns 0 where a row holds NaN or Inf (scores_bf16dp then carries them into the scores) or Dp
@@ -812,8 +789,8 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       if (dp) qbh[r * Dp + d] = d < D ? ((const uint16_t *)qsrc)[r * D + d] : 0;
     }
 #ifdef HAVE_X86_PATHS
-  /* int8 keys: vpdpwssd against the query rows quantised to int16 (scores_i8dp), unless a row
-     holds NaN/Inf (the bf16 rows then, which carry them into the scores) */
+  /* int8 keys: vpdpwssd against the query rows quantised to int16 (scores_dp_dt's int16 mode),
+     unless a row holds NaN/Inf (the bf16 rows then, which carry them into the scores) */
   const int i8k = dp && kdt == I8 && quantise_query((int16_t *)qbh, qf, qbuf, R, Dp);
 #else
   const int i8k = 0;
@@ -863,14 +840,9 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     for (h = 0; h < Hkv; h++) {
       const char *k0 = kbase + (page * a[A_KSN] + s0 * a[A_KSP] + h * a[A_KSH]) * kesz;
 #ifdef HAVE_X86_PATHS
-      if (i8k) {
-        scores_i8dp((const int16_t *)qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP], ns,
-                    sc + h * Rh * P, P, qf + h * Rh, pfk);
-        continue;
-      }
-      if (dp) {
+      if (dp) { /* i8k: the rows of qbh are int16, their factors qf */
         scores_bf16dp(qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, sc + h * Rh * P, P,
-                      job->scale, kdt, pfk);
+                      job->scale, i8k ? qf + h * Rh : NULL, kdt, pfk);
         continue;
       }
 #endif
