@@ -45,6 +45,7 @@ from selfattn.backends._common import (
     all_finite,
     fused_or_exact,
     grad_needed,
+    learned_bias,
     run_with_sinks,
     score_terms,
 )
@@ -299,8 +300,8 @@ def cost(q, k, v, call: AttentionCall) -> Cost:
     pairs = max(1, B * Hq * Sq * k.shape[2])
     f = fit(q, k, v, call)
     per_pair, what = f.per_pair, f.what
-    tensors = call.score_mod.tensors() if call.score_mod is not None else ()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    terms = score_terms(q, k, call)  # a reason string where reject() declines the call
+    if not isinstance(terms, str) and learned_bias(terms):
         per_pair, what = per_pair * LEARNED_BIAS, f"{what}, with the bias gradient"
     return Cost(
         per_pair,
