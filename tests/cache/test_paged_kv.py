@@ -455,3 +455,59 @@ def test_own_table_is_not_checked_again(monkeypatch):
         paged_attention(q, kv.k_layers[layer], kv.v_layers[layer], step.block_table,
                         step.seq_lens, plan=plan)  # fmt: skip
     assert len(checks) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("value_dim", [None, 3])
+@pytest.mark.parametrize("packed", [False, True])
+def test_keys_and_values_land_in_their_pages_in_either_pool_layout(dtype, value_dim, packed):
+    # Dv == D: one kv_store (L, N, 2, P, Hkv, D), a page's keys then its values; else two pools.
+    # Every written row must read back (gather) as written, under autograd or not, and a page's
+    # keys must sit right before its values.
+    L, N, P, Hkv, D = 2, 9, 3, 2, 5
+    kv = PagedKV(L, N, P, Hkv, D, value_dim, max_seqs=3, max_pages_per_seq=4, dtype=dtype)
+    Dv = D if value_dim is None else value_dim
+    if value_dim is None:
+        assert kv.kv_store.shape == (L, N, 2, P, Hkv, D)
+        step = kv.kv_store[0, 1].nbytes // 2  # a page's keys, then its values
+        assert kv.v_store.data_ptr() - kv.k_store.data_ptr() == step
+        assert kv.k_layers[1].data_ptr() == kv.kv_store[1].data_ptr()
+    else:
+        assert kv.kv_store is None and kv.v_store.shape[-1] == Dv
+    ids = kv.add_sequences(3)
+    g = torch.Generator().manual_seed(0)
+    written = {s: ([], []) for s in ids}
+    for counts, grad in (([4, 1, 2], False), ([2, 3, 1], True), ([1, 1, 1], False)):
+        if packed:
+            plan = kv.plan_packed(ids, counts)
+            plan = plan.layers[0].plan
+        else:
+            counts = [counts[0]] * 3
+            plan = kv.plan(ids, counts[0])
+        T = sum(counts)
+        for layer in range(L):
+            k = torch.randn(T, Hkv, D, generator=g)
+            v = torch.randn(T, Hkv, Dv, generator=g)
+            with torch.set_grad_enabled(grad):
+                kv.write_rows(layer, plan, k, v)
+            if layer == 1:
+                at = 0
+                for s, c in zip(ids, counts):
+                    written[s][0].append(k[at : at + c])
+                    written[s][1].append(v[at : at + c])
+                    at += c
+    for s in ids:
+        got_k, got_v = kv.gather(s, layer=1)  # (Hkv, n, ·)
+        want_k, want_v = (torch.cat(x).transpose(0, 1) for x in written[s])
+        if dtype == torch.int8:  # one int8 step of each row's largest, and the scale's rounding
+            for got, want in ((got_k, want_k), (got_v, want_v)):
+                bound = want.abs().amax(-1, keepdim=True) / 127 * 1.02
+                assert ((got - want).abs() <= bound).all()
+        else:
+            torch.testing.assert_close(
+                got_k, want_k.to(dtype).float().to(got_k.dtype), rtol=0, atol=0
+            )
+            torch.testing.assert_close(
+                got_v, want_v.to(dtype).float().to(got_v.dtype), rtol=0, atol=0
+            )
+    kv.check()

@@ -64,9 +64,9 @@ def make_cache(B: int, S: int, dtype, seed: int = 0):
     """
     g = torch.Generator().manual_seed(seed)
     n_pages = B * S // PAGE
-    # the pools as PagedKV allocates them (on huge pages where the OS has them)
-    k_pages = _pooled(torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype))
-    v_pages = _pooled(torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype))
+    # the pool as PagedKV allocates it (on huge pages where the OS has them)
+    k_pages = torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype)
+    k_pages, v_pages = _pooled(k_pages, torch.randn(n_pages, PAGE, HKV, D, generator=g).to(dtype))
     table = torch.randperm(n_pages, generator=g).view(B, S // PAGE).to(torch.int32)
     lens = torch.full((B,), S, dtype=torch.int32)
     q = torch.randn(B, HQ, 1, D, generator=g).to(dtype)
@@ -85,9 +85,13 @@ def gather(k_pages, v_pages, table):
     return out
 
 
-def _pooled(pages: torch.Tensor) -> torch.Tensor:
-    """``pages`` copied into a pool allocated as PagedKV allocates its own."""
-    return memory.zeros(*pages.shape, dtype=pages.dtype).copy_(pages)
+def _pooled(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k_pages``, ``v_pages`` ``(N, P, Hkv, D)`` copied into one pool ``(N, 2, P, Hkv, D)``
+    allocated as PagedKV allocates its ``kv_store`` (a page's keys, then its values): the two
+    views."""
+    pool = memory.zeros(k_pages.shape[0], 2, *k_pages.shape[1:], dtype=k_pages.dtype)
+    pool[:, 0], pool[:, 1] = k_pages, v_pages
+    return pool[:, 0], pool[:, 1]
 
 
 def paged_case(B: int, S: int, storage: str):
@@ -98,7 +102,7 @@ def paged_case(B: int, S: int, storage: str):
     ks = vs = None
     if quantise is not None:
         (kp, ks), (vp, vs) = quantise(kp), quantise(vp)
-        kp, vp = _pooled(kp), _pooled(vp)
+        kp, vp = _pooled(kp, vp)
     n_bytes = sum(t.numel() * t.element_size() for t in (kp, vp, ks, vs) if t is not None)
 
     def call():
