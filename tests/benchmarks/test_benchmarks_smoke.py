@@ -506,3 +506,27 @@ def test_gpu_triton_part_runs_on_cpu_in_the_interpreter(tmp_path):
     assert targets["causal fwd vs best SDPA TFLOP/s"][2] is (
         causal["ours / best sdpa TFLOP/s"] >= 0.9
     )
+
+
+def test_interleaved_timing_runs_short_calls_for_min_s():
+    # past `repeat` rounds, more until every call has run min_s seconds in all: a fast call (no
+    # work) keeps going as long as the slow one needs (a counted clock, no sleeping)
+    from selfattn.benchmarks import _util
+
+    ticks = [0.0]
+
+    def clock():
+        return ticks[0]
+
+    def fast():
+        ticks[0] += 0.001
+
+    def slow():
+        ticks[0] += 0.01
+
+    a, b = _util.time_interleaved((fast, slow), repeat=3, clock=clock, min_s=0.05)
+    assert a.runs == b.runs == 50  # the fast call's 50 ms, the slow one long past it
+    a, b = _util.time_interleaved((fast, slow), repeat=3, clock=clock)
+    assert a.runs == b.runs == 3
+    a, b = _util.time_interleaved((fast, slow), repeat=3, budget_s=0.1, clock=clock, min_s=10)
+    assert a.runs < 50  # the budget still stops it

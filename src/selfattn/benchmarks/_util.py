@@ -73,9 +73,10 @@ def time_pair(
     repeat: int = 5,
     budget_s: float = 30.0,
     clock: Callable[[], float] = time.perf_counter,
+    min_s: float = 0.0,
 ) -> tuple[Timing, Timing]:
     """:func:`time_interleaved` of two calls (a, b, b, a, a, b, ...)."""
-    return tuple(time_interleaved((fn_a, fn_b), repeat, budget_s, clock))
+    return tuple(time_interleaved((fn_a, fn_b), repeat, budget_s, clock, min_s))
 
 
 def time_interleaved(
@@ -83,12 +84,16 @@ def time_interleaved(
     repeat: int = 5,
     budget_s: float = 30.0,
     clock: Callable[[], float] = time.perf_counter,
+    min_s: float = 0.0,
 ) -> list[Timing]:
     """Time calls interleaved, each round's order rotated by one (a, b, c, then b, c, a, ...) so
     that drifting machine load hits them alike.
 
     Each gets one untimed warm-up call first (its compile cost is reported as ``warmup_s``).
     Rounds stop early, after at least two, once they have used ``len(fns) · budget_s`` seconds.
+    ``min_s``: past ``repeat`` rounds, more until each call has run ``min_s`` seconds in all
+    (within the budget), so that calls of a few ms get a median over many rounds rather than a
+    burst of the host's memory or CPU contention over five.
     ``clock``: wall time by default; ``time.thread_time`` with one torch thread times the work
     alone, which a loaded shared machine's descheduling leaves out.
     """
@@ -99,7 +104,7 @@ def time_interleaved(
         fn()
         firsts.append(time.perf_counter() - t0)
     times: list[list[float]] = [[] for _ in fns]
-    while len(times[0]) < repeat:
+    while len(times[0]) < repeat or min(map(sum, times)) < min_s:
         r = len(times[0])
         for i in [(r + j) % n for j in range(n)]:
             t0 = clock()
