@@ -451,15 +451,17 @@ def test_int8_one_key_on_a_whole_page_returns_its_value_row_exactly(isa):
 
 
 @pytest.mark.parametrize(
-    "where, bad", [("k", float("nan")), ("v", float("nan")), ("v", float("inf"))],
-    ids=["k-nan", "v-nan", "v-inf"],
+    "where, bad",
+    [("k", float("nan")), ("k", float("inf")), ("k", -float("inf")), ("v", float("nan")),
+     ("v", float("inf"))],
+    ids=["k-nan", "k-inf", "k-neg-inf", "v-nan", "v-inf"],
 )  # fmt: skip
 def test_int8_nonfinite_scale_reaches_the_rows_that_attend_it(isa, where, bad):
-    """A NaN int8 scale, or an Inf V scale (a corrupted page), on one used slot: the rows that
-    attend it get what the fp64 twin gets there (NaN), never a finite number; the other rows are
-    as usual. On the int16-weight path a NaN weight would otherwise saturate to a finite integer.
-    (An Inf K scale is left out: the kernel scales each score, ±Inf, where the twin scales each
-    element and gets 0 · Inf = NaN.)"""
+    """A NaN or Inf int8 scale (a corrupted page) on one used slot: the rows that attend it get
+    what the fp64 twin gets there (NaN), never a finite number; the other rows are as usual. On
+    the int16-weight path a NaN weight would otherwise saturate to a finite integer; an Inf key
+    scale times a score would be ±Inf (the key taking all the weight, or silently dropped) where
+    the twin scales each element and gets 0 · Inf = NaN."""
     q, kp, vp, table, sl = make_paged([40, 35], 8, 2, D=64, P=16, Sq=1, seed=9)
     kp, vp, ks, vs = _pages("int8", kp, vp)
     scales = ks if where == "k" else vs

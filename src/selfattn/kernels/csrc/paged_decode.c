@@ -146,6 +146,14 @@ static inline int exponent_of(float x) {
   return (int)((bits >> 23) & 0xFF) - 127;
 }
 
+/* A score x of a key times the key's dequantisation scale k. The scores are dot products with the
+   quantised key, scaled once; the fp64 twin scales each element first, so an Inf scale gives it
+   0 * Inf = NaN elements (the key's zero codes) and a NaN score. Here too: k - k is 0 for a finite
+   k (x * k + 0 is x * k exactly) and NaN for an infinite one, so a corrupted scale shows as NaN in
+   the rows that attend its key, never as a key silently dropped (-Inf) or taking all the weight
+   (+Inf). Keys no row attends are masked after this and add nothing. */
+#define KEY_SCALE(x, k) ((x) * (k) + ((k) - (k)))
+
 /* Bytes a cache line holds: the prefetch stride. */
 #define LINE 64
 /* The next page's bytes, asked for one line per line the blocks load (PD_PREFETCH), in address
@@ -617,17 +625,21 @@ static inline float dequant_scale(const void *scales, int64_t mode, int64_t page
 
 /* Multiply the row values of a page's slots [s0, s0 + ns) (rows r * P + s, the Rh rows of kv
    head h contiguous) by their dequantisation scales: each head's ns scales gathered first, so
-   that the row loops run over contiguous slots (vectorised). */
+   that the row loops run over contiguous slots (vectorised). keys: the values are scores, and an
+   Inf scale makes them NaN (KEY_SCALE). */
 static inline __attribute__((always_inline)) void scale_slots(float *sc, const void *scales,
                                                               int64_t mode, int64_t page,
                                                               int64_t s0, int64_t ns, int64_t P,
                                                               int64_t Hkv, int64_t Rh,
-                                                              float *tmp) {
+                                                              float *tmp, int keys) {
   int64_t h, s, r;
   for (h = 0; h < Hkv; h++) {
     for (s = 0; s < ns; s++) tmp[s] = dequant_scale(scales, mode, page, s0 + s, P, Hkv, h);
     for (r = h * Rh; r < (h + 1) * Rh; r++)
-      for (s = 0; s < ns; s++) sc[r * P + s] *= tmp[s];
+      if (keys)
+        for (s = 0; s < ns; s++) sc[r * P + s] = KEY_SCALE(sc[r * P + s], tmp[s]);
+      else
+        for (s = 0; s < ns; s++) sc[r * P + s] *= tmp[s];
   }
 }
 
@@ -883,7 +895,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
     if (in_lv) move_sums(l, lv, R, 1), in_lv = 0;
     if (a[A_KSC]) /* dequantise the scores */
-      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp);
+      scale_slots(sc, ksc, a[A_KSC], page, s0, ns, P, Hkv, Rh, stmp, 1);
     /* -inf scores outside each query's allowed slots */
     for (i = 0; i < Sq; i++) {
       const int64_t *qa = sa + i * NI, *qb = sb + i * NI;
@@ -933,7 +945,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       l[r] += sum;
     }
     if (a[A_VSC]) /* dequantisation scales of V folded into the weights */
-      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh, stmp);
+      scale_slots(sc, vsc, a[A_VSC], page, s0, ns, P, Hkv, Rh, stmp, 0);
     /* -- weighted V rows, kv head by kv head */
     for (h = 0; h < Hkv; h++) {
       if (n1) prefetch_head(vbase, a + A_VSN, vesz, table[jn], n1, h, Dv * vesz);
@@ -1474,7 +1486,10 @@ AI void ISA(page_weights)(float *m, float *l, const float *sc, int64_t P, int RB
         memcpy(&y, sc + r * P + c * VW, sizeof y);
       else
         for (e = 0; e < VW; e++) y[e] = c * VW + e < ns ? sc[r * P + c * VW + e] : 0.0f;
-      if (ksc) y *= ISA(load)(ksc, c * VW, F32);
+      if (ksc) { /* an Inf key scale: a NaN score (KEY_SCALE) */
+        const VF k = ISA(load)(ksc, c * VW, F32);
+        y = KEY_SCALE(y, k);
+      }
       x[c] = y = ISA(select)(in, y, ISA(splat)(-INFINITY));
       mv = ISA(select)(y > mv, y, mv);
       over |= y > ISA(splat)(m[r] + PD_MAX_SLACK);
