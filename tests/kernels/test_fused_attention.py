@@ -438,3 +438,41 @@ def test_forward_reports_whether_q_and_out_are_finite(path, dtype, monkeypatch):
         out = fa.forward(q, k, v, t, D**-0.5, generic=generic, finite=finite, **kw)[0]
         want = dtype != torch.float16 or "dropout_p" in kw
         assert bool(finite) == bool(out.isfinite().all()) == (not want), (D, "out overflows")
+
+
+@pytest.mark.parametrize(
+    "mod", ["alibi", "bias-with-inf", "softcap", "alibi-bias-softcap"]
+)  # fmt: skip
+@pytest.mark.parametrize("shape", ["97x150-G2-D40-Dv24", "1x130-MQA-D59"])
+def test_bf16_score_mods_on_the_transposed_forward(mod, shape):
+    """bf16 calls with score mods take the transposed forward (apply_mods_t on Sᵀ; the bf16
+    scores are scaled before the mods): against the float64 twin by the ratio rule of bf16
+    arithmetic, the lse by float32's. A -inf bias entry is a key not attended and a row of them
+    an empty row (out 0, lse -inf), straight from the kernel: -inf scores must not reach the
+    exp2 polynomial (NaN) and leave the row to the host's exact redo."""
+    B, Hq, Hkv, Sq, Sk, D, Dv, bq = SHAPES[shape]
+    t = _tiles(Sq, Sk, bq, mb=B, mh=Hq, seed=51)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, Dv, dtype=torch.bfloat16, seed=52)
+    g = torch.Generator().manual_seed(53)
+    kw: dict = {"softcap": 3.0 if "softcap" in mod else 0.0}
+    bias = torch.zeros(B, Hq, Sq, Sk)  # the twin's: ALiBi as the bias it adds, plus the bias
+    if "alibi" in mod:
+        kw["alibi"], kw["q_offset"] = torch.rand(Hq, generator=g) * 0.5, Sk - Sq
+        dist = (Sk - Sq + torch.arange(Sq).view(Sq, 1) - torch.arange(Sk)).abs()
+        bias += -kw["alibi"].view(Hq, 1, 1) * dist
+    if "bias" in mod:
+        kw["bias"] = torch.randn(B, Hq, Sq, Sk, generator=g)
+        if mod == "bias-with-inf":
+            kw["bias"][torch.rand(B, Hq, Sq, Sk, generator=g) < 0.3] = -math.inf
+            kw["bias"][0, :, Sq // 2] = -math.inf  # a row without a key
+        bias = bias + kw["bias"]
+    out, lse, _, _ = fa.forward(q, k, v, t, 0.3, **kw)
+    tw = {"bias": bias, "softcap": kw["softcap"]}
+    o64, lse64 = fa.twin(q, k, v, t, 0.3, **tw)
+    _, lse32 = fa.twin(q, k, v, t, 0.3, dtype=torch.float32, **tw)
+    o16, _ = fa.twin(q, k, v, t, 0.3, dtype=torch.bfloat16, **tw)
+    assert bool(torch.isfinite(out).all()), "the kernel's own output holds NaN/Inf"
+    empty = lse64 == -math.inf
+    assert bool((out[empty] == 0).all()) and bool((lse[empty] == -math.inf).all())
+    assert_close_to_reference(out.bfloat16()[~empty], o64[~empty], o16[~empty])
+    assert_close_to_reference(lse[~empty], lse64[~empty], lse32[~empty], what="lse")

@@ -450,12 +450,17 @@ def test_backward_is_bitwise_deterministic_across_runs_and_threads():
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
 
 
-@pytest.mark.parametrize("extra", ["plain", "dropout", "sinks", "bias-inf"])
-def test_rows_without_keys_give_zero_output_and_zero_gradients(extra):
+@pytest.mark.parametrize(
+    "extra, dtype",
+    [("plain", torch.float32), ("dropout", torch.float32), ("sinks", torch.float32),
+     ("bias-inf", torch.float32), ("bias-inf", torch.bfloat16)],
+)  # fmt: skip
+def test_rows_without_keys_give_zero_output_and_zero_gradients(extra, dtype):
     """Rows left without a key (Sq > Sk under causal; a -inf bias row) give out 0, lse -inf
-    (the sink's logit with sinks) and gradients 0 to q, whatever else the call does."""
+    (the sink's logit with sinks) and gradients 0 to q, whatever else the call does. (bf16 with
+    a bias: the transposed forward's score mods, whose -inf scores must not reach exp2w.)"""
     B, H, Sq, Sk = 2, 4, 97, 33  # bottom-right causal: the first 64 rows see no key
-    q, k, v = make_qkv(B, H, Sq, 40, Hkv=2, Sk=Sk, seed=43, requires_grad=True)
+    q, k, v = make_qkv(B, H, Sq, 40, Hkv=2, Sk=Sk, dtype=dtype, seed=43, requires_grad=True)
     kw: dict = {"mask": masks.causal()}
     empty = torch.zeros(B, H, Sq, dtype=torch.bool)
     empty[:, :, : Sq - Sk] = True
@@ -501,12 +506,14 @@ def test_lse_gradient_matches_the_oracle(dtype):
         assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, dtype=dtype, what=name)
 
 
-def test_an_additive_mask_of_float32_min_is_a_score_not_an_empty_row():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_additive_mask_of_float32_min_is_a_score_not_an_empty_row(dtype):
     """transformers' additive masks hold finfo(float32).min at padded keys: a row whose every
     key carries it (a left-padded query row) is the softmax of equal scores, as the oracle,
     sdpa and transformers' eager give, not an empty row. The kernel kept its base-2 bias
-    ``bias · log2(e)``, which overflowed to -inf there, and returned 0."""
-    _float32_min_bias_rows(cpu_attention)
+    ``bias · log2(e)``, which overflowed to -inf there, and returned 0. (bf16: the transposed
+    forward's score mods.)"""
+    _float32_min_bias_rows(cpu_attention, dtype)
 
 
 def test_float32_min_bias_rows_in_chunked():
@@ -514,8 +521,8 @@ def test_float32_min_bias_rows_in_chunked():
     _float32_min_bias_rows(functools.partial(selfattn.attention, backend="chunked"))
 
 
-def _float32_min_bias_rows(attend):
-    q, k, v = make_qkv(2, 4, 70, 32, Hkv=2, Sk=90, seed=49, requires_grad=True)
+def _float32_min_bias_rows(attend, dtype=torch.float32):
+    q, k, v = make_qkv(2, 4, 70, 32, Hkv=2, Sk=90, dtype=dtype, seed=49, requires_grad=True)
     bias = torch.zeros(2, 1, 70, 90)
     lo = torch.finfo(torch.float32).min
     bias[0, :, :, 60:] = lo  # padded keys
@@ -523,8 +530,11 @@ def _float32_min_bias_rows(attend):
     out, lse = attend(q, k, v, score_mod=bias, return_lse=True)
     assert bool((lse[1, :, :5] < -1e38).all()) and bool(torch.isfinite(lse).all())
     # the lse of those rows is -FLT_MAX·ln 2 + log(Sk), not -FLT_MAX: outside the ratio rule
-    ref = selfattn.attention(q, k, v, score_mod=bias, backend="reference")
-    torch.testing.assert_close(out, ref)  # uniform weights over the padded rows' keys
+    if dtype == torch.float32:
+        ref = selfattn.attention(q, k, v, score_mod=bias, backend="reference")
+        torch.testing.assert_close(out, ref)  # uniform weights over the padded rows' keys
+    else:  # bf16: by the ratio rule, every row (the padded ones uniform, as the oracle)
+        check_against_reference(attend, q, k, v, score_mod=bias, lse=False)
     check_against_reference(
         attend, q[:1], k[:1], v[:1], score_mod=bias[:1], lse=False
     )  # fp32 min on some keys of every row: those keys get weight 0, gradients by the rule
