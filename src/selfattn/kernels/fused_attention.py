@@ -38,6 +38,10 @@ per key, used as AVX-512 lane masks (any mask, intervals or not); the weights' `
 degree-5 polynomial with ``vscalefps`` (float32-exact: the lse keeps float32 accuracy; degree 3
 measured only 1-2% faster in bf16); the rescale is folded into P·V's accumulator load; Qᵀ is
 packed by 16x16 register transposes; full key tiles read K in place (float32, even-D bf16).
+Session 10: bf16 calls with score mods take ``fwd_t`` too (``apply_mods_t`` on the transposed
+tile, a -inf score masked before the ``2^x``): ALiBi 0.7x, soft cap 0.75-0.8x the time of
+``fwd_item`` (window 256, S=16384, 2 threads); float32 mods measured the same either way and
+stay on ``fwd_item``, as does dropout.
 The float32 micro-kernel also keeps its B rows in registers (gcc folded each load into the 4
 FMAs reading it: load-bound). One thread, CPU time, interleaved with main's kernel, best of 7,
 loaded Zen 5 EPYC: see BENCHMARKS.md (session 7); e.g. window 256 at S=16384 bf16 55.9 -> 35.2

@@ -18,8 +18,8 @@
    broadcast against 16-float rows of B, RB x 4 vector accumulators held in registers. Scores
    are in base 2 (the host passes c = scale * log2(e), applied to q as it is packed), so the
    softmax uses exp2. The forward has two work items: fwd_t on transposed tiles (16 query rows
-   a vector; AVX-512 builds, calls without score mods or dropout) and fwd_item on row-major ones
-   (everything else). */
+   a vector; AVX-512 builds, calls without dropout, and without score mods but for bf16) and
+   fwd_item on row-major ones (everything else). */
 
 #include <math.h>
 #include <pthread.h>
@@ -984,11 +984,11 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* bf16 forward on transposed score tiles (avx512_bf16 builds, calls without score mods or     */
-/* dropout): the layout puts 16 query rows in a vector, so the online softmax's row max, sum, */
-/* rescale factor and running max are vertical vector operations, with no horizontal          */
-/* reduction, scalar step or branch per row (per row they were half the time of a window-256  */
-/* forward, on 4 vectors a row: latency-bound chains).                                        */
+/* forward on transposed score tiles (AVX-512 builds; calls without dropout, and without      */
+/* score mods but for bf16): the layout puts 16 query rows in a vector, so the online         */
+/* softmax's row max, sum, rescale factor and running max are vertical vector operations, no  */
+/* horizontal reduction, scalar step or branch per row (per row they were half the time of a  */
+/* window-256 forward, on 4 vectors a row: latency-bound chains).                             */
 /* ------------------------------------------------------------------------------------------ */
 
 /* A PARTIAL block (one per tile, mask batch and mask head) as the transposed forward reads it:
