@@ -365,6 +365,9 @@ _INT8 = {
     "mha-odd": ([50, 17], 3, 3, 37, 7, 2),  # Dv under one 32-dim chunk: all of it in fp32
     "gqa5-d576": ([40], 10, 2, 576, 64, 1),  # a narrower int16 query range (int32 sums)
     "mqa": ([45, 70], 4, 1, 64, 64, 1),  # one kv head: a page's scales are one contiguous run
+    # 4 and 8 kv heads: a page's scales in whole registers, each head's by word permutes
+    "gqa2-hkv4": ([50, 33], 8, 4, 64, 64, 1),
+    "gqa4-hkv8": ([40, 21], 32, 8, 128, 128, 1),
 }
 
 
