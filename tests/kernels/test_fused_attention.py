@@ -476,3 +476,18 @@ def test_bf16_score_mods_on_the_transposed_forward(mod, shape):
     assert bool((out[empty] == 0).all()) and bool((lse[empty] == -math.inf).all())
     assert_close_to_reference(out.bfloat16()[~empty], o64[~empty], o16[~empty])
     assert_close_to_reference(lse[~empty], lse64[~empty], lse32[~empty], what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_bias_is_scaled_to_base_2_in_float32(dtype):
+    """The kernel takes the bias times log2(e) in float32: the product of a half-precision bias
+    must be taken wide. In half precision it rounded each base-2 bias to the half's precision (a
+    one-key row's lse off by ~2^-13 of the bias, fuzz seed 11) and overflowed past 65504 /
+    log2(e), after which a finite bias was held at float32's max."""
+    g = torch.Generator().manual_seed(61)
+    x = (torch.randn(4, 64, generator=g) * 3).to(dtype)
+    x[0, 0] = -60000.0 if dtype == torch.float16 else -1e30
+    got = fa.base2(x, torch.float32)
+    want = (x.double() * fa.LOG2E).float()  # the float64 product, rounded once
+    torch.testing.assert_close(got, want, rtol=2**-23, atol=0)
+    assert bool(got.isfinite().all())

@@ -386,8 +386,11 @@ def base2(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``±max / log2(e)`` (transformers' additive masks hold ``finfo(float32).min``) would overflow
     to ``∓inf`` and make a row whose every key carries it empty (output 0) instead of the softmax
     of equal scores that the oracle and sdpa give; it is held at ``±finfo(dtype).max`` instead.
-    ``-inf`` (a masked score) stays ``-inf``. One extra pass where nothing is infinite."""
-    x2 = (x * LOG2E).to(dtype)
+    ``-inf`` (a masked score) stays ``-inf``. One extra pass where nothing is infinite. The
+    product is taken in the wider of the two dtypes: a half-precision bias times log2(e) in half
+    precision rounded each base-2 bias to 11 bits (a bias-only lse off by 2^-13 of itself) and
+    overflowed past 65504 / log2(e) (a finite bias then held at float32's max)."""
+    x2 = (x.to(torch.promote_types(x.dtype, dtype)) * LOG2E).to(dtype)
     if x2.is_cuda or bool(x2.isinf().any()):  # CUDA: no host sync, always the exact form
         overflowed = x2.isinf() & x.isfinite()
         x2 = torch.where(overflowed, x2.sign() * torch.finfo(dtype).max, x2)
