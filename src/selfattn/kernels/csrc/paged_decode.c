@@ -154,6 +154,16 @@ static inline int exponent_of(float x) {
    (+Inf). Keys no row attends are masked after this and add nothing. */
 #define KEY_SCALE(x, k) ((x) * (k) + ((k) - (k)))
 
+/* CALL with the runtime row count RB (1..4) as a compile-time constant RBC, one instance per
+   value: the block kernels are always inlined, so each count gets its own unrolled loops. */
+#define PD_WITH_RB(RB, CALL)                                                                      \
+  switch (RB) {                                                                                   \
+    case 4: { enum { RBC = 4 }; CALL; } break;                                                    \
+    case 3: { enum { RBC = 3 }; CALL; } break;                                                    \
+    case 2: { enum { RBC = 2 }; CALL; } break;                                                    \
+    default: { enum { RBC = 1 }; CALL; } break;                                                   \
+  }
+
 /* Bytes a cache line holds: the prefetch stride. */
 #define LINE 64
 /* The next page's bytes, asked for one line per line the blocks load (PD_PREFETCH), in address
@@ -409,12 +419,8 @@ __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
     float *wbuf, Pf *pf) {
   /* BF16 or LUT8 (fp8 e4m3, exact in bf16): the caller picks this step for those V only */
 #define PD_DP_RB(DT)                                                                              \
-  switch (RB) {                                                                                   \
-    case 4: page_step_dp_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, DT, lut, wbuf, pf); break; \
-    case 3: page_step_dp_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, DT, lut, wbuf, pf); break; \
-    case 2: page_step_dp_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, DT, lut, wbuf, pf); break; \
-    default: page_step_dp_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, DT, lut, wbuf, pf); break; \
-  }
+  PD_WITH_RB(RB, page_step_dp_rb(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, DT, lut,  \
+                                 wbuf, pf))
   if (dt == BF16) {
     PD_DP_RB(BF16)
   } else {
@@ -553,12 +559,8 @@ __attribute__((target("avx512bf16,avx512vnni"))) static void page_step_i8dp(
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
     float *wbuf, Pf *pf) {
   (void)dt; /* I8: the caller picks this step for int8 V only */
-  switch (RB) {
-    case 4: page_step_i8_rb(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
-    case 3: page_step_i8_rb(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
-    case 2: page_step_i8_rb(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
-    default: page_step_i8_rb(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, lut, wbuf, pf); break;
-  }
+  PD_WITH_RB(RB, page_step_i8_rb(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, lut, wbuf,
+                                 pf))
 }
 #pragma GCC pop_options
 #define HAVE_X86_PATHS 1
@@ -1399,12 +1401,7 @@ static void ISA(pv)(float *acc, int64_t as, const float *w, int64_t ws, int RB, 
                     const char *v0, int64_t vstride, int64_t sa, int64_t sb, int dt,
                     const float *lut) {
 #define PD_PV(DT)                                                                                 \
-  switch (RB) {                                                                                   \
-    case 4: ISA(pv_dt)(acc, as, w, ws, 4, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;      \
-    case 3: ISA(pv_dt)(acc, as, w, ws, 3, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;      \
-    case 2: ISA(pv_dt)(acc, as, w, ws, 2, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;      \
-    default: ISA(pv_dt)(acc, as, w, ws, 1, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL); break;     \
-  }
+  PD_WITH_RB(RB, ISA(pv_dt)(acc, as, w, ws, RBC, Dv, v0, vstride, sa, sb, DT, lut, NULL, NULL))
   switch (dt) {
     case F32: PD_PV(F32) break;
     case BF16: PD_PV(BF16) break;
@@ -1560,20 +1557,8 @@ static void ISA(page_step)(float *acc, int64_t Dv, float *m, float *l, const flo
                            const char *v0, int64_t vstride, int dt, const float *lut,
                            float *wbuf, Pf *pf) {
 #define PD_STEP_RB(DT)                                                                            \
-  switch (RB) {                                                                                   \
-    case 4: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 4, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
-                              pf);                                                                \
-      break;                                                                                      \
-    case 3: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 3, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
-                              pf);                                                                \
-      break;                                                                                      \
-    case 2: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 2, ns, ksc, vsc, v0, vstride, DT, lut, wbuf,  \
-                              pf);                                                                \
-      break;                                                                                      \
-    default: ISA(page_step_dt)(acc, Dv, m, l, sc, P, 1, ns, ksc, vsc, v0, vstride, DT, lut, wbuf, \
-                               pf);                                                               \
-      break;                                                                                      \
-  }
+  PD_WITH_RB(RB, ISA(page_step_dt)(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, DT, lut,  \
+                                   wbuf, pf))
   switch (dt) {
     case F32: PD_STEP_RB(F32) break;
     case BF16: PD_STEP_RB(BF16) break;
