@@ -664,6 +664,10 @@ static void apply_mods(float *s, float *dcap, const int64_t *a, void *const *p, 
   }
 }
 
+/* Whether the call has a score mod (ALiBi, a bias, a soft cap): apply_mods' or apply_mods_t's
+   work. */
+static inline int has_mods(void *const *p) { return p[P_SLOPES] || p[P_BIAS] || p[P_CAP]; }
+
 /* apply_mods on a transposed tile (fwd_t's Sᵀ: key k's scores of 16 query rows a vector, row r
    at sT[k MAXBQ + r], base 2): keys [ka, kz) of the tile whose first key is c0, the nqv vectors
    of rows from r0 (rows past tq get ALiBi and the cap, not the bias, which has no row there);
@@ -904,7 +908,7 @@ static void fwd_item(const void *vjob, int64_t item, float *buf) {
   float *qs = buf, *s = qs + MAXBQ * d.Dp, *acc = s + MAXBQ * BK, *m = acc + MAXBQ * d.Dvp;
   float *l = m + MAXBQ;
   const int64_t blk0 = kvh / d.Sk * d.nk; /* first packed block of this kv head */
-  const int mods = p[P_SLOPES] || p[P_BIAS] || p[P_CAP];
+  const int mods = has_mods(p);
   const float *drop = (const float *)p[P_DROP];
   const uint32_t xbh = drop ? dropout_bh(job->a[A_SEED], b, h) : 0;
   int64_t r, t, lo[MAXBQ / RB], hi[MAXBQ / RB];
@@ -1111,7 +1115,7 @@ static inline __attribute__((always_inline)) void fwd_t(const void *vjob, int64_
   const int64_t blk0 = qt.kvh / d.Sk * d.nk;
   /* bf16 scores are s c with c = scale log2(e): the max is taken on s, so c must be positive;
      a negative scale negates q instead (exact in bf16). float32 q is packed times c. */
-  const int mods = p[P_SLOPES] || p[P_BIAS] || p[P_CAP];
+  const int mods = has_mods(p);
   /* with score mods, bf16 scores are scaled by c before them (the mods take base-2 scores) and
      the softmax's factor is 1 */
   const float cs = bf ? fabsf(job->c) : 1.0f, c = mods ? 1.0f : cs;
@@ -1905,7 +1909,7 @@ int fa_forward(const int64_t *iargs, void *const *ptrs, int n_threads, float c) 
      0.63x (ALiBi) and 0.79x (soft cap) fwd_item's time, window 256 at S=16384, 2 threads, where
      float32 measured the same, and its lse moved a float32 bias gradient past the ratio bound in
      one fuzz case */
-  const int mods = ptrs[P_SLOPES] || ptrs[P_BIAS] || ptrs[P_CAP];
+  const int mods = has_mods(ptrs);
   const int bt = HAVE_TRANSPOSED && !ptrs[P_DROP] && (!mods || kb);
   Job job = {iargs, ptrs, c, 0.0f, d.B * d.Hq * d.nq, 0, fwd_item, fwd_scratch(&d),
              kb || bt ? NULL : WANTED, NULL, bt && !kb ? WANTED : NULL, kb ? NULL : vp, kb, kb,
