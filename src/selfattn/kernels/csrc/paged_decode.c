@@ -361,6 +361,10 @@ __attribute__((target("avx512bf16,avx512vnni"))) static void scores_bf16dp(
    8L + i (i < 4: lo, else hi, per 128-bit lane L) in lane 4L + i of a 32-dim chunk's lo/hi
    accumulators: permuted from and back to the natural order of acc as they are loaded and stored.
    Dims past the last whole chunk of 32 take the fp32 block. */
+/* The lo / hi accumulators of a 32-dim chunk back to the natural order of its two 16-dim halves
+   (vpermt2d / vpermt2ps lanes; the second half's, PD_PAIRS_BACK + 8): the V steps' shared
+   interleave, page_step_dp_rb's and page_step_i8_rb's. */
+#define PD_PAIRS_BACK _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0)
 __attribute__((target("avx512bf16"), always_inline)) static inline void page_step_dp_rb(
     float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, int vdt,
@@ -373,8 +377,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
   int64_t d;
   const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
   const __m512i to_hi = _mm512_add_epi32(to_lo, _mm512_set1_epi32(4));
-  const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
+  const __m512i back0 = PD_PAIRS_BACK, back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
   page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   for (r = 0; r < RB; r++) {
     const __m256i w = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(wbuf + r * PD_SLOTS));
@@ -437,8 +440,6 @@ __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
 __attribute__((target("avx512f,avx512bw"))) static void page_scales_bf16(float *out,
                                                                        const uint16_t *x,
                                                                        int64_t Hkv) {
-  const __m512i slot = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)Hkv));
   if (Hkv == 1) { /* contiguous */
     _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(
                               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16)));
@@ -467,6 +468,8 @@ __attribute__((target("avx512f,avx512bw"))) static void page_scales_bf16(float *
     }
     return;
   }
+  const __m512i slot = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)Hkv));
   _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(slot, x, 2), 16)));
   for (int64_t h = 1; h < Hkv; h++) {
     const __m512i w = _mm512_i32gather_epi32(_mm512_add_epi32(slot, _mm512_set1_epi32((int)h - 1)), x, 2);
@@ -496,8 +499,7 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   uint32_t wp[4][NP]; /* the int16 weights of slots 2p, 2p + 1 as a pair */
   int r, p;
   int64_t d;
-  const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
+  const __m512i back0 = PD_PAIRS_BACK, back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
   page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   for (r = 0; r < RB; r++) {
     const __m512 w = _mm512_loadu_ps(wbuf + r * PD_SLOTS);
