@@ -72,6 +72,14 @@
    no arithmetic) reads 30-36 GB/s, against 58-64 GB/s for a large sequential copy's bytes and a
    sum's; bf16 pages read 25-29 GB/s, ~0.85 of that model.
 
+   Session 11 (the same CPU): a block's 16 score sums went to the stack as one vector and came back
+   a float at a time, each reload stalled on the wider store in flight (perf: ~14 % of the int8
+   scores' samples on the store after it); they are written from the register by masked stores
+   (store_rows), and the blocks' prefetch cursor lives in registers (through pf: a store and a
+   reload a line). One thread in cache: int8 0.95-0.98x, bf16 0.90-0.96x the CPU time; 2 threads
+   from DRAM int8 0.95-0.97x. The int8 step is compute-bound: with every page the same (all in L1)
+   it takes 206 ns a (page, kv head) against 212 from L3, ~760 cycles at 3.7 GHz for 512 vpdpwssd.
+
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
    and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
@@ -291,8 +299,16 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   enum { RB = 4, SB = 4 };
   const int64_t kesz = elem_size(kdt);
   int64_t r, s, d;
+  Pf cur = {0, 0}; /* the prefetch cursor in registers (through pf, a store and a reload a line) */
+  if (pf) cur = *pf;
   for (r = 0; r < Rh; r += RB) {
     const int64_t nr = Rh - r < RB ? Rh - r : RB;
+    /* lane i * SB + j of a block's sums: row r + i's factor (its query's 2^-e, or the scale) */
+    const __m512 factor =
+        i16 ? _mm512_permutexvar_ps(
+                  _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                  _mm512_castps128_ps512(_mm_maskz_loadu_ps((__mmask8)((1u << nr) - 1), qf + r)))
+            : _mm512_set1_ps(scale);
     for (s = 0; s < ns; s += SB) {
       const int64_t nk = ns - s < SB ? ns - s : SB;
       const char *k[SB];
@@ -311,7 +327,7 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
           } else {
             kv[j] = key_pairs(k[j], d, D, kdt);
           }
-          if (r == 0) PD_PREFETCH(pf, d * kesz);
+          if (r == 0 && pf) PD_PREFETCH(&cur, d * kesz);
         }
         for (i = 0; i < RB; i++) {
           const __m512i qv = _mm512_loadu_si512(qr[i] + d);
@@ -324,17 +340,15 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
         }
       }
       {
-        __m512 f[RB * SB];
-        float sums[RB * SB];
+        vf_avx512 f[RB * SB];
         for (i = 0; i < RB * SB; i++)
-          f[i] = i16 ? _mm512_cvtepi32_ps(_mm512_castps_si512(acc[i])) : acc[i];
-        reduce_store_avx512((const vf_avx512 *)f, sums);
-        for (i = 0; i < nr; i++)
-          for (j = 0; j < nk; j++)
-            out[(r + i) * P + s + j] = sums[i * SB + j] * (i16 ? qf[r + i] : scale);
+          f[i] = (vf_avx512)(i16 ? _mm512_cvtepi32_ps(_mm512_castps_si512(acc[i])) : acc[i]);
+        store_rows_avx512((vf_avx512)_mm512_mul_ps((__m512)reduce_avx512(f), factor),
+                          out + r * P + s, P, (int)nr, SB, nk);
       }
     }
   }
+  if (pf) *pf = cur;
 }
 /* bf16, int8 or fp8 keys against a bf16 query, or int8 keys against an int16 one (qf non-NULL;
    one instance each: the loads specialise) */
@@ -500,6 +514,8 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   int r, p;
   int64_t d;
   const __m512i back0 = PD_PAIRS_BACK, back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
+  Pf cur = {0, 0}; /* the prefetch cursor in registers (through pf, a store and a reload a line) */
+  if (pf) cur = *pf;
   page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   for (r = 0; r < RB; r++) {
     const __m512 w = _mm512_loadu_ps(wbuf + r * PD_SLOTS);
@@ -529,8 +545,8 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
       const char *va = v0 + 2 * p * vstride + d;
       const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)va));
       const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(va + vstride)));
-      if (2 * p < ns) PD_PREFETCH(pf, d);
-      if (2 * p + 1 < ns) PD_PREFETCH(pf, d);
+      if (2 * p < ns) PD_PREFETCH(&cur, d);
+      if (2 * p + 1 < ns) PD_PREFETCH(&cur, d);
       const __m512i vl = _mm512_unpacklo_epi16(x, y), vh = _mm512_unpackhi_epi16(x, y);
 #define PD_ROW(R)                                                                                 \
   if (RB > R) {                                                                                   \
@@ -551,6 +567,7 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
       _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(f1, s, _mm512_mul_ps(_mm512_loadu_ps(o + 16), a)));
     }
   }
+  if (pf) *pf = cur;
   for (; d < Dv; d += 16)
     pv_cols_avx512(acc, Dv, wbuf, PD_SLOTS, RB, 1, d, Dv - d < 16 ? Dv - d : 16, v0, vstride, 0,
                    ns, I8, lut, alpha, pf);
@@ -1252,7 +1269,7 @@ AI VF ISA(load_tail)(const void *row, int64_t i, int64_t n, int dt, const float 
 #endif
 #endif
 
-AI void ISA(reduce_store)(const VF *v, float *out) {
+AI VF ISA(reduce)(const VF *v) {
   VF t[VW];
   int n = VW, i;
   for (i = 0; i < VW; i++) t[i] = v[i];
@@ -1270,7 +1287,25 @@ AI void ISA(reduce_store)(const VF *v, float *out) {
   PD_STEP(LVL4, LVL4B)
 #endif
 #undef PD_STEP
-  memcpy(out, &t[0], sizeof(VF));
+  return t[0];
+}
+
+/* Lanes r * SB + s of v (r < RB, s < SB and s < nk) to out[r * P + s], from the register: the
+   vector stored whole and read back a float at a time stalled the reloads (they cannot take their
+   data from a wider store still in flight: ~a fifth of the int8 scores' time in perf). */
+AI void ISA(store_rows)(VF v, float *out, int64_t P, int RB, int SB, int64_t nk) {
+  int r;
+#if PD_X86 == 512
+  const __mmask16 m = (__mmask16)((1u << (nk < SB ? nk : SB)) - 1);
+  /* row r's lanes start at lane r * SB: a masked store from SB lanes before its row (masked
+     lanes are neither written nor read, so no fault and no byte outside the row is touched) */
+  for (r = 0; r < RB; r++)
+    _mm512_mask_storeu_ps((void *)((uintptr_t)(out + r * P) - sizeof(float) * (size_t)(r * SB)),
+                          (__mmask16)(m << (r * SB)), (__m512)v);
+#else
+  for (r = 0; r < RB; r++)
+    for (int s = 0; s < SB && s < nk; s++) out[r * P + s] = v[r * SB + s];
+#endif
 }
 
 /* Scores of RB query rows (fp32, stride Dp, zero-padded) against SB keys (rows k0 + s * kstride,
@@ -1304,12 +1339,7 @@ AI void ISA(score_block)(const float *q, int64_t Dp, int64_t D, const char *k0, 
       for (r = 0; r < RB; r++) acc[r * SB + s] += qv[r] * kv;
     }
   }
-  {
-    float sums[VW];
-    ISA(reduce_store)(acc, sums);
-    for (r = 0; r < RB; r++)
-      for (s = 0; s < SB && s < nk; s++) out[r * P + s] = sums[r * SB + s];
-  }
+  ISA(store_rows)(ISA(reduce)(acc), out, P, RB, SB, nk);
 }
 
 /* Scores of a kv head's Rh rows against the ns slots from k0, in blocks of 4, 2 and 1 rows. */
