@@ -95,7 +95,8 @@ def test_one_key_returns_its_value_row_exactly(isa, storage, qdtype):
     the kernel converted it: bit-equal to PyTorch's conversion (rounded to q's dtype as PyTorch
     rounds). For fp8 the row holds all 256 byte codes: normals, subnormals, signed zeros and the
     NaN codes (NaN out in those lanes only), through the in-register exponent arithmetic (fp32
-    query) or the fields moved into bf16 for vdpbf16ps (bf16 query), not the lookup table."""
+    query) or the table of their bf16 bits for vdpbf16ps (bf16 query), not the float32 lookup
+    table."""
     if storage == "fp16" and torch.float16 not in paged_decode.supported_dtypes():
         pytest.skip("this compiler has no _Float16")
     g = torch.Generator().manual_seed(7)
