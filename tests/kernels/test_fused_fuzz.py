@@ -278,6 +278,24 @@ def test_random_bias_gradients_match_the_fp64_oracle(case: Case, monkeypatch):
     assert_close_to_reference(*grads, factor=GRAD_FACTOR, dtype=DTYPES[case.dtype], what="dbias")
 
 
+# A fuzz finding (seed 32): a bias per query row (broadcast over keys) whose gradient sums each
+# row's dS, which cancels exactly: Δ = rowsum(dO ∘ O) left its rounding there, 6.7x the naive fp32
+# error (1.5x the bound) on every build; a call with dBias now takes Δ from its own P and dP.
+_PER_ROW_BIAS = Case(
+    seed=32001503, B=2, Hq=6, Hkv=3, Sq=3, Sk=79, D=128, Dv=256, dtype="fp32", layout="contiguous",
+    kv_batch1=False, q_offset=5, mask="window", mod="alibi>>bias>>softcap", bias_shape="Q1",
+    sinks=False, scale=0.05, build="native",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("build", _builds())
+@pytest.mark.parametrize("mod", ["alibi>>bias>>softcap", "bias"])
+def test_bias_per_query_row_gradient_within_the_ratio_rule(build, mod, monkeypatch):
+    """dBias of a (Sq, 1) bias: each row's sum of dS (exactly 0 without the soft cap)."""
+    case = dataclasses.replace(_PER_ROW_BIAS, build=build, mod=mod)
+    test_random_bias_gradients_match_the_fp64_oracle(case, monkeypatch)
+
+
 def _one_hot_row(dtype):
     """One decode row attending 47 keys (a bidirectional chunk of 64 at position 238) with
     scores ~10 wide (scale 1, D = 111): nearly one-hot weights; dq was 87x the naive error."""
