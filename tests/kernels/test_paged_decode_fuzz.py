@@ -279,9 +279,11 @@ def _call(Sq=1, **change):
         ({"q": lambda a: a["q"][:, :3]}, r"Hkv=2 must divide Hq=3"),
         ({"k_pages": lambda a: a["k_pages"].to(torch.int8)}, r"k_scales"),
         ({"block_table": lambda a: a["block_table"].float()}, r"block_table must be an integer"),
+        ({"v_pages": lambda a: a["v_pages"].to(torch.float8_e5m2)},
+         r"v_pages are torch\.float8_e5m2: fp8 pages must be float8_e4m3fn"),
     ],
     ids=["page-id", "short-seq", "capacity", "dtype-mix", "head-dim", "gqa", "int8-no-scales",
-         "float-table"],
+         "float-table", "fp8-e5m2"],
 )  # fmt: skip
 def test_bad_inputs_name_the_values_and_the_fix(change, says):
     with pytest.raises((TypeError, ValueError), match=says):

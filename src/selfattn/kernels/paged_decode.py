@@ -198,6 +198,12 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
         )
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("the C decode kernel needs pages with a contiguous last dim")
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dtype not in _DTYPE_CODES:
+            raise TypeError(
+                f"the C decode kernel takes {name} of {', '.join(map(str, _DTYPE_CODES))}, got "
+                f"{t.dtype} (paged_attention checks a call's dtypes before it reaches the kernel)"
+            )
     q = q.contiguous()
     # Dtype tests: a planned step passes them ready, and a no-op ``to`` still costs ~2 µs a call
     table = (table if table.dtype == torch.int32 else table.to(torch.int32)).contiguous()

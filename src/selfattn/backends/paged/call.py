@@ -122,6 +122,13 @@ def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     if q.dtype in QUANT_DTYPES:
         raise TypeError(f"q must be fp16/bf16/fp32/fp64, got {q.dtype}")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dtype.itemsize == 1 and t.is_floating_point() and t.dtype not in QUANT_DTYPES:
+            raise TypeError(
+                f"{name} are {t.dtype}: fp8 pages must be float8_e4m3fn (what "
+                "selfattn.cache.quantize_fp8 writes, with float32 scales); requantize them from "
+                "the float values, or cast them to q's dtype"
+            )
     # Quantised pages (int8 / fp8) are read in q's accumulation dtype; float pages match q.
     if any(p.dtype != q.dtype and p.dtype not in QUANT_DTYPES for p in (k_pages, v_pages)):
         raise TypeError(
