@@ -251,9 +251,6 @@ typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float 
 #undef ISA
 #undef VW
 #undef PD_X86
-/* 32 elements of a key (or value) row from d as bf16 pairs; past D: 0 (q is 0 there too, but a
-   key's bytes past its row may be NaN). int8 keys are integers of at most 8 bits, exact in bf16:
-   widened, converted to fp32 and packed to bf16 (vcvtne2ps2bf16) without rounding. */
 /* The bf16 bits of the fp8 e4m3fn magnitudes 0..127 (exponent 0: m 2^-9; 127: NaN) */
 static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {
     0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60,
@@ -273,6 +270,9 @@ static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {
     0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370,
     0x4380, 0x4390, 0x43A0, 0x43B0, 0x43C0, 0x43D0, 0x43E0, 0x7FC0,
 };
+/* 32 elements of a key (or value) row from d as bf16 pairs; past D: 0 (q is 0 there too, but a
+   key's bytes past its row may be NaN). int8 keys are integers of at most 8 bits, exact in bf16:
+   widened, converted to fp32 and packed to bf16 (vcvtne2ps2bf16) without rounding. */
 __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_pairs(
     const char *k, int64_t d, int64_t D, int kdt) {
   const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
