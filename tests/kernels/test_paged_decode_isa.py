@@ -480,3 +480,15 @@ def test_int8_nonfinite_scale_reaches_the_rows_that_attend_it(isa, where, bad):
     naive, _ = paged_attention_twin(q, kp, vp, *args, compute_dtype=torch.bfloat16)
     assert_close_to_reference(out[1], o64[1], naive[1], dtype=torch.bfloat16)
     assert_close_to_reference(out[0, :4], o64[0, :4], naive[0, :4], dtype=torch.bfloat16)
+
+
+def test_a_page_dtype_the_kernel_lacks_is_named():
+    """Called directly (paged_attention checks first), the kernel names the dtype it lacks and
+    the ones it takes, not a KeyError from its dtype table."""
+    q, kp, vp, table, lens = make_paged([20], 4, 2, D=16, P=8, Sq=1, seed=3)
+    e5m2 = kp.to(torch.float8_e5m2)
+    lo, hi = torch.zeros(1, 1, dtype=torch.long), lens.long().view(1, 1)
+    with pytest.raises(
+        TypeError, match=r"takes k_pages of .*float8_e4m3fn, got torch\.float8_e5m2"
+    ):
+        paged_decode.decode(q, e5m2, vp, table, lo, hi, 0.25, torch.ones(1), None)

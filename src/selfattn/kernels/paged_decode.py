@@ -187,6 +187,18 @@ def decode(
     return _launch(lib, *args, scale, out, lse)
 
 
+def _dtype_code(name: str, t: torch.Tensor) -> int:
+    """``t``'s kernel dtype code; TypeError naming the dtypes the kernel takes (paged_attention
+    checks a call's dtypes before it reaches the kernel; this is for direct calls)."""
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(
+            f"the C decode kernel takes {name} of {', '.join(map(str, _DTYPE_CODES))}, got "
+            f"{t.dtype}"
+        )
+    return code
+
+
 def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits):
     """``(lib, (int args, pointer args), out, lse, tensors)`` of one :func:`decode` call, the
     arguments as ctypes arrays; ``tensors``: the (converted) ones the pointers point into."""
@@ -198,12 +210,6 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
         )
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("the C decode kernel needs pages with a contiguous last dim")
-    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if t.dtype not in _DTYPE_CODES:
-            raise TypeError(
-                f"the C decode kernel takes {name} of {', '.join(map(str, _DTYPE_CODES))}, got "
-                f"{t.dtype} (paged_attention checks a call's dtypes before it reaches the kernel)"
-            )
     q = q.contiguous()
     # Dtype tests: a planned step passes them ready, and a no-op ``to`` still costs ~2 µs a call
     table = (table if table.dtype == torch.int32 else table.to(torch.int32)).contiguous()
@@ -224,9 +230,9 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
         "B": B, "HQ": Hq, "HKV": Hkv, "SQ": Sq, "D": D, "DV": Dv, "P": P,
         "MAXP": table.shape[1], "NSPLIT": n_split, "SPLIT_PAGES": split_pages,
         "KSN": ks[0], "KSP": ks[1], "KSH": ks[2], "VSN": vs[0], "VSP": vs[1], "VSH": vs[2],
-        "KDT": _DTYPE_CODES[k_pages.dtype], "VDT": _DTYPE_CODES[v_pages.dtype],
+        "KDT": _dtype_code("k_pages", k_pages), "VDT": _dtype_code("v_pages", v_pages),
         "KSC": _scales_code(k_scales), "VSC": _scales_code(v_scales),
-        "QDT": _DTYPE_CODES[q.dtype], "ISA": _requested_isa(), "NI": n_intervals,
+        "QDT": _dtype_code("q", q), "ISA": _requested_isa(), "NI": n_intervals,
         "ODT": _DTYPE_CODES[q.dtype],
     }  # fmt: skip
     tensors = {

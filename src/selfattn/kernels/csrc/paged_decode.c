@@ -188,13 +188,22 @@ static inline int exponent_of(float x) {
 typedef struct {
   const char *at, *end;
 } Pf;
-#define PD_PREFETCH(pf, off)                                                                      \
+/* One line of cursor c (a Pf, not a pointer) where off is a line's start; PD_PREFETCH through a
+   Pf pointer (NULL: none). A block that asks for many lines copies the cursor into a local Pf
+   first (pf_local) and writes it back after: through the pointer, every line was a store and a
+   reload of the cursor. */
+#define PD_PREFETCH_AT(c, off)                                                                    \
   do {                                                                                            \
-    if ((pf) && (off) % LINE == 0 && (pf)->at < (pf)->end) {                                      \
-      __builtin_prefetch((pf)->at, 0, 3);                                                         \
-      (pf)->at += LINE;                                                                           \
+    if ((off) % LINE == 0 && (c).at < (c).end) {                                                  \
+      __builtin_prefetch((c).at, 0, 3);                                                           \
+      (c).at += LINE;                                                                             \
     }                                                                                             \
   } while (0)
+#define PD_PREFETCH(pf, off)                                                                      \
+  do {                                                                                            \
+    if (pf) PD_PREFETCH_AT(*(pf), off);                                                           \
+  } while (0)
+static inline Pf pf_local(const Pf *pf) { return pf ? *pf : (Pf){0, 0}; }
 
 /* -- the block kernels, per instruction set: scores of a kv head's rows against a run of page
    slots, and their weighted V sum (the SIMD pass at the end of this file). pf: the byte offset
@@ -319,8 +328,7 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   enum { RB = 4, SB = 4 };
   const int64_t kesz = elem_size(kdt);
   int64_t r, s, d;
-  Pf cur = {0, 0}; /* the prefetch cursor in registers (through pf, a store and a reload a line) */
-  if (pf) cur = *pf;
+  Pf cur = pf_local(pf);
   for (r = 0; r < Rh; r += RB) {
     const int64_t nr = Rh - r < RB ? Rh - r : RB;
     /* lane i * SB + j of a block's sums: row r + i's factor (its query's 2^-e, or the scale) */
@@ -347,7 +355,7 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
           } else {
             kv[j] = key_pairs(k[j], d, D, kdt);
           }
-          if (r == 0 && pf) PD_PREFETCH(&cur, d * kesz);
+          if (r == 0) PD_PREFETCH_AT(cur, d * kesz);
         }
         for (i = 0; i < RB; i++) {
           const __m512i qv = _mm512_loadu_si512(qr[i] + d);
@@ -534,8 +542,7 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   int r, p;
   int64_t d;
   const __m512i back0 = PD_PAIRS_BACK, back1 = _mm512_add_epi32(back0, _mm512_set1_epi32(8));
-  Pf cur = {0, 0}; /* the prefetch cursor in registers (through pf, a store and a reload a line) */
-  if (pf) cur = *pf;
+  Pf cur = pf_local(pf);
   page_weights_avx512(m, l, sc, P, RB, ns, ksc, vsc, wbuf, alpha);
   for (r = 0; r < RB; r++) {
     const __m512 w = _mm512_loadu_ps(wbuf + r * PD_SLOTS);
@@ -565,8 +572,8 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
       const char *va = v0 + 2 * p * vstride + d;
       const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)va));
       const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(va + vstride)));
-      if (2 * p < ns) PD_PREFETCH(&cur, d);
-      if (2 * p + 1 < ns) PD_PREFETCH(&cur, d);
+      if (2 * p < ns) PD_PREFETCH_AT(cur, d);
+      if (2 * p + 1 < ns) PD_PREFETCH_AT(cur, d);
       const __m512i vl = _mm512_unpacklo_epi16(x, y), vh = _mm512_unpackhi_epi16(x, y);
 #define PD_ROW(R)                                                                                 \
   if (RB > R) {                                                                                   \
