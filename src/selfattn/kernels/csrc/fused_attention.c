@@ -1465,6 +1465,12 @@ static int rows_peaked(const float *l, int64_t tq) {
   return peaked;
 }
 
+/* Whether rows [0, tq) take Δ from their own P and dP: a call with the bias gradient db
+   (DBIAS_DELTA), or one of them peaked. */
+static int kept_delta(const void *db, const float *l, int64_t tq) {
+  return db != NULL || rows_peaked(l, tq);
+}
+
 /* rowsum(P ∘ dP) into acc and rowsum(P) into wsum (float64, rows [0, tq)) of one tile's scores
    s and dP (tile_sp's), the weights as weights_and_ds computes them. */
 static void delta_sums(double *acc, double *wsum, const float *s, const float *dp,
@@ -1632,8 +1638,7 @@ static void dq_rows(const Job *job, const Dims *dd, int64_t item, float *buf, vo
   float *qs = buf, *dob = qs + MAXBQ * d.Dp, *s = dob + MAXBQ * d.Dvp, *dp = s + MAXBQ * BK;
   float *dq = dp + MAXBQ * BK, *dcap = dq + MAXBQ * d.Dp, *kept = dcap + MAXBQ * BK;
   const int64_t blk0 = qt.kvh / d.Sk * d.nk; /* first packed block of this kv head */
-  /* with the bias gradient, every tile takes Δ from its own P and dP (see DBIAS_DELTA) */
-  const int peaked = qt.n > 0 && (db || rows_peaked((const float *)p[P_L] + row0, tq));
+  const int peaked = qt.n > 0 && kept_delta(db, (const float *)p[P_L] + row0, tq);
   int64_t t, r, k;
 
   pack_rows(qs, d.Dp, p[P_Q], row0 * d.D, tq, d.D, tqp, job->c, d.dt);
@@ -1999,8 +2004,7 @@ int fa_backward(const int64_t *iargs, void *const *ptrs, int n_threads, float c,
   Job kv = {iargs, ptrs, c, scale, d.B * d.Hkv * d.nk, 0, dkv_item, dkv_scratch(&d),
             WANTED, WANTED, WANTED, NULL, NULL, NULL, NULL, NULL, 0};
   int status = pack_kv(&kv, &d, n_threads);
-  const int peaked =
-      ptrs[P_DBIAS] != NULL || rows_peaked((const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
+  const int peaked = kept_delta(ptrs[P_DBIAS], (const float *)ptrs[P_L], d.B * d.Hq * d.Sq);
   Job q = kv;
   q.n_items = d.B * d.Hq * d.nq, q.item = dq_item, q.scratch = dq_scratch(&d, ptrs, peaked);
   if (ptrs[P_DBIAS]) /* dQ by blocks of the bias gradient */
