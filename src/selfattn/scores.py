@@ -92,9 +92,9 @@ class ScoreMod:
         self, q_offset: int, Sq: int, Sk: int
     ) -> tuple[tuple[str, object], ...] | None:
         """The mod as data a kernel applies, in order, for a call's ``(Sq, Sk)`` scores with query
-        row 0 at ``q_offset``: ``("alibi", slopes (Hq,))``, ``("bias", a view broadcast to (B, Hq,
-        Sq, Sk))`` or ``("softcap", cap)`` terms; None when the mod is not made of them (a
-        callable, a table read by bucket)."""
+        row 0 at ``q_offset``: ``("alibi", slopes (Hq,) or (B, Hq))``, ``("bias", a view
+        broadcast to (B, Hq, Sq, Sk))`` or ``("softcap", cap)`` terms; None when the mod is not
+        made of them (a callable, a table read by bucket)."""
         return None
 
     def to(self, device) -> ScoreMod:

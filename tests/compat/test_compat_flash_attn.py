@@ -148,6 +148,31 @@ def test_flash_attn_func_gradients(name, dtype):
     _ratio_check(out, (q, k, v), ref, grads=True, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_sequence_alibi_slopes_run_on_the_fused_kernel(dtype):
+    """``alibi_slopes (B, H)``: the fused CPU kernel reads a row of slopes per sequence (it took
+    ``(H,)`` only, and such calls ran on chunked); the Triton kernel says it takes ``(H,)``."""
+    from selfattn.kernels import fused_attention
+
+    if fused_attention.library() is None:
+        pytest.skip("no fused CPU kernel here (no C compiler)")
+    kw = {"causal": True, "window_size": (20, 0), "alibi": "bh"}
+    (q, k, v), kw = _make("alibi_per_seq", kw, 37, 70, 6, 2, 40, dtype, B=3, grad=True)
+    with sa.backends.use("cpu_fused"):
+        out = flash_attn_func(q, k, v, **kw)
+    ref = lambda t, dt: attention_ref(*t, dtype=dt, **kw)[0]  # noqa: E731
+    _ratio_check(out, (q, k, v), ref, grads=True, dtype=dtype)
+    slopes = kw["alibi_slopes"]
+    same = dict(kw, alibi_slopes=slopes[0].expand_as(slopes).contiguous())
+    with sa.backends.use("cpu_fused"):
+        assert not torch.allclose(flash_attn_func(q, k, v, **same), out)  # each row is read
+    report = sa.backends.explain(
+        *(t.detach().transpose(1, 2) for t in (q, k, v)),
+        score_mod=sa.compat.flash_attn._score_mod(0.0, slopes, 6, 3),
+    )
+    assert "one slope per head" in str(report)
+
+
 def test_flash_attn_func_takes_strided_views_and_dropout():
     """q/k/v sliced from one fused projection (no copies needed); dropout follows selfattn's
     counter-based pattern: reproducible from torch's seed, the same as sa.attention's."""

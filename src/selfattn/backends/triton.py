@@ -120,6 +120,8 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
         return f"the Triton kernel failed to build for this case earlier in this process ({failed})"
     if ids is not None and ids.shape[0] not in (1, B):
         return f"document ids of batch {ids.shape[0]} for B={B}"
+    if any(name == "alibi" and value.dim() != 1 for name, value in terms):
+        return "ALiBi slopes per sequence (B, Hq): the Triton kernel takes one slope per head"
     if learned_bias(terms):
         return "the bias requires grad: the Triton backward does not route it (chunked and flex do)"
     if not triton_kernels.available():

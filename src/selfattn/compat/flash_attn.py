@@ -217,9 +217,9 @@ class _Alibi(ScoreMod):
         return score + self._bias(b, h, q_idx, kv_idx, dtype).to(score.dtype)
 
     def kernel_terms(self, q_offset, Sq, Sk):
-        # slopes (H,) on unpacked rows: the kernels' own ALiBi term (cpu_fused, triton); per
-        # sequence or packed slopes have no kernel form
-        return (("alibi", self.slopes),) if self.relative else None
+        # slopes (H,) or (B, H) on unpacked rows: the kernels' own ALiBi term (cpu_fused takes
+        # both, triton (H,)); packed rows' positions restart per sequence: no kernel form
+        return (("alibi", self.slopes),) if self.packing is None else None
 
     def __repr__(self) -> str:
         return f"flash_attn_alibi(<slopes {tuple(self.slopes.shape)}>)"

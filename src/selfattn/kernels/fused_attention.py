@@ -165,7 +165,7 @@ log = logging.getLogger("selfattn")
 # a test reads them from the source).
 INT_ARGS = (
     "B", "HQ", "HKV", "SQ", "SK", "D", "DV", "BQ", "BK", "NQ", "NK", "MB", "MH", "DT", "QOFF",
-    "SEED", "BIAS_SB", "BIAS_SH", "BIAS_SQ", "BIAS_SK",
+    "SEED", "BIAS_SB", "BIAS_SH", "BIAS_SQ", "BIAS_SK", "SLOPES_SB",
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "ROWPTR", "COLS", "PIDS", "COLPTR", "ROWS", "CPIDS", "BITS", "OUT", "LSE",
@@ -314,8 +314,10 @@ def _ints(q, k, v, tiles: Tiles, q_offset: int, seed0: int, mods: dict) -> dict:
         if bias is None
         else [0 if n == 1 else st for n, st in zip(bias.shape, bias.stride())]
     )
+    slopes = mods.get("SLOPES")
     return {
         "BIAS_SB": strides[0], "BIAS_SH": strides[1], "BIAS_SQ": strides[2], "BIAS_SK": strides[3],
+        "SLOPES_SB": Hq if slopes is not None and slopes.dim() == 2 else 0,
         "B": B, "HQ": Hq, "HKV": Hkv, "SQ": Sq, "SK": Sk, "D": D, "DV": Dv,
         "BQ": tiles.block_q, "BK": BLOCK_K, "NQ": tiles.rowptr.numel() - 1,
         "NK": tiles.colptr.numel() - 1, "MB": tiles.mask_b, "MH": tiles.mask_h,
@@ -349,12 +351,16 @@ def _check(tiles: Tiles, qkv, *others: torch.Tensor, generic: bool) -> None:
         raise ValueError(f"this build of the kernel reads {dtypes}, not {qkv[0].dtype}")
 
 
-def _slopes(alibi: torch.Tensor | None, Hq: int) -> dict:
-    """ALiBi slopes ``(Hq,)`` as the kernel takes them: float32, times log2(e) (base-2 scores)."""
+def _slopes(alibi: torch.Tensor | None, B: int, Hq: int) -> dict:
+    """ALiBi slopes ``(Hq,)``, or ``(B, Hq)`` one row per sequence, as the kernel takes them:
+    float32, times log2(e) (base-2 scores)."""
     if alibi is None:
         return {}
-    if alibi.shape != (Hq,):
-        raise ValueError(f"alibi slopes must have shape (Hq,) = ({Hq},), got {tuple(alibi.shape)}")
+    if tuple(alibi.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(
+            f"alibi slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = ({B}, {Hq}), got "
+            f"{tuple(alibi.shape)}"
+        )
     return {"SLOPES": (alibi.detach().to(torch.float32) * LOG2E).contiguous()}
 
 
@@ -364,7 +370,7 @@ def _mods(q, k, alibi, bias, softcap: float) -> dict:
     log2(e), the soft cap as ``{cap·log2(e), 1 / (cap·log2(e))}`` (``cap·tanh(s / cap)`` of the
     natural score is the same function of the base-2 one with the cap in base-2 units)."""
     B, Hq, Sq, _ = q.shape
-    mods = _slopes(alibi, Hq)
+    mods = _slopes(alibi, B, Hq)
     if bias is not None:
         want = (B, Hq, Sq, k.shape[2])
         if bias.dim() != 4 or any(n not in (1, w) for n, w in zip(bias.shape, want)):
@@ -416,8 +422,9 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     of one dtype in :func:`supported_dtypes`, ``Hq`` a multiple of ``Hkv``. ``lse`` natural
     log, ``-inf`` (and ``out`` 0) for a row with no key; ``m`` (base-2 row max of
     ``q·k·scale``) and ``l`` (``Σ 2^(s - m)``) are what :func:`backward` recomputes the
-    weights from: ``(0, 1)`` for a row with no key. ``alibi (Hq,)``: ALiBi slopes, adding
-    ``-slope[h]·|i - j|`` to the score of query position ``q_offset + row`` and key ``j``.
+    weights from: ``(0, 1)`` for a row with no key. ``alibi (Hq,)`` or ``(B, Hq)``: ALiBi
+    slopes (one row per sequence in the second form), adding ``-slope[b, h]·|i - j|`` to the
+    score of query position ``q_offset + row`` and key ``j``.
     ``dropout_p``: attention dropout on the weights (``lse`` stays undropped), keeping the pairs
     of ``_common.dropout_keep``; ``seed0`` is its seed hashed alone (the first step of it).
     ``bias``: an additive score term of shape ``(B|1, Hq|1, Sq|1, Sk|1)`` (row ``i`` = query row

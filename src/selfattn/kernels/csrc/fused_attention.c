@@ -40,7 +40,7 @@
 /* iargs, in order */
 enum {
   A_B, A_HQ, A_HKV, A_SQ, A_SK, A_D, A_DV, A_BQ, A_BK, A_NQ, A_NK, A_MB, A_MH, A_DT, A_QOFF,
-  A_SEED, A_BIAS_SB, A_BIAS_SH, A_BIAS_SQ, A_BIAS_SK, A_NARGS
+  A_SEED, A_BIAS_SB, A_BIAS_SH, A_BIAS_SQ, A_BIAS_SK, A_SLOPES_SB, A_NARGS
 };
 /* ptrs, in order */
 enum {
@@ -644,6 +644,12 @@ static void add_bias(float *s, const int64_t *a, const float *bias, int64_t b, i
   }
 }
 
+/* The ALiBi slope (base 2) of sequence b, query head h: slopes (Hq,) shared by every sequence
+   (A_SLOPES_SB 0) or (B, Hq), one row per sequence (flash-attn's per-batch slopes). */
+static inline float slope_of(const int64_t *a, void *const *p, int64_t b, int64_t h) {
+  return ((const float *)p[P_SLOPES])[b * a[A_SLOPES_SB] + h];
+}
+
 /* The score mods of one tile, in the order the host accepts them (ALiBi and the bias add, the
    soft cap comes last): s (tqp x BK, base 2) of rows r0 + [0, tq), keys c0 + [0, nk) of
    sequence b, query head h. The soft cap, cap2 · tanh(s / cap2) with cap2 = cap · log2(e) (the
@@ -651,7 +657,7 @@ static void add_bias(float *s, const int64_t *a, const float *bias, int64_t b, i
    derivative, in dcap when dcap is not NULL (the backward's chain rule). */
 static void apply_mods(float *s, float *dcap, const int64_t *a, void *const *p, int64_t b,
                        int64_t h, int64_t r0, int64_t c0, int64_t tq, int64_t tqp, int64_t nk) {
-  if (p[P_SLOPES]) add_alibi(s, tqp, a[A_QOFF] + r0, c0, ((const float *)p[P_SLOPES])[h]);
+  if (p[P_SLOPES]) add_alibi(s, tqp, a[A_QOFF] + r0, c0, slope_of(a, p, b, h));
   if (p[P_BIAS]) add_bias(s, a, (const float *)p[P_BIAS], b, h, r0, c0, tq, nk);
   if (p[P_CAP]) {
     const float *cap = (const float *)p[P_CAP]; /* {cap2, 1 / cap2} */
@@ -679,7 +685,7 @@ static void apply_mods_t(float *sT, const int64_t *a, void *const *p, int64_t b,
     v16 iota;
     for (int i = 0; i < VW; i++) iota[i] = (float)i;
     const v16i abs_mask = (v16i){0} + 0x7fffffff;
-    const float slope2 = ((const float *)p[P_SLOPES])[h];
+    const float slope2 = slope_of(a, p, b, h);
     const int64_t qpos0 = a[A_QOFF] + r0;
     for (k = ka; k < kz; k++)
       for (v = 0; v < nqv; v++) { /* |i - j| for rows qpos0 + v VW + lane, key c0 + k */
