@@ -376,6 +376,20 @@ def test_peaked_decode_rows_each_within_the_ratio_rule(dtype):
             )
 
 
+@pytest.mark.parametrize("build", _builds())
+@pytest.mark.parametrize("seed", [221, 222])
+def test_mqa_gradients_summed_over_many_heads_within_the_ratio_rule(build, seed, monkeypatch):
+    """MQA, 16 query heads over 256 causal rows, fp32: dK and dV of the one kv head each sum 16 x
+    256 rows' terms. Summed as one FMA chain per element (every micro-kernel call adding to the
+    running sum) they were 9-13x the naive error, where sgemm and the naive head sum add blocks;
+    each call's sum is now added to the running one (found by flash-attn's grid: MQA, 9 heads)."""
+    _use_build(monkeypatch, build)
+    q, k, v = make_qkv(1, 16, 256, 64, Hkv=1, Sk=256, seed=seed, dtype=torch.float32)
+    grads = _gradients(q, k, v, dict(mask=masks.causal()), None, seed + 1)
+    for name, a, o, n in zip(("dq", "dk", "dv"), *grads):
+        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, dtype=torch.float32, what=name)
+
+
 # -- FlashAttention's own test grid, through the flash-attn compat layer on cpu_fused ------------
 
 # (Sq, Sk) of flash-attn's tests x head dims x (causal, window, softcap, alibi); the flash-attn
