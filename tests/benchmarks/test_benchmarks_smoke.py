@@ -107,6 +107,8 @@ DECODE_ROWS = [
     ("int8 decode, paged", "bf16 pages, paged (ours), fastest round", "-"),
     ("fp8 decode, paged", "bf16 pages, paged (ours)", "<= 0.6"),
     ("fp8 decode, paged", "bf16 pages, paged (ours), fastest round", "-"),
+    ("int8 decode, compute alone (one page)", "bf16 pages, compute alone (one page)", "-"),
+    ("bf16 decode, compute alone (one page)", "bf16 pages, paged (ours)", "-"),
     ("fp32 paged decode: K/V bytes read per second", "large-tensor copy", ">= 0.70"),
     ("fp32 paged decode: K/V bytes read per second", "large-tensor sum", "-"),
     ("fp32 paged decode: K/V bytes read per second", "the same pages copied", "-"),
@@ -130,12 +132,15 @@ def check_decode(report: dict) -> None:
         assert row["max_abs_diff"] <= 0.25 and row["kv_gbs"] > 0, row
     for median, fastest in (rows[3:5], rows[5:7]):  # the fastest rounds: no slower than medians
         assert fastest["ours_ms"] <= median["ours_ms"] and fastest["met"] is None, fastest
-    for row in rows[:13]:  # every timed row names the kernel that ran
+    for row in rows[7:9]:  # the arithmetic alone: no target, no bytes rate
+        assert row["met"] is None and row["kv_gbs"] is None and row["ratio"] > 0, row
+    assert rows[7]["max_abs_diff"] <= 0.25 and rows[8]["max_abs_diff"] is None
+    for row in rows[:15]:  # every timed row names the kernel that ran
         assert row["kernel"].startswith(("C kernel, ", "PyTorch")), row
-    for row in rows[7:13]:  # bytes read per second against the copy, read and page-copy rates
+    for row in rows[9:15]:  # bytes read per second against the copy, read and page-copy rates
         assert row["ours_gbs"] > 0 and row["peer_gbs"] > 0, row
         assert (row["met"] is None) == (row["target"] == "-"), row
-    size = rows[13]
+    size = rows[15]
     # B=4, S=512, 8 kv heads, D=128: int8 data plus one bfloat16 scale per token and head, K, V.
     tokens_heads = 4 * 512 * 8
     assert size["ours_bytes"] == 2 * tokens_heads * (128 + 2)

@@ -97,11 +97,14 @@ def _pooled(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Tensor,
     return pool[:, 0], pool[:, 1]
 
 
-def paged_case(B: int, S: int, storage: str):
+def paged_case(B: int, S: int, storage: str, one_page: bool = False):
     """``(decode call, bytes it reads)`` over pages of ``storage`` (see :data:`STORAGES`). The
-    call's ``pages`` attribute: ``(k_pages, v_pages, table)``."""
+    call's ``pages`` attribute: ``(k_pages, v_pages, table)``. ``one_page``: every table entry
+    is page 0, so the call does all its arithmetic on K/V the caches hold (its compute alone)."""
     dtype, quantise = STORAGES[storage]
     q, kp, vp, table, lens, _, _ = make_cache(B, S, dtype)
+    if one_page:  # a pool of that page alone
+        table, (kp, vp) = torch.zeros_like(table), _pooled(kp[:1], vp[:1])
     ks = vs = None
     if quantise is not None:
         (kp, ks), (vp, vs) = quantise(kp), quantise(vp)
@@ -191,20 +194,21 @@ def speed_rows(B: int, S: int, dtype, limit: float, repeat: int) -> list[dict]:
 
 
 def paired_rows(
-    case: str, ours, peers, n_bytes: int, repeat: int, min_s: float = 0.0, best: bool = False
+    case: str, ours, peers, n_bytes: int | None, repeat: int, min_s: float = 0.0, best: bool = False
 ) -> list[dict]:
     """One row per ``(peer name, call, limit)``: ours and the peer timed interleaved (each for
     at least ``min_s`` seconds in all: :func:`~selfattn.benchmarks._util.time_interleaved`).
-    ``best``: a second row of the two fastest rounds, no target (the quiet machine's ratio, where
-    a busy host's phases move the medians)."""
+    ``limit`` None: no target. ``best``: a second row of the two fastest rounds, no target (the
+    quiet machine's ratio, where a busy host's phases move the medians)."""
     rows = []
     with torch.inference_mode():
         for peer, fn, lim in peers:
             mine, theirs = _util.time_pair(ours, fn, repeat, min_s=min_s)
             diff = float((mine.result.float() - theirs.result.float()).abs().max())
-            rows.append(
-                _row(case, mine.median_s, peer, theirs.median_s, f"<= {lim}", lim, diff, n_bytes)
-            )
+            target = "-" if lim is None else f"<= {lim}"
+            row = _row(case, mine.median_s, peer, theirs.median_s, target,
+                       math.inf if lim is None else lim, diff, n_bytes)  # fmt: skip
+            rows.append(row if lim is not None else dict(row, met=None))
             if best:
                 row = _row(f"{case}, fastest round each", mine.best_s, f"{peer}, fastest round",
                            theirs.best_s, "-", math.inf, diff, n_bytes)  # fmt: skip
@@ -217,7 +221,8 @@ NARROW_S = 1.0
 
 
 def narrow_rows(B: int, S: int, limit: float, repeat: int, min_s: float = NARROW_S) -> list[dict]:
-    """int8 and fp8 pages (1 byte a value, plus scales) vs bf16 pages, both ours."""
+    """int8 and fp8 pages (1 byte a value, plus scales) vs bf16 pages, both ours; then the
+    arithmetic alone of int8 and bf16 (no target)."""
     bf16, _ = paged_case(B, S, "bf16")
     rows = []
     for storage in ("int8", "fp8"):
@@ -228,6 +233,22 @@ def narrow_rows(B: int, S: int, limit: float, repeat: int, min_s: float = NARROW
         rows += paired_rows(
             case, call, [("bf16 pages, paged (ours)", bf16, limit)], n_bytes, repeat, min_s, True
         )
+    # What the ratio above can reach on this machine: the arithmetic alone (every table entry
+    # one page, its K/V in cache), int8's against bf16's, and bf16's against bf16's whole time.
+    # int8 and bf16 take the same count of 16-bit multiply instructions (their query and weights
+    # keep 16 bits), so int8 under 0.6x bf16 needs bf16 memory-bound: its compute well under its
+    # time (BENCHMARKS.md, "Runs, session 12").
+    hot = {s: paged_case(B, S, s, one_page=True)[0] for s in ("int8", "bf16")}
+    shape = f"B={B} S={S} Hq={HQ} Hkv={HKV} D={D} P={PAGE}"
+    rows += paired_rows(
+        f"int8 decode, compute alone (one page), {shape}", hot["int8"],
+        [("bf16 pages, compute alone (one page)", hot["bf16"], None)], None, repeat, min_s,
+    )  # fmt: skip
+    rows += paired_rows(
+        f"bf16 decode, compute alone (one page), {shape}", hot["bf16"],
+        [("bf16 pages, paged (ours)", bf16, None)], None, repeat, min_s,
+    )  # fmt: skip
+    rows[-1]["max_abs_diff"] = None  # other pages: other outputs
     return rows
 
 
