@@ -103,13 +103,17 @@ def _bias(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-# score mods the kernel applies (alibi and bias add, the soft cap comes last)
+# score mods the kernel applies (alibi and bias add, the soft cap comes last; or the bias, the
+# cap, then alibi: flash-attn's order)
 SCORE_MODS = {
     "softcap": lambda: scores.softcap(3.0),
     "bias": lambda: scores.bias(_bias((2, 4, 70, 130), 1)),
     "bias-broadcast-rows": lambda: scores.bias(_bias((4, 1, 130), 2)),
     "alibi-bias-softcap": lambda: (
         scores.alibi(4) >> scores.bias(_bias((70, 130), 3)) >> scores.softcap(2.0)
+    ),
+    "bias-softcap-alibi": lambda: (
+        scores.bias(_bias((70, 130), 4)) >> scores.softcap(2.0) >> scores.alibi(4)
     ),
 }
 
@@ -353,7 +357,7 @@ def test_only_calls_needing_gradients_go_through_the_op(monkeypatch):
     ("kwargs", "why"),
     [
         ({"score_mod": lambda s, b, h, qi, ki: s * 2}, "not made of alibi, bias and softcap"),
-        ({"score_mod": scores.softcap(2.0) >> scores.alibi(2)}, "caps last"),
+        ({"score_mod": scores.softcap(2.0) >> scores.bias(torch.ones(8, 8))}, "caps last"),
         ({"dtype": torch.float64}, "float64"),
     ],
 )

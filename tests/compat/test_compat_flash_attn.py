@@ -148,15 +148,17 @@ def test_flash_attn_func_gradients(name, dtype):
     _ratio_check(out, (q, k, v), ref, grads=True, dtype=dtype)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["alibi", "softcap-then-alibi"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_per_sequence_alibi_slopes_run_on_the_fused_kernel(dtype):
+def test_per_sequence_alibi_slopes_run_on_the_fused_kernel(dtype, softcap):
     """``alibi_slopes (B, H)``: the fused CPU kernel reads a row of slopes per sequence (it took
-    ``(H,)`` only, and such calls ran on chunked); the Triton kernel says it takes ``(H,)``."""
+    ``(H,)`` only, and such calls ran on chunked), also after a soft cap (flash-attn caps
+    first; the kernel capped last only); the Triton kernel names what it does not take."""
     from selfattn.kernels import fused_attention
 
     if fused_attention.library() is None:
         pytest.skip("no fused CPU kernel here (no C compiler)")
-    kw = {"causal": True, "window_size": (20, 0), "alibi": "bh"}
+    kw = {"causal": True, "window_size": (20, 0), "alibi": "bh", "softcap": softcap}
     (q, k, v), kw = _make("alibi_per_seq", kw, 37, 70, 6, 2, 40, dtype, B=3, grad=True)
     with sa.backends.use("cpu_fused"):
         out = flash_attn_func(q, k, v, **kw)
@@ -171,6 +173,11 @@ def test_per_sequence_alibi_slopes_run_on_the_fused_kernel(dtype):
         score_mod=sa.compat.flash_attn._score_mod(0.0, slopes, 6, 3),
     )
     assert "one slope per head" in str(report)
+    capped = sa.backends.explain(
+        *(t.detach().transpose(1, 2) for t in (q, k, v)),
+        score_mod=sa.compat.flash_attn._score_mod(5.0, slopes[0], 6, 3),
+    )
+    assert "soft cap comes before ALiBi" in str(capped)
 
 
 def test_flash_attn_func_takes_strided_views_and_dropout():

@@ -267,7 +267,7 @@ def test_sinks_merge_through_the_lse(kernel):
         ({"mask": lambda b, h, qi, ki: (qi - ki) % 3 == 0}, "not one key interval per row"),
         ({"mask": masks.causal() | masks.padding(3)}, "not one key interval per row"),
         ({"score_mod": lambda s, b, h, qi, ki: s * 2}, "not made of alibi, bias and softcap"),
-        ({"score_mod": scores.softcap(3.0) >> scores.alibi(2)}, "adds a term after its softcap"),
+        ({"score_mod": scores.softcap(3.0) >> scores.alibi(2)}, "soft cap comes before ALiBi"),
         ({"score_mod": scores.bias(torch.zeros(1, 1, 8, 8, requires_grad=True))}, "requires grad"),
     ],
     ids=["callable-mask", "or-mask", "callable-mod", "cap-then-alibi", "learnable-bias"],

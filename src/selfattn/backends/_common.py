@@ -181,8 +181,10 @@ def causal_as_flag(k, call) -> bool:
 
 def score_terms(q, k, call) -> tuple | str:
     """The call's score mod as kernel data (``ScoreMod.kernel_terms``: alibi, bias, softcap
-    terms, each at most once, the soft cap last, as the triton and cpu_fused kernels apply
-    them); ``()`` without a score mod; else the reason a kernel cannot run it."""
+    terms, each at most once, in order: the soft cap last, as the triton and cpu_fused kernels
+    apply them, or followed by ALiBi alone, flash-attn's order, which cpu_fused also applies
+    (:func:`cap_before_alibi`)); ``()`` without a score mod; else the reason a kernel cannot run
+    it."""
     if call.score_mod is None:
         return ()
     found = call.score_mod.kernel_terms(call.q_offset, q.shape[2], k.shape[2])
@@ -191,9 +193,18 @@ def score_terms(q, k, call) -> tuple | str:
     kinds = [name for name, _ in found]
     if any(kinds.count(name) > 1 for name in kinds):
         return f"score_mod {call.score_mod!r} repeats a term (the kernel applies each once)"
-    if "softcap" in kinds and kinds[-1] != "softcap":
-        return f"score_mod {call.score_mod!r} adds a term after its softcap (the kernel caps last)"
+    if "softcap" in kinds and kinds[kinds.index("softcap") + 1 :] not in ([], ["alibi"]):
+        return (
+            f"score_mod {call.score_mod!r} adds a bias after its softcap (the kernel caps last, "
+            "or before ALiBi alone)"
+        )
     return found
+
+
+def cap_before_alibi(terms: tuple) -> bool:
+    """Whether :func:`score_terms`' ``terms`` put the soft cap before ALiBi (flash-attn's order)."""
+    kinds = [name for name, _ in terms]
+    return "softcap" in kinds and kinds[-1] == "alibi" and kinds.index("softcap") < len(kinds) - 1
 
 
 def learned_bias(terms: tuple) -> bool:

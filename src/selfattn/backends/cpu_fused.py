@@ -43,6 +43,7 @@ from selfattn.backends._common import (
     _GOLDEN,
     _fmix32,
     all_finite,
+    cap_before_alibi,
     fused_or_exact,
     grad_needed,
     learned_bias,
@@ -153,10 +154,12 @@ def _attend(q, k, v, call: AttentionCall, grad: bool):
     """``(out, lse or None, finite)``; ``grad``: autograd will run the call's backward."""
     t = tiles(q, k, call)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    mods = dict(score_terms(q, k, call))  # alibi, bias, softcap: checked by reject
+    terms = score_terms(q, k, call)  # alibi, bias, softcap: checked by reject
+    mods = dict(terms)
+    cap = float(mods.get("softcap", 0.0)) * (-1.0 if cap_before_alibi(terms) else 1.0)
     drop = (call.dropout_p, _seed0(call.dropout_seed)) if call.dropout_p > 0 else (0.0, 0)
     args = (fused_attention.forced_generic(), call.q_offset, mods.get("alibi"), *drop,
-            mods.get("bias"), float(mods.get("softcap", 0.0)))  # fmt: skip
+            mods.get("bias"), cap)  # fmt: skip
     if grad:  # the op, whose autograd formula is the kernel's backward
         out, lse, _, _, finite = ops.attention_fwd_cpu(
             q, k, v, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, *args

@@ -38,6 +38,7 @@ from selfattn.backends._common import (
     _GOLDEN,
     _M32,
     _fmix32,
+    cap_before_alibi,
     fused_or_exact,
     grad_needed,
     learned_bias,
@@ -120,6 +121,8 @@ def reject(q, k, v, call: AttentionCall) -> str | None:
         return f"the Triton kernel failed to build for this case earlier in this process ({failed})"
     if ids is not None and ids.shape[0] not in (1, B):
         return f"document ids of batch {ids.shape[0]} for B={B}"
+    if cap_before_alibi(terms):
+        return "the soft cap comes before ALiBi (flash-attn's order): the Triton kernel caps last"
     if any(name == "alibi" and value.dim() != 1 for name, value in terms):
         return "ALiBi slopes per sequence (B, Hq): the Triton kernel takes one slope per head"
     if learned_bias(terms):

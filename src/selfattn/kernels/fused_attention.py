@@ -367,8 +367,9 @@ def _slopes(alibi: torch.Tensor | None, B: int, Hq: int) -> dict:
 def _mods(q, k, alibi, bias, softcap: float) -> dict:
     """The score mods as the kernel takes them, in base-2 units (scores are kept in base 2):
     ALiBi slopes ``(Hq,)`` and the bias (copied, float32, broadcast axes kept at size 1) times
-    log2(e), the soft cap as ``{cap·log2(e), 1 / (cap·log2(e))}`` (``cap·tanh(s / cap)`` of the
-    natural score is the same function of the base-2 one with the cap in base-2 units)."""
+    log2(e), the soft cap as ``{cap·log2(e), 1 / (cap·log2(e)), 1 if it comes before ALiBi}``
+    (``cap·tanh(s / cap)`` of the natural score is the same function of the base-2 one with the
+    cap in base-2 units)."""
     B, Hq, Sq, _ = q.shape
     mods = _slopes(alibi, B, Hq)
     if bias is not None:
@@ -380,10 +381,13 @@ def _mods(q, k, alibi, bias, softcap: float) -> dict:
             )
         mods["BIAS"] = base2(bias.detach(), torch.float32).contiguous()
     if softcap:
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be a positive finite number (0: none), got {softcap}")
-        cap2 = softcap * LOG2E
-        mods["CAP"] = torch.tensor([cap2, 1.0 / cap2], dtype=torch.float32)
+        if not math.isfinite(softcap):
+            raise ValueError(
+                f"softcap must be a finite number (0: none; negative: the cap before ALiBi), got "
+                f"{softcap}"
+            )
+        cap2 = abs(softcap) * LOG2E
+        mods["CAP"] = torch.tensor([cap2, 1.0 / cap2, float(softcap < 0)], dtype=torch.float32)
     return mods
 
 
@@ -429,10 +433,11 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     of ``_common.dropout_keep``; ``seed0`` is its seed hashed alone (the first step of it).
     ``bias``: an additive score term of shape ``(B|1, Hq|1, Sq|1, Sk|1)`` (row ``i`` = query row
     ``i``; no gradient); ``softcap``: ``cap·tanh(s / cap)`` of the score after ALiBi and the
-    bias (0: none). ``finite``: a bool tensor of one element, set to whether every element of
-    ``q`` and of ``out`` (as returned, in q's dtype) is finite: the kernel tests q's rows as it
-    packs them and out's as it stores them, so the caller needs no pass over either to trust
-    the result (``backends/_common.fused_or_exact``).
+    bias (0: none); negative, ``|softcap|`` after the bias and before ALiBi (flash-attn's
+    order). ``finite``: a bool tensor of one element, set to whether every element of ``q`` and
+    of ``out`` (as returned, in q's dtype) is finite: the kernel tests q's rows as it packs them
+    and out's as it stores them, so the caller needs no pass over either to trust the result
+    (``backends/_common.fused_or_exact``).
     """
     _check(tiles, (q, k, v), generic=generic)
     if finite is not None:

@@ -655,17 +655,26 @@ static inline float slope_of(const int64_t *a, void *const *p, int64_t b, int64_
   return ((const float *)p[P_SLOPES])[b * a[A_SLOPES_SB] + h];
 }
 
-/* The score mods of one tile, in the order the host accepts them (ALiBi and the bias add, the
-   soft cap comes last): s (tqp x BK, base 2) of rows r0 + [0, tq), keys c0 + [0, nk) of
-   sequence b, query head h. The soft cap, cap2 · tanh(s / cap2) with cap2 = cap · log2(e) (the
-   cap in base-2 units: the same function of the natural score), leaves 1 - tanh², its
-   derivative, in dcap when dcap is not NULL (the backward's chain rule). */
+/* Whether the soft cap comes before ALiBi (flash-attn's order; P_CAP's third float): the cap
+   then sees the bias but not ALiBi, which adds to the capped score. Otherwise the cap is last.
+   ALiBi takes no gradient and adds a constant, so the cap's derivative (dcap) is the same
+   function of the score it capped either way, and dBias keeps the chain through the cap. */
+static inline int cap_first(void *const *p) {
+  return p[P_CAP] && ((const float *)p[P_CAP])[2] != 0.0f;
+}
+
+/* The score mods of one tile, in the order the host accepts them (ALiBi and the bias, the soft
+   cap last; or the bias, the cap, then ALiBi: cap_first): s (tqp x BK, base 2) of rows r0 +
+   [0, tq), keys c0 + [0, nk) of sequence b, query head h. The soft cap, cap2 · tanh(s / cap2)
+   with cap2 = cap · log2(e) (the cap in base-2 units: the same function of the natural score),
+   leaves 1 - tanh², its derivative, in dcap when dcap is not NULL (the backward's chain rule). */
 static void apply_mods(float *s, float *dcap, const int64_t *a, void *const *p, int64_t b,
                        int64_t h, int64_t r0, int64_t c0, int64_t tq, int64_t tqp, int64_t nk) {
-  if (p[P_SLOPES]) add_alibi(s, tqp, a[A_QOFF] + r0, c0, slope_of(a, p, b, h));
+  const int late_alibi = cap_first(p);
+  if (p[P_SLOPES] && !late_alibi) add_alibi(s, tqp, a[A_QOFF] + r0, c0, slope_of(a, p, b, h));
   if (p[P_BIAS]) add_bias(s, a, (const float *)p[P_BIAS], b, h, r0, c0, tq, nk);
   if (p[P_CAP]) {
-    const float *cap = (const float *)p[P_CAP]; /* {cap2, 1 / cap2} */
+    const float *cap = (const float *)p[P_CAP]; /* {cap2, 1 / cap2, cap first} */
     const v16 c = splat(cap[0]), inv = splat(cap[1]);
     for (int64_t i = 0; i < tqp * BK; i += VW) {
       const v16 t = tanhv(ld(s + i) * inv);
@@ -673,11 +682,28 @@ static void apply_mods(float *s, float *dcap, const int64_t *a, void *const *p, 
       if (dcap) st(dcap + i, 1.0f - t * t);
     }
   }
+  if (p[P_SLOPES] && late_alibi) add_alibi(s, tqp, a[A_QOFF] + r0, c0, slope_of(a, p, b, h));
 }
 
 /* Whether the call has a score mod (ALiBi, a bias, a soft cap): apply_mods' or apply_mods_t's
    work. */
 static inline int has_mods(void *const *p) { return p[P_SLOPES] || p[P_BIAS] || p[P_CAP]; }
+
+/* ALiBi on a transposed tile (apply_mods_t's layout and ranges). */
+static void alibi_t(float *sT, const int64_t *a, void *const *p, int64_t b, int64_t h,
+                    int64_t r0, int64_t c0, int64_t nqv, int64_t ka, int64_t kz) {
+  v16 iota;
+  for (int i = 0; i < VW; i++) iota[i] = (float)i;
+  const v16i abs_mask = (v16i){0} + 0x7fffffff;
+  const float slope2 = slope_of(a, p, b, h);
+  const int64_t qpos0 = a[A_QOFF] + r0;
+  for (int64_t k = ka; k < kz; k++)
+    for (int64_t v = 0; v < nqv; v++) { /* |i - j| for rows qpos0 + v VW + lane, key c0 + k */
+      const v16 dist = splat((float)(qpos0 + v * VW - c0 - k)) + iota;
+      float *x = sT + k * MAXBQ + v * VW;
+      st(x, ld(x) - slope2 * (v16)((v16i)dist & abs_mask));
+    }
+}
 
 /* apply_mods on a transposed tile (fwd_t's Sᵀ: key k's scores of 16 query rows a vector, row r
    at sT[k MAXBQ + r], base 2): keys [ka, kz) of the tile whose first key is c0, the nqv vectors
@@ -686,19 +712,8 @@ static inline int has_mods(void *const *p) { return p[P_SLOPES] || p[P_BIAS] || 
 static void apply_mods_t(float *sT, const int64_t *a, void *const *p, int64_t b, int64_t h,
                          int64_t r0, int64_t c0, int64_t tq, int64_t nqv, int64_t ka, int64_t kz) {
   int64_t k, v, r;
-  if (p[P_SLOPES]) {
-    v16 iota;
-    for (int i = 0; i < VW; i++) iota[i] = (float)i;
-    const v16i abs_mask = (v16i){0} + 0x7fffffff;
-    const float slope2 = slope_of(a, p, b, h);
-    const int64_t qpos0 = a[A_QOFF] + r0;
-    for (k = ka; k < kz; k++)
-      for (v = 0; v < nqv; v++) { /* |i - j| for rows qpos0 + v VW + lane, key c0 + k */
-        const v16 dist = splat((float)(qpos0 + v * VW - c0 - k)) + iota;
-        float *x = sT + k * MAXBQ + v * VW;
-        st(x, ld(x) - slope2 * (v16)((v16i)dist & abs_mask));
-      }
-  }
+  const int late_alibi = cap_first(p);
+  if (p[P_SLOPES] && !late_alibi) alibi_t(sT, a, p, b, h, r0, c0, nqv, ka, kz);
   if (p[P_BIAS]) {
     const int64_t sq = a[A_BIAS_SQ], sk = a[A_BIAS_SK];
     const float *base = (const float *)p[P_BIAS] + b * a[A_BIAS_SB] + h * a[A_BIAS_SH] + r0 * sq;
@@ -709,7 +724,7 @@ static void apply_mods_t(float *sT, const int64_t *a, void *const *p, int64_t b,
     }
   }
   if (p[P_CAP]) {
-    const float *cap = (const float *)p[P_CAP]; /* {cap2, 1 / cap2} */
+    const float *cap = (const float *)p[P_CAP]; /* {cap2, 1 / cap2, cap first} */
     const v16 c = splat(cap[0]), inv = splat(cap[1]);
     for (k = ka; k < kz; k++)
       for (v = 0; v < nqv; v++) {
@@ -717,6 +732,7 @@ static void apply_mods_t(float *sT, const int64_t *a, void *const *p, int64_t b,
         st(x, c * tanhv(ld(x) * inv));
       }
   }
+  if (p[P_SLOPES] && late_alibi) alibi_t(sT, a, p, b, h, r0, c0, nqv, ka, kz);
 }
 
 /* -- attention dropout, counter-based: the same kept pairs as selfattn.backends._common.
