@@ -243,7 +243,9 @@ static inline __attribute__((always_inline)) void mm_rows_z(float *C, int64_t ld
                                                             int64_t ldk, const float *B,
                                                             int64_t ldb, int64_t K, int64_t N,
                                                             int zero, const float *scale) {
-  const int64_t KC = zero ? MM_KC : K; /* C = A B: K the head dim, the scores' and dP's dots */
+  /* C = A B: K the head dim, the scores' and dP's dots; else one block (at least 1: K = 0 must
+     still end the loop after its one pass, which scales C) */
+  const int64_t KC = zero ? MM_KC : K > 0 ? K : 1;
   for (int64_t n = 0; n < N; n += NV * VW)
     for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += KC) {
       float *c = C + n;
@@ -1487,8 +1489,8 @@ static void tile_ds(const Dims *d, const int64_t *a, void *const *p, const float
    row's dS is then exactly 0 and a peaked row's as precise as the naive formula's (the weights'
    own sum, not 1 but the forward's l, cancels their common rounding). Other rows keep
    rowsum(dO ∘ O), whose error their spread-out dS absorbs; a query tile without a peaked row
-   costs a scan of its l. Left: in fp32 such sharp rows' P itself is ~2x less precise than
-   sgemm's (scores by one FMA chain over D, in base 2).
+   costs a scan of its l. In fp32 such sharp rows' P itself was ~2.5x less precise than sgemm's
+   while each score was one FMA chain over D; the scores now sum D in blocks (MM_KC).
    DBIAS_DELTA: a call that asks for the bias gradient takes this Δ on every row, peaked or not.
    dBias sums dS over the bias's broadcast dims, and over keys (a bias per query row) dS cancels
    exactly (Σ_k dS = Σ P dP - Δ Σ P = 0 for this Δ): rowsum(dO ∘ O)'s rounding was then all
