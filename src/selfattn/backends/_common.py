@@ -203,8 +203,8 @@ def score_terms(q, k, call) -> tuple | str:
 
 def cap_before_alibi(terms: tuple) -> bool:
     """Whether :func:`score_terms`' ``terms`` put the soft cap before ALiBi (flash-attn's order)."""
-    kinds = [name for name, _ in terms]
-    return "softcap" in kinds and kinds[-1] == "alibi" and kinds.index("softcap") < len(kinds) - 1
+    kinds = [name for name, _ in terms]  # each at most once (score_terms)
+    return "softcap" in kinds and kinds[-1] == "alibi"
 
 
 def learned_bias(terms: tuple) -> bool:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
@@ -102,9 +101,12 @@ def paged_case(B: int, S: int, storage: str, one_page: bool = False):
     call's ``pages`` attribute: ``(k_pages, v_pages, table)``. ``one_page``: every table entry
     is page 0, so the call does all its arithmetic on K/V the caches hold (its compute alone)."""
     dtype, quantise = STORAGES[storage]
-    q, kp, vp, table, lens, _, _ = make_cache(B, S, dtype)
-    if one_page:  # a pool of that page alone
-        table, (kp, vp) = torch.zeros_like(table), _pooled(kp[:1], vp[:1])
+    if one_page:  # B pages made (one per sequence, for q's shape), page 0 at every entry
+        q, kp, vp, _, _, _, _ = make_cache(B, PAGE, dtype)
+        table = torch.zeros(B, S // PAGE, dtype=torch.int32)
+        lens = torch.full((B,), S, dtype=torch.int32)
+    else:
+        q, kp, vp, table, lens, _, _ = make_cache(B, S, dtype)
     ks = vs = None
     if quantise is not None:
         (kp, ks), (vp, vs) = quantise(kp), quantise(vp)
@@ -155,7 +157,8 @@ def bandwidth_rates(B: int, S: int, storage: str, repeat: int) -> dict[str, tupl
     return rates
 
 
-def _row(case, ours_s, peer, peer_s, target, limit, diff=None, kv_bytes=None):
+def _row(case, ours_s, peer, peer_s, limit, diff=None, kv_bytes=None):
+    """A timed row; ``limit`` None: no target."""
     ratio = ours_s / peer_s
     return {
         "case": case,
@@ -163,8 +166,8 @@ def _row(case, ours_s, peer, peer_s, target, limit, diff=None, kv_bytes=None):
         "peer": peer,
         "peer_ms": peer_s * 1e3,
         "ratio": ratio,
-        "target": target,
-        "met": ratio <= limit,
+        "target": "-" if limit is None else f"<= {limit}",
+        "met": None if limit is None else ratio <= limit,
         "kv_gbs": None if kv_bytes is None else kv_bytes / ours_s / 1e9,
         "max_abs_diff": diff,
     }
@@ -205,14 +208,10 @@ def paired_rows(
         for peer, fn, lim in peers:
             mine, theirs = _util.time_pair(ours, fn, repeat, min_s=min_s)
             diff = float((mine.result.float() - theirs.result.float()).abs().max())
-            target = "-" if lim is None else f"<= {lim}"
-            row = _row(case, mine.median_s, peer, theirs.median_s, target,
-                       math.inf if lim is None else lim, diff, n_bytes)  # fmt: skip
-            rows.append(row if lim is not None else dict(row, met=None))
+            rows.append(_row(case, mine.median_s, peer, theirs.median_s, lim, diff, n_bytes))
             if best:
-                row = _row(f"{case}, fastest round each", mine.best_s, f"{peer}, fastest round",
-                           theirs.best_s, "-", math.inf, diff, n_bytes)  # fmt: skip
-                rows.append(dict(row, met=None))
+                case_b, peer_b = f"{case}, fastest round each", f"{peer}, fastest round"
+                rows.append(_row(case_b, mine.best_s, peer_b, theirs.best_s, None, diff, n_bytes))
     return rows
 
 
