@@ -373,6 +373,8 @@ def test_bad_tensors_are_refused_with_their_shapes():
         fa.forward(q, k, v, t, 0.3, bias=torch.zeros(1, 2, 9, 3))
     with pytest.raises(ValueError, match="softcap must be a finite number"):
         fa.forward(q, k, v, t, 0.3, softcap=math.inf)
+    with pytest.raises(ValueError, match=r"\(Hq,\) = \(2,\) or \(B, Hq\) = \(1, 2\), got \(2, 2\)"):
+        fa.forward(q, k, v, t, 0.3, alibi=torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"finite must be a CPU bool tensor .* torch.int32 \(2,\)"):
         fa.forward(q, k, v, t, 0.3, finite=torch.ones(2, dtype=torch.int32))
 
