@@ -2,9 +2,10 @@
 
 ``from_pretrained(path_or_repo_id)`` reads ``config.json`` + ``*.safetensors`` into the family
 registered for the config's ``model_type`` (see :mod:`selfattn.models.hub`; transformers' names
-are mapped in :mod:`selfattn.models.hf_mapping`); ``load_tokenizer`` reads its tokenizer and chat
-template; ``generate`` runs any causal LM or encoder-decoder through one of the library's KV
-caches, on ids or on text.
+are mapped in :mod:`selfattn.models.hf_mapping`), or a GGUF file (:mod:`selfattn.models.gguf`;
+``save_pretrained`` writes one back out as a transformers folder); ``load_tokenizer`` reads its
+tokenizer and chat template; ``generate`` runs any causal LM or encoder-decoder through one of
+the library's KV caches, on ids or on text.
 """
 
 from selfattn.models.hub import (
@@ -18,6 +19,7 @@ from selfattn.models.encoder import BertConfig, BertModel, SentenceEncoder  # is
 from selfattn.models.decoder import GPT2, CausalLM, DecoderConfig, LayerCaches, Llama  # isort: skip
 from selfattn.models.llama4 import Llama4  # isort: skip
 from selfattn.models.generate import generate, next_token  # isort: skip
+from selfattn.models.gguf import GGUFError, save_pretrained  # isort: skip
 from selfattn.models.graph import GATLayer  # isort: skip
 from selfattn.models.seq2seq import T5, Bart  # isort: skip
 from selfattn.models.tokenizer import Tokenizer, load_tokenizer  # isort: skip
@@ -34,6 +36,7 @@ __all__ = [
     "ConfigKeyError",
     "DecoderConfig",
     "GATLayer",
+    "GGUFError",
     "LayerCaches",
     "Llama",
     "Llama4",
@@ -47,4 +50,5 @@ __all__ = [
     "generate",
     "load_tokenizer",
     "next_token",
+    "save_pretrained",
 ]

