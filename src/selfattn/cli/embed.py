@@ -15,6 +15,7 @@ def add_parser(subparsers):
     p.add_argument("texts", nargs="+", metavar="TEXT", help="sentences to embed")
     p.add_argument("--model", metavar="PATH", help=_common.MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print embeddings and similarities as JSON")
+    _common.add_threads(p)
     p.set_defaults(run=run, subparser=p)
     return p
 
@@ -33,6 +34,7 @@ def _short(text: str, n: int = 32) -> str:
 
 
 def run(args) -> int:
+    _common.apply_threads(args)
     if any(not s.strip() for s in args.texts):
         args.subparser.error("TEXT arguments must be non-empty sentences")
     encoder = _common.load_encoder(args.model)

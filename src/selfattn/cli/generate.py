@@ -1,6 +1,8 @@
-"""``selfattn generate``: continue a text prompt with a checkpoint folder (or Hub id) through
+"""``selfattn generate [MODEL] PROMPT``: continue a text prompt with a checkpoint folder, a GGUF
+file or a Hub id (default: the bundled SmolLM2-135M-Instruct) through
 :func:`selfattn.models.generate`, the tokenizer read by :func:`selfattn.models.load_tokenizer`,
-streaming the text to stdout as it is produced."""
+streaming the text to stdout as it is produced. It stops at the model's end tokens (end of turn
+included) unless ``--ignore-eos``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 from selfattn.cli import _common
 
 CACHES = ("static", "window", "paged")
+DEFAULT_MAX_NEW_TOKENS = 64  # without --max-new-tokens or the model's own limit
 
 
 def add_parser(subparsers):
@@ -16,27 +19,36 @@ def add_parser(subparsers):
         "generate",
         help="continue a text prompt with a checkpoint (its tokenizer and chat template)",
         description=(
-            "Load MODEL (a folder with config.json, safetensors weights and tokenizer.json, or a "
-            "Hugging Face Hub id in the local cache) and continue PROMPT, printing the new text "
-            "as it is generated."
+            "Load MODEL (a folder with config.json, safetensors weights and tokenizer.json, a "
+            ".gguf file, or a Hugging Face Hub id in the local cache; default: the bundled "
+            "SmolLM2-135M-Instruct) and continue PROMPT, printing the new text as it is "
+            "generated, until the model's end token or --max-new-tokens."
         ),
     )
-    p.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help=_common.CHAT_MODEL_HELP)  # fmt: skip
     p.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    p.add_argument("--max-new-tokens", type=_common.positive_int, default=64, metavar="N")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_common.positive_int,
+        default=None,
+        metavar="N",
+        help=f"at most N new tokens (default: the model's generation config, else "
+        f"{DEFAULT_MAX_NEW_TOKENS})",
+    )
     p.add_argument(
         "--chat",
         action="store_true",
         help="wrap PROMPT as one user message in the checkpoint's chat template",
     )
     p.add_argument("--cache", choices=CACHES, default="static", help="KV cache (default static)")
-    p.add_argument("--dtype", default="auto", help="weights dtype: auto, bfloat16, float32, ...")
+    _common.add_dtype(p)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=_common.positive_int, default=None, metavar="K")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    _common.add_sampling(p)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="run on to --max-new-tokens past the model's end tokens")  # fmt: skip
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
+    _common.add_threads(p)
     p.set_defaults(run=run, subparser=p)
     return p
 
@@ -71,13 +83,14 @@ class _TextStream:
 def run(args) -> int:
     import torch
 
-    from selfattn.models import from_pretrained, generate, load_tokenizer
+    from selfattn.models import generate
+    from selfattn.models.generate import generation_defaults
 
     if not args.prompt.strip():
         args.subparser.error("PROMPT must be non-empty text")
-    with _common.spinner(f"loading {args.model}"):
-        model = from_pretrained(args.model, dtype=args.dtype, progress=False)
-        tokenizer = load_tokenizer(args.model)
+    _common.apply_threads(args)
+    model, tokenizer, _ = _common.load_chat_model(args.model, args.dtype)
+    max_new = args.max_new_tokens or generation_defaults(model).get("max_new_tokens")
     text = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": text}]
@@ -87,15 +100,12 @@ def run(args) -> int:
         out = generate(
             model,
             text,
-            args.max_new_tokens,
+            max_new or DEFAULT_MAX_NEW_TOKENS,
             tokenizer=tokenizer,
             cache=args.cache,
-            do_sample=args.sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            generator=torch.Generator().manual_seed(args.seed) if args.sample else None,
+            ignore_eos=args.ignore_eos,
             streamer=streamer,
+            **_common.sampling_kwargs(args, sample=args.sample),
         )
     if streamer is None:
         print(out)

@@ -1,4 +1,5 @@
-"""``selfattn info``: versions, device, which registered backends run here
+"""``selfattn info``: versions, device (with what ``--threads`` and ``--dtype auto`` choose here,
+and why), which registered backends run here
 (:func:`selfattn.inspect.backend_availability`) and whether each kernel is available, and why
 not: the C decode kernel (compiler, cache, build, CPU features), Triton (installed, importable,
 a GPU), FlexAttention (this torch has it; ``--probe`` compiles a tiny call). Never fails for a
@@ -208,8 +209,10 @@ def _info(probe: bool = False) -> dict:
 
     import selfattn as sa
     from selfattn.inspect.backend_matrix import backend_availability
+    from selfattn.models.bundled import default_threads, dtype_choice
 
     cuda = torch.cuda.is_available()
+    auto, why = dtype_choice("cpu")
     cpu_capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
     return {
         "versions": {
@@ -222,6 +225,8 @@ def _info(probe: bool = False) -> dict:
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "threads_default": default_threads(),  # what --threads defaults to
+            "dtype_auto": {"dtype": str(auto).removeprefix("torch."), "why": why},
             "cpu_capability": cpu_capability,
             "cuda_available": cuda,
             "cuda_version": torch.version.cuda,
@@ -254,6 +259,8 @@ def run(args) -> int:
             ["platform", dev["platform"]],
             ["CPU cores", str(dev["cpu_count"])],
             ["torch threads", str(dev["torch_threads"])],
+            ["--threads default", f"{dev['threads_default']} (the cores this process may use)"],
+            ["--dtype auto", f"{dev['dtype_auto']['dtype']}: {dev['dtype_auto']['why']}"],
             ["CPU capability", str(dev["cpu_capability"])],
             ["CUDA", cuda],
         ],

@@ -21,6 +21,7 @@ from selfattn.cli import (
     _common,
     backends,
     bench,
+    chat,
     compare,
     demo,
     embed,
@@ -38,8 +39,8 @@ __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
 SUBCOMMANDS = (
-    explain, backends, kv_size, info, map_, view, embed, generate, serve, mask, bench, compare,
-    demo,
+    explain, backends, kv_size, info, map_, view, embed, generate, chat, serve, mask, bench,
+    compare, demo,
 )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ def add_parser(subparsers):
     p.add_argument("--model", metavar="PATH", help=_common.MODEL_HELP)
     _common.add_max_bytes(p, "when the captured maps would exceed")
     p.add_argument("--json", action="store_true", help="print tokens and statistics as JSON")
+    _common.add_threads(p)
     p.set_defaults(run=run, subparser=p)
     return p
 
@@ -93,6 +94,7 @@ def _ranges(xs: list[int]) -> str:
 
 
 def run(args) -> int:
+    _common.apply_threads(args)
     encoder = _common.load_encoder(args.model)
     n_layers = encoder.model.config.n_layers
     n_heads = encoder.model.config.n_heads

@@ -1,6 +1,12 @@
 """``selfattn serve [MODEL_DIR]``: an OpenAI-compatible HTTP server (:mod:`selfattn.serving.server`)
-over a continuous-batching :class:`~selfattn.serving.Engine`, or, without MODEL_DIR (or with a
-sentence-transformers folder), embeddings of a :class:`~selfattn.models.SentenceEncoder`.
+over a continuous-batching :class:`~selfattn.serving.Engine`, or, with a sentence-transformers
+folder, embeddings of a :class:`~selfattn.models.SentenceEncoder`. Without MODEL_DIR: the bundled
+SmolLM2-135M-Instruct on completions and chat, and the bundled all-MiniLM-L6-v2 on embeddings.
+
+Its defaults are the engine's (:mod:`selfattn.serving.engine`: one statement of each), but the
+KV pool, sized from this machine's available memory
+(:func:`~selfattn.serving.engine.kv_cache_bytes_from_memory`). Start-up imports only what
+serving needs (no transformers), so ``/health`` answers within seconds of the launch.
 
 SIGTERM or Ctrl-C drains: no new connections, running requests finish, then the command exits 0.
 """
@@ -22,10 +28,11 @@ def add_parser(subparsers):
         "serve",
         help="an OpenAI-compatible HTTP server: completions, chat, embeddings, /metrics",
         description=(
-            "Serve MODEL_DIR (a decoder checkpoint folder with tokenizer.json, or a Hub id in "
-            "the local cache) on /v1/completions and /v1/chat/completions with continuous "
-            "batching, or a sentence-transformers folder on /v1/embeddings. Without MODEL_DIR: "
-            "embeddings of the bundled all-MiniLM-L6-v2."
+            "Serve MODEL_DIR (a decoder checkpoint folder with tokenizer.json, a .gguf file, or "
+            "a Hub id in the local cache) on /v1/completions and /v1/chat/completions with "
+            "continuous batching, or a sentence-transformers folder on /v1/embeddings. Without "
+            "MODEL_DIR: the bundled SmolLM2-135M-Instruct on completions and chat, and the "
+            "bundled all-MiniLM-L6-v2 on /v1/embeddings. Unset flags take the engine's defaults."
         ),
     )
     p.add_argument(
@@ -33,7 +40,8 @@ def add_parser(subparsers):
         metavar="MODEL_DIR",
         nargs="?",
         default=None,
-        help="checkpoint folder or Hub id (default: all-MiniLM-L6-v2 embeddings)",
+        help="checkpoint folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct for "
+        "chat and completions, all-MiniLM-L6-v2 for embeddings)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
@@ -52,21 +60,23 @@ def add_parser(subparsers):
     p.add_argument(
         "--served-model-name",
         metavar="NAME",
-        help="the model's name in requests (default: MODEL_DIR as given)",
+        help="the model's name in requests and /v1/models (default: the model's own name: a "
+        "GGUF's general.name, a folder's name, a Hub id as given)",
     )
     p.add_argument(
         "--kv-cache-bytes",
         type=_common.positive_int,
         default=None,
         metavar="N",
-        help="bytes of the paged KV pool (default 256 MiB)",
+        help="bytes of the paged KV pool (default: a quarter of the available memory, at most "
+        "1 GiB; logged at start)",
     )
     p.add_argument(
         "--page-size",
         type=_common.positive_int,
-        default=16,
+        default=None,
         metavar="N",
-        help="tokens per KV page (default 16)",
+        help="tokens per KV page (default: the engine's)",
     )
     p.add_argument(
         "--kv-dtype",
@@ -77,25 +87,27 @@ def add_parser(subparsers):
     p.add_argument(
         "--max-num-seqs",
         type=_common.positive_int,
-        default=64,
+        default=None,
         metavar="N",
-        help="sequences running at once (default 64)",
+        help="sequences running at once (default: the engine's)",
     )
     p.add_argument(
         "--max-batch-tokens",
         type=_common.positive_int,
-        default=512,
+        default=None,
         metavar="N",
-        help="tokens one step computes at most (default 512)",
+        help="tokens one step computes at most (default: the engine's, the serving benchmark's "
+        "fastest)",
     )
     p.add_argument(
         "--max-waiting",
         type=_common.positive_int,
-        default=4096,
+        default=None,
         metavar="N",
-        help="requests waiting at once before 429 (default 4096)",
+        help="requests waiting at once before 429 (default: the engine's)",
     )
-    p.add_argument("--dtype", default="auto", help="weights dtype: auto, bfloat16, float32, ...")
+    _common.add_dtype(p)
+    _common.add_threads(p)
     p.add_argument(
         "--tensor-parallel",
         type=_common.positive_int,
@@ -124,19 +136,23 @@ def _is_encoder_folder(path: str) -> bool:
 
 
 def _engine_kwargs(args) -> dict:
+    """The engine's keywords: the flags given (the engine's defaults for the others) and the KV
+    pool, from memory unless ``--kv-cache-bytes``."""
     import torch
 
-    from selfattn.serving import DEFAULT_KV_CACHE_BYTES
+    from selfattn.serving.engine import kv_cache_bytes_from_memory
 
     kv_dtype = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[args.kv_dtype]
-    return dict(
-        kv_cache_bytes=args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
-        page_size=args.page_size,
-        kv_dtype=kv_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_batch_tokens=args.max_batch_tokens,
-        max_waiting=args.max_waiting,
+    kv_bytes = args.kv_cache_bytes or kv_cache_bytes_from_memory()
+    how = "--kv-cache-bytes" if args.kv_cache_bytes else "a quarter of MemAvailable, capped"
+    logging.getLogger("selfattn").info(
+        "selfattn serve: KV pool of %.0f MiB (%s)", kv_bytes / 2**20, how
     )
+    kw = dict(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype)
+    for name in ("page_size", "max_num_seqs", "max_batch_tokens", "max_waiting"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return kw
 
 
 def _tokenizer(model: str):
@@ -153,9 +169,10 @@ def _tokenizer(model: str):
         return None
 
 
-def _build_engine(args):
+def _build_engine(args, path: str):
+    """``(engine, served name)`` of the decoder at ``path``."""
     kw = _engine_kwargs(args)
-    kw["tokenizer"] = _tokenizer(args.model)
+    kw["tokenizer"] = _tokenizer(path)
     if args.tensor_parallel > 1:
         try:
             from selfattn.serving.parallel import tensor_parallel_engine
@@ -164,29 +181,37 @@ def _build_engine(args):
                 f"--tensor-parallel {args.tensor_parallel} needs selfattn.serving.parallel, "
                 f"which this installation lacks ({e}); run with --tensor-parallel 1"
             ) from None
-        return tensor_parallel_engine(args.model, args.tensor_parallel, **kw)
+        engine = tensor_parallel_engine(path, args.tensor_parallel, **kw)
+        return engine, _common.served_name(None, path)
     from selfattn.models import from_pretrained
     from selfattn.serving import Engine
 
-    model = from_pretrained(args.model, dtype=args.dtype, progress=False).eval()
-    return Engine(model, **kw)
+    model = from_pretrained(path, dtype=_common.model_dtype(args.dtype), progress=False).eval()
+    return Engine(model, **kw), _common.served_name(model, path)
 
 
 def run(args) -> int:
     from selfattn.serving.server import EMBEDDING_MODEL, serve
 
     logging.getLogger("selfattn").setLevel(logging.INFO)
+    _common.apply_threads(args)
     engine = encoder = None
     name = args.served_model_name
-    if args.model is None or _is_encoder_folder(args.model):
+    app_kw = {}
+    if args.model is not None and _is_encoder_folder(args.model):
         if args.tensor_parallel > 1:
             args.subparser.error("--tensor-parallel applies to decoder models, not embeddings")
         encoder = _common.load_encoder(args.model)
-        app_kw = dict(embedding_model_name=name or args.model or EMBEDDING_MODEL)
+        app_kw = dict(embedding_model_name=name or args.model)
     else:
-        with _common.spinner(f"loading {args.model}"):
-            engine = _build_engine(args)
-        app_kw = dict(model_name=name or args.model.rstrip("/"), max_waiting=args.max_waiting)
+        path = _common.model_path(args.model)
+        label = _common.CHAT_MODEL_NAME if args.model is None else path
+        with _common.spinner(f"loading {label}"):
+            engine, own_name = _build_engine(args, path)
+        app_kw = dict(model_name=name or own_name, max_waiting=args.max_waiting)
+        if args.model is None:  # the bundled pair: chat and completions, and embeddings
+            encoder = _common.load_encoder(None)
+            app_kw["embedding_model_name"] = EMBEDDING_MODEL
     serve(
         engine,
         encoder=encoder,

@@ -63,6 +63,7 @@ def add_parser(subparsers):
     )
     _common.add_max_bytes(p, "when the captured maps would exceed")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    _common.add_threads(p)
     p.set_defaults(run=run, subparser=p)
     return p
 
@@ -191,6 +192,7 @@ def image_sections(path: str, image: str, *, max_bytes: int, decimals: int = 3) 
 
 
 def run(args) -> int:
+    _common.apply_threads(args)
     if args.image is None and not (args.text or "").strip():
         args.subparser.error("TEXT is empty; pass a sentence, e.g. 'The cat sat on the mat.'")
     if args.image is not None and args.model is None:

@@ -13,8 +13,25 @@ Token choice per step, in this order (as transformers' logits processors): ``tem
 divides the logits, ``top_k`` keeps the k largest, ``top_p`` keeps the smallest set of most
 likely tokens whose probability reaches ``top_p``; then the argmax (``do_sample=False``) or one
 draw from the softmax (``torch.multinomial`` with ``generator``: seeded and reproducible).
-A row that emitted an ``eos_token_id`` is finished: it emits ``pad_token_id`` from then on, and
+A row that emitted a stop token is finished: it emits ``pad_token_id`` from then on, and
 generation stops when every row is finished.
+
+Where it stops, by default (:func:`stop_token_ids`): every id of the ``eos_token_id`` (an int
+or a list) of the model's ``generation_config``, else of the model itself, and the tokenizer's
+``stop_token_ids`` (its end of sequence and the chat template's end-of-turn tokens, e.g.
+``<|im_end|>``, ``<|eot_id|>``) when a tokenizer is given: a chat model stops at the end of its
+turn, on text or on token ids. ``eos_token_id=`` replaces that set; ``ignore_eos=True`` runs on
+to ``max_new_tokens``.
+
+The checkpoint's generation defaults (``model.generation_config``: a dict with transformers'
+``generation_config.json`` keys, set by ``from_pretrained`` for a folder or a GGUF file) fill
+every argument the call leaves as None: ``max_new_tokens`` (else ``max_length`` minus the
+prompt, else 20), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``pad_token_id``, as
+transformers' ``generate`` does; greedy decoding where neither says otherwise.
+
+Threads: a CPU runs each step on ``torch.get_num_threads()`` threads; ``torch.set_num_threads(n)``
+sets them for the process (the ``selfattn`` command's ``--threads``, default the cores this
+process may use, ``len(os.sched_getaffinity(0))``).
 
 Text in, text out: given a ``tokenizer`` (:func:`selfattn.models.load_tokenizer`), the prompt
 may be a string or a list of strings (left-padded into a batch) and the continuation comes back
@@ -30,7 +47,9 @@ import torch
 from selfattn._validate import int_at_least
 from selfattn.models.decoder import CACHE_KINDS
 
-__all__ = ["generate", "next_token"]
+__all__ = ["generate", "generation_defaults", "next_token", "stop_token_ids"]
+
+DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, counted in new tokens
 
 
 def _token_ids(name: str, value) -> tuple[int, ...]:
@@ -45,6 +64,40 @@ def _token_ids(name: str, value) -> tuple[int, ...]:
     if not values:
         raise ValueError(f"{name} must hold token ids, got {value!r}")
     return tuple(int_at_least(v, f"{name} token id", 0) for v in values)
+
+
+def _id_list(value) -> list[int]:
+    """An int, a list of ints or None -> a list (without None entries)."""
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    return [v for v in value if v is not None]
+
+
+def generation_defaults(model) -> dict:
+    """The model's generation defaults: ``model.generation_config`` (a dict with transformers'
+    keys, set at load), ``{}`` where it has none."""
+    config = getattr(model, "generation_config", None)
+    return dict(config) if isinstance(config, dict) else {}
+
+
+def stop_token_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """The tokens that end a reply by default: the ``eos_token_id`` of the model's
+    ``generation_config`` where it has that key (None there: none), else the model's own (every
+    id of a list; the GGUF loader adds end-of-turn ids), and ``tokenizer.stop_token_ids`` (end of
+    sequence and the chat template's end-of-turn tokens; a tokenizer without it: its
+    ``eos_token_id``). In that
+    order, each once; ``()`` when none is known."""
+    defaults = generation_defaults(model)
+    if "eos_token_id" in defaults:  # a generation config's word is final, as in transformers
+        ids = _id_list(defaults["eos_token_id"])
+    else:
+        ids = _id_list(getattr(model, "eos_token_id", None))
+    if tokenizer is not None:
+        stops = getattr(tokenizer, "stop_token_ids", None)
+        ids += _id_list(stops if stops is not None else getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def next_token(
@@ -124,12 +177,9 @@ def _generate_text(model, prompts, tokenizer, max_new_tokens, attention_mask, **
     batch = tokenizer(prompts)
     device = next(model.parameters()).device
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    if kw.get("eos_token_id") is None:
-        eos = getattr(model, "eos_token_id", None)
-        kw["eos_token_id"] = eos if eos is not None else tokenizer.eos_token_id
-    if kw.get("pad_token_id") is None:
+    if kw.get("pad_token_id") is None and generation_defaults(model).get("pad_token_id") is None:
         kw["pad_token_id"] = tokenizer.pad_token_id
-    out = generate(model, ids, max_new_tokens, attention_mask=mask, **kw)
+    out = generate(model, ids, max_new_tokens, attention_mask=mask, tokenizer=tokenizer, **kw)
     # a decoder returns prompt + new tokens; an encoder-decoder [start] + new tokens
     prefix = 1 if getattr(model, "is_encoder_decoder", False) else ids.shape[1]
     texts = tokenizer.batch_decode(out[:, prefix:], skip_special_tokens=True)
@@ -140,17 +190,18 @@ def _generate_text(model, prompts, tokenizer, max_new_tokens, attention_mask, **
 def generate(
     model,
     input_ids: torch.Tensor | str | list[str],
-    max_new_tokens: int = 20,
+    max_new_tokens: int | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
     cache: str | None = "static",
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    ignore_eos: bool = False,
     streamer=None,
     page_size: int = 16,
     tokenizer=None,
@@ -164,13 +215,19 @@ def generate(
         attention_mask: ``(B, S)`` 1 = token, 0 = padding; prompts are left-padded.
         cache: ``"static"``, ``"window"``, ``"paged"`` (``page_size`` tokens a page), or None to
             recompute the whole sequence at every step (slow; the reference for the caches).
-        do_sample, temperature, top_k, top_p, generator: see :func:`next_token`.
-        eos_token_id: an int or a list; a row stops after emitting one (None: never stop).
-        pad_token_id: what finished rows emit (default the first ``eos_token_id``).
+        max_new_tokens: None: the model's ``generation_config`` (module docstring), else 20.
+        do_sample, temperature, top_k, top_p, generator: see :func:`next_token`; None takes
+            the model's ``generation_config`` value, else greedy decoding (temperature 1, no
+            top-k / top-p).
+        eos_token_id: an int or a list; a row stops after emitting one (None: the model's and
+            the tokenizer's stop tokens, :func:`stop_token_ids`).
+        pad_token_id: what finished rows emit (default the ``generation_config``'s, the
+            tokenizer's, else the first stop token).
+        ignore_eos: run every row to ``max_new_tokens``, past its stop tokens.
         streamer: an object with transformers' ``put``/``end`` (``put`` gets the prompt ids
             first, as in transformers), or a callable given each step's tokens ``(B,)``.
-        tokenizer: needed when ``input_ids`` is text (a string or a list of strings);
-            ``eos_token_id`` / ``pad_token_id`` then default to the model's / tokenizer's.
+        tokenizer: needed when ``input_ids`` is text (a string or a list of strings); with
+            token ids, it adds its stop tokens (chat end-of-turn tokens) to the defaults.
 
     Returns:
         ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
@@ -185,7 +242,7 @@ def generate(
             model, input_ids, tokenizer, max_new_tokens, attention_mask,
             cache=cache, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            streamer=streamer, page_size=page_size,
+            ignore_eos=ignore_eos, streamer=streamer, page_size=page_size,
         )  # fmt: skip
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
@@ -195,19 +252,38 @@ def generate(
             f"input_ids must hold at least one integer token per row, got {input_ids.dtype} "
             f"{tuple(input_ids.shape)}"
         )
+    defaults = generation_defaults(model)
+    if max_new_tokens is None:
+        max_new_tokens = _default_max_new(defaults, input_ids.shape[1])
     int_at_least(max_new_tokens, "max_new_tokens", 0)
     if cache is not None and cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS} or None, got {cache!r}")
+    if do_sample is None:
+        do_sample = bool(defaults.get("do_sample", False))
+    if do_sample:  # the checkpoint's sampling values apply where the call gives none
+        temperature = defaults.get("temperature", 1.0) if temperature is None else temperature
+        top_k = defaults.get("top_k") if top_k is None else top_k
+        top_p = defaults.get("top_p") if top_p is None else top_p
+    temperature = 1.0 if temperature is None else temperature
     _check_sampling(do_sample, temperature, top_k, top_p)
+    if not isinstance(ignore_eos, bool):
+        raise TypeError(f"ignore_eos must be a bool, got {ignore_eos!r}")
     put, end = _streamer_calls(streamer)
     B, S = input_ids.shape
     if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
         raise ValueError(
             f"attention_mask must match input_ids (B={B}, S={S}), got {tuple(attention_mask.shape)}"
         )
-    eos = _token_ids("eos_token_id", eos_token_id)
+    if eos_token_id is None:
+        eos = stop_token_ids(model, tokenizer)
+    else:
+        eos = _token_ids("eos_token_id", eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = defaults.get("pad_token_id")
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
+    if ignore_eos:
+        eos = ()
     _token_ids("pad_token_id", pad_token_id)
     pick = dict(
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
@@ -229,6 +305,16 @@ def generate(
     if end is not None:
         end()
     return out
+
+
+def _default_max_new(defaults: dict, prompt_len: int) -> int:
+    """``max_new_tokens`` of a call that gives none: the checkpoint's, else its ``max_length``
+    less the prompt, else :data:`DEFAULT_MAX_NEW_TOKENS`."""
+    if defaults.get("max_new_tokens") is not None:
+        return int(defaults["max_new_tokens"])
+    if defaults.get("max_length") is not None:
+        return max(int(defaults["max_length"]) - prompt_len, 0)
+    return DEFAULT_MAX_NEW_TOKENS
 
 
 def _decode_loop(step, out, n: int, max_new_tokens: int, eos, pad_token_id, pick, put):

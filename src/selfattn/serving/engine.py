@@ -49,16 +49,49 @@ import torch
 from selfattn.cache import PagedKV
 from selfattn.cache.size import kv_cache_bytes as _kv_bytes
 from selfattn.models.decoder import CausalLM
+from selfattn.models.generate import stop_token_ids
 from selfattn.serving.metrics import EngineMetrics
 from selfattn.serving.request import Request, RequestOutput, Sequence, TokenLogprob
 from selfattn.serving.sampling import Choice, SamplingParams, choose
 from selfattn.serving.scheduler import Batch, Scheduler
 
-__all__ = ["DEFAULT_KV_CACHE_BYTES", "Engine", "QueueFull"]
+__all__ = [
+    "DEFAULT_KV_CACHE_BYTES",
+    "DEFAULT_MAX_BATCH_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_MAX_WAITING",
+    "DEFAULT_PAGE_SIZE",
+    "Engine",
+    "QueueFull",
+    "kv_cache_bytes_from_memory",
+]
 
 log = logging.getLogger("selfattn")
 
+# The engine's defaults, stated once: `selfattn serve`'s flags and the server take these. The
+# token budget and running set are the serving benchmark's configuration (BENCHMARKS.md).
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_BATCH_TOKENS = 1024
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_WAITING = 4096
+# `selfattn serve` sizes its pool from memory: this share of MemAvailable, at most the cap (the
+# benchmark's 1 GiB pool; pages are zeroed at start-up, so a larger one also starts slower).
+KV_MEMORY_FRACTION = 0.25
+KV_MEMORY_CAP = 2**30
+
+
+def kv_cache_bytes_from_memory(
+    fraction: float = KV_MEMORY_FRACTION, cap: int = KV_MEMORY_CAP
+) -> int:
+    """A KV pool size for this machine: ``fraction`` of ``MemAvailable`` (/proc/meminfo), at most
+    ``cap`` bytes; :data:`DEFAULT_KV_CACHE_BYTES` where the file is missing (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return DEFAULT_KV_CACHE_BYTES
+    return max(min(int(kib * 1024 * fraction), cap), 1 << 20)
 
 
 class QueueFull(RuntimeError):
@@ -96,12 +129,12 @@ class Engine:
         tokenizer=None,
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-        page_size: int = 16,
+        page_size: int = DEFAULT_PAGE_SIZE,
         kv_dtype: torch.dtype | None = None,
-        max_batch_tokens: int = 512,
-        max_num_seqs: int = 64,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prefix_caching: bool = True,
-        max_waiting: int = 4096,
+        max_waiting: int = DEFAULT_MAX_WAITING,
         max_model_len: int | None = None,
         seed: int = 0,
     ):
@@ -147,8 +180,8 @@ class Engine:
             self.kv, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs
         )
         self.max_waiting = max_waiting
-        eos = model.eos_token_id
-        self._eos = frozenset(() if eos is None else (eos,) if isinstance(eos, int) else eos)
+        # the model's and the tokenizer's stop tokens (end of turn included); ignore_eos skips
+        self._eos = frozenset(stop_token_ids(model, tokenizer))
         self._rng = random.Random(seed)
         self._order = itertools.count()
         self._inbox: collections.deque[Request] = collections.deque()
