@@ -667,4 +667,30 @@ def from_pretrained(
     except CheckpointError as e:  # about the folder's tensors: say which folder
         raise CheckpointError(f"{str(folder)!r}: {e}") from None
     check_loaded(model)
+    model.generation_config = read_generation_config(folder)
     return model.to(device).eval()
+
+
+# transformers' generation_config.json keys that selfattn's generate and serving read.
+GENERATION_KEYS = (
+    "eos_token_id", "bos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p",
+    "max_new_tokens", "max_length", "repetition_penalty",
+)  # fmt: skip
+
+
+def read_generation_config(folder) -> dict:
+    """The checkpoint's generation defaults (``generation_config.json``: transformers' keys of
+    :data:`GENERATION_KEYS`, those set and not None) as a plain dict; ``{}`` without the file.
+    ``from_pretrained`` sets it as ``model.generation_config``: :func:`selfattn.models.generate`
+    and the serving engine use it where a call gives no value, as transformers does.
+
+    With the file, ``eos_token_id`` is always a key (None where the file has none): as in
+    transformers, a generation config that names no end token stops nowhere, whatever
+    ``config.json`` says; without the file, the model's ``eos_token_id`` applies."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    out = {k: data[k] for k in GENERATION_KEYS if data.get(k) is not None}
+    out.setdefault("eos_token_id", None)
+    return out
