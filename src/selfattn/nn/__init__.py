@@ -1,5 +1,6 @@
 """Modules: ``MultiHeadAttention`` (+ its ``ContiguousCache`` and torch drop-in),
-``DiffAttention``, norms, MLPs, encoder and decoder blocks. Inputs and outputs are
+``DiffAttention``, norms, MLPs, encoder and decoder blocks, and linear / embedding layers
+that keep GGML block-quantised weights quantised (``nn.quant``). Inputs and outputs are
 ``(B, S, d_model)``."""
 
 from selfattn.nn.attention import ContiguousCache, MultiHeadAttention, TorchMultiheadAttention
@@ -8,6 +9,7 @@ from selfattn.nn.diff_attention import DiffAttention
 from selfattn.nn.latent import LatentAttention
 from selfattn.nn.mlp import MLP, SwiGLU
 from selfattn.nn.norms import LayerNorm, RMSNorm
+from selfattn.nn.quant import QuantizedEmbedding, QuantizedLinear
 
 __all__ = [
     "MLP",
@@ -18,6 +20,8 @@ __all__ = [
     "LatentAttention",
     "LayerNorm",
     "MultiHeadAttention",
+    "QuantizedEmbedding",
+    "QuantizedLinear",
     "RMSNorm",
     "SwiGLU",
     "TorchMultiheadAttention",

@@ -229,12 +229,18 @@ class MultiHeadAttention(nn.Module):
         if not self.fused:
             return self.q_proj(x), self.k_proj(key), self.v_proj(value)
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        sizes, proj = [q_out, kv_out, kv_out], self.qkv_proj
         if key is x and value is x:
             # split_with_sizes: Tensor.split's own op, without its Python wrapper (per layer)
-            return self.qkv_proj(x).split_with_sizes([q_out, kv_out, kv_out], dim=-1)
-        w, b = self.qkv_proj.weight, self.qkv_proj.bias  # a quantised qkv_proj has no .weight
-        wq, wk, wv = w.split([q_out, kv_out, kv_out], dim=0)
-        bq, bk, bv = (None, None, None) if b is None else b.split([q_out, kv_out, kv_out])
+            return proj(x).split_with_sizes(sizes, dim=-1)
+        if not isinstance(proj, nn.Linear):  # no float weight to slice (a quantised layer)
+            q = proj(x)[..., :q_out]
+            if value is key:
+                return q, *proj(key)[..., q_out:].split_with_sizes(sizes[1:], dim=-1)
+            return q, proj(key)[..., q_out : q_out + kv_out], proj(value)[..., q_out + kv_out :]
+        w, b = proj.weight, proj.bias
+        wq, wk, wv = w.split(sizes, dim=0)
+        bq, bk, bv = (None, None, None) if b is None else b.split(sizes)
         return F.linear(x, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
     def _heads(self, t: torch.Tensor, H: int) -> torch.Tensor:

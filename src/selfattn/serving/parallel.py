@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from selfattn.cache import PagedKV
 from selfattn.models.decoder import CausalLM
-from selfattn.nn import MLP, DiffAttention, MultiHeadAttention, SwiGLU
+from selfattn.nn import MLP, DiffAttention, MultiHeadAttention, QuantizedLinear, SwiGLU
 from selfattn.serving.engine import Engine
 
 __all__ = [
@@ -115,6 +115,17 @@ def _heads(attn: MultiHeadAttention, n: int, where: str) -> None:
         )
 
 
+def _dense(block, where: str) -> None:
+    """ValueError for a projection kept quantised: sharding slices float ``nn.Linear`` weights."""
+    for name, m in block.named_modules():
+        if isinstance(m, QuantizedLinear):
+            raise ValueError(
+                f"{where}: {name} keeps {m.fmt} blocks quantised (a QuantizedLinear), and "
+                "tensor parallelism shards float nn.Linear weights; load the model in a float "
+                "dtype with its weights dequantised (from_pretrained(..., quantized=False))"
+            )
+
+
 def _rank_major_qkv(attn: MultiHeadAttention, n: int) -> None:
     """Reorder the fused ``qkv_proj`` rows ``[q | k | v]`` into ``[q_0 k_0 v_0 | q_1 k_1 v_1 |
     ...]`` so that the column-wise split gives rank ``r`` its own heads' q, k and v."""
@@ -162,6 +173,7 @@ def tensor_parallel(model: CausalLM, mesh) -> CausalLM:
                 "split yet); serve this model with one process"
             )
         _heads(attns[0], n, f"layer {i}")
+        _dense(block, f"layer {i}")
         plans.append((attns[0], mlps[0]))
     col, row = ColwiseParallel(), RowwiseParallel()
     for attn, mlp in plans:
@@ -566,6 +578,7 @@ def _start_worker(rank, n, port, model_dir, dtype, device_type, timeouts) -> sub
 def _check_split(model: CausalLM, n: int) -> None:
     """The checks of :func:`tensor_parallel` on rank 0 alone, before workers start."""
     for i, block in enumerate(model.layers):
+        _dense(block, f"layer {i}")
         for m in block.modules():
             if isinstance(m, MultiHeadAttention):
                 _heads(m, n, f"layer {i}")

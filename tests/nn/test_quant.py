@@ -1,0 +1,321 @@
+"""selfattn.nn.quant: GGML Q8_0 / Q4_0 / Q4_1 layers against llama.cpp's numpy reference
+(``gguf.quants``), the float64 product of the dequantised weight, and a model built of them."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from selfattn.models import DecoderConfig, Llama
+from selfattn.models.generate import generate
+from selfattn.nn import QuantizedEmbedding, QuantizedLinear
+from selfattn.nn.quant import FORMATS, block_bytes, cat_rows
+from selfattn.testing import assert_close_to_reference
+
+gguf = pytest.importorskip("gguf")
+QTYPE = {
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random GGML blocks ``(rows, cols / 32 · bytes)``: every integer byte random (all nibble
+    values), fp16 scales (and minimums) random normals of either sign with some subnormal."""
+    g = _gen(seed)
+    B, size = cols // 32, block_bytes(fmt)
+    blocks = torch.randint(0, 256, (rows, B, size), generator=g, dtype=torch.uint8)
+    heads = 2 if fmt == "q4_1" else 1
+    scales = torch.randn(rows, B, heads, generator=g, dtype=torch.float64) * 0.05
+    tiny = torch.rand(rows, B, heads, generator=g) < 0.1
+    subnormal = torch.randn(rows, B, heads, generator=g, dtype=torch.float64) * 2.0**-20
+    scales = torch.where(tiny, subnormal, scales).half()
+    blocks[..., : 2 * heads] = scales.view(torch.uint8).view(rows, B, 2 * heads)
+    return blocks.view(rows, B * size)
+
+
+def gguf_dequantize(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), QTYPE[fmt]).copy())
+
+
+def gguf_quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.quantize(weight.numpy(), QTYPE[fmt]).copy())
+
+
+def check_product(layer: QuantizedLinear, x: torch.Tensor) -> None:
+    """``layer(x)`` against the fp64 product of its dequantised weight, by the ratio rule (the
+    naive baseline: ``x @ Wᵀ`` with the weight in x's dtype)."""
+    w = layer.dequantize(torch.float64)
+    bias = None if layer.bias is None else layer.bias.double()
+    oracle = nn.functional.linear(x.double(), w, bias)
+    naive_bias = None if bias is None else layer.bias.to(x.dtype)
+    naive = nn.functional.linear(x, w.to(x.dtype), naive_bias)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.dtype == x.dtype and got.shape == oracle.shape
+    assert_close_to_reference(got, oracle, naive, dtype=x.dtype)
+
+
+# -- the blocks ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 32), (7, 96), (97, 160), (130, 64)])
+def test_dequantize_is_ggufs_bit_for_bit(fmt, rows, cols):
+    blocks = random_blocks(fmt, rows, cols, seed=rows * cols)
+    want = gguf_dequantize(fmt, blocks)
+    layer = QuantizedLinear.from_ggml(fmt, blocks)
+    assert (layer.in_features, layer.out_features, layer.fmt) == (cols, rows, fmt)
+    got = layer.dequantize()
+    assert got.shape == want.shape
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(layer.to_ggml(), blocks)
+    table = QuantizedEmbedding.from_ggml(fmt, blocks)
+    assert torch.equal(table.dequantize().view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_block_bytes_and_format_names(fmt):
+    assert block_bytes(fmt) == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+    assert block_bytes(fmt.upper()) == block_bytes(fmt)  # GGUF's type names are upper case
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])
+def test_from_float_matches_ggufs_quantiser(fmt, scale):
+    g = _gen(int(scale * 1000) + len(fmt))
+    w = torch.randn(45, 128, generator=g) * scale + torch.rand(45, 1, generator=g) * scale
+    w[3, :32] = 0  # an all-zero block: scale 0
+    w[4, 32:64] = scale  # a constant block
+    layer = QuantizedLinear.from_float(w, fmt)
+    want = gguf_quantize(fmt, w)
+    assert torch.equal(layer.to_ggml(), want)
+    assert torch.equal(layer.dequantize(), gguf_dequantize(fmt, want))
+
+
+# -- forward ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(1,), (7,), (97,), (3, 5), (2, 150)])
+def test_forward_matches_fp64_product(fmt, dtype, lead):
+    g = _gen(sum(lead) * 31 + len(fmt))
+    rows, cols = 97, 192  # rows not a multiple of the 64-row int4 tile
+    layer = QuantizedLinear.from_ggml(fmt, random_blocks(fmt, rows, cols, seed=sum(lead)))
+    x = torch.randn(*lead, cols, generator=g).to(dtype)
+    check_product(layer, x)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_int4_matmul_with_bf16_scales_within_bf16_error(fmt, M):
+    """The bf16 int4 matmul rounds each block's scale (and Q4_1's zero m + 8d) to bf16; with
+    weights off centre (large Q4_1 minimums) and a wide row that stays within bf16's error."""
+    g = _gen(M + len(fmt))
+    w = torch.randn(320, 1536, generator=g) * 0.02 + 0.05
+    layer = QuantizedLinear.from_float(w, fmt, bias=torch.randn(320, generator=g))
+    check_product(layer, torch.randn(M, 1536, generator=g).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunked_rows_and_bias(fmt, monkeypatch):
+    """More rows than one chunk holds: the parts line up, each with its slice of the bias."""
+    import selfattn.nn.quant as quant
+
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 64 * 96 * 4)  # one 64-row tile a chunk
+    g = _gen(len(fmt))
+    layer = QuantizedLinear.from_float(
+        torch.randn(200, 96, generator=g), fmt, bias=torch.randn(200, generator=g)
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        for M in (1, 20, 130):
+            check_product(layer, torch.randn(M, 96, generator=g).to(dtype))
+
+
+def test_autograd_flows_to_the_input():
+    g = _gen(5)
+    layer = QuantizedLinear.from_float(torch.randn(40, 64, generator=g), "q4_1")
+    x = torch.randn(3, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    (layer(x) ** 2).sum().backward()
+    w = layer.dequantize(torch.float64)
+    assert torch.allclose(x.grad, 2 * (x.detach() @ w.T) @ w)
+
+
+# -- fusing, embedding, tying ----------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cat_rows_is_the_parts_rows(fmt):
+    g = _gen(len(fmt) + 1)
+    parts = [
+        QuantizedLinear.from_float(torch.randn(n, 96, generator=g), fmt, bias=torch.randn(n))
+        for n in (64, 31, 31)
+    ]
+    fused = cat_rows(parts)
+    assert fused.out_features == 126 and fused.fmt == fmt
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(5, 96, generator=g)
+    with torch.no_grad():
+        want = torch.cat([p(x) for p in parts], -1)
+        assert torch.allclose(fused(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_rows_and_tied_head(fmt):
+    rows, dim = 150, 64
+    blocks = random_blocks(fmt, rows, dim, seed=len(fmt) + 7)
+    table = QuantizedEmbedding.from_ggml(fmt, blocks)
+    want = gguf_dequantize(fmt, blocks)
+    ids = torch.randint(0, rows, (3, 11), generator=_gen(1))
+    ids[0, :4] = torch.tensor([0, 63, 64, rows - 1])  # tile edges and the padded last tile
+    assert torch.equal(table(ids), want[ids])
+    head = table.as_linear()
+    assert head.in_features == dim and head.out_features == rows
+    assert head._store().qs.data_ptr() == table.qs.data_ptr()  # no copy
+    assert not head.state_dict()  # the table's buffers are read, not held
+    assert torch.equal(head.dequantize(), table.dequantize())
+    check_product(head, torch.randn(4, dim, generator=_gen(2)))
+
+
+# -- state, devices, dtypes ------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_dict_round_trip_and_meta_construction(fmt):
+    g = _gen(len(fmt) + 3)
+    layer = QuantizedLinear.from_float(torch.randn(70, 96, generator=g), fmt, bias=torch.randn(70))
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf)
+    fresh = QuantizedLinear(96, 70, fmt, bias=True)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.dequantize(), layer.dequantize())
+    with torch.device("meta"):
+        meta = QuantizedLinear(96, 70, fmt, bias=True)
+    assert meta.qs.is_meta
+    meta.load_state_dict(state, assign=True)
+    x = torch.randn(3, 96, generator=g)
+    with torch.no_grad():
+        assert torch.equal(meta(x), layer(x))
+    table = QuantizedEmbedding.from_ggml(fmt, layer.to_ggml())
+    empty = QuantizedEmbedding(70, 96, fmt, device="meta")
+    empty.load_state_dict(table.state_dict(), assign=True)
+    assert torch.equal(empty(torch.arange(70)), layer.dequantize())
+
+
+def test_to_dtype_changes_the_compute_dtype_not_the_blocks():
+    layer = QuantizedLinear.from_float(torch.randn(64, 64, generator=_gen(9)), "q8_0", bias=None)
+    before = layer.dequantize()
+    layer.to(torch.bfloat16)
+    assert layer.dtype == torch.bfloat16 and layer.d.dtype == torch.int16
+    assert torch.equal(layer.dequantize(), before)
+    table = QuantizedEmbedding.from_ggml("q4_0", random_blocks("q4_0", 10, 32, seed=3))
+    assert table.bfloat16()(torch.tensor([1])).dtype == torch.bfloat16
+
+
+def test_memory_is_about_the_files_bytes():
+    for fmt in FORMATS:
+        layer = QuantizedLinear.from_ggml(fmt, random_blocks(fmt, 128, 256, seed=1))
+        held = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+        assert held == 128 * 256 // 32 * block_bytes(fmt), fmt
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_bad_input_names_the_value():
+    with pytest.raises(ValueError, match=r"in_features \(48\) must be a positive multiple of 32"):
+        QuantizedLinear(48, 8, "q8_0")
+    with pytest.raises(ValueError, match=r"in_features \(40\)"):
+        QuantizedLinear.from_float(torch.randn(4, 40), "q4_0")
+    with pytest.raises(ValueError, match=r"rows of 35 bytes are not whole 34-byte blocks"):
+        QuantizedLinear.from_ggml("q8_0", torch.zeros(2, 35, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"2-D uint8 .* got \(torch.int8, \(2, 34\)\)"):
+        QuantizedLinear.from_ggml("q8_0", torch.zeros(2, 34, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"unknown GGML format 'q5_k'"):
+        QuantizedLinear.from_ggml("q5_k", torch.zeros(2, 34, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"unknown GGML format 'q2'"):
+        block_bytes("q2")
+    a = QuantizedLinear.from_float(torch.randn(8, 64), "q8_0")
+    b = QuantizedLinear.from_float(torch.randn(8, 64), "q4_0")
+    c = QuantizedLinear.from_float(torch.randn(8, 96), "q8_0")
+    with pytest.raises(ValueError, match=r"layer 1 is q4_0 .* layer 0 is q8_0"):
+        cat_rows([a, b])
+    with pytest.raises(ValueError, match=r"in_features=96 .* in_features=64"):
+        cat_rows([a, c])
+    with pytest.raises(ValueError, match=r"input of width 63 does not match in_features \(64\)"):
+        a(torch.randn(2, 63))
+    with pytest.raises(ValueError, match=r"bias of shape \(7,\) must be \(8,\)"):
+        QuantizedLinear.from_float(torch.randn(8, 64), "q8_0", bias=torch.randn(7))
+    table = QuantizedEmbedding.from_ggml("q8_0", a.to_ggml())
+    with pytest.raises(IndexError, match=r"token id 8 is out of range for 8 embeddings"):
+        table(torch.tensor([0, 8]))
+
+
+# -- a model of quantised layers -------------------------------------------------------------------
+def _quantise_model(model: Llama, fmt: str) -> tuple[Llama, Llama]:
+    """``model`` with every nn.Linear and the embedding kept as ``fmt`` blocks, and its float
+    twin holding the same (dequantised) weights."""
+    quantised, twin = copy.deepcopy(model), copy.deepcopy(model)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and name != "lm_head":
+            q = QuantizedLinear.from_float(m.weight, fmt, bias=m.bias)
+            quantised.set_submodule(name, q)
+            twin.get_submodule(name).weight.data = q.dequantize()
+    blocks = QuantizedLinear.from_float(model.embed.weight, fmt).to_ggml()
+    quantised.embed = QuantizedEmbedding.from_ggml(fmt, blocks)
+    quantised.lm_head = quantised.embed.as_linear()  # tied
+    twin.embed.weight.data = quantised.embed.dequantize()
+    twin.lm_head.weight = twin.embed.weight
+    return quantised.eval(), twin.eval()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_llama_of_quantised_layers(fmt):
+    torch.manual_seed(len(fmt) + 11)
+    cfg = DecoderConfig(
+        vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+        tie_embeddings=True, attention_bias=True,
+    )  # fmt: skip
+    model = Llama(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    quantised, twin = _quantise_model(model, fmt)
+    assert not any(type(m) is nn.Linear for m in quantised.modules())
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        got = quantised(ids)
+        oracle = copy.deepcopy(twin).double()(ids)
+        naive = twin(ids)
+    assert_close_to_reference(got, oracle, naive, what="logits")
+    want = generate(twin, ids, 6, cache=None)
+    for cache in ("static", "paged"):
+        out = generate(quantised, ids, 6, cache=cache, page_size=4)
+        assert torch.equal(out, want), cache
+
+
+def test_cross_attention_with_a_quantised_fused_projection():
+    from selfattn.nn import MultiHeadAttention
+
+    torch.manual_seed(3)
+    att = MultiHeadAttention(64, 4, n_kv_heads=2, bias=True).eval()
+    quantised = copy.deepcopy(att)
+    quantised.qkv_proj = QuantizedLinear.from_float(
+        att.qkv_proj.weight, "q8_0", bias=att.qkv_proj.bias
+    )
+    att.qkv_proj.weight.data = quantised.qkv_proj.dequantize()
+    x, ctx, value = torch.randn(2, 5, 64), torch.randn(2, 7, 64), torch.randn(2, 7, 64)
+    with torch.no_grad():
+        for kw in ({}, {"value": value}):
+            want = att(x, ctx, **kw)
+            assert torch.allclose(quantised(x, ctx, **kw), want, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_refuses_quantised_projections():
+    from selfattn.serving.parallel import _check_split
+
+    cfg = DecoderConfig(vocab_size=40, d_model=64, n_layers=1, n_heads=4, d_ff=64)
+    quantised, _ = _quantise_model(Llama(cfg), "q4_0")
+    with pytest.raises(ValueError, match=r"layer 0: self_attention.qkv_proj keeps q4_0 blocks"):
+        _check_split(quantised, 2)
