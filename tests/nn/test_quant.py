@@ -138,6 +138,18 @@ def test_chunked_rows_and_bias(fmt, monkeypatch):
             check_product(layer, torch.randn(M, 96, generator=g).to(dtype))
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_bf16_without_the_int4_matmul(fmt, monkeypatch):
+    """Where torch's int4 layout differs from ours (or the op is missing) the chunked path runs."""
+    import selfattn.nn.quant as quant
+
+    monkeypatch.setattr(quant, "_int4_op_layout_matches", lambda: False)
+    g = _gen(len(fmt) + 2)
+    layer = QuantizedLinear.from_float(torch.randn(97, 128, generator=g), fmt)
+    for M in (1, 20):
+        check_product(layer, torch.randn(M, 128, generator=g).bfloat16())
+
+
 def test_autograd_flows_to_the_input():
     g = _gen(5)
     layer = QuantizedLinear.from_float(torch.randn(40, 64, generator=g), "q4_1")

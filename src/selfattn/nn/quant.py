@@ -40,15 +40,16 @@ Which path a forward runs (the fastest that is exact enough; ``M`` = rows of the
   fp32 kernel and rounds its output to bf16, and ``aten._weight_int8pack_mm`` takes one scale a
   row, not one a block (and is slow in fp32), so neither serves fp32 or Q8_0. Within it:
   Q4 with ``M < MANY_ROWS`` multiplies the tiles in their stored order (a batched matmul over
-  the 64-row tiles), since the transposing copy to ``(n, K)`` rows costs more than the product;
-  more rows pay that copy for a plain matmul. bf16 with ``M < FEW_ROWS`` multiplies in fp32 and
-  rounds once (casting a chunk to bf16 costs more than the product); more rows cast the chunk
-  to bf16 for the bf16 matmul.
+  the 64-row tiles), since the transposing copy to ``(n, K)`` rows (made on the nibble bytes)
+  costs more than the product; more rows pay that copy for a plain matmul. bf16 with
+  ``M < FEW_ROWS`` multiplies in fp32 and rounds once (casting a chunk to bf16 costs more than
+  the product); more rows cast the chunk to bf16 for the bf16 matmul.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -124,11 +125,13 @@ def _int4_op_layout_matches() -> bool:
     try:
         theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     except (RuntimeError, AttributeError) as e:
-        log_once(f"quant: no CPU int4 matmul in this torch ({e}); Q4 layers dequantise in chunks")
+        log_once("quant-int4", logging.INFO, "quant: no CPU int4 matmul in this torch (%s); Q4 "
+                 "layers dequantise in chunks", e)  # fmt: skip
         return False
     same = theirs.shape == (q.shape[0], q.shape[1] // 2) and torch.equal(theirs, _pack4(q))
     if not same:
-        log_once("quant: torch's CPU int4 layout differs from ours; Q4 layers dequantise in chunks")
+        log_once("quant-int4", logging.INFO, "quant: torch's CPU int4 layout differs from ours; Q4 "
+                 "layers dequantise in chunks")  # fmt: skip
     return same
 
 
@@ -241,8 +244,10 @@ class _Blocks(nn.Module):
         s = self._store()
         if s.fmt == "q8_0":
             return self._scale(s.qs[lo:hi].float(), slice(lo, hi))
-        tiles = self._tiles(lo, hi)  # (T, 2, K, 32)
-        return tiles.transpose(2, 3).reshape(-1, s.in_cols)[: hi - lo]  # -> (T·64, K)
+        end = -(-hi // TILE) * TILE
+        # The transposing copy on the nibbles (bytes), not on fp32: it is the costly step.
+        q = _unpack4(s.qs[lo:end], s.in_cols).transpose(2, 3)  # (T, 2, K, 32) -> (T, 2, 32, K)
+        return self._scale(q.reshape(-1, s.in_cols)[: hi - lo].float(), slice(lo, hi))
 
     def _tiles(self, lo: int, hi: int) -> torch.Tensor:
         """A Q4 weight's fp32 rows ``lo:hi`` (``lo`` a multiple of 64) dequantised in the
