@@ -63,6 +63,7 @@ VERSIONS = (2, 3)  # version 1 used 32-bit lengths and is not read
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_NESTING = 4  # arrays of arrays this deep at most
+_SMALL_ARRAY = 64  # arrays up to this long are always read (open_gguf's arrays=False)
 
 # GGUF metadata value types: id -> struct format of a scalar
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
@@ -136,10 +137,14 @@ class GGUFFile:
         return self.field(key, kinds)
 
     def raw(self, name: str) -> torch.Tensor:
-        """Tensor ``name``'s bytes as a uint8 tensor of its own (read with ``readinto``)."""
+        """Tensor ``name``'s bytes as a uint8 tensor of its own, read with ``readinto`` into an
+        anonymous memory map: freed, it goes back to the system at once (bytes a quantised
+        module or a cast copies from would otherwise stay in the heap between the modules'
+        buffers, raising the peak by a good part of the file)."""
         info = self.tensors[name]
-        buf = torch.empty(info.nbytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy()).cast("B")
+        area = mmap.mmap(-1, max(info.nbytes, 1))
+        buf = torch.frombuffer(area, dtype=torch.uint8, count=info.nbytes)  # keeps `area` alive
+        view = memoryview(area)[: info.nbytes]
         with open(self.path, "rb", buffering=0) as fh:
             fh.seek(info.offset)
             done = 0
@@ -152,7 +157,19 @@ class GGUFFile:
                         "truncated after it was opened"
                     )
                 done += n
+        view.release()
         return buf
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A long metadata array ``open_gguf(..., arrays=False)`` checked but did not read (the
+    tokenizer's vocabulary and merges, which a model load does not need): its length only."""
+
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
 
 
 def _preview(value, limit: int = 60) -> str:
@@ -164,8 +181,9 @@ class _Cursor:
     """Bounds-checked reads from the header bytes: each length is checked against what is left
     before anything is taken or allocated from it."""
 
-    def __init__(self, buf, path: Path):
+    def __init__(self, buf, path: Path, arrays: bool = True):
         self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+        self.arrays = arrays
 
     def truncated(self, n: int, what: str) -> GGUFError:
         return GGUFError(
@@ -205,20 +223,28 @@ class _Cursor:
                 f"({sorted(_VALUE_TYPES)}); the file is corrupt"
             )
         item, n = self.take("IQ", f"the header of array {what}")
+        skip = not self.arrays and n > _SMALL_ARRAY
         if item in _SCALARS:
             size = struct.calcsize(_SCALARS[item])
             if n * size > self.size - self.pos:
                 raise self.truncated(n * size, f"array {what} ({n} items)")
-            values = struct.unpack_from(f"<{n}{_SCALARS[item]}", self.buf, self.pos)
+            values = () if skip else struct.unpack_from(f"<{n}{_SCALARS[item]}", self.buf, self.pos)
             self.pos += n * size
-            return list(values)
+            return SkippedArray(n) if skip else list(values)
+        if item in (_STRING, _ARRAY) and n * 8 > self.size - self.pos:  # 8 bytes an item at least
+            raise self.truncated(n * 8, f"array {what} ({n} items)")
+        if skip and item == _STRING:  # walk the lengths: the same checks, no strings made
+            for i in range(n):
+                length = self.take("Q", f"the length of {what}[{i}]")
+                if length > self.size - self.pos:
+                    raise self.truncated(length, f"{what}[{i}] (a string of {length} bytes)")
+                self.pos += length
+            return SkippedArray(n)
         if depth >= _MAX_NESTING or item not in (_STRING, _ARRAY):
             raise GGUFError(
                 f"{str(self.path)!r}: array {what} has item type {item} (nesting {depth}); the "
                 "file is corrupt"
             )
-        if n * 8 > self.size - self.pos:  # each string or array item takes 8 bytes at least
-            raise self.truncated(n * 8, f"array {what} ({n} items)")
         return [self.value(item, f"{what}[{i}]", depth + 1) for i in range(n)]
 
 
@@ -238,9 +264,11 @@ def _ggml():
     return {int(t): (t.name, *gguf.GGML_QUANT_SIZES[t]) for t in gguf.GGML_QUANT_SIZES}
 
 
-def open_gguf(path) -> GGUFFile:
+def open_gguf(path, *, arrays: bool = True) -> GGUFFile:
     """Parse and validate the header of the GGUF file ``path`` (nothing of the tensor data is
-    read). Raises :class:`GGUFError` naming the field for a file that is not GGUF, a version
+    read). ``arrays=False`` leaves metadata arrays longer than 64 items unread
+    (:class:`SkippedArray`, their length), after the same checks. Raises :class:`GGUFError`
+    naming the field for a file that is not GGUF, a version
     other than 2 or 3, truncation anywhere, an unknown tensor type, or tensor data that
     overlaps or runs past the end of the file."""
     path = Path(path)
@@ -258,7 +286,7 @@ def open_gguf(path) -> GGUFFile:
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             view = memoryview(buf)
             try:
-                return _parse_header(_Cursor(view, path), path, size)
+                return _parse_header(_Cursor(view, path, arrays), path, size)
             finally:
                 view.release()
 
@@ -481,7 +509,7 @@ def gguf_config(f: GGUFFile) -> dict:
         )
     vocab = embd.shape[0]
     tokens = f.metadata.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, list) and len(tokens) > vocab:
+    if isinstance(tokens, (list, SkippedArray)) and len(tokens) > vocab:
         raise GGUFError(
             f"{where!r}: metadata tokenizer.ggml.tokens lists {len(tokens)} tokens but "
             f"token_embd.weight has {vocab} rows"
@@ -686,6 +714,15 @@ def _check_shapes(f: GGUFFile, config: Mapping) -> None:
         )
 
 
+def _by_layer(plan: list[_Entry]) -> list[list[_Entry]]:
+    """``plan`` in groups: each ``blk.N``'s tensors, and the others together, in file order."""
+    groups: dict[str, list[_Entry]] = {}
+    for e in plan:
+        m = re.match(r"blk\.(\d+)\.", e.info.name)
+        groups.setdefault(m[1] if m else "top", []).append(e)
+    return [*(g for k, g in groups.items() if k != "top"), groups.get("top", [])]
+
+
 def _unpermute(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation: per head, rows (pairs, 2) -> (2, pairs), i.e. back
     to RoPE's half-split layout. Whole rows move, so ``t`` may be quantised blocks or a bias."""
@@ -839,7 +876,7 @@ def load_gguf(
     source: ``gguf_path``, ``hf_config`` (the config dict), ``name_or_path`` (``general.name``)
     and a ``save_pretrained(folder)`` method (:func:`save_pretrained`).
     """
-    f = open_gguf(path)
+    f = open_gguf(path, arrays=False)
     config = gguf_config(f)
     plan = _plan(f, config)
     _check_shapes(f, config)
@@ -847,10 +884,14 @@ def load_gguf(
     device = torch.device("cpu") if device is None else torch.device(device)
     model = hub.build(config, str(f.path)).to(dtype)
     kept = _kept(plan, quantized)
-    state = {e.hf_name: _read(f, e, dtype, e.hf_name in kept) for e in plan}
-    converted = model.convert_hf_state_dict(state)
-    del state
-    _swap_quantised(model, converted, dtype)
+    converted = {}
+    # Layer by layer (the conversion of a Llama-family layer needs only its own tensors, q/k/v
+    # fused among them): a layer's file bytes become its modules before the next is read.
+    for group in _by_layer(plan):
+        part = {e.hf_name: _read(f, e, dtype, e.hf_name in kept) for e in group}
+        part = model.convert_hf_state_dict(part)
+        _swap_quantised(model, part, dtype)
+        converted |= part
     try:
         hub.load_state(model, converted, assign=True, device=device)
     except hub.CheckpointError as err:
@@ -886,8 +927,8 @@ def save_pretrained(model_or_path, folder, *, dtype: torch.dtype = torch.float32
     tensor at a time (Q/K rows un-permuted, Gemma norms as transformers stores them).
 
     ``tokenizer``: a callable ``tokenizer(gguf_path, folder)`` that writes the tokenizer files;
-    by default ``selfattn.models.gguf_tokenizer.save_tokenizer`` where that module exists.
-    Returns the folder's path."""
+    None (default): :func:`_save_tokenizer` (transformers' tokenizer files from the file's
+    ``tokenizer.ggml.*`` metadata); False: none. Returns the folder's path."""
     source = getattr(model_or_path, "gguf_path", None) or model_or_path
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(
@@ -896,7 +937,7 @@ def save_pretrained(model_or_path, folder, *, dtype: torch.dtype = torch.float32
         )
     if dtype not in _SAFETENSORS_NAMES:
         raise ValueError(f"dtype must be one of {list(_SAFETENSORS_NAMES)}, got {dtype}")
-    f = open_gguf(source)
+    f = open_gguf(source, arrays=False)
     config = dict(gguf_config(f), torch_dtype=str(dtype).removeprefix("torch."))
     plan = _plan(f, config)
     _check_shapes(f, config)
@@ -907,13 +948,25 @@ def save_pretrained(model_or_path, folder, *, dtype: torch.dtype = torch.float32
     (folder / "generation_config.json").write_text(generation)
     _write_safetensors(f, plan, folder / "model.safetensors", dtype)
     if tokenizer is None:
-        try:
-            from selfattn.models.gguf_tokenizer import save_tokenizer as tokenizer
-        except ImportError:
-            tokenizer = None
-    if tokenizer is not None:
+        tokenizer = _save_tokenizer
+    if tokenizer is not False:
         tokenizer(f.path, folder)
     return folder
+
+
+def _save_tokenizer(path: Path, folder: Path) -> None:
+    """The GGUF file's tokenizer as transformers' ``tokenizer.json`` and
+    ``tokenizer_config.json`` (:mod:`selfattn.models.gguf_tokenizer`); nothing for a file
+    without ``tokenizer.ggml.model`` or where that module is not installed."""
+    try:
+        from selfattn.models import gguf_tokenizer
+    except ImportError:
+        return
+    metadata = read_metadata(path)
+    if "tokenizer.ggml.model" not in metadata:
+        return
+    tokenizer = gguf_tokenizer.tokenizer_from_metadata(metadata, str(path))
+    gguf_tokenizer.save_tokenizer(tokenizer, folder)
 
 
 def _write_safetensors(f: GGUFFile, plan: list[_Entry], out: Path, dtype) -> None:
