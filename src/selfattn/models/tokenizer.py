@@ -28,6 +28,12 @@ __all__ = ["Tokenizer", "load_tokenizer"]
 # transformers' special-token attributes, passed to chat templates under these names
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
 _SPECIAL += ("mask_token",)
+# Tokens that close a chat turn in the Hub's templates (ChatML, Llama 3, Gemma, Phi-3, gpt-oss,
+# DeepSeek): generation stops at those a template writes.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>",
+    "<|return|>", "<|call|>", "<turn|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)  # fmt: skip
 
 
 def _token_text(value) -> str | None:
@@ -54,10 +60,24 @@ class Tokenizer:
     built on this tokenizer prints what :func:`selfattn.models.generate` streams.
     """
 
-    def __init__(self, tokenizer, config: dict | None = None, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        config: dict | None = None,
+        chat_template: str | None = None,
+        end_of_turn_ids=(),
+        named_templates: dict[str, str] | None = None,
+    ):
         config = config or {}
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # other templates by name (transformers' list of {name, template}; GGUF's
+        # tokenizer.chat_template.NAME); apply_chat_template(chat_template=NAME) picks one
+        self.named_templates = dict(named_templates or {})
+        # ids that end a turn besides eos (GGUF's eot / eom ids)
+        self.end_of_turn_ids = [int(i) for i in end_of_turn_ids]
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.add_eos_token = bool(config.get("add_eos_token", False))
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens_map: dict[str, str] = {}
         for name in _SPECIAL:
@@ -87,6 +107,18 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._id("pad_token")
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids at which generation stops: eos, the end-of-turn ids the tokenizer was given, and
+        the end-of-turn tokens (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...) that the
+        vocabulary has and the chat template writes."""
+        ids = {self.eos_token_id, *self.end_of_turn_ids}
+        templates = [t for t in (self.chat_template, *self.named_templates.values()) if t]
+        for text in END_OF_TURN_TOKENS:
+            if any(text in t for t in templates):
+                ids.add(self.tokenizer.token_to_id(text))
+        return sorted(i for i in ids if i is not None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the post-processor's specials unless told not to)."""
@@ -141,7 +173,7 @@ class Tokenizer:
         special tokens by name (``bos_token``, ``eos_token``, ...) and ``kwargs``. Returns the
         text, or its ids (``tokenize=True``, no specials added: the template writes them;
         transformers 5 returns them in a dict by default)."""
-        template = chat_template or self.chat_template
+        template = self.named_templates.get(chat_template, chat_template) or self.chat_template
         if template is None:
             raise ValueError(
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
@@ -203,6 +235,15 @@ def _compile(template: str):
     return compiled
 
 
+def _named_templates(config: dict) -> dict[str, str]:
+    """The config's named templates (``[{"name": ..., "template": ...}]``) but ``default``."""
+    template = config.get("chat_template")
+    if not isinstance(template, list):
+        return {}
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    return {k: v for k, v in named.items() if k != "default" and isinstance(v, str)}
+
+
 def _chat_template(folder: Path, config: dict) -> str | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
@@ -220,8 +261,17 @@ def _chat_template(folder: Path, config: dict) -> str | None:
 
 
 def load_tokenizer(path_or_repo_id, **resolve_kw) -> Tokenizer:
-    """The tokenizer of a checkpoint folder or Hub id (``resolve_kw``: ``revision``,
-    ``cache_dir``, ``local_files_only``, as for ``from_pretrained``)."""
+    """The tokenizer of a checkpoint folder, a Hub id (``resolve_kw``: ``revision``,
+    ``cache_dir``, ``local_files_only``, as for ``from_pretrained``) or a GGUF file (or a folder
+    holding one and no config.json): built from its ``tokenizer.ggml.*`` metadata by
+    :mod:`selfattn.models.gguf_tokenizer`, giving llama.cpp's ids."""
+    from selfattn.models import gguf
+
+    source = gguf.gguf_source(path_or_repo_id)
+    if source is not None:
+        from selfattn.models.gguf_tokenizer import tokenizer_from_metadata
+
+        return tokenizer_from_metadata(gguf.read_metadata(source), str(source))
     _Fast = require("tokenizers", purpose="load_tokenizer").Tokenizer
     folder = resolve(path_or_repo_id, **resolve_kw)
     file = folder / "tokenizer.json"
@@ -236,4 +286,6 @@ def load_tokenizer(path_or_repo_id, **resolve_kw) -> Tokenizer:
         raise CheckpointError(f"{str(file)!r} cannot be read by tokenizers: {e}") from None
     config_file = folder / "tokenizer_config.json"
     config = read_json(config_file) if config_file.is_file() else {}
-    return Tokenizer(fast, config, _chat_template(folder, config))
+    return Tokenizer(
+        fast, config, _chat_template(folder, config), named_templates=_named_templates(config)
+    )
