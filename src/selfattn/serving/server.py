@@ -350,7 +350,10 @@ def build_app(
 ):
     """The FastAPI app serving ``engine`` (completions, chat) and/or ``encoder`` (a
     :class:`~selfattn.models.SentenceEncoder`: embeddings) under ``model_name`` /
-    ``embedding_model_name``; see the module docstring.
+    ``embedding_model_name``; see the module docstring. ``encoder`` may be a
+    ``concurrent.futures.Future`` of one, still loading: the server answers at once (``/health``,
+    the engine's routes) and embedding requests wait for it (``selfattn serve`` without a model
+    loads MiniLM so, beside the chat model).
 
     ``api_key``: every route wants ``Authorization: Bearer <api_key>`` (401 otherwise).
     ``max_waiting``: requests waiting for admission at once before new ones get 429 (default,
@@ -661,6 +664,7 @@ def build_app(
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
+        nonlocal encoder
         if encoder is None or body.model != embedding_model_name:
             served = [embedding_model_name] if encoder is not None else []
             raise RequestError(
@@ -673,6 +677,8 @@ def build_app(
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
         if not texts or any(not t for t in texts):
             raise RequestError("input must hold non-empty strings", param="input")
+        if isinstance(encoder, concurrent.futures.Future):  # still loading: wait for it once
+            encoder = await asyncio.wrap_future(encoder)
         if body.dimensions is not None and body.dimensions != encoder.dim:
             raise RequestError(
                 f"dimensions={body.dimensions}: this model's embeddings have {encoder.dim} "
