@@ -331,3 +331,22 @@ def test_tensor_parallel_refuses_quantised_projections():
     quantised, _ = _quantise_model(Llama(cfg), "q4_0")
     with pytest.raises(ValueError, match=r"layer 0: self_attention.qkv_proj keeps q4_0 blocks"):
         _check_split(quantised, 2)
+
+
+def test_engine_serves_a_quantised_model():
+    """The engine's paged prefill and decode steps run a quantised model: its greedy tokens are
+    the float twin's."""
+    from selfattn.serving import Engine, SamplingParams
+
+    torch.manual_seed(21)
+    cfg = DecoderConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
+    model = Llama(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    quantised, twin = _quantise_model(model, "q8_0")
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 11, 3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = Engine(quantised, kv_cache_bytes=1 << 20, page_size=4).generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        want = generate(twin, torch.tensor([prompt]), 6, cache=None, ignore_eos=True)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
