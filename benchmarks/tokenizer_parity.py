@@ -92,7 +92,18 @@ PRE_VARIANTS = [
     {"tokenizer.ggml.pre": "poro-chat"},
     {"tokenizer.ggml.pre": "viking"},
     {"tokenizer.ggml.pre": "dbrx"},
+    {"tokenizer.ggml.pre": "qwen35"},
+    {"tokenizer.ggml.pre": "seed-coder"},
+    {"tokenizer.ggml.pre": "ufakzeka"},
+    {"tokenizer.ggml.pre": "bailingmoe"},
+    {"tokenizer.ggml.pre": "exaone-moe"},
+    {"tokenizer.ggml.pre": "deepseek-v3"},
+    {"tokenizer.ggml.pre": "granite-embed-multi-97m"},
     {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": True},
+    # no add_bos_token key: the pre-tokenizer's default (on for llama3 and tekken)
+    {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": None},
+    {"tokenizer.ggml.pre": "tekken", "tokenizer.ggml.add_bos_token": None},
+    {"tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.add_bos_token": None},
 ]
 
 # tokenize, then llama_detokenize (remove_special=False, unparse_special=True) the ids
@@ -215,7 +226,8 @@ def main(argv=None) -> int:
             path = Path(tmp) / f"case{i}.gguf"
             if "overrides" in case:
                 own = {k: v for k, v in base.items() if k.startswith("tokenizer.")}
-                write_gguf(path, base, {**own, **case["overrides"]})
+                merged = {**own, **case["overrides"]}  # None: the key left out
+                write_gguf(path, base, {k: v for k, v in merged.items() if v is not None})
             else:
                 write_gguf(path, base, case["metadata"])
             files.append(str(path))

