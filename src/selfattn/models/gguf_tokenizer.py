@@ -229,12 +229,15 @@ def _bpe(metadata: Mapping, tokens: list[str], source: str):
     merges = _list(metadata, "merges", 0, source)
     if merges is None:
         raise CheckpointError(f"{source!r}: a gpt2 tokenizer needs tokenizer.ggml.merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
     pairs = []
     for m in merges:
         # llama.cpp cuts a merge at its first space after the first character
         cut = m.find(" ", 1)
-        pairs.append((m[:cut], m[cut + 1 :]) if cut > 0 else (m, ""))
-    vocab = {t: i for i, t in enumerate(tokens)}
+        left, right = (m[:cut], m[cut + 1 :]) if cut > 0 else (m, "")
+        # a merge of or into text without a token never gives a token id; tokenizers refuses it
+        if left in vocab and right in vocab and left + right in vocab:
+            pairs.append((left, right))
     model = tk.models.BPE(vocab, pairs, ignore_merges=ignore_merges)
     fast = tk.Tokenizer(model)
     splits = [tk.pre_tokenizers.Split(tk.Regex(r), behavior="isolated") for r in regexes]

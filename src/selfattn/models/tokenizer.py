@@ -7,6 +7,10 @@ Files read from the folder (or Hub id, resolved like :func:`selfattn.models.from
 ``clean_up_tokenization_spaces``) and ``chat_template.jinja`` (transformers 5 saves the template
 there; it wins over the config's).
 
+A GGUF file (or a folder holding one and no ``config.json``) is read by
+:mod:`selfattn.models.gguf_tokenizer` from its ``tokenizer.ggml.*`` metadata, with llama.cpp's
+token ids.
+
 Chat templates come from model repositories: they render in jinja2's immutable sandbox (as in
 transformers), with transformers' extras: ``raise_exception``, ``strftime_now``, a ``tojson``
 that keeps non-ASCII text, ``{% generation %}`` blocks and loop controls.
@@ -58,6 +62,7 @@ class Tokenizer:
 
     ``decode(ids)`` accepts what :class:`transformers.TextStreamer` passes, so a TextStreamer
     built on this tokenizer prints what :func:`selfattn.models.generate` streams.
+    ``stop_token_ids`` lists the ids generation stops at (eos and the chat's end-of-turn tokens).
     """
 
     def __init__(
