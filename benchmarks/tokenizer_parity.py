@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -178,10 +179,11 @@ def write_gguf(path: Path, base: dict, metadata: dict) -> None:
     w.close()
 
 
-def spm_vocabulary(add_space_prefix: bool) -> dict:
+def spm_vocabulary(add_space_prefix: bool, shuffle: bool = False) -> dict:
     """A SentencePiece-style vocabulary: ``<unk> <s> </s>``, the 256 byte tokens, a user-defined
     token, then a ``▁``-spelled BPE trained on the Latin-script texts (scores falling with the
-    id)."""
+    id, or distinct scores in a seeded random order: llama.cpp merges by score whatever the
+    order the tokens were learnt in, as a Unigram vocabulary's log-probabilities are)."""
     from tokenizers import Tokenizer, models, normalizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -198,6 +200,10 @@ def spm_vocabulary(add_space_prefix: bool) -> dict:
     tokens += [t for t, _ in learned if t not in tokens]
     types += [1] * (len(tokens) - len(types))
     scores = [0.0] * 260 + [-float(i) for i in range(len(tokens) - 260)]
+    if shuffle:
+        learnt = scores[260:]
+        random.Random(0).shuffle(learnt)
+        scores[260:] = learnt
     return {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
@@ -220,6 +226,7 @@ def main(argv=None) -> int:
     cases = [{"name": "smollm2", "gguf": SMOLLM2.name, "sha256": sha256(SMOLLM2), "overrides": o}
              for o in PRE_VARIANTS]  # fmt: skip
     cases += [{"name": "spm", "metadata": spm_vocabulary(prefix)} for prefix in (True, False)]
+    cases += [{"name": "spm-shuffled", "metadata": spm_vocabulary(True, shuffle=True)}]
     with tempfile.TemporaryDirectory() as tmp:
         files = []
         for i, case in enumerate(cases):

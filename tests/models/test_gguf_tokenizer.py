@@ -4,8 +4,8 @@ transformers.
 llama.cpp: ``tests/models/data/llama_cpp_token_ids.json`` holds llama.cpp's ids (and detokenized
 text) for a varied text set, recorded by ``benchmarks/tokenizer_parity.py``: the real SmolLM2
 GGUF under its own and 21 other pre-tokenizers, with add_bos_token set and left out (checked
-when the file with the recorded sha256 is installed), and two SentencePiece vocabularies stored
-whole in the record.
+when the file with the recorded sha256 is installed), and three SentencePiece vocabularies
+stored whole in the record (with and without add_space_prefix; scores in a shuffled order).
 transformers: ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` on the SmolLM2 file and on
 GGUF files this test writes with ``gguf.GGUFWriter``; chat templates render byte-identically with
 ``apply_chat_template``; ``save_tokenizer`` writes a folder transformers reads to the same ids.
