@@ -350,3 +350,19 @@ def test_stop_token_ids_from_ids_and_templates(tmp_path):
     assert tok.encode("ab<|end|>a") == [2, 7, 0]
     save_tokenizer(tok, tmp_path)
     assert load_tokenizer(tmp_path).stop_token_ids == [3, 4, 5]  # a folder has no eot id
+
+
+def test_types_llama_cpp_assigns_by_text():
+    """A normal-typed ``</s>`` is control (cut out whole), except beside ``<|tool_response>``;
+    gpt-oss's ``<|end|>`` (beside ``<|return|>`` and ``<|call|>``) and ``<|channel|>`` are
+    user-defined: cut out whole, and kept by ``skip_special_tokens``."""
+    base = ["a", "b", "ab"]
+    tok = tokenizer_from_metadata(tiny(**{"tokenizer.ggml.tokens": [*base, "</s>"]}), "x")
+    assert tok.encode("a</s>b") == [0, 3, 1]
+    assert tok.decode([0, 3, 1], skip_special_tokens=True) == "ab"
+    gemma = tiny(**{"tokenizer.ggml.tokens": [*base, "</s>", "<|tool_response>"]})
+    assert 3 not in tokenizer_from_metadata(gemma, "x").encode("a</s>b")
+    harmony = [*base, "<|end|>", "<|return|>", "<|call|>", "<|channel|>"]
+    tok = tokenizer_from_metadata(tiny(**{"tokenizer.ggml.tokens": harmony}), "x")
+    assert tok.encode("a<|end|>b<|channel|>") == [0, 3, 1, 6]
+    assert tok.decode([0, 3, 1, 6, 4], skip_special_tokens=True) == "a<|end|>b<|channel|>"

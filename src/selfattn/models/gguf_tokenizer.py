@@ -137,8 +137,9 @@ MODELS = ("gpt2", "llama")
 # end-of-turn / end-of-generation and fill-in-the-middle tokens it looks up by name.
 _END_OF_TURN = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
-    "<|return|>", "<|call|>", "<turn|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "</s>", "<eos>",
+    "<turn|>", "<|tool_response>", "[e~[",
 )  # fmt: skip
 _FIM = (
     "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
@@ -189,13 +190,24 @@ def _token_types(tokens: list[str], types: list[int] | None) -> list[int]:
             types[i] = USER_DEFINED
         elif text in _END_OF_TURN or text in _FIM:
             types[i] = CONTROL
+    ids = {t: i for i, t in enumerate(tokens)}
+    # llama.cpp's exceptions: gpt-oss's and solar-open's <|end|> is no end of generation but a
+    # rendered token, and next to <|tool_response>/<|plamo:eos|> a </s> is plain text
+    if "<|end|>" in ids and (
+        {"<|return|>", "<|call|>"} <= ids.keys() or {"<|calls|>", "<|flush|>"} <= ids.keys()
+    ):
+        types[ids["<|end|>"]] = USER_DEFINED
+    if "</s>" in ids and ("<|tool_response>" in ids or "<|plamo:eos|>" in ids):
+        types[ids["</s>"]] = NORMAL
     return types
 
 
 def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every way of cutting a token in two tokens, best score of the whole first: llama.cpp's SPM
     merges adjacent symbols whose concatenation is a token, highest score first, which is BPE on
-    these merges ranked by that score (ties by token id)."""
+    these merges ranked by that score. Equal scores rank by token id, where llama.cpp takes the
+    leftmost pair: the two differ only where tied merges compete in one piece of text (a
+    vocabulary whose learnt tokens all score 0 does on a few texts; real ones score distinctly)."""
     ids = {t: i for i, t in enumerate(tokens)}
     found = []
     for token, i in ids.items():
