@@ -33,6 +33,8 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate rows, then up rows
 }
 _GEMMA_LAYER = {
     **_LAYER,
@@ -60,6 +62,8 @@ FAMILIES = {
     "gemma3": ("gemma3", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                dict(sliding_window=4, query_pre_attn_scalar=16, num_hidden_layers=6,
                     rope_theta=1e6, rope_local_base_freq=1e4)),
+    "phi3": ("phi3", transformers.Phi3Config, transformers.Phi3ForCausalLM,
+             dict(pad_token_id=0, partial_rotary_factor=0.5, sliding_window=5)),
 }  # fmt: skip
 
 
@@ -130,7 +134,8 @@ def write_gguf(path, model, arch: str, qtype=Q.F32, *, types=None, tokens=None, 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    rotary = c.rope_parameters.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(head_dim * rotary))
     w.add_rope_freq_base(float(c.rope_parameters.get("full_attention", c.rope_parameters)
                                .get("rope_theta")))  # fmt: skip
     w.add_layer_norm_rms_eps(c.rms_norm_eps)

@@ -277,7 +277,7 @@ MINIMAL_CONFIGS = {
     ),
 }  # fmt: skip
 FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "gemma2": "llama", "mt5": "t5"}
-_LLAMA_LIKE = ["qwen3", "olmo2", "gemma3_text", "diffllama", "llama4_text"]  # issue 15's variants
+_LLAMA_LIKE = ["qwen3", "olmo2", "gemma3_text", "diffllama", "llama4_text", "phi3"]  # variants
 FAMILY_OF.update(dict.fromkeys(_LLAMA_LIKE, "llama"))
 REQUIRED = [
     (t, key)

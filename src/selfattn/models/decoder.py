@@ -626,14 +626,17 @@ class GPT2(CausalLM):
         return gpt2_state(state)
 
 
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama")
+_LLAMA_TYPES = (
+    "llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama", "phi3",
+)  # fmt: skip
 
 
 @register(*_LLAMA_TYPES)
 class Llama(CausalLM):
     """The Llama family: RoPE, GQA, RMSNorm, gated MLP; Mistral/Qwen2/Gemma-2, Qwen-3/OLMo-2
-    (QK-norm), Gemma-3 (QK-norm, a second RoPE base on its sliding layers) and DiffLlama
-    (differential attention) options by config."""
+    (QK-norm), Gemma-3 (QK-norm, a second RoPE base on its sliding layers), DiffLlama
+    (differential attention) and Phi-3 (fused q/k/v and gate/up in its checkpoints) options by
+    config."""
 
     model_types = _LLAMA_TYPES
 

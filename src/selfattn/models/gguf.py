@@ -413,6 +413,7 @@ _ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 _GEMMA = ("gemma2", "gemma3")
 # llama.cpp's Gemma-3: every 6th layer global, the others windowed with their own RoPE base
@@ -435,11 +436,11 @@ def _arch(f: GGUFFile) -> str:
 def _token_ids(f: GGUFFile) -> dict:
     """bos/eos/pad ids; the end-of-turn and end-of-message ids join ``eos_token_id`` (a list
     then), so generation stops at them."""
-    ids = {}
-    for ours, key in (("bos_token_id", "bos"), ("pad_token_id", "padding")):
-        value = f.field(f"tokenizer.ggml.{key}_token_id")
-        if value is not None:
-            ids[ours] = value
+    # pad always present (None: none), so a config class's own default never stands in
+    ids = {"pad_token_id": f.field("tokenizer.ggml.padding_token_id")}
+    bos = f.field("tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        ids["bos_token_id"] = bos
     eos = [f.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(e for e in eos if e is not None))
     if eos:
@@ -548,6 +549,8 @@ def gguf_config(f: GGUFFile) -> dict:
     if arch == "llama" and window:
         config.update(model_type="mistral", architectures=["MistralForCausalLM"],
                       sliding_window=window)  # fmt: skip
+    if arch == "phi3":  # every layer windowed where the file says so, as transformers' Phi-3
+        config["sliding_window"] = window or None
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
     if arch in _GEMMA:
@@ -573,10 +576,11 @@ def gguf_config(f: GGUFFile) -> dict:
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(n_layers)
             ]
-    if arch == "llama" and "rope_freqs.weight" in f.tensors:
+    factors = [n for n in ("rope_freqs.weight", "rope_factors_long.weight") if n in f.tensors]
+    if factors:
         raise GGUFError(
-            f"{where!r} holds rope_freqs.weight (per-dimension RoPE factors, Llama-3.1-style "
-            "scaling), which is not supported yet"
+            f"{where!r} holds {factors[0]} (per-dimension RoPE factors: Llama-3.1 or LongRoPE "
+            "scaling), which is not supported yet; a transformers folder of the model loads"
         )
     name = f.field("general.name", (str,))
     if name:
@@ -600,6 +604,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v
 }
 # Gemma-2/3's sandwich norms: ffn_norm is the norm before the MLP there
 _GEMMA_LAYER_NAMES = {
@@ -608,6 +613,8 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3: ffn_up holds the gate rows, then the up rows
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -631,6 +638,7 @@ def _plan(f: GGUFFile, config: Mapping) -> list[_Entry]:
     it (never silently dropped)."""
     arch = f.metadata["general.architecture"]
     names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    names = _PHI3_LAYER_NAMES if arch == "phi3" else names
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     plan = []
     for info in f.tensors.values():
@@ -693,6 +701,11 @@ def _check_shapes(f: GGUFFile, config: Mapping) -> None:
         "post_attention_norm.weight": ((d,), why_d),
         "post_ffw_norm.weight": ((d,), why_d),
     }
+    if arch == "phi3":  # fused q/k/v and gate/up
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+            del layer[name]
+        layer["attn_qkv.weight"] = ((q + 2 * kv, d), f"{why_q} + 2 · {why_kv}")
+        layer["ffn_up.weight"] = ((2 * ff, d), f"2 · {why_ff}")
     top = {"output_norm.weight": ((d,), why_d), "output.weight": ((c["vocab_size"], d), why_d)}
     for name, info in f.tensors.items():
         m = re.fullmatch(r"blk\.\d+\.(.+)", name)

@@ -34,16 +34,17 @@ __all__ = [
     "llama_state",
 ]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama")
+LLAMA_FAMILY = (
+    "llama", "mistral", "qwen2", "gemma2", "qwen3", "olmo2", "gemma3_text", "diffllama", "phi3",
+)  # fmt: skip
 _GEMMA = ("gemma2", "gemma3_text")  # (1 + weight) norms, sandwich norms, scaled embeddings
 
 
 # -- decoders: config.json -> DecoderConfig fields -------------------------------------------------
 def decoder_fields(config: Mapping) -> dict:
     """``DecoderConfig`` keyword arguments from a transformers ``config.json`` dict (``model_type``
-    gpt2, llama, mistral, qwen2, gemma2, qwen3, olmo2, gemma3_text, diffllama; llama4_text has
-    :func:`llama4_fields`); options we do not implement raise
-    ``UnsupportedConfigError``."""
+    gpt2, llama, mistral, qwen2, gemma2, qwen3, olmo2, gemma3_text, diffllama, phi3; llama4_text
+    has :func:`llama4_fields`); options we do not implement raise ``UnsupportedConfigError``."""
     if config.get("model_type") == "gpt2":
         return _gpt2_fields(config)
     if config.get("model_type") in LLAMA_FAMILY:
@@ -288,6 +289,11 @@ def llama_state(
             if ours is None:
                 out[name] = t  # load_state names it as unexpected
                 continue
+            if module == "mlp.gate_up_proj":  # Phi-3: gate rows, then up rows (whole rows)
+                gate, up = t.chunk(2, dim=0)
+                out[f"layers.{parts[1]}.{ours}.gate.{leaf}"] = gate
+                out[f"layers.{parts[1]}.{ours}.up.{leaf}"] = up
+                continue
             if sandwich_norm and module.endswith(("layernorm", "q_norm", "k_norm")):
                 t = t + 1
             out[f"layers.{parts[1]}.{ours}.{leaf}"] = t
@@ -329,6 +335,8 @@ def _llama_layer_names(sandwich: bool, post_norm: bool = False) -> dict[str, str
         "self_attn.k_proj": f"{attn}.k_proj",
         "self_attn.v_proj": f"{attn}.v_proj",
         "self_attn.o_proj": f"{attn}.out_proj",
+        "self_attn.qkv_proj": f"{attn}.qkv_proj",  # Phi-3: q, k, v rows stacked already
+        "mlp.gate_up_proj": mlp,  # Phi-3: split into gate and up by llama_state
         "mlp.gate_proj": f"{mlp}.gate",
         "mlp.up_proj": f"{mlp}.up",
         "mlp.down_proj": f"{mlp}.down",
