@@ -23,6 +23,7 @@ whole rows, so it works on quantised blocks too); Gemma's RMSNorm weights are st
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import json
@@ -728,12 +729,14 @@ def _check_shapes(f: GGUFFile, config: Mapping) -> None:
 
 
 def _by_layer(plan: list[_Entry]) -> list[list[_Entry]]:
-    """``plan`` in groups: each ``blk.N``'s tensors, and the others together, in file order."""
+    """``plan`` in groups: the tensors outside the layers, then each ``blk.N``'s."""
     groups: dict[str, list[_Entry]] = {}
     for e in plan:
         m = re.match(r"blk\.(\d+)\.", e.info.name)
         groups.setdefault(m[1] if m else "top", []).append(e)
-    return [*(g for k, g in groups.items() if k != "top"), groups.get("top", [])]
+    # the embedding first: its bytes and its module's buffers, both held a moment, then sit
+    # beside nothing else (it is often the largest tensor)
+    return [*([groups.pop("top")] if "top" in groups else []), *groups.values()]
 
 
 def _unpermute(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -861,6 +864,24 @@ def _swap_quantised(model: nn.Module, state: dict, dtype) -> None:
 # -- loading --------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None on another C library."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc). A quantised module's buffers are
+    built through temporaries; freed between the buffers kept, they stay counted in the
+    process's memory unless returned (measured: a third of a Q4 model's bytes)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _gguf_dtype(dtype) -> torch.dtype:
     """The dtype a GGUF model is built in: ``"auto"``/None is float32; names and torch dtypes
     as for folders."""
@@ -905,6 +926,7 @@ def load_gguf(
         part = model.convert_hf_state_dict(part)
         _swap_quantised(model, part, dtype)
         converted |= part
+        _release_freed_memory()
     try:
         hub.load_state(model, converted, assign=True, device=device)
     except hub.CheckpointError as err:
