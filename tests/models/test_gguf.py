@@ -395,6 +395,8 @@ def test_unsupported_tensor_types(good, tmp_path):
         ({"{arch}.feed_forward_length": 128}, (), ["ffn_gate.weight", "feed_forward_length"]),
         ({}, ("blk.1.ffn_down.weight",), ["lacks", "blk.1.ffn_down.weight"]),
         ({"{arch}.rope.scaling.type": "su"}, (), ["rope.scaling.type='su'", "'yarn'"]),
+        ({"{arch}.attention.head_count": 0}, (), ["llama.attention.head_count=0", "positive"]),
+        ({"{arch}.attention.head_count": 3}, (), ["blk.0.attn_q.weight", "(48, 64)"]),
     ],
 )
 def test_metadata_that_disagrees_with_tensors(tmp_path, meta, drop, fragments):

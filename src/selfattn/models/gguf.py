@@ -480,7 +480,10 @@ def gguf_config(f: GGUFFile) -> dict:
 
     def key(name, kinds=(int,), default=None, required=False):
         full = f"{arch}.{name}"
-        return f.require(full, kinds) if required else f.field(full, kinds, default)
+        value = f.require(full, kinds) if required else f.field(full, kinds, default)
+        if kinds == (int,) and value is not None and value < 1:
+            raise GGUFError(f"{where!r}: metadata {full}={value}; it must be a positive count")
+        return value
 
     n_layers = key("block_count", required=True)
     d = key("embedding_length", required=True)
@@ -857,8 +860,6 @@ def _swap_quantised(model: nn.Module, state: dict, dtype) -> None:
         if path == "embed" and tied:
             model.lm_head = new.as_linear()
         state.update({f"{path}.{k}": v for k, v in new.state_dict(keep_vars=True).items()})
-    if tied and "lm_head.weight" in state and not isinstance(model.lm_head, nn.Linear):
-        state.pop("lm_head.weight")
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -916,7 +917,12 @@ def load_gguf(
     _check_shapes(f, config)
     dtype = _gguf_dtype(dtype)
     device = torch.device("cpu") if device is None else torch.device(device)
-    model = hub.build(config, str(f.path)).to(dtype)
+    try:
+        model = hub.build(config, str(f.path)).to(dtype)
+    except (hub.CheckpointError, hub.UnsupportedConfigError) as err:  # sizes that do not fit
+        raise GGUFError(
+            f"{str(f.path)!r}: its metadata describes no model we build: {err}"
+        ) from None
     kept = _kept(plan, quantized)
     converted = {}
     # Layer by layer (the conversion of a Llama-family layer needs only its own tensors, q/k/v
