@@ -154,3 +154,12 @@ def test_piped_chat_in_a_fresh_process_exits_0(folder):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) == 2 and "\x1b" not in done.stdout
+
+
+def test_a_message_beyond_the_context_is_refused_and_the_session_goes_on(monkeypatch, capsys,
+                                                                          tmp_path):  # fmt: skip
+    small = save_tiny_llama(tmp_path / "small", max_positions=16)
+    long = " ".join(f"w{i}" for i in range(3, 30))
+    rc, out, err = chat(monkeypatch, capsys, f"{long}\nw5\n", str(small), "--dtype", "float32",
+                        "--max-new-tokens", "2")  # fmt: skip
+    assert rc == 0 and "context holds 16" in err and len(out.splitlines()) == 1

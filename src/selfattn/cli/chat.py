@@ -96,7 +96,13 @@ class Conversation:
         ids = self._prompt_ids()
         max_new = self.max_new_tokens
         if self.context is not None:
-            max_new = max(1, min(max_new, self.context - len(ids)))
+            if len(ids) >= self.context:
+                self.messages.pop()
+                raise ValueError(
+                    f"the message takes {len(ids)} tokens with the chat template; the model's "
+                    f"context holds {self.context}: send a shorter one"
+                )
+            max_new = min(max_new, self.context - len(ids))
         stream = _TextStream(self.tokenizer, out)
         try:
             with torch.inference_mode():
@@ -177,7 +183,10 @@ def run(args) -> int:
                 continue
             _common.print_error(f"unknown command {command!r}; {HELP}")
             continue
-        chat.reply(text, sys.stdout)
+        try:
+            chat.reply(text, sys.stdout)
+        except ValueError as e:  # this turn only: the session goes on
+            _common.print_error(str(e))
 
 
 def _note(text: str, interactive: bool) -> None:
