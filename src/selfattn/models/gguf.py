@@ -1,24 +1,31 @@
 """GGUF files (llama.cpp's single-file checkpoints) in, transformers folders out.
 
 ``from_pretrained("model.gguf")`` routes here (:func:`load_gguf`): the file's metadata becomes a
-transformers-style ``config.json`` dict (:func:`gguf_config`), so the families' own ``from_config``
-builds the model on the meta device; llama.cpp's tensor names become transformers' and the
-family's ``convert_hf_state_dict`` + :func:`~selfattn.models.hub.load_state` assign them, tensor
-by tensor. :func:`save_pretrained` writes the same weights as a transformers folder.
+transformers-style ``config.json`` dict (:func:`gguf_config`; architectures llama, llama with a
+sliding window (Mistral), qwen2, qwen3, gemma2, gemma3, phi3), so the families' own
+``from_config`` builds the model on the meta device; llama.cpp's tensor names become
+transformers' and the family's ``convert_hf_state_dict`` + :func:`~selfattn.models.hub.load_state`
+assign them. :func:`save_pretrained` writes the same weights (and, through
+:mod:`selfattn.models.gguf_tokenizer`, the tokenizer) as a transformers folder.
 
 The header is parsed here rather than by ``gguf.GGUFReader``: every count and length is checked
 against the bytes left in the file before anything is allocated from it, so a truncated or
 corrupt file raises :class:`GGUFError` naming the field, never a numpy error, a hang over a
-corrupt array length or a huge allocation; and tensor data is read with ``readinto`` into memory
-of its own, one tensor at a time (a memory map would count the file's pages and the loaded
-weights both). ``gguf`` (llama.cpp's Python package) supplies the block sizes and the
-dequantisation of the quantised types.
+corrupt array length or a huge allocation (``GGUFReader`` also builds a numpy array per
+vocabulary entry: seconds for a 50k-token file). ``gguf`` (llama.cpp's Python package) supplies
+the block sizes and the dequantisation of the quantised types.
+
+Memory: one layer at a time, each tensor read with ``readinto`` into an anonymous memory map of
+its own (a map of the file would count its pages and the loaded weights both), converted, cast
+or handed to its quantised module, and freed before the next layer: the peak is the loaded
+weights plus one layer in flight.
 
 Layout facts (llama.cpp's ``convert_hf_to_gguf.py``): a tensor's dims are stored innermost
 first (``ne0`` = columns), so PyTorch's shape is the reverse; the ``llama`` architecture's Q/K
 rows are permuted per head from RoPE's half-split layout to interleaved pairs (undone here, on
-whole rows, so it works on quantised blocks too); Gemma's RMSNorm weights are stored as
-``1 + w``.
+whole rows, so it works on quantised blocks too; qwen2/qwen3/gemma/phi3 keep transformers'
+layout); Gemma's RMSNorm weights are stored as ``1 + w``; Phi-3's ``ffn_up`` holds the gate rows,
+then the up rows.
 """
 
 from __future__ import annotations
@@ -906,10 +913,11 @@ def load_gguf(
     q/k/v only when all three share a format); False dequantises everything to ``dtype``. Other
     quantised types are always dequantised exactly (gguf's fp32) and cast.
 
-    The model is built on the meta device and each tensor is read, converted and cast before the
-    next: peak memory is the loaded weights plus one tensor in flight. The model remembers its
-    source: ``gguf_path``, ``hf_config`` (the config dict), ``name_or_path`` (``general.name``)
-    and a ``save_pretrained(folder)`` method (:func:`save_pretrained`).
+    The model is built on the meta device and loaded layer by layer: peak memory is the loaded
+    weights plus one layer in flight. The model remembers its source: ``gguf_path``,
+    ``hf_config`` (the config dict), ``name`` / ``name_or_path`` (``general.name``),
+    ``generation_config`` (bos/eos/pad ids) and a ``save_pretrained(folder)`` method
+    (:func:`save_pretrained`).
     """
     f = open_gguf(path, arrays=False)
     config = gguf_config(f)
