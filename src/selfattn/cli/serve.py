@@ -172,8 +172,8 @@ def _tokenizer(model: str):
 def _build_engine(args, path: str):
     """``(engine, served name)`` of the decoder at ``path``."""
     kw = _engine_kwargs(args)
-    kw["tokenizer"] = _tokenizer(path)
     if args.tensor_parallel > 1:
+        kw["tokenizer"] = _tokenizer(path)
         try:
             from selfattn.serving.parallel import tensor_parallel_engine
         except ImportError as e:
@@ -186,27 +186,35 @@ def _build_engine(args, path: str):
     from selfattn.models import from_pretrained
     from selfattn.serving import Engine
 
+    kw["tokenizer"] = _in_background(lambda: _tokenizer(path), "tokenizer")
     model = from_pretrained(path, dtype=_common.model_dtype(args.dtype), progress=False).eval()
+    kw["tokenizer"] = kw["tokenizer"].result()
     return Engine(model, **kw), _common.served_name(model, path)
 
 
-def _minilm_in_background():
-    """The bundled all-MiniLM-L6-v2 as a ``Future``, loaded on a thread of its own while the
-    chat model loads (the server answers before it is ready; embedding requests wait for it).
-    The thread first imports the HTTP stack, which the main thread needs next."""
+def _in_background(fn, name: str):
+    """``fn()`` on a thread of its own, as a ``concurrent.futures.Future``: start-up loads the
+    tokenizer, the HTTP stack and MiniLM while the main thread loads the model (torch's work
+    releases the GIL)."""
     import concurrent.futures
 
-    from selfattn.models.encoder import SentenceEncoder
-
-    def load():
-        import selfattn.serving.server  # noqa: F401  fastapi and uvicorn, off the main thread
-
-        return SentenceEncoder.from_pretrained(None).eval()
-
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="selfattn-minilm")
-    future = pool.submit(load)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"selfattn-{name}")
+    future = pool.submit(fn)
     pool.shutdown(wait=False)
     return future
+
+
+def _minilm_in_background():
+    """The bundled all-MiniLM-L6-v2 as a ``Future``, loaded while the server starts (it answers
+    before MiniLM is ready; embedding requests wait for it). Started once the chat model is
+    loaded: two threads running torch's OpenMP regions at once on few cores slow both."""
+    from selfattn.models.encoder import SentenceEncoder
+
+    return _in_background(lambda: SentenceEncoder.from_pretrained(None).eval(), "minilm")
+
+
+def _import_server():
+    import selfattn.serving.server  # noqa: F401  fastapi and uvicorn: pure Python, off the path
 
 
 def run(args) -> int:
@@ -223,11 +231,12 @@ def run(args) -> int:
     else:
         path = _common.model_path(args.model)
         label = _common.CHAT_MODEL_NAME if args.model is None else path
-        if args.model is None:  # the bundled pair: chat and completions, and embeddings
-            encoder = _minilm_in_background()
+        _in_background(_import_server, "import")
         with _common.spinner(f"loading {label}"):
             engine, own_name = _build_engine(args, path)
         app_kw = dict(model_name=name or own_name, max_waiting=args.max_waiting)
+        if args.model is None:  # the bundled pair: chat and completions, and embeddings
+            encoder = _minilm_in_background()
     from selfattn.serving.server import EMBEDDING_MODEL, serve
 
     if args.model is None:
