@@ -46,6 +46,7 @@ import types
 
 import torch
 
+from selfattn._compiler import assume_constant_result
 from selfattn._log import log_once
 from selfattn.backends import (
     BASE_FIELDS,
@@ -214,7 +215,7 @@ def _torch_at_least(major: int, minor: int) -> bool:
 # A constant of the process: asked once while tracing, not traced (torch marks
 # torch.cpu._is_avx2_supported as never to be traced, which would break the graph of any
 # compiled attention() call, since auto asks every backend whether it can run the case).
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _cpu_reason() -> str | None:
     """Why torch.compile cannot run FlexAttention on this CPU, or None.
 

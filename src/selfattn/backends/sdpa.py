@@ -32,6 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from selfattn._compiler import assume_constant_result
 from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
@@ -54,7 +55,7 @@ _MATH = 0  # int(torch.nn.attention.SDPBackend.MATH), what aten._fused_sdp_choic
 
 
 # A property of this torch: asked once while tracing, not traced (Dynamo cannot walk a schema).
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _has_enable_gqa() -> bool:
     """Whether this torch's SDPA takes ``enable_gqa`` (added in torch 2.5)."""
     return _schema_has_enable_gqa()

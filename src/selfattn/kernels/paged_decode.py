@@ -44,6 +44,7 @@ import os
 
 import torch
 
+from selfattn._compiler import assume_constant_result
 from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
@@ -116,7 +117,7 @@ def library() -> ctypes.CDLL | None:
     return _library_once()
 
 
-@torch.compiler.assume_constant_result  # torch.compile: asked once while tracing, not traced
+@assume_constant_result  # torch.compile: asked once while tracing, not traced
 def supported_dtypes() -> tuple[torch.dtype, ...]:
     """The page (and query) dtypes the kernel reads; none where it cannot be built or is off
     (fp16 needs the compiler's ``_Float16``)."""

@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-import torch
+from selfattn._compiler import assume_constant_result
 
 __all__ = ["available"]
 
 
-@torch.compiler.assume_constant_result  # torch.compile: asked once while tracing, not traced
+@assume_constant_result  # torch.compile: asked once while tracing, not traced
 def available() -> bool:
     """Whether Triton is installed (checked without importing it: the import takes seconds)."""
     return _installed()
