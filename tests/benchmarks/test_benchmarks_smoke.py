@@ -361,6 +361,16 @@ def check_alternatives(report: dict) -> None:
     assert [dict(r, train_s=0) for r in again] == [dict(r, train_s=0) for r in recall]
 
 
+def check_gguf_load(report: dict) -> None:
+    if report["model"] is None:  # no GGUF file installed: the report says so
+        assert report["skipped"] and not report["rows"], report
+        return
+    (row,) = report["rows"]
+    assert row["side"] == "ours" and row["load_ms"] > 0 and row["model_mib"] > 0, row
+    assert row["peak_mib"] >= row["load_peak_mib"] > 0, row
+    assert row["met"] == (row["load_peak_mib"] <= 1.3 * row["model_mib"]), row
+
+
 SMOKES = {
     # trains four tiny models (seconds each; one thread: on tiny shapes threads cost more)
     "alternatives": Smoke(
@@ -406,6 +416,7 @@ SMOKES = {
         check_serving_http,
         needs=("transformers", "tokenizers", "fastapi", "uvicorn", "openai", "httpx"),
     ),
+    "gguf_load": Smoke(packaged("gguf_load"), check_gguf_load, needs=("gguf",)),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

@@ -14,6 +14,7 @@ NAMES = (
     "crossover",
     "decode",
     "decode_step",
+    "gguf_load",
     "gpu",
     "layers",
     "mla",
