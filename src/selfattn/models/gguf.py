@@ -50,6 +50,7 @@ from torch import nn
 
 from selfattn._optional import require
 from selfattn.models import hub
+from selfattn.nn import quant
 
 __all__ = [
     "GGUFError",
@@ -794,21 +795,9 @@ def _read(f: GGUFFile, e: _Entry, dtype: torch.dtype, keep: bool) -> torch.Tenso
 # -- quantised modules ----------------------------------------------------------------------------
 
 
-def _quant_module():
-    """``selfattn.nn.quant`` when it is importable, else None (every tensor is dequantised)."""
-    try:
-        from selfattn.nn import quant
-    except ImportError:
-        return None
-    return quant if hasattr(quant, "QuantizedLinear") else None
-
-
 def _quantised(module: nn.Module, fmt: str, blocks, bias, dtype) -> nn.Module | None:
     """The quantised replacement of ``module`` (an ``nn.Linear`` or ``nn.Embedding``) holding
     ``blocks``; None where none exists (the weight is then dequantised)."""
-    quant = _quant_module()
-    if quant is None:
-        return None
     if isinstance(module, nn.Linear):
         return quant.QuantizedLinear.from_ggml(fmt, blocks, bias=bias, dtype=dtype)
     if isinstance(module, nn.Embedding):
@@ -832,7 +821,7 @@ def _block_format(blocks: torch.Tensor, cols: int) -> str:
 def _kept(plan: list[_Entry], quantized: bool) -> set[str]:
     """The transformers names that stay quantised: a kept type, and a q/k/v group (fused into
     one ``qkv_proj``) only when all three share it."""
-    if not quantized or _quant_module() is None:
+    if not quantized:
         return set()
     kept = {e.hf_name: e.info.type_name for e in plan if e.info.type_name in KEPT_QUANTISED}
     for name in [n for n in kept if n.endswith("self_attn.q_proj.weight")]:

