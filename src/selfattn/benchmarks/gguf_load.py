@@ -205,12 +205,16 @@ def main(argv=None) -> int:
         if not args.quick:
             sides.append("ours fp32")
             try:
+                import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
                 import gguf  # noqa: F401
                 import transformers  # noqa: F401
 
                 sides.append("transformers")
             except ImportError:
-                report["skipped"].append("transformers: not installed (pip install transformers)")
+                report["skipped"].append(
+                    "transformers: its GGUF loader needs transformers, accelerate and gguf "
+                    "(pip install transformers accelerate gguf)"
+                )
             llama_python = _llama_python(args.llama_python)
             if llama_python is None:
                 report["skipped"].append(
