@@ -69,7 +69,7 @@ def add_parser(subparsers):
         default=None,
         metavar="N",
         help="bytes of the paged KV pool (default: a quarter of the available memory, at most "
-        "512 MiB; logged at start)",
+        "256 MiB; logged at start)",
     )
     p.add_argument(
         "--page-size",
@@ -218,8 +218,18 @@ def _import_server():
 
 
 def run(args) -> int:
-    logging.getLogger("selfattn").setLevel(logging.INFO)
-    _common.apply_threads(args)
+    log = logging.getLogger("selfattn")
+    log.setLevel(logging.INFO)
+    if not log.handlers:  # start-up lines on stderr beside uvicorn's, in its format
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+    import torch
+
+    # Loading runs on one thread: its many small ops gain nothing from more, and on a busy
+    # machine torch's OpenMP workers spin at every op's barrier (measured: seconds of start-up).
+    # The requested threads compute once the server runs.
+    torch.set_num_threads(1)
     engine = encoder = None
     name = args.served_model_name
     app_kw = {}
@@ -228,6 +238,7 @@ def run(args) -> int:
             args.subparser.error("--tensor-parallel applies to decoder models, not embeddings")
         encoder = _common.load_encoder(args.model)
         app_kw = dict(embedding_model_name=name or args.model)
+        _common.apply_threads(args)
     else:
         path = _common.model_path(args.model)
         label = _common.CHAT_MODEL_NAME if args.model is None else path
@@ -235,6 +246,9 @@ def run(args) -> int:
         with _common.spinner(f"loading {label}"):
             engine, own_name = _build_engine(args, path)
         app_kw = dict(model_name=name or own_name, max_waiting=args.max_waiting)
+        threads = _common.apply_threads(args)
+        log.info("selfattn serve: %r as %r on %d threads: %r", path, app_kw["model_name"],
+                 threads, engine)  # fmt: skip
         if args.model is None:  # the bundled pair: chat and completions, and embeddings
             encoder = _minilm_in_background()
     from selfattn.serving.server import EMBEDDING_MODEL, serve
