@@ -361,14 +361,18 @@ def check_alternatives(report: dict) -> None:
     assert [dict(r, train_s=0) for r in again] == [dict(r, train_s=0) for r in recall]
 
 
-def check_gguf_load(report: dict) -> None:
+def check_gguf_model(report: dict) -> None:
     if report["model"] is None:  # no GGUF file installed: the report says so
-        assert report["skipped"] and not report["rows"], report
+        assert report["skipped"] and not report["load"], report
         return
-    (row,) = report["rows"]
+    (row,) = report["load"]
     assert row["side"] == "ours" and row["load_ms"] > 0 and row["model_mib"] > 0, row
     assert row["peak_mib"] >= row["load_peak_mib"] > 0, row
     assert row["met"] == (row["load_peak_mib"] <= 1.3 * row["model_mib"]), row
+    (decode,) = report["decode"]
+    assert decode["decode_tok_s"] > 0 and decode["ttft_ms"] > 0, decode
+    startup = report["startup"]
+    assert startup["met"] == (startup["startup_s"] <= 3.0), startup
 
 
 SMOKES = {
@@ -416,7 +420,7 @@ SMOKES = {
         check_serving_http,
         needs=("transformers", "tokenizers", "fastapi", "uvicorn", "openai", "httpx"),
     ),
-    "gguf_load": Smoke(packaged("gguf_load"), check_gguf_load, needs=("gguf",)),
+    "gguf_model": Smoke(packaged("gguf_model"), check_gguf_model, needs=("gguf",)),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

@@ -14,7 +14,7 @@ NAMES = (
     "crossover",
     "decode",
     "decode_step",
-    "gguf_load",
+    "gguf_model",
     "gpu",
     "layers",
     "mla",
