@@ -62,3 +62,21 @@ def test_the_off_switch_small_tensors_and_other_devices(monkeypatch):
     y = memory.zeros(64, 64, dtype=torch.float32)  # small: plain torch.zeros
     z = memory.zeros(memory.MIN_BYTES, dtype=torch.uint8, device="meta")
     assert len(calls) == 1 and not y.any() and z.device.type == "meta"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous maps: Linux only")
+def test_a_large_pool_holds_memory_only_where_written():
+    def rss_mib() -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    before = rss_mib()
+    x = memory.zeros(256, 1024, 1024, dtype=torch.float32)  # 1 GiB, made at once
+    assert rss_mib() - before < 64  # nothing written yet: no memory behind it
+    x[7].fill_(1.0)  # 4 MiB written
+    assert rss_mib() - before < 64 and x[7].eq(1).all() and not x[8].any()
+    view = x[7:9]
+    del x  # a view keeps the map alive
+    assert float(view.sum()) == 1024 * 1024

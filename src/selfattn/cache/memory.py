@@ -1,4 +1,10 @@
-"""Memory for large caches: page pools on transparent huge pages where Linux offers them.
+"""Memory for large caches: page pools that cost nothing until used, on transparent huge pages
+where Linux offers them.
+
+A large pool on a Linux CPU is an anonymous memory map of its own: the kernel hands out zeroed
+pages on first write, so a pool of any size is made at once (no start-up time spent zeroing it)
+and holds memory only where a cache page was written (the process's RSS grows with the tokens
+cached, not with the pool's size).
 
 A paged decode reads cache pages at random places in a pool of hundreds of MiB. On 4 KiB memory
 pages each 32 KiB cache page (16 slots x 8 kv heads x 128 dims in bf16) spans 8 TLB entries, and
@@ -12,8 +18,8 @@ Measured (2-core Zen 5 EPYC, B=32 x 4,096 tokens, 32q/8kv heads, D=128, 2 thread
 kernel, interleaved with the same pages on 4 KiB pages, busy host): fp32 0.91x, bf16 0.94x, int8
 1.00x the time; BENCHMARKS.md "Quiet runs, session 8" has the decode table on these pools.
 
-``SELFATTN_HUGEPAGES=0`` turns it off. Small tensors, other devices and other systems get plain
-``torch.zeros``.
+``SELFATTN_HUGEPAGES=0`` turns the huge pages off (the map stays). Small tensors, other devices
+and other systems get plain ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import ctypes
 import functools
 import logging
 import math
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -60,31 +67,34 @@ def _madvise():
     return fn
 
 
-def _wanted(n_bytes: int, device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and n_bytes >= MIN_BYTES
-        and sys.platform.startswith("linux")
-        and os.environ.get("SELFATTN_HUGEPAGES", "1") != "0"
-        and thp_mode() in ("always", "madvise")
-    )
+def _mapped(n_bytes: int, device: torch.device) -> bool:
+    """Whether a pool of ``n_bytes`` on ``device`` is an anonymous map of its own."""
+    return device.type == "cpu" and n_bytes >= MIN_BYTES and sys.platform.startswith("linux")
+
+
+def _huge_pages() -> bool:
+    return os.environ.get("SELFATTN_HUGEPAGES", "1") != "0" and thp_mode() in ("always", "madvise")
 
 
 def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """``torch.zeros(*shape, dtype=dtype, device=device)``; on Linux CPUs, a large one's memory
-    is marked for transparent huge pages before it is first touched (see the module docstring)."""
+    """``torch.zeros(*shape, dtype=dtype, device=device)``; on Linux CPUs a large one is an
+    anonymous memory map, zero and unbacked until written, marked for transparent huge pages
+    (see the module docstring)."""
     device = torch.device("cpu" if device is None else device)
     n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if not _wanted(n_bytes, device):
+    if not _mapped(n_bytes, device):
         return torch.zeros(*shape, dtype=dtype, device=device)
-    x = torch.empty(*shape, dtype=dtype)  # large: fresh, untouched memory from mmap
-    start = -(-x.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the whole huge pages inside it
-    end = (x.data_ptr() + n_bytes) // HUGE_PAGE * HUGE_PAGE
-    if end > start and _madvise()(start, end - start, _MADV_HUGEPAGE) != 0:
+    # private (a shared anonymous map is shmem, which gets no huge pages and is shared with a
+    # forked child); the slack aligns the start to a huge page
+    buf = mmap.mmap(-1, n_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the map alive as long as any view
+    offset = -base.data_ptr() % HUGE_PAGE
+    x = base[offset : offset + n_bytes].view(dtype).view(shape)
+    if _huge_pages() and _madvise()(x.data_ptr(), n_bytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE):
         log_once(
             "madvise-hugepage",
             logging.INFO,
             "selfattn: madvise(MADV_HUGEPAGE) failed (%s); the cache pool stays on base pages",
             os.strerror(ctypes.get_errno()),
         )
-    return x.zero_()
+    return x

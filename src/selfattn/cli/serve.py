@@ -69,7 +69,7 @@ def add_parser(subparsers):
         default=None,
         metavar="N",
         help="bytes of the paged KV pool (default: a quarter of the available memory, at most "
-        "256 MiB; logged at start)",
+        "4 GiB; memory is taken only as pages are written; logged at start)",
     )
     p.add_argument(
         "--page-size",

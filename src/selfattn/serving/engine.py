@@ -75,13 +75,12 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_BATCH_TOKENS = 1024
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_WAITING = 4096
-# `selfattn serve` sizes its pool from memory: this share of MemAvailable, at most the cap. The
-# pool is zeroed (on huge pages) at start-up, in time proportional to its size, and start-up to
-# /health is meant to take a few seconds: the cap holds about 11k tokens of a 135M model's bf16
-# K/V (SmolLM2-135M), more than the serving benchmark's workloads held at their peak;
-# --kv-cache-bytes gives more.
+# `selfattn serve` sizes its pool from memory: this share of MemAvailable, at most the cap (as
+# vLLM's CPU build reserves 4 GiB by default). A large pool is an anonymous map that holds memory
+# only where pages are written (selfattn.cache.memory): it costs no start-up time, and the process
+# grows with the tokens cached, not with the pool. --kv-cache-bytes sets it.
 KV_MEMORY_FRACTION = 0.25
-KV_MEMORY_CAP = 256 * 2**20
+KV_MEMORY_CAP = 4 * 2**30
 
 
 def kv_cache_bytes_from_memory(
