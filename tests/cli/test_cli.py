@@ -835,3 +835,20 @@ def test_kv_size_bad_config_exits_two(capsys, tmp_path, content, needle):
     path.write_text('{"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8}')
     rc, _, err = run(capsys, "kv-size", "--config", str(path), "--preset", "gpt2")
     assert rc == 2 and "not allowed with" in err
+
+
+def test_kv_size_config_reads_a_gguf_file(capsys, tmp_path):
+    """A GGUF file's metadata sizes the cache as the transformers folder of the same model."""
+    helpers = pytest.importorskip("tests._gguf_helpers")
+    hf = helpers.hf_model("llama")
+    path = helpers.write_gguf(tmp_path / "m.gguf", hf, "llama")
+    hf.config.save_pretrained(tmp_path / "folder")
+    argv = ["--tokens", str(TOKENS), "--dtype", "fp32", "--json"]
+    rc, out, err = run(capsys, "kv-size", "--config", str(path), *argv)
+    assert rc == 0, err
+    rc, folder_out, err = run(capsys, "kv-size", "--config", str(tmp_path / "folder"), *argv)
+    assert rc == 0, err
+    assert json.loads(out)["bytes"] == json.loads(folder_out)["bytes"] > 0
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(3))  # truncated header
+    rc, _, err = run(capsys, "kv-size", "--config", str(tmp_path / "bad.gguf"))
+    assert rc == 2 and "bad.gguf" in err and "truncated" in err, err

@@ -51,11 +51,21 @@ def _kv_preset(text: str) -> str:
 
 
 def _config(text: str) -> dict:
-    """``--config``: a ``config.json`` (or the folder holding one) -> its parsed object."""
+    """``--config``: a ``config.json`` (or the folder holding one) -> its parsed object; a GGUF
+    file -> the transformers-style config of its metadata."""
     import json
     from pathlib import Path
 
     path = Path(text)
+    if path.suffix.lower() == ".gguf" or (path.is_dir() and not (path / "config.json").exists()):
+        from selfattn.models.gguf import GGUFError, gguf_config, gguf_source, open_gguf
+
+        try:
+            file = gguf_source(path)
+            if file is not None:
+                return {"__file__": str(file), **gguf_config(open_gguf(file, arrays=False))}
+        except (GGUFError, OSError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     if path.is_dir():
         path = path / "config.json"
     try:
@@ -93,8 +103,8 @@ def add_parser(subparsers):
         "--config",
         type=_config,
         metavar="PATH",
-        help="a transformers-style config.json (or its folder): layers, KV heads, head_dim, "
-        "sliding window, dtype",
+        help="a transformers-style config.json (or its folder), or a GGUF file: layers, KV "
+        "heads, head_dim, sliding window, dtype",
     )
     p.add_argument("--layers", type=positive, metavar="L", help="default 32")
     p.add_argument("--heads", type=positive, metavar="Hq", help="query heads (default Hkv)")
