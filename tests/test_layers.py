@@ -20,10 +20,7 @@ PACKAGE = "<selfattn>"  # selfattn/__init__.py: it loads every public part on fi
 # Bottom to top, as in DESIGN.md "Layers". A part of src/selfattn missing here fails
 # test_every_part_has_a_layer: a new part must be placed before it can be checked.
 LAYERS: list[tuple[str, set[str]]] = [
-    (
-        "ground floor",
-        {"_compiler", "_log", "_optional", "_validate", "call", "masks", "positions", "scores"},
-    ),
+    ("ground floor", {"_log", "_optional", "_validate", "call", "masks", "positions", "scores"}),
     ("kernels", {"kernels"}),
     ("functional, backends", {"backends", "functional"}),
     ("cache", {"cache"}),
@@ -44,21 +41,11 @@ SAME_LAYER = {
     ("_validate", "positions"),
     ("_validate", "scores"),
 }
-# The compiler markers, the logger and the optional-import helper import nothing from selfattn
-# either.
+# The logger and the optional-import helper import nothing from selfattn either.
 SAME_LAYER |= {
     (helper, part)
-    for helper in ("_compiler", "_log", "_optional")
-    for part in (
-        "_compiler",
-        "_log",
-        "_optional",
-        "_validate",
-        "call",
-        "masks",
-        "positions",
-        "scores",
-    )
+    for helper in ("_log", "_optional")
+    for part in ("_log", "_optional", "_validate", "call", "masks", "positions", "scores")
     if helper != part
 }
 

@@ -46,7 +46,6 @@ import types
 
 import torch
 
-from selfattn._compiler import assume_constant_result
 from selfattn._log import log_once
 from selfattn.backends import (
     BASE_FIELDS,
@@ -66,6 +65,7 @@ from selfattn.backends._common import (
     run_with_sinks,
     sinkless,
 )
+from selfattn.kernels.markers import assume_constant_result
 from selfattn.masks import FULL, PARTIAL, Mask, _callable_failure, _evaluate
 from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
 from selfattn.scores import Compose, ScoreMod

@@ -32,7 +32,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from selfattn._compiler import assume_constant_result
 from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
@@ -45,6 +44,7 @@ from selfattn.backends._common import (
     sinkless,
     unattended_columns_zeroed,
 )
+from selfattn.kernels.markers import assume_constant_result
 from selfattn.scores import Bias, Compose
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -44,9 +44,9 @@ import os
 
 import torch
 
-from selfattn._compiler import assume_constant_result
 from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
+from selfattn.kernels.markers import assume_constant_result
 
 __all__ = [
     "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "supported_dtypes",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-from selfattn._compiler import assume_constant_result
+from selfattn.kernels.markers import assume_constant_result
 
 __all__ = ["available"]
 

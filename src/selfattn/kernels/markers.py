@@ -1,4 +1,4 @@
-"""Markers for ``torch.compile`` that cost nothing at import.
+"""Markers for ``torch.compile`` that cost nothing at import (kernels and backends use them).
 
 ``torch.compiler.assume_constant_result`` imports ``torch._dynamo`` (with sympy and, where
 installed, Triton) the moment it decorates a function: about 150 MiB of RSS and a second or more
