@@ -186,6 +186,9 @@ def _preview(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Bounds-checked reads from the header bytes: each length is checked against what is left
     before anything is taken or allocated from it."""
@@ -221,6 +224,31 @@ class _Cursor:
                 raise GGUFError(f"{str(self.path)!r}: {what} is not UTF-8: {data[:40]!r}") from None
             return data.decode("utf-8", "surrogateescape")  # token bytes survive a round trip
 
+    def strings(self, n: int, what: str, skip: bool):
+        """An array of ``n`` strings (a vocabulary: tens of thousands), or with ``skip`` only its
+        lengths walked: one tight loop with the checks of :meth:`string`, messages made only
+        for an error."""
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack, out = _U64.unpack_from, []
+        for i in range(n):
+            if size - pos < 8:
+                self.pos = pos
+                raise self.truncated(8, f"the length of {what}[{i}]")
+            (length,) = unpack(buf, pos)
+            pos += 8
+            if length > size - pos:
+                self.pos = pos
+                raise self.truncated(length, f"{what}[{i}] (a string of {length} bytes)")
+            if not skip:
+                data = bytes(buf[pos : pos + length])
+                try:
+                    out.append(data.decode("utf-8"))
+                except UnicodeDecodeError:  # token bytes survive a round trip
+                    out.append(data.decode("utf-8", "surrogateescape"))
+            pos += length
+        self.pos = pos
+        return SkippedArray(n) if skip else out
+
     def value(self, kind: int, what: str, depth: int = 0):
         if kind in _SCALARS:
             return self.take(_SCALARS[kind], what)
@@ -242,13 +270,8 @@ class _Cursor:
             return SkippedArray(n) if skip else list(values)
         if item in (_STRING, _ARRAY) and n * 8 > self.size - self.pos:  # 8 bytes an item at least
             raise self.truncated(n * 8, f"array {what} ({n} items)")
-        if skip and item == _STRING:  # walk the lengths: the same checks, no strings made
-            for i in range(n):
-                length = self.take("Q", f"the length of {what}[{i}]")
-                if length > self.size - self.pos:
-                    raise self.truncated(length, f"{what}[{i}] (a string of {length} bytes)")
-                self.pos += length
-            return SkippedArray(n)
+        if item == _STRING:
+            return self.strings(n, what, skip)
         if depth >= _MAX_NESTING or item not in (_STRING, _ARRAY):
             raise GGUFError(
                 f"{str(self.path)!r}: array {what} has item type {item} (nesting {depth}); the "
