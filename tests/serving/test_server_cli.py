@@ -171,7 +171,9 @@ def test_without_a_model_it_serves_the_bundled_chat_model_and_minilm(folder, mon
     monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
     assert main(["serve", "--port", "0", "--api-key", "k", "--dtype", "float32"]) == 0
     ((engine, kw),) = served
-    # MiniLM loads on a thread of its own while the chat model loads: a Future
+    # MiniLM loads on a thread of its own, started once the server is up: a Future
+    assert not kw["encoder"].done()
+    kw["on_startup"]()
     assert isinstance(kw["encoder"].result(timeout=120), SentenceEncoder)
     assert engine.tokenizer is not None
     assert (kw["model_name"], kw["embedding_model_name"]) == ("tiny", "all-MiniLM-L6-v2")

@@ -204,17 +204,34 @@ def _in_background(fn, name: str):
     return future
 
 
-def _minilm_in_background():
-    """The bundled all-MiniLM-L6-v2 as a ``Future``, loaded while the server starts (it answers
-    before MiniLM is ready; embedding requests wait for it). Started once the chat model is
-    loaded: two threads running torch's OpenMP regions at once on few cores slow both."""
+def _minilm_loader():
+    """``(future, start)``: the bundled all-MiniLM-L6-v2 as a ``Future`` the server answers
+    beside (embedding requests wait for it), and ``start()`` that loads it on a thread of its
+    own. The server calls ``start`` once it is up: loading beside the chat model or the HTTP
+    stack would slow both (torch's OpenMP regions on few cores, and the GIL)."""
+    import concurrent.futures
+    import threading
+
     from selfattn.models.encoder import SentenceEncoder
 
-    return _in_background(lambda: SentenceEncoder.from_pretrained(None).eval(), "minilm")
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def load() -> None:
+        try:
+            future.set_result(SentenceEncoder.from_pretrained(None).eval())
+        except BaseException as e:  # the embedding requests report it
+            future.set_exception(e)
+
+    def start() -> None:
+        threading.Thread(target=load, name="selfattn-minilm", daemon=True).start()
+
+    return future, start
 
 
 def _import_server():
-    import selfattn.serving.server  # noqa: F401  fastapi and uvicorn: pure Python, off the path
+    import uvicorn  # noqa: F401  pure Python, imported off the path
+
+    import selfattn.serving.server  # noqa: F401  fastapi too
 
 
 def run(args) -> int:
@@ -250,7 +267,7 @@ def run(args) -> int:
         log.info("selfattn serve: %r as %r on %d threads: %r", path, app_kw["model_name"],
                  threads, engine)  # fmt: skip
         if args.model is None:  # the bundled pair: chat and completions, and embeddings
-            encoder = _minilm_in_background()
+            encoder, app_kw["on_startup"] = _minilm_loader()
     from selfattn.serving.server import EMBEDDING_MODEL, serve
 
     if args.model is None:

@@ -347,6 +347,7 @@ def build_app(
     embedding_model_name: str = EMBEDDING_MODEL,
     api_key: str | None = None,
     max_waiting: int | None = None,
+    on_startup=None,
 ):
     """The FastAPI app serving ``engine`` (completions, chat) and/or ``encoder`` (a
     :class:`~selfattn.models.SentenceEncoder`: embeddings) under ``model_name`` /
@@ -357,7 +358,9 @@ def build_app(
 
     ``api_key``: every route wants ``Authorization: Bearer <api_key>`` (401 otherwise).
     ``max_waiting``: requests waiting for admission at once before new ones get 429 (default,
-    and at most, the engine's ``max_waiting``).
+    and at most, the engine's ``max_waiting``). ``on_startup()``: called once the app starts,
+    just before the server takes connections (``selfattn serve`` starts loading MiniLM there,
+    off the start-up's path).
     """
     fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
     responses = require("fastapi.responses", extra="serve")
@@ -383,6 +386,8 @@ def build_app(
     async def lifespan(app):
         if worker is not None:
             worker.start()
+        if on_startup is not None:
+            on_startup()
         yield
         if worker is not None:  # uvicorn waited for open responses; drain what is left
             await asyncio.to_thread(worker.stop)
