@@ -35,7 +35,7 @@ from tests._gguf_helpers import (
     write_gguf,
 )
 
-from selfattn.models import CheckpointError, from_pretrained  # isort: skip
+from selfattn.models import CheckpointError, bundled, from_pretrained  # isort: skip
 from selfattn.models import gguf as G  # isort: skip
 
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -68,7 +68,7 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_f32_matches_transformers(files, family):
     hf, path = files[family]
-    ours = from_pretrained(path)
+    ours = from_pretrained(path, dtype=torch.float32)
     assert ours.config.d_model == hf.config.hidden_size
     with torch.no_grad():
         check_close(ours(IDS), hf(IDS).logits, 1e-4, family)
@@ -88,7 +88,7 @@ def test_half_files_match_transformers_on_rounded_weights(tmp_path, family, kind
         for p in hf.parameters():
             if p.dim() == 2:
                 p.copy_(p.to(half).float())
-    ours = from_pretrained(path)
+    ours = from_pretrained(path, dtype=torch.float32)
     assert ours.lm_head.weight.dtype == torch.float32
     with torch.no_grad():
         check_close(ours(IDS), hf(IDS).logits, 1e-4, f"{family} {kind.name}")
@@ -101,7 +101,10 @@ def test_dtype_and_eos_metadata(tmp_path):
     assert ours.lm_head.weight.dtype == torch.bfloat16
     assert ours.config.eos_token_id == (2, 7)  # end-of-turn joins eos: generation stops there
     assert ours.generation_config["eos_token_id"] == [2, 7]
-    assert G._gguf_dtype("auto") == torch.float32
+    # "auto": an F32 file's weights as they are; quantised weights in the CPU's fastest dtype
+    assert from_pretrained(path).lm_head.weight.dtype == torch.float32
+    quantised = write_gguf(tmp_path / "q.gguf", hf, "llama", Q.Q8_0)
+    assert from_pretrained(quantised).norm.weight.dtype == bundled.auto_dtype()
 
 
 # -- quantised files ------------------------------------------------------------------------------
@@ -117,10 +120,10 @@ def test_quantised_equals_dequantised(tmp_path, family, kind):
     arch = FAMILIES[family][0]
     hf = hf_model(family)
     path = write_gguf(tmp_path / "m.gguf", hf, arch, kind)
-    ours = from_pretrained(path)
+    ours = from_pretrained(path, dtype=torch.float32)
     swapped = [n for n, m in ours.named_modules() if type(m).__name__.startswith("Quantized")]
     assert any(n.endswith("qkv_proj") for n in swapped) and "embed" in swapped
-    dense = from_pretrained(path, quantized=False)
+    dense = from_pretrained(path, quantized=False, dtype=torch.float32)
     assert not any("Quantized" in type(m).__name__ for m in dense.modules())
     G.save_pretrained(ours, tmp_path / "folder", tokenizer=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folder").eval()
@@ -137,7 +140,7 @@ def test_mixed_qkv_formats_are_dequantised(tmp_path, caplog):
     path = write_gguf(tmp_path / "m.gguf", hf, "llama", Q.Q8_0, types=types)
     G._log_mixed.cache_clear()
     with caplog.at_level("INFO", logger="selfattn"):
-        ours = from_pretrained(path)
+        ours = from_pretrained(path, dtype=torch.float32)
     assert isinstance(ours.layers[0].self_attention.qkv_proj, nn.Linear)
     assert type(ours.layers[1].self_attention.qkv_proj).__name__ == "QuantizedLinear"
     assert "different formats" in caplog.text
@@ -165,7 +168,7 @@ def test_k_quants_dequantise_exactly(tmp_path):
     replace = {name: (b, Q.Q4_K if name.startswith("token") else Q.Q6_K)
                for name, b in blocks.items()}  # fmt: skip
     rewrite_gguf(path, tmp_path / "k2.gguf", replace)
-    ours = from_pretrained(tmp_path / "k2.gguf")
+    ours = from_pretrained(tmp_path / "k2.gguf", dtype=torch.float32)
     want_embed = gguf.quants.dequantize(blocks["token_embd.weight"], Q.Q4_K)
     want_up = gguf.quants.dequantize(blocks["blk.0.ffn_up.weight"], Q.Q6_K)
     assert torch.equal(ours.embed.weight.detach(), torch.from_numpy(want_embed))
@@ -179,7 +182,7 @@ def test_k_quants_dequantise_exactly(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3"])
 def test_save_pretrained_loads_in_transformers_and_here(files, tmp_path, family):
     hf, path = files[family]
-    ours = from_pretrained(path)
+    ours = from_pretrained(path, dtype=torch.float32)
     written = []
     folder = ours.save_pretrained(tmp_path / "out", tokenizer=lambda *a: written.append(a))
     assert written == [(path, folder)]  # the tokenizer hook
@@ -228,8 +231,8 @@ def _smollm2() -> Path:
 @pytest.mark.slow  # two 135M-parameter loads and forwards: seconds, more on a busy machine
 def test_smollm2_quantised_decodes_as_dequantised():
     path = _smollm2()
-    quant = from_pretrained(path)
-    dense = from_pretrained(path, quantized=False)
+    quant = from_pretrained(path, dtype=torch.float32)
+    dense = from_pretrained(path, quantized=False, dtype=torch.float32)
     assert quant.hf_config["vocab_size"] == 49152 and quant.config.n_layers == 30
     tokens = G.read_metadata(path)["tokenizer.ggml.tokens"]
     text = "The capital of France is Paris. The capital of Germany is Berlin."

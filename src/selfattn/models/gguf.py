@@ -902,12 +902,26 @@ def _release_freed_memory() -> None:
         trim(0)
 
 
-def _gguf_dtype(dtype) -> torch.dtype:
-    """The dtype a GGUF model is built in: ``"auto"``/None is float32; names and torch dtypes
-    as for folders."""
-    if dtype is None or dtype == "auto":
-        return torch.float32
-    return hub._dtype(dtype, {}, [])
+# The float types of a file's weights that "auto" builds in as they are; F16 is a storage format
+# on a CPU (its products run slowly there), so it computes as quantised files do.
+_AUTO_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}
+
+
+def _gguf_dtype(dtype, f: GGUFFile | None = None) -> torch.dtype:
+    """The dtype a GGUF model is built in. ``"auto"``/None: the type of the file's weights
+    (its 2-D tensors) where it is F32 or BF16, else (quantised or F16 weights) the dtype this
+    CPU computes fastest (:func:`selfattn.models.bundled.auto_dtype`: bfloat16 where the CPU
+    has native bf16 products, else float32). Names and torch dtypes as for folders."""
+    if dtype is not None and dtype != "auto":
+        return hub._dtype(dtype, {}, [])
+    types = {
+        t.type_name for t in (f.tensors.values() if f is not None else ()) if len(t.shape) == 2
+    }
+    if len(types) == 1 and next(iter(types)) in _AUTO_DTYPES:
+        return _AUTO_DTYPES[next(iter(types))]
+    from selfattn.models.bundled import auto_dtype
+
+    return auto_dtype()
 
 
 def load_gguf(
@@ -919,7 +933,8 @@ def load_gguf(
 ) -> nn.Module:
     """Build the model a GGUF file describes and load its weights (see the module docstring).
 
-    ``dtype``: ``"auto"`` (float32, :func:`_gguf_dtype`) or a floating dtype / its name: the
+    ``dtype``: ``"auto"`` (the file's float type, or for quantised weights the CPU's fastest:
+    :func:`_gguf_dtype`) or a floating dtype / its name: the
     dtype of every dense weight and of the quantised modules' outputs. ``quantized``: Q8_0,
     Q4_0 and Q4_1 linear and embedding weights stay quantised (``selfattn.nn.quant``; a fused
     q/k/v only when all three share a format); False dequantises everything to ``dtype``. Other
@@ -935,7 +950,7 @@ def load_gguf(
     config = gguf_config(f)
     plan = _plan(f, config)
     _check_shapes(f, config)
-    dtype = _gguf_dtype(dtype)
+    dtype = _gguf_dtype(dtype, f)
     device = torch.device("cpu") if device is None else torch.device(device)
     try:
         model = hub.build(config, str(f.path)).to(dtype)
