@@ -13,6 +13,7 @@ SmolLM2 GGUF (when installed) decodes as its dequantised self. Every malformed f
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -74,6 +75,78 @@ def test_f32_matches_transformers(files, family):
         check_close(ours(IDS), hf(IDS).logits, 1e-4, family)
     assert ours.gguf_path == path and ours.hf_config["model_type"] == hf.config.model_type
     assert ours.name_or_path == "tiny test model"
+
+
+def _llama3_divisors(c) -> np.ndarray:
+    """llama.cpp's converter's ``rope_freqs`` for transformers' ``llama3`` scaling: each rotated
+    pair's frequency divisor (1 at high frequencies, ``factor`` at low ones, smooth between)."""
+    s = c.rope_parameters
+    dim, base = c.head_dim, s["rope_theta"]
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_rope_freqs_are_llama3_scaling(tmp_path):
+    """A Llama-3.1-style file (``rope_freqs``: per-pair divisors) equals transformers' model with
+    ``llama3`` RoPE scaling; saved, transformers reads it back."""
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=1024)  # fmt: skip
+    hf = hf_model("llama", rope_parameters=rope)
+    plain = write_gguf(tmp_path / "plain.gguf", hf, "llama")
+    divisors = _llama3_divisors(hf.config)
+    assert divisors.min() == 1.0 and divisors.max() == 8.0  # every regime present
+    path = rewrite_gguf(plain, tmp_path / "m.gguf", {"rope_freqs.weight": (divisors, Q.F32)})
+    ours = from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        want = hf(ids).logits
+        check_close(ours(ids), want, 1e-4, "rope_freqs")
+        folder = G.save_pretrained(ours, tmp_path / "folder", tokenizer=False)
+        again = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        check_close(again(ids).logits, want, 1e-4, "saved rope_freqs")
+    bad = rewrite_gguf(plain, tmp_path / "bad.gguf", {"rope_freqs.weight": (divisors[:3], Q.F32)})
+    _raises(bad, "rope_freqs", "F32 [8]")
+
+
+def test_rope_factors_are_phi3_longrope(tmp_path):
+    """Phi-3's LongRoPE (``rope_factors_short`` / ``_long`` and the original context in the
+    metadata) equals transformers' model, below and past the original context."""
+    g = torch.Generator().manual_seed(5)
+    short = (1 + torch.rand(4, generator=g)).tolist()  # one per rotated pair: 16 x 0.5 / 2
+    long = (1 + 4 * torch.rand(4, generator=g)).tolist()
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=short, long_factor=long,
+                original_max_position_embeddings=16, partial_rotary_factor=0.5)  # fmt: skip
+    hf = hf_model("phi3", rope_parameters=rope, original_max_position_embeddings=16)
+    plain = write_gguf(tmp_path / "plain.gguf", hf, "phi3")
+    meta = {"phi3.rope.scaling.original_context_length": 16}
+    factors = {
+        "rope_factors_short.weight": (np.array(short, dtype=np.float32), Q.F32),
+        "rope_factors_long.weight": (np.array(long, dtype=np.float32), Q.F32),
+    }
+    base = write_gguf(tmp_path / "meta.gguf", hf, "phi3", meta=meta)
+    path = rewrite_gguf(base, tmp_path / "m.gguf", factors)
+    ours = from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for n in (9, 40):  # short factors within 16 positions, long past them
+            ids = torch.randint(0, 128, (2, n), generator=g)
+            check_close(ours(ids), hf(ids).logits, 1e-4, f"phi3 longrope, {n} tokens")
+    one = rewrite_gguf(plain, tmp_path / "one.gguf", dict(list(factors.items())[:1]))
+    _raises(one, "rope_factors_long")
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

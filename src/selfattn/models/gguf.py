@@ -611,17 +611,72 @@ def gguf_config(f: GGUFFile) -> dict:
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(n_layers)
             ]
-    factors = [n for n in ("rope_freqs.weight", "rope_factors_long.weight") if n in f.tensors]
-    if factors:
-        raise GGUFError(
-            f"{where!r} holds {factors[0]} (per-dimension RoPE factors: Llama-3.1 or LongRoPE "
-            "scaling), which is not supported yet; a transformers folder of the model loads"
-        )
+    scaling = _rope_factors(f, config)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     name = f.field("general.name", (str,))
     if name:
         config["_name_or_path"] = name
     config["torch_dtype"] = "float32"
     return config
+
+
+# Tensors of per-dimension RoPE divisors, read into the config rather than the model.
+_ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _rope_factors(f: GGUFFile, config: Mapping) -> dict | None:
+    """transformers' ``rope_scaling`` for per-dimension RoPE divisors, or None without them.
+
+    llama.cpp divides each rotated pair's frequency by ``rope_freqs[i]`` (what its converter
+    computes from Llama-3.1's ``llama3`` scaling) or, for Phi-3's LongRoPE, by
+    ``rope_factors_short`` / ``rope_factors_long`` by context length. Both are LongRoPE's
+    ``inv_freq / factor``: one list for both lengths and no attention factor for ``rope_freqs``;
+    the file's own lists, original context and attention factor for Phi-3."""
+    present = {n.split(".")[0]: n for n in _ROPE_FACTORS if n in f.tensors}
+    if not present:
+        return None
+    where, arch = str(f.path), f.metadata["general.architecture"]
+    pairs = int(config["head_dim"] * config.get("partial_rotary_factor", 1.0)) // 2
+
+    def factors(name: str) -> list[float]:
+        info = f.tensors[name]
+        if info.type_name != "F32" or info.shape != (pairs,):
+            raise GGUFError(
+                f"{where!r}: {name} is {info.type_name} {list(info.shape)}; per-dimension RoPE "
+                f"factors are F32 [{pairs}] (rotary dims / 2 of {arch}.rope.dimension_count)"
+            )
+        values = f.raw(name).view(torch.float32).tolist()
+        bad = [v for v in values if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise GGUFError(f"{where!r}: {name} holds {bad[:4]}; RoPE factors must be > 0")
+        return values
+
+    if "rope_freqs" in present:
+        one = factors(present["rope_freqs"])
+        return {
+            "rope_type": "longrope",
+            "short_factor": one,
+            "long_factor": one,
+            "original_max_position_embeddings": config["max_position_embeddings"],
+            "attention_factor": 1.0,
+        }
+    if set(present) != {"rope_factors_short", "rope_factors_long"}:
+        raise GGUFError(
+            f"{where!r} holds {sorted(present.values())}; LongRoPE needs both "
+            "rope_factors_short and rope_factors_long"
+        )
+    original = f.field(f"{arch}.rope.scaling.original_context_length", (int,))
+    attn = f.field(f"{arch}.rope.scaling.attn_factor", (float, int))
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": factors(present["rope_factors_short"]),
+        "long_factor": factors(present["rope_factors_long"]),
+        "original_max_position_embeddings": original or config["max_position_embeddings"],
+    }
+    if attn is not None:
+        scaling["attention_factor"] = float(attn)
+    return scaling
 
 
 # -- tensors --------------------------------------------------------------------------------------
@@ -677,6 +732,8 @@ def _plan(f: GGUFFile, config: Mapping) -> list[_Entry]:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     plan = []
     for info in f.tensors.values():
+        if info.name in _ROPE_FACTORS:  # read into the config (_rope_factors)
+            continue
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", info.name)
         if m:
             hf = names.get(m[2])
