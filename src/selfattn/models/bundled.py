@@ -43,7 +43,7 @@ INSTALL_HINT = (
 # (vdpbf16ps) at twice the fp32 FMA's element rate.
 _AMX = "amx_bf16"
 _AVX512_BF16 = "avx512_bf16"
-# Either makes bf16 the faster dtype of a decode step: with AVX-512 BF16 alone (Zen 4/5, no AMX)
+# Either makes bf16 the faster dtype of a decode step: with AVX-512 BF16 alone (no AMX)
 # a SmolLM2-135M decode step measures clearly faster in bf16 than in fp32, its weights kept
 # quantised (Q4_1) or dequantised (half the bytes of every weight and activation read). Without
 # either flag, bf16 products convert to fp32 and run slower than fp32 itself.

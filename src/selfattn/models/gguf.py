@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from selfattn._log import log_once
 from selfattn._optional import require
 from selfattn.models import hub
 from selfattn.nn import quant
@@ -577,7 +578,8 @@ def gguf_config(f: GGUFFile) -> dict:
     rotary = key("rope.dimension_count", default=head_dim)
     if rotary != head_dim:
         config["partial_rotary_factor"] = rotary / head_dim
-    scaling = _rope_scaling(f, arch, max_pos)
+    # per-dimension divisors in the file stand for its scaling whole (llama.cpp reads them so)
+    scaling = _rope_factors(f, config) or _rope_scaling(f, arch, max_pos)
     if scaling is not None:
         config["rope_scaling"] = scaling
     window = key("attention.sliding_window")
@@ -611,9 +613,6 @@ def gguf_config(f: GGUFFile) -> dict:
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(n_layers)
             ]
-    scaling = _rope_factors(f, config)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
     name = f.field("general.name", (str,))
     if name:
         config["_name_or_path"] = name
@@ -885,17 +884,16 @@ def _quantised(module: nn.Module, fmt: str, blocks, bias, dtype) -> nn.Module | 
     return None
 
 
-@functools.cache
 def _log_mixed(what: str) -> None:
-    log.info("GGUF: %s; dequantising them", what)
+    log_once(("gguf-dequantised", what), logging.INFO, "GGUF: %s; dequantising them", what)
 
 
 def _block_format(blocks: torch.Tensor, cols: int) -> str:
-    """The kept format of ``(rows, row bytes)`` blocks of a ``cols``-wide weight: Q8_0, Q4_0 and
-    Q4_1 have 34, 18 and 20 bytes per 32 values, so the row width tells them apart (a fused q/k/v
-    holds one format: mixed groups are dequantised before)."""
-    per_block = {34: "Q8_0", 18: "Q4_0", 20: "Q4_1"}
-    return per_block[blocks.shape[1] * 32 // cols]
+    """The kept format of ``(rows, row bytes)`` blocks of a ``cols``-wide weight: each kept
+    format has its own bytes per block (:func:`selfattn.nn.quant.block_bytes`), so the row width
+    tells them apart (a fused q/k/v holds one format: mixed groups are dequantised before)."""
+    per_block = {quant.block_bytes(fmt): fmt.upper() for fmt in quant.FORMATS}
+    return per_block[blocks.shape[1] * quant.BLOCK // cols]
 
 
 def _kept(plan: list[_Entry], quantized: bool) -> set[str]:
@@ -1039,12 +1037,9 @@ def load_gguf(
     return model
 
 
-_GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
 def _generation_config(config: Mapping) -> dict:
     """transformers' ``generation_config.json`` keys the metadata gives (the stop ids)."""
-    return {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
+    return {k: config[k] for k in hub.GENERATION_KEYS if config.get(k) is not None}
 
 
 # -- GGUF -> transformers folder ------------------------------------------------------------------
@@ -1090,11 +1085,9 @@ def save_pretrained(model_or_path, folder, *, dtype: torch.dtype = torch.float32
 def _save_tokenizer(path: Path, folder: Path) -> None:
     """The GGUF file's tokenizer as transformers' ``tokenizer.json`` and
     ``tokenizer_config.json`` (:mod:`selfattn.models.gguf_tokenizer`); nothing for a file
-    without ``tokenizer.ggml.model`` or where that module is not installed."""
-    try:
-        from selfattn.models import gguf_tokenizer
-    except ImportError:
-        return
+    without ``tokenizer.ggml.model``."""
+    from selfattn.models import gguf_tokenizer  # it imports this module
+
     metadata = read_metadata(path)
     if "tokenizer.ggml.model" not in metadata:
         return

@@ -641,8 +641,9 @@ def from_pretrained(
             included), or a Hub id ``"owner/name"`` resolved through huggingface_hub's cache
             (:func:`resolve`; ``revision``, ``cache_dir``, ``local_files_only`` go there). A GGUF
             file (or a folder holding one ``*.gguf`` and no ``config.json``) is loaded by
-            :func:`selfattn.models.gguf.load_gguf` (``dtype="auto"`` is float32 there;
-            ``quantized=False`` dequantises its Q8_0/Q4_0/Q4_1 weights to ``dtype``).
+            :func:`selfattn.models.gguf.load_gguf` (``dtype="auto"`` there: an F32/BF16 file's
+            own type, a quantised one's fastest on this CPU; ``quantized=False`` dequantises its
+            Q8_0/Q4_0/Q4_1 weights to ``dtype``).
         dtype: ``"auto"`` (default, as transformers 5; None means the same): the config's
             ``dtype`` / ``torch_dtype``, else the checkpoint's first floating tensor's dtype;
             or a floating ``torch.dtype`` or its name (``"bfloat16"``, ``"float16"``,

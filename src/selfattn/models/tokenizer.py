@@ -240,12 +240,18 @@ def _compile(template: str):
     return compiled
 
 
-def _named_templates(config: dict) -> dict[str, str]:
-    """The config's named templates (``[{"name": ..., "template": ...}]``) but ``default``."""
+def _template_list(config: dict) -> dict:
+    """``name -> template`` of a config whose ``chat_template`` is transformers' list of
+    ``{"name": ..., "template": ...}``; ``{}`` for a single template or none."""
     template = config.get("chat_template")
     if not isinstance(template, list):
         return {}
-    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    return {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+
+
+def _named_templates(config: dict) -> dict[str, str]:
+    """The config's named templates but ``default`` (:func:`_chat_template`'s)."""
+    named = _template_list(config)
     return {k: v for k, v in named.items() if k != "default" and isinstance(v, str)}
 
 
@@ -254,9 +260,8 @@ def _chat_template(folder: Path, config: dict) -> str | None:
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
     template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+    if isinstance(template, list):  # named templates: the default one
+        template = _template_list(config).get("default")
     if template is not None and not isinstance(template, str):
         raise CheckpointError(
             f"{str(folder / 'tokenizer_config.json')!r}: chat_template must be a string or a list "

@@ -47,6 +47,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from selfattn.cache import PagedKV
+from selfattn.cache.memory import memory_available_bytes
 from selfattn.cache.size import kv_cache_bytes as _kv_bytes
 from selfattn.models.decoder import CausalLM
 from selfattn.models.generate import stop_token_ids
@@ -88,12 +89,10 @@ def kv_cache_bytes_from_memory(
 ) -> int:
     """A KV pool size for this machine: ``fraction`` of ``MemAvailable`` (/proc/meminfo), at most
     ``cap`` bytes; :data:`DEFAULT_KV_CACHE_BYTES` where the file is missing (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
+    available = memory_available_bytes()
+    if available is None:
         return DEFAULT_KV_CACHE_BYTES
-    return max(min(int(kib * 1024 * fraction), cap), 1 << 20)
+    return max(min(int(available * fraction), cap), 1 << 20)
 
 
 class QueueFull(RuntimeError):
