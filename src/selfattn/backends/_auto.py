@@ -21,7 +21,7 @@ numbers in BENCHMARKS.md, ``benchmarks/attention.py``), each in its backend's mo
   a dense mask 4.2 s; 8 packed causal documents: chunked 0.29 s, flex 0.36 s). The crossover
   with sdpa-with-a-mask sits near half the tiles empty: hence 2.
 - ``cpu_fused`` (sparse, plus a fixed cost per call; CPU only): the fused C kernel over the
-  same tiles as chunked (issue 16). Its per-pair cost and set-up against sdpa are measured per
+  same tiles as chunked. Its per-pair cost and set-up against sdpa are measured per
   regime (dtype, forward or forward + backward, decode-sized or not: ``cpu_fused.FITS``, from
   ``benchmarks/crossover.py``), so it takes no-mask and causal calls where it measured faster
   (fp32 prefills ~0.65x sdpa, bf16 ~0.35x, bf16 GQA decode ~0.2x) and leaves small calls and

@@ -925,13 +925,13 @@ _TRACED = Cost(10.0, "under torch.compile its tile plan reads mask values")
 
 # Its per-call set-up (tile plan, partial-tile masks, per-tile dispatch) in sdpa-pairs: ~0.4 ms
 # more than sdpa for a decode step of 4 heads over 513 keys with a window mask (0.51 against 0.125
-# ms, one thread, Zen 4), i.e. sdpa's time for ~1e5 pairs (cpu_fused's figure).
+# ms, one thread), i.e. sdpa's time for ~1e5 pairs (cpu_fused's figure).
 _OVERHEAD_PAIRS = 1e5
 
 
 # A one-row call whose backward follows, on CPU: sdpa's decode backward takes ~80 ns a pair
 # (against 2-7 on prefills) and cpu_fused packs all of K/V for the row, while chunked's tile
-# matmuls stay cheap: crossover --threads 2 (session 8) measured chunked at 0.30-0.90x sdpa's
+# matmuls stay cheap: crossover --threads 2 measured chunked at 0.30-0.90x sdpa's
 # time on all 5 such rows (fp32/bf16, 8 and GQA 32/8 heads, Sk=4096, none/causal), the
 # fastest of the three on each. Its set-up is small next to that backward: no fixed term.
 _DECODE_BACKWARD = Cost(

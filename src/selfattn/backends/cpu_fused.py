@@ -164,7 +164,7 @@ def _attend(q, k, v, call: AttentionCall, grad: bool):
         out, lse, _, _, finite = ops.attention_fwd_cpu(
             q, k, v, *t.tensors(), t.block_q, t.mask_b, t.mask_h, call.scale, *args
         )
-    else:  # the op's implementation itself: the dispatcher costs ~35 µs a call (2-core EPYC)
+    else:  # the op's implementation itself: the dispatcher costs tens of µs a call
         finite = torch.empty((), dtype=torch.bool)
         out, lse, _, _ = fused_attention.forward(q, k, v, t, call.scale, *args, finite=finite)
     return out, (lse if call.return_lse else None), finite
@@ -233,7 +233,7 @@ class Fit:
 
 
 # Measured by ``python -m selfattn.benchmarks.crossover --threads 1`` (one thread, CPU time,
-# interleaved, best of 3; AMD Zen 5 with AVX-512F + avx512_bf16, no AMX, torch 2.13): no mask
+# interleaved, best of 3; a CPU with AVX-512F + avx512_bf16, no AMX): no mask
 # and causal, B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk
 # chunks. Each per_pair is about the worst large-call ratio of its regime, so that a call goes
 # to cpu_fused only where it wins by a margin; each fixed puts the crossover where the small
@@ -244,17 +244,14 @@ class Fit:
 # 2-7 ns on prefills, and the kernel packs all of K/V for the one row; from Sq = 2 on, sdpa's
 # bf16 runs its fast path again, measured: 2 x 1024, 8 heads, 0.56 ms against 0.87 ms for 1 x
 # 1024).
-# Session 8 (the C kernels on a persistent thread pool, kernels/threads.py): refitted (the
-# summed log of auto's slowdown against the fastest, per regime) on one and two threads
-# together: two runs of ``crossover --threads 1 --S 64,128,256,1024,4096 --chunks
-# 1x4096,16x1024,256x4096`` (CPU time) and one ``--threads 2 --repeat 9`` on a quiet host (wall
-# time). With the pool the kernel gains from a second thread as sdpa does, and both thread
-# counts put each regime's best fixed at the same value (within the grid's steps): no thread
-# term. (Costing the set-up per thread, right for session 7's per-call threads, took the
-# two-thread misses from 10 to 13.) Auto >10 % slower than the fastest: one thread 15 and 17 of
-# 120 rows -> 8 and 9; two threads (pool timings) 12 -> 10; session 7's two-thread table 28 ->
-# 27. What still misses: Sq = 1 forward + backward and GQA decode forward (chunked's fastest,
-# 4-7 rows) and small calls within 1.1-1.5x.
+# The fit (the summed log of auto's slowdown against the fastest, per regime) covers one and
+# two threads together: ``crossover --threads 1 --S 64,128,256,1024,4096 --chunks
+# 1x4096,16x1024,256x4096`` (CPU time) and ``--threads 2 --repeat 9`` on a quiet host (wall
+# time). On the persistent thread pool (kernels/threads.py) the kernel gains from a second thread
+# as sdpa does, and both thread counts put each regime's best fixed at the same value (within the
+# grid's steps): no thread term. What still misses (auto >10 % slower than the fastest): Sq = 1
+# forward + backward and GQA decode forward (chunked is fastest there) and small calls within
+# 1.1-1.5x; BENCHMARKS.md has the counts.
 DECODE_ROWS = 1
 FITS = {
     # (dtype, backward, decode) -> Fit; in brackets the measured ratios the per_pair covers
@@ -277,7 +274,7 @@ FITS = {
 UNMEASURED = Fit(1.0, 1e5, "not measured for this dtype/build: costed as sdpa's equal")
 # A bias that needs its gradient: dBias forces the two-pass backward and its own reduction,
 # 1.17-1.33x the time of the same call with a fixed bias (one thread, fp32 causal (1,8,2048²)
-# and (2048²) biases, window 256 at S=8192, session 8).
+# and (2048²) biases, window 256 at S=8192).
 LEARNED_BIAS = 1.3
 
 

@@ -294,7 +294,7 @@ def memory_row(row: Row, sizes: Sizes) -> Row:
 # -- the run -----------------------------------------------------------------------------------
 
 CASES = ("dense", "causal", "window", "window_dense", "documents", "gqa", "ceiling", "memory")
-# The fused C kernel (backend "cpu_fused", issue 16), forced, against its peers: dense and causal
+# The fused C kernel (backend "cpu_fused"), forced, against its peers: dense and causal
 # against SDPA in fp32 and bf16, the sparse masks against chunked (the composed-ops path it
 # replaces), against compiled FlexAttention (fp32 and bf16; its cold compile not counted) and as
 # a share of the matmul ceiling of their dtype, and the window's fwd + bwd; fp16 (no target in

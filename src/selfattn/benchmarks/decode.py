@@ -228,7 +228,7 @@ def narrow_rows(B: int, S: int, limit: float, repeat: int, min_s: float = NARROW
         call, n_bytes = paged_case(B, S, storage)
         case = f"{storage} decode, paged, B={B} S={S} Hq={HQ} Hkv={HKV} D={D} P={PAGE}"
         # both sides take 10-25 ms: a median over ~1 s each, not over five calls that a
-        # burst of the VM's memory or CPU contention can shift (session 10: 0.57-0.87 over 5)
+        # burst of the VM's memory or CPU contention can shift
         rows += paired_rows(
             case, call, [("bf16 pages, paged (ours)", bf16, limit)], n_bytes, repeat, min_s, True
         )
@@ -236,7 +236,7 @@ def narrow_rows(B: int, S: int, limit: float, repeat: int, min_s: float = NARROW
     # one page, its K/V in cache), int8's against bf16's, and bf16's against bf16's whole time.
     # int8 and bf16 take the same count of 16-bit multiply instructions (their query and weights
     # keep 16 bits), so int8 under 0.6x bf16 needs bf16 memory-bound: its compute well under its
-    # time (BENCHMARKS.md, "Runs, session 12").
+    # time (BENCHMARKS.md has the runs).
     hot = {s: paged_case(B, S, s, one_page=True)[0] for s in ("int8", "bf16")}
     shape = f"B={B} S={S} Hq={HQ} Hkv={HKV} D={D} P={PAGE}"
     rows += paired_rows(

@@ -70,7 +70,7 @@ def labelled_attention():
     ]
     # The C kernel's call: ``_launch`` (the ctypes call itself, which decode() and a planned
     # step's Launch both make), else the older trees' Python entry point ``decode`` (its module
-    # moved: cache/ before issue 12, kernels/ after).
+    # moved from cache/ to kernels/).
     for name in ("selfattn.kernels.paged_decode", "selfattn.cache._decode_kernels"):
         try:
             module = importlib.import_module(name)

@@ -16,7 +16,7 @@ recompile limit are per process):
   table) of ``selfattn.cache.paged_attention`` against SDPA ``enable_gqa`` on contiguous K/V and
   against gathering the pages + SDPA; GB/s of K/V read against a measured copy ceiling.
 
-- ``--part triton`` (issue 17; one prepared run of <= 5 minutes on an H200): our Triton
+- ``--part triton`` (one prepared run of <= 5 minutes on an H200): our Triton
   kernels (``backend="triton"``). bf16 B=2, H=16, S=8192, D=128 causal forward against the best
   SDPA backend (flash, efficient, cuDNN) in TFLOP/s, with a sweep of the forward's tile sizes;
   sliding window 1024 and 4 causal documents, fwd and fwd+bwd, against FlexAttention compiled by
@@ -379,7 +379,7 @@ def _int8(quant, kp, vp):
     return kq, vq, ks, vs
 
 
-# -- our Triton kernels (issue 17) -------------------------------------------------------------
+# -- our Triton kernels ----------------------------------------------------------------------
 
 
 class _Clock:

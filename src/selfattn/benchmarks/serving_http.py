@@ -8,7 +8,7 @@ the same requests through the offline engine (``Engine.generate``) in this proce
 Model: a Llama-shaped random fp32 model (4 layers, d=512, 8 heads of 64, d_ff 1376, vocabulary
 32,000; ``--quick``: 2 layers, d=64) built in transformers and saved with ``save_pretrained``,
 with a WordLevel tokenizer over its ids (``t0 t1 ...``), so that both sides tokenise and
-detokenise as a real server does. Workload (issue 14 section 4): 16 requests of one shared
+detokenise as a real server does. Workload: 16 requests of one shared
 256-token system prompt plus 32 own tokens, 32 new tokens each, greedy, all at once. Both sides
 get the prompts as text (one word a token), as clients send them. ``--prompt ids`` sends
 token-id lists, which the ``openai`` client converts element by element in Python: ~3 ms of its
@@ -61,7 +61,7 @@ QUICK = dict(
     requests=8, shared=32, own=8, new=8,
     kv_cache_bytes=2**24, max_batch_tokens=128, max_num_seqs=16,
 )  # fmt: skip
-TARGET = 0.85  # HTTP tokens/s / offline engine tokens/s, at least (issue 14 section 4)
+TARGET = 0.85  # HTTP tokens/s / offline engine tokens/s, at least
 START_TIMEOUT_S = 180  # the server process imports torch and loads the model
 NAME = "bench"
 

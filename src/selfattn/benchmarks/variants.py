@@ -1,4 +1,4 @@
-"""The cost of the attention variants of issue 15 against the same call without them, on CPU.
+"""The cost of the attention variants (sinks, MLA, ...) against the same call without them, on CPU.
 
     python -m selfattn.benchmarks.variants            # every section
     python -m selfattn.benchmarks.variants --quick    # smaller shapes: a smoke run

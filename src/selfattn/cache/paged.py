@@ -5,8 +5,8 @@ Keys and values live in fixed-size pages, ``k_pages (N, P, Hkv, D)`` and ``v_pag
 and ``v_store (L, N, P, Hkv, Dv)``. Where ``Dv == D`` both are views of one pool, ``kv_store
 (L, N, 2, P, Hkv, D)``: a page's keys and then its values, adjacent in memory (FlashInfer's
 ``(num_pages, 2, page_size, num_kv_heads, head_dim)`` layout per layer), so that a decode reads
-one run per page where two pools make it two places far apart (measured, C decode kernel, B=32 x
-4,096 tokens, 2 threads, Zen 5: 0.92x the time for bf16 pages, 0.86x for int8, 0.97x for fp32).
+one run per page where two pools make it two places far apart (a faster decode in every page
+dtype: BENCHMARKS.md).
 ``kv_store`` is None where ``Dv != D`` (two pools).
 
 One :class:`~selfattn.cache.pool.BlockPool` of page ids serves every layer: page ``p`` of
@@ -100,8 +100,8 @@ FP8_HEADROOM = 8.0
 # Packed steps: chunks of at most this many tokens attend as rows of one call (module
 # docstring), longer ones as a query block over their gathered K/V. The C kernel serves up to
 # 16 query rows of a sequence per page read (backends/paged/cpu.py KERNEL_MAX_SQ); as separate
-# rows a 1,024-token prompt took 0.2 s per layer re-reading its keys (serving benchmark model,
-# 2-core EPYC), and the paged PyTorch path over a 288-token block ran at 3.5 GFLOP/s.
+# rows a long prompt re-reads its keys once per 16 rows, and the paged PyTorch path over a long
+# block runs far below a gathered block's matmul rate.
 PACKED_ROWS_MAX = 16
 
 

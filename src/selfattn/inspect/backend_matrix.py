@@ -116,7 +116,7 @@ def matrix_markdown(matrix: dict) -> str:
     return "\n".join(lines)
 
 
-# -- the variants (issue 15): what each dense and paged backend runs, forward and backward -------
+# -- the variants: what each dense and paged backend runs, forward and backward -------
 
 # The variant probes' sizes: MLA's latent of R plus its rope key of DR (D = R + DR, Dv = R on the
 # absorbed path; K of NOPE + DR and V of R per head on the naive one), a StreamingLLM cache of

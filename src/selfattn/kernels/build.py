@@ -54,7 +54,7 @@ _PRIVATE_DIR = 0o700
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 # A header of ours, included by a source: its text goes into the library's hash.
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-# A build of one of our kernels takes 1-4 s on a busy 2-core EPYC; a compiler still running
+# A build of one of our kernels takes seconds on a busy 2-core machine; a compiler still running
 # after this long is stuck.
 COMPILE_TIMEOUT_S = 120
 # A builder waits for another's lock at most as long as that one's build may take, plus slack;

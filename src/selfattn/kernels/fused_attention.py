@@ -19,33 +19,23 @@ bf16 q, k, v on a build with ``avx512_bf16`` run the forward's two products with
 (K and V packed once as bf16 pair words): scores as exact bf16 products summed in float32, then
 times the scale; P·V with the weights rounded to bf16 (the row sums stay float32): the output
 is within the ratio rule of bf16 arithmetic, the dtype it is returned in, and the lse of float32.
-Measured, bf16 sliding window 256 at S=16384 (B=1, H=8, D=64), one thread, CPU time,
-interleaved on a loaded Zen 4: 220 ms before, 141 ms with bf16 scores, 109 ms with bf16 P·V
-too (2.0x; 78 GFLOP/s useful, 19% of a 2048³ bf16 matmul's ~400 GFLOP/s in the same run). The
-backward stays float32. Since then (session 6) the forward takes each block of 4 rows through
-scores, mask, softmax and P·V in one pass (its scores stay in L1; row sums kept as vectors),
-masks the rows of PARTIAL tiles that are key intervals (windows, causal diagonals, document
-edges: found once per call) by comparing key indices instead of reading their bytes, and keeps
-the packed K/V buffer from call to call on 2 MiB pages (fresh pages cost a fifth of the time):
-same case 68 ms against 90 ms (bf16: 32% of the 4096² bf16 matmul's 389 GFLOP/s) and 97 ms
-against 149 ms (fp32: 90% of its 98 GFLOP/s), interleaved, best of 5.
-Session 7: a call without score mods or dropout runs on transposed score tiles (``fwd_t``, AVX-512
-builds; the others and calls with mods or dropout keep ``fwd_item``): ``Sᵀ = K Qᵀ`` puts 16
-query rows in a vector, so the online softmax's row max, sum, running max and rescale factor are
-vertical vector operations (per row they were latency-bound chains of horizontal reductions, a
-scalar ``exp2f`` and branches: half of a bf16 window's time); PARTIAL tiles are 64-bit row masks
-per key, used as AVX-512 lane masks (any mask, intervals or not); the weights' ``2^x`` is a
-degree-5 polynomial with ``vscalefps`` (float32-exact: the lse keeps float32 accuracy; degree 3
-measured only 1-2% faster in bf16); the rescale is folded into P·V's accumulator load; Qᵀ is
-packed by 16x16 register transposes; full key tiles read K in place (float32, even-D bf16).
-Session 10: bf16 calls with score mods take ``fwd_t`` too (``apply_mods_t`` on the transposed
-tile, a -inf score masked before the ``2^x``): ALiBi 0.7x, soft cap 0.75-0.8x the time of
-``fwd_item`` (window 256, S=16384, 2 threads); float32 mods measured the same either way and
-stay on ``fwd_item``, as does dropout.
-The float32 micro-kernel also keeps its B rows in registers (gcc folded each load into the 4
-FMAs reading it: load-bound). One thread, CPU time, interleaved with main's kernel, best of 7,
-loaded Zen 5 EPYC: see BENCHMARKS.md (session 7); e.g. window 256 at S=16384 bf16 55.9 -> 35.2
-ms (242 GFLOP/s, 61% of torch's one-thread 2048³ bf16 matmul), fp32 84.9 -> 60.2 ms.
+The forward takes each block of 4 rows through scores, mask, softmax and P·V in one pass (its
+scores stay in L1; row sums kept as vectors), masks the rows of PARTIAL tiles that are key
+intervals (windows, causal diagonals, document edges: found once per call) by comparing key
+indices instead of reading their bytes, and keeps the packed K/V buffer from call to call on
+2 MiB pages (fresh pages cost a fifth of the time). The backward stays float32.
+A call without dropout (and, in float32, without score mods) runs on transposed score tiles
+(``fwd_t``, AVX-512 builds; the others keep ``fwd_item``): ``Sᵀ = K Qᵀ`` puts 16 query rows in
+a vector, so the online softmax's row max, sum, running max and rescale factor are vertical
+vector operations (per row they are latency-bound chains of horizontal reductions, a scalar
+``exp2f`` and branches); PARTIAL tiles are 64-bit row masks per key, used as AVX-512 lane masks
+(any mask, intervals or not); the weights' ``2^x`` is a degree-5 polynomial with ``vscalefps``
+(float32-exact: the lse keeps float32 accuracy); the rescale is folded into P·V's accumulator
+load; Qᵀ is packed by 16x16 register transposes; full key tiles read K in place (float32,
+even-D bf16). bf16 score mods run on the transposed tile (``apply_mods_t``, a -inf score masked
+before the ``2^x``); float32 mods gain nothing there and stay on ``fwd_item``, as does dropout.
+The float32 micro-kernel keeps its B rows in registers (gcc folds each load into the FMAs
+reading it: load-bound otherwise). BENCHMARKS.md has the kernel's times against its peers.
 The backward recomputes the weights from the saved row max and sum: dQ by query tile, then dK/dV
 by key tile (over the query tiles and the G heads of a kv head), or all three in one pass per
 (sequence, kv head); no atomics. Δ is rowsum(dO ∘ O), but rowsum(P ∘ dP) / rowsum(P) from the
@@ -62,14 +52,14 @@ Build: :data:`SPEC`, through :mod:`selfattn.kernels.build`, with ``-march=native
 name hashes the CPU's flags, so AVX-512 code never loads on an AVX2 machine) and portable code
 where that fails; :data:`GENERIC_SPEC` is the same source built for the baseline ISA, what a CPU
 without the vector features gets, and :data:`AVX2_SPEC` the AVX2 + FMA build (what an AVX2-only
-CPU such as Zen 3 gets from ``-march=native``). ``SELFATTN_FUSED_ISA=avx2|generic`` forces a
+CPU gets from ``-march=native``). ``SELFATTN_FUSED_ISA=avx2|generic`` forces a
 lower build (``native``, the default: the best); ``SELFATTN_ATTN_KERNEL=generic`` and
 ``generic=True`` force the generic one, ``SELFATTN_ATTN_KERNEL=0`` turns the kernel off. A forced
 ``avx2`` on a CPU without AVX2 and FMA runs the generic build (logged once). :func:`isa` names
 what the build that runs uses.
 q, k, v are read in their dtype (float32, bf16, fp16) and converted as tiles are packed (a
-whole-tensor ``.float()`` first measured 0.19 s for bf16 q, k, v at S=16384, H=8, D=64 on a
-loaded 2-core EPYC: as long as the kernel itself); accumulation is float32, and so are the
+whole-tensor ``.float()`` first takes as long as the kernel itself on long inputs);
+accumulation is float32, and so are the
 outputs but the forward's ``out``, which the kernel writes in q's dtype (a float32 ``out`` for
 bf16 inputs was twice the fresh pages and a copy after the call).
 Threads (``csrc/thread_pool.h``: PyTorch's OpenMP threads where the build shares its libgomp,
@@ -153,7 +143,7 @@ SPEC = CLibrary(
 # The same source for the baseline ISA of the compiler's target (x86-64: SSE2): the code a CPU
 # without AVX gets, and the forced path tests compare the vector build with.
 GENERIC_SPEC = dataclasses.replace(SPEC, name="fused_attention_generic", targets=((),))
-# AVX2 + FMA without AVX-512 (x86-64 only): the code an AVX2-only CPU (AMD Zen 3) runs, forced on
+# AVX2 + FMA without AVX-512 (x86-64 only): the code an AVX2-only CPU runs, forced on
 # a larger CPU to test it there.
 AVX2_SPEC = dataclasses.replace(
     SPEC, name="fused_attention_avx2", targets=(("-mavx2", "-mfma", "-mf16c"),)

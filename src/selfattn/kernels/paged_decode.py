@@ -5,9 +5,9 @@ Why C: a decode step is memory-bound (one query row per head against the whole c
 every plain-PyTorch formulation of it over a randomly permuted page pool either copies the
 pages first (a gather that reads and writes the cache before the matmuls read it again) or
 runs one tiny ``(G, D) @ (D, P)`` matmul per page and kv head, whose per-matrix overhead costs
-more than reading the page (measured on a 2-core EPYC, B=32, 4,096 keys: page-batched ``bmm``
-over strided in-place views took 0.7x SDPA's whole time for the scores alone and 0.9x for the
-weighted V sum). The kernel walks each sequence's pages in table order and, per page, reads its
+more than reading the page (page-batched ``bmm`` over strided in-place views takes most of
+SDPA's whole time for the scores alone, and again for the weighted V sum). The kernel walks
+each sequence's pages in table order and, per page, reads its
 ``(P, Hkv, D)`` block front to back twice (K, then V): scores for every query row, an online
 softmax update, then the weighted V rows, asking for the next page's rows meanwhile (software
 prefetch: the pages of a sequence lie anywhere in the pool). Low-precision and quantised pages
@@ -18,14 +18,13 @@ SDPA's bf16 kernels round the probabilities). A page every query row attends who
 decode page) takes one fused step per kv head: softmax update as vectors over its slots, then
 the V sum with the rescale folded in; other pages (a window's first page, pages over 16 slots)
 the general path. One source, three instruction-set paths picked at run time
-(:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why the first version
-read bf16 pages slower than fp32 ones, and what changed: the header of ``csrc/paged_decode.c``.
-Torch.compile was measured as the alternative: 18 s to compile a gather-and-reduce decode on
-first call, and then 4.9x slower than SDPA on contiguous K/V (this kernel then: 0.5x) on the
-same machine.
+(:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why it is built this
+way (memory latency, not arithmetic, bounds a decode step): the header of
+``csrc/paged_decode.c``. torch.compile of a gather-and-reduce decode is no alternative: seconds
+to compile on first call, then slower than SDPA on contiguous K/V.
 
-Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, 1-4 s on a busy 2-core
-EPYC, cached per user and CPU, never loaded from a cache another user could write). Called
+Build: :data:`SPEC`, through :mod:`selfattn.kernels.build` (first use, seconds; cached per
+user and CPU, never loaded from a cache another user could write). Called
 through :mod:`ctypes`, which releases the GIL during the call. Threads (``csrc/thread_pool.h``:
 PyTorch's OpenMP threads where the build shares its libgomp, else the kernel's own worker pool)
 pulling ``(sequence, key split)`` work items, as many as ``torch.get_num_threads()`` and the

@@ -7,7 +7,7 @@ are started once and park between calls, and a call wakes as many as it uses (th
 thread works too).
 A worker still polling from the previous call (up to 50 µs after it) starts within ~0.2 µs; a
 parked one runs ~30-50 µs after the call wakes it (median over 400 calls after 0.2-1 ms of other
-work, a 2-core Zen 5 EPYC shared with other jobs), and waking it costs the caller ~7 µs (a
+work, on a shared 2-core host), and waking it costs the caller ~7 µs (a
 call with no work left for it takes the request back without waiting; the per-call
 ``pthread_create`` + join this replaced cost 25-35 µs, and up to a scheduler slice on a busy
 host). A worker therefore shortens a call only when the call outlasts its start-up: each thread
@@ -50,7 +50,7 @@ POOL_FUNCTIONS = (
 # Work a thread beyond the first must get: a parked worker's start-up (~30-50 µs), so it arrives
 # while half the work is left.
 MIN_SECONDS = 50e-6
-# One core's rates for the estimate (Zen 4/5, AVX-512: the fused kernels' fp32 products and a
+# One core's rates for the estimate (an AVX-512 core: the fused kernels' fp32 products and a
 # decode's page reads); off by 2x only moves where a second thread starts.
 _FLOPS_PER_SECOND = 100e9
 _BYTES_PER_SECOND = 15e9

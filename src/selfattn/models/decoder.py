@@ -155,7 +155,7 @@ class DecoderConfig:
     final_softcap: float | None = None
     embed_scale: float = 1.0
     sandwich_norm: bool = False
-    # Variants (issue 15): q/k norms ("rms"; scope "head" or OLMo-2's "all"), OLMo-2's norms on
+    # Variants: q/k norms ("rms"; scope "head" or OLMo-2's "all"), OLMo-2's norms on
     # the sublayer outputs only, Gemma-3's RoPE base of the sliding layers, DiffLlama's
     # differential attention.
     qk_norm: str | None = None

@@ -1,4 +1,4 @@
-"""Tensor parallelism: one decoder served across ``N`` processes (issue 14, section 5).
+"""Tensor parallelism: one decoder served across ``N`` processes.
 
 Megatron's split (Shoeybi et al., 2019, arXiv 1909.08053) with PyTorch's own engine,
 :mod:`torch.distributed.tensor.parallel`. In every block the q/k/v projection and the MLP's

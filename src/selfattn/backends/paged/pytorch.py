@@ -29,7 +29,7 @@ __all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "plan", "run"]
 GROUP_KEYS = 1024
 # Elements of K gathered per step across the batch (B · keys · Hkv · D): a large batch takes
 # fewer keys per step so that the gathered copy stays ~8 MiB in fp32, never the whole cache
-# (measured best on a 2-core EPYC for B=32 decode: 4 and 16 MiB were slower).
+# (measured best for a B=32 decode: 4 and 16 MiB were slower).
 GATHER_ELEMENTS = 1 << 21
 
 
@@ -103,7 +103,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     max_pages = table.shape[1]
     # Every step gathers (and converts low-precision or quantised pages) into the same buffers:
     # a fresh multi-MiB tensor per step costs more in page faults than the gather itself (the
-    # allocator hands big blocks back to the OS), 2-3x the whole call on a 2-core EPYC. Only
+    # allocator hands big blocks back to the OS), 2-3x the whole call. Only
     # where autograd cannot have saved a buffer for backward (it would see it overwritten):
     # grad disabled, or nothing requires grad and no score_mod could capture such a tensor.
     needs_grad = any(t.requires_grad for t in (q, k_pages, v_pages)) or mod_obj is not None

@@ -1858,13 +1858,13 @@ static void pack_item(const void *vjob, int64_t blk, float *row) {
 
 /* The packed K and V live in one buffer that is kept from call to call (while at most
    POOL_KEEP_BYTES): a fresh malloc of tens of MiB is fresh pages, and their page faults and
-   zeroing measured a fifth of a bf16 window-256 forward at S=16384 (one thread, Zen 4). One
+   zeroing measured a fifth of a bf16 window-256 forward at S=16384 (one thread). One
    call at a time holds it (a concurrent call allocates its own). */
 #define POOL_KEEP_BYTES ((size_t)256 << 20)
 /* The pool is asked for 2 MiB pages (where the OS has transparent huge pages on request): kept
    4 KiB pages measured 1.25x slower than fresh ones on dense float32 tiles (each query tile
    reads a kv head's whole packed K, 1 MiB at S=4096: TLB misses), huge ones as fast as fresh
-   ones there and 0.8-0.9x on a window's (one thread, Zen 4). */
+   ones there and faster on a window's. */
 #define POOL_ALIGN ((size_t)2 << 20)
 
 /* Ask for 2 MiB pages over the whole 2 MiB pages of [p, p + bytes) (a hint: where the OS has

@@ -6,81 +6,31 @@
    the same lists (INT_ARGS, PTR_ARGS), and a test checks that they match these enums. Plain C11
    with GNU vector extensions, POSIX threads and OpenMP (thread_pool.h): no PyTorch headers.
 
-   Why the first version read bf16 pages slower than fp32 ones (issue 16; 2-core EPYC, perf
-   record + annotate, gcc 12 -O3 -march=native): it converted every key/value row into an fp32
-   staging buffer through a per-row function (a dtype switch, then a loop gcc did vectorise:
-   vpmovzxwd + vpslld, 64-byte vectors; fp16 and fp8 rows were scalar). 78 % of the kernel's
-   samples sat in that function, 90 % of them on the instruction after its first load of a row:
-   the time was DRAM latency, not conversion arithmetic. Pages lie at random places in the pool
-   and a bf16 page's slot is 2 KiB, so the hardware prefetcher, which stops at 4 KiB boundaries,
-   retrains every second slot; misses then overlap only as far as the out-of-order window
-   reaches, and the staging (convert, store, reload, several calls per key) put ~2x more
-   instructions between a bf16 row's loads than between an fp32 row's, so half the bytes took
-   longer. The cure, below: (1) the next page's rows are prefetched in software while this page
-   is computed, one kv head's rows between two heads' work (the whole next page asked at once
-   filled the miss buffers and stalled the core on the prefetch instructions themselves; spread
-   out, bf16 went from 8.5 to 4.7 ms CPU time on B=8 x 2,048 tokens, one thread); (2) no staging:
-   K and V rows are converted in registers inside the dot-product and weighted-sum blocks (bf16
-   by a 16-bit shift, int8 by vpmovsxbd + vcvtdq2ps, fp8 e4m3 by exponent arithmetic, fp16 by
-   vcvtph2ps; named intrinsics, as gcc 12 lowers __builtin_convertvector from 8-bit vectors to
-   one scalar convert per element), and a bf16 query against bf16 or int8 keys uses vdpbf16ps
-   (exact products, fp32 sums) where the CPU has avx512_bf16 (int8 keys: 0.82x the CPU time of
-   the fp32-FMA scores, B=8 x 2,048, one thread); (3) each block serves all G query rows of
-   a kv head (GQA: K/V read once per kv head), and a block's dot products are reduced together by
-   a shuffle tree, not one by one.
-
-   Session 6 (one thread, CPU time, B=32 x 4,096 tokens, old -> new, interleaved): the page
-   step was ~1/3 scalar glue (each row's max, exp and sum over a 16-slot page in 8-float pieces
-   with scalar reductions, a separate pass rescaling acc, another scaling the scores). A page
-   that every row attends whole (every decode page, first and last included) now takes one fused
-   step per kv head and group of 4 rows (page_step): max, exp and sum as vectors over the slots,
-   the dequantisation scales folded in, acc rescaled as the V block loads it; and for bf16 V with
-   a bf16 query the V sum runs on vdpbf16ps (page_step_bf16dp: half the FMAs). bf16 47.6 -> 38.8
-   ms, int8 30.4 -> 25.7, fp32 81.0 -> 76.0, fp8 46.1 -> 43.6. fp32 pages are bound by one core's
-   miss bandwidth (~14 GB/s; the loads of each next page carry the samples). Tried and dropped:
-   int8 keys by vpdpbusd on the raw bytes against a 16-bit fixed-point query (1.2x slower: the
-   accumulators spill), prefetch 2-3 pages ahead, into L2 only, or in address order (no gain or
-   slower).
-
-   Session 7 (Zen 5 EPYC, one thread, CPU time, interleaved with the session-6 code, best of
-   rounds; B=8 x 4,096 tokens from DRAM / B=1 x 1,024 hot in cache): the next page's rows are
-   prefetched one line per line loaded inside the blocks (PD_PREFETCH), not a kv head's rows in a
-   burst; the fused step moves the running max only past a slack (one vector compare a page, no
-   horizontal max or expf) and keeps the denominators as vector partial sums. DRAM: fp32 0.91x,
-   bf16 0.88x, int8 0.89x, fp8 0.96x; hot: 0.91x, 0.97x, 0.79x, 0.91x. bf16 hot is ~260 ns a
-   page-head (4 query rows x 16 slots x 128 dims, K and V): its 512 vdpbf16ps alone take ~200 ns
-   at the ~2.6 a ns this core issues, so what remains is the memory side (~490 ns a page-head
-   from DRAM on one thread). Tried and dropped (one thread; hot unless said): the bf16 V
-   accumulators kept in the pair order across pages (no permutes: 1.00x), int8 keys by vpdpwssd
-   on an int16-quantised query (one vpmovsxbw a piece of key instead of 7 conversions: 1.00x;
-   0.94x from DRAM, within the noise), int8 V rows converted to bf16 pairs for vdpbf16ps (1.14x)
-   or sign-extended to words for vpdpwssd against int16 weights (1.35x; gcc 12 also copies a
-   VNNI intrinsic's accumulator each call, an inline asm keeps it in place),
-   from DRAM: prefetching 2 pages ahead (bf16 0.98x, fp32 1.07x, int8 1.10x), prefetchnta or
-   prefetcht1 instead of prefetcht0 (0.97-1.19x).
-
-   Session 9 (Zen 5 EPYC; int8 pages with a bf16 query, the issue's int8 case): a page's int8
-   scales (bf16, per token and head) were read with a dequant_scale call per slot and head (~10 %
-   of a hot int8 step in perf) and, never prefetched, stalled on DRAM once per page (~9 % of a
-   2-thread B=32 x 4,096 decode); now gathered once a page for all heads (page_scales) and
-   prefetched with the next page's rows. Keys on vpdpwssd against the query in int16
-   (scores_dp_dt's int16 mode), V on vpdpwssd against per-page int16 weights (page_step_i8dp):
-   one thread in cache 0.90-0.92x the CPU time, from DRAM 0.93x; at 2 threads on B=32 x 4,096 the same (the
-   decode is memory-bound there). The whole: 2 threads 0.89x wall, int8 / bf16 pages 0.52-0.58.
-   What bounds the 2-thread decode on this VM: a C model of its walk (two pools of 32 KiB pages
-   at random places, each page's rows read head by head, the next page prefetched line by line,
-   no arithmetic) reads 30-36 GB/s, against 58-64 GB/s for a large sequential copy's bytes and a
-   sum's; bf16 pages read 25-29 GB/s, ~0.85 of that model.
-
-   Session 11 (the same CPU): a block's 16 score sums went to the stack as one vector and came back
-   a float at a time, each reload stalled on the wider store in flight (perf: ~14 % of the int8
-   scores' samples on the store after it); they are written from the register by masked stores
-   (store_rows), and the blocks' prefetch cursor lives in registers (through pf: a store and a
-   reload a line). One thread in cache: int8 0.95-0.98x, bf16 0.90-0.96x the CPU time; 2 threads
-   from DRAM int8 0.95-0.97x. The int8 step is compute-bound: with every page the same (all in L1)
-   it takes 206 ns a (page, kv head) against 212 from L3, ~760 cycles at 3.7 GHz for 512 vpdpwssd.
-   fp8 e4m3 codes become bf16 by a 128-entry table of bf16 bits (key_pairs): 0.85-0.89x the fp8
-   decode's time in cache and at 2 threads from DRAM, bitwise the same.
+   Design. A decode step's time is memory latency, not arithmetic: pages lie at random places
+   in the pool and a bf16 page's slot is 2 KiB, so the hardware prefetcher (which stops at 4 KiB
+   boundaries) retrains every second slot, and misses overlap only as far as the out-of-order
+   window reaches. Hence:
+   - the next page's rows are prefetched in software while this page is computed, one line per
+     line loaded inside the blocks (PD_PREFETCH); a whole page asked at once fills the miss
+     buffers and stalls the core on the prefetch instructions themselves;
+   - no staging buffer: K and V rows are converted in registers inside the dot-product and
+     weighted-sum blocks (bf16 by a 16-bit shift, int8 by sign extension, fp8 e4m3 by a
+     128-entry table of bf16 bits, fp16 by vcvtph2ps; named intrinsics, as gcc lowers
+     __builtin_convertvector from 8-bit vectors to one scalar convert per element);
+   - a bf16 query against bf16 keys and V uses vdpbf16ps (exact products, fp32 sums) where the
+     CPU has avx512_bf16; against int8 pages the keys take vpdpwssd on the query in int16 and V
+     vpdpwssd on per-page int16 weights (page_step_i8dp);
+   - each block serves all G query rows of a kv head (GQA: K/V read once per kv head), and a
+     block's dot products are reduced together by a shuffle tree;
+   - a page every row attends whole takes one fused step per kv head and group of 4 rows
+     (page_step): max, exp and sum as vectors over the slots, the dequantisation scales folded
+     in, acc rescaled as the V block loads it; the running max moves only past a slack
+     (PD_MAX_SLACK) and the denominators are vector partial sums;
+   - a page's int8 scales are gathered once for all heads (page_scales) and prefetched with the
+     next page's rows;
+   - a block's score sums are written from the register by masked stores (store_rows), not
+     reloaded from the stack a float at a time.
+   BENCHMARKS.md has the measurements behind each, and what was tried and dropped.
 
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
@@ -178,13 +128,11 @@ static inline int exponent_of(float x) {
 #define LINE 64
 /* The next page's bytes, asked for one line per line the blocks load (PD_PREFETCH), in address
    order: `at` the next line to ask for, `end` past the page's used rows (all kv heads). Asked in
-   bursts (a kv head's rows at once, session 6), the prefetches filled the core's miss buffers and
-   stalled it on the prefetch instructions themselves: a C model of the walk (one thread, random
-   32 KiB pages, loads and nothing else) read 18 GB/s that way and 22 GB/s spread. Asked in the
-   order the blocks load this page (session 7: the same row of the next page), the lines of a
-   2 KiB-strided slot column reach DRAM scattered over the page; in address order the model with
-   the bf16 blocks' vdpbf16ps between its loads read 1.12x the bytes a second on one thread
-   (20.4 vs 18.0 GB/s, session 8), and the hardware prefetcher follows the run. */
+   bursts (a kv head's rows at once), the prefetches fill the core's miss buffers and stall it on
+   the prefetch instructions themselves (benchmarks/decode_walk_model.c measures the walk).
+   Asked in the order the blocks load this page (the same row of the next page), the lines of a
+   2 KiB-strided slot column reach DRAM scattered over the page; in address order more bytes
+   arrive a second and the hardware prefetcher follows the run. */
 typedef struct {
   const char *at, *end;
 } Pf;
@@ -290,8 +238,7 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
   if (kdt == LUT8) {
     /* fp8 e4m3fn (s eeee mmm, bias 7), exact in bf16: the magnitude's bf16 bits from a table of
        128 (two vpermt2w over its halves, picked by bit 6), the sign moved up 8 bits (7
-       instructions where moving the fields and patching subnormals and NaN took 11: fp8 decode
-       0.9x the time in cache, session 11) */
+       instructions where moving the fields and patching subnormals and NaN took 11) */
     const __m512i x = _mm512_cvtepu8_epi16(raw);
     const __m512i *t = (const __m512i *)E4M3_BF16;
     const __m512i lo = _mm512_permutex2var_epi16(_mm512_load_si512(t), x, _mm512_load_si512(t + 1));
@@ -319,9 +266,8 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
    extension (vpmovsxbw), where vdpbf16ps needs it widened, converted and packed (five
    instructions); products and int32 sums exact. A query element rounds by at most 2^-16 of its
    row's largest (about 2^-15 for D > 256), far under the keys' own quantisation step (2^-8 of
-   their largest). Scores alone, session 9: 0.90x the CPU time of the vdpbf16ps ones on int8 keys
-   (one thread, B=1 x 2,048 tokens in cache). The key dequantisation scales multiply the scores
-   afterwards, as on the fp32 path. */
+   their largest). Fewer instructions than the vdpbf16ps scores on int8 keys. The key
+   dequantisation scales multiply the scores afterwards, as on the fp32 path. */
 __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline void scores_dp_dt(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
     int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, int i16, Pf *pf) {
@@ -396,8 +342,7 @@ __attribute__((target("avx512bf16,avx512vnni"))) static void scores_bf16dp(
 /* The fused page step (page_step) for bf16 or fp8 e4m3 V rows and a bf16 query, the weighted V
    sum by vdpbf16ps: each instruction adds two slots' products (rows s and s + 1, their bf16
    elements interleaved by vpunpckl/hwd; fp8 rows converted to bf16 exactly, by key_pairs) for 16
-   dims, half the FMAs of the fp32 block (fp8 V here since session 9: 0.87x the wall time at 2
-   threads, B=32 x 4,096; 0.82x the CPU time of one thread in cache). The weights are
+   dims, half the FMAs of the fp32 block. The weights are
    rounded to bf16 for it (as SDPA's bf16 kernels round the probabilities before P @ V; the
    denominator l keeps the fp32 weights), products exact, sums in fp32. The interleave puts dims
    8L + i (i < 4: lo, else hi, per 128-bit lane L) in lane 4L + i of a 32-dim chunk's lo/hi
@@ -475,7 +420,7 @@ __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
 }
 /* page_scales for a whole page (ns = PD_SLOTS) of int8 scales (bf16, (slot, head) order from x).
    2, 4 or 8 kv heads: the page's scales loaded whole and each head's picked by word permutes
-   (session 10: 0.96x the CPU time of an int8 decode in cache against the gathers). Other head
+   (cheaper than the gathers). Other head
    counts: head h's 16 slots by one gather of 32-bit words, each holding the wanted bf16 and a
    neighbour (head 0: the word from its element, the bf16 in the low half; others: the word
    ending with it, the high half), so that no byte outside the page's slots is read. */
@@ -853,9 +798,8 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   const int dp =
       job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8 || kdt == LUT8) && qdt == BF16;
   /* The general path's weighted V sum stays in fp32 FMAs for bf16 pages: vdpbf16ps there
-     (session 5: accumulators kept in the pair layout in memory) measured 1.13-1.16x its CPU time.
-     The fused step's (page_step_bf16dp: the pair layout in registers only) measured 0.87x
-     (session 6, B=8 x 2,048, one thread, EPYC with avx512_bf16). */
+     (accumulators kept in the pair layout in memory) is slower. The fused step's
+     (page_step_bf16dp: the pair layout in registers only) is faster. */
   const pv_fn pv = job->pv;
   int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d, k;
   const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq * NI;
@@ -937,8 +881,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     }
     /* -- a page every row attends whole (in decode, every page: the first and last ones'
        used slots are [s0, s1)): the softmax and the V sum fused, kv head by kv head, PD_SLOTS
-       slots at a time (a page of 32 slots in two steps: its int8 pages took the general path
-       at 2x the time of 16-slot pages before, session 9) */
+       slots at a time (a page of 32 slots in two steps, not the general path) */
     int whole_all = 1;
     for (i = 0; i < Sq; i++) {
       int whole = 0;
@@ -1072,8 +1015,7 @@ static int worker(void *arg, void *scratch) {
    row's sink, a key with no value (a row with no key then gets out = 0, lse = sink). out is
    written in A_ODT's dtype (q's: float32, bfloat16 or float16), rounded to nearest even as
    PyTorch's conversions round: a conversion by PyTorch after the call would be a parallel op
-   of its own, whose OpenMP worker then spins on a core the next call's threads need (a 2-thread
-   B=32 x 4,096 bf16 decode took 1.19x its time that way on a busy host, session 8). */
+   of its own, whose OpenMP worker then spins on a core the next call's threads need. */
 static inline void store_row(void *out, int64_t at, const float *o, int64_t n, int dt) {
   int64_t d;
   if (dt == BF16) {

@@ -1,5 +1,5 @@
 /* A persistent worker pool for the C kernels (fused_attention.c, paged_decode.c each include it
-   and get a pool of their own): issue 16.
+   and get a pool of their own).
 
    Why: the kernels used to pthread_create and join their threads on every call. That cost tens
    of µs a call, and on a busy host the joined thread could wait a scheduler slice for a core, so
@@ -23,7 +23,7 @@
    idle. After fork() the child has none of the parent's threads: pthread_atfork resets the pool
    there, and the child's first multi-thread call starts its own workers. */
 
-/* PyTorch's OpenMP threads first (session 8, 2-core Zen 5 EPYC, torch 2.13 linking GNU libgomp):
+/* PyTorch's OpenMP threads first (PyTorch builds linking GNU libgomp):
    after a parallel PyTorch op, libgomp's worker spins for milliseconds waiting for the next one
    (GOMP_SPINCOUNT with OMP_WAIT_POLICY unset: 4-7 ms of CPU burnt after one op, measured). A
    thread of ours woken in that window shares a core with the spinning worker, and in a model or
