@@ -61,7 +61,10 @@ QUICK.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 @contextlib.contextmanager
 def labelled_attention():
     """Wrap the attention entry points in a profiler label (restored on exit)."""
-    import selfattn.cache.paged as paged_mod
+    try:  # where the paged layers call paged_attention (a module of its own in newer trees)
+        paged_mod = importlib.import_module("selfattn.cache.paged.layer")
+    except ImportError:
+        paged_mod = importlib.import_module("selfattn.cache.paged")
     import selfattn.nn.attention as nn_mod
 
     patched = [

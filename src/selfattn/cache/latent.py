@@ -78,8 +78,7 @@ class PagedLatentKV(PagedKV):
         # The parent allocates a one-column value store; it is replaced by the views below.
         super().__init__(n_layers, num_pages, page_size, 1, D, 1, **kw)
         self.kv_lora_rank = kv_lora_rank
-        self.v_store = latent_value(self.k_store, kv_lora_rank)  # (L, N, P, 1, r): a view
-        self.v_layers = [self.v_store[i] for i in range(n_layers)]
+        self.store.share_values(latent_value(self.k_store, kv_lora_rank))  # (L, N, P, 1, r)
 
     def write(self, layer: int, plan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store layer ``layer``'s rows ``k (B, 1, S, r + dr)`` at the planned slots; ``v`` is

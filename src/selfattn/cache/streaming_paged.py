@@ -39,12 +39,14 @@ shared page is only freed when its last holder drops it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from selfattn import masks as _masks
 from selfattn._validate import int_at_least, one_of, positive_int
 from selfattn.cache.base import Step
-from selfattn.cache.paged import PagedCacheView, PagedKV, PagedLayer, PagedPlan
+from selfattn.cache.paged import PagedCacheView, PagedKV, PagedLayer, StepPlan
 from selfattn.cache.streaming import POSITION_MODES, check_rerotatable, rotate_back
 
 __all__ = ["StreamingPagedKV"]
@@ -87,7 +89,7 @@ class StreamingPagedKV(PagedKV):
 
     def dropped(self, seq_id: int) -> int:
         """Tokens of ``seq_id`` freed so far (a multiple of ``page_size``)."""
-        return self._dropped.get(self._check_id(seq_id), 0)
+        return self._dropped.get(self.blocks.check_id(seq_id), 0)
 
     def _forget(self, seq_id: int) -> None:
         self._dropped.pop(seq_id, None)
@@ -113,18 +115,19 @@ class StreamingPagedKV(PagedKV):
         """Free the window pages no query from now on can see: those whose last token sits at
         or before ``text length - window`` (the next query's window starts one past it)."""
         P, sp = self.page_size, self.sink_pages
-        pages = self._pages[seq_id]
+        n_pages = len(self.blocks.pages(seq_id))
         dropped = self._dropped.get(seq_id, 0)
-        text_len = self._lens[seq_id] + dropped
+        text_len = self.blocks.length(seq_id) + dropped
         # page sp holds kernel indices sp·P .. sp·P + P - 1, i.e. those + dropped in the text
         n_before = dropped
-        while len(pages) > sp and sp * P + P - 1 + dropped <= text_len - self.window:
-            self.pool.decref([pages.pop(sp)])
-            self._lens[seq_id] -= P
+        while n_pages > sp and sp * P + P - 1 + dropped <= text_len - self.window:
+            self.blocks.drop_page(seq_id, sp)
+            n_pages -= 1
             dropped += P
         self._dropped[seq_id] = dropped
         shift = dropped - n_before
-        if shift and self.mode == "cache" and self.rope is not None and len(pages) > sp:
+        if shift and self.mode == "cache" and self.rope is not None and n_pages > sp:
+            pages = self.blocks.pages(seq_id)
             # The window pages moved `shift` kernel slots down: re-rotate their keys in every
             # layer (a page is re-rotated at most window / P + 1 times before it is dropped).
             ids = torch.tensor(pages[sp:], device=self.k_store.device)
@@ -133,10 +136,10 @@ class StreamingPagedKV(PagedKV):
             at = torch.tensor([shift], device=keys.device)
             self.k_store[:, ids] = rotate_back(self.rope, flat, at, undo_factor=False).view_as(keys)
 
-    def plan(self, seq_ids, n_tokens: int) -> PagedPlan:
+    def plan(self, seq_ids, n_tokens: int) -> StepPlan:
         """:meth:`PagedKV.plan` after dropping the pages the window has passed; the plan's
         ``positions`` (and ``past``) are text positions (kernel index + dropped tokens)."""
-        ids = self._ids(seq_ids)
+        ids = self.blocks.checked_ids(seq_ids)
         for s in ids:
             self._drop_passed_pages(s)
         plan = super().plan(ids, n_tokens)
@@ -145,28 +148,26 @@ class StreamingPagedKV(PagedKV):
         offsets = [self._dropped[s] for s in ids]
         if plan.past is not None and len(set(offsets)) <= 1:
             shift = offsets[0] if offsets else 0
-            plan.positions = plan.positions + shift
-            plan.past += shift
-        else:  # rows differ: (B, S) positions per sequence
-            off = torch.tensor(offsets, device=plan.lengths.device)
-            pos = (
-                plan.positions if plan.positions.dim() == 2 else plan.positions.expand(len(ids), -1)
+            return dataclasses.replace(
+                plan, positions=plan.positions + shift, past=plan.past + shift
             )
-            plan.positions = pos + off[:, None]
-            plan.past = None
-        return plan
+        # rows differ: (B, S) positions per sequence
+        off = torch.tensor(offsets, device=plan.lengths.device)
+        pos = plan.positions if plan.positions.dim() == 2 else plan.positions.expand(len(ids), -1)
+        return dataclasses.replace(plan, positions=pos + off[:, None], past=None)
 
     def text_length(self, seq_id: int) -> int:
         """Tokens ever appended to ``seq_id`` (its kernel length plus the dropped ones)."""
         return self.length(seq_id) + self.dropped(seq_id)
 
     def view(self, seq_ids) -> StreamingPagedView:
-        return StreamingPagedView(self, self._ids(seq_ids))
+        return StreamingPagedView(self, self.blocks.checked_ids(seq_ids))
 
     def check(self) -> None:
         """:meth:`PagedKV.check`, and every sequence within its pinned + window pages."""
         super().check()
-        for s, pages in self._pages.items():
+        for s in self.seq_ids:
+            pages = self.blocks.pages(s)
             if self._dropped.get(s, 0) % self.page_size:
                 raise AssertionError(f"sequence {s}: {self._dropped[s]} dropped tokens")
             if self._dropped.get(s, 0) and len(pages) < self.sink_pages:

@@ -14,7 +14,8 @@ bit for bit those of the module path (``tests/models/test_decode_fast.py``). It 
 nothing could tell the difference (:func:`fast_blocks`), else the model calls its modules:
 
 - eager mode without autograd (no ``torch.compile`` trace, ``torch.is_grad_enabled()`` False);
-- a planned paged step: every layer's cache a :class:`~selfattn.cache.paged.PagedLayer`;
+- a planned paged step, not packed: every layer's cache a
+  :class:`~selfattn.cache.paged.PagedLayer`;
 - every block the plain Llama layout: a pre-norm :class:`~selfattn.nn.DecoderBlock` without
   cross-attention or residual dropout, :class:`~selfattn.nn.RMSNorm` norms, a fused
   :class:`~selfattn.nn.MultiHeadAttention` without qk-norm, ALiBi, query temperature or
@@ -172,7 +173,7 @@ def fast_blocks(model, caches) -> FastBlocks | None:
     docstring), else None. ``caches``: the step's layer caches."""
     if torch.compiler.is_compiling() or torch.is_grad_enabled():
         return None
-    if not all(type(c) is PagedLayer for c in caches):
+    if not all(type(c) is PagedLayer and not c.plan.packed for c in caches):
         return None
     fast = model.__dict__.get("_fast_blocks")
     if fast is None or not fast.current():

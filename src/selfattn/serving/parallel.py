@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -196,43 +197,36 @@ def tensor_parallel(model: CausalLM, mesh) -> CausalLM:
 # -- the step message ------------------------------------------------------------------------------
 
 
-def _step_message(kv: PagedKV, x, step, rows, last_pages: dict[int, int]) -> torch.Tensor:
+def _step_message(kv: PagedKV, x, step, rows) -> torch.Tensor:
     """One int64 tensor: the header, then tokens, kept rows, sequence ids, counts, lengths
     before the step, pages per sequence, the pages, and the (old, new) pages copied on write."""
-    P = kv.page_size
-    ids, counts, lens, npages, pages, copies = [], [], [], [], [], []
-    for s, _, n in step.layers[0].plan.before:
+    plan = step.layers[0].plan
+    ids, lens, npages, pages = [], [], [], []
+    for s, _, n in plan.before:
         mine = kv.pages(s)
         ids.append(s)
-        counts.append(kv.length(s) - n)
         lens.append(n)
         npages.append(len(mine))
         pages += mine
-        old = last_pages.get(s)
-        if old is not None and mine[n // P] != old:  # the shared last page was copied
-            copies += [old, mine[n // P]]
+    copies = [p for pair in plan.copies for p in pair]
     T, R, B = x.numel(), rows.numel(), len(ids)
-    head = [_STEP, T, B, R, len(pages), len(copies) // 2]
-    tail = torch.tensor(ids + counts + lens + npages + pages + copies, dtype=torch.long)
+    head = [_STEP, T, B, R, len(pages), len(plan.copies)]
+    tail = torch.tensor(ids + list(plan.counts) + lens + npages + pages + copies, dtype=torch.long)
     return torch.cat([torch.tensor(head), x.view(-1).cpu(), rows.cpu(), tail])
 
 
 def _apply_step(kv: PagedKV, head: list[int], payload: torch.Tensor):
-    """The worker's side of :func:`_step_message`: copy the pages rank 0 copied, set the step's
-    sequences to rank 0's pages and lengths, and plan the step; returns ``(x, step, rows)``."""
+    """The worker's side of :func:`_step_message`: the step rank 0 planned, applied to the
+    worker's cache (:meth:`PagedKV.apply_plan`); returns ``(x, step, rows)``."""
     _, T, B, R, n_pages, n_copies = head
     x, rows = payload[:T].view(1, T), payload[T : T + R]
     rest = payload[T + R :].tolist()
     ids, counts, lens, npages = (rest[i * B : (i + 1) * B] for i in range(4))
     pages, copies = rest[4 * B : 4 * B + n_pages], rest[4 * B + n_pages :]
-    for i in range(n_copies):
-        kv._copy_page(copies[2 * i], copies[2 * i + 1])
-    kv._pages, kv._lens, before, at = {}, {}, [], 0
-    for s, c, n, m in zip(ids, counts, lens, npages):
-        kv._pages[s], kv._lens[s] = pages[at : at + m], n + c
-        before.append((s, m, n))  # pages "before" = after: an undo frees nothing here
-        at += m
-    return x, kv._packed_step(ids, counts, before), rows
+    ends = list(itertools.accumulate(npages, initial=0))
+    page_lists = [pages[a:b] for a, b in itertools.pairwise(ends)]
+    pairs = [(copies[2 * i], copies[2 * i + 1]) for i in range(n_copies)]
+    return x, kv.apply_plan(ids, counts, lens, page_lists, pairs), rows
 
 
 # -- rank 0 ----------------------------------------------------------------------------------------
@@ -250,7 +244,6 @@ class TensorParallelEngine(Engine):
         self._comm = threading.Lock()  # one collective sequence at a time (steps, heartbeats)
         self._broken: TensorParallelError | None = None
         self._closed = False
-        self._last_pages: dict[int, int] = {}
         self._last_message = time.monotonic()
         device = model.lm_head.weight.device
         try:
@@ -266,17 +259,6 @@ class TensorParallelEngine(Engine):
                                            name="selfattn-tp-heartbeat")  # fmt: skip
         self._heartbeat.start()
 
-    def _run(self, batch, touched) -> None:
-        # The last page of each partly filled sequence, before planning: a page copied on
-        # write shows as a different page there after it (the workers copy it too).
-        P = self.kv.page_size
-        self._last_pages = {
-            seq.kv_id: self.kv.pages(seq.kv_id)[-1]
-            for seq, _ in batch.chunks
-            if self.kv.length(seq.kv_id) % P
-        }
-        super()._run(batch, touched)
-
     def _forward(self, x, step, rows):
         with self._comm:
             if self._broken is not None:
@@ -284,7 +266,7 @@ class TensorParallelEngine(Engine):
             if self._closed:
                 raise TensorParallelError("the tensor-parallel engine is closed")
             self._check_workers()
-            msg = _step_message(self.kv, x, step, rows, self._last_pages).to(x.device)
+            msg = _step_message(self.kv, x, step, rows).to(x.device)
             try:
                 _broadcast(msg[:_HEADER])
                 _broadcast(msg[_HEADER:])
