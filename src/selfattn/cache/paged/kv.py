@@ -87,6 +87,10 @@ class PagedKV:
         self.blocks = BlockTable(num_pages, page_size, max_seqs=max_seqs,
                                  max_pages_per_seq=max_pages_per_seq,
                                  prefix_caching=prefix_caching)  # fmt: skip
+        # the plan builders' keywords that stay for the cache's life (its geometry)
+        self._shape = {"page_size": page_size, "max_pages": max_pages_per_seq,
+                       "paired": self.store.kv_store is not None,
+                       "device": self.store.k_store.device}  # fmt: skip
 
     # -- the rooms' public state ------------------------------------------------------------------
     k_store = property(lambda self: self.store.k_store, doc="``(L, N, P, Hkv, D)`` keys")
@@ -204,7 +208,8 @@ class PagedKV:
         int_at_least(n_tokens, "n_tokens", 0)
         before, copies = self._reserve(ids, [n_tokens] * len(ids))
         return planner.build(before, self.blocks.page_lists(ids), n_tokens,
-                             num_pages=self.num_pages, **self._geometry(copies))  # fmt: skip
+                             num_pages=self.num_pages, epoch=self.blocks.epoch, copies=copies,
+                             **self._shape)  # fmt: skip
 
     def plan_packed(self, seq_ids, counts) -> Step:
         """Plan one step that appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` (a
@@ -245,16 +250,11 @@ class PagedKV:
             self.store.copy_page(old, new)
         return before, copies
 
-    def _geometry(self, copies) -> dict:
-        """The keywords every plan builder takes: this cache's shape and the step's copies."""
-        return {"page_size": self.page_size, "max_pages": self.max_pages_per_seq,
-                "paired": self.kv_store is not None, "device": self.k_store.device,
-                "epoch": self.blocks.epoch, "copies": copies}  # fmt: skip
-
     def _packed_step(self, ids, counts, before, copies) -> Step:
         """The :class:`Step` of a packed step whose pages are reserved."""
         plan = planner.build_packed(before, self.blocks.page_lists(ids), counts,
-                                    **self._geometry(copies))  # fmt: skip
+                                    epoch=self.blocks.epoch, copies=copies,
+                                    **self._shape)  # fmt: skip
         layers = [PagedLayer(self, plan, i) for i in range(self.n_layers)]
         return Step(layers, plan.positions.view(1, -1), None)
 
