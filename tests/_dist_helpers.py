@@ -345,9 +345,9 @@ def bad_input(rank, W):
     _expect_error(lambda: unshard_sequence(torch.zeros(1, 2 + rank)), ValueError, "every rank")
 
 
-def exec_block(rank, W, *, source: str):
-    """Run a README example on this rank (tests/test_readme.py), in a fresh namespace."""
-    exec(compile(source, "README.md (context-parallel example)", "exec"), {})
+def exec_block(rank, W, *, source: str, name: str = "a docs example"):
+    """Run a documentation example on this rank (tests/test_docs.py), in a fresh namespace."""
+    exec(compile(source, f"{name} (on every rank)", "exec"), {})
 
 
 # -- one rank's bad argument: every rank raises DistributedArgumentError, none hangs ------------

@@ -1,4 +1,5 @@
-"""DESIGN's layers, checked on the source: each part of src/selfattn imports only from below it.
+"""docs/design.md's layers, checked on the source: each part of src/selfattn imports only from
+below it.
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 The rules are data: ``LAYERS`` from bottom to top (a part may import its own layer and those
@@ -17,7 +18,7 @@ import selfattn
 ROOT = Path(selfattn.__file__).parent
 PACKAGE = "<selfattn>"  # selfattn/__init__.py: it loads every public part on first use
 
-# Bottom to top, as in DESIGN.md "Layers". A part of src/selfattn missing here fails
+# Bottom to top, as in docs/design.md "Layers". A part of src/selfattn missing here fails
 # test_every_part_has_a_layer: a new part must be placed before it can be checked.
 LAYERS: list[tuple[str, set[str]]] = [
     ("ground floor", {"_log", "_optional", "_validate", "call", "masks", "positions", "scores"}),

@@ -28,8 +28,8 @@ needs_c_kernel = pytest.mark.skipif(
 
 
 def test_dense_triton_is_registered_and_declines_with_its_reason():
-    """DESIGN lists backend="triton": it runs the masks and score mods it can read as data and
-    declines the others, saying so, in explain and when asked for by name."""
+    """docs/design.md lists backend="triton": it runs the masks and score mods it can read as
+    data and declines the others, saying so, in explain and when asked for by name."""
     assert "triton" in sa.backends.names()
     q, k, v = make_qkv(1, 2, 5, 8, seed=2)
     mask = masks.causal() | masks.padding(2)

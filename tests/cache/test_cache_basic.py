@@ -235,7 +235,7 @@ def test_window_cache_layer_sees_absolute_key_padding(chunk):
 
 
 def test_cache_package_imports_nothing_above_it():
-    """DESIGN.md's layers: selfattn.cache sits below nn and models."""
+    """docs/design.md's layers: selfattn.cache sits below nn and models."""
     import ast
     import pathlib
 

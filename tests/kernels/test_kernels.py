@@ -82,8 +82,8 @@ def test_c_sources_ship_in_the_wheel():
 
 
 def test_kernels_import_nothing_above_them():
-    """DESIGN's layers: kernels import torch, the standard library and Triton, and from selfattn
-    only kernels (lazy imports inside functions included)."""
+    """docs/design.md's layers: kernels import torch, the standard library and Triton, and from
+    selfattn only kernels (lazy imports inside functions included)."""
     offenders = []
     for path in KERNELS.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -1,7 +1,7 @@
 """Masks: dense matrices against their defining formulas, tile classification against the dense
 matrices (hypothesis), the algebra, rendering, and every error path.
 
-The expected matrices are written here with numpy from the formulas in DESIGN.md, independently
+The expected matrices are written here with numpy from the formulas in docs/design.md, independently
 of ``selfattn.masks``: query row ``r`` sits at absolute position ``i = q_offset + r`` (default
 ``Sk - Sq``), key column ``c`` at ``j = kv_offset + c``.
 """
@@ -185,7 +185,7 @@ def test_data_masks_match_formula(Sq, Sk):
 
 
 def test_default_alignment_is_bottom_right():
-    # Sq=2, Sk=5: rows sit at positions 3 and 4 (the picture in DESIGN.md / causal's docstring)
+    # Sq=2, Sk=5: rows sit at positions 3 and 4 (the picture in docs/design.md / causal's docstring)
     assert M.causal().render(2, 5) == "████·\n█████"
     # Sq > Sk: the top rows sit at negative positions and see nothing
     want = np.array([[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=bool)

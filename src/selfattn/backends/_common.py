@@ -55,7 +55,7 @@ _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, separates the hashed coordinates
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16/fp32 accumulate in fp32; fp64 stays fp64 (DESIGN.md)."""
+    """fp16/bf16/fp32 accumulate in fp32; fp64 stays fp64 (docs/design.md)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -137,7 +137,7 @@ def add_parser(subparsers):
     p.add_argument(
         "--markdown",
         action="store_true",
-        help="with --matrix or --variants: print a Markdown table (the README's are this output)",
+        help="with --matrix or --variants: print a Markdown table (as the docs show it)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run, subparser=p)

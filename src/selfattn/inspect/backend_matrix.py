@@ -2,13 +2,13 @@
 
 ``capability_matrix()`` changes one feature at a time (a mask, a score mod, GQA, dropout,
 gradients, a dtype, the device) of one small base case and records, per backend, ``None`` (it can
-run) or its reason, and what ``auto`` picks. ``matrix_markdown()`` lays it out as the README's
-table (``selfattn backends --matrix --markdown``). ``variants_matrix()`` / ``variants_markdown()``
-do the same for the attention variants of today's open models (sinks, softcap, MLA, differential
-attention, QK-norm, chunked local layers, the StreamingLLM cache), dense and paged, forward and
-backward (``selfattn backends --variants --markdown``, the README's "Variants" table).
-``backend_availability()`` is each backend's verdict on one plain case on this machine
-(``selfattn info``).
+run) or its reason, and what ``auto`` picks. ``matrix_markdown()`` lays it out as the table of
+docs/attention.md (``selfattn backends --matrix --markdown``). ``variants_matrix()`` /
+``variants_markdown()`` do the same for the attention variants of today's open models (sinks,
+softcap, MLA, differential attention, QK-norm, chunked local layers, the StreamingLLM cache),
+dense and paged, forward and backward (``selfattn backends --variants --markdown``, the table
+of docs/variants.md). ``backend_availability()`` is each backend's verdict on one plain case on
+this machine (``selfattn info``).
 """
 
 from __future__ import annotations
