@@ -120,3 +120,21 @@ def test_the_walk_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
     src.write_text("def f():\n    from selfattn.nn import attention\nfrom ..cache import paged\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path / "selfattn")
     assert sorted(_imports(src)) == [(2, "selfattn.nn"), (3, "selfattn.cache")]
+
+
+MAX_SERVING_FUNCTION_LINES = 100  # a route, a step or a loop that outgrows this is split in rooms
+
+
+def test_serving_functions_are_short():
+    """No function in src/selfattn/serving (routes, the engine, the loop) over 100 lines."""
+    long = []
+    for path in sorted((ROOT / "serving").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_SERVING_FUNCTION_LINES:
+                    rel = path.relative_to(ROOT.parent).as_posix()
+                    long.append(f"{rel}:{node.lineno} {node.name}() has {n} lines")
+    assert not long, f"split these (at most {MAX_SERVING_FUNCTION_LINES} lines):\n" + "\n".join(
+        long
+    )

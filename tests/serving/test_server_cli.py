@@ -140,7 +140,7 @@ def test_tensor_parallel_hands_the_folder_to_serving_parallel(folder, monkeypatc
         == 0
     )
     ((model_dir, n, kw),) = calls
-    assert (model_dir, n, kw["max_num_seqs"], str(kw["kv_dtype"])) == (
+    assert (model_dir, n, kw["config"].max_num_seqs, str(kw["config"].kv_dtype)) == (
         str(folder),
         2,
         5,

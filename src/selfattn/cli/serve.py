@@ -3,9 +3,9 @@ over a continuous-batching :class:`~selfattn.serving.Engine`, or, with a sentenc
 folder, embeddings of a :class:`~selfattn.models.SentenceEncoder`. Without MODEL_DIR: the bundled
 SmolLM2-135M-Instruct on completions and chat, and the bundled all-MiniLM-L6-v2 on embeddings.
 
-Its defaults are the engine's (:mod:`selfattn.serving.engine`: one statement of each), but the
-KV pool, sized from this machine's available memory
-(:func:`~selfattn.serving.engine.kv_cache_bytes_from_memory`). Start-up imports only what
+Its flags build one :class:`~selfattn.serving.config.EngineConfig` and take their defaults from
+its fields (one statement of each), but the KV pool, sized from this machine's available memory
+(:func:`~selfattn.serving.config.kv_cache_bytes_from_memory`). Start-up imports only what
 serving needs (no transformers), so ``/health`` answers within seconds of the launch.
 
 SIGTERM or Ctrl-C drains: no new connections, running requests finish, then the command exits 0.
@@ -18,9 +18,18 @@ import os
 from pathlib import Path
 
 from selfattn.cli import _common
+from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, EngineConfig
 
 KV_DTYPES = ("auto", "int8", "fp8")
 API_KEY_ENV = "SELFATTN_API_KEY"  # the key without putting it on the command line (ps shows it)
+# Flags that set an EngineConfig field of the same name; each flag's default is the field's.
+ENGINE_FLAGS = (
+    ("--page-size", "page_size", "tokens per KV page"),
+    ("--max-num-seqs", "max_num_seqs", "sequences running at once"),
+    ("--max-batch-tokens", "max_batch_tokens",
+     "tokens one step computes at most (decode tokens and prefill chunks)"),
+    ("--max-waiting", "max_waiting", "requests waiting at once before 429"),
+)  # fmt: skip
 
 
 def add_parser(subparsers):
@@ -32,7 +41,8 @@ def add_parser(subparsers):
             "a Hub id in the local cache) on /v1/completions and /v1/chat/completions with "
             "continuous batching, or a sentence-transformers folder on /v1/embeddings. Without "
             "MODEL_DIR: the bundled SmolLM2-135M-Instruct on completions and chat, and the "
-            "bundled all-MiniLM-L6-v2 on /v1/embeddings. Unset flags take the engine's defaults."
+            "bundled all-MiniLM-L6-v2 on /v1/embeddings. Unset flags take the engine's defaults "
+            "(selfattn.serving.EngineConfig)."
         ),
     )
     p.add_argument(
@@ -44,13 +54,15 @@ def add_parser(subparsers):
         "chat and completions, all-MiniLM-L6-v2 for embeddings)",
     )
     p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to bind (default {DEFAULT_HOST}: this machine only)",
     )
     p.add_argument(
         "--port",
         type=_common.int_at_least(0),
-        default=8000,
-        help="port (default 8000; 0: any free port)",
+        default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT}; 0: any free port)",
     )
     p.add_argument(
         "--api-key",
@@ -72,40 +84,15 @@ def add_parser(subparsers):
         "4 GiB; memory is taken only as pages are written; logged at start)",
     )
     p.add_argument(
-        "--page-size",
-        type=_common.positive_int,
-        default=None,
-        metavar="N",
-        help="tokens per KV page (default: the engine's)",
-    )
-    p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
         help="KV pool storage: the model's dtype (auto), int8 or fp8",
     )
-    p.add_argument(
-        "--max-num-seqs",
-        type=_common.positive_int,
-        default=None,
-        metavar="N",
-        help="sequences running at once (default: the engine's)",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=_common.positive_int,
-        default=None,
-        metavar="N",
-        help="tokens one step computes at most (default: the engine's, the serving benchmark's "
-        "fastest)",
-    )
-    p.add_argument(
-        "--max-waiting",
-        type=_common.positive_int,
-        default=None,
-        metavar="N",
-        help="requests waiting at once before 429 (default: the engine's)",
-    )
+    for flag, field, text in ENGINE_FLAGS:
+        default = getattr(EngineConfig, field)
+        p.add_argument(flag, type=_common.positive_int, default=default, metavar="N",
+                       help=f"{text} (default {default})")  # fmt: skip
     _common.add_dtype(p)
     _common.add_threads(p)
     p.add_argument(
@@ -135,12 +122,12 @@ def _is_encoder_folder(path: str) -> bool:
     return read_json(config).get("model_type") in ("bert",)
 
 
-def _engine_kwargs(args) -> dict:
-    """The engine's keywords: the flags given (the engine's defaults for the others) and the KV
-    pool, from memory unless ``--kv-cache-bytes``."""
+def _engine_config(args) -> EngineConfig:
+    """The engine's config from the flags, and the KV pool from memory unless
+    ``--kv-cache-bytes``."""
     import torch
 
-    from selfattn.serving.engine import kv_cache_bytes_from_memory
+    from selfattn.serving.config import kv_cache_bytes_from_memory
 
     kv_dtype = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[args.kv_dtype]
     kv_bytes = args.kv_cache_bytes or kv_cache_bytes_from_memory()
@@ -148,11 +135,8 @@ def _engine_kwargs(args) -> dict:
     logging.getLogger("selfattn").info(
         "selfattn serve: KV pool of %.0f MiB (%s)", kv_bytes / 2**20, how
     )
-    kw = dict(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype)
-    for name in ("page_size", "max_num_seqs", "max_batch_tokens", "max_waiting"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
-    return kw
+    fields = {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS}
+    return EngineConfig(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype, **fields)
 
 
 def _tokenizer(model: str):
@@ -171,7 +155,7 @@ def _tokenizer(model: str):
 
 def _build_engine(args, path: str):
     """``(engine, served name)`` of the decoder at ``path``."""
-    kw = _engine_kwargs(args)
+    kw = {"config": _engine_config(args)}
     if args.tensor_parallel > 1:
         kw["tokenizer"] = _tokenizer(path)
         try:

@@ -25,16 +25,19 @@ textbook's formula (:func:`selfattn.cache.kv_cache_bytes` of one page:
 ``2 × layers × kv_heads × head_dim × page_size × bytes(kv_dtype)``, plus int8's scales).
 ``kv_dtype`` int8 or float8_e4m3fn stores quantised pages (:mod:`selfattn.cache.quant`).
 
-Threads: :meth:`stream` runs steps on one worker thread while the event loop serves the streams;
-:meth:`add_request` and :meth:`abort` may be called from any thread (they queue, and the next
-step takes them), :meth:`step` from one thread at a time.
+Knobs: one :class:`~selfattn.serving.config.EngineConfig` (``Engine(model, config=...)``, or its
+fields as keywords).
+
+Threads: one :class:`~selfattn.serving.loop.EngineLoop` (``engine.loop``) steps the engine for
+:meth:`generate` (on the caller's thread), :meth:`stream` and the HTTP server (on its own thread
+while they have work); :meth:`add_request` and :meth:`abort` may be called from any thread (they
+queue, and the next step takes them), :meth:`step` from one thread at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -47,10 +50,19 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from selfattn.cache import PagedKV
-from selfattn.cache.memory import memory_available_bytes
 from selfattn.cache.size import kv_cache_bytes as _kv_bytes
 from selfattn.models.decoder import CausalLM
 from selfattn.models.generate import stop_token_ids
+from selfattn.serving.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_PAGE_SIZE,
+    EngineConfig,
+    kv_cache_bytes_from_memory,
+)
+from selfattn.serving.loop import EngineLoop
 from selfattn.serving.metrics import EngineMetrics
 from selfattn.serving.request import Request, RequestOutput, Sequence, TokenLogprob
 from selfattn.serving.sampling import Choice, SamplingParams, choose
@@ -63,46 +75,16 @@ __all__ = [
     "DEFAULT_MAX_WAITING",
     "DEFAULT_PAGE_SIZE",
     "Engine",
+    "EngineConfig",
     "QueueFull",
     "kv_cache_bytes_from_memory",
 ]
 
 log = logging.getLogger("selfattn")
 
-# The engine's defaults, stated once: `selfattn serve`'s flags and the server take these. The
-# token budget and running set are the serving benchmark's configuration (BENCHMARKS.md).
-DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_MAX_BATCH_TOKENS = 1024
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_WAITING = 4096
-# `selfattn serve` sizes its pool from memory: this share of MemAvailable, at most the cap (as
-# vLLM's CPU build reserves 4 GiB by default). A large pool is an anonymous map that holds memory
-# only where pages are written (selfattn.cache.memory): it costs no start-up time, and the process
-# grows with the tokens cached, not with the pool. --kv-cache-bytes sets it.
-KV_MEMORY_FRACTION = 0.25
-KV_MEMORY_CAP = 4 * 2**30
-
-
-def kv_cache_bytes_from_memory(
-    fraction: float = KV_MEMORY_FRACTION, cap: int = KV_MEMORY_CAP
-) -> int:
-    """A KV pool size for this machine: ``fraction`` of ``MemAvailable`` (/proc/meminfo), at most
-    ``cap`` bytes; :data:`DEFAULT_KV_CACHE_BYTES` where the file is missing (not Linux)."""
-    available = memory_available_bytes()
-    if available is None:
-        return DEFAULT_KV_CACHE_BYTES
-    return max(min(int(available * fraction), cap), 1 << 20)
-
 
 class QueueFull(RuntimeError):
     """The waiting queue is at ``max_waiting``: retry later (a server answers 429/503)."""
-
-
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Engine {name} must be a positive int, got {value!r}")
-    return value
 
 
 class Engine:
@@ -112,16 +94,10 @@ class Engine:
     Args:
         tokenizer: anything with ``encode(text) -> ids`` and ``decode(ids) -> text``; needed for
             text prompts, outputs' ``text`` and stop strings. Token-id prompts never need one.
-        kv_cache_bytes: the pool's size in bytes (module docstring).
-        page_size: tokens per page. kv_dtype: None (the model's dtype), ``torch.int8`` or
-            ``torch.float8_e4m3fn``.
-        max_batch_tokens: tokens one step computes at most (decode tokens and prefill chunks).
-        max_num_seqs: sequences running at once. max_waiting: requests waiting at once;
-            :meth:`add_request` raises :class:`QueueFull` beyond it.
-        prefix_caching: reuse the K/V of cached page-aligned prompt prefixes.
-        max_model_len: longest prompt + output (default the model's ``max_positions``, at most
-            what the pool holds).
-        seed: seeds the generators of requests without a ``seed``.
+        config: the engine's knobs (:class:`~selfattn.serving.config.EngineConfig`: pool size,
+            page size, KV dtype, token budget, running set, waiting queue, prefix caching,
+            ``max_model_len``, seed); ``**knobs``: its fields as keywords, over ``config``.
+            :meth:`add_request` raises :class:`QueueFull` beyond ``max_waiting``.
     """
 
     def __init__(
@@ -129,70 +105,55 @@ class Engine:
         model: CausalLM,
         tokenizer=None,
         *,
-        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        kv_dtype: torch.dtype | None = None,
-        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        prefix_caching: bool = True,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        max_model_len: int | None = None,
-        seed: int = 0,
+        config: EngineConfig | None = None,
+        **knobs,
     ):
         if not isinstance(model, CausalLM):
             raise TypeError(
                 f"Engine serves selfattn's decoder LMs (selfattn.models.from_pretrained of a "
                 f"GPT-2, Llama, Mistral, Qwen2 or Gemma-2 folder), got {type(model).__name__}"
             )
-        for name, fn in (("encode", "encode"), ("decode", "decode")):
-            if tokenizer is not None and not callable(getattr(tokenizer, fn, None)):
+        for name in ("encode", "decode"):
+            if tokenizer is not None and not callable(getattr(tokenizer, name, None)):
                 raise TypeError(f"tokenizer must have an {name}() method, got {tokenizer!r}")
-        for name, value in (
-            ("kv_cache_bytes", kv_cache_bytes),
-            ("page_size", page_size),
-            ("max_batch_tokens", max_batch_tokens),
-            ("max_num_seqs", max_num_seqs),
-            ("max_waiting", max_waiting),
-        ):
-            _positive(name, value)
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"Engine prefix_caching must be a bool, got {prefix_caching!r}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = cfg = (config or EngineConfig()).replace(**knobs)
         c = model.config
         w = model.norm.weight  # dense in every model (a quantised LM head has no .weight)
-        kv_dtype = w.dtype if kv_dtype is None else kv_dtype
+        kv_dtype = w.dtype if cfg.kv_dtype is None else cfg.kv_dtype
+        page_size = cfg.page_size
         page_bytes = _kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, page_size, kv_dtype)
-        num_pages = kv_cache_bytes // page_bytes
+        num_pages = cfg.kv_cache_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(
-                f"kv_cache_bytes={kv_cache_bytes} holds no page: one page of {page_size} tokens "
-                f"takes {page_bytes} bytes for this model in {kv_dtype}; give more bytes"
+                f"kv_cache_bytes={cfg.kv_cache_bytes} holds no page: one page of {page_size} "
+                f"tokens takes {page_bytes} bytes for this model in {kv_dtype}; give more bytes"
             )
         limit = min(c.max_positions, num_pages * page_size)
-        if max_model_len is not None:
-            limit = min(limit, _positive("max_model_len", max_model_len))
+        if cfg.max_model_len is not None:
+            limit = min(limit, cfg.max_model_len)
         self.max_model_len = limit
         self.model, self.tokenizer = model, tokenizer
         self.kv = PagedKV(
             c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim,
-            max_seqs=max_num_seqs, max_pages_per_seq=-(-limit // page_size),
-            prefix_caching=prefix_caching, dtype=kv_dtype, device=w.device,
+            max_seqs=cfg.max_num_seqs, max_pages_per_seq=-(-limit // page_size),
+            prefix_caching=cfg.prefix_caching, dtype=kv_dtype, device=w.device,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            self.kv, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs
+            self.kv, max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs
         )
-        self.max_waiting = max_waiting
+        self.max_waiting = cfg.max_waiting
         # the model's and the tokenizer's stop tokens (end of turn included); ignore_eos skips
         self._eos = frozenset(stop_token_ids(model, tokenizer))
-        self._rng = random.Random(seed)
+        self._rng = random.Random(cfg.seed)
         self._order = itertools.count()
         self._inbox: collections.deque[Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
-        self._driver: asyncio.Task | None = None
-        self.worker = None  # a server's EngineWorker stepping this engine on its own thread
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
+        self.loop = EngineLoop(self)  # steps this engine for generate, stream and a server
 
     @classmethod
     def from_pretrained(cls, folder, tokenizer=None, **engine_kw) -> Engine:
@@ -483,47 +444,46 @@ class Engine:
         self, prompts, params: SamplingParams | SequenceABC[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Run ``prompts`` (one prompt, or a list of texts / token-id lists) to completion;
-        returns their final outputs in order. ``params``: one for all, or one per prompt."""
-        if self._driver is not None and not self._driver.done():
-            raise RuntimeError(
-                "generate() cannot run while stream() requests are being served; await them, "
-                "or use stream()"
-            )
-        if self.worker is not None and self.worker.alive:
+        returns their final outputs in order. ``params``: one for all, or one per prompt. The
+        steps run on this thread (:meth:`EngineLoop.run_until`)."""
+        self._refuse_a_second_stepper()
+        pending = _prompts_and_params(prompts, params)
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+
+        def sink(out: RequestOutput) -> None:
+            if out.finished:
+                done[out.request_id] = out
+
+        at = 0
+        while at < len(pending) or len(done) < len(ids):
+            while at < len(pending) and self.num_waiting() < self.max_waiting:
+                try:
+                    ids.append(self.loop.add(*pending[at], sink=sink))
+                except (ValueError, TypeError):  # a bad prompt: the others do not run either
+                    for rid in ids:
+                        self.abort(rid)
+                    self.loop.run_until(lambda: not self.has_unfinished())
+                    raise
+                at += 1
+            self.loop.cycle()
+        for out in done.values():
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed") from out.error
+        return [done[i] for i in ids]
+
+    def _refuse_a_second_stepper(self) -> None:
+        if self.loop.held:
             raise RuntimeError(
                 "generate() cannot run while a server worker steps this engine (two threads "
                 "would step it at once); send the prompts to the server, or give generate() "
                 "an Engine of its own"
             )
-        one = isinstance(prompts, (str, torch.Tensor)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        )
-        prompts = [prompts] if one else list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        ids: list[str] = []
-        done: dict[str, RequestOutput] = {}
-        pending = list(zip(prompts, params))
-        while pending or len(done) < len(ids):
-            while pending and self.num_waiting() < self.max_waiting:
-                try:
-                    ids.append(self.add_request(*pending.pop(0)))
-                except (ValueError, TypeError):  # a bad prompt: the others do not run either
-                    for rid in ids:
-                        self.abort(rid)
-                    while self.has_unfinished():
-                        self.step()
-                    raise
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        for out in done.values():
-            if out.error is not None:
-                raise RuntimeError(f"request {out.request_id} failed") from out.error
-        return [done[i] for i in ids]
+        if self.loop.alive and self.has_unfinished():
+            raise RuntimeError(
+                "generate() cannot run while stream() requests are being served; await them, "
+                "or use stream()"
+            )
 
     # -- asyncio --------------------------------------------------------------------------------
     async def stream(
@@ -531,44 +491,23 @@ class Engine:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs as steps make them (the last has ``finished``).
 
-        Steps run on a worker thread while any stream is open. Leaving the ``async for`` early
-        (``break``, cancellation, a client gone) aborts the request: its pages are freed at the
-        next step. A failed request raises its error here.
+        Steps run on the loop's thread while any request is open. Leaving the ``async for``
+        early (``break``, cancellation, a client gone) aborts the request: its pages are freed
+        at the next step. A failed request raises its error here.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        rid = self.add_request(
-            prompt,
-            params,
-            request_id,
-            sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-        )
-        if self._driver is None or self._driver.done():
-            self._driver = loop.create_task(self._drive())
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = self.loop.submit(prompt, params, request_id, asyncio.get_running_loop(), queue)
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                _, out = await queue.get()
                 finished = out.finished
                 if out.error is not None:
                     raise RuntimeError(f"request {rid} failed") from out.error
                 yield out
         finally:
             if not finished:
-                self.abort(rid)
-
-    async def _drive(self) -> None:
-        """Step on the worker thread while requests are unfinished."""
-        loop = asyncio.get_running_loop()
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="selfattn-engine"
-            )
-        while self.has_unfinished():
-            try:
-                await loop.run_in_executor(self._executor, self.step)
-            except Exception as e:  # never leave a stream waiting forever
-                self.fail_open(e)
+                self.loop.abort(rid)
 
     def fail_open(self, error: BaseException) -> None:
         """After :meth:`step` itself raised (not a batch: those end their own requests): end
@@ -582,11 +521,10 @@ class Engine:
             self._outputs(touched)
 
     def close(self) -> None:
-        """Stop the worker thread (after the step it runs, if any), then apply the aborts that
-        no step took yet (streams left when their event loop closed): their pages are freed."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Drain the loop (its thread finishes the open requests, aborting those whose event
+        loop closed, and ends), then apply the aborts that no step took yet: their pages are
+        freed."""
+        self.loop.stop()
         if self._aborts:
             self.step()
 
@@ -603,3 +541,17 @@ class Engine:
             f"max_batch_tokens={self.scheduler.max_batch_tokens}, "
             f"max_num_seqs={self.scheduler.max_num_seqs})"
         )
+
+
+def _prompts_and_params(prompts, params) -> list[tuple]:
+    """:meth:`Engine.generate`'s arguments -> ``[(prompt, SamplingParams | None)]``."""
+    one = isinstance(prompts, (str, torch.Tensor)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    )
+    prompts = [prompts] if one else list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    return list(zip(prompts, params))

@@ -10,7 +10,8 @@ kv heads ``r·Hkv/N ..`` (a GQA group never straddles ranks) and their K/V pages
 :class:`~selfattn.cache.PagedKV`: ``kv_cache_bytes`` is per rank, so N ranks hold about N times the
 tokens of one. Embeddings, norms and the LM head are replicated::
 
-    engine = tensor_parallel_engine("path/to/model", 2, tokenizer=tok, kv_cache_bytes=2**30)
+    engine = tensor_parallel_engine("path/to/model", 2, tokenizer=tok,
+                                    config=EngineConfig(kv_cache_bytes=2**30))
     outs = engine.generate(prompts, SamplingParams(max_tokens=32))
     engine.close()                                      # the workers exit
 
@@ -484,7 +485,10 @@ def tensor_parallel_engine(
 ) -> Engine:
     """An engine over the model in ``model_dir`` split across ``n`` processes (module
     docstring); ``engine_kwargs`` go to :class:`~selfattn.serving.Engine` (``tokenizer``,
-    ``kv_cache_bytes`` per rank, ...). ``n == 1`` is a plain Engine.
+    ``config``: an :class:`~selfattn.serving.EngineConfig` whose ``kv_cache_bytes`` is per
+    rank, or its fields as keywords). The workers build their pages from rank 0's (the pool's
+    geometry is broadcast once), so the config is read in one place. ``n == 1`` is a plain
+    Engine.
 
     ``dtype``: as :func:`selfattn.models.from_pretrained`. ``device``: None / ``"cpu"`` (gloo)
     or ``"cuda"`` (NCCL; rank ``r`` on GPU ``LOCAL_RANK``, or ``r`` when spawned here).

@@ -1,5 +1,7 @@
-"""The OpenAI API's request bodies as pydantic models, checked strictly, and their mapping to
-:class:`~selfattn.serving.SamplingParams`.
+"""The OpenAI API's request bodies as pydantic models, checked strictly, and their conversion to
+the engine's terms: prompt token ids (:func:`completion_prompt_ids`, :func:`chat_prompt_ids`),
+the context check (:func:`max_tokens_within`) and :class:`~selfattn.serving.SamplingParams`
+(:func:`sampling_params`).
 
 Every model forbids unknown fields (a typo such as ``max_token`` is a 400, never silently
 ignored) and is strict (``"n": "2"`` or ``"stream": 1`` are 400s, not coerced). Fields the API
@@ -29,6 +31,9 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "RequestError",
+    "chat_prompt_ids",
+    "completion_prompt_ids",
+    "max_tokens_within",
     "sampling_params",
 ]
 
@@ -189,3 +194,76 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
         if param == "logprobs" and isinstance(req, ChatCompletionRequest):
             param = "top_logprobs"
         raise RequestError(message, param=param) from None
+
+
+# -- request -> engine ----------------------------------------------------------------------------
+
+
+def completion_prompt_ids(prompt, tokenizer) -> list[list[int]]:
+    """A completion's ``prompt`` (text, ids, or a list of either) -> token-id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise RequestError("the prompt is empty; give text or token ids", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise RequestError("the prompt is empty; give text or token ids", param="prompt")
+            if tokenizer is None:
+                raise RequestError(
+                    "this model was served without a tokenizer (no tokenizer.json): send token "
+                    "ids as the prompt",
+                    param="prompt",
+                )
+            p = tokenizer.encode(p)
+        out.append(list(p))
+    return out
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
+    """A chat's ``messages`` rendered by the checkpoint's chat template, as token ids."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError(
+            "this model has no chat template (none in its tokenizer_config.json or "
+            "chat_template.jinja); use /v1/completions with the prompt formatted yourself",
+            param="messages",
+        )
+    messages = []
+    for m in body.messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        messages.append(d)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # the template's own raise_exception (an unsupported role, ...)
+        raise RequestError(f"the chat template refused the messages: {e}",
+                           param="messages") from None  # fmt: skip
+
+
+def max_tokens_within(prompt_ids: list[int], max_tokens: int | None, limit: int) -> int:
+    """The request's max_tokens after the checks against the context of ``limit`` tokens (None:
+    the rest of the context)."""
+    P = len(prompt_ids)
+    if P == 0:
+        raise RequestError("the prompt is empty; give at least one token", param="prompt")
+    if P >= limit:
+        raise RequestError(
+            f"the prompt has {P} tokens but this model's context is {limit} tokens "
+            "(prompt and completion together); shorten the prompt",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return limit - P
+    if max_tokens > limit - P:
+        raise RequestError(
+            f"max_tokens={max_tokens} with the prompt's {P} tokens exceeds this model's "
+            f"context of {limit} tokens; at most {limit - P} new tokens fit",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens

@@ -662,9 +662,9 @@ def test_generate_refuses_while_the_server_worker_steps_the_engine(model, tokeni
 def _burst(engine: Engine, prompts, gap_s: float, **worker_kw) -> list:
     """``prompts`` submitted to an idle server worker from an event loop, ``gap_s`` apart (as a
     server's loop submits clients starting together); each request's outputs, in order."""
-    from selfattn.serving.server import EngineWorker
+    from selfattn.serving.loop import EngineLoop
 
-    worker = EngineWorker(engine)
+    worker = EngineLoop(engine)
     for k, v in worker_kw.items():  # set after construction: the same test runs on older code
         setattr(worker, k, v)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -714,10 +714,10 @@ def test_admit_window_zero_steps_at_once(model, tokenizer):
 
 @pytest.mark.parametrize("bad", [-0.001, 60, "0.1", True, float("nan")])
 def test_admission_windows_are_checked(model, tokenizer, bad):
-    from selfattn.serving.server import EngineWorker
+    from selfattn.serving.loop import EngineLoop
 
     engine = make_engine(model, tokenizer)
     with pytest.raises(ValueError, match="admit_quiet_s must be seconds in"):
-        EngineWorker(engine, admit_quiet_s=bad)
+        EngineLoop(engine, admit_quiet_s=bad)
     with pytest.raises(ValueError, match="admit_window_s must be seconds in"):
-        EngineWorker(engine, admit_window_s=bad)
+        EngineLoop(engine, admit_window_s=bad)

@@ -1,0 +1,146 @@
+"""The engine's knobs in one frozen dataclass, :class:`EngineConfig`: each default stated once.
+
+The :class:`~selfattn.serving.Engine`, ``selfattn serve`` (its flags' defaults are these fields')
+and :func:`~selfattn.serving.parallel.tensor_parallel_engine` all read it::
+
+    engine = Engine(model, tok, config=EngineConfig(max_num_seqs=8))
+    engine = Engine(model, tok, max_num_seqs=8)        # the same: keywords build the config
+
+This module imports no torch (``selfattn serve --help`` reads the defaults without it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_KV_CACHE_BYTES",
+    "DEFAULT_MAX_BATCH_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_MAX_WAITING",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_PORT",
+    "EngineConfig",
+    "kv_cache_bytes_from_memory",
+]
+
+DEFAULT_HOST = "127.0.0.1"  # the server's address: loopback unless --host says otherwise
+DEFAULT_PORT = 8000
+# `selfattn serve` sizes its pool from memory: this share of MemAvailable, at most the cap (as
+# vLLM's CPU build reserves 4 GiB by default). A large pool is an anonymous map that holds memory
+# only where pages are written (selfattn.cache.memory): it costs no start-up time, and the process
+# grows with the tokens cached, not with the pool. --kv-cache-bytes sets it.
+KV_MEMORY_FRACTION = 0.25
+KV_MEMORY_CAP = 4 * 2**30
+MAX_ADMIT_S = 60  # admission waits are seconds in [0, MAX_ADMIT_S)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of an :class:`~selfattn.serving.Engine` and its stepping loop; checked on
+    construction (a bad value raises naming it and the fix)."""
+
+    # Bytes of the paged KV pool: ``kv_cache_bytes // page_bytes`` pages (engine module docstring).
+    kv_cache_bytes: int = 256 * 2**20
+    # Tokens per KV page.
+    page_size: int = 16
+    # The pool's storage: None (the model's dtype), torch.int8 or torch.float8_e4m3fn.
+    kv_dtype: torch.dtype | None = None
+    # Tokens one step computes at most (decode tokens and prefill chunks); the serving
+    # benchmark's fastest budget.
+    max_batch_tokens: int = 1024
+    # Sequences running at once (the serving benchmark's running set).
+    max_num_seqs: int = 64
+    # Requests waiting at once; add_request raises QueueFull beyond it (a server answers 429).
+    max_waiting: int = 4096
+    # Reuse the K/V of cached page-aligned prompt prefixes.
+    prefix_caching: bool = True
+    # Longest prompt + output; None: the model's max_positions, at most what the pool holds.
+    max_model_len: int | None = None
+    # Seeds the generators of requests without a seed.
+    seed: int = 0
+    # Requests reaching an idle loop together (clients starting at once) share its first step:
+    # the loop waits while they keep arriving, each within admit_quiet_s of the one before,
+    # admit_window_s at most. A request that missed that step would wait a whole step (tens of
+    # ms on a CPU) for its own prefill; a lone request pays admit_quiet_s. A busy loop waits for
+    # nothing: what arrives during a step joins the next one. An HTTP request takes ~0.3 ms of
+    # the event loop's time; the window is about one decode step of the benchmark's model.
+    admit_quiet_s: float = 0.003
+    # The longest an idle loop waits for a burst (0: it steps at once).
+    admit_window_s: float = 0.03
+
+    def __post_init__(self):
+        for name in ("kv_cache_bytes", "page_size", "max_batch_tokens", "max_num_seqs",
+                     "max_waiting"):  # fmt: skip
+            _positive(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(
+                f"EngineConfig prefix_caching must be a bool, got {self.prefix_caching!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"EngineConfig seed must be an int, got {self.seed!r}")
+        for name in ("admit_quiet_s", "admit_window_s"):
+            v = getattr(self, name)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not (math.isfinite(v) and 0 <= v < MAX_ADMIT_S)
+            ):
+                raise ValueError(
+                    f"EngineConfig {name} must be seconds in [0, {MAX_ADMIT_S}), got {v!r}"
+                )
+        self._check_kv_dtype()
+
+    def _check_kv_dtype(self) -> None:
+        if self.kv_dtype is None:
+            return
+        import torch
+
+        if not isinstance(self.kv_dtype, torch.dtype):
+            raise TypeError(
+                f"EngineConfig kv_dtype must be None, a float torch.dtype, torch.int8 or "
+                f"torch.float8_e4m3fn, got {self.kv_dtype!r}"
+            )
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with ``changes`` (checked again); unknown names raise naming the fields."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            known = ", ".join(f.name for f in dataclasses.fields(self))
+            raise TypeError(f"EngineConfig has no field {', '.join(unknown)}; its fields: {known}")
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EngineConfig {name} must be a positive int (1 or more), got {value!r}")
+    return value
+
+
+# The defaults under the names the engine module has always exported (one statement: the fields).
+DEFAULT_KV_CACHE_BYTES = EngineConfig.kv_cache_bytes
+DEFAULT_PAGE_SIZE = EngineConfig.page_size
+DEFAULT_MAX_BATCH_TOKENS = EngineConfig.max_batch_tokens
+DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs
+DEFAULT_MAX_WAITING = EngineConfig.max_waiting
+
+
+def kv_cache_bytes_from_memory(
+    fraction: float = KV_MEMORY_FRACTION, cap: int = KV_MEMORY_CAP
+) -> int:
+    """A KV pool size for this machine: ``fraction`` of ``MemAvailable`` (/proc/meminfo), at most
+    ``cap`` bytes; :data:`DEFAULT_KV_CACHE_BYTES` where the file is missing (not Linux)."""
+    from selfattn.cache.memory import memory_available_bytes
+
+    available = memory_available_bytes()
+    if available is None:
+        return DEFAULT_KV_CACHE_BYTES
+    return max(min(int(available * fraction), cap), 1 << 20)

@@ -1,0 +1,185 @@
+"""The app factory (:func:`build_app`), the uvicorn runner (:func:`serve`) and the health poll
+(:func:`wait_until_healthy`); the routes live in one module per endpoint family."""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations as objects.
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import signal
+import threading
+import time
+
+from selfattn._optional import require
+from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT
+from selfattn.serving.engine import Engine
+from selfattn.serving.http import chat, completions, embeddings, models
+from selfattn.serving.http.common import (
+    RETRY_AFTER_S,
+    ServerState,
+    error_response,
+    validation_message,
+)
+from selfattn.serving.protocol import RequestError
+
+fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
+exceptions = require("fastapi.exceptions", extra="serve")
+starlette_exc = require("starlette.exceptions", extra="serve")
+
+ROUTERS = (completions.router, chat.router, embeddings.router, models.router)
+
+
+def build_app(
+    engine: Engine | None = None,
+    *,
+    encoder=None,
+    model_name: str = "selfattn",
+    embedding_model_name: str = embeddings.EMBEDDING_MODEL,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    on_startup=None,
+):
+    """The FastAPI app serving ``engine`` (completions, chat) and/or ``encoder`` (a
+    :class:`~selfattn.models.SentenceEncoder`: embeddings) under ``model_name`` /
+    ``embedding_model_name``; see :mod:`selfattn.serving.http`. ``encoder`` may be a
+    ``concurrent.futures.Future`` of one, still loading: the server answers at once (``/health``,
+    the engine's routes) and embedding requests wait for it (``selfattn serve`` without a model
+    loads MiniLM so, beside the chat model).
+
+    ``api_key``: every route wants ``Authorization: Bearer <api_key>`` (401 otherwise).
+    ``max_waiting``: requests waiting for admission at once before new ones get 429 (default,
+    and at most, the engine's ``max_waiting``). ``on_startup()``: called once the app starts,
+    just before the server takes connections (``selfattn serve`` starts loading MiniLM there,
+    off the start-up's path).
+    """
+    _check_app_args(engine, encoder, max_waiting)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="selfattn-embed")
+    state = ServerState(engine, encoder, model_name=model_name, max_waiting=max_waiting,
+                        embedding_model_name=embedding_model_name, embed_pool=pool)  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if state.loop is not None:
+            state.loop.start(hold=True)
+        if on_startup is not None:
+            on_startup()
+        yield
+        if state.loop is not None:  # uvicorn waited for open responses; drain what is left
+            await asyncio.to_thread(state.loop.stop)
+        pool.shutdown(wait=True)
+
+    # async: FastAPI runs a plain ``def`` dependency on its thread pool, a round trip through
+    # another thread (and the GIL, which the engine thread holds between its kernels) for
+    # every request
+    async def check_key(request: fastapi.Request) -> None:
+        if api_key is not None and not _key_matches(request, api_key):
+            raise RequestError(
+                "a missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                "with the key given to selfattn serve --api-key",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    app = fastapi.FastAPI(
+        title="selfattn", lifespan=lifespan, dependencies=[fastapi.Depends(check_key)]
+    )
+    app.state.selfattn = state  # what the routes read (common.state)
+    for error, handler in _ERROR_HANDLERS:
+        app.add_exception_handler(error, handler)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app
+
+
+def _check_app_args(engine, encoder, max_waiting) -> None:
+    if engine is None and encoder is None:
+        raise ValueError("build_app needs an engine (completions, chat), an encoder "
+                         "(embeddings), or both")  # fmt: skip
+    if engine is not None and not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a selfattn.serving.Engine, got {type(engine).__name__}")
+    if max_waiting is not None and (
+        isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
+    ):
+        raise ValueError(f"max_waiting must be a positive int, got {max_waiting!r}")
+
+
+def _key_matches(request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+# -- errors: OpenAI's JSON ------------------------------------------------------------------------
+
+
+async def _on_request_error(request, e: RequestError):
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return error_response(e.status, str(e), e.type, e.param, e.code, headers)
+
+
+async def _on_invalid(request, e):
+    message, param = validation_message(e.errors())
+    return error_response(400, message, param=param)
+
+
+async def _on_http(request, e):
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return error_response(e.status_code, str(e.detail), kind, headers=e.headers)
+
+
+_ERROR_HANDLERS = (
+    (RequestError, _on_request_error),
+    (exceptions.RequestValidationError, _on_invalid),
+    (starlette_exc.HTTPException, _on_http),
+)
+
+
+# -- running it -----------------------------------------------------------------------------------
+
+
+def serve(
+    engine: Engine | None = None,
+    *,
+    encoder=None,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    log_level: str = "info",
+    **app_kw,
+) -> None:
+    """Run :func:`build_app` on uvicorn until SIGINT/SIGTERM, then drain: the listening socket
+    closes, running requests finish and get their answers, and this returns."""
+    uvicorn = require("uvicorn", extra="serve", purpose="selfattn serve")
+    app = build_app(engine, encoder=encoder, **app_kw)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=None)  # fmt: skip
+    server = uvicorn.Server(config)
+    main = threading.current_thread() is threading.main_thread()
+    # uvicorn re-raises the signal it shut down on, to let the previous handler act; this one
+    # lets the drained process return normally (exit 0) instead of dying by SIGTERM.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        server.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = 60.0, process=None) -> None:
+    """Poll ``GET {base_url}/health`` until it answers 200 (a server just started, e.g.
+    ``selfattn serve`` in a ``subprocess.Popen`` given as ``process``); RuntimeError when the
+    process exits first or ``timeout_s`` passes."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server process exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url}/health did not answer within {timeout_s} s")
+        time.sleep(0.1)

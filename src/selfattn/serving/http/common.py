@@ -1,0 +1,315 @@
+"""What the endpoint modules share: the server's state, OpenAI errors, one HTTP request's engine
+requests (:class:`Submission`), the answer as JSON or server-sent events (:func:`respond`),
+``usage`` and logprobs bodies."""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations as objects.
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from selfattn._optional import require
+from selfattn.serving.engine import Engine, QueueFull
+from selfattn.serving.loop import EngineLoop, ShuttingDown
+from selfattn.serving.protocol import RequestError
+
+responses = require("fastapi.responses", extra="serve", purpose="the OpenAI server")
+
+log = logging.getLogger("selfattn")
+
+RETRY_AFTER_S = 1  # Retry-After of a 429: a step or a few free room in the waiting queue
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None,
+                   code=None, headers=None):  # fmt: skip
+    """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return responses.JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_message(errors) -> tuple[str, str | None]:
+    """pydantic's errors -> one message naming each offending field, and the first field."""
+    parts, first = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or None
+        if e.get("type") == "json_invalid":
+            ctx = e.get("ctx", {}).get("error", "")
+            parts.append(f"the body is not valid JSON ({ctx})")
+            continue
+        first = first or (loc[0] if loc else None)
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {field!r}")
+        elif field:
+            parts.append(f"{field}: {e.get('msg')}")
+        else:
+            parts.append(str(e.get("msg")))
+    return "; ".join(parts), first
+
+
+def model_not_found(message: str) -> RequestError:
+    """The 404 of a request naming a model this server does not serve on its route."""
+    return RequestError(message, status=404, param="model", code="model_not_found")
+
+
+class ModelFailure(RuntimeError):
+    """The engine ended a request with an error (the model raised on its batch)."""
+
+
+def failure_message(e: ModelFailure) -> str:
+    return f"the model failed on this request: {e.args[0]!r}"
+
+
+# -- the server's state ---------------------------------------------------------------------------
+
+
+class ServerState:
+    """What the routes read (``app.state.selfattn``): the engine and its loop, the encoder (or a
+    ``Future`` of it, replaced once loaded), the served names, the waiting limit, the pool that
+    embeds."""
+
+    def __init__(self, engine: Engine | None, encoder, *, model_name: str,
+                 embedding_model_name: str, max_waiting: int | None, embed_pool):  # fmt: skip
+        self.engine, self.encoder = engine, encoder
+        self.loop: EngineLoop | None = None if engine is None else engine.loop
+        self.model_name, self.embedding_model_name = model_name, embedding_model_name
+        self.max_waiting, self.embed_pool = max_waiting, embed_pool
+        self.created = int(time.time())
+        self.tokens = TokenText(None if engine is None else engine.tokenizer)
+
+    def engine_for(self, body) -> Engine:
+        """The engine generating for ``body`` (a completion or chat request): 404 unless it
+        names the served model, 400 for a field this server does not implement."""
+        if self.engine is None or body.model != self.model_name:
+            served = [self.model_name] if self.engine is not None else []
+            raise model_not_found(
+                f"the model {body.model!r} does not exist here; this server generates with "
+                f"{served or 'no model (it serves embeddings only)'} (GET /v1/models)"
+            )
+        body.refuse_unsupported()
+        return self.engine
+
+    def submit(self, prompts: list[list[int]], params, prefix: str) -> "Submission":
+        """One engine request per prompt; 429 when the waiting queue has no room for them."""
+        engine = self.engine
+        waiting = engine.num_waiting()
+        limit = engine.max_waiting if self.max_waiting is None else min(
+            self.max_waiting, engine.max_waiting)  # fmt: skip
+        if waiting + len(prompts) > limit:
+            raise RequestError(
+                f"{waiting} requests are waiting (at most {limit}); retry after {RETRY_AFTER_S} s",
+                status=429,
+                type="rate_limit_exceeded",
+                code="queue_full",
+            )
+        sub = Submission(self.loop, f"{prefix}-{uuid.uuid4().hex}")
+        try:
+            for ids in prompts:
+                sub.add(ids, params)
+        except QueueFull as e:
+            sub.close()
+            raise RequestError(str(e), status=429, type="rate_limit_exceeded",
+                               code="queue_full") from None  # fmt: skip
+        except ShuttingDown:
+            sub.close()
+            raise RequestError("the server is shutting down", status=503,
+                               type="server_error") from None  # fmt: skip
+        except (ValueError, TypeError) as e:
+            sub.close()
+            if isinstance(e, RequestError):
+                raise
+            raise RequestError(str(e), param="prompt") from None
+        return sub
+
+
+# -- one HTTP request's engine requests -----------------------------------------------------------
+
+
+class Submission:
+    """The engine requests of one HTTP request (one per prompt), their outputs arriving in one
+    queue as ``(prompt index, RequestOutput)``; :meth:`close` aborts whatever is unfinished."""
+
+    def __init__(self, loop: EngineLoop, base_id: str):
+        self.loop, self.base_id = loop, base_id
+        self.ids: list[str] = []
+        self.open: set[str] = set()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.event_loop = asyncio.get_running_loop()
+
+    def add(self, prompt_ids: list[int], params) -> None:
+        k = len(self.ids)
+        rid = self.loop.submit(prompt_ids, params, f"{self.base_id}-{k}", self.event_loop,
+                               self.queue, k)  # fmt: skip
+        self.ids.append(rid)
+        self.open.add(rid)
+
+    async def outputs(self):
+        """``(k, output)`` as they come, until every request finished; a failed one raises."""
+        while self.open:
+            k, out = await self.queue.get()
+            if out.finished:
+                self.open.discard(out.request_id)
+            if out.error is not None:
+                raise ModelFailure(out.error)
+            yield k, out
+
+    async def collect(self) -> dict:
+        """Every prompt's last output, ``{k: output}``; aborts the rest if interrupted."""
+        last = {}
+        try:
+            async for k, out in self.outputs():
+                last[k] = out
+        finally:
+            self.close()
+        return last
+
+    def close(self) -> None:
+        for rid in list(self.open):
+            self.loop.abort(rid)
+        self.open.clear()
+
+
+async def until_disconnect(request) -> None:
+    """Returns when the client hangs up (uvicorn's receive gives ``http.disconnect`` once the
+    body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- answers --------------------------------------------------------------------------------------
+
+
+def sse(obj) -> str:
+    """One server-sent event of ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class EventStream(responses.StreamingResponse):
+    """Server-sent events of one submission: ``chunks(k, out)`` per output, ``chunks(None,
+    None)`` at the end (usage), then ``[DONE]``. Whatever ends the response (the last event, or
+    starlette cancelling it when the client disconnects) aborts what is left."""
+
+    def __init__(self, sub: Submission, chunks):
+        super().__init__(_events(sub, chunks), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self.sub = sub
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.sub.close()
+
+
+async def _events(sub: Submission, chunks):
+    try:
+        async for k, out in sub.outputs():
+            for chunk in chunks(k, out):
+                yield sse(chunk)
+        for chunk in chunks(None, None):  # the closing events (usage)
+            yield sse(chunk)
+    except ModelFailure as e:
+        log.error("selfattn.serving: request %s failed: %r", sub.base_id, e.args[0])
+        yield sse({"error": {"message": failure_message(e), "type": "server_error",
+                             "param": None, "code": None}})  # fmt: skip
+    yield "data: [DONE]\n\n"
+
+
+async def respond(request, sub: Submission, stream: bool, chunks, final):
+    """Stream ``chunks(k, out)`` events, or await every output and answer ``final(outs)``
+    (``outs[k]``: prompt k's last output); either way a client gone aborts the rest."""
+    if stream:
+        return EventStream(sub, chunks)
+    done = asyncio.ensure_future(sub.collect())
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not done.done():  # the client left (or this handler was cancelled)
+            done.cancel()
+            sub.close()
+    if not done.done() or done.cancelled():
+        return responses.Response(status_code=499)
+    try:
+        outs = done.result()
+    except ModelFailure as e:
+        log.error("selfattn.serving: request %s failed: %r", sub.base_id, e.args[0])
+        return error_response(500, failure_message(e), "server_error")
+    return responses.JSONResponse(final(outs))
+
+
+def usage(outs) -> dict:
+    """OpenAI's ``usage`` of engine outputs (every sample's tokens; cached prompt tokens)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)},
+    }
+
+
+def usage_chunks(head: dict, body, seen: dict):
+    """The closing usage chunk of a stream, when ``stream_options.include_usage`` asks for it."""
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": usage(seen.values())}
+
+
+def news(out):
+    """The samples of ``out`` with something to report, and the logprobs new in each."""
+    for c in out.outputs:
+        if c.delta_token_ids or c.delta_text or c.finished:
+            new_lps = None
+            if c.logprobs is not None:
+                new_lps = c.logprobs[len(c.token_ids) - len(c.delta_token_ids) :]
+            yield c, new_lps
+
+
+class TokenText:
+    """Token text for logprobs (None without a tokenizer: the id as text)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def text(self, t: int) -> str:
+        return str(t) if self.tokenizer is None else self.tokenizer.decode([t])
+
+    def completion_logprobs(self, lps, offset: int) -> dict:
+        """OpenAI's completions ``logprobs`` of ``lps`` (TokenLogprob), text offsets from
+        ``offset``."""
+        tokens, offsets = [], []
+        for lp in lps:
+            tokens.append(self.text(lp.token))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self.text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, lps) -> dict:
+        """OpenAI's chat ``logprobs`` of ``lps`` (TokenLogprob)."""
+
+        def entry(t: int, v: float) -> dict:
+            s = self.text(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+        return {
+            "content": [
+                {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in lps
+            ]
+        }
+
+
+def state(request) -> ServerState:
+    """The server's state, from a route's ``fastapi.Request``."""
+    return request.app.state.selfattn
