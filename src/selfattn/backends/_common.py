@@ -28,7 +28,7 @@ import math
 import torch
 
 from selfattn._log import log_once
-from selfattn.masks import _index_grids
+from selfattn.masks.elementwise import index_grids
 
 __all__ = [
     "accumulation_dtype",
@@ -46,7 +46,7 @@ __all__ = [
     "unattended_columns_zeroed",
 ]
 
-index_grids = _index_grids
+index_grids = index_grids
 
 _M32 = 0xFFFFFFFF
 # murmur3's 32-bit finaliser constants (Appleby): a cheap, well-mixing integer hash.

@@ -52,7 +52,8 @@ from selfattn.backends._common import (
     unattended_columns_zeroed,
 )
 from selfattn.kernels.fused_attention import base2
-from selfattn.masks import FULL, TileGrid, _callable_failure
+from selfattn.masks.elementwise import callable_failure
+from selfattn.masks.tiles import FULL, TileGrid, classify
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
 
@@ -147,11 +148,8 @@ def _grid(call: AttentionCall, B, Hq, Sq, Sk, block_q, block_k, device) -> _Grid
         ones = torch.ones(n_q, n_k, dtype=torch.bool)
         return _Grid(block_q, ones, ones.clone())
     grid = TileGrid(Sq, Sk, block_q, block_k, q_offset=call.q_offset, device=device)
-    kinds = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq))
-    while kinds.dim() < 4:
-        kinds = kinds.unsqueeze(0)
+    kinds = classify(call.mask, grid, B, Hq).cpu()  # (B', H', n_q, n_k)
     mask_b, mask_h = kinds.shape[0], kinds.shape[1]
-    kinds = kinds.expand(mask_b, mask_h, n_q, n_k).cpu()
     nonempty = kinds.amax(dim=(0, 1)) > 0
     full = kinds.amin(dim=(0, 1)) == int(FULL)
     return _Grid(block_q, nonempty, full, mask_b, mask_h)
@@ -878,7 +876,7 @@ def _unlisted_grad_source(mod, call: AttentionCall, q) -> bool:
         with torch.enable_grad():
             r = mod.score_mod(score, zero, zero, zero + call.q_offset, zero)
     except Exception as e:
-        if _callable_failure(e):  # out of memory or the user's own error: raise it once, here
+        if callable_failure(e):  # out of memory or the user's own error: raise it once, here
             raise
         return False  # let the real call raise its error with the full-size arguments
     if not isinstance(r, torch.Tensor) or not r.requires_grad:

@@ -66,8 +66,9 @@ from selfattn.backends._common import (
     sinkless,
 )
 from selfattn.kernels.markers import assume_constant_result
-from selfattn.masks import FULL, PARTIAL, Mask, _callable_failure, _evaluate
-from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
+from selfattn.masks import FULL, PARTIAL, Mask
+from selfattn.masks.block_mask import FLEX_BLOCK, flex_api, wrapped_mask_mod
+from selfattn.masks.elementwise import callable_failure, evaluate
 from selfattn.scores import Compose, ScoreMod
 
 BLOCK = FLEX_BLOCK  # FlexAttention's default sparse block size; its kernels tile inside it
@@ -388,7 +389,7 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
         def sub_mod(b, h, q_idx, kv_idx, c=c):
             return call.mask.mask_mod(b, h, q_idx, c[kv_idx])
 
-        dense = _evaluate(sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device)
+        dense = evaluate(sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device)
         a = dense.expand(B, Hq, Sq, c.numel()).any(dim=2)  # (B, Hq, n)
         attended.append(a.view(B, Hkv, Hq // Hkv, c.numel()).any(dim=2))  # (B, Hkv, n)
     zero = torch.zeros_like(bad)
@@ -523,7 +524,7 @@ def _attend(q, k, v, call: AttentionCall):
             result = _call_compiled(mode, signature, q, k, v, kwargs)
             break
         except Exception as e:
-            if _callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised
+            if callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised
                 raise
             if mode is None:  # retry with static shapes, and remember to start there next time
                 _STATIC_ONLY.add(signature)

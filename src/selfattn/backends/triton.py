@@ -47,7 +47,7 @@ from selfattn.backends._common import (
 )
 from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
-from selfattn.masks import FULL, PARTIAL, TileGrid
+from selfattn.masks.tiles import FULL, PARTIAL, TileGrid, classify
 
 __all__ = ["COSTS", "cost", "plan", "reject", "run"]
 
@@ -146,8 +146,7 @@ def _kinds(call: AttentionCall, B, Hq, Sq, Sk, bm: int, bn: int, device) -> torc
         kinds = torch.full((n_q, n_k), int(FULL), dtype=torch.int8, device=device)
     else:
         grid = TileGrid(Sq, Sk, bm, bn, q_offset=call.q_offset, device=device)
-        k4 = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq)).to(device)
-        k4 = k4.reshape((1,) * (4 - k4.dim()) + tuple(k4.shape)).expand(-1, -1, n_q, n_k)
+        k4 = classify(call.mask, grid, B, Hq).to(device)  # (B', H', n_q, n_k)
         nonempty = k4.amax(dim=(0, 1)) > 0
         full = k4.amin(dim=(0, 1)) == int(FULL)
         kinds = nonempty.to(torch.int8) + full.to(torch.int8)  # EMPTY 0, PARTIAL 1, FULL 2

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from selfattn.masks import TileGrid
+from selfattn.masks.tiles import TileGrid, classify
 
 # Most key intervals per query row the C kernel takes (its per-page masking and weighted V
 # sums loop over them): StreamingLLM's paged mask is 3, one of them always empty.
@@ -31,9 +31,7 @@ def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
             last.append(used)
             continue
         grid = TileGrid(Sq, n, Sq, P, q_offset=n - Sq)
-        kinds = torch.as_tensor(mask.tile_kinds(grid, len(lens), Hq))
-        while kinds.dim() < 4:
-            kinds = kinds.unsqueeze(0)
+        kinds = classify(mask, grid, len(lens), Hq)  # (B', H', 1, used)
         row = kinds[b if kinds.shape[0] > 1 else 0].amax(dim=(0, 1)).cpu()  # (used,)
         hit = (row > 0).nonzero().flatten().tolist()
         first.append(hit[0] if hit else 0)
