@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from selfattn._validate import positive_int
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -51,6 +50,8 @@ from selfattn.backends._common import (
     run_with_sinks,
     unattended_columns_zeroed,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.call import AttentionCall
 from selfattn.kernels.fused_attention import base2
 from selfattn.masks.elementwise import callable_failure
 from selfattn.masks.tiles import FULL, TileGrid, classify
@@ -72,7 +73,7 @@ SCORE_ELEMENTS = 1 << 17
 MAX_ROWS = 256  # the coarsest query tile (G·block_q rows)
 # Partial-tile masks are evaluated for many tiles in one vectorised mask_mod call; this caps the
 # elements (tiles · block_q · block_k · mask batch · mask heads) evaluated at once.
-_MASK_BATCH_ELEMENTS = 1 << 19
+MASK_BATCH_ELEMENTS = 1 << 19
 
 
 def tile_sizes(Sq: int, Sk: int, G: int = 1) -> tuple[int, int, int]:
@@ -168,6 +169,18 @@ def fine_grid(call: AttentionCall, B, Hq, Sq, Sk, G, device) -> _Grid:
     return call.tile_kinds_cache[key]
 
 
+def density(q, k, call) -> float:
+    """Fraction of the tiles (chunked's own fine tiling) the mask does not classify as EMPTY.
+
+    The classification is cached on the call, so the chunked backend reuses it when picked.
+    """
+    if call.mask is None:
+        return 1.0
+    B, Hq, Sq, _ = q.shape
+    Sk, G = k.shape[2], Hq // k.shape[1]
+    return float(fine_grid(call, B, Hq, Sq, Sk, G, q.device).nonempty.float().mean())
+
+
 def _choose_rows(grid: _Grid, G: int) -> int:
     """How many fine query tiles to merge (1, 2 or 4), from the share of PARTIAL tiles.
 
@@ -215,7 +228,7 @@ def _plan(grid: _Grid, Sq, Sk, block_k, max_chunk) -> _Plan:
 
     # Group query tiles so that each group's partial-tile masks are evaluated in one call.
     per_tile = torch.bincount(partial_tiles[:, 0], minlength=n_q).tolist() if ptiles else [0] * n_q
-    cap = max(1, _MASK_BATCH_ELEMENTS // (block_q * block_k * grid.mask_b * grid.mask_h))
+    cap = max(1, MASK_BATCH_ELEMENTS // (block_q * block_k * grid.mask_b * grid.mask_h))
     groups, i0, p0, count = [], 0, 0, 0
     for i in range(n_q):
         if count and count + per_tile[i] > cap:
@@ -229,7 +242,7 @@ def _plan(grid: _Grid, Sq, Sk, block_k, max_chunk) -> _Plan:
     return _Plan(block_q, block_k, n_q, chunks, partial_tiles, groups, keyed)
 
 
-def _partial_masks(call, tiles, B, Hq, Hkv, Sq, Sk, bq, bk, device, dtype, safe):
+def partial_masks(call, tiles, B, Hq, Hkv, Sq, Sk, bq, bk, device, dtype, safe):
     """Evaluate the mask on a batch of PARTIAL tiles in one ``mask_mod`` call.
 
     ``tiles (n, 2)``: (query tile, key tile). Returns ``(n, Bm, Hk', G', bq, bk)`` with
@@ -414,7 +427,7 @@ class _Setup:
     def group_masks(self, call, plan, p0, p1):
         if p1 == p0:
             return None
-        masks = _partial_masks(
+        masks = partial_masks(
             call, plan.partial_tiles[p0:p1], self.B, self.Hq, self.Hkv, self.Sq, self.Sk,
             self.bq, plan.block_k, self.device, self.cd, self.safe,
         )  # fmt: skip

@@ -6,7 +6,7 @@ composed ops), and not plain ``cpu``: that is the paged registry's C decode kern
 ``backend="cpu"`` must not mean two kernels. It walks the same tile classification as
 ``chunked`` (``chunked.fine_grid``, computed once per call and shared with ``auto``'s density
 estimate): EMPTY tiles are skipped, FULL ones get no mask work, and each PARTIAL tile's mask is
-evaluated with the mask's own ``mask_mod`` (``chunked._partial_masks``) into a byte block the
+evaluated with the mask's own ``mask_mod`` (``chunked.partial_masks``) into a byte block the
 kernel reads. That tile description is kept across calls for the same mask object and geometry
 (a small LRU, as the flex backend keeps its block masks): built anew, its dozens of small torch
 ops cost more than the kernel itself on a loaded 2-thread host (window 32 at S=2048, 8 heads:
@@ -22,7 +22,7 @@ chunked runs them), calls under ``torch.compile`` (the tile plan reads mask valu
 wherever the kernel cannot be built (no compiler: logged once, chunked runs instead). A bias
 that requires grad gets its gradient from the kernel's backward (its dQ pass sums dS over the
 bias's broadcast axes in a fixed order). Non-finite inputs are checked and redone exactly
-(``_common.fused_or_exact``), as sdpa's are, by the kernel's own verdict on q and the output (it
+(``exact.fused_or_exact``), as sdpa's are, by the kernel's own verdict on q and the output (it
 tests them as it reads and writes them: no pass over either on the host); a call needing
 gradients whose K/V hold NaN/Inf goes to chunked's exact path up front (the fused backward
 multiplies whole tiles)."""
@@ -38,27 +38,26 @@ import threading
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, chunked, register
+from selfattn.backends import chunked
 from selfattn.backends._common import (
-    _GOLDEN,
-    _fmix32,
+    GOLDEN,
     all_finite,
     cap_before_alibi,
-    fused_or_exact,
+    fmix32,
     grad_needed,
     learned_bias,
     run_with_sinks,
     score_terms,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends.exact import fused_or_exact
+from selfattn.call import AttentionCall
 from selfattn.kernels import build, fused_attention, ops
 
 __all__ = [
     "DECODE_ROWS", "FITS", "LEARNED_BIAS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles",
 ]  # fmt: skip
 
-# Partial-tile masks are evaluated in groups of tiles, bounding the index tensors built for one
-# mask_mod call (chunked's cap).
-_MASK_BATCH_ELEMENTS = chunked._MASK_BATCH_ELEMENTS
 assert chunked.BLOCK_K == fused_attention.BLOCK_K  # the kernel walks chunked's fine grid
 
 
@@ -129,9 +128,10 @@ def _build_tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
     bq, bk = grid.block_q, fused_attention.BLOCK_K
     partial = (grid.nonempty & ~grid.full).nonzero()  # (n, 2), row-major
     blocks = []
-    step = max(1, _MASK_BATCH_ELEMENTS // (bq * bk * grid.mask_b * grid.mask_h))
+    # partial-tile masks in groups of tiles, under chunked's cap on one mask_mod call's indices
+    step = max(1, chunked.MASK_BATCH_ELEMENTS // (bq * bk * grid.mask_b * grid.mask_h))
     for p0 in range(0, partial.shape[0], step):
-        masked = chunked._partial_masks(
+        masked = chunked.partial_masks(
             call, partial[p0 : p0 + step], B, Hq, Hkv, Sq, Sk, bq, bk, q.device, None, True
         )  # (n, Bm, Hk', G', bq, bk) bool, True = masked
         n, Bm = masked.shape[0], masked.shape[1]
@@ -147,7 +147,7 @@ def _build_tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
 def _seed0(seed: int) -> int:
     """The first step of ``_common.dropout_keep``'s hash (the seed alone), which the kernel
     continues over (b, h, query, key)."""
-    return int(_fmix32(torch.tensor(seed & 0xFFFFFFFF) ^ ((seed >> 32) * _GOLDEN)))
+    return int(fmix32(torch.tensor(seed & 0xFFFFFFFF) ^ ((seed >> 32) * GOLDEN)))
 
 
 def _attend(q, k, v, call: AttentionCall, grad: bool):

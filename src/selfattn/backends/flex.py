@@ -28,7 +28,7 @@ column with zero K/V whose score is the sink (``_sink_column_call``), exact and 
 
 Non-finite values: FlexAttention computes ``P V`` over whole blocks, so NaN/Inf in V at a masked
 key inside a partial block leaks through ``0 · NaN``, and it turns a NaN query row into 0; the
-result is checked and such calls redone (``_common.fused_or_exact``, which states the rule).
+result is checked and such calls redone (``exact.fused_or_exact``, which states the rule).
 """
 
 from __future__ import annotations
@@ -47,24 +47,18 @@ import types
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import (
-    BASE_FIELDS,
-    AttentionCall,
-    Backend,
-    BackendCompileError,
-    Cost,
-    register,
-)
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     causal_as_flag,
-    fused_or_exact,
     grad_needed,
     needs_grad,
     run_with_sinks,
     sinkless,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, BackendCompileError, Cost, register
+from selfattn.backends.exact import fused_or_exact
+from selfattn.call import AttentionCall
 from selfattn.kernels.markers import assume_constant_result
 from selfattn.masks import FULL, PARTIAL, Mask
 from selfattn.masks.block_mask import FLEX_BLOCK, flex_api, wrapped_mask_mod

@@ -33,7 +33,7 @@ __all__ = ["AttentionMaps", "attention_layers", "capture_attention"]
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of recorded maps: a 12-layer, 12-head model at Sk ≈ 1.3k
 
 
-def _selection(value, n: int, what: str, fix: str) -> list[int]:
+def selection(value, n: int, what: str, fix: str) -> list[int]:
     """``None`` -> all of ``range(n)``; an int or ints (negatives count from the end) -> list."""
     if value is None:
         return list(range(n))
@@ -386,9 +386,9 @@ def capture_attention(
     positive_int(max_bytes, "max_bytes")
     modules = [m for _, m in named]
     names = [n or type(model).__name__ for n, _ in named]
-    layers = _selection(layers, len(modules), "layer", f"{type(model).__name__}")
+    layers = selection(layers, len(modules), "layer", f"{type(model).__name__}")
     n_heads = min(modules[i].n_heads for i in layers)
-    heads = _selection(heads, n_heads, "head", "each selected layer")
+    heads = selection(heads, n_heads, "head", "each selected layer")
     maps = AttentionMaps(modules, names, layers, heads, max_bytes, gradients)
     saved = {}
     try:

@@ -35,7 +35,7 @@ def _mask_side(Sq: int, Sk: int) -> float:
     return max(3.0, 0.25 * max(Sq, Sk) + 1.0)
 
 
-def _mask_figure_bytes(Sq: int, Sk: int) -> int:
+def mask_figure_bytes(Sq: int, Sk: int) -> int:
     """Bytes of the RGBA canvas :func:`plot_mask` renders for an ``(Sq, Sk)`` mask."""
     pixels = math.ceil(_mask_side(Sq, Sk) * _DPI)
     return pixels * pixels * 4
