@@ -32,8 +32,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import threading
+from pathlib import Path
 
 import torch
 
@@ -55,7 +57,8 @@ from selfattn.call import AttentionCall
 from selfattn.kernels import build, fused_attention, ops
 
 __all__ = [
-    "DECODE_ROWS", "FITS", "LEARNED_BIAS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles",
+    "DECODE_ROWS", "FITS", "FITS_FILE", "LEARNED_BIAS", "UNMEASURED", "Fit", "cost", "fit",
+    "read_fits", "run", "tiles",
 ]  # fmt: skip
 
 assert chunked.BLOCK_K == fused_attention.BLOCK_K  # the kernel walks chunked's fine grid
@@ -232,40 +235,33 @@ class Fit:
     what: str  # the regime in words, for explain
 
 
-# Measured by ``python -m selfattn.benchmarks.crossover --threads 1`` (one thread, CPU time,
-# interleaved, best of 3; a CPU with AVX-512F + avx512_bf16, no AMX): no mask
-# and causal, B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk
-# chunks. Each per_pair is about the worst large-call ratio of its regime, so that a call goes
-# to cpu_fused only where it wins by a margin; each fixed puts the crossover where the small
-# calls measured it.
-# Regimes: the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32
-# one), whether a backward follows (q, k or v needs grad under grad mode), and decode steps
-# (Sq <= DECODE_ROWS: sdpa takes ~40 ns per pair in fp32 and ~100-200 ns in bf16 there, against
-# 2-7 ns on prefills, and the kernel packs all of K/V for the one row; from Sq = 2 on, sdpa's
-# bf16 runs its fast path again, measured: 2 x 1024, 8 heads, 0.56 ms against 0.87 ms for 1 x
-# 1024).
-# The fit (the summed log of auto's slowdown against the fastest, per regime) covers one and
-# two threads together: ``crossover --threads 1 --S 64,128,256,1024,4096 --chunks
-# 1x4096,16x1024,256x4096`` (CPU time) and ``--threads 2 --repeat 9`` on a quiet host (wall
-# time). On the persistent thread pool (kernels/threads.py) the kernel gains from a second thread
-# as sdpa does, and both thread counts put each regime's best fixed at the same value (within the
-# grid's steps): no thread term. What still misses (auto >10 % slower than the fastest): Sq = 1
-# forward + backward and GQA decode forward (chunked is fastest there) and small calls within
-# 1.1-1.5x; BENCHMARKS.md has the counts.
-DECODE_ROWS = 1
-FITS = {
-    # (dtype, backward, decode) -> Fit; in brackets the measured ratios the per_pair covers
-    (torch.float32, False, False): Fit(0.70, 2.5e4, "fp32 forward"),  # [0.41, 0.71]
-    (torch.float32, True, False): Fit(0.80, 5e4, "fp32 forward + backward"),  # [0.42, 0.83]
-    # sdpa's decode path wins: slower per pair here (B=8: chunked is faster than both)
-    (torch.float32, False, True): Fit(1.5, 1e4, "fp32 decode-step forward"),  # [0.99, 4.2]
-    (torch.float32, True, True): Fit(1.5, 1e4, "fp32 decode-step forward + backward"),
-    (torch.bfloat16, False, False): Fit(0.40, 2.5e4, "bf16 forward"),  # [0.23, 0.43]
-    (torch.bfloat16, True, False): Fit(0.90, 1.5e3, "bf16 forward + backward"),  # [0.30, 0.89]
-    # sdpa's bf16 decode runs ~100-200 ns per pair; GQA 32/8 at Sk=4096: 0.17-0.20x
-    (torch.bfloat16, False, True): Fit(0.70, 2.5e3, "bf16 decode-step forward"),  # [0.13, 0.75]
-    (torch.bfloat16, True, True): Fit(0.90, 2e3, "bf16 decode-step forward + backward"),
-}
+# The measured regimes, from FITS_FILE (package data, with the machine it was measured on):
+# the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32 one),
+# whether a backward follows (q, k or v needs grad under grad mode), and decode steps
+# (Sq <= DECODE_ROWS: sdpa's time per pair is several times its prefill one there, and the
+# kernel packs all of K/V for the one row; from Sq = 2 on sdpa's bf16 runs its fast path again).
+# ``python -m selfattn.benchmarks.crossover --write`` measures and writes the file: each
+# per_pair is about the worst large-call ratio of its regime, so that a call goes to cpu_fused
+# only where it wins by a margin, and each fixed puts the crossover where the small calls
+# measured it (that module's docstring states the rule). One fit serves every thread count: on
+# the persistent thread pool (kernels/threads.py) the kernel gains from a second thread as sdpa
+# does. BENCHMARKS.md has the rows where auto's pick still misses the fastest.
+FITS_FILE = Path(__file__).with_name("cpu_fused_fits.json")
+
+
+def read_fits(path: Path = FITS_FILE) -> tuple[int, dict]:
+    """``(decode_rows, {(dtype, backward, decode): Fit})`` from a fits file."""
+    data = json.loads(path.read_text())
+    fits = {
+        (getattr(torch, f["dtype"]), f["backward"], f["decode"]): Fit(
+            f["per_pair"], f["fixed"], f["what"]
+        )
+        for f in data["fits"]
+    }
+    return data["decode_rows"], fits
+
+
+DECODE_ROWS, FITS = read_fits()
 # Not measured (fp16, which the kernel converts to float32; builds without AVX-512F, or bf16
 # without avx512_bf16, or bf16 on a CPU with AMX tiles, where sdpa's brgemm micro-kernels run on
 # them and our kernel does not): sdpa's equal, so that no-mask and causal calls stay on sdpa
