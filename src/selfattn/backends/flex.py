@@ -153,7 +153,7 @@ def _call_compiled(mode, signature, q, k, v, kwargs):
 
 # Dynamo compiles ``flex_attention`` once per mask/score-mod code, dtype and head dim; all of
 # them count against one per-function limit (8 by default), past which torch silently runs
-# FlexAttention *uncompiled* (O(Sq·Sk) memory, ~100× slower on a GPU: measured on an H200).
+# FlexAttention *uncompiled* (O(Sq·Sk) memory, ~100× slower on a GPU).
 _RECOMPILE_LIMIT = 64
 
 
