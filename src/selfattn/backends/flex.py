@@ -426,8 +426,8 @@ class _SinkColumn(Mask):
     def validate(self, B, H, Sq, Sk, q_offset):
         self.inner.validate(B, H, Sq, self.Sk, q_offset)
 
-    def _batch_heads(self):
-        return self.inner._batch_heads()
+    def batch_heads(self):
+        return self.inner.batch_heads()
 
     def __repr__(self) -> str:
         return f"{self.inner!r} | sink column {self.Sk}"

@@ -268,11 +268,11 @@ def attention_gradients(
                 f"output() must return the single number to explain, got {got}; reduce it, "
                 "e.g. logits[0, -1, token] or embedding[0] @ direction"
             )
-        outs = maps._outputs()
+        outs = maps.outputs()
         if not outs:
             raise ValueError("output() ran no captured attention layer with gradients enabled")
         torch.autograd.grad(y.reshape(()), outs, allow_unused=True)  # the hooks fill the maps
-        maps._release_outputs()
+        maps.release_outputs()
     return maps
 
 

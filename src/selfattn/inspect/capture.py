@@ -187,11 +187,11 @@ class AttentionMaps:
 
         return hook
 
-    def _outputs(self) -> list[torch.Tensor]:
+    def outputs(self) -> list[torch.Tensor]:
         """The hooked per-head outputs of the recorded calls (for ``torch.autograd.grad``)."""
         return [p[2] for parts in self._grad_parts.values() for p in parts if p[2] is not None]
 
-    def _release_outputs(self) -> None:
+    def release_outputs(self) -> None:
         """Drop the outputs (and the autograd graph they hold) once their gradients are in."""
         for parts in self._grad_parts.values():
             for p in parts:

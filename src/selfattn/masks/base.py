@@ -211,7 +211,7 @@ class Mask:
     def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
         """Raise ``ValueError`` naming the values if this mask cannot describe such a call."""
 
-    def _batch_heads(self) -> tuple[int, int]:
+    def batch_heads(self) -> tuple[int, int]:
         """The ``(B, H)`` this mask was built for (1 where it does not vary); used by render."""
         return 1, 1
 
@@ -276,7 +276,7 @@ class Mask:
         """Text picture of batch ``b``, head ``h``: rows = queries, columns = keys, ``█`` attend,
         ``·`` masked. ``Sk`` defaults to ``Sq``, ``q_offset`` to ``Sk - Sq``."""
         Sk = Sq if Sk is None else Sk
-        nb, nh = self._batch_heads()
+        nb, nh = self.batch_heads()
         B, H = (
             max(checked_int(b, "render b", 0) + 1, nb),
             max(checked_int(h, "render h", 0) + 1, nh),
@@ -323,8 +323,8 @@ class _Combine(Mask):
         for part in self.parts:
             part.validate(B, H, Sq, Sk, q_offset)
 
-    def _batch_heads(self):
-        sizes = [part._batch_heads() for part in self.parts]
+    def batch_heads(self):
+        sizes = [part.batch_heads() for part in self.parts]
         return max(b for b, _ in sizes), max(h for _, h in sizes)
 
     def __repr__(self) -> str:
@@ -480,8 +480,8 @@ class _Shifted(Mask):
         in the middle of the sequence, one row of a batch) that its caller checks as a whole;
         the shifted mask cannot know where that call's keys or rows end."""
 
-    def _batch_heads(self):
-        b, h = self.inner._batch_heads()
+    def batch_heads(self):
+        b, h = self.inner.batch_heads()
         return max(b - self.batch, 1), h
 
     def __repr__(self) -> str:

@@ -140,7 +140,7 @@ class FlexBlockMask(Mask):
                 f"create_block_mask(mask_mod, B, Hq, Sq, Sk) (B or H may be 1)"
             )
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return tuple(self.block_mask.kv_num_blocks.shape[:2])
 
     def __repr__(self) -> str:

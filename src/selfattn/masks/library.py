@@ -207,7 +207,7 @@ class Padding(Mask):
                 "a length counts valid keys, at most Sk"
             )
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return (self.lengths.numel() if self.per_batch else 1), 1
 
     def __repr__(self) -> str:
@@ -290,7 +290,7 @@ class Documents(Mask):
         if first < 0 or last >= self.ids.shape[1]:
             raise self._cover_error(first, last, f"call (Sq={Sq}, Sk={Sk}, q_offset={q_offset})")
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return self.ids.shape[0], 1
 
     def kernel_form(self):
@@ -347,7 +347,7 @@ class PrefixLM(Mask):
                 f"batch has B={B}; pass an int or one length per sequence"
             )
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return (self.length.numel() if self.per_batch else 1), 1
 
     def __repr__(self) -> str:
@@ -446,7 +446,7 @@ class BlockSparse(Mask):
         if Sq and Sk:
             self._check_cover(q_offset, q_offset + Sq - 1, 0, Sk - 1, f"call (q_offset={q_offset})")
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return self.layout.shape[0], self.layout.shape[1]
 
     def __repr__(self) -> str:

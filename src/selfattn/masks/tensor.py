@@ -151,7 +151,7 @@ class TensorMask(Mask):
     def validate(self, B, H, Sq, Sk, q_offset):
         self.rows.validate(B, H, Sq, Sk, q_offset, "mask")
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return self.tensor.shape[0], self.tensor.shape[1]
 
     def __repr__(self) -> str:
