@@ -28,6 +28,12 @@ manager :func:`use` (per thread, nestable) or else the environment variable ``SE
 (read at each call), as ``torch.nn.attention.sdpa_kernel`` and vLLM's
 ``VLLM_ATTENTION_BACKEND`` do. A ``backend=`` named in the call wins over both; :func:`explain`
 reports the override.
+
+Layout, arrows pointing down: this package (loads the backends, the override, explain) ->
+the backends (``reference``, ``chunked``; then :mod:`~selfattn.backends.exact`, the exact redo
+of a non-finite fused result; then the fused ``sdpa``, ``flex``, ``triton``, ``cpu_fused``) ->
+:mod:`~selfattn.backends.base` (the contract and the registries, which import no backend),
+:mod:`~selfattn.backends._auto` (the ranking) and ``_common`` (shared numerics).
 """
 
 from __future__ import annotations
