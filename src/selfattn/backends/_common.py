@@ -29,10 +29,13 @@ import torch
 from selfattn.masks.elementwise import index_grids
 
 __all__ = [
+    "GOLDEN",
+    "M32",
     "accumulation_dtype",
     "all_finite",
     "causal_as_flag",
     "dropout_keep",
+    "fmix32",
     "index_grids",
     "merge_sinks",
     "needs_grad",

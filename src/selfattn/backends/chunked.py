@@ -56,7 +56,16 @@ from selfattn.kernels.fused_attention import base2
 from selfattn.masks.elementwise import callable_failure
 from selfattn.masks.tiles import FULL, TileGrid, classify
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "MASK_BATCH_ELEMENTS",
+    "SCORE_ELEMENTS",
+    "density",
+    "partial_masks",
+    "run",
+    "tile_sizes",
+]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log

@@ -28,7 +28,12 @@ from selfattn.functional import attention_weights
 from selfattn.masks import Mask, as_mask
 from selfattn.nn import MultiHeadAttention
 
-__all__ = ["AttentionMaps", "attention_layers", "capture_attention"]
+__all__ = [
+    "AttentionMaps",
+    "attention_layers",
+    "capture_attention",
+    "selection",
+]
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of recorded maps: a 12-layer, 12-head model at Sk ≈ 1.3k
 

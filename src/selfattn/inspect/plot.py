@@ -18,7 +18,11 @@ from selfattn import masks as _masks
 from selfattn._optional import require
 from selfattn._validate import positive_int
 
-__all__ = ["plot_attention", "plot_mask"]
+__all__ = [
+    "mask_figure_bytes",
+    "plot_attention",
+    "plot_mask",
+]
 
 _FORMATS = (".png", ".svg")
 # Beyond these a panel's numbers are unreadable: colour only.

@@ -109,7 +109,15 @@ from selfattn.positions import (
 )
 from selfattn.positions.rope import memoisable
 
-__all__ = ["GPT2", "CausalLM", "DecoderConfig", "GptOss", "LayerCaches", "Llama"]
+__all__ = [
+    "GPT2",
+    "CausalLM",
+    "DecoderConfig",
+    "GptOss",
+    "LayerCaches",
+    "Llama",
+    "layer_mask",
+]
 
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 CACHE_KINDS = ("static", "window", "paged")

@@ -40,10 +40,12 @@ __all__ = [
     "ConfigKeyError",
     "UnsupportedConfigError",
     "from_pretrained",
+    "load_dtype",
     "load_state",
     "read_config",
     "read_safetensors",
     "register",
+    "register_format",
     "resolve",
 ]
 

@@ -28,7 +28,11 @@ import torch
 from selfattn._optional import require
 from selfattn.models.hub import CheckpointError, read_json, resolve
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = [
+    "Tokenizer",
+    "load_tokenizer",
+    "register_format",
+]
 
 # transformers' special-token attributes, passed to chat templates under these names
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")

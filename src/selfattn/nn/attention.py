@@ -24,6 +24,7 @@ __all__ = [
     "QueryTemperature",
     "TorchMultiheadAttention",
     "gate_heads",
+    "positions_after",
 ]
 
 

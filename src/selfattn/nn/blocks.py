@@ -15,7 +15,15 @@ from selfattn.nn.attention import MultiHeadAttention
 from selfattn.nn.mlp import MLP, SwiGLU, apply_dropout
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["MLP", "DecoderBlock", "EncoderBlock", "LayerNorm", "RMSNorm", "SwiGLU"]
+__all__ = [
+    "MLP",
+    "DecoderBlock",
+    "EncoderBlock",
+    "LayerNorm",
+    "RMSNorm",
+    "Residual",
+    "SwiGLU",
+]
 
 
 class Residual(nn.Module):

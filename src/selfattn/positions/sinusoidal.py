@@ -11,7 +11,11 @@ from torch import nn
 
 from selfattn._validate import positive_int
 
-__all__ = ["LearnedPositions", "Sinusoidal"]
+__all__ = [
+    "LearnedPositions",
+    "Sinusoidal",
+    "check_position_values",
+]
 
 
 # Angles are ``position * inv_freq`` in float64, which holds every integer exactly only up to 2**53:

@@ -16,7 +16,14 @@ from selfattn.call import check_sinks
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["QUANT_DTYPES", "PagedCall", "layer_call", "prepare"]
+__all__ = [
+    "QUANT_DTYPES",
+    "PagedCall",
+    "check_shapes",
+    "check_values",
+    "layer_call",
+    "prepare",
+]
 
 # Page dtypes stored quantised, read with scales (selfattn.cache.quant writes them): int8's one
 # per token and head in bfloat16, fp8's one per head in float32.

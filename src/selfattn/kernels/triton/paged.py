@@ -43,7 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_splits", "paged_attention_triton"]
+__all__ = [
+    "interpreted",
+    "merge_splits",
+    "online_softmax_step",
+    "paged_attention_triton",
+    "pow2",
+]
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
 BLOCK_N = 32  # keys per tile of the per-key walk: >= 16 for tl.dot
