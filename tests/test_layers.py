@@ -1,4 +1,5 @@
-"""DESIGN's layers, checked on the source: each part of src/selfattn imports only from below it.
+"""docs/design.md's layers, checked on the source: each part of src/selfattn imports only from
+below it.
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 The rules are data: ``LAYERS`` from bottom to top (a part may import its own layer and those
@@ -19,7 +20,7 @@ import selfattn
 ROOT = Path(selfattn.__file__).parent
 PACKAGE = "<selfattn>"  # selfattn/__init__.py: it loads every public part on first use
 
-# Bottom to top, as in DESIGN.md "Layers". A part of src/selfattn missing here fails
+# Bottom to top, as in docs/design.md "Layers". A part of src/selfattn missing here fails
 # test_every_part_has_a_layer: a new part must be placed before it can be checked.
 LAYERS: list[tuple[str, set[str]]] = [
     (
@@ -146,13 +147,29 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _from_imports(path: Path, modules: dict[str, Path]):
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:``: annotations only, never run."""
+    found = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        name = getattr(test, "id", None) or getattr(test, "attr", None)
+        if isinstance(node, ast.If) and name == "TYPE_CHECKING":
+            found |= {id(n) for part in node.body for n in ast.walk(part)}
+    return found
+
+
+def _from_imports(path: Path, modules: dict[str, Path], runtime_only: bool = False):
     """``(line, module, name, target)`` per name of each selfattn ``from M import name`` in
     ``path`` (relative ones resolved); ``target`` is ``M.name`` where that is a module (``from
-    selfattn.masks import tiles``), else ``M``."""
+    selfattn.masks import tiles``), else ``M``. ``runtime_only``: leave out the imports under
+    ``if TYPE_CHECKING:``."""
     rel = path.relative_to(ROOT).with_suffix("").parts
     package = ["selfattn", *rel[:-1]]  # the package the file sits in
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _type_checking_only(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name in modules:
@@ -170,11 +187,12 @@ def _from_imports(path: Path, modules: dict[str, Path]):
 
 
 def _graph() -> dict[str, set[str]]:
-    """Module -> the selfattn modules it imports (lazy imports included)."""
+    """Module -> the selfattn modules it imports when run (lazy imports included; those under
+    ``if TYPE_CHECKING:`` name a type for annotations and import nothing)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        for _, _, _, target in _from_imports(path, modules):
+        for _, _, _, target in _from_imports(path, modules, runtime_only=True):
             if target in modules and target != module:
                 graph[module].add(target)
     return graph
@@ -250,3 +268,19 @@ def test_private_names_stay_private():
         f"{where}: from {base} import {name}" for (_, base, name), where in unlisted.items()
     )
     assert len(PRIVATE_IMPORTS_ALLOWED) <= PRIVATE_IMPORTS_MAX
+
+
+def test_type_checking_imports_are_no_arrow(tmp_path, monkeypatch):
+    """An import under ``if TYPE_CHECKING:`` names a type for annotations: no run-time arrow."""
+    pkg = tmp_path / "selfattn"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from selfattn.b import B\nfrom selfattn import c\n"
+    )
+    for name in ("b", "c"):
+        (pkg / f"{name}.py").write_text("")
+    monkeypatch.setattr(f"{__name__}.ROOT", pkg)
+    modules = _modules()
+    found = [t for *_, t in _from_imports(pkg / "a.py", modules, runtime_only=True)]
+    assert found == ["selfattn.c"] and len(list(_from_imports(pkg / "a.py", modules))) == 2

@@ -46,8 +46,6 @@ __all__ = [
     "unattended_columns_zeroed",
 ]
 
-index_grids = index_grids
-
 M32 = 0xFFFFFFFF
 # murmur3's 32-bit finaliser constants (Appleby): a cheap, well-mixing integer hash.
 _FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
@@ -55,7 +53,7 @@ GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, separates the hashed coordinates
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16/fp32 accumulate in fp32; fp64 stays fp64 (DESIGN.md)."""
+    """fp16/bf16/fp32 accumulate in fp32; fp64 stays fp64 (docs/design.md)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
