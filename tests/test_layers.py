@@ -128,16 +128,6 @@ def test_layer_imports_nothing_above_it(level):
     assert not violations, f"{LAYERS[level][0]} imports from above it:\n" + "\n".join(violations)
 
 
-def test_the_walk_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
-    """The checker itself: a function-level import and a relative one are both found."""
-    pkg = tmp_path / "selfattn" / "masks"
-    pkg.mkdir(parents=True)
-    src = pkg / "x.py"
-    src.write_text("def f():\n    from selfattn.nn import attention\nfrom ..cache import paged\n")
-    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path / "selfattn")
-    assert sorted(_imports(src)) == [(2, "selfattn.nn"), (3, "selfattn.cache")]
-
-
 def _modules() -> dict[str, Path]:
     """``{"selfattn.masks.base": path}`` for every module of the package."""
     found = {}
@@ -284,3 +274,13 @@ def test_type_checking_imports_are_no_arrow(tmp_path, monkeypatch):
     modules = _modules()
     found = [t for *_, t in _from_imports(pkg / "a.py", modules, runtime_only=True)]
     assert found == ["selfattn.c"] and len(list(_from_imports(pkg / "a.py", modules))) == 2
+
+
+def test_the_walk_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
+    """The checker itself: a function-level import and a relative one are both found."""
+    pkg = tmp_path / "selfattn" / "masks"
+    pkg.mkdir(parents=True)
+    src = pkg / "x.py"
+    src.write_text("def f():\n    from selfattn.nn import attention\nfrom ..cache import paged\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path / "selfattn")
+    assert sorted(_imports(src)) == [(2, "selfattn.nn"), (3, "selfattn.cache")]
