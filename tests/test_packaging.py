@@ -89,6 +89,7 @@ def test_wheel_ships_sources_types_benchmarks_and_licence(wheel):
         for path in spec.input_paths():
             assert f"selfattn/kernels/csrc/{path.name}" in names
     assert "selfattn/inspect/view.html" in names  # the explorer page's template
+    assert "selfattn/backends/cpu_fused_fits.json" in names  # auto's measured costs
     assert "selfattn/py.typed" in names
     for bench in ("__init__", "_util", *NAMES):
         assert f"selfattn/benchmarks/{bench}.py" in names

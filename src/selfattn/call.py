@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfattn.masks import Mask, _check_position_span, as_mask
+from selfattn.masks import Mask, as_mask
+from selfattn.masks.tiles import check_position_span
 from selfattn.scores import ScoreMod, as_score_mod
 
 __all__ = ["AttentionCall", "check_sinks", "check_tensors", "prepare"]
@@ -177,7 +178,7 @@ def prepare(
         q_offset = int(q_offset)
     if isinstance(q_offset, bool) or not isinstance(q_offset, int):
         raise TypeError(f"q_offset must be an int (position of query row 0), got {q_offset!r}")
-    _check_position_span(q_offset, Sq, "q_offset")
+    check_position_span(q_offset, Sq, "q_offset")
 
     # Tensors given in query-row order are bound to absolute positions here, once: every backend
     # then calls mask_mod(b, h, q_idx, kv_idx) / score_mod(score, b, h, q_idx, kv_idx) on

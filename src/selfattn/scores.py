@@ -16,14 +16,9 @@ from collections.abc import Callable
 import torch
 
 from selfattn._validate import checked_int
-from selfattn.masks import (
-    _call_elementwise,
-    _check_arity,
-    _check_position_span,
-    _fn_name,
-    _ReturnTypeError,
-    _RowTensor,
-)
+from selfattn.masks.elementwise import ReturnTypeError, call_elementwise, check_arity, fn_name
+from selfattn.masks.tensor import RowTensor
+from selfattn.masks.tiles import check_position_span
 
 __all__ = [
     "CallableScoreMod",
@@ -80,7 +75,7 @@ class ScoreMod:
         """This mod for a call over part of its keys and sequences: key column ``j`` at position
         ``j + kv``, batch row ``b`` the mod's row ``b + batch``; the caller validates the whole
         call (see :meth:`selfattn.masks.Mask.shifted`)."""
-        _check_position_span(checked_int(kv, "shifted kv"), 1, "shifted kv")
+        check_position_span(checked_int(kv, "shifted kv"), 1, "shifted kv")
         checked_int(batch, "shifted batch", 0)
         return _Shifted(self, kv, batch)
 
@@ -289,7 +284,7 @@ class Bias(ScoreMod):
     additive = True
     row_ordered = True
 
-    def __init__(self, tensor: torch.Tensor, *, _rows: _RowTensor | None = None):
+    def __init__(self, tensor: torch.Tensor, *, _rows: RowTensor | None = None):
         if _rows is not None:  # a bound copy (bind): the same tensor, gradients included
             self.rows, self.tensor = _rows, _rows.tensor
             return
@@ -319,7 +314,7 @@ class Bias(ScoreMod):
             )
         # (…) -> (B or 1, Hq or 1, Sq or 1, Sk or 1); reshape keeps the autograd link to `tensor`
         self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
-        self.rows = _RowTensor(self.tensor)
+        self.rows = RowTensor(self.tensor)
 
     def bind(self, q_offset) -> ScoreMod:
         rows = self.rows.bind(q_offset)
@@ -471,7 +466,7 @@ class CallableScoreMod(ScoreMod):
     def __init__(self, fn: Callable):
         if not callable(fn):
             raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
-        _check_arity(
+        check_arity(
             fn,
             5,
             "score_mod",
@@ -481,10 +476,10 @@ class CallableScoreMod(ScoreMod):
         self.fn = fn
 
     def score_mod(self, score, b, h, q_idx, kv_idx):
-        out = _call_elementwise(self.fn, (score, b, h, q_idx, kv_idx), "score_mod")
+        out = call_elementwise(self.fn, (score, b, h, q_idx, kv_idx), "score_mod")
         if not out.dtype.is_floating_point:
-            raise _ReturnTypeError(
-                f"score_mod {_fn_name(self.fn)} must return a floating-point score, got "
+            raise ReturnTypeError(
+                f"score_mod {fn_name(self.fn)} must return a floating-point score, got "
                 f"{out.dtype}; masks (bool) belong in mask="
             )
         # a mod that ignores `score` may return a smaller, broadcastable tensor. Only touch
@@ -497,7 +492,7 @@ class CallableScoreMod(ScoreMod):
         return self.fn
 
     def __repr__(self) -> str:
-        return f"score_mod({_fn_name(self.fn)})"
+        return f"score_mod({fn_name(self.fn)})"
 
 
 class _Shifted(ScoreMod):

@@ -15,7 +15,8 @@ import torch
 import selfattn as sa
 from selfattn import masks, scores
 from selfattn.backends import AttentionCall, Cost, registry
-from selfattn.backends._auto import density, rank
+from selfattn.backends._auto import rank
+from selfattn.backends.chunked import density
 from selfattn.cache import paged_attention
 from selfattn.call import prepare
 from selfattn.kernels import fused_attention, paged_decode

@@ -318,9 +318,9 @@ def test_finite_calls_trust_the_kernels_verdict_without_a_pass_over_q_or_out(dty
     call runs no reduction over either on the host (it was ~4% of a bf16 window forward); a NaN
     in q is still found and the call redone exactly (by chunked, logged once)."""
     summed = []
-    all_finite = backends._common.all_finite
+    all_finite = backends.exact.all_finite
     monkeypatch.setattr(
-        backends._common, "all_finite", lambda *ts: summed.append(ts) or all_finite(*ts)
+        backends.exact, "all_finite", lambda *ts: summed.append(ts) or all_finite(*ts)
     )
     q, k, v = (t.to(dtype) for t in make_qkv(1, 2, 97, 40, Sk=150, seed=9))
     out = cpu_attention(q, k, v, mask=masks.sliding_window(70))

@@ -40,6 +40,8 @@ class Smoke:
     needs: tuple[str, ...] = ()  # modules the benchmark imports (skipped without them)
     timeout_s: int = 300
     env: tuple[tuple[str, str], ...] = ()  # set for its process
+    # checks what the run wrote in its folder: (report, folder) -> None
+    wrote: Callable[[dict, Path], None] | None = None
 
 
 def packaged(name: str, *argv: str) -> tuple[str, ...]:
@@ -185,6 +187,37 @@ def check_crossover(report: dict) -> None:
         assert r["max_abs_diff"] < tol, r
     misses = sum(not r["auto_ok"] for r in rows)  # the summary counts the rows' verdicts
     assert report["setup"]["auto_misses"] == {"threads=1": f"{misses} of {len(rows)} rows"}
+
+
+def check_crossover_fits(report: dict, folder: Path) -> None:
+    """``--write``: the fits file holds the machine once, a fit per regime the run measured by
+    the module's rule, and the other regimes as the package's file had them; cpu_fused reads it."""
+    from selfattn.backends import cpu_fused
+    from selfattn.benchmarks import crossover
+
+    path = folder / "fits.json"
+    data = json.loads(path.read_text())
+    assert data["machine"]["cpu"] and data["machine"]["date"] == report["machine"]["date"]
+    assert "--write" in data["machine"]["command"]
+    packaged = json.loads(cpu_fused.FITS_FILE.read_text())
+    by_regime = {(f["dtype"], f["backward"], f["decode"]): f for f in data["fits"]}
+    assert by_regime.keys() == {(f["dtype"], f["backward"], f["decode"]) for f in packaged["fits"]}
+    regimes: dict = {}
+    for r in report["rows"]:
+        key = (crossover.DTYPE_NAMES[r["dtype"]], r["backward"], r["Sq"] <= data["decode_rows"])
+        regimes.setdefault(key, []).append(r)
+    for key, fit in by_regime.items():
+        rows = regimes.get(key)
+        if rows is None:  # not measured: kept
+            assert fit in packaged["fits"], fit
+            continue
+        large = [r for r in rows if r["pairs"] >= crossover.LARGE_PAIRS]
+        large = large or [max(rows, key=lambda r: r["pairs"])]
+        worst = max(r["ratio"] for r in large) * crossover.PER_PAIR_MARGIN
+        assert fit["per_pair"] == pytest.approx(worst, rel=0.05), (fit, worst)
+        assert fit["fixed"] >= 0 and fit["measured_ratios"][0] <= fit["measured_ratios"][1]
+    decode_rows, fits = cpu_fused.read_fits(path)
+    assert decode_rows == data["decode_rows"] and len(fits) == len(by_regime)
 
 
 def check_gpu_decode(report: dict) -> None:
@@ -388,7 +421,11 @@ SMOKES = {
         ),
         marks=pytest.mark.slow,
     ),
-    "crossover": Smoke(packaged("crossover", "--threads", "1"), check_crossover),
+    "crossover": Smoke(
+        packaged("crossover", "--threads", "1", "--write", "fits.json"),
+        check_crossover,
+        wrote=check_crossover_fits,
+    ),
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
     "variants": Smoke(packaged("variants", "--repeat", "2"), check_variants),
     "layers": pytest.param(
@@ -448,6 +485,8 @@ def test_quick_json(smoke: Smoke, tmp_path):
     rows = report.get("rows", [])
     check_verdicts(rows if rows and isinstance(rows[0], dict) else [])
     smoke.check(report)
+    if smoke.wrote is not None:
+        smoke.wrote(report, tmp_path)
 
 
 def test_every_benchmark_has_a_smoke_run():

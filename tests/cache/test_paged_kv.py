@@ -441,8 +441,8 @@ def test_own_table_is_not_checked_again(monkeypatch):
     """A PagedKV vouches for its own block table and lengths (valid_for): its steps never read
     them back to check them; a plan of a caller's table still checks it once."""
     checks = []
-    real = paged_plan._check_values
-    monkeypatch.setattr(paged_plan, "_check_values", lambda *a: checks.append(real(*a)))
+    real = paged_plan.check_values
+    monkeypatch.setattr(paged_plan, "check_values", lambda *a: checks.append(real(*a)))
     model = tiny("llama")
     cache = model.make_cache("paged", 2, 16, page_size=4)
     model(tokens(2, 5, seed=2), cache=cache)

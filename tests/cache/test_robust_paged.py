@@ -25,7 +25,7 @@ import torch
 import selfattn as sa
 from selfattn import masks
 from selfattn.backends.paged import pytorch as paged_torch
-from selfattn.backends.paged._intervals import _key_intervals
+from selfattn.backends.paged._intervals import key_intervals
 from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.kernels import build, paged_decode
@@ -102,7 +102,7 @@ def test_garbage_outside_attended_keys_never_leaks(paged_path, mask):
     Sq, P = 3, 4
     q, kp, vp, table, lens = make_paged([13, 6, 10], 4, 2, D=8, P=P, Sq=Sq, spare=4, seed=5)
     clean = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)
-    lo, hi = _key_intervals(mask, lens.long(), Sq)
+    lo, hi = key_intervals(mask, lens.long(), Sq)
     attended = torch.zeros(kp.shape[:2], dtype=torch.bool)  # (N, P)
     for b in range(len(lens)):
         for t in range(int(lo[b].min()), int(hi[b].max())):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from selfattn import masks
-from selfattn.backends.paged._intervals import _key_intervals
+from selfattn.backends.paged._intervals import key_intervals
 from selfattn.kernels import paged_decode
 from tests.cache.test_paged import make_paged
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 def test_launch_equals_decode_for_every_layer(Sq, sinks):
     lens = [13, 6, 29]
     q, kp, vp, table, seq_lens = make_paged(lens, 6, 2, D=8, P=4, Sq=Sq, seed=Sq)
-    lo, hi = _key_intervals(masks.causal() & masks.sliding_window(9), seq_lens.long(), Sq)
+    lo, hi = key_intervals(masks.causal() & masks.sliding_window(9), seq_lens.long(), Sq)
     splits = paged_decode.key_splits(lo, hi, 4)
     launch = paged_decode.Launch(q, kp, vp, table, lo, hi, splits)
     g = torch.Generator().manual_seed(11)

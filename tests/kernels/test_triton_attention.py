@@ -331,7 +331,7 @@ def test_custom_ops_have_fakes_and_trace_under_torch_compile(kernel):
 
     q, k, v = make_qkv(1, 2, 20, 16, seed=17, device=DEV, requires_grad=True)
     # eager first: traced cold, the registry trips on dataclasses.fields(AttentionCall) (an
-    # existing graph break, the same for every backend: backends._defaults)
+    # existing graph break, the same for every backend: backends.base.call_fields)
     want = step(q, k, v)
     torch._dynamo.reset()
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)

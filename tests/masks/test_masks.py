@@ -938,9 +938,9 @@ def test_elementwise_fallback_in_bands_equals_one_shot(monkeypatch, Sq, Sk, bq, 
     )
     grid = M.TileGrid(Sq, Sk, bq, bk, q_offset=qo)
     for mask in (callable_mask, tensor_mask):
-        monkeypatch.setattr(M.base, "_BAND_ELEMENTS", 1 << 40)
+        monkeypatch.setattr(M.tiles, "_BAND_ELEMENTS", 1 << 40)
         one_shot = mask.tile_kinds(grid, 2, 3)
-        monkeypatch.setattr(M.base, "_BAND_ELEMENTS", 50)  # forces one band per query tile
+        monkeypatch.setattr(M.tiles, "_BAND_ELEMENTS", 50)  # forces one band per query tile
         banded = mask.tile_kinds(grid, 2, 3)
         assert torch.equal(one_shot.expand(2, 3, -1, -1), banded.expand(2, 3, -1, -1))
 

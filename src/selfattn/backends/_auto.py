@@ -36,21 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["density", "notes", "rank"]
-
-
-def density(q, k, call) -> float:
-    """Fraction of the tiles (chunked's own fine tiling) the mask does not classify as EMPTY.
-
-    The classification is cached on the call, so the chunked backend reuses it when picked.
-    """
-    if call.mask is None:
-        return 1.0
-    from selfattn.backends.chunked import fine_grid
-
-    B, Hq, Sq, _ = q.shape
-    Sk, G = k.shape[2], Hq // k.shape[1]
-    return float(fine_grid(call, B, Hq, Sq, Sk, G, q.device).nonempty.float().mean())
+__all__ = ["notes", "rank"]
 
 
 def rank(costs: dict, density: Callable[[], float]) -> tuple[str, str, float | None]:

@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 
 import torch
 
-from selfattn._log import log_once
-from selfattn.masks import _index_grids
+from selfattn.masks.elementwise import index_grids
 
 __all__ = [
+    "GOLDEN",
+    "M32",
     "accumulation_dtype",
     "all_finite",
     "causal_as_flag",
     "dropout_keep",
-    "fused_or_exact",
+    "fmix32",
     "index_grids",
     "merge_sinks",
     "needs_grad",
@@ -46,12 +46,10 @@ __all__ = [
     "unattended_columns_zeroed",
 ]
 
-index_grids = _index_grids
-
-_M32 = 0xFFFFFFFF
+M32 = 0xFFFFFFFF
 # murmur3's 32-bit finaliser constants (Appleby): a cheap, well-mixing integer hash.
 _FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
-_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, separates the hashed coordinates
+GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, separates the hashed coordinates
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -59,12 +57,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x & _M32
+def fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x & M32
     x = x ^ (x >> 16)
-    x = (x * _FMIX1) & _M32
+    x = (x * _FMIX1) & M32
     x = x ^ (x >> 13)
-    x = (x * _FMIX2) & _M32
+    x = (x * _FMIX2) & M32
     return x ^ (x >> 16)
 
 
@@ -76,9 +74,9 @@ def dropout_keep(seed: int, p: float, b, h, q_idx, kv_idx) -> torch.Tensor:
     (query, key) pairs for the same seed, whatever their tiling. Each coordinate is hashed in turn
     with murmur3's finaliser; the top 24 bits give a uniform ``u`` in [0, 1) and ``u >= p`` keeps.
     """
-    x = _fmix32(torch.as_tensor(seed & _M32, device=q_idx.device) ^ ((seed >> 32) * _GOLDEN))
+    x = fmix32(torch.as_tensor(seed & M32, device=q_idx.device) ^ ((seed >> 32) * GOLDEN))
     for coord in (b, h, q_idx, kv_idx):
-        x = _fmix32(x ^ ((coord.long() + _GOLDEN) & _M32))
+        x = fmix32(x ^ ((coord.long() + GOLDEN) & M32))
     u = (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
     return u >= p
 
@@ -245,64 +243,3 @@ def nonfinite_v_part(p: torch.Tensor, attended: torch.Tensor, v: torch.Tensor) -
     out = torch.zeros_like(nan)
     out.masked_fill_(up > 0, math.inf).masked_fill_(down > 0, -math.inf)
     return out.masked_fill_((nan > 0) | ((up > 0) & (down > 0)), math.nan)
-
-
-def fused_or_exact(q, k, v, call, attend, attend_zeroed, *, backend: str, checked=False):
-    """``(out, lse)`` from a fused kernel, checked: what sdpa, flex, triton and cpu_fused run.
-
-    A fused kernel adds masks to the scores and multiplies every weight by every V row, so NaN/Inf
-    at a masked entry leaks (``NaN + -inf``, ``0 · NaN``), and CPU kernels turn a NaN query row
-    into 0. One reduction over ``q`` and the output finds all of these, so finite inputs pay
-    nothing else; with ``checked``, ``attend()`` returns ``(out, lse, finite)``, ``finite`` the
-    kernel's own verdict on the same question (every element of ``q`` and ``out`` finite: the
-    cpu_fused kernel tests them as it reads and writes them), and not even that reduction runs.
-    Such a call is redone by ``attend_zeroed()`` (the kernel with the K/V columns no query
-    attends zeroed; None where non-finite values remain), which serves garbage in padded cache
-    slots at kernel speed, else by chunked's exact path (the reference where chunked cannot run
-    the call).
-
-    Under ``torch.compile`` nothing may branch on values, so the check and the exact fallback are
-    left out: the kernel runs with the unattended K/V columns zeroed (``attend_zeroed``, without
-    its own check), which keeps NaN/Inf in masked-out keys (padded cache slots) from leaking, or
-    as it is where ``attend_zeroed`` cannot zero without looking at values (None); the rarer
-    cases the exact path also covers (a NaN query row on CPU kernels, a key non-finite at a
-    masked entry of a row while another row attends it) follow the kernel.
-
-    Each way of redoing a call is logged once per ``backend`` on the ``selfattn`` logger (INFO:
-    the result is exact, only slower).
-    """
-    if torch.compiler.is_compiling():
-        result = attend_zeroed()
-        if result is None:
-            result = attend()
-        return result[:2] if checked else result
-    result = attend()
-    if checked:
-        result, finite = result[:2], bool(result[2])
-    else:
-        finite = all_finite(q, result[0])
-    if finite:
-        return result
-    if all_finite(q) and not all_finite(k, v):
-        result = attend_zeroed()
-        if result is not None and all_finite(result[0]):
-            _redone(backend, f"{backend} again with the unattended non-finite K/V columns zeroed")
-            return result
-    from selfattn.backends import chunked, reference
-
-    if chunked.reject(q, k, v, call) is None:
-        _redone(backend, "chunked's exact path")
-        return chunked.run(q, k, v, call, exact=True)
-    _redone(backend, "the reference backend")
-    return reference.run(q, k, v, call)
-
-
-def _redone(backend: str, how: str) -> None:
-    log_once(
-        ("non-finite redo", backend, how),
-        logging.INFO,
-        "selfattn %s: the fused kernel's output had NaN/Inf (non-finite inputs); call redone by "
-        "%s, which keeps them where they belong (logged once)",
-        backend,
-        how,
-    )

@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from selfattn._validate import positive_int
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -51,10 +50,22 @@ from selfattn.backends._common import (
     run_with_sinks,
     unattended_columns_zeroed,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.call import AttentionCall
 from selfattn.kernels.fused_attention import base2
-from selfattn.masks import FULL, TileGrid, _callable_failure
+from selfattn.masks.elementwise import callable_failure
+from selfattn.masks.tiles import FULL, TileGrid, classify
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "SCORE_ELEMENTS", "run", "tile_sizes"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "MASK_BATCH_ELEMENTS",
+    "SCORE_ELEMENTS",
+    "density",
+    "partial_masks",
+    "run",
+    "tile_sizes",
+]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log
@@ -71,7 +82,7 @@ SCORE_ELEMENTS = 1 << 17
 MAX_ROWS = 256  # the coarsest query tile (G·block_q rows)
 # Partial-tile masks are evaluated for many tiles in one vectorised mask_mod call; this caps the
 # elements (tiles · block_q · block_k · mask batch · mask heads) evaluated at once.
-_MASK_BATCH_ELEMENTS = 1 << 19
+MASK_BATCH_ELEMENTS = 1 << 19
 
 
 def tile_sizes(Sq: int, Sk: int, G: int = 1) -> tuple[int, int, int]:
@@ -147,11 +158,8 @@ def _grid(call: AttentionCall, B, Hq, Sq, Sk, block_q, block_k, device) -> _Grid
         ones = torch.ones(n_q, n_k, dtype=torch.bool)
         return _Grid(block_q, ones, ones.clone())
     grid = TileGrid(Sq, Sk, block_q, block_k, q_offset=call.q_offset, device=device)
-    kinds = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq))
-    while kinds.dim() < 4:
-        kinds = kinds.unsqueeze(0)
+    kinds = classify(call.mask, grid, B, Hq).cpu()  # (B', H', n_q, n_k)
     mask_b, mask_h = kinds.shape[0], kinds.shape[1]
-    kinds = kinds.expand(mask_b, mask_h, n_q, n_k).cpu()
     nonempty = kinds.amax(dim=(0, 1)) > 0
     full = kinds.amin(dim=(0, 1)) == int(FULL)
     return _Grid(block_q, nonempty, full, mask_b, mask_h)
@@ -168,6 +176,18 @@ def fine_grid(call: AttentionCall, B, Hq, Sq, Sk, G, device) -> _Grid:
     if key not in call.tile_kinds_cache:
         call.tile_kinds_cache[key] = _grid(call, B, Hq, Sq, Sk, min(block_q, Sq), block_k, device)
     return call.tile_kinds_cache[key]
+
+
+def density(q, k, call) -> float:
+    """Fraction of the tiles (chunked's own fine tiling) the mask does not classify as EMPTY.
+
+    The classification is cached on the call, so the chunked backend reuses it when picked.
+    """
+    if call.mask is None:
+        return 1.0
+    B, Hq, Sq, _ = q.shape
+    Sk, G = k.shape[2], Hq // k.shape[1]
+    return float(fine_grid(call, B, Hq, Sq, Sk, G, q.device).nonempty.float().mean())
 
 
 def _choose_rows(grid: _Grid, G: int) -> int:
@@ -217,7 +237,7 @@ def _plan(grid: _Grid, Sq, Sk, block_k, max_chunk) -> _Plan:
 
     # Group query tiles so that each group's partial-tile masks are evaluated in one call.
     per_tile = torch.bincount(partial_tiles[:, 0], minlength=n_q).tolist() if ptiles else [0] * n_q
-    cap = max(1, _MASK_BATCH_ELEMENTS // (block_q * block_k * grid.mask_b * grid.mask_h))
+    cap = max(1, MASK_BATCH_ELEMENTS // (block_q * block_k * grid.mask_b * grid.mask_h))
     groups, i0, p0, count = [], 0, 0, 0
     for i in range(n_q):
         if count and count + per_tile[i] > cap:
@@ -231,7 +251,7 @@ def _plan(grid: _Grid, Sq, Sk, block_k, max_chunk) -> _Plan:
     return _Plan(block_q, block_k, n_q, chunks, partial_tiles, groups, keyed)
 
 
-def _partial_masks(call, tiles, B, Hq, Hkv, Sq, Sk, bq, bk, device, dtype, safe):
+def partial_masks(call, tiles, B, Hq, Hkv, Sq, Sk, bq, bk, device, dtype, safe):
     """Evaluate the mask on a batch of PARTIAL tiles in one ``mask_mod`` call.
 
     ``tiles (n, 2)``: (query tile, key tile). Returns ``(n, Bm, Hk', G', bq, bk)`` with
@@ -416,7 +436,7 @@ class _Setup:
     def group_masks(self, call, plan, p0, p1):
         if p1 == p0:
             return None
-        masks = _partial_masks(
+        masks = partial_masks(
             call, plan.partial_tiles[p0:p1], self.B, self.Hq, self.Hkv, self.Sq, self.Sk,
             self.bq, plan.block_k, self.device, self.cd, self.safe,
         )  # fmt: skip
@@ -878,7 +898,7 @@ def _unlisted_grad_source(mod, call: AttentionCall, q) -> bool:
         with torch.enable_grad():
             r = mod.score_mod(score, zero, zero, zero + call.q_offset, zero)
     except Exception as e:
-        if _callable_failure(e):  # out of memory or the user's own error: raise it once, here
+        if callable_failure(e):  # out of memory or the user's own error: raise it once, here
             raise
         return False  # let the real call raise its error with the full-size arguments
     if not isinstance(r, torch.Tensor) or not r.requires_grad:

@@ -6,7 +6,7 @@ composed ops), and not plain ``cpu``: that is the paged registry's C decode kern
 ``backend="cpu"`` must not mean two kernels. It walks the same tile classification as
 ``chunked`` (``chunked.fine_grid``, computed once per call and shared with ``auto``'s density
 estimate): EMPTY tiles are skipped, FULL ones get no mask work, and each PARTIAL tile's mask is
-evaluated with the mask's own ``mask_mod`` (``chunked._partial_masks``) into a byte block the
+evaluated with the mask's own ``mask_mod`` (``chunked.partial_masks``) into a byte block the
 kernel reads. That tile description is kept across calls for the same mask object and geometry
 (a small LRU, as the flex backend keeps its block masks): built anew, its dozens of small torch
 ops cost more than the kernel itself on a loaded 2-thread host (window 32 at S=2048, 8 heads:
@@ -22,7 +22,7 @@ chunked runs them), calls under ``torch.compile`` (the tile plan reads mask valu
 wherever the kernel cannot be built (no compiler: logged once, chunked runs instead). A bias
 that requires grad gets its gradient from the kernel's backward (its dQ pass sums dS over the
 bias's broadcast axes in a fixed order). Non-finite inputs are checked and redone exactly
-(``_common.fused_or_exact``), as sdpa's are, by the kernel's own verdict on q and the output (it
+(``exact.fused_or_exact``), as sdpa's are, by the kernel's own verdict on q and the output (it
 tests them as it reads and writes them: no pass over either on the host); a call needing
 gradients whose K/V hold NaN/Inf goes to chunked's exact path up front (the fused backward
 multiplies whole tiles)."""
@@ -32,33 +32,35 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import threading
+from pathlib import Path
 
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, chunked, register
+from selfattn.backends import chunked
 from selfattn.backends._common import (
-    _GOLDEN,
-    _fmix32,
+    GOLDEN,
     all_finite,
     cap_before_alibi,
-    fused_or_exact,
+    fmix32,
     grad_needed,
     learned_bias,
     run_with_sinks,
     score_terms,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends.exact import fused_or_exact
+from selfattn.call import AttentionCall
 from selfattn.kernels import build, fused_attention, ops
 
 __all__ = [
-    "DECODE_ROWS", "FITS", "LEARNED_BIAS", "UNMEASURED", "Fit", "cost", "fit", "run", "tiles",
+    "DECODE_ROWS", "FITS", "FITS_FILE", "LEARNED_BIAS", "UNMEASURED", "Fit", "cost", "fit",
+    "read_fits", "run", "tiles",
 ]  # fmt: skip
 
-# Partial-tile masks are evaluated in groups of tiles, bounding the index tensors built for one
-# mask_mod call (chunked's cap).
-_MASK_BATCH_ELEMENTS = chunked._MASK_BATCH_ELEMENTS
 assert chunked.BLOCK_K == fused_attention.BLOCK_K  # the kernel walks chunked's fine grid
 
 
@@ -129,9 +131,10 @@ def _build_tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
     bq, bk = grid.block_q, fused_attention.BLOCK_K
     partial = (grid.nonempty & ~grid.full).nonzero()  # (n, 2), row-major
     blocks = []
-    step = max(1, _MASK_BATCH_ELEMENTS // (bq * bk * grid.mask_b * grid.mask_h))
+    # partial-tile masks in groups of tiles, under chunked's cap on one mask_mod call's indices
+    step = max(1, chunked.MASK_BATCH_ELEMENTS // (bq * bk * grid.mask_b * grid.mask_h))
     for p0 in range(0, partial.shape[0], step):
-        masked = chunked._partial_masks(
+        masked = chunked.partial_masks(
             call, partial[p0 : p0 + step], B, Hq, Hkv, Sq, Sk, bq, bk, q.device, None, True
         )  # (n, Bm, Hk', G', bq, bk) bool, True = masked
         n, Bm = masked.shape[0], masked.shape[1]
@@ -147,7 +150,7 @@ def _build_tiles(q, k, call: AttentionCall) -> fused_attention.Tiles:
 def _seed0(seed: int) -> int:
     """The first step of ``_common.dropout_keep``'s hash (the seed alone), which the kernel
     continues over (b, h, query, key)."""
-    return int(_fmix32(torch.tensor(seed & 0xFFFFFFFF) ^ ((seed >> 32) * _GOLDEN)))
+    return int(fmix32(torch.tensor(seed & 0xFFFFFFFF) ^ ((seed >> 32) * GOLDEN)))
 
 
 def _attend(q, k, v, call: AttentionCall, grad: bool):
@@ -232,40 +235,33 @@ class Fit:
     what: str  # the regime in words, for explain
 
 
-# Measured by ``python -m selfattn.benchmarks.crossover --threads 1`` (one thread, CPU time,
-# interleaved, best of 3; a CPU with AVX-512F + avx512_bf16, no AMX): no mask
-# and causal, B 1 and 8, MHA 8/8 and GQA 32/8, D 64 and 128, square S 16-4096 and Sq x Sk
-# chunks. Each per_pair is about the worst large-call ratio of its regime, so that a call goes
-# to cpu_fused only where it wins by a margin; each fixed puts the crossover where the small
-# calls measured it.
-# Regimes: the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32
-# one), whether a backward follows (q, k or v needs grad under grad mode), and decode steps
-# (Sq <= DECODE_ROWS: sdpa takes ~40 ns per pair in fp32 and ~100-200 ns in bf16 there, against
-# 2-7 ns on prefills, and the kernel packs all of K/V for the one row; from Sq = 2 on, sdpa's
-# bf16 runs its fast path again, measured: 2 x 1024, 8 heads, 0.56 ms against 0.87 ms for 1 x
-# 1024).
-# The fit (the summed log of auto's slowdown against the fastest, per regime) covers one and
-# two threads together: ``crossover --threads 1 --S 64,128,256,1024,4096 --chunks
-# 1x4096,16x1024,256x4096`` (CPU time) and ``--threads 2 --repeat 9`` on a quiet host (wall
-# time). On the persistent thread pool (kernels/threads.py) the kernel gains from a second thread
-# as sdpa does, and both thread counts put each regime's best fixed at the same value (within the
-# grid's steps): no thread term. What still misses (auto >10 % slower than the fastest): Sq = 1
-# forward + backward and GQA decode forward (chunked is fastest there) and small calls within
-# 1.1-1.5x; BENCHMARKS.md has the counts.
-DECODE_ROWS = 1
-FITS = {
-    # (dtype, backward, decode) -> Fit; in brackets the measured ratios the per_pair covers
-    (torch.float32, False, False): Fit(0.70, 2.5e4, "fp32 forward"),  # [0.41, 0.71]
-    (torch.float32, True, False): Fit(0.80, 5e4, "fp32 forward + backward"),  # [0.42, 0.83]
-    # sdpa's decode path wins: slower per pair here (B=8: chunked is faster than both)
-    (torch.float32, False, True): Fit(1.5, 1e4, "fp32 decode-step forward"),  # [0.99, 4.2]
-    (torch.float32, True, True): Fit(1.5, 1e4, "fp32 decode-step forward + backward"),
-    (torch.bfloat16, False, False): Fit(0.40, 2.5e4, "bf16 forward"),  # [0.23, 0.43]
-    (torch.bfloat16, True, False): Fit(0.90, 1.5e3, "bf16 forward + backward"),  # [0.30, 0.89]
-    # sdpa's bf16 decode runs ~100-200 ns per pair; GQA 32/8 at Sk=4096: 0.17-0.20x
-    (torch.bfloat16, False, True): Fit(0.70, 2.5e3, "bf16 decode-step forward"),  # [0.13, 0.75]
-    (torch.bfloat16, True, True): Fit(0.90, 2e3, "bf16 decode-step forward + backward"),
-}
+# The measured regimes, from FITS_FILE (package data, with the machine it was measured on):
+# the dtype (bf16 runs vdpbf16ps; sdpa's bf16 CPU kernel is no faster than its fp32 one),
+# whether a backward follows (q, k or v needs grad under grad mode), and decode steps
+# (Sq <= DECODE_ROWS: sdpa's time per pair is several times its prefill one there, and the
+# kernel packs all of K/V for the one row; from Sq = 2 on sdpa's bf16 runs its fast path again).
+# ``python -m selfattn.benchmarks.crossover --write`` measures and writes the file: each
+# per_pair is about the worst large-call ratio of its regime, so that a call goes to cpu_fused
+# only where it wins by a margin, and each fixed puts the crossover where the small calls
+# measured it (that module's docstring states the rule). One fit serves every thread count: on
+# the persistent thread pool (kernels/threads.py) the kernel gains from a second thread as sdpa
+# does. BENCHMARKS.md has the rows where auto's pick still misses the fastest.
+FITS_FILE = Path(__file__).with_name("cpu_fused_fits.json")
+
+
+def read_fits(path: Path = FITS_FILE) -> tuple[int, dict]:
+    """``(decode_rows, {(dtype, backward, decode): Fit})`` from a fits file."""
+    data = json.loads(path.read_text())
+    fits = {
+        (getattr(torch, f["dtype"]), f["backward"], f["decode"]): Fit(
+            f["per_pair"], f["fixed"], f["what"]
+        )
+        for f in data["fits"]
+    }
+    return data["decode_rows"], fits
+
+
+DECODE_ROWS, FITS = read_fits()
 # Not measured (fp16, which the kernel converts to float32; builds without AVX-512F, or bf16
 # without avx512_bf16, or bf16 on a CPU with AMX tiles, where sdpa's brgemm micro-kernels run on
 # them and our kernel does not): sdpa's equal, so that no-mask and causal calls stay on sdpa

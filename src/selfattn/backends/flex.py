@@ -28,7 +28,7 @@ column with zero K/V whose score is the sink (``_sink_column_call``), exact and 
 
 Non-finite values: FlexAttention computes ``P V`` over whole blocks, so NaN/Inf in V at a masked
 key inside a partial block leaks through ``0 · NaN``, and it turns a NaN query row into 0; the
-result is checked and such calls redone (``_common.fused_or_exact``, which states the rule).
+result is checked and such calls redone (``exact.fused_or_exact``, which states the rule).
 """
 
 from __future__ import annotations
@@ -47,27 +47,22 @@ import types
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import (
-    BASE_FIELDS,
-    AttentionCall,
-    Backend,
-    BackendCompileError,
-    Cost,
-    register,
-)
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     causal_as_flag,
-    fused_or_exact,
     grad_needed,
     needs_grad,
     run_with_sinks,
     sinkless,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, BackendCompileError, Cost, register
+from selfattn.backends.exact import fused_or_exact
+from selfattn.call import AttentionCall
 from selfattn.kernels.markers import assume_constant_result
-from selfattn.masks import FULL, PARTIAL, Mask, _callable_failure, _evaluate
-from selfattn.masks.flex import FLEX_BLOCK, flex_api, wrapped_mask_mod
+from selfattn.masks import FULL, PARTIAL, Mask
+from selfattn.masks.block_mask import FLEX_BLOCK, flex_api, wrapped_mask_mod
+from selfattn.masks.elementwise import callable_failure, evaluate
 from selfattn.scores import Compose, ScoreMod
 
 BLOCK = FLEX_BLOCK  # FlexAttention's default sparse block size; its kernels tile inside it
@@ -158,7 +153,7 @@ def _call_compiled(mode, signature, q, k, v, kwargs):
 
 # Dynamo compiles ``flex_attention`` once per mask/score-mod code, dtype and head dim; all of
 # them count against one per-function limit (8 by default), past which torch silently runs
-# FlexAttention *uncompiled* (O(Sq·Sk) memory, ~100× slower on a GPU: measured on an H200).
+# FlexAttention *uncompiled* (O(Sq·Sk) memory, ~100× slower on a GPU).
 _RECOMPILE_LIMIT = 64
 
 
@@ -388,7 +383,7 @@ def _unattended_nonfinite_zeroed(k, v, call: AttentionCall, Hq: int, Sq: int):
         def sub_mod(b, h, q_idx, kv_idx, c=c):
             return call.mask.mask_mod(b, h, q_idx, c[kv_idx])
 
-        dense = _evaluate(sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device)
+        dense = evaluate(sub_mod, B, Hq, Sq, c.numel(), call.q_offset, k.device)
         a = dense.expand(B, Hq, Sq, c.numel()).any(dim=2)  # (B, Hq, n)
         attended.append(a.view(B, Hkv, Hq // Hkv, c.numel()).any(dim=2))  # (B, Hkv, n)
     zero = torch.zeros_like(bad)
@@ -431,8 +426,8 @@ class _SinkColumn(Mask):
     def validate(self, B, H, Sq, Sk, q_offset):
         self.inner.validate(B, H, Sq, self.Sk, q_offset)
 
-    def _batch_heads(self):
-        return self.inner._batch_heads()
+    def batch_heads(self):
+        return self.inner.batch_heads()
 
     def __repr__(self) -> str:
         return f"{self.inner!r} | sink column {self.Sk}"
@@ -523,7 +518,7 @@ def _attend(q, k, v, call: AttentionCall):
             result = _call_compiled(mode, signature, q, k, v, kwargs)
             break
         except Exception as e:
-            if _callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised
+            if callable_failure(e):  # out of memory, or the user's score_mod/mask_mod raised
                 raise
             if mode is None:  # retry with static shapes, and remember to start there next time
                 _STATIC_ONLY.add(signature)

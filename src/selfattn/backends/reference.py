@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
@@ -22,6 +21,8 @@ from selfattn.backends._common import (
     nonfinite_v_part,
     unattended_columns_zeroed,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.call import AttentionCall
 
 
 def scores_and_weights(

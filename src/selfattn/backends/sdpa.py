@@ -21,7 +21,7 @@ lse ``-inf``, zero gradients on every torch version).
 
 Non-finite values: SDPA's kernels add masks to the scores and multiply every weight by every V row,
 so NaN/Inf at a masked entry would leak (``NaN + -inf``, ``0 · NaN``), and the CPU kernel turns a
-NaN query row into 0; the result is checked and such calls redone (``_common.fused_or_exact``,
+NaN query row into 0; the result is checked and such calls redone (``exact.fused_or_exact``,
 which states the rule).
 """
 
@@ -32,18 +32,19 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from selfattn.backends import BASE_FIELDS, AttentionCall, Backend, Cost, register
 from selfattn.backends._common import (
     accumulation_dtype,
     all_finite,
     causal_as_flag,
-    fused_or_exact,
     grad_needed,
     index_grids,
     run_with_sinks,
     sinkless,
     unattended_columns_zeroed,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends.exact import fused_or_exact
+from selfattn.call import AttentionCall
 from selfattn.kernels.markers import assume_constant_result
 from selfattn.scores import Bias, Compose
 

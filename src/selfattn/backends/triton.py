@@ -14,7 +14,7 @@ T5's bucketed table) is declined with the reason; FlexAttention compiles those. 
 and on CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` (tests; ``auto`` never
 picks it there). ``torch.use_deterministic_algorithms(True)`` makes the backward deterministic
 (dQ in its own pass, no atomics). Inputs with NaN/Inf are redone on chunked's exact path
-(``_common.fused_or_exact``), as sdpa's and flex's are.
+(``exact.fused_or_exact``), as sdpa's and flex's are.
 """
 
 from __future__ import annotations
@@ -26,28 +26,22 @@ import os
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import (
-    BASE_FIELDS,
-    AttentionCall,
-    Backend,
-    BackendCompileError,
-    Cost,
-    register,
-)
 from selfattn.backends._common import (
-    _GOLDEN,
-    _M32,
-    _fmix32,
+    GOLDEN,
+    M32,
     cap_before_alibi,
-    fused_or_exact,
+    fmix32,
     grad_needed,
     learned_bias,
     run_with_sinks,
     score_terms,
 )
+from selfattn.backends.base import BASE_FIELDS, Backend, BackendCompileError, Cost, register
+from selfattn.backends.exact import fused_or_exact
+from selfattn.call import AttentionCall
 from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
-from selfattn.masks import FULL, PARTIAL, TileGrid
+from selfattn.masks.tiles import FULL, PARTIAL, TileGrid, classify
 
 __all__ = ["COSTS", "cost", "plan", "reject", "run"]
 
@@ -65,8 +59,8 @@ def _interpreter() -> bool:
 def _seed_word(seed: int) -> int:
     """``dropout_keep``'s state after hashing the seed (its first line), as a signed int32 with
     the same bits: the kernel goes on with b, h, positions (:mod:`~selfattn.backends._common`).
-    Python ints (``_fmix32`` takes them too): no tensor, no device work."""
-    x = _fmix32((seed & _M32) ^ (((seed >> 32) * _GOLDEN) & _M32))
+    Python ints (``fmix32`` takes them too): no tensor, no device work."""
+    x = fmix32((seed & M32) ^ (((seed >> 32) * GOLDEN) & M32))
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
@@ -146,8 +140,7 @@ def _kinds(call: AttentionCall, B, Hq, Sq, Sk, bm: int, bn: int, device) -> torc
         kinds = torch.full((n_q, n_k), int(FULL), dtype=torch.int8, device=device)
     else:
         grid = TileGrid(Sq, Sk, bm, bn, q_offset=call.q_offset, device=device)
-        k4 = torch.as_tensor(call.mask.tile_kinds(grid, B, Hq)).to(device)
-        k4 = k4.reshape((1,) * (4 - k4.dim()) + tuple(k4.shape)).expand(-1, -1, n_q, n_k)
+        k4 = classify(call.mask, grid, B, Hq).to(device)  # (B', H', n_q, n_k)
         nonempty = k4.amax(dim=(0, 1)) > 0
         full = k4.amin(dim=(0, 1)) == int(FULL)
         kinds = nonempty.to(torch.int8) + full.to(torch.int8)  # EMPTY 0, PARTIAL 1, FULL 2

@@ -234,7 +234,7 @@ def machine() -> dict:
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
     """A rich table when stdout is a terminal, aligned plain text otherwise (the CLI's printer)."""
-    from selfattn.cli._common import Printer
+    from selfattn._console import Printer
 
     Printer().table(columns, rows, title=title)
 

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from selfattn.benchmarks import _util
+from selfattn.benchmarks.alternatives_args import DESCRIPTION, EPILOG, add_arguments
 from selfattn.cache.state import LayerState
-from selfattn.cli.compare import DESCRIPTION, EPILOG, add_arguments
 from selfattn.models.hybrid import HybridConfig, HybridLM
 
 __all__ = ["MQAR", "Sizes", "build", "cost", "crossovers", "main", "mqar", "mqar_batch"]

@@ -20,15 +20,29 @@ D=64 and B=1 unless ``--full``):
 square calls ``Sq = Sk = S``; decode and prefill chunks ``Sq < Sk`` (a chunk of queries against
 a longer cache, causal bottom-right); MHA 8/8 and GQA 32/8 heads. Cases over ``--max-pairs``
 (B·Hq·Sq·Sk) are left out.
+
+``--write [PATH]`` fits cpu_fused's cost model to the rows and writes it with the machine's
+description (default: the package's ``backends/cpu_fused_fits.json``, which ``auto`` reads).
+The rule, per regime (dtype, forward or forward + backward, decode step ``Sq <=
+cpu_fused.DECODE_ROWS`` or not): ``per_pair`` is the worst cpu_fused/sdpa ratio among the
+regime's large calls (``LARGE_PAIRS`` pairs or more; its largest call where none is) times
+``PER_PAIR_MARGIN``, so that a call goes to cpu_fused only where it wins by that margin;
+``fixed`` is the median over the regime's other calls of the set-up that ratio leaves
+unexplained, ``(ratio - per_pair) · pairs`` in sdpa's pairs (at least 0), which puts the
+crossover where the small calls measured it. A regime the run did not measure keeps the file's
+fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,6 +58,12 @@ QUICK_SIZES, QUICK_CHUNKS = (16, 128), ((1, 128), (16, 128))
 # case whose fp32 forward + backward takes about a second of one thread's time.
 MAX_PAIRS = 1 << 28
 MARGIN = 0.1  # auto's pick is "ok" within 10 % of the fastest
+# --write: calls of at least this many pairs set a regime's per_pair (2^22: S=1024 with 4 heads)
+LARGE_PAIRS = 1 << 22
+PER_PAIR_MARGIN = 1.05  # per_pair = the worst large-call ratio times this
+# the CPU flags that decide which regimes the kernel's fits apply to (cpu_fused.fit)
+FIT_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,64 @@ def table(report: dict) -> list[list[str]]:
     ]  # fmt: skip
 
 
+def fit_regime(rows: list[dict]) -> tuple[float, float]:
+    """``(per_pair, fixed)`` of one regime's rows (module docstring)."""
+    large = [r for r in rows if r["pairs"] >= LARGE_PAIRS]
+    large = large or [max(rows, key=lambda r: r["pairs"])]
+    per_pair = float(f"{max(r['ratio'] for r in large) * PER_PAIR_MARGIN:.2g}")
+    small = [r for r in rows if r not in large]
+    unexplained = [max(0.0, (r["ratio"] - per_pair) * r["pairs"]) for r in small]
+    return per_pair, float(f"{statistics.median(unexplained) if small else 0.0:.2g}")
+
+
+def fits(rows: list[dict], decode_rows: int) -> dict[tuple[str, bool, bool], dict]:
+    """The fit of every regime the rows measured, keyed ``(dtype name, backward, decode)``."""
+    regimes: dict[tuple[str, bool, bool], list[dict]] = {}
+    for r in rows:
+        key = (DTYPE_NAMES[r["dtype"]], r["backward"], r["Sq"] <= decode_rows)
+        regimes.setdefault(key, []).append(r)
+    found = {}
+    for (dtype, backward, decode), group in regimes.items():
+        per_pair, fixed = fit_regime(group)
+        what = (
+            f"{dtype.replace('float', 'fp').replace('bfloat', 'bf')} "
+            + ("decode-step " if decode else "")
+            + ("forward + backward" if backward else "forward")
+        )
+        ratios = [
+            round(min(r["ratio"] for r in group), 2),
+            round(max(r["ratio"] for r in group), 2),
+        ]
+        found[dtype, backward, decode] = {
+            "dtype": dtype, "backward": backward, "decode": decode, "per_pair": per_pair,
+            "fixed": fixed, "what": what, "measured_ratios": ratios,
+        }  # fmt: skip
+    return found
+
+
+def write_fits(report: dict, path: Path, command: str) -> None:
+    """Fit the report's rows and write them, with the machine, over the fits file at ``path``
+    (regimes not measured keep the fit ``path`` had, or the package's where it has none)."""
+    from selfattn.backends import cpu_fused
+    from selfattn.kernels import build
+
+    old = json.loads((path if path.is_file() else cpu_fused.FITS_FILE).read_text())
+    merged = {(f["dtype"], f["backward"], f["decode"]): f for f in old["fits"]}
+    merged.update(fits(report["rows"], old["decode_rows"]))
+    flags = build.cpu_flags()
+    machine = report["machine"]
+    old["machine"] = {
+        "cpu": f"{machine['cpu']}, {machine['cores']} cores",
+        "flags": [f for f in FIT_FLAGS if f in flags],
+        "no_flags": [f for f in FIT_FLAGS if f not in flags],
+        "torch": machine["torch"],
+        "date": machine["date"],
+        "command": command,
+    }
+    old["fits"] = list(merged.values())
+    path.write_text(json.dumps(old, indent=1) + "\n")
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -204,6 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=str, default="fwd,fwdbwd", help="fwd,fwdbwd")
     p.add_argument("--max-pairs", type=int, default=MAX_PAIRS, help="B·Hq·Sq·Sk cap (2^28)")
     p.add_argument("--margin", type=float, default=MARGIN, help="auto ok within (0.1)")
+    p.add_argument("--write", nargs="?", const="", default=None, metavar="PATH",
+                   help="fit cpu_fused's costs to the rows and write them to PATH (default: the "
+                   "package's backends/cpu_fused_fits.json, which auto reads)")  # fmt: skip
     args = p.parse_args(argv)
     if args.D is None:
         args.D = (64, 128) if args.full else (64,)
@@ -222,6 +303,13 @@ def main(argv=None) -> int:
     columns = ["threads", "case", *(f"{b} ms" for b in BACKENDS), "fused/sdpa", "fastest",
                "auto", "auto ok"]  # fmt: skip
     _util.print_report(report, args.json, columns, table, "cpu_fused vs sdpa vs chunked")
+    if args.write is not None:
+        from selfattn.backends import cpu_fused
+
+        path = Path(args.write) if args.write else cpu_fused.FITS_FILE
+        command = " ".join(["python -m selfattn.benchmarks.crossover", *(argv or sys.argv[1:])])
+        write_fits(report, path, command)
+        print(f"fits written to {path}", file=sys.stderr)
     return 0
 
 

@@ -12,8 +12,15 @@ import functools
 import json
 import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
+
+from selfattn._console import (  # noqa: F401  (the subcommands' names for them)
+    Printer,
+    int_at_least,
+    nonnegative_int,
+    positive_int,
+    rich_module,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -22,59 +29,8 @@ MODEL_HELP = "a sentence-transformers folder (default: the bundled all-MiniLM-L6
 
 
 # ------------------------------------------------------------------------------------------------
-# Output: rich on a terminal, aligned plain text otherwise; errors on stderr
+# Output (Printer: selfattn._console, shared with the benchmarks); errors on stderr
 # ------------------------------------------------------------------------------------------------
-
-
-def rich_module(module: str):
-    """``rich.<module>`` where the ``[cli]`` extra is installed, else None: rich only dresses
-    output up, so every subcommand also runs without it (plain text, no progress bars)."""
-    from selfattn import _optional
-
-    return _optional.require(f"rich.{module}") if _optional.available("rich") else None
-
-
-class Printer:
-    """Writes headings, lines and tables to stdout; uses rich only when stdout is a terminal (and
-    rich is installed: ``pip install 'selfattn[cli]'``)."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stdout
-        self.console = None
-        if self.stream.isatty():
-            console = rich_module("console")
-            self.console = (
-                None if console is None else console.Console(file=self.stream, highlight=False)
-            )
-
-    def heading(self, text: str) -> None:
-        if self.console is not None:
-            escape = rich_module("markup").escape
-            self.console.print(f"\n[bold]{escape(text)}[/bold]")
-        else:
-            print(f"\n{text}", file=self.stream)
-
-    def line(self, text: str = "") -> None:
-        if self.console is not None:
-            self.console.print(text, markup=False)
-        else:
-            print(text, file=self.stream)
-
-    def table(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
-        if self.console is not None:
-            table = rich_module("table").Table(title=title or None, title_justify="left")
-            for c in columns:
-                table.add_column(c)
-            for r in rows:
-                table.add_row(*r)
-            self.console.print(table)
-            return
-        if title:
-            print(title, file=self.stream)
-        widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
-        for r in (columns, ["-" * w for w in widths], *rows):
-            cells = (str(x).ljust(w) for x, w in zip(r, widths))
-            print("  ".join(cells).rstrip(), file=self.stream)
 
 
 def print_json(obj) -> None:
@@ -87,26 +43,9 @@ def print_error(message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Argument types: each raises ArgumentTypeError naming the bad value, so argparse exits with 2
+# Argument types (int_at_least and co.: selfattn._console): each raises ArgumentTypeError naming
+# the bad value, so argparse exits with 2
 # ------------------------------------------------------------------------------------------------
-
-
-def int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
-positive_int = int_at_least(1)
-nonnegative_int = int_at_least(0)
 
 
 def add_max_bytes(parser: argparse.ArgumentParser, refused: str) -> None:

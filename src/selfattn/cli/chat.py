@@ -89,7 +89,7 @@ class Conversation:
         the reply; what was written stays in the conversation."""
         import torch
 
-        from selfattn.cli.generate import _TextStream
+        from selfattn.cli.generate import TextStream
         from selfattn.models import generate
 
         self.messages.append({"role": "user", "content": text})
@@ -103,7 +103,7 @@ class Conversation:
                     f"context holds {self.context}: send a shorter one"
                 )
             max_new = min(max_new, self.context - len(ids))
-        stream = _TextStream(self.tokenizer, out)
+        stream = TextStream(self.tokenizer, out)
         try:
             with torch.inference_mode():
                 generate(self.model, torch.tensor([ids]), max_new, tokenizer=self.tokenizer,

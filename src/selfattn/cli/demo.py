@@ -162,11 +162,9 @@ def _stdin(text: str):
 
 
 def run(args) -> int:
-    from selfattn.cli.main import build_parser  # main assembles this module: import at run time
-
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    parser = build_parser()
+    parser = args.build_parser()  # main's (set as a default by main.build_parser)
     results = {}
     printer = _common.Printer()
     written = []

@@ -53,7 +53,7 @@ def add_parser(subparsers):
     return p
 
 
-class _TextStream:
+class TextStream:
     """transformers' streamer protocol (``put`` gets the prompt first, then each step's token;
     ``end``): decodes the new tokens so far and writes what was not yet written."""
 
@@ -95,7 +95,7 @@ def run(args) -> int:
     if args.chat:
         messages = [{"role": "user", "content": text}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    streamer = None if args.no_stream else _TextStream(tokenizer, sys.stdout)
+    streamer = None if args.no_stream else TextStream(tokenizer, sys.stdout)
     with torch.inference_mode():
         out = generate(
             model,

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in SUBCOMMANDS:
         command.add_parser(sub)
+    # demo runs other subcommands through a parser of its own: it gets this builder from the
+    # parsed arguments (args.build_parser), as it cannot import the module that assembles it
+    parser.set_defaults(build_parser=build_parser)
     return parser
 
 

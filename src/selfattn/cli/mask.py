@@ -42,13 +42,13 @@ def add_parser(subparsers):
 def _mask_bytes(Sq: int, Sk: int, out: str | None) -> tuple[int, str]:
     """Bytes ``selfattn mask`` needs for an (Sq, Sk) picture, and what they are made of."""
     from selfattn.cache import format_bytes
-    from selfattn.inspect.plot import _mask_figure_bytes
+    from selfattn.inspect.plot import mask_figure_bytes
 
     text = Sq * Sk * _MASK_BYTES_PER_PAIR
     parts = f"{Sq} x {Sk} pairs x {_MASK_BYTES_PER_PAIR} B for the dense mask and text"
     if out is None:
         return text, parts
-    canvas = _mask_figure_bytes(Sq, Sk)
+    canvas = mask_figure_bytes(Sq, Sk)
     return text + canvas, f"{parts} + {format_bytes(canvas)} for the --out canvas"
 
 

@@ -50,14 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from selfattn.functional import attention, paged_attention
-from selfattn.masks import (
-    _KEY_UNBOUNDED,
-    Mask,
-    _kinds,
-    _tile_min_max,
-    causal,
-    sliding_window,
-)
+from selfattn.masks import Mask, causal, sliding_window
+from selfattn.masks.tiles import KEY_UNBOUNDED, kinds_from, tile_min_max
 from selfattn.scores import ScoreMod
 from selfattn.scores import softcap as _softcap
 
@@ -140,8 +134,8 @@ class _Window(Mask):
     def key_interval(self, b, q_idx):
         if self.packing is not None:
             return None
-        lo = q_idx - self.left if self.left >= 0 else torch.full_like(q_idx, -_KEY_UNBOUNDED)
-        hi = q_idx + self.right + 1 if self.right >= 0 else torch.full_like(q_idx, _KEY_UNBOUNDED)
+        lo = q_idx - self.left if self.left >= 0 else torch.full_like(q_idx, -KEY_UNBOUNDED)
+        hi = q_idx + self.right + 1 if self.right >= 0 else torch.full_like(q_idx, KEY_UNBOUNDED)
         return lo, hi
 
     def tile_kinds(self, grid, B=1, H=1):
@@ -157,9 +151,9 @@ class _Window(Mask):
             qpos = pk.q_pos.to(grid.device)[r0 : r0 + grid.Sq].unsqueeze(0)
             qseq = pk.q_seq.to(grid.device)[r0 : r0 + grid.Sq].unsqueeze(0)
             kseq = pk.k_seq.to(grid.device)[c0 : c0 + grid.Sk].unsqueeze(0)
-            p_lo, p_hi = (t.view(1, 1, -1, 1) for t in _tile_min_max(qpos, grid.n_q, grid.block_q))
-            s_lo, s_hi = (t.view(1, 1, -1, 1) for t in _tile_min_max(qseq, grid.n_q, grid.block_q))
-            t_lo, t_hi = (t.view(1, 1, 1, -1) for t in _tile_min_max(kseq, grid.n_k, grid.block_k))
+            p_lo, p_hi = (t.view(1, 1, -1, 1) for t in tile_min_max(qpos, grid.n_q, grid.block_q))
+            s_lo, s_hi = (t.view(1, 1, -1, 1) for t in tile_min_max(qseq, grid.n_q, grid.block_q))
+            t_lo, t_hi = (t.view(1, 1, 1, -1) for t in tile_min_max(kseq, grid.n_k, grid.block_k))
             full = (s_lo == s_hi) & (t_lo == t_hi) & (s_lo == t_lo)
             empty = (s_hi < t_lo) | (t_hi < s_lo)
         if self.left >= 0:  # every key of the tile at or after the lowest bound of every row
@@ -168,7 +162,7 @@ class _Window(Mask):
         if self.right >= 0:
             full = full & (kl <= p_lo + self.right)
             empty = empty | (kf > p_hi + self.right)
-        return _kinds(full, empty)
+        return kinds_from(full, empty)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         pk = self.packing

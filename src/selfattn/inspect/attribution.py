@@ -34,9 +34,9 @@ from selfattn._validate import one_of
 from selfattn.inspect.capture import (
     DEFAULT_MAX_BYTES,
     AttentionMaps,
-    _selection,
     attention_layers,
     capture_attention,
+    selection,
 )
 
 __all__ = [
@@ -268,11 +268,11 @@ def attention_gradients(
                 f"output() must return the single number to explain, got {got}; reduce it, "
                 "e.g. logits[0, -1, token] or embedding[0] @ direction"
             )
-        outs = maps._outputs()
+        outs = maps.outputs()
         if not outs:
             raise ValueError("output() ran no captured attention layer with gradients enabled")
         torch.autograd.grad(y.reshape(()), outs, allow_unused=True)  # the hooks fill the maps
-        maps._release_outputs()
+        maps.release_outputs()
     return maps
 
 
@@ -294,7 +294,7 @@ def mask_heads(model: nn.Module, head_masks) -> Iterator[None]:
         head_masks = dict(enumerate(head_masks))
     chosen = {}
     for layer, gates in head_masks.items():
-        (i,) = _selection(layer, len(modules), "layer", type(model).__name__)
+        (i,) = selection(layer, len(modules), "layer", type(model).__name__)
         H = modules[i].n_heads
         if not isinstance(gates, torch.Tensor) or gates.shape[-1:] != (H,) or gates.dim() > 2:
             got = tuple(gates.shape) if isinstance(gates, torch.Tensor) else type(gates).__name__
@@ -332,7 +332,7 @@ def head_importance(
     """
     one_of(method, "method", IMPORTANCE_METHODS)
     modules = [m for _, m in attention_layers(model)]
-    chosen = _selection(layers, len(modules), "layer", type(model).__name__)
+    chosen = selection(layers, len(modules), "layer", type(model).__name__)
     counts = {modules[i].n_heads for i in chosen}
     if len(counts) > 1:
         raise ValueError(

@@ -28,12 +28,17 @@ from selfattn.functional import attention_weights
 from selfattn.masks import Mask, as_mask
 from selfattn.nn import MultiHeadAttention
 
-__all__ = ["AttentionMaps", "attention_layers", "capture_attention"]
+__all__ = [
+    "AttentionMaps",
+    "attention_layers",
+    "capture_attention",
+    "selection",
+]
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of recorded maps: a 12-layer, 12-head model at Sk ≈ 1.3k
 
 
-def _selection(value, n: int, what: str, fix: str) -> list[int]:
+def selection(value, n: int, what: str, fix: str) -> list[int]:
     """``None`` -> all of ``range(n)``; an int or ints (negatives count from the end) -> list."""
     if value is None:
         return list(range(n))
@@ -187,11 +192,11 @@ class AttentionMaps:
 
         return hook
 
-    def _outputs(self) -> list[torch.Tensor]:
+    def outputs(self) -> list[torch.Tensor]:
         """The hooked per-head outputs of the recorded calls (for ``torch.autograd.grad``)."""
         return [p[2] for parts in self._grad_parts.values() for p in parts if p[2] is not None]
 
-    def _release_outputs(self) -> None:
+    def release_outputs(self) -> None:
         """Drop the outputs (and the autograd graph they hold) once their gradients are in."""
         for parts in self._grad_parts.values():
             for p in parts:
@@ -386,9 +391,9 @@ def capture_attention(
     positive_int(max_bytes, "max_bytes")
     modules = [m for _, m in named]
     names = [n or type(model).__name__ for n, _ in named]
-    layers = _selection(layers, len(modules), "layer", f"{type(model).__name__}")
+    layers = selection(layers, len(modules), "layer", f"{type(model).__name__}")
     n_heads = min(modules[i].n_heads for i in layers)
-    heads = _selection(heads, n_heads, "head", "each selected layer")
+    heads = selection(heads, n_heads, "head", "each selected layer")
     maps = AttentionMaps(modules, names, layers, heads, max_bytes, gradients)
     saved = {}
     try:

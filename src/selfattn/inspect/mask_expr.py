@@ -71,10 +71,10 @@ class MaskSyntaxError(ValueError):
 def _size_value(digits: str) -> int | None:
     """The int a decimal string spells, or None above 2**62 (the masks' position bound). Digit
     counts are compared first: int() of a 5000-digit string is slow, then refused by Python."""
-    if len(digits.lstrip("-")) > len(str(masks._POSITION_LIMIT)):
+    if len(digits.lstrip("-")) > len(str(masks.tiles.POSITION_LIMIT)):
         return None
     value = int(digits)
-    return value if value <= masks._POSITION_LIMIT else None
+    return value if value <= masks.tiles.POSITION_LIMIT else None
 
 
 def _short(digits: str, n: int = 24) -> str:
@@ -227,7 +227,7 @@ class _Parser:
                     self.text,
                     tok[2],
                     f"{name} argument {_short(tok[1])} is too large; sizes are at most 2**62 "
-                    f"({masks._POSITION_LIMIT})",
+                    f"({masks.tiles.POSITION_LIMIT})",
                 )
             args.append((value, tok[2]))
             tok = self.take()

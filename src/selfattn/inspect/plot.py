@@ -18,7 +18,11 @@ from selfattn import masks as _masks
 from selfattn._optional import require
 from selfattn._validate import positive_int
 
-__all__ = ["plot_attention", "plot_mask"]
+__all__ = [
+    "mask_figure_bytes",
+    "plot_attention",
+    "plot_mask",
+]
 
 _FORMATS = (".png", ".svg")
 # Beyond these a panel's numbers are unreadable: colour only.
@@ -35,7 +39,7 @@ def _mask_side(Sq: int, Sk: int) -> float:
     return max(3.0, 0.25 * max(Sq, Sk) + 1.0)
 
 
-def _mask_figure_bytes(Sq: int, Sk: int) -> int:
+def mask_figure_bytes(Sq: int, Sk: int) -> int:
     """Bytes of the RGBA canvas :func:`plot_mask` renders for an ``(Sq, Sk)`` mask."""
     pixels = math.ceil(_mask_side(Sq, Sk) * _DPI)
     return pixels * pixels * 4

@@ -427,7 +427,7 @@ def forward(q, k, v, tiles: Tiles, scale: float, generic: bool = False, q_offset
     order). ``finite``: a bool tensor of one element, set to whether every element of ``q`` and
     of ``out`` (as returned, in q's dtype) is finite: the kernel tests q's rows as it packs them
     and out's as it stores them, so the caller needs no pass over either to trust the result
-    (``backends/_common.fused_or_exact``).
+    (``backends/exact.fused_or_exact``).
     """
     _check(tiles, (q, k, v), generic=generic)
     if finite is not None:

@@ -253,7 +253,7 @@ def attention_fwd_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, m, l, finite)``: :func:`fused_attention.forward`'s four and its ``finite``
     (bool, shape ``()``): whether every element of q and out is finite, which the kernel tells
-    on data it holds anyway (the backend trusts the result by it: ``_common.fused_or_exact``)."""
+    on data it holds anyway (the backend trusts the result by it: ``exact.fused_or_exact``)."""
     tiles = (rowptr, cols, pids, colptr, rows, cpids, bits)
     t = fused_attention.Tiles(block_q, *tiles, mask_b=mask_b, mask_h=mask_h)
     finite = torch.empty((), dtype=torch.bool)

@@ -29,49 +29,22 @@ means every pair does, for each ``(b, h)``. For each built-in leaf it is also *t
 PARTIAL only when it really is mixed); a combination (``&``, ``|``) may call a tile PARTIAL that is
 in fact empty or full, which costs a backend some mask work but never a wrong answer.
 
-Layout: :mod:`~selfattn.masks.base` (the protocol, tiles, ``&``/``|``/``~``),
+Layout: :mod:`~selfattn.masks.tiles` (tile kinds, grids and the tile helpers backends plan
+with), :mod:`~selfattn.masks.base` (the protocol, ``&``/``|``/``~``),
 :mod:`~selfattn.masks.library` (the built-ins), :mod:`~selfattn.masks.tensor` and
 :mod:`~selfattn.masks.callable` (masks from a bool tensor or a user callable),
 :mod:`~selfattn.masks.flex` (FlexAttention ``BlockMask`` to and from masks),
 :mod:`~selfattn.masks.elementwise` (calling user callables on index tensors).
 """
 
-# The package re-exports its modules' names, private helpers other modules use included.
+# The package re-exports its modules' public names.
 # ruff: noqa: F401
 
 from __future__ import annotations
 
-from selfattn.masks.base import (
-    _KEY_UNBOUNDED,
-    _POSITION_LIMIT,
-    EMPTY,
-    FULL,
-    PARTIAL,
-    And,
-    Mask,
-    Not,
-    Or,
-    TileGrid,
-    TileKind,
-    _check_position_span,
-    _check_positive_int,
-    _kinds,
-    _reduce_tiles,
-    _tile_kinds_elementwise,
-    as_mask,
-)
+from selfattn.masks import tiles
+from selfattn.masks.base import And, Mask, Not, Or, as_mask
 from selfattn.masks.callable import CallableMask
-from selfattn.masks.elementwise import (
-    _call_elementwise,
-    _callable_failure,
-    _check_arity,
-    _check_bool,
-    _evaluate,
-    _fn_name,
-    _index_grids,
-    _ReturnShapeError,
-    _ReturnTypeError,
-)
 from selfattn.masks.flex import FlexBlockMask
 from selfattn.masks.library import (
     BlockSparse,
@@ -81,10 +54,6 @@ from selfattn.masks.library import (
     Padding,
     PrefixLM,
     SlidingWindow,
-    _as_index_tensor,
-    _presence,
-    _preview,
-    _tile_min_max,
     block_sparse,
     causal,
     chunked,
@@ -93,7 +62,8 @@ from selfattn.masks.library import (
     prefix_lm,
     sliding_window,
 )
-from selfattn.masks.tensor import TensorMask, _RowTensor, from_tensor
+from selfattn.masks.tensor import TensorMask, from_tensor
+from selfattn.masks.tiles import EMPTY, FULL, PARTIAL, TileGrid, TileKind
 
 __all__ = [
     "EMPTY",

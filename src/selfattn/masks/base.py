@@ -1,4 +1,4 @@
-"""The mask protocol: :class:`Mask`, tile kinds and grids, and the combinators ``&``, ``|``, ``~``.
+"""The mask protocol: :class:`Mask`, the combinators ``&``, ``|``, ``~``, and :func:`as_mask`.
 
 Every question a backend, cache or ring step asks of a mask is a method or property of
 :class:`Mask` with a default that composes: a leaf answers for itself, :class:`And`, :class:`Or`
@@ -9,167 +9,22 @@ or switches on mask classes.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from selfattn._validate import checked_int
-from selfattn.masks.elementwise import _evaluate
-
-
-class TileKind(IntEnum):
-    """How a tile of the (query, key) grid is masked. Ordered: ``&`` is min and ``|`` is max."""
-
-    EMPTY = 0  # no pair attends: skip the tile
-    PARTIAL = 1  # some pairs attend: evaluate the mask elementwise
-    FULL = 2  # every pair attends: no mask work at all
-
-
-EMPTY, PARTIAL, FULL = TileKind.EMPTY, TileKind.PARTIAL, TileKind.FULL
-
-# Every position (query ``q_offset + row``, key ``kv_offset + column``) and every mask size must lie
-# in [-POSITION_LIMIT, POSITION_LIMIT]: positions are int64 tensors and masks add and subtract two
-# of them (a window's ``q_idx - size``, a tile's ``q_last - kv_first``), which then never wraps.
-_POSITION_LIMIT = 1 << 62
-# An unbounded side of a key interval (Mask.key_interval): beyond every legal position.
-_KEY_UNBOUNDED = _POSITION_LIMIT + 1
-
-
-def _check_position_span(first: int, count: int, name: str) -> None:
-    """ValueError unless positions ``first .. first + count - 1`` lie in ±``_POSITION_LIMIT``.
-
-    ``name`` says where ``first`` came from (``"q_offset"``); a silent int64 wrap would move
-    queries to the other end of the sequence and mask them all."""
-    last = first + max(count, 1) - 1
-    if -_POSITION_LIMIT <= first and last <= _POSITION_LIMIT:
-        return
-    span = f"position {first}" if last == first else f"positions {first}..{last}"
-    raise ValueError(
-        f"{name}={first} puts {span} outside the supported range "
-        f"[-2**62, 2**62] = [{-_POSITION_LIMIT}, {_POSITION_LIMIT}] (positions are int64 and "
-        "masks take differences of two of them); count positions from the start of the sequence"
-    )
-
-
-@dataclass(frozen=True)
-class TileGrid:
-    """A tiling of the ``(Sq, Sk)`` score matrix of one call, in absolute positions.
-
-    Query tile ``t`` covers rows ``[t·block_q, min((t+1)·block_q, Sq))``, i.e. positions
-    ``q_offset + row``; key tile ``u`` covers key columns ``[u·block_k, min((u+1)·block_k, Sk))``,
-    i.e. positions ``kv_offset + column`` (``kv_offset`` is 0 except for a shard of a longer
-    sequence, as in ring attention). The last tile of each axis is ragged when the block does not
-    divide the length; ``Sq = 0`` or ``Sk = 0`` gives no tiles on that axis.
-    """
-
-    Sq: int
-    Sk: int
-    block_q: int
-    block_k: int
-    q_offset: int = 0
-    kv_offset: int = 0
-    device: torch.device | str | None = None
-
-    def __post_init__(self):
-        for name in ("Sq", "Sk"):
-            checked_int(getattr(self, name), f"TileGrid {name}", 0)
-        for name in ("block_q", "block_k"):
-            checked_int(getattr(self, name), f"TileGrid {name}", 1)
-        for name in ("q_offset", "kv_offset"):
-            checked_int(getattr(self, name), f"TileGrid {name}")
-        _check_position_span(self.q_offset, self.Sq, "TileGrid q_offset")
-        _check_position_span(self.kv_offset, self.Sk, "TileGrid kv_offset")
-
-    @property
-    def n_q(self) -> int:
-        return math.ceil(self.Sq / self.block_q)
-
-    @property
-    def n_k(self) -> int:
-        return math.ceil(self.Sk / self.block_k)
-
-    def q_first(self) -> torch.Tensor:
-        """First absolute query position of each query tile, shape ``(1, 1, n_q, 1)``."""
-        t = torch.arange(self.n_q, device=self.device) * self.block_q + self.q_offset
-        return t.view(1, 1, -1, 1)
-
-    def q_last(self) -> torch.Tensor:
-        """Last (inclusive) absolute query position of each query tile, shape ``(1, 1, n_q, 1)``."""
-        t = torch.arange(1, self.n_q + 1, device=self.device) * self.block_q
-        return (t.clamp(max=self.Sq) - 1 + self.q_offset).view(1, 1, -1, 1)
-
-    def kv_first(self) -> torch.Tensor:
-        """First key position of each key tile, shape ``(1, 1, 1, n_k)``."""
-        t = torch.arange(self.n_k, device=self.device) * self.block_k + self.kv_offset
-        return t.view(1, 1, 1, -1)
-
-    def kv_last(self) -> torch.Tensor:
-        """Last (inclusive) key position of each key tile, shape ``(1, 1, 1, n_k)``."""
-        t = torch.arange(1, self.n_k + 1, device=self.device) * self.block_k
-        return (t.clamp(max=self.Sk) - 1 + self.kv_offset).view(1, 1, 1, -1)
-
-
-def _check_positive_int(value, name: str, fix: str = "") -> int:
-    checked_int(value, name, 1, fix)
-    if value > _POSITION_LIMIT:  # positions minus a size must stay in int64
-        raise ValueError(f"{name} must be <= 2**62 ({_POSITION_LIMIT}), got {value}")
-    return value
-
-
-def _kinds(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """int8 tile kinds from bool full / empty tensors (empty wins if both, which never happens)."""
-    shape = torch.broadcast_shapes(full.shape, empty.shape)
-    out = torch.full(shape, int(PARTIAL), dtype=torch.int8, device=full.device)
-    out[full.expand(shape)] = int(FULL)
-    out[empty.expand(shape)] = int(EMPTY)
-    return out
-
-
-# Elements the elementwise tile classification evaluates at once (bounds its memory).
-_BAND_ELEMENTS = 1 << 24
-
-
-def _reduce_tiles(dense: torch.Tensor, grid: TileGrid) -> torch.Tensor:
-    """Tile kinds of a bool ``(B', H', Sq', Sk')`` matrix (``Sq'`` is ``grid.Sq`` or 1, same for
-    keys) by any/all over each tile; the ragged last tiles are padded neutrally."""
-    B_, H_ = dense.shape[0], dense.shape[1]
-    d = dense.expand(B_, H_, grid.Sq, grid.Sk)
-    pad_q, pad_k = grid.n_q * grid.block_q - grid.Sq, grid.n_k * grid.block_k - grid.Sk
-    anyv = torch.nn.functional.pad(d, (0, pad_k, 0, pad_q), value=False)
-    allv = torch.nn.functional.pad(d, (0, pad_k, 0, pad_q), value=True)
-    shape = (B_, H_, grid.n_q, grid.block_q, grid.n_k, grid.block_k)
-    any_t = anyv.view(shape).any(dim=5).any(dim=3)
-    all_t = allv.view(shape).all(dim=5).all(dim=3)
-    return _kinds(all_t, ~any_t)
-
-
-def _tile_kinds_elementwise(mask: Mask, grid: TileGrid, B: int, H: int) -> torch.Tensor:
-    """Elementwise fallback: evaluate the mask on the grid and reduce each tile with any/all.
-
-    Exact (tight), but costs one mask evaluation per element. The grid is evaluated in bands of
-    whole query tiles of at most ``_BAND_ELEMENTS`` elements, so memory stays bounded at any length.
-    """
-    per_row = max(1, B * H * grid.Sk)
-    band = max(1, _BAND_ELEMENTS // (per_row * grid.block_q)) * grid.block_q  # whole tiles
-    if grid.Sq <= band:
-        dense = _evaluate(
-            mask.mask_mod, B, H, grid.Sq, grid.Sk, grid.q_offset, grid.device, grid.kv_offset
-        )
-        return _reduce_tiles(dense, grid)
-    parts = []
-    for r in range(0, grid.Sq, band):
-        n = min(band, grid.Sq - r)
-        sub = dataclasses.replace(grid, Sq=n, q_offset=grid.q_offset + r)
-        dense = _evaluate(
-            mask.mask_mod, B, H, n, grid.Sk, sub.q_offset, grid.device, grid.kv_offset
-        )
-        parts.append(_reduce_tiles(dense, sub))
-    lead = (max(t.shape[0] for t in parts), max(t.shape[1] for t in parts))
-    return torch.cat([t.expand(*lead, *t.shape[2:]) for t in parts], dim=-2)
-
+from selfattn.masks.block_mask import FLEX_BLOCK, build_block_mask
+from selfattn.masks.elementwise import evaluate
+from selfattn.masks.tiles import (
+    FULL,
+    KEY_UNBOUNDED,
+    PARTIAL,
+    TileGrid,
+    TileKind,
+    check_position_span,
+    tile_kinds_elementwise,
+)
 
 # ----------------------------------------------------------------------------------------------
 # The base class
@@ -203,7 +58,7 @@ class Mask:
         The default evaluates the mask elementwise (fine for user callables on modest sizes);
         built-ins override it with an analytic rule that costs O(tiles).
         """
-        return _tile_kinds_elementwise(self, grid, B, H)
+        return tile_kinds_elementwise(self, grid, B, H)
 
     def classify(
         self,
@@ -284,8 +139,8 @@ class Mask:
         row (for every head).
 
         ``b`` and ``q_idx`` are int64 tensors that broadcast (``(B, 1)`` and ``(B, Sq)``); ``lo``
-        and ``hi`` broadcast to their shape. An unbounded side is ``-_KEY_UNBOUNDED`` or
-        ``_KEY_UNBOUNDED``, beyond every position. Exact where it answers: key ``j`` is attended
+        and ``hi`` broadcast to their shape. An unbounded side is ``-KEY_UNBOUNDED`` or
+        ``KEY_UNBOUNDED``, beyond every position. Exact where it answers: key ``j`` is attended
         iff ``lo <= j < hi``.
         """
         return None
@@ -348,7 +203,7 @@ class Mask:
         keys or rows end, so its :meth:`validate` checks nothing: the caller validates this
         mask for the whole call first.
         """
-        _check_position_span(checked_int(kv, "shifted kv"), 1, "shifted kv")
+        check_position_span(checked_int(kv, "shifted kv"), 1, "shifted kv")
         checked_int(batch, "shifted batch", 0)
         return _Shifted(self, kv, batch)
 
@@ -356,7 +211,7 @@ class Mask:
     def validate(self, B: int, H: int, Sq: int, Sk: int, q_offset: int) -> None:
         """Raise ``ValueError`` naming the values if this mask cannot describe such a call."""
 
-    def _batch_heads(self) -> tuple[int, int]:
+    def batch_heads(self) -> tuple[int, int]:
         """The ``(B, H)`` this mask was built for (1 where it does not vary); used by render."""
         return 1, 1
 
@@ -379,10 +234,10 @@ class Mask:
         for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
             checked_int(x, f"to_dense {name}", 0)
         q_offset = Sk - Sq if q_offset is None else checked_int(q_offset, "to_dense q_offset")
-        _check_position_span(q_offset, Sq, "to_dense q_offset")
+        check_position_span(q_offset, Sq, "to_dense q_offset")
         mask = self.bind(q_offset)
         mask.validate(B, H, Sq, Sk, q_offset)
-        dense = _evaluate(mask.mask_mod, B, H, Sq, Sk, q_offset, device)
+        dense = evaluate(mask.mask_mod, B, H, Sq, Sk, q_offset, device)
         return dense.expand(B, H, Sq, Sk)
 
     def to_block_mask(
@@ -406,13 +261,11 @@ class Mask:
         (``q_offset=0``). Blocks come from :meth:`tile_kinds` (O(tiles) for the built-ins),
         ``block_size`` defaults to FlexAttention's 128.
         """
-        from selfattn.masks.flex import FLEX_BLOCK, build_block_mask
-
         B, H = 1 if B is None else B, 1 if H is None else H
         for name, x in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk)):
             checked_int(x, f"to_block_mask {name}", 0)
         q_offset = Sk - Sq if q_offset is None else checked_int(q_offset, "to_block_mask q_offset")
-        _check_position_span(q_offset, Sq, "to_block_mask q_offset")
+        check_position_span(q_offset, Sq, "to_block_mask q_offset")
         self.validate(B, H, Sq, Sk, q_offset)
         block_size = FLEX_BLOCK if block_size is None else block_size
         return build_block_mask(self, B, H, Sq, Sk, q_offset, device, block_size)
@@ -423,7 +276,7 @@ class Mask:
         """Text picture of batch ``b``, head ``h``: rows = queries, columns = keys, ``█`` attend,
         ``·`` masked. ``Sk`` defaults to ``Sq``, ``q_offset`` to ``Sk - Sq``."""
         Sk = Sq if Sk is None else Sk
-        nb, nh = self._batch_heads()
+        nb, nh = self.batch_heads()
         B, H = (
             max(checked_int(b, "render b", 0) + 1, nb),
             max(checked_int(h, "render h", 0) + 1, nh),
@@ -470,8 +323,8 @@ class _Combine(Mask):
         for part in self.parts:
             part.validate(B, H, Sq, Sk, q_offset)
 
-    def _batch_heads(self):
-        sizes = [part._batch_heads() for part in self.parts]
+    def batch_heads(self):
+        sizes = [part.batch_heads() for part in self.parts]
         return max(b for b, _ in sizes), max(h for _, h in sizes)
 
     def __repr__(self) -> str:
@@ -578,15 +431,15 @@ class Not(_Combine):
             return None
         lo, hi = self.a.key_interval(b, q_idx)  # the keys below lo and those from hi on
         return [
-            (torch.full_like(lo, -_KEY_UNBOUNDED), lo),
-            (hi, torch.full_like(hi, _KEY_UNBOUNDED)),
+            (torch.full_like(lo, -KEY_UNBOUNDED), lo),
+            (hi, torch.full_like(hi, KEY_UNBOUNDED)),
         ]
 
 
 def _shift_bound(x: torch.Tensor, by: int) -> torch.Tensor:
     """``x - by`` for an interval bound, keeping the unbounded sentinels as they are (and int64
     from wrapping)."""
-    return torch.where(x.abs() >= _KEY_UNBOUNDED, x, x - by)
+    return torch.where(x.abs() >= KEY_UNBOUNDED, x, x - by)
 
 
 class _Shifted(Mask):
@@ -627,8 +480,8 @@ class _Shifted(Mask):
         in the middle of the sequence, one row of a batch) that its caller checks as a whole;
         the shifted mask cannot know where that call's keys or rows end."""
 
-    def _batch_heads(self):
-        b, h = self.inner._batch_heads()
+    def batch_heads(self):
+        b, h = self.inner.batch_heads()
         return max(b - self.batch, 1), h
 
     def __repr__(self) -> str:
@@ -637,22 +490,33 @@ class _Shifted(Mask):
         return f"{self.inner!r}.shifted({', '.join(args)})"
 
 
+# How as_mask turns what is not a Mask into one: ``(accepts, build)`` pairs in the order the
+# mask kinds register them (tensor.py, flex.py: each registers itself on import, which the
+# package's __init__ does before anyone can call as_mask), and last the plain callable.
+_CONVERSIONS: list[tuple[Callable[[object], bool], Callable[[object], Mask]]] = []
+_CALLABLE: list[Callable[[object], Mask]] = []
+
+
+def register_conversion(accepts: Callable[[object], bool], build: Callable, *, last=False) -> None:
+    """Let :func:`as_mask` turn objects that ``accepts`` into ``build(obj)``. ``last``: the
+    catch-all for plain callables, tried after every other kind (a tensor or ``BlockMask``
+    first)."""
+    if last:
+        _CALLABLE[:] = [build]
+    else:
+        _CONVERSIONS.append((accepts, build))
+
+
 def as_mask(mask) -> Mask:
     """Normalise ``mask=``: a :class:`Mask`, a bool tensor, a FlexAttention ``BlockMask``
     (:class:`~selfattn.masks.flex.FlexBlockMask`) or a mask_mod callable."""
-    # the leaf kinds build on this module, so they are imported when first needed
-    from selfattn.masks.callable import CallableMask
-    from selfattn.masks.flex import FlexBlockMask, is_block_mask
-    from selfattn.masks.tensor import TensorMask
-
     if isinstance(mask, Mask):
         return mask
-    if isinstance(mask, torch.Tensor):
-        return TensorMask(mask)
-    if is_block_mask(mask):
-        return FlexBlockMask(mask)
-    if callable(mask):
-        return CallableMask(mask)
+    for accepts, build in _CONVERSIONS:
+        if accepts(mask):
+            return build(mask)
+    if callable(mask) and _CALLABLE:
+        return _CALLABLE[0](mask)
     raise TypeError(
         f"mask must be a selfattn.masks.Mask, a bool tensor, a FlexAttention BlockMask or a "
         f"mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}"

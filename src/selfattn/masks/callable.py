@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from selfattn.masks.base import Mask
-from selfattn.masks.elementwise import _call_elementwise, _check_arity, _check_bool, _fn_name
+from selfattn.masks.base import Mask, register_conversion
+from selfattn.masks.elementwise import call_elementwise, check_arity, check_bool, fn_name
 
 
 class CallableMask(Mask):
@@ -20,7 +20,7 @@ class CallableMask(Mask):
     def __init__(self, fn: Callable):
         if not callable(fn):
             raise TypeError(f"mask must be callable, got {type(fn).__name__}")
-        _check_arity(
+        check_arity(
             fn,
             4,
             "mask_mod",
@@ -30,10 +30,13 @@ class CallableMask(Mask):
         self.fn = fn
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return _check_bool(_call_elementwise(self.fn, (b, h, q_idx, kv_idx), "mask_mod"), self.fn)
+        return check_bool(call_elementwise(self.fn, (b, h, q_idx, kv_idx), "mask_mod"), self.fn)
 
     def as_mask_mod(self) -> Callable:
         return self.fn
 
     def __repr__(self) -> str:
-        return f"mask_mod({_fn_name(self.fn)})"
+        return f"mask_mod({fn_name(self.fn)})"
+
+
+register_conversion(callable, CallableMask, last=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def _index_grids(B: int, H: int, Sq: int, Sk: int, q_offset: int, device, kv_offset: int = 0):
+def index_grids(B: int, H: int, Sq: int, Sk: int, q_offset: int, device, kv_offset: int = 0):
     """Broadcastable index tensors ``b (B,1,1,1)``, ``h (1,H,1,1)``, ``q (1,1,Sq,1)`` (absolute
     positions ``q_offset + row``), ``kv (1,1,1,Sk)`` (positions ``kv_offset + column``)."""
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
@@ -29,24 +29,24 @@ class _CallableError(Exception):
     """Mixin for our verdicts on a user callable; the vmap fallback re-raises them untouched."""
 
 
-class _ReturnTypeError(_CallableError, TypeError):
+class ReturnTypeError(_CallableError, TypeError):
     pass
 
 
-class _ReturnShapeError(_CallableError, ValueError):
+class ReturnShapeError(_CallableError, ValueError):
     pass
 
 
-def _fn_name(fn) -> str:
+def fn_name(fn) -> str:
     if isinstance(fn, functools.partial):
-        return _fn_name(fn.func)
+        return fn_name(fn.func)
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, type):
         return f"{owner!r}.{fn.__name__}"
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _check_arity(fn: Callable, n: int, what: str, params: str, fix: str) -> None:
+def check_arity(fn: Callable, n: int, what: str, params: str, fix: str) -> None:
     """TypeError unless ``fn`` can be called with ``n`` positional arguments (when inspectable).
 
     Skipped under torch.compile, whose ``Signature.bind`` rejects valid calls; a wrong arity then
@@ -62,7 +62,7 @@ def _check_arity(fn: Callable, n: int, what: str, params: str, fix: str) -> None
         sig.bind(*range(n))
     except TypeError:
         raise TypeError(
-            f"{what} {_fn_name(fn)}{sig} cannot be called as {what}({params}); {fix}"
+            f"{what} {fn_name(fn)}{sig} cannot be called as {what}({params}); {fix}"
         ) from None
 
 
@@ -79,7 +79,7 @@ _NOT_BROADCASTING = (RuntimeError, ValueError, TypeError, IndexError)
 _LIBRARY_PACKAGES = frozenset({"builtins", "torch", "triton", "sympy", "selfattn"})
 
 
-def _callable_failure(error: BaseException) -> bool:
+def callable_failure(error: BaseException) -> bool:
     """Whether ``error`` is out of memory or of the user's own exception class: what a backend
     that traces a callable (flex's compiler) must pass on untouched instead of retrying or
     falling back, so that the callable fails once and with its own error."""
@@ -88,7 +88,7 @@ def _callable_failure(error: BaseException) -> bool:
     return type(error).__module__.partition(".")[0] not in _LIBRARY_PACKAGES
 
 
-def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+def call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """``fn(*args)`` on broadcastable tensors, falling back to ``torch.vmap`` over every element.
 
     User callables are written for FlexAttention, which calls them on 0-d tensors under vmap;
@@ -117,8 +117,8 @@ def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> 
     if len(shape) == 0:  # already elementwise: nothing to vmap over
         if first_error is not None:
             raise first_error
-        raise _ReturnShapeError(
-            f"{what} {_fn_name(fn)} returned shape {bad_shape} for 0-d index tensors; "
+        raise ReturnShapeError(
+            f"{what} {fn_name(fn)} returned shape {bad_shape} for 0-d index tensors; "
             "it must return one value per element"
         )
     f = fn
@@ -134,37 +134,37 @@ def _call_elementwise(fn: Callable, args: Sequence[torch.Tensor], what: str) -> 
             if first_error
             else f"returned shape {bad_shape}"
         )
-        raise _ReturnShapeError(
-            f"{what} {_fn_name(fn)} failed: on broadcast index tensors of shape {tuple(shape)} it "
+        raise ReturnShapeError(
+            f"{what} {fn_name(fn)} failed: on broadcast index tensors of shape {tuple(shape)} it "
             f"{got}; element by element under torch.vmap it raised {type(e).__name__}: {e}. "
             "Write it with tensor operations (torch.where, &, |, comparisons) rather than Python "
             "`if`/`and`/`or` on tensors"
         ) from e
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise _ReturnShapeError(
-            f"{what} {_fn_name(fn)} returned {got} for index tensors of shape {tuple(shape)}; "
+        raise ReturnShapeError(
+            f"{what} {fn_name(fn)} returned {got} for index tensors of shape {tuple(shape)}; "
             "it must return one value per (b, h, q_idx, kv_idx) element"
         )
     return out
 
 
-def _check_bool(out: torch.Tensor, fn) -> torch.Tensor:
+def check_bool(out: torch.Tensor, fn) -> torch.Tensor:
     if out.dtype != torch.bool:
-        raise _ReturnTypeError(
-            f"mask_mod {_fn_name(fn)} must return a bool tensor (True = attend), got {out.dtype}; "
+        raise ReturnTypeError(
+            f"mask_mod {fn_name(fn)} must return a bool tensor (True = attend), got {out.dtype}; "
             "return a comparison such as `q_idx >= kv_idx`, or `.bool()` a 0/1 tensor "
             "(additive float biases belong in score_mod=)"
         )
     return out
 
 
-def _evaluate(fn, B, H, Sq, Sk, q_offset, device, kv_offset=0):
+def evaluate(fn, B, H, Sq, Sk, q_offset, device, kv_offset=0):
     """Evaluate a mask_mod on the whole grid -> bool, 4-D, broadcastable to ``(B, H, Sq, Sk)``:
     queries at positions ``q_offset + row``, keys at ``kv_offset + column``.
 
-    Broadcasting is tried first, then FlexAttention-style vmap (see :func:`_call_elementwise`).
+    Broadcasting is tried first, then FlexAttention-style vmap (see :func:`call_elementwise`).
     """
-    b, h, q, kv = _index_grids(B, H, Sq, Sk, q_offset, device, kv_offset)
-    out = _check_bool(_call_elementwise(fn, (b, h, q, kv), "mask_mod"), fn)
+    b, h, q, kv = index_grids(B, H, Sq, Sk, q_offset, device, kv_offset)
+    out = check_bool(call_elementwise(fn, (b, h, q, kv), "mask_mod"), fn)
     return out.to(q.device)

@@ -1,123 +1,23 @@
-"""FlexAttention's ``BlockMask`` and selfattn masks, both ways.
+"""A FlexAttention ``BlockMask`` as a selfattn mask (:class:`FlexBlockMask`).
 
-- :func:`build_block_mask` (``Mask.to_block_mask``): a ``BlockMask`` from a mask's tile
-  classification, for the flex backend and for users who call ``flex_attention`` themselves.
-  EMPTY tiles are left out, FULL tiles go in the full-block lists (FlexAttention skips
-  ``mask_mod`` there), PARTIAL tiles in the partial lists; for the built-in masks that costs
-  O(tiles), not ``create_block_mask``'s O(Sq·Sk) evaluation.
-- :class:`FlexBlockMask` (what :func:`~selfattn.masks.as_mask` makes of a ``BlockMask``): a
-  ``BlockMask`` as a selfattn mask. Its meaning is FlexAttention's: a pair attends when its block
-  is a full block, or a partial block whose ``mask_mod(b, h, q_idx, kv_idx)`` is True, with
-  ``q_idx`` the query *row* (FlexAttention has no query offset). The flex backend runs the
-  ``BlockMask`` itself; the other backends read its blocks and ``mask_mod``.
-
-FlexAttention's ``mask_mod`` sees query rows; ours see absolute positions ``q_offset + row``, so a
-built ``BlockMask`` carries our mask wrapped to add ``q_offset`` (a 0-d tensor, so that another
-offset does not recompile a kernel).
+What :func:`~selfattn.masks.as_mask` makes of a ``BlockMask``. Its meaning is FlexAttention's: a
+pair attends when its block is a full block, or a partial block whose
+``mask_mod(b, h, q_idx, kv_idx)`` is True, with ``q_idx`` the query *row* (FlexAttention has no
+query offset). The flex backend runs the ``BlockMask`` itself; the other backends read its blocks
+and ``mask_mod``. The other way, a mask as a ``BlockMask``, is
+:func:`~selfattn.masks.block_mask.build_block_mask`.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-import sys
 
 import torch
 
-from selfattn.masks.base import EMPTY, FULL, PARTIAL, Mask, TileGrid
-from selfattn.masks.elementwise import _call_elementwise, _check_bool
-
-FLEX_BLOCK = 128  # FlexAttention's default sparse block size; its kernels tile inside it
-_FLEX_MODULE = "torch.nn.attention.flex_attention"
-
-
-@functools.cache
-def flex_api():
-    """``torch.nn.attention.flex_attention`` if this torch has it (2.5+), else None."""
-    try:
-        from torch.nn.attention import flex_attention as fa
-    except ImportError:
-        return None
-    return fa
-
-
-def is_block_mask(obj) -> bool:
-    """Whether ``obj`` is a FlexAttention ``BlockMask`` (without importing FlexAttention: an
-    object cannot be one unless its module is loaded)."""
-    fa = sys.modules.get(_FLEX_MODULE)
-    return fa is not None and isinstance(obj, getattr(fa, "BlockMask", ()))
-
-
-@functools.cache
-def _from_kv_blocks_takes_seq_lengths() -> bool:
-    # Without seq_lengths a BlockMask assumes whole blocks; create_block_mask is used then.
-    return "seq_lengths" in inspect.signature(flex_api().BlockMask.from_kv_blocks).parameters
-
-
-def _block_sizes(block_size) -> tuple[int, int]:
-    """``(block_q, block_k)`` from an int or a pair, FlexAttention's ``BLOCK_SIZE``."""
-    sizes = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-    ok = len(sizes) == 2 and all(
-        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
-    )
-    if not ok:
-        raise ValueError(
-            f"block_size must be a positive int or a pair (block_q, block_k), got {block_size!r}"
-        )
-    return sizes
-
-
-def wrapped_mask_mod(mask: Mask, off: torch.Tensor):
-    """Our mask (absolute query positions) as FlexAttention's ``mask_mod`` (query rows)."""
-    inner = mask.as_mask_mod()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return inner(b, h, q_idx + off, kv_idx)
-
-    return mask_mod
-
-
-def kv_blocks(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query block, how many key blocks are selected and their indices (selected first).
-
-    ``sel``: bool ``(B', H', n_q, n_k)`` -> ``num (B', H', n_q)`` and ``idx (B', H', n_q, n_k)``,
-    both int32, the layout ``BlockMask.from_kv_blocks`` takes.
-    """
-    num = sel.sum(dim=-1, dtype=torch.int32)  # (B', H', n_q)
-    # A stable descending sort of 0/1 puts the selected blocks first, in increasing key order.
-    idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices
-    return num, idx.to(torch.int32)
-
-
-def build_block_mask(
-    mask: Mask, B: int, H: int, Sq: int, Sk: int, q_offset: int, device, block_size=FLEX_BLOCK
-):
-    """A FlexAttention ``BlockMask`` for ``mask`` from its tile classification (see
-    :meth:`Mask.to_block_mask`). Batch and head dims stay 1 where the classification does not
-    vary over them. Torch versions whose ``from_kv_blocks`` has no ``seq_lengths`` get
-    ``create_block_mask`` instead (it evaluates every element)."""
-    fa = flex_api()
-    if fa is None:
-        raise RuntimeError(
-            f"this torch ({torch.__version__}) has no FlexAttention (BlockMask needs torch >= 2.5)"
-        )
-    bq, bk = _block_sizes(block_size)
-    off = torch.tensor(q_offset, device=device)
-    mask_mod = wrapped_mask_mod(mask, off)
-    if not _from_kv_blocks_takes_seq_lengths():
-        return fa.create_block_mask(mask_mod, B, H, Sq, Sk, device=device, BLOCK_SIZE=(bq, bk))
-    grid = TileGrid(Sq, Sk, bq, bk, q_offset, device=device)
-    kinds = mask.tile_kinds(grid, B, H)
-    kinds = kinds.reshape((1,) * (4 - kinds.dim()) + tuple(kinds.shape))
-    # broadcast dims of size 1 stay 1 (FlexAttention broadcasts them); n_q, n_k are made whole
-    kinds = kinds.expand(kinds.shape[0], kinds.shape[1], grid.n_q, grid.n_k)
-    num, idx = kv_blocks(kinds == int(PARTIAL))
-    full_num, full_idx = kv_blocks(kinds == int(FULL))
-    return fa.BlockMask.from_kv_blocks(
-        num, idx, full_num, full_idx, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(Sq, Sk)
-    )
-
+from selfattn.masks.base import Mask, register_conversion
+from selfattn.masks.block_mask import block_sizes, is_block_mask
+from selfattn.masks.elementwise import call_elementwise, check_bool
+from selfattn.masks.tiles import EMPTY, FULL, PARTIAL
 
 # -- a BlockMask as a selfattn mask --------------------------------------------------------------
 
@@ -162,7 +62,7 @@ class FlexBlockMask(Mask):
         self.rows_at = rows_at
         self.block_mask = block_mask
         self.fn = block_mask.mask_mod  # what the flex backend keys its compiled kernels on
-        self.block_q, self.block_k = _block_sizes(block_mask.BLOCK_SIZE)
+        self.block_q, self.block_k = block_sizes(block_mask.BLOCK_SIZE)
         self.Sq, self.Sk = block_mask.seq_lengths
         self._kinds_on: dict = {}
 
@@ -203,8 +103,8 @@ class FlexBlockMask(Mask):
         bi = b if kinds.shape[0] > 1 else torch.zeros_like(b)
         hi = h if kinds.shape[1] > 1 else torch.zeros_like(h)
         block = kinds[bi, hi, row // self.block_q, kv_idx // self.block_k]
-        inner = _check_bool(
-            _call_elementwise(self.block_mask.mask_mod, (b, h, row, kv_idx), "mask_mod"), self.fn
+        inner = check_bool(
+            call_elementwise(self.block_mask.mask_mod, (b, h, row, kv_idx), "mask_mod"), self.fn
         )
         return (block == int(FULL)) | ((block == int(PARTIAL)) & inner)
 
@@ -224,7 +124,7 @@ class FlexBlockMask(Mask):
     def to_block_mask(self, B, H, Sq, Sk, *, q_offset=None, device=None, block_size=None):
         """The ``BlockMask`` itself (on ``device``), after checking it fits the call."""
         self.validate(1 if B is None else B, 1 if H is None else H, Sq, Sk, 0)
-        if block_size is not None and _block_sizes(block_size) != (self.block_q, self.block_k):
+        if block_size is not None and block_sizes(block_size) != (self.block_q, self.block_k):
             raise ValueError(
                 f"this mask is a BlockMask with BLOCK_SIZE={(self.block_q, self.block_k)}; it "
                 f"is used as it is, not re-blocked to {block_size!r}"
@@ -240,7 +140,7 @@ class FlexBlockMask(Mask):
                 f"create_block_mask(mask_mod, B, Hq, Sq, Sk) (B or H may be 1)"
             )
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return tuple(self.block_mask.kv_num_blocks.shape[:2])
 
     def __repr__(self) -> str:
@@ -249,3 +149,6 @@ class FlexBlockMask(Mask):
             f"block_mask(<BlockMask ({Bm}, {Hm}, {self.Sq}, {self.Sk}), "
             f"BLOCK_SIZE={(self.block_q, self.block_k)}>)"
         )
+
+
+register_conversion(is_block_mask, FlexBlockMask)

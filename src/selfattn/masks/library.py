@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.masks.base import _KEY_UNBOUNDED, Mask, _check_positive_int, _kinds
+from selfattn.masks.base import Mask
+from selfattn.masks.tiles import KEY_UNBOUNDED, check_positive_int, kinds_from, tile_min_max
 
 # Above this many (tile pair × distinct id) products, documents() with unsorted ids falls back
 # from the exact set-intersection test to the (sound, looser) id-interval test.
@@ -52,10 +53,10 @@ class Causal(Mask):
     is_causal = True
 
     def tile_kinds(self, grid, B=1, H=1):
-        return _kinds(grid.kv_last() <= grid.q_first(), grid.kv_first() > grid.q_last())
+        return kinds_from(grid.kv_last() <= grid.q_first(), grid.kv_first() > grid.q_last())
 
     def key_interval(self, b, q_idx):
-        return torch.full_like(q_idx, -_KEY_UNBOUNDED), q_idx + 1
+        return torch.full_like(q_idx, -KEY_UNBOUNDED), q_idx + 1
 
     def __repr__(self) -> str:
         return "causal()"
@@ -75,7 +76,7 @@ def causal() -> Mask:
 
 class SlidingWindow(Mask):
     def __init__(self, size: int):
-        self.size = _check_positive_int(
+        self.size = check_positive_int(
             size, "sliding_window size", "size counts the query's own token: 1 = only itself"
         )
 
@@ -93,7 +94,7 @@ class SlidingWindow(Mask):
         qf, ql, kf, kl = grid.q_first(), grid.q_last(), grid.kv_first(), grid.kv_last()
         full = (kl <= qf) & (kf > ql - self.size)
         empty = (kf > ql) | (kl <= qf - self.size)
-        return _kinds(full, empty)
+        return kinds_from(full, empty)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.size})"
@@ -117,7 +118,7 @@ def sliding_window(size: int) -> Mask:
 
 class Chunked(Mask):
     def __init__(self, size: int, causal: bool = True):
-        self.size = _check_positive_int(size, "chunked size", "it is the chunk length")
+        self.size = check_positive_int(size, "chunked size", "it is the chunk length")
         if not isinstance(causal, bool):
             raise TypeError(f"chunked causal must be True or False, got {causal!r}")
         self.causal = causal
@@ -146,7 +147,7 @@ class Chunked(Mask):
         if self.causal:
             full = full & (kl <= qf)
             empty = empty | (kf > ql)
-        return _kinds(full, empty)
+        return kinds_from(full, empty)
 
     def __repr__(self) -> str:
         return f"chunked({self.size})" if self.causal else f"chunked({self.size}, causal=False)"
@@ -188,11 +189,11 @@ class Padding(Mask):
         return kv_idx < self._n(b, kv_idx.device)
 
     def key_interval(self, b, q_idx):
-        return torch.full_like(q_idx, -_KEY_UNBOUNDED), self._n(b, q_idx.device)
+        return torch.full_like(q_idx, -KEY_UNBOUNDED), self._n(b, q_idx.device)
 
     def tile_kinds(self, grid, B=1, H=1):
         n = self.lengths.to(grid.device).view(-1, 1, 1, 1)  # (B or 1, 1, 1, 1)
-        return _kinds(grid.kv_last() < n, grid.kv_first() >= n)
+        return kinds_from(grid.kv_last() < n, grid.kv_first() >= n)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         if self.per_batch and self.lengths.numel() != B:
@@ -206,7 +207,7 @@ class Padding(Mask):
                 "a length counts valid keys, at most Sk"
             )
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return (self.lengths.numel() if self.per_batch else 1), 1
 
     def __repr__(self) -> str:
@@ -257,8 +258,8 @@ class Documents(Mask):
         dev = grid.device
         qi = self._ids_at(grid.q_offset, grid.Sq, dev)  # (B', Sq)
         ki = self._ids_at(grid.kv_offset, grid.Sk, dev)  # (B', Sk)
-        qmin, qmax = _tile_min_max(qi, grid.n_q, grid.block_q)  # (B', n_q) each
-        kmin, kmax = _tile_min_max(ki, grid.n_k, grid.block_k)
+        qmin, qmax = tile_min_max(qi, grid.n_q, grid.block_q)  # (B', n_q) each
+        kmin, kmax = tile_min_max(ki, grid.n_k, grid.block_k)
         qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
         kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
         full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
@@ -277,7 +278,7 @@ class Documents(Mask):
                 pq = _presence(labels[:, : grid.Sq], grid.n_q, grid.block_q, n_ids)
                 pk = _presence(labels[:, grid.Sq :], grid.n_k, grid.block_k, n_ids)
                 share = (pq @ pk.transpose(-1, -2) > 0)[:, None]  # (B', 1, n_q, n_k)
-        return _kinds(full, ~share)
+        return kinds_from(full, ~share)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         if self.ids.shape[0] not in (1, B):
@@ -289,7 +290,7 @@ class Documents(Mask):
         if first < 0 or last >= self.ids.shape[1]:
             raise self._cover_error(first, last, f"call (Sq={Sq}, Sk={Sk}, q_offset={q_offset})")
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return self.ids.shape[0], 1
 
     def kernel_form(self):
@@ -297,15 +298,6 @@ class Documents(Mask):
 
     def __repr__(self) -> str:
         return f"documents(<ids {tuple(self.ids.shape)}>)"
-
-
-def _tile_min_max(x: torch.Tensor, n_tiles: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tile min and max of ``x (B', S)`` cut into tiles of ``block``: ``(B', n_tiles)`` each."""
-    pad = n_tiles * block - x.shape[1]
-    if pad:  # repeat the last id: neutral for both min and max of the ragged tile
-        x = torch.cat([x, x[:, -1:].expand(x.shape[0], pad)], dim=1)
-    x = x.view(x.shape[0], n_tiles, block)
-    return x.amin(-1), x.amax(-1)
 
 
 def _presence(labels: torch.Tensor, n_tiles: int, block: int, n_ids: int) -> torch.Tensor:
@@ -340,13 +332,13 @@ class PrefixLM(Mask):
     def key_interval(self, b, q_idx):
         n = self.length.to(q_idx.device)
         n = n[b] if self.per_batch else n[0]
-        return torch.full_like(q_idx, -_KEY_UNBOUNDED), torch.maximum(q_idx + 1, n)
+        return torch.full_like(q_idx, -KEY_UNBOUNDED), torch.maximum(q_idx + 1, n)
 
     def tile_kinds(self, grid, B=1, H=1):
         # attend iff j < max(n, i + 1): full iff kl < max(n, qf + 1), empty iff kf >= max(n, ql + 1)
         n = self.length.to(grid.device).view(-1, 1, 1, 1)  # (B or 1, 1, 1, 1)
         qf, ql, kf, kl = grid.q_first(), grid.q_last(), grid.kv_first(), grid.kv_last()
-        return _kinds((kl <= qf) | (kl < n), (kf > ql) & (kf >= n))
+        return kinds_from((kl <= qf) | (kl < n), (kf > ql) & (kf >= n))
 
     def validate(self, B, H, Sq, Sk, q_offset):
         if self.per_batch and self.length.numel() != B:
@@ -355,7 +347,7 @@ class PrefixLM(Mask):
                 f"batch has B={B}; pass an int or one length per sequence"
             )
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return (self.length.numel() if self.per_batch else 1), 1
 
     def __repr__(self) -> str:
@@ -397,8 +389,8 @@ class BlockSparse(Mask):
             raise TypeError(
                 f"block_sparse block_size must be an int or (block_q, block_k), got {block_size!r}"
             )
-        self.block_q = _check_positive_int(bs[0], "block_sparse block_size")
-        self.block_k = _check_positive_int(bs[1], "block_sparse block_size")
+        self.block_q = check_positive_int(bs[0], "block_sparse block_size")
+        self.block_k = check_positive_int(bs[1], "block_sparse block_size")
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         lay = self.layout.to(q_idx.device)
@@ -442,7 +434,7 @@ class BlockSparse(Mask):
 
         count = at(q1, k1) - at(q0, k1) - at(q1, k0) + at(q0, k0)  # (B', H', n_q, n_k)
         total = (q1 - q0).view(1, 1, -1, 1) * (k1 - k0).view(1, 1, 1, -1)
-        return _kinds(count == total, count == 0)
+        return kinds_from(count == total, count == 0)
 
     def validate(self, B, H, Sq, Sk, q_offset):
         lb, lh = self.layout.shape[:2]
@@ -454,7 +446,7 @@ class BlockSparse(Mask):
         if Sq and Sk:
             self._check_cover(q_offset, q_offset + Sq - 1, 0, Sk - 1, f"call (q_offset={q_offset})")
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return self.layout.shape[0], self.layout.shape[1]
 
     def __repr__(self) -> str:

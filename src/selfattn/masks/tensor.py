@@ -1,5 +1,5 @@
 """Tensors given in query-row order: :func:`from_tensor` masks (and ``mask=`` bool tensors), and
-the :class:`_RowTensor` they share with :func:`selfattn.scores.bias`.
+the :class:`RowTensor` they share with :func:`selfattn.scores.bias`.
 
 A row-ordered tensor's row ``i`` is query row ``i`` of the call it is given to, whatever the
 call's ``q_offset``. :meth:`Mask.bind` (done by :func:`selfattn.call.prepare` for every call)
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from selfattn.masks.base import Mask, _reduce_tiles
+from selfattn.masks.base import Mask, register_conversion
+from selfattn.masks.tiles import reduce_tiles
 
 
-class _RowTensor:
+class RowTensor:
     """A ``(B or 1, H or 1, R, C)`` tensor whose row ``r`` holds query position ``rows_at + r``
     and whose column ``c`` holds key position ``c``.
 
@@ -29,9 +30,9 @@ class _RowTensor:
     def bound(self) -> bool:
         return self.rows_at is not None
 
-    def bind(self, q_offset) -> _RowTensor:
+    def bind(self, q_offset) -> RowTensor:
         """Row 0 at ``q_offset`` (an int or a ``(B,)`` tensor); a bound tensor stays as it is."""
-        return self if self.bound else _RowTensor(self.tensor, q_offset)
+        return self if self.bound else RowTensor(self.tensor, q_offset)
 
     def at(self, b, h, q_idx, kv_idx, owner) -> torch.Tensor:
         """The entries at broadcast index tensors (absolute positions); ``owner`` (the mask or
@@ -101,7 +102,7 @@ class TensorMask(Mask):
     analytic = False
     row_ordered = True
 
-    def __init__(self, tensor: torch.Tensor, *, _rows: _RowTensor | None = None):
+    def __init__(self, tensor: torch.Tensor, *, _rows: RowTensor | None = None):
         if _rows is not None:  # a bound copy (bind)
             self.rows, self.tensor = _rows, _rows.tensor
             return
@@ -121,7 +122,7 @@ class TensorMask(Mask):
                 f"{tuple(tensor.shape)}"
             )
         self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
-        self.rows = _RowTensor(self.tensor)
+        self.rows = RowTensor(self.tensor)
 
     def bind(self, q_offset) -> Mask:
         rows = self.rows.bind(q_offset)
@@ -137,7 +138,7 @@ class TensorMask(Mask):
         t = self.rows.window(grid.q_offset, grid.Sq, grid.kv_offset, grid.Sk, "tensor mask")
         if grid.device is not None:
             t = t.to(grid.device)
-        return _reduce_tiles(t, grid)
+        return reduce_tiles(t, grid)
 
     def to_dense(self, Sq, Sk, *, B=1, H=1, q_offset=None, device=None):
         q_offset = Sk - Sq if q_offset is None else q_offset
@@ -150,7 +151,7 @@ class TensorMask(Mask):
     def validate(self, B, H, Sq, Sk, q_offset):
         self.rows.validate(B, H, Sq, Sk, q_offset, "mask")
 
-    def _batch_heads(self):
+    def batch_heads(self):
         return self.tensor.shape[0], self.tensor.shape[1]
 
     def __repr__(self) -> str:
@@ -164,3 +165,6 @@ def from_tensor(tensor: torch.Tensor) -> Mask:
     ``j`` is key position ``j``. The call binds it to absolute positions (:meth:`Mask.bind`).
     """
     return TensorMask(tensor)
+
+
+register_conversion(lambda obj: isinstance(obj, torch.Tensor), TensorMask)

@@ -109,7 +109,15 @@ from selfattn.positions import (
 )
 from selfattn.positions.rope import memoisable
 
-__all__ = ["GPT2", "CausalLM", "DecoderConfig", "GptOss", "LayerCaches", "Llama"]
+__all__ = [
+    "GPT2",
+    "CausalLM",
+    "DecoderConfig",
+    "GptOss",
+    "LayerCaches",
+    "Llama",
+    "layer_mask",
+]
 
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 CACHE_KINDS = ("static", "window", "paged")
@@ -276,7 +284,7 @@ class DecoderConfig:
 class _Chunk(int):
     """A chunked layer's entry in ``CausalLM._windows``: an int, since a query never sees more
     than the chunk size of keys (a window cache of that size serves the layer), that keys its
-    own mask (:func:`_layer_mask`): it never equals a sliding window of the same size."""
+    own mask (:func:`layer_mask`): it never equals a sliding window of the same size."""
 
     def __eq__(self, other):
         return type(other) is _Chunk and int(self) == int(other)
@@ -407,7 +415,7 @@ class CausalLM(nn.Module):
         if self.config.embed_scale != 1.0:
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         # One mask per kind of layer (window or global), in absolute positions.
-        masks = {w: _layer_mask(w, pad, attention_mask) for w in set(self._windows)}
+        masks = {w: layer_mask(w, pad, attention_mask) for w in set(self._windows)}
         layer_caches = [None] * len(self.layers) if step is None else step.layers
         fast = None if step is None else fast_blocks(self, layer_caches)
         if fast is not None:  # a planned paged step, no hooks: the blocks' ops without modules
@@ -578,7 +586,7 @@ def _check_positions_to_keep(index: torch.Tensor, S: int) -> None:
         raise ValueError(f"logits_to_keep positions must lie in 0..{S - 1}, got {index.tolist()}")
 
 
-def _layer_mask(window, pad, attention_mask=None):
+def layer_mask(window, pad, attention_mask=None):
     """The mask a layer ANDs with causal(): its window and the key padding ``pad`` (absolute key
     positions: a cache that returns part of the history says where it starts)."""
     mask = None if window is None else _masks.sliding_window(window)

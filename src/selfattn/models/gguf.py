@@ -50,7 +50,9 @@ from torch import nn
 
 from selfattn._log import log_once
 from selfattn._optional import require
-from selfattn.models import hub
+from selfattn.models import gguf_tokenizer, hub
+from selfattn.models.tokenizer import Tokenizer
+from selfattn.models.tokenizer import register_format as register_tokenizer_format
 from selfattn.nn import quant
 
 __all__ = [
@@ -968,7 +970,7 @@ def _gguf_dtype(dtype, f: GGUFFile | None = None) -> torch.dtype:
     CPU computes fastest (:func:`selfattn.models.bundled.auto_dtype`: bfloat16 where the CPU
     has native bf16 products, else float32). Names and torch dtypes as for folders."""
     if dtype is not None and dtype != "auto":
-        return hub._dtype(dtype, {}, [])
+        return hub.load_dtype(dtype, {}, [])
     types = {
         t.type_name for t in (f.tensors.values() if f is not None else ()) if len(t.shape) == 2
     }
@@ -1086,8 +1088,6 @@ def _save_tokenizer(path: Path, folder: Path) -> None:
     """The GGUF file's tokenizer as transformers' ``tokenizer.json`` and
     ``tokenizer_config.json`` (:mod:`selfattn.models.gguf_tokenizer`); nothing for a file
     without ``tokenizer.ggml.model``."""
-    from selfattn.models import gguf_tokenizer  # it imports this module
-
     metadata = read_metadata(path)
     if "tokenizer.ggml.model" not in metadata:
         return
@@ -1113,3 +1113,11 @@ def _write_safetensors(f: GGUFFile, plan: list[_Entry], out: Path, dtype) -> Non
         for e in plan:
             t = _read(f, e, dtype, keep=False).contiguous()
             fh.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _gguf_tokenizer(source: Path) -> Tokenizer:
+    return gguf_tokenizer.tokenizer_from_metadata(read_metadata(source), str(source))
+
+
+hub.register_format(gguf_source, load_gguf)
+register_tokenizer_format(gguf_source, _gguf_tokenizer)

@@ -40,10 +40,12 @@ __all__ = [
     "ConfigKeyError",
     "UnsupportedConfigError",
     "from_pretrained",
+    "load_dtype",
     "load_state",
     "read_config",
     "read_safetensors",
     "register",
+    "register_format",
     "resolve",
 ]
 
@@ -471,7 +473,7 @@ _DTYPES = {
 }
 
 
-def _dtype(dtype, config: Mapping, files: list[Path]) -> torch.dtype:
+def load_dtype(dtype, config: Mapping, files: list[Path]) -> torch.dtype:
     """The floating dtype ``from_pretrained`` builds: ``dtype`` itself, a name from ``_DTYPES``,
     or ``"auto"``/None: the config's ``dtype`` (transformers 5) or ``torch_dtype``, else the
     checkpoint's first floating tensor's, else float32."""
@@ -623,6 +625,17 @@ def check_loaded(model: nn.Module) -> None:
         )
 
 
+# Checkpoint formats besides a transformers folder, each registered by its own module on import
+# (gguf.py: selfattn.models imports it): ``(source, load)``, ``source(path_or_repo_id)`` the
+# file it would read or None, ``load(file, dtype, device=, quantized=)`` the model.
+_FORMATS: list[tuple[Callable, Callable]] = []
+
+
+def register_format(source: Callable, load: Callable) -> None:
+    """Let :func:`from_pretrained` load what ``source`` recognises with ``load``."""
+    _FORMATS.append((source, load))
+
+
 def from_pretrained(
     path_or_repo_id,
     dtype: torch.dtype | str | None = "auto",
@@ -659,17 +672,16 @@ def from_pretrained(
         The model in eval mode. A causal LM is called as ``model(input_ids (B, S),
         attention_mask=None) -> logits (B, S, vocab)``.
     """
-    from selfattn.models.gguf import gguf_source, load_gguf  # it imports this module
-
-    gguf_file = gguf_source(path_or_repo_id)
-    if gguf_file is not None:
-        return load_gguf(gguf_file, dtype, device=device, quantized=quantized)
+    for source, load in _FORMATS:
+        found = source(path_or_repo_id)
+        if found is not None:
+            return load(found, dtype, device=device, quantized=quantized)
     folder = resolve(
         path_or_repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
     )
     config = read_config(folder)
     model = build(config, str(config.file))
-    dtype = _dtype(dtype, config, checkpoint_files(folder))
+    dtype = load_dtype(dtype, config, checkpoint_files(folder))
     device = torch.device("cpu") if device is None else torch.device(device)
     model = model.to(dtype)
     state = read_safetensors(folder, dtype, device=device, progress=progress)

@@ -43,12 +43,12 @@ from selfattn.alternatives import GatedDeltaNet, LinearAttention, Mamba2Mixer
 from selfattn.cache import PagedKV, SlidingWindowCache, StaticCache
 from selfattn.cache.layers import LayerCaches
 from selfattn.cache.state import HybridCache
-from selfattn.models.decoder import CACHE_KINDS, _layer_mask, check_call
+from selfattn.models.decoder import CACHE_KINDS, check_call, layer_mask
 from selfattn.models.hf_mapping import bamba_state, hybrid_fields, mamba2_state
 from selfattn.models.hub import register, unsupported
 from selfattn.models.masking import padding_mask
 from selfattn.nn import DecoderBlock, MultiHeadAttention, RMSNorm, SwiGLU
-from selfattn.nn.blocks import _Residual
+from selfattn.nn.blocks import Residual
 from selfattn.positions import RoPE
 from selfattn.positions.rope import memoisable
 
@@ -134,8 +134,8 @@ class MixerBlock(nn.Module):
     def __init__(self, mixer: nn.Module, norm: nn.Module, mlp=None, mlp_norm=None):
         super().__init__()
         self.mixer, self.mlp = mixer, mlp
-        self.self_res = _Residual(norm, True, 0.0)
-        self.mlp_res = None if mlp is None else _Residual(mlp_norm, True, 0.0)
+        self.self_res = Residual(norm, True, 0.0)
+        self.mlp_res = None if mlp is None else Residual(mlp_norm, True, 0.0)
 
     def forward(self, x, *, cache=None, rows=None):
         x = self.self_res(x, lambda h: self.mixer(h, cache=cache, rows=rows))
@@ -231,7 +231,7 @@ class HybridLM(nn.Module):
             else:
                 position_ids = past + torch.arange(S, device=input_ids.device)
         position_ids = memoisable(position_ids)  # the factors once per step, not per layer
-        mask = _layer_mask(self.config.window, pad)
+        mask = layer_mask(self.config.window, pad)
         h = self.embed(input_ids)  # (B, S) -> (B, S, d_model)
         caches = [None] * len(self.layers) if step is None else step.layers
         for block, layer_cache in zip(self.layers, caches):

@@ -19,6 +19,7 @@ that keeps non-ASCII text, ``{% generation %}`` blocks and loop controls.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -27,7 +28,11 @@ import torch
 from selfattn._optional import require
 from selfattn.models.hub import CheckpointError, read_json, resolve
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = [
+    "Tokenizer",
+    "load_tokenizer",
+    "register_format",
+]
 
 # transformers' special-token attributes, passed to chat templates under these names
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
@@ -270,18 +275,26 @@ def _chat_template(folder: Path, config: dict) -> str | None:
     return template
 
 
+# Tokenizer sources besides a folder's tokenizer.json, each registered by its own module on
+# import (gguf.py): ``(source, build)``, ``source(path_or_repo_id)`` the file it would read or
+# None, ``build(file)`` the Tokenizer.
+_FORMATS: list[tuple[Callable, Callable]] = []
+
+
+def register_format(source: Callable, build: Callable) -> None:
+    """Let :func:`load_tokenizer` build what ``source`` recognises with ``build``."""
+    _FORMATS.append((source, build))
+
+
 def load_tokenizer(path_or_repo_id, **resolve_kw) -> Tokenizer:
     """The tokenizer of a checkpoint folder, a Hub id (``resolve_kw``: ``revision``,
     ``cache_dir``, ``local_files_only``, as for ``from_pretrained``) or a GGUF file (or a folder
     holding one and no config.json): built from its ``tokenizer.ggml.*`` metadata by
     :mod:`selfattn.models.gguf_tokenizer`, giving llama.cpp's ids."""
-    from selfattn.models import gguf
-
-    source = gguf.gguf_source(path_or_repo_id)
-    if source is not None:
-        from selfattn.models.gguf_tokenizer import tokenizer_from_metadata
-
-        return tokenizer_from_metadata(gguf.read_metadata(source), str(source))
+    for source, build in _FORMATS:
+        found = source(path_or_repo_id)
+        if found is not None:
+            return build(found)
     _Fast = require("tokenizers", purpose="load_tokenizer").Tokenizer
     folder = resolve(path_or_repo_id, **resolve_kw)
     file = folder / "tokenizer.json"

@@ -24,6 +24,7 @@ __all__ = [
     "QueryTemperature",
     "TorchMultiheadAttention",
     "gate_heads",
+    "positions_after",
 ]
 
 
@@ -31,7 +32,7 @@ __all__ = [
 ContiguousCache = StaticCache
 
 
-def _next_positions(cache, B: int, Sq: int, device) -> torch.Tensor:
+def positions_after(cache, B: int, Sq: int, device) -> torch.Tensor:
     """RoPE positions of ``Sq`` new tokens: ``(Sq,)`` after ``cache.length``, or after each
     sequence's own ``lengths`` for an :class:`InPlaceKVCache` (``(B, Sq)`` when they differ)."""
     if cache is None:
@@ -347,10 +348,10 @@ class MultiHeadAttention(nn.Module):
             )
         B, Sq, _ = x.shape
         if self.rope is not None and not cross and positions is None:
-            positions = _next_positions(cache, B, Sq, x.device)
+            positions = positions_after(cache, B, Sq, x.device)
         q, k, v = self.heads_qkv(x, context, value=value, positions=positions)
         if self.q_temperature is not None:  # at cache positions, not the (padded) position ids
-            t = self.q_temperature(_next_positions(cache, B, Sq, x.device))  # (Sq,) or (B, Sq)
+            t = self.q_temperature(positions_after(cache, B, Sq, x.device))  # (Sq,) or (B, Sq)
             t = t.view(-1, 1, Sq, 1) if t.dim() == 2 else t.view(1, 1, Sq, 1)
             q = (q * t).to(q.dtype)
         mod = self.score_mod_for(score_mod)

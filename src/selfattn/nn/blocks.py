@@ -15,10 +15,18 @@ from selfattn.nn.attention import MultiHeadAttention
 from selfattn.nn.mlp import MLP, SwiGLU, apply_dropout
 from selfattn.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["MLP", "DecoderBlock", "EncoderBlock", "LayerNorm", "RMSNorm", "SwiGLU"]
+__all__ = [
+    "MLP",
+    "DecoderBlock",
+    "EncoderBlock",
+    "LayerNorm",
+    "RMSNorm",
+    "Residual",
+    "SwiGLU",
+]
 
 
-class _Residual(nn.Module):
+class Residual(nn.Module):
     """``x + dropout(f(norm(x)))`` (pre-norm) or ``norm(x + dropout(f(x)))`` (post-norm)."""
 
     def __init__(self, norm: nn.Module, norm_first: bool, dropout: float):
@@ -75,8 +83,8 @@ class EncoderBlock(nn.Module):
     ):
         super().__init__()
         self.attention, self.mlp = attention, mlp
-        self.attn_res = _Residual(attn_norm, norm_first, dropout)
-        self.mlp_res = _Residual(mlp_norm, norm_first, dropout)
+        self.attn_res = Residual(attn_norm, norm_first, dropout)
+        self.mlp_res = Residual(mlp_norm, norm_first, dropout)
 
     def forward(self, x: torch.Tensor, *, mask=None, score_mod=None, positions=None):
         """``mask``/``score_mod``/``positions`` go to the attention (e.g. a key-padding mask)."""
@@ -110,9 +118,9 @@ class DecoderBlock(nn.Module):
         if (cross_attention is None) != (cross_norm is None):
             raise ValueError("cross_attention and cross_norm go together: pass both or neither")
         self.self_attention, self.cross_attention, self.mlp = self_attention, cross_attention, mlp
-        self.self_res = _Residual(self_norm, norm_first, dropout)
-        self.cross_res = None if cross_norm is None else _Residual(cross_norm, norm_first, dropout)
-        self.mlp_res = _Residual(mlp_norm, norm_first, dropout)
+        self.self_res = Residual(self_norm, norm_first, dropout)
+        self.cross_res = None if cross_norm is None else Residual(cross_norm, norm_first, dropout)
+        self.mlp_res = Residual(mlp_norm, norm_first, dropout)
 
     @staticmethod
     def causal_mask(mask):

@@ -37,7 +37,7 @@ from selfattn._validate import one_of, positive_int
 from selfattn.cache.base import KV, attends_in_place
 from selfattn.cache.latent import latent_value
 from selfattn.functional import attention
-from selfattn.nn.attention import _next_positions
+from selfattn.nn.attention import positions_after
 from selfattn.nn.norms import RMSNorm
 
 __all__ = ["LatentAttention"]
@@ -202,7 +202,7 @@ class LatentAttention(nn.Module):
             )
         B, Sq, _ = x.shape
         if positions is None:
-            positions = _next_positions(cache, B, Sq, x.device)
+            positions = positions_after(cache, B, Sq, x.device)
         q, rows = self.latents(x, positions)
         if attends_in_place(cache):  # paged latent pages: the absorbed order in place
             if q_offset is not None:

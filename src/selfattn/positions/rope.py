@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from selfattn._validate import checked_int, int_at_least, positive_int
-from selfattn.positions.sinusoidal import _check_position_values
+from selfattn.positions.sinusoidal import check_position_values
 
 __all__ = [
     "NTK",
@@ -344,7 +344,7 @@ def _check_positions(
             f"positions shape {tuple(positions.shape)} does not match x (B={B}, S={S}); "
             f"expected {expected}"
         )
-    _check_position_values("RoPE", positions)
+    check_position_values("RoPE", positions)
 
 
 def memoisable(positions: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,11 @@ from torch import nn
 
 from selfattn._validate import positive_int
 
-__all__ = ["LearnedPositions", "Sinusoidal"]
+__all__ = [
+    "LearnedPositions",
+    "Sinusoidal",
+    "check_position_values",
+]
 
 
 # Angles are ``position * inv_freq`` in float64, which holds every integer exactly only up to 2**53:
@@ -19,7 +23,7 @@ __all__ = ["LearnedPositions", "Sinusoidal"]
 _MAX_EXACT_POSITION = 1 << 53
 
 
-def _check_position_values(owner: str, positions: torch.Tensor) -> None:
+def check_position_values(owner: str, positions: torch.Tensor) -> None:
     """ValueError unless every position lies in ``0 .. 2**53`` (an int tensor).
 
     Inside a compiled graph, where reading a value would break it, the same condition is an
@@ -53,7 +57,7 @@ def _check_int_positions(owner: str, positions) -> None:
         raise ValueError(
             f"{owner} positions must be (S,) or (B, S), got shape {tuple(positions.shape)}"
         )
-    _check_position_values(owner, positions)
+    check_position_values(owner, positions)
 
 
 class Sinusoidal(nn.Module):

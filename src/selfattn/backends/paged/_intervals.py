@@ -9,14 +9,14 @@ import math
 
 import torch
 
-from selfattn.masks import TileGrid
+from selfattn.masks.tiles import TileGrid, classify
 
 # Most key intervals per query row the C kernel takes (its per-page masking and weighted V
 # sums loop over them): StreamingLLM's paged mask is 3, one of them always empty.
 MAX_KEY_INTERVALS = 4
 
 
-def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
+def page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
     """Per sequence, the logical pages ``[first, last)`` that hold an allowed key.
 
     Every used page without a mask; with a mask whose tiles classify analytically, the tile
@@ -31,9 +31,7 @@ def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
             last.append(used)
             continue
         grid = TileGrid(Sq, n, Sq, P, q_offset=n - Sq)
-        kinds = torch.as_tensor(mask.tile_kinds(grid, len(lens), Hq))
-        while kinds.dim() < 4:
-            kinds = kinds.unsqueeze(0)
+        kinds = classify(mask, grid, len(lens), Hq)  # (B', H', 1, used)
         row = kinds[b if kinds.shape[0] > 1 else 0].amax(dim=(0, 1)).cpu()  # (used,)
         hit = (row > 0).nonzero().flatten().tolist()
         first.append(hit[0] if hit else 0)
@@ -41,26 +39,26 @@ def _page_ranges(mask, lens: list[int], Sq: int, P: int, Hq: int):
     return first, last
 
 
-def _key_intervals(mask, lens: torch.Tensor, Sq: int):
+def key_intervals(mask, lens: torch.Tensor, Sq: int):
     """Per query row, the allowed keys as one interval ``[lo, hi)``, or None if the mask is not one.
 
     ``lo, hi (B, Sq)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: no allowed key): the
-    union of one interval (:func:`_key_interval_union`). Exact for no mask and every mask whose
+    union of one interval (:func:`key_interval_union`). Exact for no mask and every mask whose
     ``is_interval`` holds; any other mask is evaluated elementwise on the PyTorch path.
     """
     if mask is not None and not mask.is_interval:
         return None
-    lo, hi = _key_interval_union(mask, lens, Sq)
+    lo, hi = key_interval_union(mask, lens, Sq)
     return lo[..., 0], hi[..., 0]
 
 
 def interval_count(mask) -> int | None:
-    """How many key intervals per row :func:`_key_interval_union` gives for ``mask``, or None
+    """How many key intervals per row :func:`key_interval_union` gives for ``mask``, or None
     (the mask answers: ``Mask.key_interval_count``)."""
     return mask.key_interval_count()
 
 
-def _key_interval_union(mask, lens: torch.Tensor, Sq: int):
+def key_interval_union(mask, lens: torch.Tensor, Sq: int):
     """Per query row, the allowed keys as ``NI`` disjoint intervals, sorted: ``lo, hi (B, Sq,
     NI)`` int64 within ``[0, seq_lens[b]]`` (``hi <= lo``: an empty one), for a mask with an
     :func:`interval_count` (None: every key, ``NI = 1``). Overlaps are cut off the later

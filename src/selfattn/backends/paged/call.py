@@ -11,12 +11,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfattn.backends import _defaults
+from selfattn.backends.base import call_fields
 from selfattn.call import check_sinks
 from selfattn.masks import Mask, as_mask
 from selfattn.scores import ScoreMod, as_score_mod
 
-__all__ = ["QUANT_DTYPES", "PagedCall", "layer_call", "prepare"]
+__all__ = [
+    "QUANT_DTYPES",
+    "PagedCall",
+    "check_shapes",
+    "check_values",
+    "layer_call",
+    "prepare",
+]
 
 # Page dtypes stored quantised, read with scales (selfattn.cache.quant writes them): int8's one
 # per token and head in bfloat16, fp8's one per head in float32.
@@ -46,7 +53,7 @@ class PagedCall:
     planned: object = field(default=None, compare=False)  # a per-step cache
 
 
-_defaults(PagedCall)  # at import, not inside a cold torch.compile trace (see _defaults)
+call_fields(PagedCall)  # at import, not inside a cold torch.compile trace (see base.call_fields)
 
 
 def prepare(
@@ -55,8 +62,8 @@ def prepare(
 ) -> PagedCall:  # fmt: skip
     """Validate the arguments of ``paged_attention`` (TypeError / ValueError naming the
     offending values) and normalise them into a :class:`PagedCall`."""
-    _check(q, k_pages, v_pages, block_table, seq_lens)
-    _check_values(q, k_pages, block_table, seq_lens)
+    check_shapes(q, k_pages, v_pages, block_table, seq_lens)
+    check_values(q, k_pages, block_table, seq_lens)
     mask, score_mod = bound_objects(mask, score_mod, q, seq_lens)
     return layer_call(
         q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, sinks=sinks
@@ -110,7 +117,7 @@ def _bound(obj, q, seq_lens):
     return obj.bind(seq_lens.long() - Sq)
 
 
-def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
+def check_shapes(q, k_pages, v_pages, block_table, seq_lens) -> None:
     """Raise TypeError / ValueError naming the offending values (see :func:`paged_attention`)."""
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(t, torch.Tensor):
@@ -161,7 +168,7 @@ def _check(q, k_pages, v_pages, block_table, seq_lens) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _check_values(q, k_pages, block_table, seq_lens) -> None:
+def check_values(q, k_pages, block_table, seq_lens) -> None:
     """The checks that read ``seq_lens`` and ``block_table``: ValueError naming the offending
     entry. Inside a compiled graph, where reading a value would break it, the same conditions
     are asserts the graph checks when it runs (RuntimeError, a generic message): a kernel must

@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from selfattn.backends import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
 from selfattn.backends.paged import kernel_reject
-from selfattn.backends.paged._intervals import _key_interval_union, _key_intervals
+from selfattn.backends.paged._intervals import key_interval_union, key_intervals
 from selfattn.backends.paged.call import PagedCall
 from selfattn.kernels import ops, paged_decode
 
@@ -36,8 +36,8 @@ def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
 
 def _intervals(mask, lens, Sq):
     if mask is None or mask.is_interval:
-        return _key_intervals(mask, lens, Sq)  # (B, Sq) each
-    return _key_interval_union(mask, lens, Sq)  # (B, Sq, NI) each
+        return key_intervals(mask, lens, Sq)  # (B, Sq) each
+    return key_interval_union(mask, lens, Sq)  # (B, Sq, NI) each
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):

@@ -29,12 +29,12 @@ import dataclasses
 
 import torch
 
-from selfattn.backends import registry
+from selfattn.backends.base import registry
 from selfattn.backends.paged.call import (
     PagedCall,
-    _check,
-    _check_values,
     bound_objects,
+    check_shapes,
+    check_values,
     layer_call,
 )
 
@@ -78,7 +78,7 @@ class PagedAttentionPlan:
         if not (
             isinstance(q, tensor) and isinstance(k_pages, tensor) and isinstance(v_pages, tensor)
         ):
-            _check(q, k_pages, v_pages, self.block_table, self.seq_lens)  # names the bad one
+            check_shapes(q, k_pages, v_pages, self.block_table, self.seq_lens)  # names the bad one
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k_pages.requires_grad or v_pages.requires_grad
         )
@@ -118,7 +118,7 @@ class PagedAttentionPlan:
         return hit[2], call
 
     def _versions_now(self) -> tuple[int, int] | None:
-        if not self._versioned:  # not tensors (_check names them at the first call)
+        if not self._versioned:  # not tensors (check_shapes names them at the first call)
             return None
         return self.block_table._version, self.seq_lens._version
 
@@ -126,10 +126,10 @@ class PagedAttentionPlan:
                  return_lse, sinks) -> tuple[tuple, PagedCall]:  # fmt: skip
         """``(entry of _prepared, this layer's planned PagedCall)``."""
         args = (q, k_pages, v_pages, self.block_table, self.seq_lens)
-        _check(*args)
+        check_shapes(*args)
         shape = (k_pages.shape[0], k_pages.shape[1], q.shape[2])  # (N, P, Sq)
         if shape not in self._values_checked:
-            _check_values(q, k_pages, self.block_table, self.seq_lens)
+            check_values(q, k_pages, self.block_table, self.seq_lens)
             self._values_checked.add(shape)
         mask_obj, mod_obj = bound_objects(mask, score_mod, q, self.seq_lens)
         call: PagedCall = layer_call(

@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from selfattn.backends import BASE_FIELDS, Backend, Cost, register
 from selfattn.backends._common import accumulation_dtype, nonfinite_v_part, sinks_merged
-from selfattn.backends.paged._intervals import _page_ranges
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends.paged._intervals import page_ranges
 from selfattn.backends.paged.call import PagedCall
 
 __all__ = ["GATHER_ELEMENTS", "GROUP_KEYS", "plan", "run"]
@@ -62,7 +62,7 @@ def _group_scales(scales, ids, B: int, L: int, Hkv: int, cd) -> torch.Tensor:
 def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(first, last)``: per sequence, the logical pages ``[first, last)`` holding an allowed
     key, the same for every layer of a step."""
-    return _page_ranges(call.mask, seq_lens.tolist(), q.shape[2], k_pages.shape[1], q.shape[1])
+    return page_ranges(call.mask, seq_lens.tolist(), q.shape[2], k_pages.shape[1], q.shape[1])
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):

@@ -10,9 +10,9 @@ import os
 import torch
 
 from selfattn._log import log_once
-from selfattn.backends import BASE_FIELDS, Backend, Cost, register
+from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
 from selfattn.backends.paged import kernel_reject
-from selfattn.backends.paged._intervals import _key_intervals
+from selfattn.backends.paged._intervals import key_intervals
 from selfattn.backends.paged.call import QUANT_DTYPES, PagedCall
 from selfattn.kernels import ops
 from selfattn.kernels import triton as triton_kernels
@@ -22,7 +22,7 @@ __all__ = ["plan", "run"]
 
 def plan(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(lo, hi)``: each row's key interval ``(B, Sq)``, the same for every layer of a step."""
-    return _key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
+    return key_intervals(call.mask, seq_lens.to(torch.long), q.shape[2])
 
 
 def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):

@@ -35,7 +35,7 @@ computed in uint32 in the kernel; the caller hashes the seed (``seed_word``).
 
 Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors, which
 is how the test suite checks them; there, ``tl.dot`` gets float32 operands (the interpreter's
-bf16 dot is wrong, see :func:`selfattn.kernels.triton.paged._interpreted`).
+bf16 dot is wrong, see :func:`selfattn.kernels.triton.paged.interpreted`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from selfattn.kernels.triton.paged import _interpreted, _online_softmax_step, _pow2
+from selfattn.kernels.triton.paged import interpreted, online_softmax_step, pow2
 
 __all__ = [
     "BLOCKS",
@@ -91,7 +91,7 @@ INTERPRETED_BLOCKS = Blocks(16, 16, 1, 1)
 
 def blocks(kind: str, head_dim: int) -> Blocks:
     """The tile sizes of ``kind`` ("fwd" or "bwd") for a head dim (the larger of D and Dv)."""
-    if _interpreted():
+    if interpreted():
         return INTERPRETED_BLOCKS
     table = BLOCKS[kind]
     return table[min((d for d in table if d >= head_dim), default=max(table))]
@@ -147,7 +147,7 @@ def _launch(kernel, grid, args: dict, constexprs: dict, blk: Blocks):
             spec.append((name, value == 1, value % 16 == 0, abs(value) >= 1 << 31))
     name = getattr(kernel, "__name__", None) or kernel.fn.__name__
     launches.add((name, tuple(sorted(constexprs.items())), tuple(spec)))
-    opts = {} if _interpreted() else {"num_warps": blk.warps, "num_stages": blk.stages}
+    opts = {} if interpreted() else {"num_warps": blk.warps, "num_stages": blk.stages}
     kernel[grid](**args, **constexprs, **opts)
 
 
@@ -293,7 +293,7 @@ def _fwd_range(
             ok = _allowed(lo, hi, ids_q, cols, b, IDS, s_ib, Sk, HAS_IDS)
             s = tl.where(ok, s, float("-inf"))
         # -- update running max and sum
-        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s)
         if DROPOUT:  # l (and so lse) is the undropped normaliser
             keep = _dropout_keep(seed_word, b, h, q_offset + rows, cols, p_drop)
             p = tl.where(keep, p / (1.0 - p_drop), 0.0)
@@ -559,7 +559,7 @@ def _common_args(q, k, v, lo, ids, bias, slopes, scale, softcap, dropout_p, seed
         sb = [0 if n == 1 else st for n, st in zip(bias.shape, bias.stride())]
     else:
         sb = [0, 0, 0, 0]
-    ieee = _interpreted() or q.dtype == torch.float32
+    ieee = interpreted() or q.dtype == torch.float32
     args = {
         "s_qb": q.stride(0), "s_qh": q.stride(1), "s_qm": q.stride(2),
         "s_kb": k.stride(0), "s_kh": k.stride(1), "s_kn": k.stride(2),
@@ -572,7 +572,7 @@ def _common_args(q, k, v, lo, ids, bias, slopes, scale, softcap, dropout_p, seed
         "seed_word": seed,
     }  # fmt: skip
     constexprs = {
-        "D": D, "DV": Dv, "BLOCK_D": _pow2(D), "BLOCK_DV": _pow2(Dv),
+        "D": D, "DV": Dv, "BLOCK_D": pow2(D), "BLOCK_DV": pow2(Dv),
         "HAS_IDS": ids is not None, "ALIBI": slopes is not None, "HAS_BIAS": bias is not None,
         "SOFTCAP": bool(softcap), "DROPOUT": dropout_p > 0, "IEEE": ieee,
     }  # fmt: skip

@@ -43,7 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_splits", "paged_attention_triton"]
+__all__ = [
+    "interpreted",
+    "merge_splits",
+    "online_softmax_step",
+    "paged_attention_triton",
+    "pow2",
+]
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
 BLOCK_N = 32  # keys per tile of the per-key walk: >= 16 for tl.dot
@@ -91,7 +97,7 @@ def _weighted_sum_attended(p, v, allowed):
 
 
 @triton.jit
-def _online_softmax_step(m_i, l_i, s):
+def online_softmax_step(m_i, l_i, s):
     """One tile of the online softmax on base-2 scores ``s (M, N)``: ``(m_new, p, alpha, l)``,
     the new running max, the tile's weights ``2^(s - m_new)``, the factor that rescales what
     came before, and the new running sum. A row with nothing allowed yet keeps max -inf and
@@ -159,7 +165,7 @@ def _attend_keys(
         s = s * qk_scale
         allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        m_new, p, alpha, l_i = _online_softmax_step(m_i, l_i, s)
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s)
         # -- weighted V rows
         if EXACT:
             pv = _weighted_sum_attended(p, v, allowed)
@@ -233,13 +239,13 @@ def _paged_fwd(
     tl.store(LSE + b * s_lb + h * s_lh + i * s_ls + split, lse, mask=row_ok)
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Triton's CPU interpreter (tests): its tl.dot on bfloat16 operands is wrong (triton 3.9:
     errors ~1e10 on a 16×16 product), so it gets float32 operands; a GPU multiplies in bf16."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pow2(n: int, least: int = 16) -> int:
+def pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -290,7 +296,7 @@ def paged_attention_triton(
     max_len = int(hi.max()) if hi.numel() else 0
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1 or q.stride(3) != 1:
         raise ValueError("paged_attention_triton needs the last dim of q and the pages contiguous")
-    block_m = _pow2(Sq * G)
+    block_m = pow2(Sq * G)
     if block_m > 64:
         block_m = 64
     m_tiles = math.ceil(Sq * G / block_m)
@@ -324,8 +330,8 @@ def paged_attention_triton(
         lse.stride(0), lse.stride(1), lse.stride(2),
         float(scale) * LOG2E, Hkv, G, Sq, P, split_len,
         D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=tile,
-        BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), SCALES=mode,
-        IEEE=q.dtype == torch.float32 or _interpreted(), PAGE=page,
+        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), SCALES=mode,
+        IEEE=q.dtype == torch.float32 or interpreted(), PAGE=page,
     )  # fmt: skip
     return merge_splits(out, lse / LOG2E, q.dtype, sinks)  # base-2 lse -> natural log
 
