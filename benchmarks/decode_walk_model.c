@@ -1,5 +1,5 @@
 /* A model of the paged decode kernel's memory walk, without its arithmetic: what memory gives the
-   decode's access pattern on this machine (BENCHMARKS.md, "Quiet runs, session 9"; compile and run it as below).
+   decode's access pattern (compile and run it as below).
 
    Two pools (K and V) of pages of 16 slots x 8 kv heads x ROW bytes, 512 MiB in all, on
    transparent huge pages; the pages visited in a random order, split over T OpenMP threads. Per

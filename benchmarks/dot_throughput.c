@@ -1,7 +1,7 @@
 /* Throughput of the dot-product instructions the paged decode kernel can use, on 512-bit
    registers: nanoseconds per instruction with 8 independent accumulator chains (enough to hide
    their latency), so the figure is the issue rate. Why int8 pages cost the kernel what bf16
-   pages do in arithmetic (BENCHMARKS.md, "Runs, session 12"): with the query and the softmax
+   pages do in arithmetic: with the query and the softmax
    weights kept at 16 bits, int8 keys and values take vpdpwssd (32 int16 products) where bf16
    takes vdpbf16ps (32 bf16 products), the same count for a page; vpdpbusd's 64 int8 products
    need an 8-bit operand on both sides.

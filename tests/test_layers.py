@@ -302,3 +302,16 @@ def test_serving_functions_are_short():
     assert not long, f"split these (at most {MAX_SERVING_FUNCTION_LINES} lines):\n" + "\n".join(
         long
     )
+
+
+MAX_CACHE_FILE_LINES = 500  # a cache module that outgrows this has a second job: give it a room
+
+
+def test_cache_files_are_small():
+    """No file in src/selfattn/cache over 500 lines (the paged cache is a package of rooms)."""
+    big = [
+        f"{path.relative_to(ROOT.parent).as_posix()} has {n} lines"
+        for path in sorted((ROOT / "cache").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_CACHE_FILE_LINES
+    ]
+    assert not big, f"split these (at most {MAX_CACHE_FILE_LINES} lines):\n" + "\n".join(big)

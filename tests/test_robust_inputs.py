@@ -1,4 +1,4 @@
-"""Robustness of user inputs (issue 11): user callables' own failures, out-of-range positions.
+"""Robustness of user inputs: user callables' own failures, out-of-range positions.
 
 Errors raised inside a mask/score-mod callable reach the caller as they are, after one call;
 only the failures that mean "this code does not broadcast" are retried element by element.

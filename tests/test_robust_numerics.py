@@ -1,4 +1,4 @@
-"""Non-finite values, rows a score mod empties and gradient precision, on every backend (issue 11).
+"""Non-finite values, rows a score mod empties and gradient precision, on every backend.
 
 The rule (``selfattn/backends/_common.py``): a key a row does not attend (the mask removes it, or
 the score mod gives it ``-inf``) never reaches that row; V at a key the row attends passes on in

@@ -147,7 +147,7 @@ _FAST = "cpu_fused" if _MEASURED else "sdpa"
 )
 def test_auto_choices_on_cpu(Sq, kwargs, chosen):
     """What auto picks on CPU (the measured rules of backends/_auto.py); unchanged since the
-    choice moved into the backends' cost hooks, but for the fused C kernel (issue 16), which
+    choice moved into the backends' cost hooks, but for the fused C kernel, which
     takes sparse masks from chunked and, where it measured faster, long no-mask and causal
     calls from sdpa (tests/backends/test_cpu_fused_cost.py has its regimes)."""
     q, k, v = make_qkv(1, 2, Sq, 16, Sk=_S, seed=Sq)

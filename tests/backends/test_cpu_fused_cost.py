@@ -1,4 +1,4 @@
-"""``auto`` and the fused C kernel on no-mask and causal CPU calls (issue 16): the cost model of
+"""``auto`` and the fused C kernel on no-mask and causal CPU calls: the cost model of
 ``backends/cpu_fused.py`` (measured regimes: dtype, forward or forward + backward, decode step
 or not) decides, ``explain`` says which regime and why, and the calls it now sends to cpu_fused
 give the oracle's values and gradients.

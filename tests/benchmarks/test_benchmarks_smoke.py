@@ -541,7 +541,7 @@ def test_attention_quick_sizes_divide_lengths_by_eight():
 
 @pytest.mark.slow
 def test_gpu_triton_part_runs_on_cpu_in_the_interpreter(tmp_path):
-    """``gpu --part triton`` (issue 17's prepared GPU run) on CPU: our rows at toy sizes in
+    """``gpu --part triton`` (the prepared GPU run) on CPU: our rows at toy sizes in
     Triton's interpreter, the SDPA peer, the compile count over new masks and lengths, and its
     target table; Flex and the paged rows need the GPU."""
     pytest.importorskip("triton")

@@ -1,4 +1,4 @@
-"""A stateful fuzz of the whole paged cache (issue 11): ``PagedCache`` with prefix caching and
+"""A stateful fuzz of the whole paged cache: ``PagedCache`` with prefix caching and
 fp32 pages, driven by hypothesis through at least ``MIN_STEPS`` random operations.
 
 Operations (the rules of ``PagedCacheMachine`` in tests/_cache_helpers.py plus those below):
@@ -34,7 +34,7 @@ from selfattn.kernels import paged_decode as _decode_kernels
 from tests._cache_helpers import HQ, D, PagedCacheMachine, assert_attention
 
 SEED = int(os.environ.get("SELFATTN_FUZZ_SEED", "11"))
-MIN_STEPS = 10_000  # rule executions over the whole run (issue 11)
+MIN_STEPS = 10_000  # rule executions over the whole run
 # Hypothesis runs x steps per run: ~11,500 operations (a run ends early when its choice buffer
 # fills), 10-20 s on one core of a busy 2-core machine. Longer runs fill the buffer sooner.
 EXAMPLES, STEPS = 320, 40

@@ -1,4 +1,4 @@
-"""paged_attention under hostile inputs and surroundings (issue 11), on each of its paths.
+"""paged_attention under hostile inputs and surroundings, on each of its paths.
 
 The C kernel, the PyTorch path and the Triton kernel (interpreted on CPU, TRITON_INTERPRET=1)
 must agree: NaN/inf in V reaches only the rows that attend its key, garbage beyond

@@ -286,7 +286,7 @@ def test_backends_case_echo_and_text(capsys):
         assert name in text
 
 
-# -- one mask grammar (issue 12): every subcommand reads masks as `selfattn mask` does ----------
+# -- one mask grammar: every subcommand reads masks as `selfattn mask` does ----------
 @pytest.mark.parametrize(
     "expr", ["~(causal | prefix_lm(2))", "causal & documents(3, 4, 2)", "padding(7) & chunked(4)"]
 )
@@ -375,7 +375,7 @@ def test_backends_matrix(capsys):
     assert "why not:" in text and "score_mod: softcap" in text
 
 
-# -- map, embed, mask, bench, demo (issue 6) ------------------------------------------------------
+# -- map, embed, mask, bench, demo ------------------------------------------------------
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -582,7 +582,7 @@ def test_info_says_which_backends_run_here(capsys):
     assert any(b["name"] == "reference" and b["available"] for b in info["backends"])
 
 
-# -- limits of `mask` and `backends --mask` (issue 11): usage errors, exit 2, message on stderr ---
+# -- limits of `mask` and `backends --mask`: usage errors, exit 2, message on stderr ---
 @pytest.mark.parametrize(
     "argv, names",
     [

@@ -140,7 +140,7 @@ def test_without_process_group_is_attention():
 
 def test_shard_sequence_needs_the_sequence_dim_of_a_4d_tensor():
     """(B, H, S, D) and (B, S, H, D) look alike: no default for 4-D, so the heads are never
-    split silently (issue 11: the README passed (B, H, S, D) with the old default dim=1)."""
+    split silently (the README passed (B, H, S, D) with the old default dim=1)."""
     x = torch.randn(2, 4, 6, 8)
     for fn in (shard_sequence, unshard_sequence):
         with pytest.raises(ValueError, match=r"dimension of x \(2, 4, 6, 8\).*dim=2 for heads"):

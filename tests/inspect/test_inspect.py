@@ -505,7 +505,7 @@ def test_generation_with_a_cache_records_each_step_like_a_full_forward():
         torch.testing.assert_close(w[0, :, 0], full[1][0, :, t - 1, :t], atol=1e-5, rtol=1e-5)
 
 
-# -- limits of mask expressions (issue 11) ---------------------------------------------------------
+# -- limits of mask expressions ---------------------------------------------------------
 DEEP = 1000  # far past MAX_DEPTH; on main each of these overflowed Python's recursion limit
 
 

@@ -1,4 +1,4 @@
-"""Masks and score mods take FlexAttention's signatures on absolute positions everywhere (issue 12).
+"""Masks and score mods take FlexAttention's signatures on absolute positions everywhere.
 
 ``mask_mod(b, h, q_idx, kv_idx)`` and ``score_mod(score, b, h, q_idx, kv_idx)``: ``q_idx`` is the
 query's absolute position (row ``i`` of a call at ``q_offset + i``), ``kv_idx`` the key's. Tensors

@@ -614,7 +614,7 @@ def test_questions_compose_through_and_or_not():
 
 
 def test_and_or_not_are_siblings():
-    """Or is not a kind of And (issue 12): a walker asking `isinstance(m, And)` of an Or would
+    """Or is not a kind of And: a walker asking `isinstance(m, And)` of an Or would
     take a union for an intersection."""
     a, o, n = M.causal() & M.chunked(2), M.causal() | M.chunked(2), ~M.causal()
     assert not isinstance(o, type(a)) and not isinstance(a, type(o))
@@ -625,7 +625,7 @@ def test_and_or_not_are_siblings():
 
 
 # Mask classes no module outside selfattn/masks may name: the masks answer every question
-# themselves (issue 12), so a consumer never switches on what kind of mask it holds.
+# themselves, so a consumer never switches on what kind of mask it holds.
 _MASK_CLASSES = frozenset(
     {
         "And", "Or", "Not", "Causal", "SlidingWindow", "Chunked", "Padding", "Documents",

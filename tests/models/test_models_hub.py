@@ -206,7 +206,7 @@ def test_register_needs_a_model_type():
         register()
 
 
-# -- malformed folders: every error names the file (issue 11) ----------------------------------
+# -- malformed folders: every error names the file ----------------------------------
 def test_truncated_shard_names_the_file(tiny):
     f = tiny / "model.safetensors"
     data = f.read_bytes()

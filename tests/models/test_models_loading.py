@@ -1,4 +1,4 @@
-"""from_pretrained as users have their checkpoints (issue 13): dtype names and "auto", meta-device
+"""from_pretrained as users have their checkpoints: dtype names and "auto", meta-device
 construction without a float32 copy, tied weights, sharded bf16 folders, Hub ids through
 huggingface_hub's cache (offline), the progress bar.
 

@@ -1,4 +1,4 @@
-"""The attention variants of issue 15 sections 4-5: QK-norm (Qwen-3, OLMo-2), Gemma-3's two RoPE
+"""The attention variants: QK-norm (Qwen-3, OLMo-2), Gemma-3's two RoPE
 bases, Llama-4 (chunked RoPE / NoPE layers, query temperature, L2 qk-norm, MoE), differential
 attention (DiffLlama); layers against float64 oracles, families against
 transformers (tiny perturbed random configs saved with save_pretrained)."""

@@ -488,7 +488,7 @@ def test_quantised_pool_serves_close_to_float(models, kv_dtype):
 @pytest.mark.parametrize("D", [24, 64])
 def test_int8_pool_bytes_follow_the_formula(D):
     """An int8 pool takes ``kv_cache_bytes``'s bytes (a bfloat16 scale per token and head):
-    ``(D + 2) / 2D`` of a bf16 pool of the same pages, <= 0.53 for heads of 64 (issue 14)."""
+    ``(D + 2) / 2D`` of a bf16 pool of the same pages, <= 0.53 for heads of 64."""
     L, N, Hkv = 3, 7, 2
     pools = {
         dt: PagedKV(L, N, P, Hkv, D, max_seqs=1, max_pages_per_seq=N, dtype=dt)

@@ -680,8 +680,8 @@ static void page_scales(float *out, const void *scales, int64_t mode, int64_t pa
       out[h * PD_SLOTS + s] = s < ns ? dequant_scale(scales, mode, page, s0 + s, P, Hkv, h) : 1.0f;
 }
 
-/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 or slower (sessions 6
-   and 7, one thread, B=32 and B=8 x 4,096 tokens); asking into L2 only (prefetcht2) or
+/* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 or slower (one
+   thread, B=32 and B=8 x 4,096 tokens); asking into L2 only (prefetcht2) or
    non-temporally, or a dense page in address order rather than head by head, measured the same
    or slower (address order: 1.8x bf16). */
 #define AHEAD 1
