@@ -262,16 +262,16 @@ RATES = (
 
 
 def copy_rows(B: int, S: int, limit: float, repeat: int) -> list[dict]:
-    """Bytes read per second of fp32 and bf16 pages vs a large copy's rate (the target) and a
-    large sum's read rate, in one run."""
+    """Bytes read per second of pages in every storage (scales counted) vs a large copy's rate
+    (the target), a large sum's read rate and the pages' own copy rate, in one run."""
     rows = []
-    for storage in ("fp32", "bf16"):
+    for storage in STORAGES:
         rates = bandwidth_rates(B, S, storage, repeat)
         for name, peer, targeted in RATES:
             gbs, rate = rates[name]
             rows.append(
                 {
-                    "case": f"{storage} paged decode: K/V bytes read per second",
+                    "case": f"{storage} paged decode, B={B} S={S}: K/V bytes read per second",
                     "ours_ms": None,
                     "peer": peer,
                     "peer_ms": None,
@@ -292,6 +292,7 @@ def rows_for(B: int, S: int, repeat: int, narrow_s: float = NARROW_S) -> list[di
     rows += speed_rows(B, S, torch.bfloat16, 0.35, repeat)
     rows += narrow_rows(B, S, 0.6, repeat, narrow_s)
     rows += copy_rows(B, S, 0.7, repeat)
+    rows += copy_rows(1, S, 0.7, repeat)  # one sequence: its 8 kv heads share the threads
 
     # Cache size: the formula and the tensors quantize_int8 actually returns must agree.
     int8_formula = kv_cache_bytes(1, HKV, D, S, "int8", batch=B)
