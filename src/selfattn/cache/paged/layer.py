@@ -100,8 +100,8 @@ class PagedLayer:
         the rows are not one sequence's), and there are no weights.
         """
         if self.plan.packed:
-            self._check_packed(q, k, v, mask, score_mod, return_weights, sinks)
-            return self._run_packed(q, k, v, mask, score_mod, scale)
+            self._check_packed(q, k, v, mask, score_mod, return_weights)
+            return self._run_packed(q, k, v, mask, score_mod, scale, sinks)
         mask, score_mod = self._checked(q, k, v, mask, score_mod)
         return self._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
 
@@ -126,20 +126,25 @@ class PagedLayer:
     def attend_rows(self, q, k_rows, v_rows, *, mask=None, score_mod=None, scale=None, sinks=None):
         """:meth:`attend` (no weights) with this step's keys and values as rows ``k_rows (B·S,
         Hkv, D)``, ``v_rows (B·S, Hkv, Dv)``, row ``b·S + s`` token ``s`` of sequence ``b``: a
-        fused projection's ``(B, S, H, ·)`` layout, written without transposing.
+        fused projection's ``(B, S, H, ·)`` layout, written without transposing. Over a packed
+        plan ``q (1, Hq, T, D)`` and the rows ``(T, Hkv, ·)``, token ``t`` row ``t``.
 
-        The decoder's fast path (:mod:`selfattn.models.decode_fast`): the checks of
+        The blocks' lean step (:class:`~selfattn.nn.blocks.RowsStep`): the checks of
         :meth:`attend`, the backend choice and its call run at the first layer of each kind
         (shapes, dtypes, mask, score mod, scale and sinks objects) of the step; its other layers
         only write their rows and run the chosen backend (float pages; quantised pages take
-        :meth:`attend`'s path at every layer, their scales being per layer).
+        :meth:`attend`'s path at every layer, their scales being per layer). A packed step whose
+        chunks are all short (decode tokens, speculative verify chunks) attends as rows of one
+        call, each token over its own sequence; one with a long chunk takes :meth:`attend`'s
+        packed path.
         """
         plan, kv = self.plan, self.kv
         key = (id(mask), id(score_mod), scale, id(sinks), q.shape, q.dtype, k_rows.shape,
                k_rows.dtype, v_rows.shape, v_rows.dtype)  # fmt: skip
         hit = plan.fast.get(key)
+        packed = plan.packed
         if hit is None or kv.k_scales is not None:
-            B, S = len(plan.seq_ids), plan.n_tokens
+            B, S = len(plan.seq_ids), plan.n_tokens  # packed: T rows of one token
             if k_rows.dim() != 3 or v_rows.dim() != 3 or k_rows.shape[0] != B * S:
                 kv.undo(plan)
                 raise ValueError(
@@ -147,11 +152,20 @@ class PagedLayer:
                     f"sequence(s) × {S} token(s), got {tuple(k_rows.shape)}, "
                     f"{tuple(v_rows.shape)}"
                 )
-            k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)  # (B, Hkv, S, D)
-            v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
-            if not kv.writes_rows:  # quantised pages, or a cache with its own write
-                return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                                   sinks=sinks)  # fmt: skip
+            if packed:  # (T, H, ·) -> (1, H, T, ·): attend's packed layout
+                k, v = k_rows.transpose(0, 1)[None], v_rows.transpose(0, 1)[None]
+                if plan.blocks or not kv.writes_rows:  # a long chunk, or quantised pages
+                    return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+                                       sinks=sinks)  # fmt: skip
+                self._check_packed(q, k, v, mask, score_mod, False)
+                q = _token_rows(q)
+                k, v = k_rows[:, :, None], v_rows[:, :, None]  # (T, Hkv, 1, ·)
+            else:
+                k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)  # (B, Hkv, S, D)
+                v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
+                if not kv.writes_rows:  # quantised pages, or a cache with its own write
+                    return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+                                       sinks=sinks)  # fmt: skip
             mask_obj, mod_obj = self._checked(q, k, v, mask, score_mod)
             try:
                 hit = plan.attention.prepare(
@@ -163,6 +177,8 @@ class PagedLayer:
                 raise
             # the entry holds the objects keyed by id, so that their ids stay unique
             plan.fast[key] = hit = (*hit, mask, score_mod, sinks)
+        elif packed:
+            q = _token_rows(q)
         chosen, call = hit[0], hit[1]
         layer = self.layer
         try:
@@ -172,6 +188,8 @@ class PagedLayer:
         except BaseException:
             kv.undo(plan)
             raise
+        if packed:  # (T, Hq, 1, Dv) -> (1, Hq, T, Dv)
+            return out.squeeze(2).transpose(0, 1)[None]
         return out
 
     def _run(self, q, k, v, mask, score_mod, scale, return_weights, sinks=None):
@@ -215,14 +233,12 @@ class PagedLayer:
             )  # default q_offset: bottom-right, n - Sq, as in paged_attention
         return out, w
 
-    def _check_packed(self, q, k, v, mask, score_mod, return_weights, sinks) -> None:
+    def _check_packed(self, q, k, v, mask, score_mod, return_weights) -> None:
         """:meth:`attend`'s checks over a packed plan (undoing the step when one fails)."""
         T = len(self.plan.seq_ids)
         try:
             if return_weights:
                 raise ValueError("a packed step does not return attention weights")
-            if sinks is not None:
-                raise ValueError("a packed step takes no sinks; run the sequences unpacked")
             for name, x in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[::2] != (1, T):
                     got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -240,23 +256,19 @@ class PagedLayer:
             self.kv.undo(self.plan)
             raise
 
-    def _run_packed(self, q, k, v, mask, score_mod, scale):
+    def _run_packed(self, q, k, v, mask, score_mod, scale, sinks=None):
         """:meth:`attend` over a packed plan once its inputs are checked."""
         kv, plan, layer = self.kv, self.plan, self.layer
         T, Hq, Dv = q.shape[2], q.shape[1], v.shape[3]
         k_scales, v_scales = kv.layer_scales(layer)
         pages = (kv.k_layers[layer], kv.v_layers[layer])
         kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-                  v_scales=v_scales)  # fmt: skip
-
-        def as_rows(x):  # (1, H, T, ·) -> (T, H, 1, ·): every token a row of length 1
-            return x[0].transpose(0, 1).unsqueeze(2)
-
+                  v_scales=v_scales, sinks=sinks)  # fmt: skip
         try:
-            kv.write(layer, plan, as_rows(k), as_rows(v))
+            kv.write(layer, plan, _token_rows(k), _token_rows(v))
             R = plan.rows.numel()
             if R == T:  # no long chunk: the whole step is one call
-                out = paged_attention(as_rows(q), *pages, plan.block_table, plan.seq_lens,
+                out = paged_attention(_token_rows(q), *pages, plan.block_table, plan.seq_lens,
                                       plan=plan.attention, **kw)  # fmt: skip
                 return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, ·)
             out = q.new_empty(Hq, T, Dv)
@@ -270,13 +282,17 @@ class PagedLayer:
                 qb = q[:, :, start : start + n]  # (1, Hq, n, D)
                 # keys from position 0, queries the last n: attention's default bottom-right
                 o = attention(qb, ks[None].to(qb.dtype), vs[None].to(qb.dtype), mask=mask,
-                              score_mod=score_mod,
-                              scale=scale)  # fmt: skip
+                              score_mod=score_mod, scale=scale, sinks=sinks)  # fmt: skip
                 out[:, start : start + n] = o[0]
             return out.unsqueeze(0)  # (Hq, T, Dv) -> (1, Hq, T, Dv)
         except BaseException:
             kv.undo(plan)
             raise
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """A packed step's ``(1, H, T, ·)`` as ``(T, H, 1, ·)``: every token a row of length 1."""
+    return x[0].transpose(0, 1).unsqueeze(2)
 
 
 def _ragged(seq_ids, lengths) -> str:
