@@ -103,16 +103,17 @@ def hook_dicts(modules) -> list:
 def _projection(m: nn.Module) -> tuple:
     """How a lean step calls the projection ``m`` without the module call's hook dispatch:
     ``(parameters, None)`` for an ``nn.Linear`` (the functional op on its weight and bias, read
-    at each call), else ``(None, m.forward)`` (a quantised linear, any Linear-like module)."""
+    at each call), else ``(None, m)``, called as ``m.forward(x)`` (a quantised linear, any
+    Linear-like module; its forward looked up at each call, as the module call does)."""
     if type(m) is nn.Linear:
         return m._parameters, None
-    return None, m.forward
+    return None, m
 
 
 def _project(proj: tuple, x: torch.Tensor) -> torch.Tensor:
-    params, forward = proj
+    params, module = proj
     if params is None:
-        return forward(x)
+        return module.forward(x)
     return _linear(x, params["weight"], params["bias"])
 
 
@@ -220,16 +221,14 @@ class RowsStep:
             qk = self.rope.rotate_tokens_first(qk, positions)
         q, k = qk.split_with_sizes(self.split, 2)
         o = cache.attend_rows(
-            q.transpose(1, 2),
+            q,
             k.reshape(B * S, *k.shape[2:]),
             v.reshape(B * S, *v.shape[2:]),
             mask=mask,
             score_mod=score_mod,
             scale=att.scale,
             sinks=att.sinks,
-        )  # (B, Hq, S, Dv)
-        # (B, Hq, S, Dv) -> (B, S, Hq·Dv); one row per sequence: a view of the same memory
-        o = o.view(B, S, -1) if S == 1 and o.is_contiguous() else att.merge_heads(o)
+        )  # (B, S, Hq·Dv): the heads merged
         h = h + _project(self.out, o)
         norm = self.norm2
         x = rms_norm(h, norm.weight, norm.eps)

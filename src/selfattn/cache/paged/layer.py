@@ -124,10 +124,11 @@ class PagedLayer:
         return mask, score_mod
 
     def attend_rows(self, q, k_rows, v_rows, *, mask=None, score_mod=None, scale=None, sinks=None):
-        """:meth:`attend` (no weights) with this step's keys and values as rows ``k_rows (B·S,
-        Hkv, D)``, ``v_rows (B·S, Hkv, Dv)``, row ``b·S + s`` token ``s`` of sequence ``b``: a
-        fused projection's ``(B, S, H, ·)`` layout, written without transposing. Over a packed
-        plan ``q (1, Hq, T, D)`` and the rows ``(T, Hkv, ·)``, token ``t`` row ``t``.
+        """:meth:`attend` (no weights) in a fused projection's tokens-first layout: ``q (B, S,
+        Hq, D)``, this step's keys and values as rows ``k_rows (B·S, Hkv, D)``, ``v_rows (B·S,
+        Hkv, Dv)`` (row ``b·S + s`` token ``s`` of sequence ``b``), written without
+        transposing; returns the merged heads ``(B, S, Hq·Dv)``, the out projection's input.
+        Over a packed plan ``B = 1`` and ``S = T``, token ``t`` row ``t``.
 
         The blocks' lean step (:class:`~selfattn.nn.blocks.RowsStep`): the checks of
         :meth:`attend`, the backend choice and its call run at the first layer of each kind
@@ -139,58 +140,74 @@ class PagedLayer:
         packed path.
         """
         plan, kv = self.plan, self.kv
-        key = (id(mask), id(score_mod), scale, id(sinks), q.shape, q.dtype, k_rows.shape,
-               k_rows.dtype, v_rows.shape, v_rows.dtype)  # fmt: skip
+        key = _rows_key(q, k_rows, v_rows, mask, score_mod, scale, sinks)
         hit = plan.fast.get(key)
         packed = plan.packed
         if hit is None or kv.k_scales is not None:
-            B, S = len(plan.seq_ids), plan.n_tokens  # packed: T rows of one token
-            if k_rows.dim() != 3 or v_rows.dim() != 3 or k_rows.shape[0] != B * S:
-                kv.undo(plan)
-                raise ValueError(
-                    f"k_rows and v_rows must be (B·S={B * S}, Hkv, ·) for this step of {B} "
-                    f"sequence(s) × {S} token(s), got {tuple(k_rows.shape)}, "
-                    f"{tuple(v_rows.shape)}"
-                )
-            if packed:  # (T, H, ·) -> (1, H, T, ·): attend's packed layout
-                k, v = k_rows.transpose(0, 1)[None], v_rows.transpose(0, 1)[None]
-                if plan.blocks or not kv.writes_rows:  # a long chunk, or quantised pages
-                    return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                                       sinks=sinks)  # fmt: skip
-                self._check_packed(q, k, v, mask, score_mod, False)
-                q = _token_rows(q)
-                k, v = k_rows[:, :, None], v_rows[:, :, None]  # (T, Hkv, 1, ·)
-            else:
-                k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)  # (B, Hkv, S, D)
-                v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
-                if not kv.writes_rows:  # quantised pages, or a cache with its own write
-                    return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                                       sinks=sinks)  # fmt: skip
-            mask_obj, mod_obj = self._checked(q, k, v, mask, score_mod)
-            try:
-                hit = plan.attention.prepare(
-                    q, kv.k_layers[self.layer], kv.v_layers[self.layer], mask=mask_obj,
-                    score_mod=mod_obj, scale=scale, sinks=sinks,
-                )  # fmt: skip
-            except BaseException:
-                kv.undo(plan)
-                raise
-            # the entry holds the objects keyed by id, so that their ids stay unique
-            plan.fast[key] = hit = (*hit, mask, score_mod, sinks)
-        elif packed:
-            q = _token_rows(q)
+            out = self._rows_miss(q, k_rows, v_rows, mask, score_mod, scale, sinks)
+            if out is not None:  # attend's path ran the call
+                return out
+            hit = plan.fast[key]
         chosen, call = hit[0], hit[1]
         layer = self.layer
+        B, S, Hq, D = q.shape
+        # packed: every token a row of one query (T, Hq, 1, D), a view of the same memory
+        qh = q.view(S, Hq, 1, D) if packed else q.transpose(1, 2)
         try:
             kv.write_rows(layer, plan, k_rows, v_rows)
-            out, _ = chosen.run(q, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
+            out, _ = chosen.run(qh, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
                                 plan.seq_lens, call)  # fmt: skip
         except BaseException:
             kv.undo(plan)
             raise
-        if packed:  # (T, Hq, 1, Dv) -> (1, Hq, T, Dv)
-            return out.squeeze(2).transpose(0, 1)[None]
-        return out
+        # (T, Hq, 1, Dv) or (B, Hq, 1, Dv) -> (B, S, Hq·Dv): a view; (B, Hq, S, Dv) transposed
+        if packed or (S == 1 and out.is_contiguous()):
+            return out.view(B, S, -1)
+        return out.transpose(1, 2).reshape(B, S, -1)
+
+    def _rows_miss(self, q, k_rows, v_rows, mask, score_mod, scale, sinks):
+        """:meth:`attend_rows` at the first layer of its kind: checks, then the backend chosen
+        and memoised in ``plan.fast`` (None returned), or :meth:`attend`'s path run where the
+        rows path does not serve the step (its merged output returned)."""
+        plan, kv = self.plan, self.kv
+        B, S = len(plan.seq_ids), plan.n_tokens  # packed: T rows of one token
+        if plan.packed:
+            B, S = 1, B
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or tuple(q.shape[:2]) != (B, S):
+            kv.undo(plan)
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q must be (B={B}, S={S}, Hq, D), tokens first, got {got}")
+        if k_rows.dim() != 3 or v_rows.dim() != 3 or k_rows.shape[0] != B * S:
+            kv.undo(plan)
+            raise ValueError(
+                f"k_rows and v_rows must be (B·S={B * S}, Hkv, ·) for this step of {B} "
+                f"sequence(s) × {S} token(s), got {tuple(k_rows.shape)}, {tuple(v_rows.shape)}"
+            )
+        qh = q.transpose(1, 2)  # (B, Hq, S, D)
+        # (B·S, H, ·) -> (B, H, S, ·)
+        k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)
+        v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
+        if (plan.packed and plan.blocks) or not kv.writes_rows:
+            # a long chunk (a query block over gathered K/V), quantised pages, a cache with its
+            # own write: attend's path
+            out = self.attend(qh, k, v, mask=mask, score_mod=score_mod, scale=scale, sinks=sinks)
+            return out.transpose(1, 2).reshape(B, S, -1)
+        if plan.packed:
+            self._check_packed(qh, k, v, mask, score_mod, False)
+            qh, k, v = _token_rows(qh), _token_rows(k), _token_rows(v)
+        mask_obj, mod_obj = self._checked(qh, k, v, mask, score_mod)
+        try:
+            hit = plan.attention.prepare(
+                qh, kv.k_layers[self.layer], kv.v_layers[self.layer], mask=mask_obj,
+                score_mod=mod_obj, scale=scale, sinks=sinks,
+            )  # fmt: skip
+        except BaseException:
+            kv.undo(plan)
+            raise
+        # the entry holds the objects keyed by id, so that their ids stay unique
+        key = _rows_key(q, k_rows, v_rows, mask, score_mod, scale, sinks)
+        plan.fast[key] = (*hit, mask, score_mod, sinks)
+        return None
 
     def _run(self, q, k, v, mask, score_mod, scale, return_weights, sinks=None):
         """:meth:`attend` once its inputs are checked (masks already per sequence)."""
@@ -288,6 +305,12 @@ class PagedLayer:
         except BaseException:
             kv.undo(plan)
             raise
+
+
+def _rows_key(q, k_rows, v_rows, mask, score_mod, scale, sinks) -> tuple:
+    """:meth:`PagedLayer.attend_rows`' memo key: what its checks and backend choice read."""
+    return (id(mask), id(score_mod), scale, id(sinks), q.shape, q.dtype, k_rows.shape,
+            k_rows.dtype, v_rows.shape, v_rows.dtype)  # fmt: skip
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
