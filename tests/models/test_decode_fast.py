@@ -368,3 +368,20 @@ def test_packed_steps_apply_attention_sinks():
     for block in model.layers:
         block.self_attention.sinks = None
     assert not torch.allclose(packed, _packed(model, schedule), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attend_rows_refuses_bad_shapes_and_undoes_the_step(packed):
+    kv = PagedKV(2, 8, 4, 2, 8, max_seqs=2, max_pages_per_seq=4)
+    a, b = kv.add_sequences(2)
+    g = torch.Generator().manual_seed(37)
+    for bad_q, bad_k in ((True, False), (False, True)):
+        step = kv.plan_packed([a, b], [2, 1]) if packed else kv.view([a, b]).plan(2)
+        B, S = (1, 3) if packed else (2, 2)
+        q = torch.randn(B, S + bad_q, 4, 8, generator=g)
+        k = torch.randn(B * S - bad_k, 2, 8, generator=g)
+        v = torch.randn(B * S, 2, 8, generator=g)
+        with pytest.raises(ValueError, match=r"q must be|k_rows and v_rows must be"):
+            step.layers[0].attend_rows(q, k, v)
+        assert (kv.length(a), kv.length(b)) == (0, 0)  # undone
+    kv.check()
