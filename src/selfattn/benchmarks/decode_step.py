@@ -31,6 +31,11 @@ then runs single-token decode steps. Per step (median of ``--steps``):
   (the least disturbed: a loaded host only adds time; the profiler's own cost per op counts as
   overhead, so this is an upper bound): Python, small ops, the cache's bookkeeping, sampling
   (``engine`` rows). The target is <= 15 %. ``matmul (incl)``, ``attn kernel``: that step's.
+- ``overhead (cpu)``: the same share in thread CPU time (with ``--threads 1``: a loaded host's
+  preemption left out): the step's CPU time less the model's projections replayed alone
+  (``matmul (cpu)``) and the attention kernel at the profiled step's ratio to them.
+- ``ops``: the aten ops a step dispatches (outermost ones: each costs its dispatch however
+  small its work).
 
 ``--cache engine`` times a single-stream decode step of :class:`~selfattn.serving.Engine`
 (``engine.step()``: planning the packed step, the model, sampling, the request's bookkeeping).
@@ -144,27 +149,26 @@ def build(quick: bool, model: str = "llama", dtype: str = "fp32", dequantize: bo
     return Llama.from_config(QUICK if quick else LLAMA).eval().to(dt)
 
 
-def split_steps(events) -> list[tuple[float, float, float]]:
-    """``(step, matmul, attention)`` µs of each profiled step (a :data:`STEP_LABEL` event of
-    ``prof.events()``): the step's inclusive time, and that of each outermost event of
-    :data:`MATMUL_EVENTS` / :data:`ATTENTION_EVENTS` inside it."""
+def split_steps(events) -> list[tuple[float, float, float, int]]:
+    """``(step, matmul, attention, ops)`` of each profiled step (a :data:`STEP_LABEL` event of
+    ``prof.events()``): the step's inclusive µs, that of each outermost event of
+    :data:`MATMUL_EVENTS` / :data:`ATTENTION_EVENTS` inside it, and its outermost aten ops (the
+    ops the step dispatches from Python)."""
 
     def walk(e, totals):
+        if e.name.startswith("aten::"):
+            totals[2] += 1
         if e.name in MATMUL_EVENTS:
             totals[0] += e.cpu_time_total
         elif e.name in ATTENTION_EVENTS:
             totals[1] += e.cpu_time_total
-        else:
+        elif not e.name.startswith("aten::"):
             for c in e.cpu_children:
                 walk(c, totals)
         return totals
 
-    out = []
-    for e in events:
-        if e.name == STEP_LABEL:
-            mm, att = walk(e, [0.0, 0.0])
-            out.append((e.cpu_time_total, mm, att))
-    return out
+    return [(e.cpu_time_total, *walk(e, [0.0, 0.0, 0]))
+            for e in events if e.name == STEP_LABEL]  # fmt: skip
 
 
 class _EngineSteps:
@@ -236,8 +240,14 @@ def measure(model, kind: str, B: int, prompt: int, steps: int, page_size: int) -
     events = prof.key_averages()
     # The least disturbed profiled step (a loaded host only adds time): its shares
     least = min(split_steps(prof.events()))
-    step_ms, mm_ms, kernel_ms = (x / 1e3 for x in least)
+    step_ms, mm_ms, kernel_ms = (x / 1e3 for x in least[:3])
     overhead_ms = step_ms - mm_ms - kernel_ms
+    # In CPU time (a loaded host's preemption left out; --threads 1 runs every op on this
+    # thread): the step's projections replayed alone, attention at the profiled step's ratio
+    # to them, and the rest of the step's CPU time.
+    cpu_ms = statistics.median(cpus) * 1e3
+    mm_cpu = projections_cpu_ms(model, B)
+    att_cpu = mm_cpu * kernel_ms / mm_ms if mm_ms else 0.0
 
     def per_step(total_us: float) -> float:
         return total_us / 1e6 / steps * 1e3  # ms
@@ -264,7 +274,28 @@ def measure(model, kind: str, B: int, prompt: int, steps: int, page_size: int) -
         "overhead_ms": overhead_ms,
         "profiled_step_ms": step_ms,
         "overhead_pct": 100 * overhead_ms / step_ms,
+        "matmul_cpu_ms": mm_cpu,
+        "aten_ops": least[3],
+        "overhead_cpu_pct": 100 * (cpu_ms - mm_cpu - att_cpu) / cpu_ms,
     }
+
+
+def projections_cpu_ms(model, B: int, repeat: int = 5) -> float:
+    """Thread CPU time of one token through every projection of ``model`` (each block's
+    linears and the LM head, ``nn.Linear`` or quantised) replayed alone: the least of
+    ``repeat`` passes."""
+    from selfattn.nn import QuantizedLinear
+
+    dtype = model.norm.weight.dtype
+    lins = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    xs = [torch.randn(B, 1, m.in_features, dtype=dtype) for m in lins]
+    best = float("inf")
+    for _ in range(repeat):
+        c0 = time.thread_time()
+        for m, x in zip(lins, xs):
+            m(x)
+        best = min(best, time.thread_time() - c0)
+    return best * 1e3
 
 
 @torch.no_grad()
@@ -375,13 +406,14 @@ def main(argv=None) -> int:
         print()
         return 0
     cols = ["cache", "B", "step", "cpu", "matmul", "ops", "python", "attention", "matmul (incl)",
-            "attn kernel", "overhead"]  # fmt: skip
+            "attn kernel", "overhead", "matmul (cpu)", "overhead (cpu)", "ops"]  # fmt: skip
     keys = ("step_ms", "cpu_ms", "matmul_ms", "ops_ms", "python_ms", "attention_ms",
             "matmul_incl_ms", "kernel_ms")  # fmt: skip
     table = [
         [r["cache"], str(r["batch"])]
         + [f"{r[k]:.2f} ms" for k in keys]
         + [f"{r['overhead_ms']:.2f} ms ({r['overhead_pct']:.0f} %)"]
+        + [f"{r['matmul_cpu_ms']:.2f} ms", f"{r['overhead_cpu_pct']:.0f} %", str(r["aten_ops"])]
         for r in rows
     ]
     m = _util.machine()
