@@ -148,7 +148,7 @@ class RowsStep:
     module: norm, the fused q/k/v projection, RoPE on q and k together in the projection's
     ``(B, S, H, D)`` layout (:meth:`~selfattn.positions.RoPE.rotate_tokens_first`), the new
     keys and values written as rows of that layout, the out projection and residual, norm,
-    SwiGLU and residual: ~28 ops where the modules' forwards make ~14 module calls and ~46
+    SwiGLU and residual: about 30 ops where the modules' forwards make ~14 module calls and ~46
     small ops (head splits and transposes, RoPE on q and on k, the cache write's views).
 
     The same ops on the same values in the same order as the modules' forwards, so its output
