@@ -6,6 +6,7 @@ module) could tell the difference."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -385,3 +386,26 @@ def test_attend_rows_refuses_bad_shapes_and_undoes_the_step(packed):
             step.layers[0].attend_rows(q, k, v)
         assert (kv.length(a), kv.length(b)) == (0, 0)  # undone
     kv.check()
+
+
+def test_block_called_by_hand_over_a_paged_layer_equals_its_modules(monkeypatch):
+    """A DecoderBlock called by hand over a planned paged step's layer, without positions
+    (they default to each sequence's own length, as the attention's forward does)."""
+    from selfattn.nn.blocks import RowsStep
+
+    steps = []
+    original = RowsStep.__call__
+    monkeypatch.setattr(RowsStep, "__call__", lambda s, *a: steps.append(1) or original(s, *a))
+    model = _llama(38)
+    block = model.layers[0]
+    c = model.config
+    g = torch.Generator().manual_seed(39)
+    x = [torch.randn(2, n, c.d_model, generator=g) for n in (5, 1, 1)]
+    outs = []
+    for hooked in (False, True):
+        kv = PagedKV(1, 16, 4, c.n_kv_heads, c.head_dim, max_seqs=2, max_pages_per_seq=4)
+        view = kv.view(kv.add_sequences(2))
+        with torch.no_grad(), _module_path() if hooked else contextlib.nullcontext():
+            outs.append(torch.cat([block(h, cache=view.plan(h.shape[1]).layers[0]).flatten()
+                                   for h in x]))  # fmt: skip
+    assert len(steps) == len(x) and torch.equal(*outs)
