@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from selfattn import masks as _masks
+from selfattn.cache.paged import PagedLayer
 from selfattn.nn.attention import MultiHeadAttention, positions_after
 from selfattn.nn.mlp import MLP, SwiGLU, apply_dropout
 from selfattn.nn.norms import LayerNorm, RMSNorm, rms_norm
@@ -143,13 +144,14 @@ def plain_layout(block) -> bool:
 
 
 class RowsStep:
-    """A plain Llama-layout :class:`DecoderBlock`'s step (:func:`plain_layout`) over a cache
-    that attends rows (``cache.attend_rows``: a planned paged step's layer), without calling a
-    module: norm, the fused q/k/v projection, RoPE on q and k together in the projection's
-    ``(B, S, H, D)`` layout (:meth:`~selfattn.positions.RoPE.rotate_tokens_first`), the new
-    keys and values written as rows of that layout, the out projection and residual, norm,
-    SwiGLU and residual: about 30 ops where the modules' forwards make ~14 module calls and ~46
-    small ops (head splits and transposes, RoPE on q and on k, the cache write's views).
+    """A plain Llama-layout :class:`DecoderBlock`'s step (:func:`plain_layout`) over a planned
+    paged step's layer (:class:`~selfattn.cache.paged.PagedLayer`, whose ``attend_rows`` it
+    calls), without calling a module: norm, the fused q/k/v projection, RoPE on q and k
+    together in the projection's ``(B, S, H, D)`` layout
+    (:meth:`~selfattn.positions.RoPE.rotate_tokens_first`), the new keys and values written as
+    rows of that layout, the out projection and residual, norm, SwiGLU and residual: about 30
+    ops where the modules' forwards make ~14 module calls and ~46 small ops (head splits and
+    transposes, RoPE on q and on k, the cache write's views).
 
     The same ops on the same values in the same order as the modules' forwards, so its output
     is bit for bit theirs. Built by :meth:`DecoderBlock.rows_step`, which keeps the block's
@@ -239,10 +241,11 @@ class RowsStep:
 
 
 def _rows_cache(cache) -> bool:
-    """Whether ``cache`` is a layer cache a :class:`RowsStep` may attend through now: it
-    attends rows, in eager mode without autograd."""
+    """Whether ``cache`` is a layer cache a :class:`RowsStep` may attend through now: a
+    planned paged step's layer (exactly: a subclass may attend otherwise, as the streaming
+    pages' re-rotating layer does), in eager mode without autograd."""
     return (
-        callable(getattr(cache, "attend_rows", None))
+        type(cache) is PagedLayer
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )
@@ -334,9 +337,9 @@ class DecoderBlock(nn.Module):
     ):
         """``context_mask`` (bool ``(B, 1, 1, Sk)``, True = attend) masks the encoder keys.
 
-        Over a cache that attends rows (a planned paged step's layer), without autograd, hooks
-        on the block's parts or inspection, the block runs its lean step (:class:`RowsStep`):
-        the same output bit for bit."""
+        Over a planned paged step's layer (a :class:`~selfattn.cache.paged.PagedLayer`), without
+        autograd, hooks on the block's parts or inspection, the block runs its lean step
+        (:class:`RowsStep`): the same output bit for bit."""
         if context is None and cache is not None and _rows_cache(cache):
             step = self.rows_step()
             if step.unusable() is None and not hooks_registered():
