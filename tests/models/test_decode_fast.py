@@ -1,17 +1,22 @@
-"""The decode fast path of CausalLM (selfattn.models.decode_fast): a planned paged step's blocks
-run without module calls, bit for bit the logits of the module path, and only where nothing
-(hooks, inspection, autograd, a swapped module) could tell the difference."""
+"""The decode fast path of CausalLM (selfattn.models.decode_fast) and the blocks' lean step
+(selfattn.nn.blocks.RowsStep): a planned paged step's blocks, uniform or packed (the serving
+engine's), run without module calls, bit for bit the logits of the module path, with float or
+quantised projections and pages, and only where nothing (hooks, inspection, autograd, a swapped
+module) could tell the difference."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
 from torch import nn
 
+from selfattn.cache import PagedKV
+from selfattn.models import decode_fast
 from selfattn.models.decoder import Llama
-from selfattn.nn import SwiGLU
+from selfattn.nn import QuantizedLinear, SwiGLU
 from selfattn.positions import RoPE
 
 VOCAB = 97
@@ -226,3 +231,181 @@ def test_leaving_the_fast_path_is_logged_once(caplog, monkeypatch):
         "selfattn: Llama's paged decode steps run module by module (module hooks are "
         "registered), not the fast path"
     ]
+
+
+# -- packed steps (the serving engine's), quantised projections and pages, sinks ----------------
+
+# new tokens per sequence per step (0: not in the step): a prefill with a long chunk (a query
+# block over gathered K/V) and short ones, decode tokens, short chunks (speculative verify)
+_SCHEDULE = [(20, 5, 3), (1, 1, 1), (3, 1, 2), (1, 0, 1), (16, 1, 1)]
+
+
+def _packed(model, schedule=_SCHEDULE, *, kv_dtype=None, seed=0):
+    """Logits of packed steps (:meth:`PagedKV.plan_packed`) of three sequences, flat."""
+    c = model.config
+    kv = PagedKV(c.n_layers, 48, 4, c.n_kv_heads, c.head_dim, max_seqs=3, max_pages_per_seq=16,
+                 dtype=kv_dtype or model.norm.weight.dtype)  # fmt: skip
+    ids = kv.add_sequences(3)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.no_grad():
+        for counts in schedule:
+            run = [b for b in range(3) if counts[b]]
+            tokens = torch.randint(0, VOCAB, (1, sum(counts)), generator=g)
+            step = kv.plan_packed([ids[b] for b in run], [counts[b] for b in run])
+            out.append(model(tokens, cache=step).flatten())
+    kv.check()
+    return torch.cat(out)
+
+
+@pytest.fixture
+def fast_runs(monkeypatch):
+    """The number of steps that took the model-level fast path."""
+    runs = []
+    original = decode_fast.FastBlocks.run
+
+    def counted(self, *args):
+        runs.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(decode_fast.FastBlocks, "run", counted)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.float32, torch.int8),
+        (torch.bfloat16, torch.float8_e4m3fn),
+    ],
+    ids=["fp32", "bf16", "fp32-int8-pages", "bf16-fp8-pages"],
+)
+def test_packed_steps_take_the_fast_path_bitwise_equal_module_path(dtype, kv_dtype, fast_runs):
+    model = _llama(31).to(dtype)
+    fast = _packed(model, kv_dtype=kv_dtype)
+    assert len(fast_runs) == len(_SCHEDULE)
+    with _module_path():
+        slow = _packed(model, kv_dtype=kv_dtype)
+    assert len(fast_runs) == len(_SCHEDULE)  # the module path ran no fast step
+    assert torch.equal(fast, slow)
+
+
+def _quantised(model, fmt: str):
+    """``model`` with every block's projection a QuantizedLinear of format ``fmt``."""
+    for block in model.layers:
+        att, mlp = block.self_attention, block.mlp
+        for owner, name in ((att, "qkv_proj"), (att, "out_proj"), (mlp, "gate"), (mlp, "up"),
+                            (mlp, "down")):  # fmt: skip
+            lin = getattr(owner, name)
+            setattr(owner, name, QuantizedLinear.from_float(lin.weight.detach(), fmt,
+                                                            bias=lin.bias))  # fmt: skip
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_quantised_projections_take_the_fast_path(fmt, fast_runs, monkeypatch):
+    """A kept-quantised GGUF model's blocks (QuantizedLinear projections) run the lean step,
+    uniform and packed, bit for bit the module path, calling the projections' forward only."""
+    cfg = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
+    model = _quantised(_llama(32, **cfg), fmt)
+    calls = []
+    original = SwiGLU.forward
+    monkeypatch.setattr(SwiGLU, "forward", lambda self, x: calls.append(1) or original(self, x))
+    prompts, tokens = _case(33, 2, True)
+    fast = torch.cat([_decode(model, prompts, tokens), _packed(model)])
+    assert calls == [] and len(fast_runs) == 2 + 4 + len(_SCHEDULE)
+    with _module_path():
+        slow = torch.cat([_decode(model, prompts, tokens), _packed(model)])
+    assert calls and torch.equal(fast, slow)
+
+
+def test_block_forward_runs_its_lean_step(fast_runs, monkeypatch):
+    """A block called as a module over a paged step's layer runs the same lean step: a hook on
+    one block's part sends that block (only) through its modules, the logits unchanged."""
+    from selfattn.nn.blocks import RowsStep
+
+    model = _llama(34)
+    steps = []
+    original = RowsStep.__call__
+    monkeypatch.setattr(RowsStep, "__call__", lambda s, *a: steps.append(1) or original(s, *a))
+    with _module_path():
+        want = _packed(model)
+    handle = _hooked(model)  # layer 1's SwiGLU: the model-level loop declines
+    try:
+        got = _packed(model)
+    finally:
+        handle.remove()
+    assert fast_runs == [] and len(steps) == (len(model.layers) - 1) * len(_SCHEDULE)
+    assert torch.equal(got, want)
+
+
+def _with_sinks(model, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for block in model.layers:
+        att = block.self_attention
+        att.sinks = nn.Parameter(torch.randn(att.n_heads, generator=g) * 2)
+    return model
+
+
+def test_packed_steps_apply_attention_sinks():
+    """Sinks (gpt-oss) in a packed step, rows and query blocks: each sequence's logits equal its
+    steps run alone (uniform plans), and differ from the model without sinks."""
+    model = _with_sinks(_llama(35), 36)
+    schedule = [(20, 5, 3), (1, 1, 1), (3, 1, 2)]
+    packed = _packed(model, schedule)
+    g = torch.Generator().manual_seed(0)  # _packed's draws, in its order
+    draws = [torch.randint(0, VOCAB, (1, sum(c)), generator=g)[0] for c in schedule]
+    cache = model.make_cache("paged", 3, 64, page_size=4)
+    alone = []
+    with torch.no_grad():
+        for counts, tokens in zip(schedule, draws):
+            for b, n in enumerate(counts):
+                row = cache.cache.view([cache.seq_ids[b]])
+                start = sum(counts[:b])
+                alone.append(model(tokens[None, start : start + n], cache=row).flatten())
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    for block in model.layers:
+        block.self_attention.sinks = None
+    assert not torch.allclose(packed, _packed(model, schedule), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attend_rows_refuses_bad_shapes_and_undoes_the_step(packed):
+    kv = PagedKV(2, 8, 4, 2, 8, max_seqs=2, max_pages_per_seq=4)
+    a, b = kv.add_sequences(2)
+    g = torch.Generator().manual_seed(37)
+    for bad_q, bad_k in ((True, False), (False, True)):
+        step = kv.plan_packed([a, b], [2, 1]) if packed else kv.view([a, b]).plan(2)
+        B, S = (1, 3) if packed else (2, 2)
+        q = torch.randn(B, S + bad_q, 4, 8, generator=g)
+        k = torch.randn(B * S - bad_k, 2, 8, generator=g)
+        v = torch.randn(B * S, 2, 8, generator=g)
+        with pytest.raises(ValueError, match=r"q must be|k_rows and v_rows must be"):
+            step.layers[0].attend_rows(q, k, v)
+        assert (kv.length(a), kv.length(b)) == (0, 0)  # undone
+    kv.check()
+
+
+def test_block_called_by_hand_over_a_paged_layer_equals_its_modules(monkeypatch):
+    """A DecoderBlock called by hand over a planned paged step's layer, without positions
+    (they default to each sequence's own length, as the attention's forward does)."""
+    from selfattn.nn.blocks import RowsStep
+
+    steps = []
+    original = RowsStep.__call__
+    monkeypatch.setattr(RowsStep, "__call__", lambda s, *a: steps.append(1) or original(s, *a))
+    model = _llama(38)
+    block = model.layers[0]
+    c = model.config
+    g = torch.Generator().manual_seed(39)
+    x = [torch.randn(2, n, c.d_model, generator=g) for n in (5, 1, 1)]
+    outs = []
+    for hooked in (False, True):
+        kv = PagedKV(1, 16, 4, c.n_kv_heads, c.head_dim, max_seqs=2, max_pages_per_seq=4)
+        view = kv.view(kv.add_sequences(2))
+        with torch.no_grad(), _module_path() if hooked else contextlib.nullcontext():
+            outs.append(torch.cat([block(h, cache=view.plan(h.shape[1]).layers[0]).flatten()
+                                   for h in x]))  # fmt: skip
+    assert len(steps) == len(x) and torch.equal(*outs)

@@ -119,6 +119,34 @@ def test_greedy_equals_generate_and_transformers(models, family):
     assert_drained(engine)
 
 
+def test_engine_steps_take_the_decode_fast_path(models, monkeypatch):
+    """Every engine step of a plain Llama-layout model (decode tokens, short and long prefill
+    chunks) runs the blocks' lean step loop (selfattn.models.decode_fast), not module by module,
+    and greedy tokens still equal generate's."""
+    from selfattn.models import decode_fast
+
+    _, ours = models["llama"]
+    counts = {"fast": 0, "steps": 0}
+    run, forward = decode_fast.FastBlocks.run, Engine._forward
+
+    def fast(self, *args):
+        counts["fast"] += 1
+        return run(self, *args)
+
+    def step(self, *args):
+        counts["steps"] += 1
+        return forward(self, *args)
+
+    monkeypatch.setattr(decode_fast.FastBlocks, "run", fast)
+    monkeypatch.setattr(Engine, "_forward", step)
+    prompts = prompts_for(seed=7, count=4)
+    engine = engine_for(ours, 40, max_batch_tokens=24)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    assert counts["steps"] >= 6 and counts["fast"] == counts["steps"]
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == ours_alone(ours, prompt, 6)
+
+
 # -- sampling --------------------------------------------------------------------------------------
 
 

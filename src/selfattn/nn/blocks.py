@@ -3,17 +3,29 @@
 Each block takes its attention, feed-forward and norm modules ready-made (torchtune's component
 style), so one block class serves BERT (post-norm, LayerNorm, GELU) and Llama (pre-norm, RMSNorm,
 SwiGLU) alike.
+
+A :class:`DecoderBlock` of the plain Llama layout also has a lean step over a cache that attends
+rows (:class:`RowsStep`, the block's :meth:`~DecoderBlock.rows_step`): the same ops on the same
+values in the same order as its modules' forwards, without calling them. Its forward takes it for
+a planned paged step's layer when nothing could tell the difference, and a
+:class:`~selfattn.models.CausalLM` runs every block's lean step in one loop
+(:mod:`selfattn.models.decode_fast`): one definition of a block's step for ``generate``, the
+serving engine and the server.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 from selfattn import masks as _masks
-from selfattn.nn.attention import MultiHeadAttention
+from selfattn.cache.paged import PagedLayer
+from selfattn.nn.attention import MultiHeadAttention, positions_after
 from selfattn.nn.mlp import MLP, SwiGLU, apply_dropout
-from selfattn.nn.norms import LayerNorm, RMSNorm
+from selfattn.nn.norms import LayerNorm, RMSNorm, rms_norm
+from selfattn.positions import RoPE
 
 __all__ = [
     "MLP",
@@ -22,7 +34,9 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "Residual",
+    "RowsStep",
     "SwiGLU",
+    "hooks_registered",
 ]
 
 
@@ -61,6 +75,180 @@ def _with_causal(mask):
             _WITH_CAUSAL.clear()  # masks of earlier steps
         hit = _WITH_CAUSAL[id(mask)] = (mask, _CAUSAL & mask)
     return hit[1]
+
+
+# -- the lean step of a plain Llama-layout block ---------------------------------------------------
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# torch.nn.modules.module's hooks registered for every module (register_module_forward_hook...)
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+    "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
+)  # fmt: skip
+_linear = torch._C._nn.linear  # F.linear's op, without its Python wrapper
+_silu = torch._C._nn.silu
+
+
+def hooks_registered() -> bool:
+    """Whether a global module hook is registered (``register_module_forward_hook`` ...): it
+    would see every module a lean step stands in for."""
+    return any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def hook_dicts(modules) -> list:
+    """The hook dicts of ``modules``: torch registers a module's hooks into these very dicts,
+    so ``any(hook_dicts(...))`` taken once stays current."""
+    return [getattr(m, name) for m in modules for name in _HOOKS]
+
+
+def _projection(m: nn.Module) -> tuple:
+    """How a lean step calls the projection ``m`` without the module call's hook dispatch:
+    ``(parameters, None)`` for an ``nn.Linear`` (the functional op on its weight and bias, read
+    at each call), else ``(None, m)``, called as ``m.forward(x)`` (a quantised linear, any
+    Linear-like module; its forward looked up at each call, as the module call does)."""
+    if type(m) is nn.Linear:
+        return m._parameters, None
+    return None, m
+
+
+def _project(proj: tuple, x: torch.Tensor) -> torch.Tensor:
+    params, module = proj
+    if params is None:
+        return module.forward(x)
+    return _linear(x, params["weight"], params["bias"])
+
+
+def plain_layout(block) -> bool:
+    """Whether ``block`` has the layout a :class:`RowsStep` computes: a pre-norm
+    :class:`DecoderBlock` without cross-attention or residual dropout, :class:`RMSNorm` norms, a
+    fused :class:`MultiHeadAttention` without qk-norm or output gate, rotating with a
+    :class:`~selfattn.positions.RoPE` (or none), and a :class:`SwiGLU` without dropout. Its
+    projections may be any modules (``nn.Linear``, a quantised linear)."""
+    if type(block) is not DecoderBlock or block.cross_attention is not None:
+        return False
+    att, mlp = block.self_attention, block.mlp
+    if type(att) is not MultiHeadAttention or type(mlp) is not SwiGLU:
+        return False
+    rope = att.rope
+    return (
+        all(
+            type(r.norm) is RMSNorm and r.norm_first and isinstance(r.dropout, nn.Identity)
+            for r in (block.self_res, block.mlp_res)
+        )
+        and att.fused
+        and att.q_norm is None
+        and att.gate_proj is None
+        and (rope is None or type(rope) is RoPE)
+        and isinstance(mlp.dropout, nn.Identity)
+    )
+
+
+class RowsStep:
+    """A plain Llama-layout :class:`DecoderBlock`'s step (:func:`plain_layout`) over a planned
+    paged step's layer (:class:`~selfattn.cache.paged.PagedLayer`, whose ``attend_rows`` it
+    calls), without calling a module: norm, the fused q/k/v projection, RoPE on q and k
+    together in the projection's ``(B, S, H, D)`` layout
+    (:meth:`~selfattn.positions.RoPE.rotate_tokens_first`), the new keys and values written as
+    rows of that layout, the out projection and residual, norm, SwiGLU and residual: about 30
+    ops where the modules' forwards make ~14 module calls and ~46 small ops (head splits and
+    transposes, RoPE on q and on k, the cache write's views).
+
+    The same ops on the same values in the same order as the modules' forwards, so its output
+    is bit for bit theirs. Built by :meth:`DecoderBlock.rows_step`, which keeps the block's
+    module tree as it was (:meth:`current`); :meth:`unusable` says when it may not stand in for
+    the modules (hooks, inspection).
+    """
+
+    __slots__ = ("att", "children", "children_then", "down", "gate", "heads", "hooks", "mlp",
+                 "norm1", "norm2", "out", "qkv", "rope", "sizes", "split", "up")  # fmt: skip
+
+    def __init__(self, block: DecoderBlock):
+        modules = list(block.modules())
+        # The block's own hooks run around its forward (the lean step runs inside it): only
+        # its parts' hooks tell whether the step may stand in for their forwards.
+        self.hooks = hook_dicts(modules[1:])
+        self.children = [m._modules for m in modules]
+        self.children_then = [dict(d) for d in self.children]
+        self.att = None
+        if not plain_layout(block):
+            return
+        att, mlp = block.self_attention, block.mlp
+        self.att, self.rope, self.mlp = att, att.rope, mlp
+        self.qkv, self.out = _projection(att.qkv_proj), _projection(att.out_proj)
+        self.gate, self.up, self.down = map(_projection, (mlp.gate, mlp.up, mlp.down))
+        self.norm1, self.norm2 = block.self_res.norm, block.mlp_res.norm
+        Hq, Hkv = att.n_heads, att.n_kv_heads
+        self.heads = (Hq + 2 * Hkv, att.head_dim)  # the fused projection's heads: q, k, v
+        self.sizes = [Hq + Hkv, Hkv]  # rotated (q and k), not (v)
+        self.split = [Hq, Hkv]
+
+    def current(self) -> bool:
+        """Whether no module of the block was swapped since this step was built."""
+        return self.children == self.children_then
+
+    def unusable(self) -> str | None:
+        """Why the step may not stand in for the block's modules now (None: it may): the
+        layout, hooks on its parts, :meth:`inspected`. Global hooks: :func:`hooks_registered`."""
+        if self.att is None:
+            return "a block is not the plain Llama layout"
+        if any(self.hooks):
+            return "module hooks are registered"
+        return self.inspected()
+
+    def inspected(self) -> str | None:
+        """Why the attention's forward must run (None: it need not): an attention observer
+        or a head mask (:mod:`selfattn.inspect` sets those), query temperature, ALiBi or
+        attention dropout."""
+        att = self.att
+        if att.attention_observer is not None or att.head_mask is not None:
+            return "attention is being inspected (an observer or a head mask)"
+        if (
+            att.q_temperature is not None
+            or att.alibi is not None
+            or (att.training and att.dropout > 0)
+        ):
+            return "an attention layer uses query temperature, ALiBi or dropout"
+        return None
+
+    def __call__(self, h, cache, mask, score_mod, positions):
+        """``h (B, S, d_model)`` through the block; ``cache``: its layer's cache of the step
+        (``attend_rows``), ``mask``: its self-attention's (:meth:`DecoderBlock.causal_mask`),
+        ``positions``: the tokens' RoPE positions, ``(S,)`` or ``(B, S)``."""
+        B, S = h.shape[0], h.shape[1]
+        att, norm = self.att, self.norm1
+        x = rms_norm(h, norm.weight, norm.eps)
+        qkv = _project(self.qkv, x).view(B, S, *self.heads)
+        qk, v = qkv.split_with_sizes(self.sizes, 2)  # (B, S, Hq + Hkv, D), (B, S, Hkv, D)
+        if self.rope is not None:
+            qk = self.rope.rotate_tokens_first(qk, positions)
+        q, k = qk.split_with_sizes(self.split, 2)
+        o = cache.attend_rows(
+            q,
+            k.reshape(B * S, *k.shape[2:]),
+            v.reshape(B * S, *v.shape[2:]),
+            mask=mask,
+            score_mod=score_mod,
+            scale=att.scale,
+            sinks=att.sinks,
+        )  # (B, S, Hq·Dv): the heads merged
+        h = h + _project(self.out, o)
+        norm = self.norm2
+        x = rms_norm(h, norm.weight, norm.eps)
+        act = self.mlp.activation
+        act = _silu if act is F.silu else act  # the op without F.silu's Python wrapper
+        x = act(_project(self.gate, x)) * _project(self.up, x)
+        return h + _project(self.down, x)
+
+
+def _rows_cache(cache) -> bool:
+    """Whether ``cache`` is a layer cache a :class:`RowsStep` may attend through now: a
+    planned paged step's layer (exactly: a subclass may attend otherwise, as the streaming
+    pages' re-rotating layer does), in eager mode without autograd."""
+    return (
+        type(cache) is PagedLayer
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
 
 
 class EncoderBlock(nn.Module):
@@ -128,6 +316,14 @@ class DecoderBlock(nn.Module):
         object for the same ``mask`` (across the blocks of one step)."""
         return _with_causal(mask)
 
+    def rows_step(self) -> RowsStep:
+        """The block's lean step (:class:`RowsStep`), rebuilt when a module of the block was
+        swapped since it was built."""
+        step = self.__dict__.get("_rows_step")
+        if step is None or not step.current():
+            step = self.__dict__["_rows_step"] = RowsStep(self)
+        return step
+
     def forward(
         self,
         x: torch.Tensor,
@@ -139,7 +335,17 @@ class DecoderBlock(nn.Module):
         positions=None,
         cache=None,
     ):
-        """``context_mask`` (bool ``(B, 1, 1, Sk)``, True = attend) masks the encoder keys."""
+        """``context_mask`` (bool ``(B, 1, 1, Sk)``, True = attend) masks the encoder keys.
+
+        Over a planned paged step's layer (a :class:`~selfattn.cache.paged.PagedLayer`), without
+        autograd, hooks on the block's parts or inspection, the block runs its lean step
+        (:class:`RowsStep`): the same output bit for bit."""
+        if context is None and cache is not None and _rows_cache(cache):
+            step = self.rows_step()
+            if step.unusable() is None and not hooks_registered():
+                if positions is None and step.rope is not None:
+                    positions = positions_after(cache, x.shape[0], x.shape[1], x.device)
+                return step(x, cache, self.causal_mask(mask), score_mod, positions)
         if (context is None) != (self.cross_attention is None):
             raise ValueError(
                 "context must be given exactly when the block has cross_attention "

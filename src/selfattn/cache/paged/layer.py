@@ -100,8 +100,8 @@ class PagedLayer:
         the rows are not one sequence's), and there are no weights.
         """
         if self.plan.packed:
-            self._check_packed(q, k, v, mask, score_mod, return_weights, sinks)
-            return self._run_packed(q, k, v, mask, score_mod, scale)
+            self._check_packed(q, k, v, mask, score_mod, return_weights)
+            return self._run_packed(q, k, v, mask, score_mod, scale, sinks)
         mask, score_mod = self._checked(q, k, v, mask, score_mod)
         return self._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
 
@@ -124,55 +124,90 @@ class PagedLayer:
         return mask, score_mod
 
     def attend_rows(self, q, k_rows, v_rows, *, mask=None, score_mod=None, scale=None, sinks=None):
-        """:meth:`attend` (no weights) with this step's keys and values as rows ``k_rows (B·S,
-        Hkv, D)``, ``v_rows (B·S, Hkv, Dv)``, row ``b·S + s`` token ``s`` of sequence ``b``: a
-        fused projection's ``(B, S, H, ·)`` layout, written without transposing.
+        """:meth:`attend` (no weights) in a fused projection's tokens-first layout: ``q (B, S,
+        Hq, D)``, this step's keys and values as rows ``k_rows (B·S, Hkv, D)``, ``v_rows (B·S,
+        Hkv, Dv)`` (row ``b·S + s`` token ``s`` of sequence ``b``), written without
+        transposing; returns the merged heads ``(B, S, Hq·Dv)``, the out projection's input.
+        Over a packed plan ``B = 1`` and ``S = T``, token ``t`` row ``t``.
 
-        The decoder's fast path (:mod:`selfattn.models.decode_fast`): the checks of
+        The blocks' lean step (:class:`~selfattn.nn.blocks.RowsStep`): the checks of
         :meth:`attend`, the backend choice and its call run at the first layer of each kind
         (shapes, dtypes, mask, score mod, scale and sinks objects) of the step; its other layers
         only write their rows and run the chosen backend (float pages; quantised pages take
-        :meth:`attend`'s path at every layer, their scales being per layer).
+        :meth:`attend`'s path at every layer, their scales being per layer). A packed step whose
+        chunks are all short (decode tokens, speculative verify chunks) attends as rows of one
+        call, each token over its own sequence; one with a long chunk takes :meth:`attend`'s
+        packed path.
         """
         plan, kv = self.plan, self.kv
-        key = (id(mask), id(score_mod), scale, id(sinks), q.shape, q.dtype, k_rows.shape,
-               k_rows.dtype, v_rows.shape, v_rows.dtype)  # fmt: skip
+        key = _rows_key(q, k_rows, v_rows, mask, score_mod, scale, sinks)
         hit = plan.fast.get(key)
+        packed = plan.packed
         if hit is None or kv.k_scales is not None:
-            B, S = len(plan.seq_ids), plan.n_tokens
-            if k_rows.dim() != 3 or v_rows.dim() != 3 or k_rows.shape[0] != B * S:
-                kv.undo(plan)
-                raise ValueError(
-                    f"k_rows and v_rows must be (B·S={B * S}, Hkv, ·) for this step of {B} "
-                    f"sequence(s) × {S} token(s), got {tuple(k_rows.shape)}, "
-                    f"{tuple(v_rows.shape)}"
-                )
-            k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)  # (B, Hkv, S, D)
-            v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
-            if not kv.writes_rows:  # quantised pages, or a cache with its own write
-                return self.attend(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                                   sinks=sinks)  # fmt: skip
-            mask_obj, mod_obj = self._checked(q, k, v, mask, score_mod)
-            try:
-                hit = plan.attention.prepare(
-                    q, kv.k_layers[self.layer], kv.v_layers[self.layer], mask=mask_obj,
-                    score_mod=mod_obj, scale=scale, sinks=sinks,
-                )  # fmt: skip
-            except BaseException:
-                kv.undo(plan)
-                raise
-            # the entry holds the objects keyed by id, so that their ids stay unique
-            plan.fast[key] = hit = (*hit, mask, score_mod, sinks)
+            out = self._rows_miss(q, k_rows, v_rows, mask, score_mod, scale, sinks)
+            if out is not None:  # attend's path ran the call
+                return out
+            hit = plan.fast[key]
         chosen, call = hit[0], hit[1]
         layer = self.layer
+        B, S, Hq, D = q.shape
+        # packed: every token a row of one query (T, Hq, 1, D), a view of the same memory
+        qh = q.view(S, Hq, 1, D) if packed else q.transpose(1, 2)
         try:
             kv.write_rows(layer, plan, k_rows, v_rows)
-            out, _ = chosen.run(q, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
+            out, _ = chosen.run(qh, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
                                 plan.seq_lens, call)  # fmt: skip
         except BaseException:
             kv.undo(plan)
             raise
-        return out
+        # (T, Hq, 1, Dv) or (B, Hq, 1, Dv) -> (B, S, Hq·Dv): a view; (B, Hq, S, Dv) transposed
+        if packed or (S == 1 and out.is_contiguous()):
+            return out.view(B, S, -1)
+        return out.transpose(1, 2).reshape(B, S, -1)
+
+    def _rows_miss(self, q, k_rows, v_rows, mask, score_mod, scale, sinks):
+        """:meth:`attend_rows` at the first layer of its kind: checks, then the backend chosen
+        and memoised in ``plan.fast`` (None returned), or :meth:`attend`'s path run where the
+        rows path does not serve the step (its merged output returned)."""
+        plan, kv = self.plan, self.kv
+        B, S = len(plan.seq_ids), plan.n_tokens  # packed: T rows of one token
+        if plan.packed:
+            B, S = 1, B
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or tuple(q.shape[:2]) != (B, S):
+            kv.undo(plan)
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q must be (B={B}, S={S}, Hq, D), tokens first, got {got}")
+        if k_rows.dim() != 3 or v_rows.dim() != 3 or k_rows.shape[0] != B * S:
+            kv.undo(plan)
+            raise ValueError(
+                f"k_rows and v_rows must be (B·S={B * S}, Hkv, ·) for this step of {B} "
+                f"sequence(s) × {S} token(s), got {tuple(k_rows.shape)}, {tuple(v_rows.shape)}"
+            )
+        qh = q.transpose(1, 2)  # (B, Hq, S, D)
+        # (B·S, H, ·) -> (B, H, S, ·)
+        k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)
+        v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
+        if (plan.packed and plan.blocks) or not kv.writes_rows:
+            # a long chunk (a query block over gathered K/V), quantised pages, a cache with its
+            # own write: attend's path
+            out = self.attend(qh, k, v, mask=mask, score_mod=score_mod, scale=scale, sinks=sinks)
+            return out.transpose(1, 2).reshape(B, S, -1)
+        if plan.packed:
+            self._check_packed(qh, k, v, mask, score_mod, False)
+            qh, k, v = _token_rows(qh), _token_rows(k), _token_rows(v)
+        mask_obj, mod_obj = self._checked(qh, k, v, mask, score_mod)
+        try:
+            hit = plan.attention.prepare(
+                qh, kv.k_layers[self.layer], kv.v_layers[self.layer], mask=mask_obj,
+                score_mod=mod_obj, scale=scale, sinks=sinks,
+            )  # fmt: skip
+        except BaseException:
+            kv.undo(plan)
+            raise
+        # the entry holds the objects keyed by id, so that their ids stay unique
+        key = _rows_key(q, k_rows, v_rows, mask, score_mod, scale, sinks)
+        plan.fast[key] = (*hit, mask, score_mod, sinks)
+        return None
 
     def _run(self, q, k, v, mask, score_mod, scale, return_weights, sinks=None):
         """:meth:`attend` once its inputs are checked (masks already per sequence)."""
@@ -215,14 +250,12 @@ class PagedLayer:
             )  # default q_offset: bottom-right, n - Sq, as in paged_attention
         return out, w
 
-    def _check_packed(self, q, k, v, mask, score_mod, return_weights, sinks) -> None:
+    def _check_packed(self, q, k, v, mask, score_mod, return_weights) -> None:
         """:meth:`attend`'s checks over a packed plan (undoing the step when one fails)."""
         T = len(self.plan.seq_ids)
         try:
             if return_weights:
                 raise ValueError("a packed step does not return attention weights")
-            if sinks is not None:
-                raise ValueError("a packed step takes no sinks; run the sequences unpacked")
             for name, x in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[::2] != (1, T):
                     got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -240,23 +273,19 @@ class PagedLayer:
             self.kv.undo(self.plan)
             raise
 
-    def _run_packed(self, q, k, v, mask, score_mod, scale):
+    def _run_packed(self, q, k, v, mask, score_mod, scale, sinks=None):
         """:meth:`attend` over a packed plan once its inputs are checked."""
         kv, plan, layer = self.kv, self.plan, self.layer
         T, Hq, Dv = q.shape[2], q.shape[1], v.shape[3]
         k_scales, v_scales = kv.layer_scales(layer)
         pages = (kv.k_layers[layer], kv.v_layers[layer])
         kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-                  v_scales=v_scales)  # fmt: skip
-
-        def as_rows(x):  # (1, H, T, ·) -> (T, H, 1, ·): every token a row of length 1
-            return x[0].transpose(0, 1).unsqueeze(2)
-
+                  v_scales=v_scales, sinks=sinks)  # fmt: skip
         try:
-            kv.write(layer, plan, as_rows(k), as_rows(v))
+            kv.write(layer, plan, _token_rows(k), _token_rows(v))
             R = plan.rows.numel()
             if R == T:  # no long chunk: the whole step is one call
-                out = paged_attention(as_rows(q), *pages, plan.block_table, plan.seq_lens,
+                out = paged_attention(_token_rows(q), *pages, plan.block_table, plan.seq_lens,
                                       plan=plan.attention, **kw)  # fmt: skip
                 return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, ·)
             out = q.new_empty(Hq, T, Dv)
@@ -270,13 +299,23 @@ class PagedLayer:
                 qb = q[:, :, start : start + n]  # (1, Hq, n, D)
                 # keys from position 0, queries the last n: attention's default bottom-right
                 o = attention(qb, ks[None].to(qb.dtype), vs[None].to(qb.dtype), mask=mask,
-                              score_mod=score_mod,
-                              scale=scale)  # fmt: skip
+                              score_mod=score_mod, scale=scale, sinks=sinks)  # fmt: skip
                 out[:, start : start + n] = o[0]
             return out.unsqueeze(0)  # (Hq, T, Dv) -> (1, Hq, T, Dv)
         except BaseException:
             kv.undo(plan)
             raise
+
+
+def _rows_key(q, k_rows, v_rows, mask, score_mod, scale, sinks) -> tuple:
+    """:meth:`PagedLayer.attend_rows`' memo key: what its checks and backend choice read."""
+    return (id(mask), id(score_mod), scale, id(sinks), q.shape, q.dtype, k_rows.shape,
+            k_rows.dtype, v_rows.shape, v_rows.dtype)  # fmt: skip
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """A packed step's ``(1, H, T, ·)`` as ``(T, H, 1, ·)``: every token a row of length 1."""
+    return x[0].transpose(0, 1).unsqueeze(2)
 
 
 def _ragged(seq_ids, lengths) -> str:
