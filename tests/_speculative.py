@@ -42,18 +42,20 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2))
 
 
-def exact_joint(model, prompt: list[int], n: int, **processing) -> torch.Tensor:
+def exact_joint(model, prompt: list[int], n: int, probs_fn=None, **processing) -> torch.Tensor:
     """The exact distribution ``(V,) * n`` of the first ``n`` sampled tokens after ``prompt``
-    (temperature / top-k / top-p as ``generate``'s), by full forwards over every prefix."""
+    (temperature / top-k / top-p as ``generate``'s, or ``probs_fn(logits, **processing)``), by
+    full forwards over every prefix."""
     from selfattn.models.generate import token_probs
 
+    probs_fn = token_probs if probs_fn is None else probs_fn
     V = model.config.vocab_size
     joint = torch.ones(())
     prefixes = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):
             logits = model(prefixes)[:, -1].double()
-            p = token_probs(logits, **processing).double()  # (V^i, V)
+            p = probs_fn(logits, **processing).double()  # (V^i, V)
             joint = (joint.reshape(-1, 1) * p).reshape(*(V,) * (joint.dim() + 1))
             prefixes = torch.cat(
                 [prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(len(prefixes))[:, None]],
