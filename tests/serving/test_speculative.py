@@ -222,3 +222,52 @@ def test_a_wrong_rule_fails_the_distribution_test(monkeypatch):
         test_sampling_keeps_the_models_distribution(
             {"speculative": "ngram", "num_speculative_tokens": 3}, {"temperature": 0.6}
         )
+
+
+def test_metrics_route_reports_acceptance(target):
+    """/metrics: vLLM's counter names (draft tokens, accepted) and the rate."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    prom = pytest.importorskip("prometheus_client.parser")
+    from selfattn.serving.server import build_app
+    from tests._serving_helpers import running_server
+
+    e = engine_for(target, 200, speculative_model=copy.deepcopy(target))
+    with running_server(build_app(e, model_name="tiny")) as url:
+        body = {"model": "tiny", "prompt": [5, 6, 7, 5, 6], "max_tokens": 12, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=20).status_code == 200
+        text = httpx.get(f"{url}/metrics", timeout=20).text
+    samples = {s.name: s.value for f in prom.text_string_to_metric_families(text)
+               for s in f.samples}  # fmt: skip
+    m = e.metrics
+    assert samples["selfattn_spec_decode_num_draft_tokens_total"] == m.spec_draft_tokens > 0
+    assert samples["selfattn_spec_decode_num_accepted_tokens_total"] == m.spec_accepted_tokens
+    assert samples["selfattn_spec_decode_draft_acceptance_rate"] == 1.0  # the target's twin
+
+
+def test_serve_flags_build_a_speculative_engine(tmp_path, monkeypatch):
+    """`selfattn serve --speculative-model PATH --num-speculative-tokens K` reaches the engine;
+    the flags default to the config's fields."""
+    from selfattn.cli.main import build_parser, main
+    from selfattn.serving import server
+    from tests._serving_helpers import save_tiny_llama
+
+    args = build_parser().parse_args(["serve", "m"])
+    c = EngineConfig()
+    assert (args.speculative, args.speculative_model, args.num_speculative_tokens,
+            args.prompt_lookup_max, args.prompt_lookup_min) == (
+        c.speculative, c.speculative_model, c.num_speculative_tokens, c.prompt_lookup_max,
+        c.prompt_lookup_min)  # fmt: skip
+    folder = save_tiny_llama(tmp_path / "tiny")
+    served = []
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append(engine))
+    argv = ["serve", str(folder), "--kv-cache-bytes", str(1 << 20), "--threads", "1",
+            "--speculative-model", str(folder), "--num-speculative-tokens", "2"]  # fmt: skip
+    assert main(argv) == 0
+    (engine,) = served
+    assert engine.config.speculative == "draft" and engine.scheduler.lookahead == 2
+    served.clear()
+    argv = ["serve", str(folder), "--kv-cache-bytes", str(1 << 20), "--threads", "1",
+            "--speculative", "ngram", "--prompt-lookup-max", "4"]  # fmt: skip
+    assert main(argv) == 0
+    assert served[0].speculator.ngram == (4, 1)
