@@ -240,6 +240,14 @@ def check_decode_step(report: dict) -> None:
         assert r["step_ms"] > 0 and r["cpu_ms"] > 0 and all(r[k] >= 0 for k in parts), r
 
 
+def check_speculative(report: dict) -> None:
+    rows = report["rows"]
+    assert [r["case"].split(":")[1].split(",")[0].strip() for r in rows] == ["generate", "engine"]
+    for r in rows:  # greedy speculation emits plain greedy decoding's tokens
+        assert r["identical"] and r["ours"] > 0 and r["peer_value"] > 0, r
+        assert r["acceptance"] is None or 0 <= r["acceptance"] <= 1, r
+
+
 def check_streaming(report: dict) -> None:
     setup, rows = report["setup"], report["rows"]
     assert len(rows) == 8 and setup["n_sink"] > 0, rows
@@ -442,6 +450,7 @@ SMOKES = {
     ),
     "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
     "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
+    "speculative": Smoke(packaged("speculative", "--threads", "1"), check_speculative),
     "streaming": Smoke(packaged("streaming"), check_streaming),
     "view": Smoke(packaged("view"), check_view),
     "serving": Smoke(

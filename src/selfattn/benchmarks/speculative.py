@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     repeat = args.repeat or (1 if args.quick else 5)
     rows = measure(model, prompts, new=new, k=args.k, repeat=repeat,
                    engine_kw={"kv_cache_bytes": 64 * 2**20, "admit_quiet_s": 0.0})  # fmt: skip
-    setup = {**_util.machine(), "model": what, "new_tokens": new, "k": args.k, "repeat": repeat}
-    report = {"setup": setup, "rows": rows}
+    setup = {"model": what, "new_tokens": new, "k": args.k, "repeat": repeat}
+    report = {"machine": _util.machine(), "setup": setup, "rows": rows}
 
     def table(rep):
         return [
