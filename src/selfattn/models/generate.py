@@ -33,6 +33,13 @@ Threads: a CPU runs each step on ``torch.get_num_threads()`` threads; ``torch.se
 sets them for the process (the ``selfattn`` command's ``--threads``, default the cores this
 process may use, ``len(os.sched_getaffinity(0))``).
 
+Speculative decoding (:mod:`selfattn.models.speculative`; transformers' keywords):
+``prompt_lookup_num_tokens=k`` drafts ``k`` tokens a step by prompt lookup, ``assistant_model=``
+with a draft model (``num_assistant_tokens=k``). Each row's drafts are checked in one forward of
+``1 + k`` tokens over a paged cache (rows of their own lengths: no padding), the rejected ones
+trimmed from it; greedy output is exactly plain greedy output, sampled output keeps its
+distribution.
+
 Text in, text out: given a ``tokenizer`` (:func:`selfattn.models.load_tokenizer`), the prompt
 may be a string or a list of strings (left-padded into a batch) and the continuation comes back
 as text. A ``streamer`` with transformers' protocol (``put``/``end``, e.g.
