@@ -73,6 +73,8 @@ def test_greedy_equals_generate_alone(target, drafter, pages, budget, k):
     for o, ref in zip(outs, refs):
         assert list(o.outputs[0].token_ids) == ref
     e.check()  # every page free or held by the prefix cache alone: none leaked
+    if e.speculator.runner is not None:  # the draft model's pool: every page back
+        assert e.speculator.runner.kv.pool.num_used == 0
     m = e.metrics
     assert m.spec_draft_tokens > 0
     if pages < 20:

@@ -285,6 +285,8 @@ class Engine:
                     log.exception("selfattn.serving: a step failed; its requests end with it")
                     for seq, _ in batch.chunks:
                         self._fail(seq.request, e, touched)
+            if self.speculator is not None:
+                self.speculator.forget(self.scheduler.running)
             self.metrics.preemptions = self.scheduler.num_preemptions
             self.metrics.computed_tokens = self.scheduler.computed_tokens
             self.metrics.prefill_tokens = self.scheduler.prefill_tokens
@@ -585,9 +587,12 @@ class Engine:
 
     def check(self) -> None:
         """Raise AssertionError unless the pool and the scheduler agree (no page leaked: with
-        nothing running, every page is free or held by the prefix cache alone)."""
+        nothing running, every page is free or held by the prefix cache alone; a draft model's
+        pool holds the running sequences only)."""
         with self._lock:
             self.scheduler.check()
+            if self.speculator is not None:
+                self.speculator.check(self.scheduler.running)
 
     def __repr__(self) -> str:
         return (

@@ -53,16 +53,14 @@ class Speculator:
     def propose(self, seqs: list, rooms: list[int], running) -> tuple[list[list[int]], list]:
         """Drafts of at most ``rooms[i]`` tokens for each decoding sequence ``seqs[i]``, and
         per sequence the draft model's ``q (k, V)`` (None for greedy or prompt lookup).
-        ``running``: the engine's running sequences (the draft cache of any other is freed)."""
+        ``running``: the engine's running sequences (:meth:`forget` the others first)."""
         if self.runner is None:
             hi, lo = self.ngram
             drafts = [spec.propose_ngram(s.tokens, n, hi, lo) if n else [] for s, n in
                       zip(seqs, rooms)]  # fmt: skip
             return drafts, [None] * len(seqs)
         runner = self.runner
-        live = {s.key for s in running}
-        for key in [key for key in runner.ids if key not in live]:
-            runner.free(key)
+        self.forget(running)
 
         def pick(logits, rows):
             group = [seqs[r] for r in rows]
@@ -84,6 +82,23 @@ class Speculator:
             for key in list(runner.ids):
                 runner.free(key)
             return [[] for _ in seqs], [None] * len(seqs)
+
+    def forget(self, running) -> None:
+        """Free the draft model's cache of every sequence not in ``running`` (finished,
+        aborted or preempted: a preempted one catches up when it decodes again)."""
+        if self.runner is not None:
+            live = {s.key for s in running}
+            for key in [key for key in self.runner.ids if key not in live]:
+                self.runner.free(key)
+
+    def check(self, running) -> None:
+        """AssertionError unless the draft cache holds running sequences only and its own
+        bookkeeping holds."""
+        if self.runner is not None:
+            self.runner.kv.check()
+            stale = set(self.runner.ids) - {s.key for s in running}
+            if stale:
+                raise AssertionError(f"the draft cache holds ended sequences {sorted(stale)}")
 
     def verify(self, seq, logits: torch.Tensor, draft: list[int], q) -> list[int]:
         """The accepted drafts and the next token of ``seq`` from the target's ``logits (1 +
