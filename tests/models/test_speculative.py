@@ -242,7 +242,7 @@ def test_accept_greedy():
     [
         ({"prompt_lookup_num_tokens": 0}, ValueError, "prompt_lookup_num_tokens"),
         ({"prompt_lookup_num_tokens": -2}, ValueError, "prompt_lookup_num_tokens"),
-        ({"prompt_lookup_num_tokens": 2.0}, TypeError, "prompt_lookup_num_tokens"),
+        ({"prompt_lookup_num_tokens": 2.0}, ValueError, "prompt_lookup_num_tokens"),
         ({"num_assistant_tokens": 3}, ValueError, "needs speculation"),
         ({"max_matching_ngram_size": 3}, ValueError, "needs speculation"),
         ({"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 0}, ValueError, "ngram_max"),
