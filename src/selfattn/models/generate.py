@@ -37,8 +37,8 @@ Speculative decoding (:mod:`selfattn.models.speculative`; transformers' keywords
 ``prompt_lookup_num_tokens=k`` drafts ``k`` tokens a step by prompt lookup, ``assistant_model=``
 with a draft model (``num_assistant_tokens=k``). Each row's drafts are checked in one forward of
 ``1 + k`` tokens over a paged cache (rows of their own lengths: no padding), the rejected ones
-trimmed from it; greedy output is exactly plain greedy output, sampled output keeps its
-distribution.
+trimmed from it; greedy output is plain greedy output (float32: token for token; bfloat16: up
+to a near-tie rounded the other way), sampled output keeps its distribution.
 
 Text in, text out: given a ``tokenizer`` (:func:`selfattn.models.load_tokenizer`), the prompt
 may be a string or a list of strings (left-padded into a batch) and the continuation comes back

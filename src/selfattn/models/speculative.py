@@ -22,7 +22,9 @@ from ``norm(max(0, p - q))``. The emitted tokens are then distributed exactly as
 ``p`` one token at a time. A prompt-lookup draft is a point mass (``q = onehot(x)``): accepted
 with probability ``p(x)``, else drawn from ``p`` with ``x`` removed. Greedy decoding
 (:func:`accept_greedy`) accepts while the target's argmax equals the draft, so its output is
-plain greedy decoding's.
+plain greedy decoding's (bit for bit where the verify forward's logits equal a one-token
+step's, as in float32; in bfloat16 a near-tie can round the other way, as it can between the
+static and the paged cache).
 
 Used by :func:`selfattn.models.generate` (``prompt_lookup_num_tokens=``, ``assistant_model=``)
 and the serving engine (``EngineConfig(speculative="ngram" | "draft")``).
