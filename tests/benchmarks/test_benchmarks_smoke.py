@@ -242,6 +242,15 @@ def check_decode_step(report: dict) -> None:
         assert r["overhead_ms"] >= 0 and r["aten_ops"] > 0, r
 
 
+def check_speculative(report: dict) -> None:
+    rows = report["rows"]
+    assert [r["case"].split(":")[1].split(",")[0].strip() for r in rows] == ["generate", "engine"]
+    for r in rows:  # greedy speculation in float32 emits plain greedy decoding's tokens
+        assert r["identical"] and r["first_diff"] is None, r
+        assert r["ours"] > 0 and r["peer_value"] > 0, r
+        assert r["acceptance"] is None or 0 <= r["acceptance"] <= 1, r
+
+
 def check_streaming(report: dict) -> None:
     setup, rows = report["setup"], report["rows"]
     assert len(rows) == 8 and setup["n_sink"] > 0, rows
@@ -444,6 +453,7 @@ SMOKES = {
     ),
     "decode_step": Smoke(packaged("decode_step", "--threads", "1"), check_decode_step),
     "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
+    "speculative": Smoke(packaged("speculative", "--threads", "1"), check_speculative),
     "streaming": Smoke(packaged("streaming"), check_streaming),
     "view": Smoke(packaged("view"), check_view),
     "serving": Smoke(

@@ -22,6 +22,7 @@ NAMES = (
     "ring",
     "serving",
     "serving_http",
+    "speculative",
     "streaming",
     "variants",
     "view",

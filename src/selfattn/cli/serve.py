@@ -93,6 +93,7 @@ def add_parser(subparsers):
         default = getattr(EngineConfig, field)
         p.add_argument(flag, type=_common.positive_int, default=default, metavar="N",
                        help=f"{text} (default {default})")  # fmt: skip
+    _add_speculative(p)
     _common.add_dtype(p)
     _common.add_threads(p)
     p.add_argument(
@@ -107,6 +108,37 @@ def add_parser(subparsers):
     )
     p.set_defaults(run=run, subparser=p)
     return p
+
+
+def _add_speculative(p) -> None:
+    """The speculative decoding flags (EngineConfig's speculative fields)."""
+    p.add_argument(
+        "--speculative",
+        choices=("ngram", "draft"),
+        default=EngineConfig.speculative,
+        help="speculative decoding: ngram (drafts by prompt lookup) or draft (a draft model, "
+        "--speculative-model); off by default",
+    )
+    p.add_argument(
+        "--speculative-model",
+        metavar="PATH",
+        default=EngineConfig.speculative_model,
+        help="the draft model (a folder or .gguf with the model's vocabulary); implies "
+        "--speculative draft",
+    )
+    k = EngineConfig.num_speculative_tokens
+    p.add_argument("--num-speculative-tokens", type=_common.positive_int, default=k,
+                   metavar="K",
+                   help=f"draft tokens per sequence and step (default {k})")  # fmt: skip
+    hi, lo = EngineConfig.prompt_lookup_max, EngineConfig.prompt_lookup_min
+    p.add_argument("--prompt-lookup-max", type=_common.positive_int, default=hi, metavar="N",
+                   help=f"longest n-gram prompt lookup matches (default {hi})")  # fmt: skip
+    p.add_argument("--prompt-lookup-min", type=_common.positive_int, default=lo, metavar="N",
+                   help=f"shortest n-gram prompt lookup matches (default {lo})")  # fmt: skip
+
+
+SPECULATIVE_FIELDS = ("speculative", "speculative_model", "num_speculative_tokens",
+                      "prompt_lookup_max", "prompt_lookup_min")  # fmt: skip
 
 
 def _is_encoder_folder(path: str) -> bool:
@@ -136,6 +168,7 @@ def _engine_config(args) -> EngineConfig:
         "selfattn serve: KV pool of %.0f MiB (%s)", kv_bytes / 2**20, how
     )
     fields = {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS}
+    fields |= {field: getattr(args, field) for field in SPECULATIVE_FIELDS}
     return EngineConfig(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype, **fields)
 
 

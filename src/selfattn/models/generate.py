@@ -33,6 +33,13 @@ Threads: a CPU runs each step on ``torch.get_num_threads()`` threads; ``torch.se
 sets them for the process (the ``selfattn`` command's ``--threads``, default the cores this
 process may use, ``len(os.sched_getaffinity(0))``).
 
+Speculative decoding (:mod:`selfattn.models.speculative`; transformers' keywords):
+``prompt_lookup_num_tokens=k`` drafts ``k`` tokens a step by prompt lookup, ``assistant_model=``
+with a draft model (``num_assistant_tokens=k``). Each row's drafts are checked in one forward of
+``1 + k`` tokens over a paged cache (rows of their own lengths: no padding), the rejected ones
+trimmed from it; greedy output is plain greedy output (float32: token for token; bfloat16: up
+to a near-tie rounded the other way), sampled output keeps its distribution.
+
 Text in, text out: given a ``tokenizer`` (:func:`selfattn.models.load_tokenizer`), the prompt
 may be a string or a list of strings (left-padded into a batch) and the continuation comes back
 as text. A ``streamer`` with transformers' protocol (``put``/``end``, e.g.
@@ -45,9 +52,10 @@ from __future__ import annotations
 import torch
 
 from selfattn._validate import int_at_least
-from selfattn.models.decoder import CACHE_KINDS
+from selfattn.models import speculative as spec
+from selfattn.models.decoder import CACHE_KINDS, CausalLM
 
-__all__ = ["generate", "generation_defaults", "next_token", "stop_token_ids"]
+__all__ = ["generate", "generation_defaults", "next_token", "stop_token_ids", "token_probs"]
 
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, counted in new tokens
 
@@ -116,6 +124,19 @@ def next_token(
     """
     if not do_sample:
         return logits.argmax(-1)
+    probs = token_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
+
+
+def token_probs(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """The distribution :func:`next_token` samples from: ``logits (B, vocab)`` -> float32
+    probabilities ``(B, vocab)`` after temperature, top-k and top-p (in that order)."""
     scores = logits.float() / temperature
     if top_k is not None and top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[..., -1:]  # (B, 1): the k-th largest
@@ -129,8 +150,7 @@ def next_token(
         drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
         scores = scores.masked_fill(drop, float("-inf"))
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
+    return scores.softmax(-1)
 
 
 def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
@@ -205,6 +225,10 @@ def generate(
     streamer=None,
     page_size: int = 16,
     tokenizer=None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+    assistant_model=None,
+    num_assistant_tokens: int | None = None,
 ) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids (B, S)`` by up to ``max_new_tokens`` tokens.
 
@@ -228,6 +252,17 @@ def generate(
             first, as in transformers), or a callable given each step's tokens ``(B,)``.
         tokenizer: needed when ``input_ids`` is text (a string or a list of strings); with
             token ids, it adds its stop tokens (chat end-of-turn tokens) to the defaults.
+        prompt_lookup_num_tokens: speculative decoding with ``k`` draft tokens a step from
+            prompt lookup (:mod:`selfattn.models.speculative`): the last 3 down to 1 tokens
+            matched earlier in the prompt and output (``max_matching_ngram_size`` sets the 3).
+        assistant_model: speculative decoding with this draft model (a causal LM with the same
+            vocabulary) proposing ``num_assistant_tokens`` tokens a step (default 5), greedily
+            (or, when sampling, from its own processed distribution).
+            Speculation emits what plain decoding emits (greedy: the same tokens; sampling: the
+            same distribution), checking k drafts in one forward. It runs over a paged cache of
+            ``page_size``-token pages whatever ``cache`` says (rows then hold different
+            lengths; rejected drafts are rolled back), rows without padding, and
+            decoder-only models.
 
     Returns:
         ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
@@ -243,6 +278,9 @@ def generate(
             cache=cache, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
             ignore_eos=ignore_eos, streamer=streamer, page_size=page_size,
+            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+            max_matching_ngram_size=max_matching_ngram_size, assistant_model=assistant_model,
+            num_assistant_tokens=num_assistant_tokens,
         )  # fmt: skip
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
@@ -288,6 +326,16 @@ def generate(
     pick = dict(
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
     )
+    spec = _speculation(model, prompt_lookup_num_tokens, max_matching_ngram_size,
+                        assistant_model, num_assistant_tokens)  # fmt: skip
+    if spec is not None and max_new_tokens > 0:
+        if end is not None:
+            put(input_ids.cpu())
+        out = _speculative_loop(model, input_ids, attention_mask, max_new_tokens, eos,
+                                pad_token_id, pick, put, spec, page_size)  # fmt: skip
+        if end is not None:
+            end()
+        return out
     if getattr(model, "is_encoder_decoder", False):
         step, prefix = _seq2seq_steps(
             model, input_ids, attention_mask, cache, max_new_tokens, page_size
@@ -389,3 +437,126 @@ def _seq2seq_steps(model, input_ids, attention_mask, kind, max_new: int, page_si
         return model.decode(dec, memory, encoder_attention_mask=attention_mask, cache=cache)
 
     return step, prefix
+
+
+def _speculation(model, lookup_k, ngram_max, draft, draft_k):
+    """``generate``'s speculative options checked -> ``(k, ngram_max, draft model or None)``,
+    or None without speculation."""
+    if lookup_k is None and draft is None:
+        for name, value in (("max_matching_ngram_size", ngram_max),
+                            ("num_assistant_tokens", draft_k)):  # fmt: skip
+            if value is not None:
+                raise ValueError(
+                    f"{name}={value!r} needs speculation: give prompt_lookup_num_tokens= or "
+                    "assistant_model="
+                )
+        return None
+    if lookup_k is not None and draft is not None:
+        raise ValueError(
+            "give prompt_lookup_num_tokens= (drafts from the text) or assistant_model= (drafts "
+            "from a model), not both"
+        )
+    if getattr(model, "is_encoder_decoder", False) or not isinstance(model, CausalLM):
+        raise ValueError(
+            f"speculative decoding runs decoder-only causal LMs over a paged cache, not "
+            f"{type(model).__name__}; drop prompt_lookup_num_tokens / assistant_model"
+        )
+    if draft is None:
+        if draft_k is not None:
+            raise ValueError("num_assistant_tokens is for assistant_model=; drop it")
+        int_at_least(lookup_k, "prompt_lookup_num_tokens", 1)
+        ngram_max = spec.DEFAULT_NGRAM_MAX if ngram_max is None else ngram_max
+        spec.check_ngram_sizes(spec.DEFAULT_NGRAM_MIN, ngram_max)
+        return lookup_k, ngram_max, None
+    if ngram_max is not None:
+        raise ValueError("max_matching_ngram_size is for prompt_lookup_num_tokens=; drop it")
+    spec.check_draft_model(model, draft)
+    k = spec.DEFAULT_NUM_SPECULATIVE_TOKENS if draft_k is None else draft_k
+    int_at_least(k, "num_assistant_tokens", 1)
+    return k, None, draft
+
+
+def _speculative_loop(model, input_ids, attention_mask, max_new, eos, pad_token_id, pick, put,
+                      speculation, page_size):  # fmt: skip
+    """``generate`` with speculation: each row's real tokens as one sequence of a paged cache;
+    per round, drafts for every unfinished row, one packed forward of ``1 + k`` tokens per row,
+    the acceptance rule per row, the rejected tokens rolled back. Returns ``out`` as the plain
+    loop does (rows finished early padded)."""
+    k, ngram_max, draft_model = speculation
+    B, S = input_ids.shape
+    if attention_mask is None:
+        rows = input_ids.tolist()
+    else:
+        keep = attention_mask.bool()
+        rows = [input_ids[b][keep[b]].tolist() for b in range(B)]
+    room = S + max_new + k + 1
+    target = spec.PagedRunner(model, max_seqs=B, max_len=room, page_size=page_size)
+    drafter = None
+    if draft_model is not None:
+        drafter = spec.PagedRunner(draft_model, max_seqs=B, max_len=room, page_size=page_size)
+    sampling = {n: pick[n] for n in ("temperature", "top_k", "top_p")}
+    gen, greedy = pick["generator"], not pick["do_sample"]
+
+    def pick_draft(logits, _rows):
+        if greedy:
+            return logits.argmax(-1).tolist(), None
+        q = token_probs(logits, **sampling)
+        return torch.multinomial(q, 1, generator=gen).view(-1).tolist(), q
+
+    first = next_token(torch.cat(target.forward(range(B), rows)), **pick).tolist()
+    new = [[] for _ in range(B)]
+    done = [False] * B
+    for b in range(B):
+        done[b] = _extend(new[b], [first[b]], eos, max_new)
+    streamed = _stream(put, new, done, 0, pad_token_id, input_ids)
+    while not all(done):
+        live = [b for b in range(B) if not done[b]]
+        ctx = [rows[b] + new[b] for b in live]
+        ks = [min(k, max_new - len(new[b]) - 1) for b in live]
+        if drafter is None:
+            drafts = [spec.propose_ngram(c, n, ngram_max) if n else [] for c, n in zip(ctx, ks)]
+            qs = [None] * len(live)
+        else:
+            drafts, qs = drafter.draft(live, ctx, ks, pick_draft)
+        chunks = [[c[-1], *d] for c, d in zip(ctx, drafts)]
+        logits = target.forward(live, chunks, keep_all=[True] * len(live))
+        for i, b in enumerate(live):
+            if greedy:
+                emitted = spec.accept_greedy(logits[i].argmax(-1).tolist(), drafts[i])
+            else:
+                p = token_probs(logits[i], **sampling)
+                emitted = spec.accept(p, drafts[i], qs[i], gen)
+            kept = len(ctx[i]) + len(emitted) - 1  # the context and the accepted drafts
+            target.trim(b, kept)
+            if drafter is not None:
+                drafter.trim(b, kept)
+            done[b] = _extend(new[b], emitted, eos, max_new)
+        streamed = _stream(put, new, done, streamed, pad_token_id, input_ids)
+    n = max(len(t) for t in new)
+    out = input_ids.new_full((B, S + n), pad_token_id)
+    out[:, :S] = input_ids
+    for b, t in enumerate(new):
+        out[b, S : S + len(t)] = torch.tensor(t, dtype=out.dtype)
+    return out
+
+
+def _extend(new: list[int], emitted: list[int], eos, max_new: int) -> bool:
+    """Append ``emitted`` to a row's ``new`` tokens up to a stop token or ``max_new``; returns
+    whether the row is finished."""
+    for t in emitted:
+        new.append(t)
+        if t in eos or len(new) >= max_new:
+            return True
+    return False
+
+
+def _stream(put, new, done, streamed: int, pad_token_id, like) -> int:
+    """Hand ``put`` each step's ``(B,)`` tokens that every row now knows (finished rows pad);
+    returns the steps streamed so far."""
+    if put is None:
+        return streamed
+    known = [len(t) for t, d in zip(new, done) if not d]
+    ready = min(known) if known else max(len(t) for t in new)
+    for j in range(streamed, ready):
+        put(torch.tensor([t[j] if j < len(t) else pad_token_id for t in new], dtype=like.dtype))
+    return max(ready, streamed)

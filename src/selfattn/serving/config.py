@@ -39,6 +39,7 @@ DEFAULT_PORT = 8000
 KV_MEMORY_FRACTION = 0.25
 KV_MEMORY_CAP = 4 * 2**30
 MAX_ADMIT_S = 60  # admission waits are seconds in [0, MAX_ADMIT_S)
+SPECULATIVE_KINDS = (None, "ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,20 @@ class EngineConfig:
     admit_quiet_s: float = 0.003
     # The longest an idle loop waits for a burst (0: it steps at once).
     admit_window_s: float = 0.03
+    # Speculative decoding (selfattn.models.speculative): None (off), "ngram" (drafts by prompt
+    # lookup in each sequence's own tokens) or "draft" (a draft model's greedy tokens). Each
+    # step verifies a running sequence's drafts in the one packed forward: 1 + k tokens.
+    speculative: str | None = None
+    # The draft model of speculative="draft": a folder or GGUF file (loaded in the target's
+    # dtype) or a loaded selfattn causal LM, with the target's vocabulary. Giving it alone
+    # means speculative="draft".
+    speculative_model: object = None
+    # Draft tokens per sequence and step (k; transformers' num_assistant_tokens default).
+    num_speculative_tokens: int = 5
+    # Prompt lookup tries n-grams of prompt_lookup_max tokens down to prompt_lookup_min
+    # (vLLM's names; the longest match first).
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     def __post_init__(self):
         for name in ("kv_cache_bytes", "page_size", "max_batch_tokens", "max_num_seqs",
@@ -98,6 +113,33 @@ class EngineConfig:
                     f"EngineConfig {name} must be seconds in [0, {MAX_ADMIT_S}), got {v!r}"
                 )
         self._check_kv_dtype()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None and self.speculative_model is not None:
+            object.__setattr__(self, "speculative", "draft")
+        if self.speculative not in SPECULATIVE_KINDS:
+            raise ValueError(
+                f"EngineConfig speculative must be one of {SPECULATIVE_KINDS}, got "
+                f"{self.speculative!r}"
+            )
+        if self.speculative == "draft" and self.speculative_model is None:
+            raise ValueError(
+                "EngineConfig speculative='draft' needs speculative_model (a path or a model); "
+                "or use speculative='ngram'"
+            )
+        if self.speculative == "ngram" and self.speculative_model is not None:
+            raise ValueError(
+                "EngineConfig speculative_model is for speculative='draft', got "
+                "speculative='ngram'; drop one"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            _positive(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"EngineConfig prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     def _check_kv_dtype(self) -> None:
         if self.kv_dtype is None:

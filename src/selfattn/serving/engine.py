@@ -67,6 +67,7 @@ from selfattn.serving.metrics import EngineMetrics
 from selfattn.serving.request import Request, RequestOutput, Sequence, TokenLogprob
 from selfattn.serving.sampling import Choice, SamplingParams, choose
 from selfattn.serving.scheduler import Batch, Scheduler
+from selfattn.serving.speculative import Speculator
 
 __all__ = [
     "DEFAULT_KV_CACHE_BYTES",
@@ -141,8 +142,12 @@ class Engine:
             prefix_caching=cfg.prefix_caching, dtype=kv_dtype, device=w.device,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            self.kv, max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs
-        )
+            self.kv, max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
+            lookahead=cfg.num_speculative_tokens if cfg.speculative else 0,
+        )  # fmt: skip
+        self.speculator = None
+        if cfg.speculative is not None:
+            self.speculator = Speculator(cfg, model, num_pages=num_pages, max_len=limit)
         self.max_waiting = cfg.max_waiting
         # the model's and the tokenizer's stop tokens (end of turn included); ignore_eos skips
         self._eos = frozenset(stop_token_ids(model, tokenizer))
@@ -280,6 +285,8 @@ class Engine:
                     log.exception("selfattn.serving: a step failed; its requests end with it")
                     for seq, _ in batch.chunks:
                         self._fail(seq.request, e, touched)
+            if self.speculator is not None:
+                self.speculator.forget(self.scheduler.running)
             self.metrics.preemptions = self.scheduler.num_preemptions
             self.metrics.computed_tokens = self.scheduler.computed_tokens
             self.metrics.prefill_tokens = self.scheduler.prefill_tokens
@@ -320,9 +327,17 @@ class Engine:
     def _run(self, batch: Batch, touched: dict[int, Request]) -> None:
         """One forward over the batch's packed tokens, then every sampling sequence's token."""
         ids, counts, flat, keep, samplers = [], [], [], [], []
+        drafts = self._drafts(batch) if self.speculator is not None else {}
+        spec_keep, spec = [], []  # the drafted chunks' rows; (sequence, draft, q)
         for seq, n in batch.chunks:
             ids.append(seq.kv_id)
             counts.append(n)
+            if id(seq) in drafts:  # its last token and the drafts, every row's logits kept
+                draft, q = drafts[id(seq)]
+                flat += [seq.tokens[-1], *draft]
+                spec_keep += range(len(flat) - n, len(flat))
+                spec.append((seq, draft, q))
+                continue
             flat += seq.tokens[seq.num_computed : seq.num_computed + n]
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the known tokens
                 keep.append(len(flat) - 1)
@@ -333,12 +348,16 @@ class Engine:
         m.peak_pages_used = max(m.peak_pages_used, self.kv.pool.num_used)  # pages are taken now
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
-            rows = torch.tensor(keep, dtype=torch.long, device=device)
+            rows = torch.tensor(keep + spec_keep, dtype=torch.long, device=device)
             logits = self._forward(x, step, rows)
         except BaseException:
             self._undo(step)
             raise
-        self.scheduler.advance(batch)
+        if spec:
+            self.scheduler.advance(Batch([c for c in batch.chunks if id(c[0]) not in drafts]))
+            self._settle(spec, logits[len(keep) :], touched)
+        else:
+            self.scheduler.advance(batch)
         # The prompt's last logits choose the first token of every sample: fork the rest now.
         seqs, rows = [], []
         for r, seq in enumerate(samplers):
@@ -358,6 +377,44 @@ class Engine:
             self._append(seq, choice, now)
             touched[id(seq.request)] = seq.request
         self.metrics.record_tokens(len(choices), now)
+
+    def _drafts(self, batch: Batch) -> dict[int, tuple[list[int], object]]:
+        """Drafts for the batch's decoding chunks with room for them (the scheduler's lookahead),
+        each chunk shrunk to its last token and its draft: ``id(seq) -> (draft, q)`` for the
+        sequences with a non-empty draft (the others decode one token as usual)."""
+        picked = [(i, seq, n - 1) for i, (seq, n) in enumerate(batch.chunks)
+                  if n > 1 and seq.remaining == 1]  # fmt: skip
+        if not picked:
+            return {}
+        seqs = [seq for _, seq, _ in picked]
+        drafts, qs = self.speculator.propose(seqs, [r for *_, r in picked], self.scheduler.running)
+        out = {}
+        for (i, seq, _), draft, q in zip(picked, drafts, qs):
+            batch.chunks[i] = (seq, 1 + len(draft))
+            if draft:
+                out[id(seq)] = (draft, q)
+        return out
+
+    def _settle(self, spec, logits: torch.Tensor, touched: dict[int, Request]) -> None:
+        """The verdict on each drafted chunk (``spec``: ``(sequence, draft, q)``; ``logits``
+        their rows in order): the cache keeps the accepted drafts, then the accepted tokens
+        and the next one are appended up to a stop."""
+        m, at, emitted_all, now = self.metrics, 0, 0, time.perf_counter()
+        for seq, draft, q in spec:
+            n = 1 + len(draft)
+            emitted = self.speculator.verify(seq, logits[at : at + n], draft, q)
+            at += n
+            self.scheduler.settle(seq, n, len(emitted), emitted[:-1])
+            self.speculator.rollback(seq, seq.num_computed)
+            m.spec_draft_tokens += len(draft)
+            m.spec_accepted_tokens += len(emitted) - 1
+            for tok in emitted:
+                self._append(seq, Choice(tok), now)
+                emitted_all += 1
+                if seq.finished:
+                    break
+            touched[id(seq.request)] = seq.request
+        m.record_tokens(emitted_all, now)
 
     def _forward(self, x: torch.Tensor, step, rows: torch.Tensor) -> torch.Tensor:
         """The model over a planned packed step: ``x (1, T)`` token ids -> the logits ``(R,
@@ -530,9 +587,12 @@ class Engine:
 
     def check(self) -> None:
         """Raise AssertionError unless the pool and the scheduler agree (no page leaked: with
-        nothing running, every page is free or held by the prefix cache alone)."""
+        nothing running, every page is free or held by the prefix cache alone; a draft model's
+        pool holds the running sequences only)."""
         with self._lock:
             self.scheduler.check()
+            if self.speculator is not None:
+                self.speculator.check(self.scheduler.running)
 
     def __repr__(self) -> str:
         return (

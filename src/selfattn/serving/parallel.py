@@ -249,6 +249,11 @@ class TensorParallelEngine(Engine):
         device = model.lm_head.weight.device
         try:
             super().__init__(model, **kw)
+            if self.speculator is not None:  # the ranks mirror plans, not a step's rollback
+                raise ValueError(
+                    "speculative decoding does not run tensor-parallel yet; drop speculative / "
+                    "speculative_model, or serve with one process"
+                )
         except BaseException:
             _broadcast(torch.zeros(_GEOMETRY, dtype=torch.long, device=device))  # workers stop
             raise

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "Choice", "SamplingParams", "choose"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "Choice", "SamplingParams", "choose", "probabilities"]
 
 MAX_N = 128  # samples per request: each is a sequence with its own pages once it diverges
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
@@ -162,9 +162,10 @@ def _apply_penalties(x: torch.Tensor, seqs) -> None:
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
-def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
-    """Sampled tokens ``(R,)`` of rows ``x (R, V)`` (penalised logits), each row with its
-    sequence's temperature, filters and generator (module docstring)."""
+def _sorted_probs(x: torch.Tensor, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x (R, V)`` (penalised logits) -> ``(probs, order)``: each row's distribution
+    after its sequence's temperature, top-k, top-p and min-p, most likely first (``probs (R,
+    V)``, zero past the kept tokens; unnormalised), and the token ids in that order."""
     R, V = x.shape
     dev = x.device
     temp = torch.tensor([s.params.temperature for s in seqs], device=dev).view(R, 1)
@@ -180,7 +181,23 @@ def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
     drop = (probs.cumsum(-1) - probs) >= top_p
     drop |= probs < min_p * probs[:, :1]
     drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
+    return probs.masked_fill(drop, 0.0), order
+
+
+def probabilities(x: torch.Tensor, seqs) -> torch.Tensor:
+    """The distributions sampled rows draw from: ``x (R, V)`` (penalised logits, row ``i`` for
+    ``seqs[i]``) -> ``(R, V)`` probabilities in vocabulary order, each row with its sequence's
+    temperature, top-k, top-p and min-p (a speculative step's target and draft ``p``, ``q``)."""
+    probs, order = _sorted_probs(x.float(), seqs)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.empty_like(probs).scatter_(1, order, probs)
+
+
+def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
+    """Sampled tokens ``(R,)`` of rows ``x (R, V)`` (penalised logits), each row with its
+    sequence's temperature, filters and generator (module docstring)."""
+    R, dev = x.shape[0], x.device
+    probs, order = _sorted_probs(x, seqs)
     cdf = probs.cumsum(-1)  # kept tokens are a prefix of the sorted order
     u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(dev)
     j = torch.searchsorted(cdf, (u * cdf[:, -1]).view(R, 1), right=True)  # (R, 1)

@@ -52,10 +52,14 @@ class Batch:
 class Scheduler:
     """The waiting queue and the running set over ``kv`` (module docstring)."""
 
-    def __init__(self, kv: PagedKV, *, max_batch_tokens: int, max_num_seqs: int):
+    def __init__(self, kv: PagedKV, *, max_batch_tokens: int, max_num_seqs: int,
+                 lookahead: int = 0):  # fmt: skip
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        # speculative decoding: draft tokens a decoding sequence may verify per step (its
+        # chunk is then 1 + Sequence.draft_room(lookahead) tokens, pages budgeted for all)
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by Sequence.key: oldest first
         self.num_preemptions = 0
@@ -136,13 +140,14 @@ class Scheduler:
         batch = Batch()
         budget = self.max_batch_tokens
         reserved = 0  # pages the chunks so far will take
-        decodes = sum(1 for s in self.running if s.remaining == 1)
+        decodes = sum(self._decode_tokens(s) for s in self.running if s.remaining == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.remaining == 1:
-                decodes -= 1
-                n = 1
+                n = self._decode_tokens(seq)
+                decodes -= n
+                n = min(n, budget)
             else:  # a prefill chunk leaves room for the decodes after it
                 n = min(seq.remaining, budget - decodes)
                 if n <= 0:
@@ -152,7 +157,7 @@ class Scheduler:
             while need > self._available() - reserved:
                 victim = self.running[-1]
                 if victim.remaining == 1 and victim is not seq:
-                    decodes -= 1
+                    decodes -= self._decode_tokens(victim)
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -165,6 +170,10 @@ class Scheduler:
             i += 1
         self._admit(batch, budget, reserved)
         return batch
+
+    def _decode_tokens(self, seq: Sequence) -> int:
+        """Tokens a decoding sequence's chunk takes: its last token and room for drafts."""
+        return 1 + (seq.draft_room(self.lookahead) if self.lookahead else 0)
 
     def _admit(self, batch: Batch, budget: int, reserved: int) -> None:
         """Admit waiting sequences FIFO into ``batch`` (module docstring)."""
@@ -226,6 +235,21 @@ class Scheduler:
             seq.num_computed += n
             self.computed_tokens += n
             self.offer_pages(seq)
+
+    def settle(self, seq: Sequence, computed: int, kept: int, accepted: list[int]) -> None:
+        """After a speculative chunk of ``computed`` tokens of ``seq`` (its last token and the
+        drafts) ran: keep the first ``kept`` in the cache (the last token and the ``accepted``
+        drafts, which are not yet in ``seq.tokens``), roll the rest back, and offer the full
+        pages to the prefix cache (with the accepted tokens, before they are appended)."""
+        self.computed_tokens += computed
+        seq.num_computed += kept
+        self.kv.trim(seq.kv_id, seq.num_computed)
+        if accepted and self.kv.index is not None:
+            seq.tokens += accepted
+            try:
+                self.offer_pages(seq)
+            finally:
+                del seq.tokens[-len(accepted) :]
 
     def check(self) -> None:
         """Raise AssertionError unless every running sequence's cache length matches its

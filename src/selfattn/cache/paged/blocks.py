@@ -194,6 +194,25 @@ class BlockTable:
         self.pool.free(self._pages[self.check_id(seq_id)])
         self._pages[seq_id], self._lens[seq_id] = [], 0
 
+    def trim(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of ``seq_id``: its pages past them are dropped (a
+        speculative step's rejected tokens). A kept page others share stays shared; the next
+        write into it copies it first (copy-on-write), so no sharer sees the overwrite."""
+        n = self._lens[self.check_id(seq_id)]
+        checked_int(length, "trim length")
+        if not 0 <= length <= n:
+            raise ValueError(
+                f"cannot trim sequence {seq_id} to {length} tokens: it holds {n}; give a length "
+                f"in 0..{n}"
+            )
+        pages = self._pages[seq_id]
+        keep = -(-length // self.page_size)
+        extra = pages[keep:]
+        del pages[keep:]
+        self.pool.decref(extra)
+        self._lens[seq_id] = length
+        self.epoch += 1  # the plan before it can no longer be undone
+
     def drop_page(self, seq_id: int, at: int) -> None:
         """Drop page number ``at`` of ``seq_id`` (its reference, and ``page_size`` tokens of its
         length): a window cache's passed page, whose later pages move down."""

@@ -194,6 +194,12 @@ class PagedKV:
         """Empty ``seq_id`` (length 0, its page references dropped) but keep it live."""
         self.blocks.truncate(seq_id)
 
+    def trim(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of ``seq_id`` and free the pages past them: a
+        speculative step rolls its rejected tokens back this way. ValueError when ``length``
+        is not in ``0..length(seq_id)``."""
+        self.blocks.trim(seq_id, length)
+
     # -- one step: plan once, write per layer -----------------------------------------------------
     def plan(self, seq_ids, n_tokens: int) -> StepPlan:
         """Reserve ``n_tokens`` slots after the cached tokens of each sequence in ``seq_ids``.

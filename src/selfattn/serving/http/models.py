@@ -92,5 +92,13 @@ class _EngineCollector:
         yield counter("preemptions", "Sequences preempted (recomputed later).", m.preemptions)
         yield counter("requests_finished", "Requests finished.", m.requests_finished)
         yield counter("requests_aborted", "Requests aborted.", m.requests_aborted)
+        # speculative decoding, under vLLM's names
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      m.spec_draft_tokens)  # fmt: skip
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      m.spec_accepted_tokens)  # fmt: skip
+        yield gauge("spec_decode_draft_acceptance_rate",
+                    "Draft tokens accepted / draft tokens verified.",
+                    m.spec_acceptance_rate)  # fmt: skip
         yield self.histogram("time_to_first_token_seconds", "Arrival to first token.", m.ttft)
         yield self.histogram("inter_token_latency_seconds", "Between consecutive tokens.", m.itl)
