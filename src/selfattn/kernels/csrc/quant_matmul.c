@@ -50,6 +50,8 @@ enum { D_F32 = 0, D_BF16 = 1 };
 /* Blocks of a row's per-block arrays are padded to a multiple of this (zeros), so the vector
    paths read whole vectors of scales and whole 4-block groups of activations. */
 #define NB_PAD 16
+/* int32 lanes a block's sums take in the AVX-512 path's vectors (rows512) */
+#define LANES(c) ((c)->wt == W_U4 ? 4 : 8)
 
 static inline float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -103,40 +105,81 @@ typedef struct {
   const int8_t *xq;
   const float *sx, *xs;
   const int32_t *cz;
+  /* AVX-512 only: the same per lane (M, nbp . LANES) (rows512) */
+  const float *sxv, *xsv;
+  const int32_t *czv;
   int64_t next; /* chunk counter, atomic */
 } Call;
+
+/* One 32-block of x (dtype xdt) -> int8 codes blk, their sum; returns the block's scale
+   max|x| / 127 (codes: x / scale rounded to nearest even, within +-127). */
+static float quantise_block(const void *src, int xdt, int8_t *blk, int *sum) {
+  float row[32];
+  if (xdt == D_F32) {
+    memcpy(row, src, sizeof row);
+  } else {
+    for (int j = 0; j < 32; j++) row[j] = bf16_to_float(((const uint16_t *)src)[j]);
+  }
+  float amax = 0;
+  for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(row[j]));
+  const float s = amax / 127.0f;
+  const float id = s != 0.0f ? 1.0f / s : 0.0f;
+  int total = 0;
+  for (int j = 0; j < 32; j++) {
+    float v = nearbyintf(row[j] * id); /* to nearest even (the default rounding mode) */
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+    blk[j] = (int8_t)v;
+    total += blk[j];
+  }
+  *sum = total;
+  return s;
+}
+
+#ifdef HAVE_X86_PATHS
+/* quantise_block in AVX-512: the same operations, so the same codes and scale. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float quantise_block512(
+    const void *src, int xdt, int8_t *blk, int *sum) {
+  __m512 a, b;
+  if (xdt == D_F32) {
+    a = _mm512_loadu_ps(src), b = _mm512_loadu_ps((const float *)src + 16);
+  } else {
+    const __m512i h = _mm512_loadu_si512(src); /* 32 bf16 */
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float s = amax / 127.0f;
+  const __m512 id = _mm512_set1_ps(s != 0.0f ? 1.0f / s : 0.0f);
+  const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+  __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)); /* nearest even (MXCSR default) */
+  __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+  qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
+  qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), nlim);
+  _mm_storeu_si128((__m128i *)blk, _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128((__m128i *)(blk + 16), _mm512_cvtepi32_epi8(qb));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return s;
+}
+#endif
 
 /* Quantise x row by row into the call's buffers (layout per the ISA and weight codes). */
 static void quantise_x(Call *c, const void *x, int xdt, int8_t *xq, float *sx, float *xs,
                        int32_t *cz) {
   const int permuted = c->isa == ISA_AVX512VNNI && c->wt == W_U4;
   const int xor_s8 = c->wt == W_S8 && (c->isa == ISA_AVXVNNI || c->isa == ISA_AVX512VNNI);
-  const int64_t K = c->K, nb = c->nb, nbp = c->nbp;
-  float row[32];
+  float (*block)(const void *, int, int8_t *, int *) = quantise_block;
+#ifdef HAVE_X86_PATHS
+  if (c->isa == ISA_AVX512VNNI) block = quantise_block512;
+#endif
+  const int64_t K = c->K, nb = c->nb, nbp = c->nbp, esize = xdt == D_F32 ? 4 : 2;
   for (int64_t m = 0; m < c->M; m++) {
     int8_t *q = xq + m * nbp * 32;
     memset(q + nb * 32, 0, (size_t)((nbp - nb) * 32));
     for (int64_t b = nb; b < nbp; b++) sx[m * nbp + b] = 0, xs[m * nbp + b] = 0, cz[m * nbp + b] = 0;
     for (int64_t b = 0; b < nb; b++) {
-      const int64_t off = m * K + b * 32;
-      if (xdt == D_F32) {
-        memcpy(row, (const float *)x + off, sizeof row);
-      } else {
-        const uint16_t *src = (const uint16_t *)x + off;
-        for (int j = 0; j < 32; j++) row[j] = bf16_to_float(src[j]);
-      }
-      float amax = 0;
-      for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(row[j]));
-      const float s = amax / 127.0f;
-      const float id = s != 0.0f ? 1.0f / s : 0.0f;
       int8_t blk[32];
-      int sum = 0;
-      for (int j = 0; j < 32; j++) {
-        float v = nearbyintf(row[j] * id); /* to nearest even (the default rounding mode) */
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        blk[j] = (int8_t)v;
-        sum += blk[j];
-      }
+      int sum;
+      const float s = block((const char *)x + (m * K + b * 32) * esize, xdt, blk, &sum);
       if (permuted) { /* per 4 blocks: first halves at 16 . (b % 4), second halves 64 later */
         int8_t *g = q + (b / 4) * 128 + (b % 4) * 16;
         memcpy(g, blk, 16);
@@ -228,59 +271,57 @@ T_AVXVNNI static float dot_avxvnni(const Call *c, const uint8_t *w, const int8_t
   return hsum256(acc);
 }
 
-/* u4, 4 blocks a step: 64 bytes of nibbles; the low nibbles are the 4 blocks' first halves, the
-   high ones their second halves (the permuted activations match). Lanes 4i..4i+3 are block i. */
-T_AVX512 static inline __m512 u4_group512(__m512i lo, __m512i hi, const int8_t *xg, __m128 d4,
-                                          const float *sx, const int32_t *cz, __m512 acc) {
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512i s = _mm512_maskz_expand_epi32(0x1111, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)cz)));
-  s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512(xg));
-  s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xg + 64));
-  const __m128 sc = _mm_mul_ps(d4, _mm_loadu_ps(sx));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
-                         _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc)), acc);
-}
-
-/* s8, 2 blocks a step: 64 bytes of codes as q + 128 (u8). Lanes 8i..8i+7 are block i. */
-T_AVX512 static inline __m512 s8_pair512(__m512i u, const int8_t *xp, __m128 d2, const float *sx,
-                                         const int32_t *cz, __m512 acc) {
-  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512i s = _mm512_maskz_expand_epi32(0x0101, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)cz)));
-  s = _mm512_dpbusd_epi32(s, u, _mm512_loadu_si512(xp));
-  const __m128 sc = _mm_mul_ps(d2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sx)));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
-                         _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc)), acc);
-}
+/* The AVX-512 path takes 64 bytes of codes a step: 4 u4 blocks (lanes 4i..4i+3 of a vector of
+   16 int32 sums are block i: the low nibbles are the blocks' first halves, the high ones their
+   second halves, and the activations are stored permuted to match) or 2 s8 blocks (lanes
+   8i..8i+7, codes as q + 128). Per input row the call spreads each block's activation scale
+   over its lanes (sxv), and its integer correction and sx . sum(xq) into its first lane (czv,
+   xsv): one load each, no shuffles per row and step. */
 
 /* Rows m0..m0+MT-1 of x against one weight row (MT a constant after inlining: the weight
-   vector is loaded and unpacked once for all of them). */
+   vector is loaded, unpacked and its scales spread once for all of them). */
 __attribute__((always_inline)) T_AVX512 static inline void rows512(const Call *c, const uint8_t *w,
-                                                                 const float *dw, int64_t m0,
-                                                                 const int MT, float *out) {
+                                                                 const float *dw, const float *mw,
+                                                                 int64_t m0, const int MT,
+                                                                 float *out) {
   __m512 acc[4];
   for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = c->nb, nbp = c->nbp;
+  const int64_t nb = c->nb, vstride = c->nbp * LANES(c);
+  const int minimums = c->zp == Z_MIN;
   if (c->wt == W_U4) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 4) {
       const __m512i v = b + 4 <= nb ? _mm512_loadu_si512(w + b * 16)
                                     : _mm512_maskz_loadu_epi8(~0ULL >> (64 - 16 * (nb - b)), w + b * 16);
       const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      const __m128 d4 = _mm_loadu_ps(dw + b);
+      const __m512 d16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dw + b)));
+      const __m512 m16 = minimums ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(mw + b)))
+                                  : _mm512_setzero_ps();
       for (int r = 0; r < MT; r++) {
-        const int64_t o = (m0 + r) * nbp + b;
-        acc[r] = u4_group512(lo, hi, c->xq + o * 32, d4, c->sx + o, c->cz + o, acc[r]);
+        const int64_t o = (m0 + r) * vstride + b * 4;
+        const int8_t *xg = c->xq + ((m0 + r) * c->nbp + b) * 32;
+        __m512i s = _mm512_loadu_si512(c->czv + o);
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512(xg));
+        s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xg + 64));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_loadu_ps(c->sxv + o)), acc[r]);
+        if (minimums) acc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(c->xsv + o), acc[r]);
       }
     }
   } else {
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t b = 0; b < nb; b += 2) {
       const __m512i v = b + 2 <= nb ? _mm512_loadu_si512(w + b * 32)
                                     : _mm512_maskz_loadu_epi8(~0ULL >> 32, w + b * 32);
-      const __m512i u = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); /* q + 128 */
-      const __m128 d2 = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(dw + b)));
+      const __m512i u = _mm512_xor_si512(v, flip); /* q + 128; past the row: 128 . 0 */
+      const __m512 d16 = _mm512_permutexvar_ps(
+          spread, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(dw + b)))));
       for (int r = 0; r < MT; r++) {
-        const int64_t o = (m0 + r) * nbp + b;
-        acc[r] = s8_pair512(u, c->xq + o * 32, d2, c->sx + o, c->cz + o, acc[r]);
+        const int64_t o = (m0 + r) * vstride + b * 8;
+        __m512i s = _mm512_loadu_si512(c->czv + o);
+        s = _mm512_dpbusd_epi32(s, u, _mm512_loadu_si512(c->xq + ((m0 + r) * c->nbp + b) * 32));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_loadu_ps(c->sxv + o)), acc[r]);
       }
     }
   }
@@ -290,19 +331,12 @@ __attribute__((always_inline)) T_AVX512 static inline void rows512(const Call *c
 T_AVX512 static void rows_avx512(const Call *c, const uint8_t *w, const float *dw,
                                  const float *mw, float *out) {
   int64_t m = 0;
-  for (; m + 4 <= c->M; m += 4) rows512(c, w, dw, m, 4, out);
+  for (; m + 4 <= c->M; m += 4) rows512(c, w, dw, mw, m, 4, out);
   switch (c->M - m) {
-    case 3: rows512(c, w, dw, m, 3, out); break;
-    case 2: rows512(c, w, dw, m, 2, out); break;
-    case 1: rows512(c, w, dw, m, 1, out); break;
+    case 3: rows512(c, w, dw, mw, m, 3, out); break;
+    case 2: rows512(c, w, dw, mw, m, 2, out); break;
+    case 1: rows512(c, w, dw, mw, m, 1, out); break;
   }
-  if (c->zp == Z_MIN) /* + sum_b m_b . sx_b . sum(xq_b), over the padded (zero) blocks too */
-    for (m = 0; m < c->M; m++) {
-      __m512 t = _mm512_setzero_ps();
-      for (int64_t b = 0; b < c->nbp; b += 16)
-        t = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b), _mm512_loadu_ps(c->xs + m * c->nbp + b), t);
-      out[m] += _mm512_reduce_add_ps(t);
-    }
 }
 
 /* A row's fp16 scales -> float, one per 32-block (a group's scale repeated gb times). */
@@ -437,7 +471,8 @@ int quant_matmul(int64_t M, int64_t N, int64_t K, int wt, int zp, int64_t gb, in
             .odt = odt, .bdt = bdt, .qs = (const uint8_t *)qs, .d = (const uint16_t *)d,
             .mn = (const uint16_t *)mn, .bias = bias, .y = y};
   c.nbp = (c.nb + NB_PAD - 1) / NB_PAD * NB_PAD;
-  const size_t bytes = (size_t)M * (size_t)c.nbp * (32 + 3 * 4);
+  const int spread = isa == ISA_AVX512VNNI ? LANES(&c) : 0;
+  const size_t bytes = (size_t)M * (size_t)c.nbp * (32 + 3 * 4 + 3 * 4 * (size_t)spread);
   if (x_buf_bytes < bytes) {
     free(x_buf);
     x_buf = malloc(bytes);
@@ -449,6 +484,18 @@ int quant_matmul(int64_t M, int64_t N, int64_t K, int wt, int zp, int64_t gb, in
   int32_t *cz = (int32_t *)(xs + M * c.nbp);
   quantise_x(&c, x, xdt, xq, sx, xs, cz);
   c.xq = xq, c.sx = sx, c.xs = xs, c.cz = cz;
+  if (spread) { /* each block's scale over its lanes; correction and sx . sum in its first */
+    const int64_t n = M * c.nbp;
+    float *sxv = (float *)(cz + n), *xsv = sxv + n * spread;
+    int32_t *czv = (int32_t *)(xsv + n * spread);
+    for (int64_t i = 0; i < n; i++)
+      for (int l = 0; l < spread; l++) {
+        sxv[i * spread + l] = sx[i];
+        xsv[i * spread + l] = l ? 0.0f : xs[i];
+        czv[i * spread + l] = l ? 0 : cz[i];
+      }
+    c.sxv = sxv, c.xsv = xsv, c.czv = czv;
+  }
   if (n_threads < 1) n_threads = 1;
   /* a few chunks per thread, so that a late or slow participant still finds work */
   int64_t chunk = N / (8 * (int64_t)n_threads);
