@@ -356,3 +356,97 @@ def test_engine_serves_a_quantised_model(monkeypatch):
     for prompt, out in zip(prompts, outs):
         want = generate(twin, torch.tensor([prompt]), 6, cache=None, ignore_eos=True)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+
+
+# -- weight-only quantisation of any model (quantize_) --------------------------------------------
+@pytest.mark.parametrize(
+    ("fmt", "ggml"), [("int8", "q8_0"), ("int4", "q4_1"), ("int4_sym", "q4_0")]
+)
+def test_quantize_formats_with_groups_of_32_are_ggmls(fmt, ggml):
+    g = _gen(len(fmt))
+    w = torch.randn(37, 96, generator=g) + torch.rand(37, 1, generator=g)
+    layer = QuantizedLinear.from_float(w, fmt, group=32)
+    assert torch.equal(layer.to_ggml(), QuantizedLinear.from_float(w, ggml).to_ggml())
+
+
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
+@pytest.mark.parametrize("group", [None, 64, 128])
+def test_quantize_formats_round_to_nearest(fmt, group):
+    """Each weight within half a step of its group's grid (plus the fp16 rounding of the scale
+    and minimum; int4_sym, Q4_0's grid -8..7 steps of the signed max / -8, a whole step at the
+    end it clamps); the product by the rule; state_dict round trip with the group."""
+    g = _gen(hash((fmt, group)) % 2**31)
+    w = torch.randn(50, 256, generator=g) * 0.1 + torch.rand(50, 1, generator=g) * 0.1
+    layer = QuantizedLinear.from_float(w, fmt, group=group, bias=torch.randn(50, generator=g))
+    G = layer.group
+    assert G == (group or (256 if fmt == "int8" else 32))
+    assert layer.d.shape == (50, 256 // G)
+    step = layer.d.view(torch.float16).float().abs().repeat_interleave(G, 1)
+    slack = 2.0**-10 * w.abs().amax(1, keepdim=True)
+    half = 1.0 if fmt == "int4_sym" else 0.5
+    assert ((layer.dequantize() - w).abs() <= step * half + slack).all()
+    for M in (1, 5, 40):
+        check_product(layer, torch.randn(M, 256, generator=g))
+    again = QuantizedLinear(256, 50, fmt, group=group, bias=True, device="meta")
+    again.load_state_dict(layer.state_dict(), assign=True)
+    assert torch.equal(again.dequantize(), layer.dequantize())
+    if G != 32:
+        with pytest.raises(ValueError, match=rf"{fmt} with groups of {G} has no GGML format"):
+            layer.to_ggml()
+
+
+def test_quantize_group_must_divide_the_width():
+    with pytest.raises(ValueError, match=r"group=48: a group must be a positive multiple of 32"):
+        QuantizedLinear.from_float(torch.randn(4, 96), "int4", group=48)
+    with pytest.raises(ValueError, match=r"group=64: .* dividing in_features \(96\)"):
+        QuantizedLinear.from_float(torch.randn(4, 96), "int4", group=64)
+    with pytest.raises(ValueError, match=r"q4_0 has groups of 32 by definition"):
+        QuantizedLinear.from_float(torch.randn(4, 128), "q4_0", group=64)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantize_keeps_logits_close(fmt, tied):
+    """quantize_ replaces every linear layer (the tied head by a quantised copy, the embedding
+    kept); the logits stay close to the dense model's (within the weights' rounding: int8
+    steps of max|w| / 127 a channel, int4 of the group's range / 15), and it generates."""
+    torch.manual_seed(len(fmt) + tied)
+    cfg = DecoderConfig(
+        vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+        tie_embeddings=tied,
+    )  # fmt: skip
+    model = Llama(cfg).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    q = quant.quantize_(copy.deepcopy(model), fmt)
+    assert not any(type(m) is nn.Linear for m in q.modules())
+    assert isinstance(q.lm_head, QuantizedLinear) and type(q.embed) is nn.Embedding
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        want, got = model(ids), q(ids)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel < {"int8": 0.03, "int4": 0.3}[fmt], rel
+    out = generate(q, ids, 4, cache="paged", page_size=4)
+    assert out.shape == (1, 13)
+
+
+def test_from_pretrained_quantize(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from selfattn.models import from_pretrained
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    dense = from_pretrained(tmp_path, dtype="float32")
+    q = from_pretrained(tmp_path, dtype="float32", quantize="int4", quantize_group=64)
+    layers = [m for m in q.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.fmt == "int4" and m.group == 64 for m in layers)
+    assert not any(type(m) is nn.Linear for m in q.modules())
+    ids = torch.randint(0, 61, (1, 7))
+    with torch.no_grad():
+        assert (q(ids) - dense(ids)).abs().max() < 0.3 * dense(ids).abs().max()
+    with pytest.raises(ValueError, match=r"quantize='int3': expected one of"):
+        from_pretrained(tmp_path, quantize="int3")
