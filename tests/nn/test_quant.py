@@ -450,3 +450,23 @@ def test_from_pretrained_quantize(tmp_path):
         assert (q(ids) - dense(ids)).abs().max() < 0.3 * dense(ids).abs().max()
     with pytest.raises(ValueError, match=r"quantize='int3': expected one of"):
         from_pretrained(tmp_path, quantize="int3")
+
+
+def test_kernel_arguments_follow_the_buffers():
+    """A layer keeps its kernel arguments between calls; a copy, a load that replaces the
+    buffers, or a new bias gets arguments of its own (never the original's pointers)."""
+    g = _gen(9)
+    a = QuantizedLinear.from_float(torch.randn(33, 64, generator=g), "q4_1")
+    b = QuantizedLinear.from_float(torch.randn(33, 64, generator=g), "q4_1")
+    x = torch.randn(2, 64, generator=g)
+    with torch.no_grad():
+        want_a, want_b = a(x), b(x)
+        twin = copy.deepcopy(a)
+        del a
+        assert torch.equal(twin(x), want_a)
+        twin.load_state_dict(b.state_dict(), assign=True)
+        assert torch.equal(twin(x), want_b)
+        twin.load_state_dict(a_state := b.state_dict())  # in place: same buffers, new values
+        assert torch.equal(twin(x), want_b) and a_state
+        twin.bias = nn.Parameter(torch.ones(33))
+        assert torch.equal(twin(x), want_b + 1)

@@ -39,7 +39,7 @@ from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = [
-    "BLOCK", "ISAS", "KINDS", "SPEC", "dequantize", "isa", "library", "matmul",
+    "BLOCK", "ISAS", "KINDS", "SPEC", "Weights", "dequantize", "isa", "library", "matmul",
     "quantize_activations", "twin",
 ]  # fmt: skip
 
@@ -56,11 +56,11 @@ SPEC = CLibrary(
     name="quant_matmul",
     sources=("quant_matmul.c",),
     functions=(
-        # quant_matmul(M, N, K, wt, zp, gb, xdt, odt, bdt, isa, n_threads, x, qs, d, m, bias, y)
-        # -> 0, 1 (out of memory) or 2 (bad sizes)
+        # quant_matmul(weights' args, M, x, y, xdt, isa, n_threads) -> 0, 1 (out of memory)
+        # or 2 (bad sizes)
         Function(
             "quant_matmul",
-            (_I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _I64, *(ctypes.c_int,) * 5, *(_P,) * 6),
+            (ctypes.POINTER(_I64), _I64, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int),
         ),
         Function("qmm_supports", (ctypes.c_int,), ctypes.c_int),
         *threads.POOL_FUNCTIONS,
@@ -118,35 +118,71 @@ def supported_isas() -> tuple[str, ...]:
     return () if lib is None else tuple(n for i, n in enumerate(ISAS) if lib.qmm_supports(i))
 
 
-def matmul(x, qs, d, m, kind: str, group: int, bias=None, *, lib=None) -> torch.Tensor:
+class Weights:
+    """One weight's kernel arguments (shapes, kind, pointers), built once: a call passes only
+    the input's. Holds the tensors it points into; :meth:`holds` tells a caller whether it was
+    built for these tensors, or for ``key``'s (a module rebuilds it when ``.to()`` or a load
+    replaced its buffers)."""
+
+    __slots__ = ("_args", "_bytes", "_held", "_key", "_shape")
+
+    def __init__(self, qs, d, m, kind: str, group: int, bias=None, *, key=None):
+        wt, zp = KINDS[kind]
+        N, K = d.shape[0], d.shape[1] * group
+        if bias is not None and bias.dtype not in _DT:
+            raise TypeError(f"bias dtype {bias.dtype}: the kernel takes {', '.join(map(str, _DT))}")
+        for t in (qs, d, m, bias):
+            if t is not None and not t.is_contiguous():
+                raise ValueError("the kernel's weights, scales and bias must be contiguous")
+        ptr = [0 if t is None else t.data_ptr() for t in (qs, d, m, bias)]
+        bdt = 0 if bias is None else _DT[bias.dtype]
+        self._args = (_I64 * 10)(N, K, wt, zp, group // BLOCK, bdt, *ptr)
+        self._held = (qs, d, m, bias)
+        self._key = self._held if key is None else tuple(key)
+        self._bytes = sum(t.numel() * t.element_size() for t in (qs, d, m) if t is not None)
+        self._shape = (N, K)
+
+    def __reduce__(self):
+        # a copy (deepcopy or pickle of a module holding one) must not keep pointers into the
+        # original's tensors: it gets nothing, and its owner builds its own
+        return (_nothing, ())
+
+    def holds(self, *tensors) -> bool:
+        """Whether these are the tensors (or key) it was built for, each the same object."""
+        return len(tensors) == len(self._key) and all(a is b for a, b in zip(tensors, self._key))
+
+    def __call__(self, x: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+        """``x (M, K)`` float32 or bfloat16 on CPU -> ``(M, N)`` in x's dtype."""
+        x = x.contiguous()
+        M = x.shape[0]
+        y = torch.empty(M, self._shape[0], dtype=x.dtype)
+        status = lib.quant_matmul(
+            self._args, M, x.data_ptr(), y.data_ptr(), _DT[x.dtype], _isa_code(lib),
+            threads.for_bytes(self._bytes),
+        )  # fmt: skip
+        if status:
+            raise (MemoryError if status == 1 else ValueError)(
+                f"quant_matmul failed (status {status}) for x {tuple(x.shape)}, weights "
+                f"{self._shape}"
+            )
+        return y
+
+
+def _nothing() -> None:
+    return None
+
+
+def matmul(x, qs, d, m, kind: str, group: int, bias=None) -> torch.Tensor:
     """``x (M, K) · Wᵀ + bias`` in ``x``'s dtype (float32 or bfloat16, CPU) for weights of
     ``kind`` (module docstring; ``m`` None unless ``"u4_min"``); ``bias (N,)`` float32 or
-    bfloat16, or None. ``lib``: :func:`library` when the caller has it (saves a lookup)."""
-    lib = lib or library()
+    bfloat16, or None. A layer called often keeps a :class:`Weights` instead."""
+    lib = library()
     if lib is None:
         raise RuntimeError(
             "the C quantised-matmul kernel is not available (no C compiler, a failed build, or "
             "SELFATTN_QUANT_KERNEL=0); use selfattn.nn.QuantizedLinear, which falls back"
         )
-    wt, zp = KINDS[kind]
-    M, K = x.shape
-    N = d.shape[0]
-    x = x.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype)
-    xdt = _DT[x.dtype]
-    status = lib.quant_matmul(
-        M, N, K, wt, zp, group // BLOCK, xdt, xdt,
-        0 if bias is None else _DT[bias.dtype], _isa_code(lib),
-        threads.for_bytes(qs.numel() * qs.element_size()),
-        x.data_ptr(), qs.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(),
-    )  # fmt: skip
-    if status:
-        raise (MemoryError if status == 1 else ValueError)(
-            f"quant_matmul failed (status {status}) for x {tuple(x.shape)}, weights ({N}, {K}), "
-            f"group {group}"
-        )
-    return y
+    return Weights(qs, d, m, kind, group, bias)(x, lib)
 
 
 # -- plain PyTorch: the layout's reference and the kernel's arithmetic ----------------------------

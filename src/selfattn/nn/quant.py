@@ -147,6 +147,7 @@ class _Blocks(nn.Module):
         if rows <= 0:
             raise ValueError(f"a quantised weight needs at least one row, got {rows}")
         self._tied = None  # the module whose buffers this one reads (a tied LM head)
+        self._kernel_args = None  # qmm.Weights of the buffers (QuantizedLinear.forward)
         if self.kind == "s8":
             qs = torch.empty(rows, cols, dtype=torch.int8, device=device)
         else:
@@ -352,13 +353,25 @@ class QuantizedLinear(_Blocks):
             and not (x.requires_grad and torch.is_grad_enabled())
             and (lib := _kernel()) is not None
         ):
+            y = self._weights()(x2, lib)
             b = self.bias
-            if b is not None:
-                b = b.detach() if b.dtype in _KERNEL_DTYPES else b.detach().float()
-            y = qmm.matmul(x2, *self.stored(), self.kind, self.group, b, lib=lib)
+            if b is not None and b.dtype not in _KERNEL_DTYPES:
+                y = y + b.to(y.dtype)
         else:
             y = self._chunked(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _weights(self) -> qmm.Weights:
+        """The kernel's arguments for the current buffers (rebuilt when they were replaced);
+        a bias of another dtype than fp32/bf16 is added by the caller."""
+        bufs = (self if self._tied is None else self._tied)._buffers
+        qs, d, m, b = bufs["qs"], bufs["d"], bufs.get("m"), self._parameters.get("bias")
+        w = self._kernel_args
+        if w is None or not w.holds(qs, d, m, b):
+            bias = b.detach() if b is not None and b.dtype in _KERNEL_DTYPES else None
+            key = (qs, d, m, b)
+            w = self._kernel_args = qmm.Weights(qs, d, m, self.kind, self.group, bias, key=key)
+        return w
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, K) · Wᵀ`` dequantising at most ``CHUNK_BYTES`` of fp32 rows at a time."""

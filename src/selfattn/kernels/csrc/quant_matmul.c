@@ -458,12 +458,18 @@ int qmm_supports(int isa) {
 static __thread void *x_buf;
 static __thread size_t x_buf_bytes;
 
-/* y (M, N) = x (M, K) . W^T + bias. x: xdt (D_F32 / D_BF16) contiguous; y: odt, contiguous;
-   bias: bdt, N values, or NULL. wt, zp, gb: the weights (top of file). isa: a path
-   qmm_supports() accepts (the host checks). Returns 0, 1 when memory ran out, 2 on bad sizes. */
-int quant_matmul(int64_t M, int64_t N, int64_t K, int wt, int zp, int64_t gb, int xdt, int odt,
-                 int bdt, int isa, int n_threads, const void *x, const void *qs, const void *d,
-                 const void *mn, const void *bias, void *y) {
+/* y (M, N) = x (M, K) . W^T + bias. w: the weights' arguments, in the order of the W_* enum
+(the host builds them once per layer): N, K, wt, zp, gb (top of file), bdt and the pointers of
+qs, d, m (or 0) and bias (or 0). x: xdt (D_F32 / D_BF16) contiguous; y: the same dtype,
+contiguous. isa: a path qmm_supports() accepts (the host checks). Returns 0, 1 when memory ran
+out, 2 on bad sizes. */
+enum { W_N, W_K, W_WT, W_ZP, W_GB, W_BDT, W_QS, W_D, W_M, W_BIAS, W_NARGS };
+int quant_matmul(const int64_t *w, int64_t M, const void *x, void *y, int xdt, int isa,
+                 int n_threads) {
+  const int64_t N = w[W_N], K = w[W_K], gb = w[W_GB];
+  const int wt = (int)w[W_WT], zp = (int)w[W_ZP], odt = xdt, bdt = (int)w[W_BDT];
+  const void *qs = (const void *)(intptr_t)w[W_QS], *d = (const void *)(intptr_t)w[W_D];
+  const void *mn = (const void *)(intptr_t)w[W_M], *bias = (const void *)(intptr_t)w[W_BIAS];
   if (M <= 0 || N <= 0 || K <= 0 || K % 32 || gb <= 0 || (K / 32) % gb || isa < 0 ||
       isa > ISA_AVX512VNNI)
     return 2;
