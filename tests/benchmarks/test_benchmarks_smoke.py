@@ -419,6 +419,19 @@ def check_gguf_model(report: dict) -> None:
     assert startup["met"] == (startup["startup_s"] <= 3.0), startup
 
 
+def check_quant_matmul(report: dict) -> None:
+    assert report["setup"]["copy_gbs"] > 0
+    paths = {r["path"] for r in report["kernel"]}
+    assert {"ours q4_1", "ours q8_0", "dense fp32", "dense bf16", "dequantise q4_1"} <= paths
+    for r in report["kernel"]:
+        assert r["us"] > 0 and r["gbs"] > 0, r
+        assert r["of_copy"] == pytest.approx(r["gbs"] / report["setup"]["copy_gbs"], rel=0.05)
+    assert {r["model"] for r in report["decode"]} >= {"GGUF kept quantised"}
+    assert all(r["decode_tok_s"] > 0 for r in report["decode"])
+    (base,) = [r for r in report["perplexity"] if r["model"] == "dequantised (dense)"]
+    assert base["ratio"] == pytest.approx(1.0)
+
+
 SMOKES = {
     # trains four tiny models (seconds each; one thread: on tiny shapes threads cost more)
     "alternatives": Smoke(
@@ -470,6 +483,7 @@ SMOKES = {
         needs=("transformers", "tokenizers", "fastapi", "uvicorn", "openai", "httpx"),
     ),
     "gguf_model": Smoke(packaged("gguf_model"), check_gguf_model, needs=("gguf",)),
+    "quant_matmul": Smoke(packaged("quant_matmul"), check_quant_matmul, timeout_s=600),
     "models": Smoke(
         packaged("models", "--repeat", "1"),
         check_models,

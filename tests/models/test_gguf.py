@@ -303,7 +303,12 @@ def _smollm2() -> Path:
 
 
 @pytest.mark.slow  # two 135M-parameter loads and forwards: seconds, more on a busy machine
-def test_smollm2_quantised_decodes_as_dequantised():
+def test_smollm2_quantised_decodes_as_dequantised(monkeypatch):
+    """Kept quantised, the weights are the dequantised model's: with the dequantising matmul
+    greedy decoding and perplexity are the dense model's. (The C kernel also rounds the
+    activations to int8, as llama.cpp does: on this 13-token text that moves the perplexity by
+    a few % either way, on 512 tokens by under 0.1 %: benchmarks/quant_matmul.py measures it.)"""
+    monkeypatch.setenv("SELFATTN_QUANT_KERNEL", "0")
     path = _smollm2()
     quant = from_pretrained(path, dtype=torch.float32)
     dense = from_pretrained(path, quantized=False, dtype=torch.float32)

@@ -19,6 +19,7 @@ NAMES = (
     "layers",
     "mla",
     "models",
+    "quant_matmul",
     "ring",
     "serving",
     "serving_http",

@@ -189,8 +189,17 @@ def apply_threads(args) -> int:
     return n
 
 
+QUANTIZE_HELP = (
+    "keep the linear layers' weights quantised, round to nearest: int8 (a scale per output "
+    "channel) or int4 (groups of 32 with zero points); a GGUF file's quantised layers stay in "
+    "its format either way"
+)
+
+
 def add_dtype(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--quantize``: how a command that loads a model holds its weights."""
     parser.add_argument("--dtype", default="auto", metavar="DTYPE", help=DTYPE_HELP)
+    parser.add_argument("--quantize", choices=("int8", "int4"), default=None, help=QUANTIZE_HELP)
 
 
 def model_dtype(name: str):
@@ -219,22 +228,23 @@ def model_path(model: str | None) -> str:
     return str(chat_model_path())
 
 
-def load_chat_model(model: str | None, dtype: str = "auto"):
+def load_chat_model(model: str | None, dtype: str = "auto", quantize: str | None = None):
     """``(model, tokenizer, name)`` of MODEL (None: the bundled chat model) for ``generate``,
-    ``chat`` and ``serve``: the model in eval mode in ``--dtype``'s dtype, its tokenizer, and the
-    name a server lists it under (:func:`served_name`)."""
+    ``chat`` and ``serve``: the model in eval mode in ``--dtype``'s dtype (its linear layers
+    quantised as ``--quantize`` says), its tokenizer, and the name a server lists it under
+    (:func:`served_name`)."""
     path = model_path(model)
     label = CHAT_MODEL_NAME if model is None else path
     with spinner(f"loading {label}"):
-        return _load_chat_model(path, dtype)
+        return _load_chat_model(path, dtype, quantize)
 
 
 @functools.lru_cache(maxsize=2)
-def _load_chat_model(path: str, dtype: str):
+def _load_chat_model(path: str, dtype: str, quantize: str | None = None):
     """:func:`load_chat_model` of a path, once per process (``demo`` may run twice)."""
     from selfattn.models import from_pretrained, load_tokenizer
 
-    lm = from_pretrained(path, dtype=model_dtype(dtype), progress=False).eval()
+    lm = from_pretrained(path, dtype=model_dtype(dtype), progress=False, quantize=quantize).eval()
     return lm, load_tokenizer(path), served_name(lm, path)
 
 

@@ -136,7 +136,7 @@ def run(args) -> int:
         with contextlib.suppress(ImportError):  # line editing and history where it exists
             import readline  # noqa: F401
     _common.apply_threads(args)
-    model, tokenizer, name = _common.load_chat_model(args.model, args.dtype)
+    model, tokenizer, name = _common.load_chat_model(args.model, args.dtype, args.quantize)
     if getattr(tokenizer, "chat_template", None) is None:
         _common.print_error(
             f"{name} has no chat template (none in its tokenizer files); use "

@@ -89,7 +89,7 @@ def run(args) -> int:
     if not args.prompt.strip():
         args.subparser.error("PROMPT must be non-empty text")
     _common.apply_threads(args)
-    model, tokenizer, _ = _common.load_chat_model(args.model, args.dtype)
+    model, tokenizer, _ = _common.load_chat_model(args.model, args.dtype, args.quantize)
     max_new = args.max_new_tokens or generation_defaults(model).get("max_new_tokens")
     text = args.prompt
     if args.chat:

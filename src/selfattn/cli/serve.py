@@ -190,6 +190,11 @@ def _build_engine(args, path: str):
     """``(engine, served name)`` of the decoder at ``path``."""
     kw = {"config": _engine_config(args)}
     if args.tensor_parallel > 1:
+        if args.quantize:
+            raise RuntimeError(
+                f"--quantize {args.quantize} does not combine with --tensor-parallel "
+                f"{args.tensor_parallel}: tensor parallelism shards float weights; drop one"
+            )
         kw["tokenizer"] = _tokenizer(path)
         try:
             from selfattn.serving.parallel import tensor_parallel_engine
@@ -204,7 +209,9 @@ def _build_engine(args, path: str):
     from selfattn.serving import Engine
 
     kw["tokenizer"] = _in_background(lambda: _tokenizer(path), "tokenizer")
-    model = from_pretrained(path, dtype=_common.model_dtype(args.dtype), progress=False).eval()
+    model = from_pretrained(
+        path, dtype=_common.model_dtype(args.dtype), progress=False, quantize=args.quantize
+    ).eval()
     kw["tokenizer"] = kw["tokenizer"].result()
     return Engine(model, **kw), _common.served_name(model, path)
 

@@ -34,6 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from selfattn._optional import available, require
+from selfattn.nn import quant
 
 __all__ = [
     "CheckpointError",
@@ -646,6 +647,8 @@ def from_pretrained(
     local_files_only: bool = False,
     progress: bool = True,
     quantized: bool = True,
+    quantize: str | None = None,
+    quantize_group: int | None = None,
 ) -> nn.Module:
     """Build the model a transformers-format checkpoint describes and load its weights.
 
@@ -663,6 +666,14 @@ def from_pretrained(
             ``"float32"``, ...). Floating weights are cast to it tensor by tensor.
         device: where the weights go (default CPU); each tensor moves there as it is read.
         progress: a tqdm bar over the shards of a sharded checkpoint.
+        quantize: ``"int8"`` (one scale per output channel), ``"int4"`` (groups of
+            ``quantize_group`` inputs, default 32, with zero points) or ``"int4_sym"``: every
+            ``nn.Linear`` (the decoder blocks' projections and the LM head) is replaced by a
+            weight-only quantised :class:`selfattn.nn.QuantizedLinear` after loading
+            (:func:`selfattn.nn.quant.quantize_`, round to nearest); embeddings stay as loaded.
+            Layers a GGUF file keeps quantised stay in its format.
+        quantize_group: the inputs sharing a scale (a multiple of 32), or None for the
+            format's default.
 
     The model is built on the meta device (no memory, no random init) and takes the checkpoint's
     tensors as its own (:func:`load_state` with ``assign=True``): peak memory is one copy of the
@@ -672,10 +683,16 @@ def from_pretrained(
         The model in eval mode. A causal LM is called as ``model(input_ids (B, S),
         attention_mask=None) -> logits (B, S, vocab)``.
     """
+    if quantize is not None and quantize not in quant.QUANTIZE_FORMATS:
+        raise ValueError(
+            f"quantize={quantize!r}: expected one of {quant.QUANTIZE_FORMATS} (or None: keep "
+            "the checkpoint's weights)"
+        )
     for source, load in _FORMATS:
         found = source(path_or_repo_id)
         if found is not None:
-            return load(found, dtype, device=device, quantized=quantized)
+            model = load(found, dtype, device=device, quantized=quantized)
+            return _quantized(model, quantize, quantize_group)
     folder = resolve(
         path_or_repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
     )
@@ -700,7 +717,12 @@ def from_pretrained(
         raise CheckpointError(f"{str(folder)!r}: {e}") from None
     check_loaded(model)
     model.generation_config = read_generation_config(folder)
-    return model.to(device).eval()
+    return _quantized(model.to(device).eval(), quantize, quantize_group)
+
+
+def _quantized(model: nn.Module, fmt: str | None, group: int | None) -> nn.Module:
+    """``model`` with its linear layers quantised to ``fmt`` (None: as it is)."""
+    return model if fmt is None else quant.quantize_(model, fmt, group=group).eval()
 
 
 # transformers' generation_config.json keys that selfattn's generate and serving read.

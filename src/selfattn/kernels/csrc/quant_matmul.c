@@ -1,0 +1,512 @@
+/* Quantised matmul for decode on CPU: y (M, N) = x (M, K) . W^T (+ bias) for a few input rows,
+   with W kept as small integers and per-group scales (the host: selfattn/kernels/quant_matmul.py).
+
+   Weights, row-major, one row of W after another, as a GGUF file stores its blocks' integers:
+   - s8: int8 codes (N, K); w = d . q
+   - u4: uint8 (N, K/2), 32-weight blocks of 16 bytes: byte j of a block holds element j in its
+         low nibble and element j + 16 in its high one (GGML's Q4 order);
+         zero mode OFFSET8: w = d . (q - 8) (Q4_0), MIN: w = d . q + m (Q4_1)
+   - d, m: fp16 bits (N, K / (32 . gb)): one scale (and minimum) per group of gb 32-blocks.
+
+   Design: a decode step reads every weight once, so the weight bytes read per second bound it.
+   The activations are quantised on the fly to int8 per 32-block (llama.cpp's Q8 activations:
+   scale = max|x| / 127, round to nearest even), once per call on the calling thread; every
+   weight row then costs one integer dot product per block and input row (u8 x s8 multiply-adds:
+   vpdpbusd with VNNI, vpmaddubsw + vpmaddwd with AVX2) and one float multiply-add per block
+   for the scales. Offsets are integer: the s8 codes become the u8 side as q + 128 (an xor),
+   corrected by -128 . sum(xq) of the block; Q4_0's -8 by -8 . sum(xq): both exact, added to
+   the block's integer accumulator before it is converted. Q4_1's minimums add
+   sum_b m_b . sx_b . sum(xq_b) as a float dot product per row.
+   The u4 codes are the u8 side as they are (after a nibble mask); on AVX-512 four blocks' low
+   nibbles fill one register, so the activations of the u4 paths there are stored permuted (per
+   4 blocks: the 4 first halves, then the 4 second halves) and the bytes are read in place.
+
+   Threads split N in chunks of rows pulled from a counter (thread_pool.h): each row's result
+   is independent of who computes it and of the thread count.
+
+   Instruction sets (qmm_supports, the host picks the best or SELFATTN_QUANT_ISA's): generic C
+   (any CPU), AVX2 (maddubs; s8 by the sign trick: |x| against sign(w, x)), AVX-VNNI (256-bit
+   vpdpbusd) and AVX-512 VNNI. All compute the same integer sums per block; they differ only in
+   the order of the float sums. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define POOL_NAME "sa-qmm"
+#include "thread_pool.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86_PATHS 1
+#include <immintrin.h>
+#endif
+
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3 };
+enum { W_S8 = 0, W_U4 = 1 };
+enum { Z_NONE = 0, Z_OFFSET8 = 1, Z_MIN = 2 };
+enum { D_F32 = 0, D_BF16 = 1 };
+
+/* Blocks of a row's per-block arrays are padded to a multiple of this (zeros), so the vector
+   paths read whole vectors of scales and whole 4-block groups of activations. */
+#define NB_PAD 16
+/* int32 lanes a block's sums take in the AVX-512 path's vectors (rows512) */
+#define LANES(c) ((c)->wt == W_U4 ? 4 : 8)
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else { /* subnormal: normalise */
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1);
+  return (uint16_t)(bits >> 16);
+}
+
+/* -- the call ----------------------------------------------------------------------------- */
+typedef struct {
+  int64_t M, N, K, nb, nbp, gb, chunk, n_chunks;
+  int wt, zp, isa, odt, bdt;
+  const uint8_t *qs;
+  const uint16_t *d, *mn;
+  const void *bias;
+  void *y;
+  /* the quantised activations: xq (M, nbp . 32) int8, sx (M, nbp) float scales, xs (M, nbp)
+     sx . sum(xq) per block, cz (M, nbp) int32 correction per block */
+  const int8_t *xq;
+  const float *sx, *xs;
+  const int32_t *cz;
+  /* AVX-512 only: the same per lane (M, nbp . LANES) (rows512) */
+  const float *sxv, *xsv;
+  const int32_t *czv;
+  int64_t next; /* chunk counter, atomic */
+} Call;
+
+/* One 32-block of x (dtype xdt) -> int8 codes blk, their sum; returns the block's scale
+   max|x| / 127 (codes: x / scale rounded to nearest even, within +-127). */
+static float quantise_block(const void *src, int xdt, int8_t *blk, int *sum) {
+  float row[32];
+  if (xdt == D_F32) {
+    memcpy(row, src, sizeof row);
+  } else {
+    for (int j = 0; j < 32; j++) row[j] = bf16_to_float(((const uint16_t *)src)[j]);
+  }
+  float amax = 0;
+  for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(row[j]));
+  const float s = amax / 127.0f;
+  const float id = s != 0.0f ? 1.0f / s : 0.0f;
+  int total = 0;
+  for (int j = 0; j < 32; j++) {
+    float v = nearbyintf(row[j] * id); /* to nearest even (the default rounding mode) */
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+    blk[j] = (int8_t)v;
+    total += blk[j];
+  }
+  *sum = total;
+  return s;
+}
+
+#ifdef HAVE_X86_PATHS
+/* quantise_block in AVX-512: the same operations, so the same codes and scale. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float quantise_block512(
+    const void *src, int xdt, int8_t *blk, int *sum) {
+  __m512 a, b;
+  if (xdt == D_F32) {
+    a = _mm512_loadu_ps(src), b = _mm512_loadu_ps((const float *)src + 16);
+  } else {
+    const __m512i h = _mm512_loadu_si512(src); /* 32 bf16 */
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float s = amax / 127.0f;
+  const __m512 id = _mm512_set1_ps(s != 0.0f ? 1.0f / s : 0.0f);
+  const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+  __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)); /* nearest even (MXCSR default) */
+  __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+  qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
+  qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), nlim);
+  _mm_storeu_si128((__m128i *)blk, _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128((__m128i *)(blk + 16), _mm512_cvtepi32_epi8(qb));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return s;
+}
+#endif
+
+/* Quantise x row by row into the call's buffers (layout per the ISA and weight codes). */
+static void quantise_x(Call *c, const void *x, int xdt, int8_t *xq, float *sx, float *xs,
+                       int32_t *cz) {
+  const int permuted = c->isa == ISA_AVX512VNNI && c->wt == W_U4;
+  const int xor_s8 = c->wt == W_S8 && (c->isa == ISA_AVXVNNI || c->isa == ISA_AVX512VNNI);
+  float (*block)(const void *, int, int8_t *, int *) = quantise_block;
+#ifdef HAVE_X86_PATHS
+  if (c->isa == ISA_AVX512VNNI) block = quantise_block512;
+#endif
+  const int64_t K = c->K, nb = c->nb, nbp = c->nbp, esize = xdt == D_F32 ? 4 : 2;
+  for (int64_t m = 0; m < c->M; m++) {
+    int8_t *q = xq + m * nbp * 32;
+    memset(q + nb * 32, 0, (size_t)((nbp - nb) * 32));
+    for (int64_t b = nb; b < nbp; b++) sx[m * nbp + b] = 0, xs[m * nbp + b] = 0, cz[m * nbp + b] = 0;
+    for (int64_t b = 0; b < nb; b++) {
+      int8_t blk[32];
+      int sum;
+      const float s = block((const char *)x + (m * K + b * 32) * esize, xdt, blk, &sum);
+      if (permuted) { /* per 4 blocks: first halves at 16 . (b % 4), second halves 64 later */
+        int8_t *g = q + (b / 4) * 128 + (b % 4) * 16;
+        memcpy(g, blk, 16);
+        memcpy(g + 64, blk + 16, 16);
+      } else {
+        memcpy(q + b * 32, blk, 32);
+      }
+      sx[m * nbp + b] = s;
+      xs[m * nbp + b] = s * (float)sum;
+      cz[m * nbp + b] = c->zp == Z_OFFSET8 ? -8 * sum : (xor_s8 ? -128 * sum : 0);
+    }
+  }
+}
+
+/* -- the dot products: one weight row against one quantised activation row ------------------ */
+/* sum over blocks b of float(isum_b + cz_b) . dw_b . sx_b, isum_b the block's integer dot */
+static float dot_generic(const Call *c, const uint8_t *w, const int8_t *xq, const float *dw,
+                         const float *sx, const int32_t *cz) {
+  float acc = 0;
+  for (int64_t b = 0; b < c->nb; b++) {
+    int32_t s = cz[b];
+    const int8_t *xb = xq + b * 32;
+    if (c->wt == W_S8) {
+      const int8_t *wb = (const int8_t *)w + b * 32;
+      for (int j = 0; j < 32; j++) s += (int32_t)wb[j] * xb[j];
+    } else {
+      const uint8_t *wb = w + b * 16;
+      for (int j = 0; j < 16; j++) s += (int32_t)(wb[j] & 15) * xb[j] + (int32_t)(wb[j] >> 4) * xb[j + 16];
+    }
+    acc += (float)s * (dw[b] * sx[b]);
+  }
+  return acc;
+}
+
+#ifdef HAVE_X86_PATHS
+#define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define T_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define T_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+/* The block's 8 int32 lanes (256-bit paths): the correction in lane 0. */
+#define CORR256(v) _mm256_zextsi128_si256(_mm_cvtsi32_si128(v))
+
+/* One 32-block's codes as 32 bytes in element order: u4 nibbles (low halves, then high). */
+#define U4_BLOCK(w, b)                                                                           \
+  ({                                                                                              \
+    const __m128i v_ = _mm_loadu_si128((const __m128i *)((w) + (b) * 16));                     \
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v_, 4), v_), _mm256_set1_epi8(0x0F));       \
+  })
+
+T_AVX2 static inline float hsum256(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+T_AVX2 static float dot_avx2(const Call *c, const uint8_t *w, const int8_t *xq, const float *dw,
+                             const float *sx, const int32_t *cz) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < c->nb; b++) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+    __m256i p;
+    if (c->wt == W_S8) { /* |x| (u8) against w with x's sign (s8): no offset to correct */
+      const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * 32));
+      p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x));
+    } else {
+      p = _mm256_maddubs_epi16(U4_BLOCK(w, b), x);
+    }
+    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), CORR256(cz[b]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[b] * sx[b]), acc);
+  }
+  return hsum256(acc);
+}
+
+T_AVXVNNI static float dot_avxvnni(const Call *c, const uint8_t *w, const int8_t *xq,
+                                   const float *dw, const float *sx, const int32_t *cz) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < c->nb; b++) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+    const __m256i wv =
+        c->wt == W_S8
+            ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + b * 32)), flip) /* q+128 */
+            : U4_BLOCK(w, b);
+    const __m256i s = _mm256_dpbusd_avx_epi32(CORR256(cz[b]), wv, x);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[b] * sx[b]), acc);
+  }
+  return hsum256(acc);
+}
+
+/* The AVX-512 path takes 64 bytes of codes a step: 4 u4 blocks (lanes 4i..4i+3 of a vector of
+   16 int32 sums are block i: the low nibbles are the blocks' first halves, the high ones their
+   second halves, and the activations are stored permuted to match) or 2 s8 blocks (lanes
+   8i..8i+7, codes as q + 128). Per input row the call spreads each block's activation scale
+   over its lanes (sxv), and its integer correction and sx . sum(xq) into its first lane (czv,
+   xsv): one load each, no shuffles per row and step. */
+
+/* Rows m0..m0+MT-1 of x against one weight row (MT a constant after inlining: the weight
+   vector is loaded, unpacked and its scales spread once for all of them). */
+__attribute__((always_inline)) T_AVX512 static inline void rows512(const Call *c, const uint8_t *w,
+                                                                 const float *dw, const float *mw,
+                                                                 int64_t m0, const int MT,
+                                                                 float *out) {
+  __m512 acc[4];
+  for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+  const int64_t nb = c->nb, vstride = c->nbp * LANES(c);
+  const int minimums = c->zp == Z_MIN;
+  if (c->wt == W_U4) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b += 4) {
+      const __m512i v = b + 4 <= nb ? _mm512_loadu_si512(w + b * 16)
+                                    : _mm512_maskz_loadu_epi8(~0ULL >> (64 - 16 * (nb - b)), w + b * 16);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      const __m512 d16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dw + b)));
+      const __m512 m16 = minimums ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(mw + b)))
+                                  : _mm512_setzero_ps();
+      for (int r = 0; r < MT; r++) {
+        const int64_t o = (m0 + r) * vstride + b * 4;
+        const int8_t *xg = c->xq + ((m0 + r) * c->nbp + b) * 32;
+        __m512i s = _mm512_loadu_si512(c->czv + o);
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512(xg));
+        s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xg + 64));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_loadu_ps(c->sxv + o)), acc[r]);
+        if (minimums) acc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(c->xsv + o), acc[r]);
+      }
+    }
+  } else {
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b += 2) {
+      const __m512i v = b + 2 <= nb ? _mm512_loadu_si512(w + b * 32)
+                                    : _mm512_maskz_loadu_epi8(~0ULL >> 32, w + b * 32);
+      const __m512i u = _mm512_xor_si512(v, flip); /* q + 128; past the row: 128 . 0 */
+      const __m512 d16 = _mm512_permutexvar_ps(
+          spread, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(dw + b)))));
+      for (int r = 0; r < MT; r++) {
+        const int64_t o = (m0 + r) * vstride + b * 8;
+        __m512i s = _mm512_loadu_si512(c->czv + o);
+        s = _mm512_dpbusd_epi32(s, u, _mm512_loadu_si512(c->xq + ((m0 + r) * c->nbp + b) * 32));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_loadu_ps(c->sxv + o)), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) out[m0 + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+T_AVX512 static void rows_avx512(const Call *c, const uint8_t *w, const float *dw,
+                                 const float *mw, float *out) {
+  int64_t m = 0;
+  for (; m + 4 <= c->M; m += 4) rows512(c, w, dw, mw, m, 4, out);
+  switch (c->M - m) {
+    case 3: rows512(c, w, dw, mw, m, 3, out); break;
+    case 2: rows512(c, w, dw, mw, m, 2, out); break;
+    case 1: rows512(c, w, dw, mw, m, 1, out); break;
+  }
+}
+
+/* A row's fp16 scales -> float, one per 32-block (a group's scale repeated gb times). */
+T_AVX2 static void expand_f16c(const uint16_t *h, int64_t n_groups, int64_t gb, float *out) {
+  if (gb == 1) {
+    int64_t g = 0;
+    for (; g + 8 <= n_groups; g += 8)
+      _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+    for (; g < n_groups; g++) out[g] = _cvtsh_ss(h[g]);
+    return;
+  }
+  for (int64_t g = 0; g < n_groups; g++) {
+    const float v = _cvtsh_ss(h[g]);
+    for (int64_t i = 0; i < gb; i++) out[g * gb + i] = v;
+  }
+}
+#endif
+
+static void expand_generic(const uint16_t *h, int64_t n_groups, int64_t gb, float *out) {
+  for (int64_t g = 0; g < n_groups; g++) {
+    const float v = half_to_float(h[g]);
+    for (int64_t i = 0; i < gb; i++) out[g * gb + i] = v;
+  }
+}
+
+typedef float (*dot_fn)(const Call *, const uint8_t *, const int8_t *, const float *,
+                        const float *, const int32_t *);
+typedef void (*rows_fn)(const Call *, const uint8_t *, const float *, const float *, float *);
+typedef void (*expand_fn)(const uint16_t *, int64_t, int64_t, float *);
+
+/* out[m] for every input row m against weight row w: a dot product per row, plus the Q4_1
+   minimums' term. */
+static inline void rows_by_dot(const Call *c, dot_fn dot, const uint8_t *w, const float *dw,
+                               const float *mw, float *out) {
+  for (int64_t m = 0; m < c->M; m++) {
+    const int64_t o = m * c->nbp;
+    float v = dot(c, w, c->xq + o * 32, dw, c->sx + o, c->cz + o);
+    if (c->zp == Z_MIN) {
+      float t = 0;
+      for (int64_t b = 0; b < c->nb; b++) t += mw[b] * c->xs[o + b];
+      v += t;
+    }
+    out[m] = v;
+  }
+}
+
+static void rows_generic(const Call *c, const uint8_t *w, const float *dw, const float *mw,
+                         float *out) {
+  rows_by_dot(c, dot_generic, w, dw, mw, out);
+}
+#ifdef HAVE_X86_PATHS
+static void rows_avx2(const Call *c, const uint8_t *w, const float *dw, const float *mw,
+                      float *out) {
+  rows_by_dot(c, dot_avx2, w, dw, mw, out);
+}
+static void rows_avxvnni(const Call *c, const uint8_t *w, const float *dw, const float *mw,
+                         float *out) {
+  rows_by_dot(c, dot_avxvnni, w, dw, mw, out);
+}
+#endif
+
+/* One participant: chunks of rows from the counter; scratch holds a row's expanded scales and
+   minimums (nbp floats each, the padding zero) and its M results. */
+static int rows_task(void *ctx, void *scratch) {
+  Call *c = (Call *)ctx;
+  float *dw = (float *)scratch, *mw = dw + c->nbp, *out = mw + c->nbp;
+  rows_fn rows = rows_generic;
+  expand_fn expand = expand_generic;
+#ifdef HAVE_X86_PATHS
+  if (c->isa >= ISA_AVX2) expand = expand_f16c;
+  if (c->isa == ISA_AVX2) rows = rows_avx2;
+  if (c->isa == ISA_AVXVNNI) rows = rows_avxvnni;
+  if (c->isa == ISA_AVX512VNNI) rows = rows_avx512;
+#endif
+  const int64_t n_groups = c->nb / c->gb;
+  const int64_t row_bytes = c->wt == W_S8 ? c->K : c->K / 2;
+  for (;;) {
+    const int64_t k = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED);
+    if (k >= c->n_chunks) break;
+    const int64_t n0 = k * c->chunk, n1 = n0 + c->chunk < c->N ? n0 + c->chunk : c->N;
+    for (int64_t n = n0; n < n1; n++) {
+      expand(c->d + n * n_groups, n_groups, c->gb, dw);
+      if (c->zp == Z_MIN) expand(c->mn + n * n_groups, n_groups, c->gb, mw);
+      rows(c, c->qs + n * row_bytes, dw, mw, out);
+      float bias = 0;
+      if (c->bias)
+        bias = c->bdt == D_F32 ? ((const float *)c->bias)[n]
+                               : bf16_to_float(((const uint16_t *)c->bias)[n]);
+      for (int64_t m = 0; m < c->M; m++) {
+        const float v = out[m] + bias;
+        if (c->odt == D_F32)
+          ((float *)c->y)[m * c->N + n] = v;
+        else
+          ((uint16_t *)c->y)[m * c->N + n] = float_to_bf16(v);
+      }
+    }
+  }
+  return 0;
+}
+
+/* 1 where this CPU (and compiler) runs instruction-set path `isa`. */
+int qmm_supports(int isa) {
+  if (isa == ISA_GENERIC) return 1;
+#ifdef HAVE_X86_PATHS
+  __builtin_cpu_init();
+  const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+  if (isa == ISA_AVX2) return avx2;
+  if (isa == ISA_AVXVNNI) return avx2 && __builtin_cpu_supports("avxvnni");
+  if (isa == ISA_AVX512VNNI)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+#endif
+  return 0;
+}
+
+/* The calling thread's activation buffers, kept and grown across calls. */
+static __thread void *x_buf;
+static __thread size_t x_buf_bytes;
+
+/* y (M, N) = x (M, K) . W^T + bias. w: the weights' arguments, in the order of the W_* enum
+(the host builds them once per layer): N, K, wt, zp, gb (top of file), bdt and the pointers of
+qs, d, m (or 0) and bias (or 0). x: xdt (D_F32 / D_BF16) contiguous; y: the same dtype,
+contiguous. isa: a path qmm_supports() accepts (the host checks). Returns 0, 1 when memory ran
+out, 2 on bad sizes. */
+enum { W_N, W_K, W_WT, W_ZP, W_GB, W_BDT, W_QS, W_D, W_M, W_BIAS, W_NARGS };
+int quant_matmul(const int64_t *w, int64_t M, const void *x, void *y, int xdt, int isa,
+                 int n_threads) {
+  const int64_t N = w[W_N], K = w[W_K], gb = w[W_GB];
+  const int wt = (int)w[W_WT], zp = (int)w[W_ZP], odt = xdt, bdt = (int)w[W_BDT];
+  const void *qs = (const void *)(intptr_t)w[W_QS], *d = (const void *)(intptr_t)w[W_D];
+  const void *mn = (const void *)(intptr_t)w[W_M], *bias = (const void *)(intptr_t)w[W_BIAS];
+  if (M <= 0 || N <= 0 || K <= 0 || K % 32 || gb <= 0 || (K / 32) % gb || isa < 0 ||
+      isa > ISA_AVX512VNNI)
+    return 2;
+  Call c = {.M = M, .N = N, .K = K, .nb = K / 32, .gb = gb, .wt = wt, .zp = zp, .isa = isa,
+            .odt = odt, .bdt = bdt, .qs = (const uint8_t *)qs, .d = (const uint16_t *)d,
+            .mn = (const uint16_t *)mn, .bias = bias, .y = y};
+  c.nbp = (c.nb + NB_PAD - 1) / NB_PAD * NB_PAD;
+  const int spread = isa == ISA_AVX512VNNI ? LANES(&c) : 0;
+  const size_t bytes = (size_t)M * (size_t)c.nbp * (32 + 3 * 4 + 3 * 4 * (size_t)spread);
+  if (x_buf_bytes < bytes) {
+    free(x_buf);
+    x_buf = malloc(bytes);
+    x_buf_bytes = x_buf ? bytes : 0;
+    if (!x_buf) return 1;
+  }
+  int8_t *xq = (int8_t *)x_buf;
+  float *sx = (float *)(xq + M * c.nbp * 32), *xs = sx + M * c.nbp;
+  int32_t *cz = (int32_t *)(xs + M * c.nbp);
+  quantise_x(&c, x, xdt, xq, sx, xs, cz);
+  c.xq = xq, c.sx = sx, c.xs = xs, c.cz = cz;
+  if (spread) { /* each block's scale over its lanes; correction and sx . sum in its first */
+    const int64_t n = M * c.nbp;
+    float *sxv = (float *)(cz + n), *xsv = sxv + n * spread;
+    int32_t *czv = (int32_t *)(xsv + n * spread);
+    for (int64_t i = 0; i < n; i++)
+      for (int l = 0; l < spread; l++) {
+        sxv[i * spread + l] = sx[i];
+        xsv[i * spread + l] = l ? 0.0f : xs[i];
+        czv[i * spread + l] = l ? 0 : cz[i];
+      }
+    c.sxv = sxv, c.xsv = xsv, c.czv = czv;
+  }
+  if (n_threads < 1) n_threads = 1;
+  /* a few chunks per thread, so that a late or slow participant still finds work */
+  int64_t chunk = N / (8 * (int64_t)n_threads);
+  chunk = chunk < 16 ? 16 : chunk;
+  c.chunk = chunk, c.n_chunks = (N + chunk - 1) / chunk;
+  if (c.n_chunks < n_threads) n_threads = (int)c.n_chunks;
+  return pool_run(rows_task, &c, n_threads, (size_t)(2 * c.nbp + M) * sizeof(float));
+}
