@@ -139,7 +139,8 @@ def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
 
 def make_workload(tokenizer, sizes: Sizes, seed: int = 0) -> dict:
     """Every prompt of the run as token ids: ``single`` (a), ``batch`` (b, c), ``spec`` (d,
-    named), ``warm`` (a warm-up prompt sharing no prefix with the others)."""
+    named), ``warm`` (a warm-up prompt sharing no prefix with the others); and ``batch_text``,
+    (b)'s prompts as text for a server that takes no ids."""
     rng = random.Random(seed)
     head, tail = chat_frame(tokenizer)
     frame = len(head) + len(tail)
@@ -162,9 +163,11 @@ def make_workload(tokenizer, sizes: Sizes, seed: int = 0) -> dict:
         )
         for name, task in tasks.items()
     }
+    batch = [chat(s, n) for s, n in zip(starts, lengths)]
     return {
         "single": chat(len(source) - sizes.prompt, sizes.prompt),
-        "batch": [chat(s, n) for s, n in zip(starts, lengths)],
+        "batch": batch,
+        "batch_text": [tokenizer.decode(p) for p in batch],
         "spec": spec,
         "warm": source[-40:][::-1],  # no chat head: no shared page with any prompt
     }
@@ -807,7 +810,8 @@ def part_b(ctx: Context) -> list[System]:
 
 
 def servers(ctx: Context) -> list[tuple]:
-    """(name, format, dtype, argv, env, ready path, request body extras) of each server."""
+    """(name, format, dtype, argv, env, ready path, request body extras, prompts) of each
+    server."""
     t, q1 = max(ctx.threads), ctx.shipped
     common = {"temperature": 0.0}
     usage = {"stream_options": {"include_usage": True}}
@@ -815,17 +819,20 @@ def servers(ctx: Context) -> list[tuple]:
                  "--dtype", "bfloat16", "--threads", str(t), "--log-level", "warning",
                  "--served-model-name", SERVED_NAME]  # fmt: skip
     env = {**_util.child_env(t)}
+    ids, text = ctx.workload["batch"], ctx.workload["batch_text"]
     out = [("selfattn serve", q1, "bf16", ours_argv, env, "/health",
-            {**common, **usage, "ignore_eos": True})]  # fmt: skip
+            {**common, **usage, "ignore_eos": True}, ids)]  # fmt: skip
     if ctx.llama and ctx.llama_server:
         argv = [ctx.llama, "-m", "llama_cpp.server", "--model", ctx.files[q1], "--host",
                 "127.0.0.1", "--port", "{port}", "--n_threads", str(t), "--n_threads_batch",
                 str(t), "--n_ctx", str(ctx.sizes.longest + ctx.sizes.new + 64),
                 "--model_alias", SERVED_NAME]  # fmt: skip
-        # no ignore_eos there: the end-of-sequence tokens are banned instead
+        # no ignore_eos there: the end-of-sequence tokens are banned instead; its default
+        # repeat penalty (1.1) is turned off, as greedy decoding elsewhere has none; its
+        # prompts are text only (our detokenised ids, which its tokenizer reads back)
         bias = {str(i): -100.0 for i in ctx.stop_ids}
         out.append(("llama_cpp.server", q1, q1, argv, peer_env("llama.cpp", t), "/v1/models",
-                    {**common, "logit_bias": bias}))  # fmt: skip
+                    {**common, "logit_bias": bias, "repeat_penalty": 1.0}, text))  # fmt: skip
     if ctx.vllm:
         argv = [ctx.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", ctx.hf,
                 "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "{port}",
@@ -834,16 +841,15 @@ def servers(ctx: Context) -> list[tuple]:
         env = peer_env("vllm", t)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # a server runs its engine in a process
         out.append(("vLLM serve", "bf16", "bf16", argv, env, "/health",
-                    {**common, **usage, "ignore_eos": True}))  # fmt: skip
+                    {**common, **usage, "ignore_eos": True}, ids))  # fmt: skip
     return out
 
 
-def serve_once(ctx: Context, argv, env, ready, body) -> dict:
+def serve_once(ctx: Context, argv, env, ready, body, prompts) -> dict:
     """Start a server, run the clients once after a warm-up, stop it."""
     proc, url = start_server(argv, env, ready, START_TIMEOUT_S)
     try:
-        s = ctx.sizes
-        return run_clients(url, ctx.workload["batch"], s.new, s.clients, body)
+        return run_clients(url, prompts, ctx.sizes.new, ctx.sizes.clients, body)
     finally:
         _util.stop_process(proc)
 
@@ -855,9 +861,9 @@ def part_c(ctx: Context) -> list[dict]:
     for r in range(ctx.repeat):
         for j in range(len(found)):
             i = (r + j) % len(found)
-            name, _, _, argv, env, ready, body = found[i]
+            name, _, _, argv, env, ready, body, prompts = found[i]
             try:
-                res = serve_once(ctx, argv, env, ready, body)
+                res = serve_once(ctx, argv, env, ready, body, prompts)
                 brief = f"{res['tok_s']:.1f} tok/s"
             except Exception as e:  # reported in the row
                 res = {"error": f"{type(e).__name__}: {str(e)[-400:]}"}
@@ -1012,7 +1018,10 @@ def prepare(args, sizes: Sizes, report: dict) -> Context:
     for fmt in formats:
         if fmt not in FILE_TYPES:
             raise SystemExit(f"--formats: {fmt!r} is not one of {', '.join(FILE_TYPES)}")
-        dst = work / f"{Path(path).stem}.{fmt}.gguf"
+        stem = Path(path).stem
+        dst = work / (
+            f"{stem.replace(shipped, fmt)}.gguf" if shipped in stem else f"{stem}.{fmt}.gguf"
+        )
         if not dst.exists():
             print(f"writing {dst.name} ...", file=sys.stderr)
             write_format(path, fmt, dst)
