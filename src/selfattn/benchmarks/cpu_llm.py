@@ -37,9 +37,11 @@ Parts:
       ``LLM.generate``; transformers: one left-padded batch (skipped by ``--quick``).
   (c) served: each server on 127.0.0.1 (a free port; bounded start-up; always stopped), 16
       concurrent streaming clients (httpx) working through (b)'s requests on
-      ``/v1/completions``: output tokens/s, time to first token p50/p99, inter-token latency p50.
-      ``selfattn serve``, ``llama_cpp.server`` (when installed with its ``[server]`` extras) and
-      vLLM's OpenAI server.
+      ``/v1/completions``: output tokens/s, time to first token p50/p99 (from each request's
+      sending), inter-token latency p50. ``selfattn serve``, ``llama_cpp.server`` (when
+      installed with its ``[server]`` extras; it takes text prompts only: our detokenised ids,
+      end-of-sequence banned by a logit bias, its default repeat penalty off) and vLLM's OpenAI
+      server. Each round starts each server afresh, one at a time.
   (d) prompts that n-gram speculation helps (summarise / edit / extract from the prompt): ours
       ``generate`` and the ``Engine`` with and without prompt-lookup drafting, the same greedy
       output asserted (a mismatch is reported, not raised); llama-cpp-python's prompt-lookup
@@ -79,6 +81,9 @@ START_TIMEOUT_S = 300  # a server's start-up (vLLM compiles its model first)
 CHILD_TIMEOUT_S = 1200  # one measurement's process
 FORMATS = ("Q4_1", "Q8_0", "Q4_0")
 SYSTEMS = ("llama", "vllm", "transformers")  # the peers --systems picks from
+# our configurations beyond `generate` in bfloat16 with the blocks kept quantised: the Engine in
+# (a), float32 (generate and Engine), the weights dequantised (bfloat16 and float32)
+OURS = ("engine", "fp32", "dequantised")
 # llama.cpp's file-type codes (general.file_type) of the formats this benchmark writes
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 SPEC_TOKENS = 8  # drafted tokens per step in part (d)
@@ -737,6 +742,7 @@ class Context:
     hf: str | None  # the transformers folder vLLM and transformers read
     transformers: bool  # transformers' rows
     llama_server: bool
+    ours: set[str]  # which of our configurations beyond generate in bf16 (OURS)
     stop_ids: list[int]
     copy_gbs: dict[int, float]
     weight_bytes: dict[str, int]  # format -> bytes of a GGUF file's tensors
@@ -765,10 +771,12 @@ def part_a(ctx: Context) -> list[System]:
 
         for fmt in ctx.files:
             out.append(ours("generate", fmt, "bfloat16", True, "ours generate"))
-        if not ctx.quick:  # the smoke run meets the Engine in (b)
+        if "engine" in ctx.ours:
             out.append(ours("engine", q1, "bfloat16", True, "ours Engine"))
+        if "fp32" in ctx.ours:
             out.append(ours("generate", q1, "float32", True, "ours generate"))
             out.append(ours("engine", q1, "float32", True, "ours Engine"))
+        if "dequantised" in ctx.ours:
             out.append(ours("generate", q1, "bfloat16", False, "ours generate, dequantised"))
             out.append(ours("generate", q1, "float32", False, "ours generate, dequantised"))
         if ctx.llama:
@@ -793,7 +801,7 @@ def part_b(ctx: Context) -> list[System]:
     out = [
         System("ours Engine", q1, dtype[:4].replace("floa", "fp32").replace("bflo", "bf16"), t,
                _fresh(ours_batch, ctx.files[q1], dtype, True, prompts, warm, n, t))
-        for dtype in (("bfloat16",) if ctx.quick else ("bfloat16", "float32"))
+        for dtype in (("bfloat16", "float32") if "fp32" in ctx.ours else ("bfloat16",))
     ]  # fmt: skip
     if ctx.llama:
         job = dict(peer="llama.cpp", mode="batch", model=ctx.files[q1], threads=t,
@@ -1069,13 +1077,14 @@ def prepare(args, sizes: Sizes, report: dict) -> Context:
         sizes=sizes, threads=threads, repeat=args.repeat, quick=args.quick, files=files,
         shipped=shipped, workload=workload, llama=llama, vllm=vllm,
         hf=hf, transformers="transformers" in wanted, llama_server=llama_server,
+        ours=set() if args.quick else set(args.ours.split(",")) - {""},
         stop_ids=sorted({tokenizer.eos_token_id} - {None}), copy_gbs=copy,
         weight_bytes={f: weight_bytes(p) for f, p in files.items()}, hf_bytes=hf_bytes,
     )  # fmt: skip
 
 
 def run(args) -> dict:
-    sizes = Sizes().quick() if args.quick else Sizes(new=args.new)
+    sizes = Sizes().quick() if args.quick else Sizes(new=args.new, requests=args.requests)
     report: dict = {"machine": _util.machine(), "skipped": []}
     ctx = prepare(args, sizes, report)
     parts = sorted(set(args.parts.replace(",", "")))
@@ -1194,6 +1203,11 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="GGUF block types to compare, written from the model's weights "
                         f"(default {','.join(FORMATS)})")  # fmt: skip
+    p.add_argument("--ours", default=",".join(OURS),
+                   help="our configurations beyond generate in bfloat16 on the blocks kept "
+                        f"quantised (default {','.join(OURS)}; --quick: none)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=Sizes.requests,
+                   help="(b) and (c)'s requests (32)")  # fmt: skip
     p.add_argument("--systems", help=f"peers to run, of {','.join(SYSTEMS)} (default: all found)")
     p.add_argument("--llama-python", metavar="PYTHON",
                    help="an interpreter with llama-cpp-python (default $SELFATTN_LLAMA_PYTHON, "
