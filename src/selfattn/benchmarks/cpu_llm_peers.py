@@ -76,7 +76,8 @@ def run_llama(job: dict) -> dict:
         t0, stamps, tokens = llama_stream(llm, ids, job["new"])
         out.update(stamps=[s - t0 for s in stamps], tokens=[tokens])
     else:  # batch and spec: one request after another (its Python API has no batching)
-        t0, all_tokens, last = time.perf_counter(), [], t0
+        all_tokens = []
+        t0 = last = time.perf_counter()
         for ids in job["prompts"]:
             _, stamps, tokens = llama_stream(llm, ids, job["new"])
             all_tokens.append(tokens)
