@@ -615,34 +615,36 @@ def free_port() -> int:
 
 def start_server(argv: list[str], env: dict, ready_path: str, timeout_s: float):
     """Launch a server process and wait until ``ready_path`` answers 200; (process, base URL).
-    The process is killed on failure."""
+    Its output goes to a temporary file (a pipe nobody reads would stall a chatty server once
+    full), whose tail a failure quotes. The process is killed on failure."""
+    import tempfile
     import urllib.error
     import urllib.request
 
     port = free_port()
     argv = [a.replace("{port}", str(port)) for a in argv]
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read()[-800:]
-                raise RuntimeError(f"exited with code {proc.returncode}: {err}")
-            try:
-                with urllib.request.urlopen(url + ready_path, timeout=2) as r:
-                    if r.status == 200:
-                        return proc, url
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url}{ready_path} did not answer within {timeout_s:.0f} s")
-            time.sleep(0.2)
-    except BaseException:
-        _util.stop_process(proc)
-        raise
+    # the process keeps its own descriptor of the file when this one closes
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"exited with code {proc.returncode}: {log.read()[-800:]}")
+                try:
+                    with urllib.request.urlopen(url + ready_path, timeout=2) as r:
+                        if r.status == 200:
+                            return proc, url
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url}{ready_path} did not answer within {timeout_s:.0f} s")
+                time.sleep(0.2)
+        except BaseException:
+            _util.stop_process(proc)
+            raise
 
 
 async def _client(http, url: str, queue: asyncio.Queue, new: int, t0: float, body: dict, out):
