@@ -895,6 +895,12 @@ def part_d(ctx: Context) -> list[dict]:
         else:
             missing.append(spec_row(f"ours {api}", q1, t, [{"missing": why}], len(prompts)))
     systems = list(ours)
+    if ctx.llama:  # the same prompts one after another, without and with its draft model
+        base = dict(peer="llama.cpp", model=ctx.files[q1], threads=t, prompts=prompts,
+                    warm=w["warm"], new=n, k=SPEC_TOKENS)  # fmt: skip
+        for mode in ("batch", "spec"):
+            job = _peer(ctx.llama, mode=mode, **base)
+            systems.append(System("llama.cpp", q1, mode, t, job))
     runs = interleave(systems, ctx.repeat) if systems else {}
     rows = [spec_row(s.name, q1, t, runs[i], len(prompts)) for i, s in enumerate(ours)]
     rows += missing
@@ -938,17 +944,17 @@ def _find(rows, **match):
     return None
 
 
-def add_ratios(rows: list[dict], measure: str) -> None:
-    """Each row's ``measure`` over llama.cpp's (same format file, same threads) and vLLM's (same
-    threads): ``vs_llama`` and ``vs_vllm``."""
+def add_ratios(rows: list[dict], measure: str, llama="llama.cpp", vllm="vLLM") -> None:
+    """Each row's ``measure`` over the row of system ``llama`` (same format file, same threads)
+    and of ``vllm`` (same threads): ``vs_llama`` and ``vs_vllm``."""
     for r in rows:
         if "error" in r:
             continue
         fmt = r["format"] if r["format"] not in ("bf16", "fp32") else None
-        llama = _find(rows, system="llama.cpp", format=fmt, threads=r["threads"]) if fmt else None
-        vllm = _find(rows, system="vLLM", threads=r["threads"])
-        r["vs_llama"] = None if llama is None else r[measure] / llama[measure]
-        r["vs_vllm"] = None if vllm is None else r[measure] / vllm[measure]
+        peer = _find(rows, system=llama, format=fmt, threads=r["threads"]) if fmt else None
+        other = _find(rows, system=vllm, threads=r["threads"])
+        r["vs_llama"] = None if peer is None else r[measure] / peer[measure]
+        r["vs_vllm"] = None if other is None else r[measure] / other[measure]
 
 
 def add_agreement(rows: list[dict], reference) -> None:
@@ -1123,7 +1129,7 @@ def run(args) -> dict:
     if "c" in parts:
         print("(c) served, concurrent streaming clients", file=sys.stderr)
         rows = part_c(ctx)
-        add_ratios(rows, "tok_s")
+        add_ratios(rows, "tok_s", llama="llama_cpp.server", vllm="vLLM serve")
         report["c"] = rows
     if "d" in parts:
         print("(d) n-gram speculation", file=sys.stderr)
