@@ -5,6 +5,8 @@ asserted; the peers are never run here."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,7 @@ def check_cpu_llm(report: dict) -> None:
             assert "speculative" in row["skipped"] or "prompt_lookup" in row["skipped"], row
             continue
         assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"]), row
-        assert row["identical"] == row["compared"] == row["prompts"], row  # greedy: exact
+        assert row["identical"] == row["compared"] == row["prompts"] * row["runs"], row  # greedy
     check_targets(report["targets"])
 
 
@@ -231,3 +233,24 @@ def test_agreement_counts_leading_tokens_shared_with_the_reference():
     cpu_llm.add_agreement(rows, lambda r: rows[0] if r["system"] != "none" else None)
     assert rows[0]["agree"] == 3 and rows[1]["agree"] == 2  # (2 + 2) / 2
     assert "agree" not in rows[2] and not any("tokens" in r for r in rows)
+
+
+def test_part_d_pairs_the_peer_without_and_with_drafting(monkeypatch):
+    # no speculation in ours (skipped rows saying why); the peer's two modes as canned results
+    monkeypatch.setattr(cpu_llm, "speculation_missing", lambda api: f"{api}: none here")
+
+    def peer(python, **job):
+        tokens = [[7, 8, 9] if job["mode"] == "batch" or i else [7, 8, 1]
+                  for i in range(len(job["prompts"]))]  # fmt: skip
+        wall = 3.0 if job["mode"] == "batch" else 1.5
+        return lambda: {"wall_s": wall, "tokens": tokens, "peak_mib": 1.0}
+
+    monkeypatch.setattr(cpu_llm, "_peer", peer)
+    ctx = SimpleNamespace(workload={"spec": {"edit": [1, 2], "extract": [3]}, "warm": [4]},
+                          sizes=cpu_llm.Sizes(new=3), threads=[1], shipped="Q4_1",
+                          files={"Q4_1": "model.gguf"}, llama="python", repeat=2)  # fmt: skip
+    ours_gen, ours_engine, llama = cpu_llm.part_d(ctx)
+    assert ours_gen["skipped"] == "generate: none here" and "speedup" not in ours_gen
+    assert ours_engine["skipped"] == "engine: none here"
+    assert llama["runs"] == 2 and llama["speedup"] == pytest.approx(2.0)
+    assert (llama["identical"], llama["compared"]) == (2, 4)  # one prompt differs, each round
