@@ -1016,6 +1016,18 @@ def targets(report: dict) -> list[dict]:
 # -- the run ---------------------------------------------------------------------------------------
 
 
+def end_ids(tokenizer) -> list[int]:
+    """The ids that may end a generation in llama.cpp (its end-of-generation tokens): the
+    end-of-sequence token and every other special token that encodes to one id."""
+    specials = getattr(tokenizer, "special_tokens_map", {}).values()
+    ids = {tokenizer.eos_token_id}
+    for text in specials:
+        encoded = tokenizer.encode(text)
+        if len(encoded) == 1:
+            ids.add(encoded[0])
+    return sorted(ids - {None})
+
+
 def prepare(args, sizes: Sizes, report: dict) -> Context:
     from selfattn.models import load_tokenizer
     from selfattn.models.bundled import chat_model_path
@@ -1086,7 +1098,7 @@ def prepare(args, sizes: Sizes, report: dict) -> Context:
         shipped=shipped, workload=workload, llama=llama, vllm=vllm,
         hf=hf, transformers="transformers" in wanted, llama_server=llama_server,
         ours=set() if args.quick else set(args.ours.split(",")) - {""},
-        stop_ids=sorted({tokenizer.eos_token_id} - {None}), copy_gbs=copy,
+        stop_ids=end_ids(tokenizer), copy_gbs=copy,
         weight_bytes={f: weight_bytes(p) for f, p in files.items()}, hf_bytes=hf_bytes,
     )  # fmt: skip
 
