@@ -26,6 +26,7 @@ from selfattn.benchmarks import NAMES
 from selfattn.benchmarks import attention as bench_attention
 from selfattn.cli import main
 from tests._no_extras import PYTHONPATH
+from tests.benchmarks.test_cpu_llm import check_cpu_llm
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -445,6 +446,7 @@ SMOKES = {
         ),
         marks=pytest.mark.slow,
     ),
+    "cpu_llm": Smoke(packaged("cpu_llm"), check_cpu_llm, needs=("gguf", "httpx"), timeout_s=600),
     "crossover": Smoke(
         packaged("crossover", "--threads", "1", "--write", "fits.json"),
         check_crossover,

@@ -11,6 +11,7 @@ imports no benchmark.
 NAMES = (
     "alternatives",
     "attention",
+    "cpu_llm",
     "crossover",
     "decode",
     "decode_step",

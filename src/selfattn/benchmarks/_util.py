@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,13 +21,17 @@ from selfattn.cache.memory import memory_available_bytes  # re-exported: the ben
 
 __all__ = [
     "Timing",
+    "child_env",
+    "copy_rate_gbs",
     "machine",
     "matmul_gflops",
     "memory_available_bytes",
+    "model_bytes",
     "peak_rss_mib",
     "print_table",
     "reset_peak_rss",
     "run_in_fresh_process",
+    "stop_process",
     "time_call",
     "time_interleaved",
     "time_pair",
@@ -131,6 +136,43 @@ def matmul_gflops(n: int, repeat: int = 3, dtype=torch.float32) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def copy_rate_gbs(threads: int, mib: int = 512, repeat: int = 5) -> float:
+    """This machine's copy rate on ``threads`` torch threads: bytes read plus written per second
+    of ``dst.copy_(src)`` over ``mib`` MiB of float32 (preallocated), the fastest of ``repeat``
+    (on a loaded host, noise only adds time): the yardstick a memory-bound kernel's bytes per
+    second is held against."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib * 2**18)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up: pages mapped
+        times = [_once(lambda: dst.copy_(src)) for _ in range(repeat)]
+    finally:
+        torch.set_num_threads(before)
+    return 2 * src.numel() * src.element_size() / min(times) / 1e9
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's tensors, each storage once (a tied head counts once)."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def child_env(threads: int) -> dict:
+    """The environment of a benchmark's child process (a server, a worker): ``threads``
+    OpenMP threads and this selfattn on its path (also when run from a checkout)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _once(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -208,6 +250,20 @@ def run_in_fresh_process(fn: Callable, *args, timeout_s: float = 900.0):
         raise RuntimeError(payload[0])
     hint = " (killed: out of memory?)" if proc.exitcode and proc.exitcode < 0 else ""
     raise RuntimeError(f"child process exited with code {proc.exitcode}{hint}")
+
+
+def stop_process(proc, grace_s: float = 30.0) -> None:
+    """End a child process (a server): SIGTERM, then SIGKILL if it has not exited in
+    ``grace_s`` seconds; returns once it has exited."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def machine() -> dict:

@@ -56,17 +56,6 @@ STARTUP_TARGET_S = 3.0
 DECODE_CONFIGS = (("bfloat16", True), ("float32", True), ("bfloat16", False), ("float32", False))
 
 
-def _model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's tensors, each storage once (a tied head counts once)."""
-    seen, total = set(), 0
-    for t in (*model.parameters(), *model.buffers()):
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
 def load_once(side: str, path: str) -> dict:
     """In a fresh process: load ``path`` as ``side`` says, run one forward; seconds and MiB."""
     torch.set_num_threads(1)
@@ -106,7 +95,7 @@ def load_once(side: str, path: str) -> dict:
         "seconds": seconds,
         "load_peak_mib": load_peak,
         "peak_mib": _util.peak_rss_mib() - base,
-        "model_mib": _model_bytes(model) / 2**20,
+        "model_mib": _util.model_bytes(model) / 2**20,
     }
 
 
@@ -277,12 +266,7 @@ def startup_once(threads: int) -> float:
                 time.sleep(0.02)
         raise RuntimeError("selfattn serve did not answer /health within 120 s")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _util.stop_process(proc)
 
 
 def startup_row(repeat: int, threads: int) -> dict:

@@ -213,7 +213,7 @@ def start_server(folder: Path, spec: dict, threads: int):
             *f"--served-model-name {NAME} --log-level warning --dtype float32".split()]  # fmt: skip
     for k, v in engine_kwargs(spec).items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.Popen(argv, env=_child_env(threads), stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env=_util.child_env(threads), stdout=subprocess.DEVNULL)
     url = f"http://{DEFAULT_HOST}:{port}"
     try:
         wait_until_healthy(url, START_TIMEOUT_S, proc)
@@ -242,14 +242,6 @@ def offline_worker(folder: str, quick: bool, prompt: str) -> int:
     return 0
 
 
-def _child_env(threads: int) -> dict:
-    """The environment of both sides' processes: ``threads`` torch threads, this selfattn."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    src = str(Path(__file__).resolve().parents[2])  # this selfattn, also from a checkout
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def side_prompts(spec: dict, kind: str) -> list:
     """Both sides' prompts: :func:`prompts_for` as text (``kind`` "text") or as ids ("ids")."""
     prompts = prompts_for(spec)
@@ -269,7 +261,7 @@ def run(args) -> dict:
             raise RuntimeError("the tokenizer does not encode the prompts' text as their ids")
         argv = [sys.executable, "-m", "selfattn.benchmarks.serving_http", "--offline-worker",
                 str(folder), "--prompt", args.prompt, *["--quick"] * args.quick]  # fmt: skip
-        offline = subprocess.Popen(argv, env=_child_env(args.threads), stdin=subprocess.PIPE,
+        offline = subprocess.Popen(argv, env=_util.child_env(args.threads), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
         proc, url = start_server(folder, spec, args.threads)
 
