@@ -665,6 +665,8 @@ async def _client(http, url: str, queue: asyncio.Queue, new: int, t0: float, bod
                 if chunk.get("usage"):
                     usage = chunk["usage"].get("completion_tokens")
                 for c in chunk.get("choices") or ():
+                    if c.get("finish_reason") is not None and not c.get("text"):
+                        continue  # a closing chunk without a token
                     stamps.append(time.perf_counter() - t0)
                     text.append(c.get("text") or "")
         out[i] = (sent, stamps, usage if usage is not None else len(stamps), "".join(text))
