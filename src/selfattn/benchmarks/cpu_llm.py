@@ -665,6 +665,8 @@ async def _client(http, url: str, queue: asyncio.Queue, new: int, t0: float, bod
                 if chunk.get("usage"):
                     usage = chunk["usage"].get("completion_tokens")
                 for c in chunk.get("choices") or ():
+                    if c.get("finish_reason") is not None and not c.get("text"):
+                        continue  # a closing chunk without a token
                     stamps.append(time.perf_counter() - t0)
                     text.append(c.get("text") or "")
         out[i] = (sent, stamps, usage if usage is not None else len(stamps), "".join(text))
@@ -836,7 +838,10 @@ def servers(ctx: Context) -> list[tuple]:
         argv = [ctx.llama, "-m", "llama_cpp.server", "--model", ctx.files[q1], "--host",
                 "127.0.0.1", "--port", "{port}", "--n_threads", str(t), "--n_threads_batch",
                 str(t), "--n_ctx", str(ctx.sizes.longest + ctx.sizes.new + 64),
-                "--model_alias", SERVED_NAME]  # fmt: skip
+                "--model_alias", SERVED_NAME,
+                # by default a new request interrupts the one being generated: each client's
+                # stream would end early, and tokens/s would count what was cut
+                "--interrupt_requests", "False"]  # fmt: skip
         # no ignore_eos there: the end-of-sequence tokens are banned instead; its default
         # repeat penalty (1.1) is turned off, as greedy decoding elsewhere has none; its
         # prompts are text only (our detokenised ids, which its tokenizer reads back)
