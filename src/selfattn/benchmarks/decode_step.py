@@ -13,8 +13,8 @@ then runs single-token decode steps. Per step (median of ``--steps``):
 
 - ``step``: wall time of ``model(token, cache=cache)`` without a profiler;
 - ``cpu``: the same steps' CPU time on the calling thread: with ``--threads 1`` every op runs
-  there, so this is the step's work without the time the host took the CPU away (this
-  session's host stalls for seconds at random, which inflates every wall-clock column);
+  there, so this is the step's work without the time the host took the CPU away (a shared
+  host can stall for seconds at random, which inflates every wall-clock column);
 - ``matmul``: self time of the matrix-product ops (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``)
   under ``torch.profiler``;
 - ``ops``: self time of every other op (aten ops and the C decode kernel): elementwise work,
