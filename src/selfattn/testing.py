@@ -125,13 +125,23 @@ def assert_close_to_reference(
 
 
 def check_against_reference(
-    fn, q, k, v, *, grad: bool = True, lse: bool = True, seed: int = 1, **kwargs
+    fn,
+    q,
+    k,
+    v,
+    *,
+    grad: bool = True,
+    lse: bool = True,
+    seed: int = 1,
+    grad_factor: float = GRAD_FACTOR,
+    **kwargs,
 ) -> None:
     """Run ``fn(q, k, v, return_lse=True, **kwargs)`` and check out, lse and dq/dk/dv by the rule.
 
     ``fn`` is typically ``functools.partial(selfattn.attention, backend=...)``. Gradients use a
     fresh random ``dout`` on the inputs' device. ``lse=False`` calls ``fn`` without
     ``return_lse`` and checks out and gradients only (backends that give no lse, e.g. SDPA on CUDA).
+    ``grad_factor``: the gradients' ratio (:data:`GRAD_FACTOR` unless a case says why not).
     """
     q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
     if lse:
@@ -156,7 +166,7 @@ def check_against_reference(
         a = torch.zeros_like(o) if a is None else a
         o = torch.zeros_like(a, dtype=torch.float64) if o is None else o
         n = torch.zeros_like(o) if n is None else n
-        assert_close_to_reference(a, o, n, factor=GRAD_FACTOR, dtype=q.dtype, what=name)
+        assert_close_to_reference(a, o, n, factor=grad_factor, dtype=q.dtype, what=name)
 
 
 def perturb_parameters(
