@@ -59,15 +59,6 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def draft_room(self, k: int) -> int:
-        """Draft tokens a speculative step may verify for this decoding sequence: at most
-        ``k``, fewer near ``max_tokens`` (the step emits up to one more than it verifies), none
-        with penalties or logprobs (their values depend on every token before)."""
-        p = self.params
-        if p.penalised or p.logprobs is not None:
-            return 0
-        return max(min(k, p.max_tokens - (len(self.tokens) - self.num_prompt) - 1), 0)
-
 
 @dataclass(frozen=True)
 class RequestOutput:
