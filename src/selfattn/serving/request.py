@@ -21,10 +21,12 @@ text so far plus what is new since the request's previous output (``delta_*``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from selfattn._log import log_once
 from selfattn.serving.sampling import SamplingParams
 
 __all__ = ["CompletionOutput", "Request", "RequestOutput", "Sequence", "TokenLogprob"]
@@ -163,6 +165,8 @@ class Sequence:
         with penalties or logprobs (their values depend on every token before)."""
         p = self.params
         if p.penalised or p.logprobs is not None:
+            log_once("speculative-declined", logging.INFO, "speculative decoding: requests with "
+                     "penalties or logprobs decode one token a step, without drafts")  # fmt: skip
             return 0
         return max(min(k, p.max_tokens - (len(self.tokens) - self.num_prompt) - 1), 0)
 
