@@ -114,3 +114,57 @@ def test_a_path_this_cpu_lacks_or_an_unknown_one_is_refused(monkeypatch):
     monkeypatch.setenv("SELFATTN_QUANT_ISA", "avx9000")
     with pytest.raises(ValueError, match=r"SELFATTN_QUANT_ISA='avx9000': expected one of"):
         qmm.isa()
+
+
+def _step_weights(kind, N, K, g, bias_dtype=None):
+    qs, d, m = random_weights(kind, N, K, 32, g)
+    bias = None if bias_dtype is None else torch.randn(N, generator=g).to(bias_dtype)
+    return (qs, d, m, kind, 32, bias), qmm.Weights(qs, d, m, kind, 32, bias)
+
+
+STEP_PARTS = ["norm", "pair", "rope", "residual", "norm+pair", "norm+rope", "all"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", sorted(qmm.KINDS))
+@pytest.mark.parametrize("parts", STEP_PARTS)
+def test_fused_step_matches_its_ops_in_fp64(isa, kind, parts, dtype):
+    """A fused step (norm before, SwiGLU pair, RoPE, residual) against the same ops in PyTorch
+    with the kernel's products computed in fp64 (ratio rule: the naive error is the ops' own
+    in ``dtype``); in bf16 each part rounds as its op does, so most values are equal."""
+    g = torch.Generator().manual_seed(hash((isa, kind, parts, str(dtype))) % 2**31)
+    M, N, K, D, r = 3, 5 * 24, 160, 24, 16  # 5 heads of 24, 16 rotated: a partial rotation
+    spec, w = _step_weights(kind, N, K, g, dtype if parts == "all" else None)
+    spec2, w2 = _step_weights(kind, N, K, g)
+    x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+    norm = (torch.rand(K, generator=g) + 0.5).to(dtype), 1e-5
+    cos2, sin2 = torch.randn(2, r, generator=g), torch.randn(2, r, generator=g)
+    res = torch.randn(M, N, generator=g).to(dtype)
+    use = set(("norm", "pair", "rope", "residual") if parts == "all" else parts.split("+"))
+    kw = {
+        "norm": norm if "norm" in use else None,
+        "pair": spec2 if "pair" in use else None,
+        "rope": (cos2, sin2, 4, D) if "rope" in use else None,
+        "residual": res if "residual" in use else None,
+    }
+    step = qmm.Step(w, norm=kw["norm"], pair=w2 if "pair" in use else None,
+                    rope=(4, D, r) if "rope" in use else None)  # fmt: skip
+    got = step(x, qmm.library(), qmm.isa_code(qmm.library()), residual=kw["residual"],
+               factors=(cos2, sin2) if "rope" in use else None)  # fmt: skip
+    assert got.dtype == dtype and got.shape == (M, N)
+    exact = qmm.step_twin(x.double(), spec, **kw, dtype=torch.float64)
+    naive = qmm.step_twin(x, spec, **kw)
+    assert_close_to_reference(got, exact, naive, dtype=dtype)
+
+
+def test_fused_step_refuses_mismatched_parts():
+    g = torch.Generator().manual_seed(5)
+    _, w = _step_weights("u4_min", 64, 128, g)
+    _, other = _step_weights("u4_min", 32, 128, g)
+    with pytest.raises(ValueError, match="paired weights"):
+        qmm.Step(w, pair=other)
+    with pytest.raises(ValueError, match="norm's weight"):
+        qmm.Step(w, norm=(torch.ones(128, dtype=torch.float16), 1e-6))
+    step = qmm.Step(w, rope=(3, 32, 16))  # 3 heads of 32 rotated: factors needed per call
+    with pytest.raises(ValueError, match="status 2"):
+        step(torch.randn(1, 128), qmm.library(), qmm.isa_code(qmm.library()))

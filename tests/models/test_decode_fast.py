@@ -1,12 +1,14 @@
 """The decode fast path of CausalLM (selfattn.models.decode_fast) and the blocks' lean step
 (selfattn.nn.blocks.RowsStep): a planned paged step's blocks, uniform or packed (the serving
-engine's), run without module calls, bit for bit the logits of the module path, with float or
-quantised projections and pages, and only where nothing (hooks, inspection, autograd, a swapped
-module) could tell the difference."""
+engine's), run without module calls, bit for bit the logits of the module path with float
+projections (quantised ones run fused kernel calls: as close to the fp64 reference), float or
+quantised pages, and only where nothing (hooks, inspection, autograd, a swapped module) could
+tell the difference."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import pytest
@@ -14,10 +16,12 @@ import torch
 from torch import nn
 
 from selfattn.cache import PagedKV
+from selfattn.kernels import quant_matmul as qmm
 from selfattn.models import decode_fast
 from selfattn.models.decoder import Llama
 from selfattn.nn import QuantizedLinear, SwiGLU
 from selfattn.positions import RoPE
+from selfattn.testing import assert_close_to_reference
 
 VOCAB = 97
 _WINDOWED = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -304,21 +308,50 @@ def _quantised(model, fmt: str):
     return model
 
 
+def _dequantised(model, dtype=torch.float64):
+    """A copy of ``model`` in ``dtype`` whose QuantizedLinear layers are ``nn.Linear`` layers of
+    their dequantised weights: the reference a quantised model's paths are measured against."""
+    ref = copy.deepcopy(model)
+    for mod in list(ref.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, QuantizedLinear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                lin.weight = nn.Parameter(child.dequantize(dtype), requires_grad=False)
+                if child.bias is not None:
+                    lin.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
+                setattr(mod, name, lin)
+    return ref.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_quantised_projections_take_the_fast_path(fmt, fast_runs, monkeypatch):
-    """A kept-quantised GGUF model's blocks (QuantizedLinear projections) run the lean step,
-    uniform and packed, bit for bit the module path, calling the projections' forward only."""
+def test_quantised_projections_take_the_fused_kernel_step(fmt, dtype, fast_runs, monkeypatch):
+    """A kept-quantised GGUF model's blocks (QuantizedLinear projections) run the lean step as
+    fused kernel calls (qmm.Step: norm, RoPE, SwiGLU and residuals inside), uniform and packed,
+    calling no module; its logits are as close to the dequantised model's in fp64 as the module
+    path's (ratio rule; they differ from the module path's by the order of the norm's sum)."""
     cfg = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
-    model = _quantised(_llama(32, **cfg), fmt)
-    calls = []
+    model = _quantised(_llama(32, **cfg), fmt).to(dtype)
+    calls, fused = [], []
     original = SwiGLU.forward
     monkeypatch.setattr(SwiGLU, "forward", lambda self, x: calls.append(1) or original(self, x))
+    step_call = qmm.Step.__call__
+    monkeypatch.setattr(
+        qmm.Step, "__call__", lambda s, *a, **k: fused.append(1) or step_call(s, *a, **k)
+    )
     prompts, tokens = _case(33, 2, True)
-    fast = torch.cat([_decode(model, prompts, tokens), _packed(model)])
-    assert calls == [] and len(fast_runs) == 2 + 4 + len(_SCHEDULE)
+
+    def logits(m):
+        return torch.cat([_decode(m, prompts, tokens), _packed(m)]).double()
+
+    fast = logits(model)
+    assert calls == [] and len(fast_runs) == 2 + 4 + len(_SCHEDULE) and fused
+    n_fused = len(fused)
     with _module_path():
-        slow = torch.cat([_decode(model, prompts, tokens), _packed(model)])
-    assert calls and torch.equal(fast, slow)
+        slow = logits(model)
+        ref = logits(_dequantised(model))
+    assert calls and len(fused) == n_fused  # the module path ran no fused step
+    assert_close_to_reference(fast, ref, slow, dtype=dtype, what="fused step's logits")
 
 
 def test_block_forward_runs_its_lean_step(fast_runs, monkeypatch):

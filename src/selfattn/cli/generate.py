@@ -10,7 +10,7 @@ import sys
 
 from selfattn.cli import _common
 
-CACHES = ("static", "window", "paged")
+CACHES = ("auto", "static", "window", "paged")
 DEFAULT_MAX_NEW_TOKENS = 64  # without --max-new-tokens or the model's own limit
 
 
@@ -41,7 +41,9 @@ def add_parser(subparsers):
         action="store_true",
         help="wrap PROMPT as one user message in the checkpoint's chat template",
     )
-    p.add_argument("--cache", choices=CACHES, default="static", help="KV cache (default static)")
+    p.add_argument("--cache", choices=CACHES, default="auto",
+                   help="KV cache (default auto: paged where its steps take the decode fast "
+                   "path, else static)")  # fmt: skip
     _common.add_dtype(p)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     _common.add_sampling(p)

@@ -244,7 +244,9 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]
     # the K/V bytes the walk may read: every sequence's longest span of slots (an upper bound)
     slot_bytes = Hkv * (D * k_pages.element_size() + Dv * v_pages.element_size())
-    n_threads = threads.for_bytes(B * n_split * split_pages * P * slot_bytes)
+    n_threads = threads.for_bytes(
+        B * n_split * split_pages * P * slot_bytes, openmp_threads=threads.openmp(lib)
+    )
     args = ((ctypes.c_int64 * len(iargs))(*iargs), (ctypes.c_void_p * len(ptrs))(*ptrs), n_threads)
     return lib, args, out, lse, tensors
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 
 import torch
 
@@ -39,8 +40,20 @@ from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = [
-    "BLOCK", "ISAS", "KINDS", "SPEC", "Weights", "dequantize", "isa", "library", "matmul",
-    "quantize_activations", "twin",
+    "BLOCK",
+    "ISAS",
+    "KINDS",
+    "SPEC",
+    "Step",
+    "Weights",
+    "dequantize",
+    "isa",
+    "isa_code",
+    "library",
+    "matmul",
+    "quantize_activations",
+    "step_twin",
+    "twin",
 ]  # fmt: skip
 
 BLOCK = 32  # weights an activation block (and the smallest weight group) spans
@@ -61,6 +74,25 @@ SPEC = CLibrary(
         Function(
             "quant_matmul",
             (ctypes.POINTER(_I64), _I64, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int),
+        ),
+        # quant_linear_step(weights' args, a Step's options, M, x, y, residual, cos2, sin2,
+        # rope rows, xdt, isa, n_threads): quant_matmul's statuses
+        Function(
+            "quant_linear_step",
+            (
+                ctypes.POINTER(_I64),
+                ctypes.POINTER(_I64),
+                _I64,
+                _P,
+                _P,
+                _P,
+                _P,
+                _P,
+                _I64,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+            ),
         ),
         Function("qmm_supports", (ctypes.c_int,), ctypes.c_int),
         *threads.POOL_FUNCTIONS,
@@ -85,6 +117,15 @@ def library() -> ctypes.CDLL | None:
 
 
 @functools.cache
+def _openmp(lib: ctypes.CDLL) -> bool:
+    return threads.openmp(lib)
+
+
+def _threads(lib: ctypes.CDLL, n_bytes: int) -> int:
+    return threads.for_bytes(n_bytes, openmp_threads=_openmp(lib))
+
+
+@functools.cache
 def _best(lib: ctypes.CDLL) -> int:
     return max(i for i in range(len(ISAS)) if lib.qmm_supports(i))
 
@@ -101,7 +142,8 @@ def _forced(name: str, lib: ctypes.CDLL) -> int:
     return ISAS.index(name)
 
 
-def _isa_code(lib: ctypes.CDLL) -> int:
+def isa_code(lib: ctypes.CDLL) -> int:
+    """The instruction-set path's code (an index of :data:`ISAS`) a call runs now."""
     name = os.environ.get("SELFATTN_QUANT_ISA")
     return _best(lib) if not name else _forced(name, lib)
 
@@ -109,7 +151,7 @@ def _isa_code(lib: ctypes.CDLL) -> int:
 def isa() -> str | None:
     """The instruction-set path a call runs now; None without the kernel."""
     lib = library()
-    return None if lib is None else ISAS[_isa_code(lib)]
+    return None if lib is None else ISAS[isa_code(lib)]
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -157,15 +199,96 @@ class Weights:
         M = x.shape[0]
         y = torch.empty(M, self._shape[0], dtype=x.dtype)
         status = lib.quant_matmul(
-            self._args, M, x.data_ptr(), y.data_ptr(), _DT[x.dtype], _isa_code(lib),
-            threads.for_bytes(self._bytes),
+            self._args, M, x.data_ptr(), y.data_ptr(), _DT[x.dtype], isa_code(lib),
+            _threads(lib, self._bytes),
         )  # fmt: skip
         if status:
-            raise (MemoryError if status == 1 else ValueError)(
-                f"quant_matmul failed (status {status}) for x {tuple(x.shape)}, weights "
-                f"{self._shape}"
-            )
+            _failed("quant_matmul", status, x, self._shape)
         return y
+
+
+def _failed(name: str, status: int, x: torch.Tensor, shape: tuple):
+    raise (MemoryError if status == 1 else ValueError)(
+        f"{name} failed (status {status}) for x {tuple(x.shape)}, weights {shape}"
+    )
+
+
+class Step:
+    """A decoder block's linear layer with its neighbours, one kernel call (``csrc``'s
+    ``quant_linear_step``), its fixed parts built once:
+
+    - ``norm``: ``(weight or None, eps)``: x goes through RMSNorm first (rounded as
+      ``selfattn.nn.norms.rms_norm`` rounds; the weight in x's dtype);
+    - ``pair``: another :class:`Weights` of the same K, N and kind: ``SiLU(x · Wᵀ) · (x · pairᵀ)``
+      (SwiGLU's gate and up);
+    - ``rope``: ``(heads, head_dim, rotary_dim)``: RoPE on the first ``heads`` heads of
+      ``head_dim`` outputs, its factors given per call;
+
+    and per call a residual added last. Each part rounds as the same PyTorch op would in x's
+    dtype (:func:`step_twin`). :meth:`holds` tells a caller whether it was built for these
+    weights and norm weight (it keeps pointers into them)."""
+
+    __slots__ = ("_args", "_bytes", "_held", "_shape", "weights")
+
+    def __init__(self, weights: Weights, *, norm=None, pair: Weights | None = None, rope=None):
+        f = [0] * _STEP_ARGS
+        weight = None
+        if norm is not None:
+            weight, eps = norm
+            f[0], f[3] = 1, _float_bits(eps)
+            if weight is not None:
+                if weight.dtype not in _DT or not weight.is_contiguous():
+                    raise ValueError("the norm's weight must be contiguous float32 or bfloat16")
+                f[1], f[2] = weight.data_ptr(), _DT[weight.dtype]
+        if pair is not None:
+            if pair._shape != weights._shape:
+                raise ValueError(f"paired weights {pair._shape} must match {weights._shape}")
+            f[4] = ctypes.addressof(pair._args)
+        if rope is not None:
+            f[5], f[6], f[7] = rope
+        self._args = (_I64 * _STEP_ARGS)(*f)
+        self.weights = weights
+        self._held = (weights, pair, weight)
+        self._bytes = weights._bytes + (0 if pair is None else pair._bytes)
+        self._shape = weights._shape
+
+    def __reduce__(self):
+        return (_nothing, ())
+
+    def holds(self, weights, pair, norm_weight) -> bool:
+        """Whether it was built for these objects (each the same object)."""
+        return all(a is b for a, b in zip(self._held, (weights, pair, norm_weight)))
+
+    def __call__(self, x, lib, isa: int, residual=None, factors=None) -> torch.Tensor:
+        """``x (M, K)`` float32 or bfloat16, contiguous, on CPU -> ``(M, N)`` in x's dtype;
+        ``isa``: :func:`isa_code`; ``residual (M, N)`` contiguous in x's dtype or None;
+        ``factors``: ``(cos2, sin2)`` float32 ``(rows, rotary_dim)`` contiguous, row ``m % rows``
+        for input row m (:meth:`selfattn.positions.RoPE.rotation_factors`), where built with
+        ``rope``."""
+        M = x.shape[0]
+        y = torch.empty(M, self._shape[0], dtype=x.dtype)
+        cos2 = sin2 = None
+        rows = 0
+        if factors is not None:
+            cos2, sin2 = factors
+            rows = cos2.shape[0]
+        status = lib.quant_linear_step(
+            self.weights._args, self._args, M, x.data_ptr(), y.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            None if cos2 is None else cos2.data_ptr(), None if sin2 is None else sin2.data_ptr(),
+            rows, _DT[x.dtype], isa, _threads(lib, self._bytes),
+        )  # fmt: skip
+        if status:
+            _failed("quant_linear_step", status, x, self._shape)
+        return y
+
+
+_STEP_ARGS = 8  # the fixed options of csrc's quant_linear_step (its F_* enum)
+
+
+@functools.cache
+def _float_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
 def _nothing() -> None:
@@ -236,3 +359,37 @@ def twin(x, qs, d, m, kind: str, group: int, bias=None, dtype=torch.float64) -> 
     w = dequantize(qs, d, m, kind, group).to(dtype)
     xq = quantize_activations(x).to(dtype)
     return torch.nn.functional.linear(xq, w, None if bias is None else bias.to(dtype))
+
+
+def step_twin(x, weights, *, norm=None, pair=None, rope=None, residual=None, dtype=None):
+    """:class:`Step` in plain PyTorch, op by op as the modules run it: ``weights`` and ``pair``
+    each ``(qs, d, m, kind, group, bias)``, their products :func:`twin`'s (the activations
+    rounded as the kernel rounds them) computed in float64 and rounded to ``dtype`` (default:
+    x's); ``norm``, ``rope`` ``(cos2, sin2, heads, head_dim)`` and ``residual`` as the step's."""
+    dt = dtype or x.dtype
+    x = x.to(dt)
+    if norm is not None:  # selfattn.nn.norms.rms_norm's rounding
+        w, eps = norm
+        x = torch.rms_norm(x, (x.shape[-1],), None, eps)
+        x = x if w is None else x * w.to(dt)
+
+    def product(w):
+        return twin(x, *w).to(dt)
+
+    y = product(weights)
+    if pair is not None:
+        y = torch.nn.functional.silu(y) * product(pair)
+    if rope is not None:
+        cos2, sin2, heads, D = rope
+        r = cos2.shape[1]
+        M = y.shape[0]
+        rows = torch.arange(M) % cos2.shape[0]
+        work = torch.float64 if dt == torch.float64 else torch.float32
+        c, s = cos2[rows].unsqueeze(1).to(work), sin2[rows].unsqueeze(1).to(work)
+        head = y[:, : heads * D].view(M, heads, D)[..., :r].to(work)
+        out = head * c + head.roll(r // 2, -1) * s
+        y = y.clone()
+        y[:, : heads * D].view(M, heads, D)[..., :r] = out.to(dt)
+    if residual is not None:
+        y = residual.to(dt) + y
+    return y

@@ -35,7 +35,9 @@ import torch
 
 from selfattn.kernels.build import Function
 
-__all__ = ["MIN_SECONDS", "POOL_FUNCTIONS", "for_bytes", "for_flops", "openmp"]
+__all__ = [
+    "MIN_SECONDS", "MIN_SECONDS_OPENMP", "POOL_FUNCTIONS", "for_bytes", "for_flops", "openmp",
+]  # fmt: skip
 
 # What every C kernel library exports about its threads (csrc/thread_pool.h): pool_openmp() ->
 # 1 where its calls run on PyTorch's OpenMP threads, 0 on the pool's own workers; for tests,
@@ -50,15 +52,21 @@ POOL_FUNCTIONS = (
 # Work a thread beyond the first must get: a parked worker's start-up (~30-50 µs), so it arrives
 # while half the work is left.
 MIN_SECONDS = 50e-6
+# The same where the call runs on PyTorch's OpenMP threads, which spin for milliseconds after
+# each parallel op (a decode step's previous op): a region starts within a few µs there (a
+# quantised decode matmul measured 1.2x faster on two threads from ~0.2 MB of weights, 1.5x at
+# 0.55 MB, 2 threads on 2 cores).
+MIN_SECONDS_OPENMP = 10e-6
 # One core's rates for the estimate (an AVX-512 core: the fused kernels' fp32 products and a
 # decode's page reads); off by 2x only moves where a second thread starts.
 _FLOPS_PER_SECOND = 100e9
 _BYTES_PER_SECOND = 15e9
 
 
-def _count(seconds: float) -> int:
+def _count(seconds: float, least: float | None = None) -> int:
     most = torch.get_num_threads()
-    return most if MIN_SECONDS <= 0 else max(1, min(most, int(seconds / MIN_SECONDS)))
+    least = MIN_SECONDS if least is None else least  # read at each call: tests set it to 0
+    return most if least <= 0 else max(1, min(most, int(seconds / least)))
 
 
 def openmp(lib: ctypes.CDLL | None) -> bool:
@@ -71,6 +79,9 @@ def for_flops(flops: float) -> int:
     return _count(flops / _FLOPS_PER_SECOND)
 
 
-def for_bytes(n_bytes: float) -> int:
-    """Threads for a call reading ``n_bytes`` (a memory-bound kernel: paged decode)."""
-    return _count(n_bytes / _BYTES_PER_SECOND)
+def for_bytes(n_bytes: float, *, openmp_threads: bool = False) -> int:
+    """Threads for a call reading ``n_bytes`` (a memory-bound kernel: paged decode);
+    ``openmp_threads``: the call runs on PyTorch's OpenMP threads (:func:`openmp`), which start
+    sooner (:data:`MIN_SECONDS_OPENMP`)."""
+    least = min(MIN_SECONDS_OPENMP, MIN_SECONDS) if openmp_threads else None
+    return _count(n_bytes / _BYTES_PER_SECOND, least)

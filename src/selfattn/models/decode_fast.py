@@ -34,7 +34,7 @@ from selfattn._log import log_once
 from selfattn.cache.paged import PagedLayer
 from selfattn.nn.blocks import DecoderBlock, hook_dicts, hooks_registered
 
-__all__ = ["FastBlocks", "fast_blocks"]
+__all__ = ["FastBlocks", "fast_blocks", "plain_blocks"]
 
 
 class FastBlocks:
@@ -79,6 +79,18 @@ class FastBlocks:
         for step, cache, mask in zip(self.steps, caches, masks):
             h = step(h, cache, mask, score_mod, positions)
         return h
+
+
+def plain_blocks(model) -> bool:
+    """Whether every block of ``model`` is the plain Llama layout, so that its paged decode
+    steps can take the fast path (``generate``'s ``cache="auto"`` then picks the paged cache)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return False
+    fast = model.__dict__.get("_fast_blocks")
+    if fast is None or not fast.current():
+        fast = FastBlocks(layers)
+    return fast.plain
 
 
 def fast_blocks(model, caches) -> FastBlocks | None:

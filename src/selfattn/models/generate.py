@@ -53,6 +53,7 @@ import torch
 
 from selfattn._validate import int_at_least
 from selfattn.models import speculative as spec
+from selfattn.models.decode_fast import plain_blocks
 from selfattn.models.decoder import CACHE_KINDS, CausalLM
 
 __all__ = ["generate", "generation_defaults", "next_token", "stop_token_ids", "token_probs"]
@@ -213,7 +214,7 @@ def generate(
     max_new_tokens: int | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
-    cache: str | None = "static",
+    cache: str | None = "auto",
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -239,6 +240,9 @@ def generate(
         attention_mask: ``(B, S)`` 1 = token, 0 = padding; prompts are left-padded.
         cache: ``"static"``, ``"window"``, ``"paged"`` (``page_size`` tokens a page), or None to
             recompute the whole sequence at every step (slow; the reference for the caches).
+            ``"auto"`` (the default): ``"paged"`` where its decode steps take the fast path (a
+            decoder-only model whose blocks are all the plain Llama layout, rows without
+            padding: :mod:`selfattn.models.decode_fast`), else ``"static"``.
         max_new_tokens: None: the model's ``generation_config`` (module docstring), else 20.
         do_sample, temperature, top_k, top_p, generator: see :func:`next_token`; None takes
             the model's ``generation_config`` value, else greedy decoding (temperature 1, no
@@ -294,8 +298,8 @@ def generate(
     if max_new_tokens is None:
         max_new_tokens = _default_max_new(defaults, input_ids.shape[1])
     int_at_least(max_new_tokens, "max_new_tokens", 0)
-    if cache is not None and cache not in CACHE_KINDS:
-        raise ValueError(f"cache must be one of {CACHE_KINDS} or None, got {cache!r}")
+    if cache is not None and cache != "auto" and cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {(*CACHE_KINDS, 'auto')} or None, got {cache!r}")
     if do_sample is None:
         do_sample = bool(defaults.get("do_sample", False))
     if do_sample:  # the checkpoint's sampling values apply where the call gives none
@@ -336,6 +340,8 @@ def generate(
         if end is not None:
             end()
         return out
+    if cache == "auto":
+        cache = _auto_cache(model, attention_mask)
     if getattr(model, "is_encoder_decoder", False):
         step, prefix = _seq2seq_steps(
             model, input_ids, attention_mask, cache, max_new_tokens, page_size
@@ -353,6 +359,19 @@ def generate(
     if end is not None:
         end()
     return out
+
+
+def _auto_cache(model, attention_mask) -> str:
+    """``cache="auto"``: paged where the fast path takes its steps, else static."""
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if (
+        not padded
+        and type(model).make_cache is CausalLM.make_cache
+        and not getattr(model, "is_encoder_decoder", False)
+        and plain_blocks(model)
+    ):
+        return "paged"
+    return "static"
 
 
 def _default_max_new(defaults: dict, prompt_len: int) -> int:

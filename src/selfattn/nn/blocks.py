@@ -15,6 +15,8 @@ serving engine and the server.
 
 from __future__ import annotations
 
+from operator import is_
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,9 +24,11 @@ from torch.nn.modules import module as _module
 
 from selfattn import masks as _masks
 from selfattn.cache.paged import PagedLayer
+from selfattn.kernels.quant_matmul import isa_code
 from selfattn.nn.attention import MultiHeadAttention, positions_after
 from selfattn.nn.mlp import MLP, SwiGLU, apply_dropout
 from selfattn.nn.norms import LayerNorm, RMSNorm, rms_norm
+from selfattn.nn.quant import QuantizedLinear, kernel_for
 from selfattn.positions import RoPE
 
 __all__ = [
@@ -154,13 +158,19 @@ class RowsStep:
     transposes, RoPE on q and on k, the cache write's views).
 
     The same ops on the same values in the same order as the modules' forwards, so its output
-    is bit for bit theirs. Built by :meth:`DecoderBlock.rows_step`, which keeps the block's
-    module tree as it was (:meth:`current`); :meth:`unusable` says when it may not stand in for
-    the modules (hooks, inspection).
+    is bit for bit theirs. Where every projection is a :class:`~selfattn.nn.QuantizedLinear`
+    the C kernel runs (a GGUF model's, ``quantize_``'s), a step of at most ``KERNEL_ROWS``
+    tokens is four kernel calls and the attention (:meth:`kernel_step`): the norm before a
+    projection, RoPE after the q/k/v one, SwiGLU's gate and up together, and each residual sum
+    fused into its projection's call, each rounded as its op rounds (the same values but for
+    the order of the norm's sum of squares). Built by :meth:`DecoderBlock.rows_step`, which
+    keeps the block's module tree as it was (:meth:`current`); :meth:`unusable` says when it
+    may not stand in for the modules (hooks, inspection).
     """
 
-    __slots__ = ("att", "children", "children_then", "down", "gate", "heads", "hooks", "mlp",
-                 "norm1", "norm2", "out", "qkv", "rope", "sizes", "split", "up")  # fmt: skip
+    __slots__ = ("att", "children", "children_then", "down", "fused", "gate", "heads", "hooks",
+                 "kernel", "mlp", "norm1", "norm2", "out", "qkv", "rope", "sizes", "split",
+                 "up")  # fmt: skip
 
     def __init__(self, block: DecoderBlock):
         modules = list(block.modules())
@@ -169,7 +179,7 @@ class RowsStep:
         self.hooks = hook_dicts(modules[1:])
         self.children = [m._modules for m in modules]
         self.children_then = [dict(d) for d in self.children]
-        self.att = None
+        self.att = self.kernel = self.fused = None
         if not plain_layout(block):
             return
         att, mlp = block.self_attention, block.mlp
@@ -181,6 +191,7 @@ class RowsStep:
         self.heads = (Hq + 2 * Hkv, att.head_dim)  # the fused projection's heads: q, k, v
         self.sizes = [Hq + Hkv, Hkv]  # rotated (q and k), not (v)
         self.split = [Hq, Hkv]
+        self.kernel = _kernel_parts(block)
 
     def current(self) -> bool:
         """Whether no module of the block was swapped since this step was built."""
@@ -214,23 +225,19 @@ class RowsStep:
         """``h (B, S, d_model)`` through the block; ``cache``: its layer's cache of the step
         (``attend_rows``), ``mask``: its self-attention's (:meth:`DecoderBlock.causal_mask`),
         ``positions``: the tokens' RoPE positions, ``(S,)`` or ``(B, S)``."""
+        if self.kernel is not None:
+            out = self.kernel_step(h, cache, mask, score_mod, positions)
+            if out is not None:
+                return out
         B, S = h.shape[0], h.shape[1]
-        att, norm = self.att, self.norm1
+        norm = self.norm1
         x = rms_norm(h, norm.weight, norm.eps)
         qkv = _project(self.qkv, x).view(B, S, *self.heads)
         qk, v = qkv.split_with_sizes(self.sizes, 2)  # (B, S, Hq + Hkv, D), (B, S, Hkv, D)
         if self.rope is not None:
             qk = self.rope.rotate_tokens_first(qk, positions)
         q, k = qk.split_with_sizes(self.split, 2)
-        o = cache.attend_rows(
-            q,
-            k.reshape(B * S, *k.shape[2:]),
-            v.reshape(B * S, *v.shape[2:]),
-            mask=mask,
-            score_mod=score_mod,
-            scale=att.scale,
-            sinks=att.sinks,
-        )  # (B, S, Hq·Dv): the heads merged
+        o = self._attend(cache, q, k, v, mask, score_mod)
         h = h + _project(self.out, o)
         norm = self.norm2
         x = rms_norm(h, norm.weight, norm.eps)
@@ -238,6 +245,86 @@ class RowsStep:
         act = _silu if act is F.silu else act  # the op without F.silu's Python wrapper
         x = act(_project(self.gate, x)) * _project(self.up, x)
         return h + _project(self.down, x)
+
+    def _attend(self, cache, q, k, v, mask, score_mod):
+        """``q (B, S, Hq, D)``, this step's ``k``, ``v (B, S, Hkv, ·)`` through the layer's
+        cache (``attend_rows``): the merged heads ``(B, S, Hq·Dv)``."""
+        B, S, att = q.shape[0], q.shape[1], self.att
+        return cache.attend_rows(
+            q,
+            k.reshape(B * S, *k.shape[2:]),
+            v.reshape(B * S, *v.shape[2:]),
+            mask=mask,
+            score_mod=score_mod,
+            scale=att.scale,
+            sinks=att.sinks,
+        )
+
+    def kernel_step(self, h, cache, mask, score_mod, positions):
+        """:meth:`__call__` as four quantised-kernel calls and the attention (class docstring);
+        None where the kernel does not run for ``h`` (the caller runs the ops)."""
+        B, S, d = h.shape
+        x = h.reshape(B * S, d)
+        lib = kernel_for(x)
+        steps = None if lib is None else self._fused_steps(h.dtype)
+        if steps is None:
+            return None
+        qkv_s, out_s, mlp_s, down_s = steps
+        isa = isa_code(lib)
+        factors = None if self.rope is None else self.rope.rotation_factors(positions, h)
+        qkv = qkv_s(x.contiguous(), lib, isa, factors=factors)
+        q, k, v = qkv.view(B, S, *self.heads).split_with_sizes(self.split + self.split[1:], 2)
+        o = self._attend(cache, q, k, v, mask, score_mod)
+        x = out_s(o.reshape(B * S, -1).contiguous(), lib, isa, residual=x)
+        a = mlp_s(x, lib, isa)
+        return down_s(a, lib, isa, residual=x).view(B, S, d)
+
+    def _fused_steps(self, dtype) -> tuple | None:
+        """The kernel calls ``(qkv, out, gate with up, down)``
+        (:meth:`~selfattn.nn.QuantizedLinear.fused_step`), rebuilt when a layer's weights or
+        a norm's weight were replaced; None where the modules' dtypes are not all ``dtype``
+        (their rounding would differ) or a layer cannot be fused."""
+        qkv_m, out_m, gate_m, up_m, down_m = self.kernel
+        n1, n2 = self.norm1.weight, self.norm2.weight
+        if any(p.dtype != dtype for p in self.kernel) or any(
+            w is not None and w.dtype != dtype for w in (n1, n2)
+        ):
+            return None
+        key = [n1, n2]
+        for p in self.kernel:
+            key += p.kernel_tensors()
+        fused = self.fused
+        if fused is not None and len(fused[0]) == len(key) and all(map(is_, fused[0], key)):
+            return fused[1]
+        rope = None
+        if self.rope is not None:
+            rope = (self.sizes[0], self.heads[1], self.rope.rotary_dim)
+        steps = (
+            qkv_m.fused_step(norm=(n1, self.norm1.eps), rope=rope),
+            out_m.fused_step(),
+            gate_m.fused_step(norm=(n2, self.norm2.eps), pair=up_m),
+            down_m.fused_step(),
+        )
+        steps = None if any(s is None for s in steps) else steps
+        self.fused = (key, steps)
+        return steps
+
+
+def _kernel_parts(block) -> tuple | None:
+    """A plain-layout block's projections ``(qkv, out, gate, up, down)`` when a
+    :class:`RowsStep` may run them as fused kernel calls: every one a
+    :class:`~selfattn.nn.QuantizedLinear`, gate and up of one kind, SiLU, RoPE half-split (or
+    none); else None. (The dtypes are checked at each step: ``.to()`` changes them.)"""
+    att, mlp = block.self_attention, block.mlp
+    parts = (att.qkv_proj, att.out_proj, mlp.gate, mlp.up, mlp.down)
+    if not all(type(p) is QuantizedLinear for p in parts) or mlp.activation is not F.silu:
+        return None
+    gate, up = mlp.gate, mlp.up
+    if (gate.kind, gate.out_features) != (up.kind, up.out_features):
+        return None
+    if att.rope is not None and att.rope.interleaved:
+        return None
+    return parts
 
 
 def _rows_cache(cache) -> bool:

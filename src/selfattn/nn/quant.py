@@ -61,6 +61,7 @@ __all__ = [
     "QuantizedLinear",
     "block_bytes",
     "cat_rows",
+    "kernel_for",
     "quantize_",
 ]
 
@@ -129,6 +130,19 @@ def _kernel():
         log_once("quant-kernel", logging.INFO, "quant: the C quantised-matmul kernel is not "
                  "available; quantised layers dequantise in chunks (slower decode)")  # fmt: skip
     return lib
+
+
+def kernel_for(x: torch.Tensor):
+    """The C kernel where it runs for inputs ``x (M, K)`` (CPU, float32 or bfloat16, ``M <=
+    KERNEL_ROWS``, no autograd), else None (its absence logged once)."""
+    if (
+        x.shape[0] <= KERNEL_ROWS
+        and x.dtype in _KERNEL_DTYPES
+        and x.device.type == "cpu"
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
+        return _kernel()
+    return None
 
 
 class _Blocks(nn.Module):
@@ -346,13 +360,7 @@ class QuantizedLinear(_Blocks):
         if x.shape[-1] != K:
             raise ValueError(f"input of width {x.shape[-1]} does not match in_features ({K})")
         x2 = x.reshape(-1, K)  # (..., K) -> (M, K)
-        if (
-            x2.shape[0] <= KERNEL_ROWS
-            and x.dtype in _KERNEL_DTYPES
-            and x.device.type == "cpu"
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and (lib := _kernel()) is not None
-        ):
+        if (lib := kernel_for(x2)) is not None:
             y = self._weights()(x2, lib)
             b = self.bias
             if b is not None and b.dtype not in _KERNEL_DTYPES:
@@ -361,11 +369,36 @@ class QuantizedLinear(_Blocks):
             y = self._chunked(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def fused_step(self, *, norm=None, pair=None, rope=None) -> qmm.Step | None:
+        """The layer in a decoder block's decode step with its neighbours fused into one kernel
+        call (:class:`selfattn.kernels.quant_matmul.Step`): ``norm``: ``(weight or None, eps)``
+        of an RMSNorm before it, ``pair``: another QuantizedLinear of this shape and kind
+        (``SiLU(self(x)) · pair(x)``), ``rope``: ``(heads, head_dim, rotary_dim)``. Call it on
+        inputs :func:`kernel_for` accepts. None where a layer's bias is not float32 or bfloat16
+        or the pair differs in shape or kind."""
+        layers = (self,) if pair is None else (self, pair)
+        if any(p.bias is not None and p.bias.dtype not in _KERNEL_DTYPES for p in layers):
+            return None
+        if pair is not None and (pair.kind, pair.in_features, pair.out_features) != (
+            self.kind,
+            self.in_features,
+            self.out_features,
+        ):
+            return None
+        other = None if pair is None else pair._weights()
+        return qmm.Step(self._weights(), norm=norm, pair=other, rope=rope)
+
+    def kernel_tensors(self) -> list:
+        """``[qs, d, m, bias]``: the tensors the kernel reads (a tied head's buffers are its
+        table's; None where absent), each the object it is now (a caller holding kernel
+        arguments compares them to tell whether they were replaced)."""
+        bufs = (self if self._tied is None else self._tied)._buffers
+        return [bufs["qs"], bufs["d"], bufs.get("m"), self._parameters.get("bias")]
+
     def _weights(self) -> qmm.Weights:
         """The kernel's arguments for the current buffers (rebuilt when they were replaced);
         a bias of another dtype than fp32/bf16 is added by the caller."""
-        bufs = (self if self._tied is None else self._tied)._buffers
-        qs, d, m, b = bufs["qs"], bufs["d"], bufs.get("m"), self._parameters.get("bias")
+        qs, d, m, b = self.kernel_tensors()
         w = self._kernel_args
         if w is None or not w.holds(qs, d, m, b):
             bias = b.detach() if b is not None and b.dtype in _KERNEL_DTYPES else None

@@ -523,6 +523,18 @@ class RoPE(nn.Module):
             )
         return self._rotate(x, positions, tokens_first=True)
 
+    def rotation_factors(self, positions, x: torch.Tensor):
+        """The half-split factors ``(cos2, sin2)`` that :meth:`rotate_tokens_first` multiplies
+        ``x (B, S, ...)`` by at ``positions``, float32 ``(rows, rotary_dim)``: token ``s`` of
+        sequence ``b`` (row ``b·S + s`` of x's tokens) takes row ``(b·S + s) % rows``. None for
+        an interleaved rotation. A fused kernel's RoPE
+        (:class:`selfattn.kernels.quant_matmul.Step`) multiplies by them."""
+        if self.interleaved:
+            return None
+        cos2, sin2 = self._factors(positions, x, torch.float32, tokens_first=True)
+        r = self.rotary_dim
+        return cos2.reshape(-1, r), sin2.reshape(-1, r)
+
     def _rotate(self, x, positions, tokens_first: bool = False):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self._factors(positions, x, work, tokens_first)

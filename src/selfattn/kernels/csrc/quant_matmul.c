@@ -94,7 +94,7 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN st
 
 /* -- the call ----------------------------------------------------------------------------- */
 typedef struct {
-  int64_t M, N, K, nb, nbp, gb, chunk, n_chunks;
+  int64_t M, N, K, nb, nbp, gb, chunk, n_chunks, ystride;
   int wt, zp, isa, odt, bdt;
   const uint8_t *qs;
   const uint16_t *d, *mn;
@@ -400,6 +400,7 @@ static void rows_avxvnni(const Call *c, const uint8_t *w, const float *dw, const
 
 /* One participant: chunks of rows from the counter; scratch holds a row's expanded scales and
    minimums (nbp floats each, the padding zero) and its M results. */
+#define TASK_SCRATCH(c) ((size_t)(2 * (c)->nbp + (c)->M) * sizeof(float))
 static int rows_task(void *ctx, void *scratch) {
   Call *c = (Call *)ctx;
   float *dw = (float *)scratch, *mw = dw + c->nbp, *out = mw + c->nbp;
@@ -428,9 +429,9 @@ static int rows_task(void *ctx, void *scratch) {
       for (int64_t m = 0; m < c->M; m++) {
         const float v = out[m] + bias;
         if (c->odt == D_F32)
-          ((float *)c->y)[m * c->N + n] = v;
+          ((float *)c->y)[m * c->ystride + n] = v;
         else
-          ((uint16_t *)c->y)[m * c->N + n] = float_to_bf16(v);
+          ((uint16_t *)c->y)[m * c->ystride + n] = float_to_bf16(v);
       }
     }
   }
@@ -454,44 +455,52 @@ int qmm_supports(int isa) {
   return 0;
 }
 
-/* The calling thread's activation buffers, kept and grown across calls. */
-static __thread void *x_buf;
-static __thread size_t x_buf_bytes;
+/* The calling thread's buffers, kept and grown across calls: the activations' codes and scales
+   (x_buf), a fused step's normed input and fp32 products (f_buf). */
+static __thread void *x_buf, *f_buf;
+static __thread size_t x_buf_bytes, f_buf_bytes;
 
-/* y (M, N) = x (M, K) . W^T + bias. w: the weights' arguments, in the order of the W_* enum
-(the host builds them once per layer): N, K, wt, zp, gb (top of file), bdt and the pointers of
-qs, d, m (or 0) and bias (or 0). x: xdt (D_F32 / D_BF16) contiguous; y: the same dtype,
-contiguous. isa: a path qmm_supports() accepts (the host checks). Returns 0, 1 when memory ran
-out, 2 on bad sizes. */
+static void *grown(void **buf, size_t *have, size_t bytes) {
+  if (*have < bytes) {
+    free(*buf);
+    *buf = malloc(bytes);
+    *have = *buf ? bytes : 0;
+  }
+  return *buf;
+}
+
+/* The weights' arguments, in the order of the W_* enum (the host builds them once per layer):
+   N, K, wt, zp, gb (top of file), bdt and the pointers of qs, d, m (or 0) and bias (or 0). */
 enum { W_N, W_K, W_WT, W_ZP, W_GB, W_BDT, W_QS, W_D, W_M, W_BIAS, W_NARGS };
-int quant_matmul(const int64_t *w, int64_t M, const void *x, void *y, int xdt, int isa,
-                 int n_threads) {
+
+/* A call of weights w on M rows; 0, or 2 on bad sizes. */
+static int call_of(Call *c, const int64_t *w, int64_t M, int isa) {
   const int64_t N = w[W_N], K = w[W_K], gb = w[W_GB];
-  const int wt = (int)w[W_WT], zp = (int)w[W_ZP], odt = xdt, bdt = (int)w[W_BDT];
-  const void *qs = (const void *)(intptr_t)w[W_QS], *d = (const void *)(intptr_t)w[W_D];
-  const void *mn = (const void *)(intptr_t)w[W_M], *bias = (const void *)(intptr_t)w[W_BIAS];
   if (M <= 0 || N <= 0 || K <= 0 || K % 32 || gb <= 0 || (K / 32) % gb || isa < 0 ||
       isa > ISA_AVX512VNNI)
     return 2;
-  Call c = {.M = M, .N = N, .K = K, .nb = K / 32, .gb = gb, .wt = wt, .zp = zp, .isa = isa,
-            .odt = odt, .bdt = bdt, .qs = (const uint8_t *)qs, .d = (const uint16_t *)d,
-            .mn = (const uint16_t *)mn, .bias = bias, .y = y};
-  c.nbp = (c.nb + NB_PAD - 1) / NB_PAD * NB_PAD;
-  const int spread = isa == ISA_AVX512VNNI ? LANES(&c) : 0;
-  const size_t bytes = (size_t)M * (size_t)c.nbp * (32 + 3 * 4 + 3 * 4 * (size_t)spread);
-  if (x_buf_bytes < bytes) {
-    free(x_buf);
-    x_buf = malloc(bytes);
-    x_buf_bytes = x_buf ? bytes : 0;
-    if (!x_buf) return 1;
-  }
+  *c = (Call){.M = M, .N = N, .K = K, .nb = K / 32, .gb = gb, .wt = (int)w[W_WT],
+              .zp = (int)w[W_ZP], .isa = isa, .bdt = (int)w[W_BDT],
+              .qs = (const uint8_t *)(intptr_t)w[W_QS], .d = (const uint16_t *)(intptr_t)w[W_D],
+              .mn = (const uint16_t *)(intptr_t)w[W_M], .bias = (const void *)(intptr_t)w[W_BIAS]};
+  c->nbp = (c->nb + NB_PAD - 1) / NB_PAD * NB_PAD;
+  return 0;
+}
+
+/* Quantise x (M rows, dtype xdt) into the calling thread's buffers for call c; 0 or 1 (out of
+   memory). */
+static int quantise_for(Call *c, const void *x, int xdt) {
+  const int64_t M = c->M;
+  const int spread = c->isa == ISA_AVX512VNNI ? LANES(c) : 0;
+  const size_t bytes = (size_t)M * (size_t)c->nbp * (32 + 3 * 4 + 3 * 4 * (size_t)spread);
+  if (!grown(&x_buf, &x_buf_bytes, bytes)) return 1;
   int8_t *xq = (int8_t *)x_buf;
-  float *sx = (float *)(xq + M * c.nbp * 32), *xs = sx + M * c.nbp;
-  int32_t *cz = (int32_t *)(xs + M * c.nbp);
-  quantise_x(&c, x, xdt, xq, sx, xs, cz);
-  c.xq = xq, c.sx = sx, c.xs = xs, c.cz = cz;
+  float *sx = (float *)(xq + M * c->nbp * 32), *xs = sx + M * c->nbp;
+  int32_t *cz = (int32_t *)(xs + M * c->nbp);
+  quantise_x(c, x, xdt, xq, sx, xs, cz);
+  c->xq = xq, c->sx = sx, c->xs = xs, c->cz = cz;
   if (spread) { /* each block's scale over its lanes; correction and sx . sum in its first */
-    const int64_t n = M * c.nbp;
+    const int64_t n = M * c->nbp;
     float *sxv = (float *)(cz + n), *xsv = sxv + n * spread;
     int32_t *czv = (int32_t *)(xsv + n * spread);
     for (int64_t i = 0; i < n; i++)
@@ -500,13 +509,150 @@ int quant_matmul(const int64_t *w, int64_t M, const void *x, void *y, int xdt, i
         xsv[i * spread + l] = l ? 0.0f : xs[i];
         czv[i * spread + l] = l ? 0 : cz[i];
       }
-    c.sxv = sxv, c.xsv = xsv, c.czv = czv;
+    c->sxv = sxv, c->xsv = xsv, c->czv = czv;
   }
+  return 0;
+}
+
+/* Run call c's rows on up to n_threads participants into y (dtype odt, row stride ystride). */
+static int run_rows(Call *c, void *y, int odt, int64_t ystride, int n_threads) {
+  c->y = y, c->odt = odt, c->ystride = ystride, c->next = 0;
   if (n_threads < 1) n_threads = 1;
   /* a few chunks per thread, so that a late or slow participant still finds work */
-  int64_t chunk = N / (8 * (int64_t)n_threads);
+  int64_t chunk = c->N / (8 * (int64_t)n_threads);
   chunk = chunk < 16 ? 16 : chunk;
-  c.chunk = chunk, c.n_chunks = (N + chunk - 1) / chunk;
-  if (c.n_chunks < n_threads) n_threads = (int)c.n_chunks;
-  return pool_run(rows_task, &c, n_threads, (size_t)(2 * c.nbp + M) * sizeof(float));
+  c->chunk = chunk, c->n_chunks = (c->N + chunk - 1) / chunk;
+  if (c->n_chunks < n_threads) n_threads = (int)c->n_chunks;
+  return pool_run(rows_task, c, n_threads, TASK_SCRATCH(c));
+}
+
+/* y (M, N) = x (M, K) . W^T + bias. w: the weights' arguments (W_* above). x: xdt (D_F32 /
+   D_BF16) contiguous; y: the same dtype, contiguous. isa: a path qmm_supports() accepts (the
+   host checks). Returns 0, 1 when memory ran out, 2 on bad sizes. */
+int quant_matmul(const int64_t *w, int64_t M, const void *x, void *y, int xdt, int isa,
+                 int n_threads) {
+  Call c;
+  int status = call_of(&c, w, M, isa);
+  if (status) return status;
+  if (quantise_for(&c, x, xdt)) return 1;
+  return run_rows(&c, y, xdt, c.N, n_threads);
+}
+
+/* -- a fused step: a linear layer with its neighbours in a decoder block ---------------------- */
+/* The values round as the same ops in PyTorch round them (the host's module path: rms_norm,
+   the product rounded to the dtype, then RoPE, the SwiGLU product or the residual sum each
+   rounded once), so that a fused step and the modules give the same values but for the order
+   of a sum: round() below is a no-op in fp32, bf16's rounding in bf16. */
+static inline float rounded(float v, int dt) { return dt == D_BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
+static inline float load_dt(const void *p, int64_t i, int dt) {
+  return dt == D_F32 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+static inline void store_dt(void *p, int64_t i, float v, int dt) {
+  if (dt == D_F32)
+    ((float *)p)[i] = v;
+  else
+    ((uint16_t *)p)[i] = float_to_bf16(v);
+}
+
+/* rms_norm(x) . g row by row into xn (fp32): torch.rms_norm's steps (the mean of squares in
+   fp32, x . rsqrt(mean + eps) rounded to the dtype), then the weight's product rounded. */
+static void norm_rows(const void *x, int xdt, int64_t M, int64_t K, const void *g, int gdt,
+                      float eps, float *xn) {
+  for (int64_t m = 0; m < M; m++) {
+    float ss = 0;
+    for (int64_t k = 0; k < K; k++) {
+      const float v = load_dt(x, m * K + k, xdt);
+      ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) {
+      const float v = rounded(load_dt(x, m * K + k, xdt) * inv, xdt);
+      xn[m * K + k] = g ? rounded(v * load_dt(g, k, gdt), xdt) : v;
+    }
+  }
+}
+
+/* The fused step's fixed options (int64 each, by these indices; a pointer 0: the part is
+   absent): F_NORM_ON 1 normalises x first, by the norm's weight F_NORM (dtype F_NORM_DT; 0: none)
+   and its eps as float bits; F_W2 a second weight (args as w) whose products pair with w's as
+   SiLU(w . x) . (w2 . x); RoPE on the first F_ROPE_HEADS heads of F_HEAD_DIM outputs, F_ROT_DIM
+   dims each (0 heads: none). */
+enum { F_NORM_ON, F_NORM, F_NORM_DT, F_EPS, F_W2, F_ROPE_HEADS, F_HEAD_DIM, F_ROT_DIM, F_NARGS };
+
+__attribute__((optimize("fp-contract=off"))) static void rope_row(float *v, const float *cs,
+                                                                  const float *sn, int64_t heads,
+                                                                  int64_t D, int64_t r, int dt) {
+  float tmp[r];
+  const int64_t h2 = r / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    float *u = v + h * D;
+    for (int64_t i = 0; i < r; i++) tmp[i] = rounded(u[i], dt); /* the product as stored */
+    for (int64_t i = 0; i < r; i++) {
+      const float a = tmp[i] * cs[i], b = tmp[i < h2 ? i + h2 : i - h2] * sn[i];
+      u[i] = a + b;
+    }
+  }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* y (M, N) = the step of weights w over x (M, K) with the options f (F_* above); dtypes as
+   quant_matmul's. Per call: res (M, N) in y's dtype added last (0: none; may be y), RoPE's
+   half-split factors cos2, sin2 (fp32, rope_rows rows of F_ROT_DIM; row m of x takes row
+   m % rope_rows). Returns 0, 1 when memory ran out, 2 on bad sizes or options. */
+int quant_linear_step(const int64_t *w, const int64_t *f, int64_t M, const void *x, void *y,
+                      const void *res, const float *cs, const float *sn, int64_t rope_rows,
+                      int xdt, int isa, int n_threads) {
+  Call c, c2;
+  int status = call_of(&c, w, M, isa);
+  if (status) return status;
+  const int64_t N = c.N, K = c.K;
+  const int64_t *w2 = (const int64_t *)(intptr_t)f[F_W2];
+  if (w2) {
+    if ((status = call_of(&c2, w2, M, isa))) return status;
+    if (c2.N != N || c2.K != K || c2.wt != c.wt || c2.zp != c.zp) return 2;
+  }
+  const int64_t heads = f[F_ROPE_HEADS], D = f[F_HEAD_DIM], r = f[F_ROT_DIM];
+  if (heads && (D <= 0 || r <= 0 || r > D || r % 2 || heads * D > N || rope_rows <= 0 || !cs ||
+                !sn))
+    return 2;
+  const int64_t width = w2 ? 2 * N : N;
+  float *buf = (float *)grown(&f_buf, &f_buf_bytes,
+                              (size_t)M * (size_t)(width + (f[F_NORM_ON] ? K : 0)) * 4);
+  if (!buf) return 1;
+  float *acc = buf, *xn = buf + M * width;
+  const void *xin = x;
+  int xin_dt = xdt;
+  if (f[F_NORM_ON]) {
+    float eps;
+    const uint32_t bits = (uint32_t)f[F_EPS];
+    memcpy(&eps, &bits, 4);
+    norm_rows(x, xdt, M, K, (const void *)(intptr_t)f[F_NORM], (int)f[F_NORM_DT], eps, xn);
+    xin = xn, xin_dt = D_F32;
+  }
+  if (quantise_for(&c, xin, xin_dt)) return 1;
+  if (run_rows(&c, acc, D_F32, width, n_threads)) return 1;
+  if (w2) {
+    c2.xq = c.xq, c2.sx = c.sx, c2.xs = c.xs, c2.cz = c.cz; /* the same quantised rows */
+    c2.sxv = c.sxv, c2.xsv = c.xsv, c2.czv = c.czv;
+    if (run_rows(&c2, acc + N, D_F32, width, n_threads)) return 1;
+  }
+  for (int64_t m = 0; m < M; m++) {
+    float *a = acc + m * width;
+    if (w2)
+      for (int64_t n = 0; n < N; n++) {
+        const float g = rounded(a[n], xdt), u = rounded(a[N + n], xdt);
+        a[n] = rounded(silu(g), xdt) * u;
+      }
+    if (heads) {
+      const int64_t row = m % rope_rows;
+      rope_row(a, cs + row * r, sn + row * r, heads, D, r, xdt);
+    }
+    for (int64_t n = 0; n < N; n++) {
+      float v = a[n];
+      if (res) v = load_dt(res, m * N + n, xdt) + rounded(v, xdt);
+      store_dt(y, m * N + n, v, xdt);
+    }
+  }
+  return 0;
 }
