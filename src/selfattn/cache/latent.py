@@ -70,6 +70,8 @@ class PagedLatentKV(PagedKV):
     for any :class:`PagedKV`.
     """
 
+    query_blocks = False  # its long steps attend through paged_attention
+
     def __init__(
         self, n_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
         **kw,

@@ -61,6 +61,8 @@ class StreamingPagedKV(PagedKV):
     prefix of anything). :meth:`pages_needed` sizes ``max_pages_per_seq``.
     """
 
+    query_blocks = False  # its long steps attend through paged_attention
+
     def __init__(
         self, *args, n_sink: int, window: int, positions: str = "absolute", rope=None, **kwargs
     ):

@@ -55,6 +55,11 @@ class PagedKV:
     :meth:`check` counts the index's references.
     """
 
+    # A long step (a prefill chunk) of a plain layer attends each sequence's gathered keys with
+    # the dense kernels (PagedLayer._run); subclasses whose pages are not the sequence's keys in
+    # order say False.
+    query_blocks = True
+
     def __init__(
         self,
         n_layers: int,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfattn.cache.base import Step
-from selfattn.cache.paged.plan import StepPlan
+from selfattn.cache.paged.plan import PACKED_ROWS_MAX, StepPlan
 from selfattn.cache.paged.store import check_new_kv
 from selfattn.functional import attention, attention_weights, paged_attention
 from selfattn.masks import as_mask, from_tensor
@@ -187,9 +187,10 @@ class PagedLayer:
         # (B·S, H, ·) -> (B, H, S, ·)
         k = k_rows.view(B, S, *k_rows.shape[1:]).transpose(1, 2)
         v = v_rows.view(B, S, *v_rows.shape[1:]).transpose(1, 2)
-        if (plan.packed and plan.blocks) or not kv.writes_rows:
+        long = plan.blocks if plan.packed else S > PACKED_ROWS_MAX
+        if long or not kv.writes_rows:
             # a long chunk (a query block over gathered K/V), quantised pages, a cache with its
-            # own write: attend's path
+            # own write: attend's path (every layer: the step's plan memoises no backend)
             out = self.attend(qh, k, v, mask=mask, score_mod=score_mod, scale=scale, sinks=sinks)
             return out.transpose(1, 2).reshape(B, S, -1)
         if plan.packed:
@@ -210,45 +211,51 @@ class PagedLayer:
         return None
 
     def _run(self, q, k, v, mask, score_mod, scale, return_weights, sinks=None):
-        """:meth:`attend` once its inputs are checked (masks already per sequence)."""
-        kv, plan = self.kv, self.plan
+        """:meth:`attend` once its inputs are checked (masks already per sequence). A step of
+        more than :data:`~selfattn.cache.paged.plan.PACKED_ROWS_MAX` tokens a sequence (a
+        prefill chunk) attends each sequence's gathered keys with :func:`attention` (a query
+        block, as the packed plan's long chunks do: dense kernels win there), a shorter one
+        through :func:`paged_attention`."""
+        kv, plan, layer = self.kv, self.plan, self.layer
         try:
-            kv.write(self.layer, plan, k, v)
-            k_scales, v_scales = kv.layer_scales(self.layer)
-            out = paged_attention(
-                q,
-                kv.k_layers[self.layer],
-                kv.v_layers[self.layer],
-                plan.block_table,
-                plan.seq_lens,
-                mask=mask,
-                score_mod=score_mod,
-                scale=scale,
-                k_scales=k_scales,
-                v_scales=v_scales,
-                plan=plan.attention,
-                sinks=sinks,
-            )
+            kv.write(layer, plan, k, v)
+            if plan.n_tokens > PACKED_ROWS_MAX and self._blocks_serve():
+                out = q.new_empty(*q.shape[:3], kv.v_layers[layer].shape[-1])
+                out = self._per_sequence(attention, out, q, mask, score_mod, scale, sinks)
+            else:
+                k_scales, v_scales = kv.layer_scales(layer)
+                out = paged_attention(
+                    q, kv.k_layers[layer], kv.v_layers[layer], plan.block_table, plan.seq_lens,
+                    mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
+                    v_scales=v_scales, plan=plan.attention, sinks=sinks,
+                )  # fmt: skip
         except BaseException:
             kv.undo(plan)
             raise
         if not return_weights:
             return out
-        B, Hq, Sq, _ = q.shape
-        w = q.new_zeros(B, Hq, Sq, plan.max_len)
-        for b, s in enumerate(plan.seq_ids):
-            ks, vs = kv.gather(s, self.layer)
-            n = ks.shape[1]
-            w[b : b + 1, :, :, :n] = attention_weights(
-                q[b : b + 1],
-                ks[None],
-                vs[None],
-                mask=None if mask is None else as_mask(mask).shifted(batch=b),
-                score_mod=None if score_mod is None else as_score_mod(score_mod).shifted(batch=b),
-                scale=scale,
-                sinks=sinks,
-            )  # default q_offset: bottom-right, n - Sq, as in paged_attention
-        return out, w
+        w = q.new_zeros(*q.shape[:3], plan.max_len)
+        return out, self._per_sequence(attention_weights, w, q, mask, score_mod, scale, sinks)
+
+    def _blocks_serve(self) -> bool:
+        """Whether a long step may attend as query blocks over gathered keys: a plain layer of
+        a pool whose ``query_blocks`` says so (a streaming pool's kernel positions skip freed
+        pages, a latent pool's values are views of its keys)."""
+        return type(self) is PagedLayer and self.kv.query_blocks
+
+    def _per_sequence(self, fn, out, q, mask, score_mod, scale, sinks):
+        """``out[b, ..., :r]`` = ``fn(q_b, k_b, v_b, ...)`` (``r`` its last size) for each
+        sequence ``b`` of the written step over its gathered keys, its mask and score mod
+        shifted to its batch row; the default q_offset (bottom-right, ``n - Sq``) places its
+        queries as :func:`paged_attention` does. Returns ``out``."""
+        for b, s in enumerate(self.plan.seq_ids):
+            ks, vs = self.kv.gather(s, self.layer)
+            mask_b = None if mask is None else as_mask(mask).shifted(batch=b)
+            mod_b = None if score_mod is None else as_score_mod(score_mod).shifted(batch=b)
+            r = fn(q[b : b + 1], ks[None].to(q.dtype), vs[None].to(q.dtype), mask=mask_b,
+                   score_mod=mod_b, scale=scale, sinks=sinks)  # fmt: skip
+            out[b, ..., : r.shape[-1]] = r[0]
+        return out
 
     def _check_packed(self, q, k, v, mask, score_mod, return_weights) -> None:
         """:meth:`attend`'s checks over a packed plan (undoing the step when one fails)."""
