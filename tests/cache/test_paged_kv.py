@@ -133,6 +133,47 @@ def test_ragged_step_follows_each_sequence(family):
     kv.check()
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@torch.no_grad()
+def test_a_long_ragged_step_attends_query_blocks(family, monkeypatch):
+    """A step of more than PACKED_ROWS_MAX tokens a sequence (a prefill chunk after earlier
+    tokens, ragged) attends each sequence's gathered keys with the dense attention(): every
+    layer does, and each row equals its sequence run alone without a cache (a sliding window
+    too); the weights asked for come from the same gathered keys."""
+    from selfattn.cache.paged import PACKED_ROWS_MAX
+    from selfattn.cache.paged import layer as paged_layer
+
+    calls = []
+    dense = paged_layer.attention
+    monkeypatch.setattr(paged_layer, "attention", lambda *a, **k: calls.append(1) or dense(*a, **k))
+    model = tiny(family, seed=6)
+    S = PACKED_ROWS_MAX + 3
+    ids = tokens(2, 9 + S, seed=6)
+    kv = kv_for(model, pages=32, P=8)
+    a, b = kv.add_sequences(2)
+    model(ids[:1, :9], cache=kv.view([a]))
+    model(ids[1:, :2], cache=kv.view([b]))
+    step = torch.stack([ids[0, 9 : 9 + S], ids[1, 2 : 2 + S]])
+    got = model(step, cache=kv.view([a, b]))
+    assert len(calls) == 2 * model.config.n_layers  # two sequences, every layer
+    assert_rel(got[0], model(ids[:1, : 9 + S])[0, 9:], "sequence at 9")
+    assert_rel(got[1], model(ids[1:, : 2 + S])[0, 2:], "sequence at 2")
+    kv.check()
+    c = model.config
+    q = torch.randn(2, c.n_heads, S, c.head_dim, dtype=F64)
+    k, v = (torch.randn(2, c.n_kv_heads, S, c.head_dim, dtype=F64) for _ in range(2))
+    step = kv.view([a, b]).plan(S)
+    out, w = step.layers[0].attend(q, k, v, mask=masks.causal(), return_weights=True)
+    assert w.shape == (2, c.n_heads, S, 9 + 2 * S) and torch.equal(
+        w[1, ..., 2 + 2 * S :], w[1, ..., 2 + 2 * S :] * 0
+    )
+    for row, seq in ((0, a), (1, b)):
+        ks, vs = kv.gather(seq, 0)
+        want = sa.attention(q[row : row + 1], ks[None], vs[None], mask=masks.causal())
+        assert_rel(out[row], want[0], f"row {row}")
+        assert_rel(w[row, ..., : ks.shape[1]].sum(-1), torch.ones_like(w[row, ..., 0]), "weights")
+
+
 @torch.no_grad()
 def test_fork_copies_the_shared_page_in_every_layer():
     """A forked sequence shares its parent's pages (one reference per page for all layers);

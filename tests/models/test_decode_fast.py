@@ -354,6 +354,26 @@ def test_quantised_projections_take_the_fused_kernel_step(fmt, dtype, fast_runs,
     assert_close_to_reference(fast, ref, slow, dtype=dtype, what="fused step's logits")
 
 
+def test_fused_kernel_steps_follow_new_weights_and_dtypes(fast_runs):
+    """The fused kernel calls keep pointers into the layers' buffers: loading other weights
+    (``load_state_dict(assign=True)``) or ``.to(dtype)`` replaces those, and the next step
+    uses the new ones (the logits follow the module path's within the ratio rule)."""
+    cfg = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
+    model = _quantised(_llama(35, **cfg), "q4_1")
+    other = _quantised(_llama(36, **cfg), "q4_1")
+    prompts, tokens = _case(35, 1, False)
+    before = _decode(model, prompts, tokens)
+    model.load_state_dict(other.state_dict(), assign=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        fast = _decode(model, prompts, tokens).double()
+        with _module_path():
+            slow = _decode(model, prompts, tokens).double()
+            ref = _decode(_dequantised(model), prompts, tokens)
+        assert_close_to_reference(fast, ref, slow, dtype=dtype, what=f"{dtype} after the load")
+        assert not torch.allclose(fast, before.double(), rtol=0.05)
+
+
 def test_block_forward_runs_its_lean_step(fast_runs, monkeypatch):
     """A block called as a module over a paged step's layer runs the same lean step: a hook on
     one block's part sends that block (only) through its modules, the logits unchanged."""

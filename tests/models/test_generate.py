@@ -8,6 +8,7 @@ tokens as transformers' sampling (the same filters, the same multinomial draws).
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -36,7 +37,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("cache", ["static", "window", "paged", None])
+@pytest.mark.parametrize("cache", ["auto", "static", "window", "paged", None])
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "gemma2"])
 def test_greedy_equals_transformers(runs, family, cache):
     r = runs[family]
@@ -50,8 +51,31 @@ def test_unpadded_batch_equals_transformers(runs):
     r = runs["mistral"]
     ids = r.ids[1:2]
     ref = r.hf.generate(ids, max_new_tokens=NEW, do_sample=False)
-    for cache in ("static", "window", None):
+    for cache in ("auto", "static", "window", None):
         assert torch.equal(generate(r.ours, ids, NEW, cache=cache), ref)
+
+
+@pytest.mark.parametrize(
+    "family, padded, want",
+    [("llama", False, "paged"), ("llama", True, "static"), ("gpt2", False, "static")],
+)
+def test_auto_cache_is_paged_where_the_fast_path_runs(runs, family, padded, want, monkeypatch):
+    """``cache="auto"`` (the default) plans a paged cache for a model whose blocks are all the
+    plain Llama layout and rows without padding (its decode steps take the fast path), else a
+    static one (GPT-2's LayerNorm blocks; a padded batch)."""
+    gen = importlib.import_module("selfattn.models.generate")  # the package exports the function
+
+    r = runs[family]
+    kinds = []
+    steps = gen._decoder_steps
+    monkeypatch.setattr(
+        gen,
+        "_decoder_steps",
+        lambda m, i, a, kind, *rest: kinds.append(kind) or steps(m, i, a, kind, *rest),
+    )
+    ids, mask = (r.ids, r.mask) if padded else (r.ids[1:2], None)
+    generate(r.ours, ids, 2, attention_mask=mask)
+    assert kinds == [want]
 
 
 @pytest.mark.parametrize(

@@ -281,28 +281,31 @@ class RowsStep:
 
     def _fused_steps(self, dtype) -> tuple | None:
         """The kernel calls ``(qkv, out, gate with up, down)``
-        (:meth:`~selfattn.nn.QuantizedLinear.fused_step`), rebuilt when a layer's weights or
-        a norm's weight were replaced; None where the modules' dtypes are not all ``dtype``
-        (their rounding would differ) or a layer cannot be fused."""
-        qkv_m, out_m, gate_m, up_m, down_m = self.kernel
-        n1, n2 = self.norm1.weight, self.norm2.weight
-        if any(p.dtype != dtype for p in self.kernel) or any(
-            w is not None and w.dtype != dtype for w in (n1, n2)
-        ):
-            return None
-        key = [n1, n2]
+        (:meth:`~selfattn.nn.QuantizedLinear.fused_step`), rebuilt when a layer's tensors (its
+        weights, its dtype: :meth:`~selfattn.nn.QuantizedLinear.kernel_tensors`), a norm's
+        weight or eps, or ``dtype`` changed; None where the modules' dtypes are not all
+        ``dtype`` (their rounding would differ) or a layer cannot be fused."""
+        norm1, norm2 = self.norm1, self.norm2
+        n1, n2 = norm1.weight, norm2.weight
+        key = [dtype, n1, n2, norm1.eps, norm2.eps]
         for p in self.kernel:
             key += p.kernel_tensors()
         fused = self.fused
         if fused is not None and len(fused[0]) == len(key) and all(map(is_, fused[0], key)):
             return fused[1]
+        qkv_m, out_m, gate_m, up_m, down_m = self.kernel
+        if any(p.dtype != dtype for p in self.kernel) or any(
+            w is not None and w.dtype != dtype for w in (n1, n2)
+        ):
+            self.fused = (key, None)
+            return None
         rope = None
         if self.rope is not None:
             rope = (self.sizes[0], self.heads[1], self.rope.rotary_dim)
         steps = (
-            qkv_m.fused_step(norm=(n1, self.norm1.eps), rope=rope),
+            qkv_m.fused_step(norm=(n1, norm1.eps), rope=rope),
             out_m.fused_step(),
-            gate_m.fused_step(norm=(n2, self.norm2.eps), pair=up_m),
+            gate_m.fused_step(norm=(n2, norm2.eps), pair=up_m),
             down_m.fused_step(),
         )
         steps = None if any(s is None for s in steps) else steps

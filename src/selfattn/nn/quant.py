@@ -389,16 +389,18 @@ class QuantizedLinear(_Blocks):
         return qmm.Step(self._weights(), norm=norm, pair=other, rope=rope)
 
     def kernel_tensors(self) -> list:
-        """``[qs, d, m, bias]``: the tensors the kernel reads (a tied head's buffers are its
-        table's; None where absent), each the object it is now (a caller holding kernel
-        arguments compares them to tell whether they were replaced)."""
+        """``[qs, d, m, bias, probe]``: the tensors the kernel reads (a tied head's buffers are
+        its table's; None where absent) and the compute dtype's probe (``.to(dtype)`` replaces
+        it), each the object it is now: a caller holding kernel arguments compares them to tell
+        whether they were replaced."""
         bufs = (self if self._tied is None else self._tied)._buffers
-        return [bufs["qs"], bufs["d"], bufs.get("m"), self._parameters.get("bias")]
+        own = self._buffers
+        return [bufs["qs"], bufs["d"], bufs.get("m"), self._parameters.get("bias"), own["_dtype"]]
 
     def _weights(self) -> qmm.Weights:
         """The kernel's arguments for the current buffers (rebuilt when they were replaced);
         a bias of another dtype than fp32/bf16 is added by the caller."""
-        qs, d, m, b = self.kernel_tensors()
+        qs, d, m, b, _ = self.kernel_tensors()
         w = self._kernel_args
         if w is None or not w.holds(qs, d, m, b):
             bias = b.detach() if b is not None and b.dtype in _KERNEL_DTYPES else None
