@@ -125,6 +125,25 @@ def _step_weights(kind, N, K, g, bias_dtype=None):
 STEP_PARTS = ["norm", "pair", "rope", "residual", "norm+pair", "norm+rope", "all"]
 
 
+def _normed_away_from_ties(M, K, dtype, g, margin=1e-3):
+    """``x (M, K)`` and an RMSNorm ``(weight, eps)`` whose normed values (in fp64) are no
+    closer than ``margin`` of a code step to a rounding tie of the int8 activation codes: a
+    norm whose sum of squares runs in another order moves a value by an ulp, which at a tie
+    flips its code (a jump of one step, the format's, not an error of the kernel)."""
+    for _ in range(100):
+        x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+        weight = (torch.rand(K, generator=g) + 0.5).to(dtype)
+        xn = torch.rms_norm(x.double(), (K,), None, 1e-5) * weight.double()
+        if dtype != torch.float32:  # the kernel (and the op) round the normed values first
+            xn = torch.rms_norm(x, (K,), None, 1e-5).double() * weight.double()
+            xn = xn.to(dtype).double()
+        blocks = xn.view(M, K // qmm.BLOCK, qmm.BLOCK)
+        codes = blocks * 127 / blocks.abs().amax(-1, keepdim=True)
+        if ((codes - codes.floor() - 0.5).abs() > margin).all():
+            return x, (weight, 1e-5)
+    raise AssertionError("no draw away from the ties in 100 tries")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", sorted(qmm.KINDS))
 @pytest.mark.parametrize("parts", STEP_PARTS)
@@ -136,8 +155,7 @@ def test_fused_step_matches_its_ops_in_fp64(isa, kind, parts, dtype):
     M, N, K, D, r = 3, 5 * 24, 160, 24, 16  # 5 heads of 24, 16 rotated: a partial rotation
     spec, w = _step_weights(kind, N, K, g, dtype if parts == "all" else None)
     spec2, w2 = _step_weights(kind, N, K, g)
-    x = (torch.randn(M, K, generator=g) * 3).to(dtype)
-    norm = (torch.rand(K, generator=g) + 0.5).to(dtype), 1e-5
+    x, norm = _normed_away_from_ties(M, K, dtype, g)
     cos2, sin2 = torch.randn(2, r, generator=g), torch.randn(2, r, generator=g)
     res = torch.randn(M, N, generator=g).to(dtype)
     use = set(("norm", "pair", "rope", "residual") if parts == "all" else parts.split("+"))

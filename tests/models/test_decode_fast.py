@@ -374,6 +374,32 @@ def test_fused_kernel_steps_follow_new_weights_and_dtypes(fast_runs):
         assert not torch.allclose(fast, before.double(), rtol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_blocks_equal_the_blocks_own_steps(dtype, monkeypatch):
+    """After the first block's fused step, the other blocks of a decode step run as one C call
+    (native_blocks: the same kernel calls on the same buffers): the logits equal those of every
+    block running its own step, bit for bit, uniform and packed; a prefill chunk (another
+    attention path) and sinks (which the C loop does not take) run block by block."""
+    cfg = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
+    model = _quantised(_llama(37, **cfg), "q4_1").to(dtype)
+    prompts, tokens = _case(37, 2, True)
+    used = []
+    native = decode_fast.native_blocks
+    monkeypatch.setattr(decode_fast, "native_blocks",
+                        lambda *a: used.append(native(*a) is not None) or native(*a))  # fmt: skip
+    fast = torch.cat([_decode(model, prompts, tokens), _packed(model)])
+    assert sum(used) >= 4 and not all(used)  # decode steps; not the prefills
+    monkeypatch.setattr(decode_fast, "native_blocks", lambda *a: None)
+    assert torch.equal(fast, torch.cat([_decode(model, prompts, tokens), _packed(model)]))
+    monkeypatch.setattr(decode_fast, "native_blocks", native)
+    _with_sinks(model, 37)
+    used.clear()
+    calls = []
+    monkeypatch.setattr(decode_fast, "native_blocks", lambda *a: calls.append(native(*a)) or None)
+    _decode(model, prompts, tokens)
+    assert calls and all(c is None for c in calls)
+
+
 def test_block_forward_runs_its_lean_step(fast_runs, monkeypatch):
     """A block called as a module over a paged step's layer runs the same lean step: a hook on
     one block's part sends that block (only) through its modules, the logits unchanged."""

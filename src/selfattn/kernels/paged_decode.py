@@ -280,6 +280,17 @@ class Launch:
         self._scratch = lse  # the lse of calls that do not want it: written, never read
         self._layout = self._layout_of(q, k_pages, v_pages)
 
+    def native(self) -> tuple:
+        """What C code needs to run this launch itself: ``(entry, iargs, ptrs, n_threads,
+        slots, lse)``: the address of ``paged_decode``, the ctypes arrays of its int and pointer
+        arguments (the pointers of this launch's table and intervals set, held by it), its
+        thread count, the indices in ``ptrs`` of ``"Q"``, ``"K"``, ``"V"``, ``"OUT"``, ``"LSE"``
+        and ``"SINKS"``, and an lse scratch tensor. The caller sets those pointers (q
+        contiguous in the launch's shape, out of its shape in q's dtype) before each call."""
+        entry = ctypes.cast(self._lib.paged_decode, ctypes.c_void_p).value
+        slots = {"Q": _Q, "K": _K, "V": _V, "OUT": _OUT, "LSE": _LSE, "SINKS": _SINKS}
+        return entry, self._iargs, self._ptrs, self._threads, slots, self._scratch
+
     @staticmethod
     def _layout_of(q, k_pages, v_pages) -> tuple:
         return (q.shape, q.dtype, k_pages.shape, k_pages.dtype, k_pages.stride(), v_pages.shape,

@@ -94,6 +94,12 @@ SPEC = CLibrary(
                 ctypes.c_int,
             ),
         ),
+        # quant_block_steps(blocks' fields, n blocks, the step's fields, h, xdt, isa): 0, 1 (out
+        # of memory), 2 (bad sizes), 3 (the attention kernel failed)
+        Function(
+            "quant_block_steps",
+            (ctypes.POINTER(_I64), _I64, ctypes.POINTER(_I64), _P, ctypes.c_int, ctypes.c_int),
+        ),
         Function("qmm_supports", (ctypes.c_int,), ctypes.c_int),
         *threads.POOL_FUNCTIONS,
     ),
@@ -235,7 +241,7 @@ class Step:
         weight = None
         if norm is not None:
             weight, eps = norm
-            f[0], f[3] = 1, _float_bits(eps)
+            f[0], f[3] = 1, float_bits(eps)
             if weight is not None:
                 if weight.dtype not in _DT or not weight.is_contiguous():
                     raise ValueError("the norm's weight must be contiguous float32 or bfloat16")
@@ -254,6 +260,20 @@ class Step:
 
     def __reduce__(self):
         return (_nothing, ())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weights' ``(N, K)``: outputs and inputs."""
+        return self._shape
+
+    def addresses(self) -> tuple[int, int]:
+        """The addresses of the weights' and the options' argument arrays (what csrc's
+        ``quant_block_steps`` takes per step; valid while this object lives)."""
+        return ctypes.addressof(self.weights._args), ctypes.addressof(self._args)
+
+    def threads(self, lib: ctypes.CDLL) -> int:
+        """The threads a call uses now."""
+        return _threads(lib, self._bytes)
 
     def holds(self, weights, pair, norm_weight) -> bool:
         """Whether it was built for these objects (each the same object)."""
@@ -276,7 +296,7 @@ class Step:
             self.weights._args, self._args, M, x.data_ptr(), y.data_ptr(),
             None if residual is None else residual.data_ptr(),
             None if cos2 is None else cos2.data_ptr(), None if sin2 is None else sin2.data_ptr(),
-            rows, _DT[x.dtype], isa, _threads(lib, self._bytes),
+            rows, _DT[x.dtype], isa, self.threads(lib),
         )  # fmt: skip
         if status:
             _failed("quant_linear_step", status, x, self._shape)
@@ -287,7 +307,8 @@ _STEP_ARGS = 8  # the fixed options of csrc's quant_linear_step (its F_* enum)
 
 
 @functools.cache
-def _float_bits(v: float) -> int:
+def float_bits(v: float) -> int:
+    """The bits of ``v`` as a float32 (how the kernels' int64 argument arrays carry a float)."""
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 

@@ -54,9 +54,9 @@ POOL_FUNCTIONS = (
 MIN_SECONDS = 50e-6
 # The same where the call runs on PyTorch's OpenMP threads, which spin for milliseconds after
 # each parallel op (a decode step's previous op): a region starts within a few µs there (a
-# quantised decode matmul measured 1.2x faster on two threads from ~0.2 MB of weights, 1.5x at
-# 0.55 MB, 2 threads on 2 cores).
-MIN_SECONDS_OPENMP = 10e-6
+# quantised decode matmul with a PyTorch op between calls, 2 threads on 2 cores: 0.07 MB of
+# weights 1.1x slower on two threads, 0.2 MB 1.2x faster, 0.55 MB 1.4-1.5x).
+MIN_SECONDS_OPENMP = 5e-6
 # One core's rates for the estimate (an AVX-512 core: the fused kernels' fp32 products and a
 # decode's page reads); off by 2x only moves where a second thread starts.
 _FLOPS_PER_SECOND = 100e9

@@ -25,16 +25,20 @@ each container's children, so a module swapped in later is seen.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from operator import is_
 
 import torch
 from torch import nn
 
 from selfattn._log import log_once
 from selfattn.cache.paged import PagedLayer
+from selfattn.kernels.quant_matmul import float_bits, isa_code
 from selfattn.nn.blocks import DecoderBlock, hook_dicts, hooks_registered
+from selfattn.nn.quant import kernel_for
 
-__all__ = ["FastBlocks", "fast_blocks", "plain_blocks"]
+__all__ = ["FastBlocks", "fast_blocks", "native_blocks", "plain_blocks"]
 
 
 class FastBlocks:
@@ -51,6 +55,7 @@ class FastBlocks:
         self.hooks = hook_dicts(own) + [d for s in self.steps if s is not None for d in s.hooks]
         self.children = [m._modules for m in own]
         self.children_then = [dict(d) for d in self.children]
+        self.native_memo = None  # native_blocks' arguments of the blocks, kept between steps
         for s in self.steps:
             if s is not None:
                 self.children += s.children
@@ -75,10 +80,98 @@ class FastBlocks:
     def run(self, h, caches, masks, score_mod, positions):
         """``h (B, S, d_model)`` through every block's lean step; ``caches[i]`` is layer
         ``i``'s PagedLayer, ``masks[i]`` its self-attention's mask
-        (:meth:`~selfattn.nn.DecoderBlock.causal_mask`)."""
-        for step, cache, mask in zip(self.steps, caches, masks):
+        (:meth:`~selfattn.nn.DecoderBlock.causal_mask`). The first block's step chooses the
+        step's attention; where it ran fused kernel calls and the C paged kernel, the other
+        blocks run as one C call (:func:`native_blocks`)."""
+        steps = self.steps
+        h = steps[0](h, caches[0], masks[0], score_mod, positions)
+        if len(steps) > 1 and score_mod is None:
+            native = native_blocks(self, caches, masks, h, positions)
+            if native is not None:
+                return native(h)
+        for step, cache, mask in zip(steps[1:], caches[1:], masks[1:]):
             h = step(h, cache, mask, score_mod, positions)
         return h
+
+
+def native_blocks(fast: FastBlocks, caches, masks, h, positions):
+    """``run(h) -> h`` through the blocks of ``fast.steps[1:]`` as one call of the quantised
+    kernel's ``quant_block_steps`` (``csrc/quant_matmul.c``: each block's four fused kernel
+    calls, its keys and values stored at the step's slots and the C paged-attention kernel
+    called with the launch the first block's step prepared), or None where a block may not run
+    there: a block whose step is not fused kernel calls in ``h``'s dtype, another mask or scale
+    than the first block's, sinks, or a first call that did not take the C
+    paged kernel (:meth:`~selfattn.cache.paged.PagedLayer.native_rows`). The same calls on
+    the same buffers as the blocks' own steps, so the same values. The blocks' arguments are
+    kept in ``fast`` between steps (rebuilt when a block's fused calls were)."""
+    steps = fast.steps
+    B, S, d = h.shape
+    M, dtype = B * S, h.dtype
+    lib = kernel_for(h.view(M, d))
+    fused = [None if s.kernel is None else s.fused_steps(dtype) for s in steps]
+    first, mask = steps[0], masks[0]
+    if lib is None or any(f is None for f in fused) or any(m is not mask for m in masks):
+        return None
+    atts = [s.att for s in steps]
+    if any(a.sinks is not None or a.scale != atts[0].scale for a in atts):
+        return None
+    Hq, Hkv = first.split
+    D = first.heads[1]
+    kv = caches[0].kv
+    k_pages, v_pages = kv.k_layers, kv.v_layers
+    Dv = v_pages[0].shape[-1]
+    got = caches[0].native_rows(
+        (B, S, Hq, D), (M, Hkv, D), (M, Hkv, Dv), dtype, mask=mask, scale=atts[0].scale
+    )
+    if got is None or any(c.kv is not kv or c.plan is not caches[0].plan for c in caches):
+        return None
+    launch, slots, scale = got
+    ks, vs = k_pages[0].stride(), v_pages[0].stride()
+    if ks[2:] != (D, 1) or vs[2:] != (Dv, 1):
+        return None  # a slot's heads are not one contiguous row
+    entry, iargs, ptrs, attn_threads, at, lse = launch.native()
+    ptrs[at["SINKS"]] = None
+    values = (dtype, scale, k_pages[1].data_ptr(), v_pages[1].data_ptr())
+    objects = [part for f in fused[1:] for part in f]
+    memo = fast.native_memo
+    if memo is None or memo[0] != values or not all(map(is_, memo[1], objects)):
+        fields = []
+        for i in range(1, len(steps)):
+            for part in fused[i]:
+                fields += part.addresses()
+            fields += [k_pages[i].data_ptr(), v_pages[i].data_ptr(), float_bits(scale)]
+        memo = fast.native_memo = (values, objects, (ctypes.c_int64 * len(fields))(*fields))
+    layers = memo[2]
+    qkv_s, out_s, mlp_s, down_s = fused[0]
+    factors = None if first.rope is None else first.rope.rotation_factors(positions, h)
+    buffers = [torch.empty(M, n, dtype=dtype) for n in
+               ((Hq + Hkv) * D + Hkv * Dv, Hq * D, Hq * Dv, mlp_s.shape[0], d)]  # fmt: skip
+    rope = (0, 0, 0) if factors is None else (*(f.data_ptr() for f in factors), len(factors[0]))
+    st = [
+        M, d, Hq, Hkv, D, Dv, *rope,
+        slots.data_ptr(), k_pages[0].shape[1], ks[0], ks[1], vs[0], vs[1],
+        entry, ctypes.addressof(iargs), ctypes.addressof(ptrs),
+        at["Q"], at["K"], at["V"], at["OUT"], at["LSE"],
+        *(part.threads(lib) for part in fused[0]), attn_threads,
+        *(b.data_ptr() for b in buffers), lse.data_ptr(),
+    ]  # fmt: skip
+    step_args = (ctypes.c_int64 * len(st))(*st)
+    held = (factors, buffers, slots, lse, fused, qkv_s, out_s, down_s)
+
+    def run(h):
+        h = h.reshape(M, d).clone()
+        status = lib.quant_block_steps(
+            layers, len(steps) - 1, step_args, h.data_ptr(), h.dtype == torch.bfloat16,
+            isa_code(lib),
+        )  # fmt: skip
+        if status:
+            raise (MemoryError if status == 1 else RuntimeError)(
+                f"quant_block_steps failed (status {status}) for {M} rows of {d}"
+            )
+        return h.view(B, S, d)
+
+    run.held = held  # the tensors and arrays the call's addresses point into
+    return run
 
 
 def plain_blocks(model) -> bool:

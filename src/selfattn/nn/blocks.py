@@ -266,7 +266,7 @@ class RowsStep:
         B, S, d = h.shape
         x = h.reshape(B * S, d)
         lib = kernel_for(x)
-        steps = None if lib is None else self._fused_steps(h.dtype)
+        steps = None if lib is None else self.fused_steps(h.dtype)
         if steps is None:
             return None
         qkv_s, out_s, mlp_s, down_s = steps
@@ -279,7 +279,7 @@ class RowsStep:
         a = mlp_s(x, lib, isa)
         return down_s(a, lib, isa, residual=x).view(B, S, d)
 
-    def _fused_steps(self, dtype) -> tuple | None:
+    def fused_steps(self, dtype) -> tuple | None:
         """The kernel calls ``(qkv, out, gate with up, down)``
         (:meth:`~selfattn.nn.QuantizedLinear.fused_step`), rebuilt when a layer's tensors (its
         weights, its dtype: :meth:`~selfattn.nn.QuantizedLinear.kernel_tensors`), a norm's

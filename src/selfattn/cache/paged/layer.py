@@ -165,6 +165,29 @@ class PagedLayer:
             return out.view(B, S, -1)
         return out.transpose(1, 2).reshape(B, S, -1)
 
+    def native_rows(self, q_shape, k_shape, v_shape, dtype, *, mask=None, score_mod=None,
+                    scale=None, sinks=None):  # fmt: skip
+        """The C kernel's launch a caller may run itself for this layer after
+        :meth:`attend_rows` ran at the step's first layer with arguments of these shapes
+        (``q (B, S, Hq, D)``, rows ``(B·S, Hkv, D)`` and ``(B·S, Hkv, Dv)``), ``dtype`` and these
+        objects: ``(launch, slots, scale)``
+        (:meth:`~selfattn.kernels.paged_decode.Launch.native`; ``slots`` the step's int64 slot
+        per row, at which the caller stores each row's key and value in the layer's pages, whose
+        dtype is ``dtype``; ``scale`` the float the call ran with). None where that call took
+        another path: another backend, quantised pages, a uniform step of more than one token
+        (its queries are not rows-first)."""
+        plan, kv = self.plan, self.kv
+        if kv.k_scales is not None or not kv.writes_rows or not (plan.packed or q_shape[1] == 1):
+            return None
+        key = (id(mask), id(score_mod), scale, id(sinks), q_shape, dtype, k_shape, dtype,
+               v_shape, dtype)  # fmt: skip
+        hit = plan.fast.get(key)
+        planned = None if hit is None or hit[0].name != "cpu" else hit[1].planned
+        launch = None if planned is None else planned[3]
+        if launch is None or kv.k_layers[self.layer].dtype != dtype:
+            return None
+        return launch, plan.slots, hit[1].scale
+
     def _rows_miss(self, q, k_rows, v_rows, mask, score_mod, scale, sinks):
         """:meth:`attend_rows` at the first layer of its kind: checks, then the backend chosen
         and memoised in ``plan.fast`` (None returned), or :meth:`attend`'s path run where the

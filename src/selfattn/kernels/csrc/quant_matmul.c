@@ -656,3 +656,81 @@ int quant_linear_step(const int64_t *w, const int64_t *f, int64_t M, const void 
   }
   return 0;
 }
+
+/* -- consecutive decoder blocks' decode steps in one call --------------------------------------
+   What a lean step of a plain Llama-layout block over quantised projections runs (the host:
+   selfattn/nn/blocks.py's RowsStep.kernel_step), for n_layers blocks in a row: per block
+   - qkv = quant_linear_step(qkv weights, norm and RoPE inside) of h;
+   - the step's keys and values stored at their page slots (a copy of each token's Hkv . D row);
+   - the queries copied out contiguous, and the paged attention kernel called through the host's
+     prepared arguments (paged_decode.c's entry, its address given: another library);
+   - x = h + out(attention); act = SiLU(gate(norm x)) . up(norm x); h = x + down(act).
+   The same calls on the same buffers as the host's per-block path, so the same values; what
+   it saves is the host's work between them (several µs a call, ~20 calls a block). */
+typedef int (*attention_fn)(const int64_t *iargs, void *const *ptrs, int n_threads, float scale);
+
+/* A block's fields, int64 each: its four steps' weights and options (the gate's options name
+   the up weights as their pair), its K and V pages' base addresses, its attention scale as
+   float bits. */
+enum { LY_QKV_W, LY_QKV_F, LY_OUT_W, LY_OUT_F, LY_MLP_W, LY_MLP_F, LY_DOWN_W, LY_DOWN_F, LY_K,
+       LY_V, LY_SCALE, LY_NARGS };
+/* The step's fields: M token rows of d_model; Hq, Hkv heads of D (values Dv); RoPE's factors
+   (rows of the rotated width); the slots (int64, M) where the rows' keys and values go, the page
+   size P and the K and V pages' strides (elements) per page and per slot; the attention entry,
+   its int and pointer arguments and the pointer slots of q, K, V, out, lse; the threads of each
+   step and of the attention; the work buffers: qkv (M, (Hq + 2 Hkv) D), q (M, Hq D), o
+   (M, Hq Dv), act (M, N of the gate), x (M, d_model). */
+enum { ST_M, ST_DMODEL, ST_HQ, ST_HKV, ST_D, ST_DV, ST_COS, ST_SIN, ST_ROPE_ROWS, ST_SLOTS, ST_P,
+       ST_KS0, ST_KS1, ST_VS0, ST_VS1, ST_ATTN, ST_IARGS, ST_PTRS, ST_PQ, ST_PK, ST_PV, ST_POUT,
+       ST_PLSE, ST_T_QKV, ST_T_OUT, ST_T_MLP, ST_T_DOWN, ST_T_ATTN, ST_QKV, ST_QBUF, ST_OBUF,
+       ST_ACT, ST_XBUF, ST_LSE, ST_NARGS };
+
+#define AT(p) ((void *)(intptr_t)(p))
+
+/* h (M, d_model, dtype xdt) through blocks layers[0 .. n_layers) in place. Returns 0, 1 when
+   memory ran out, 2 on bad sizes, 3 when the attention kernel failed. */
+int quant_block_steps(const int64_t *layers, int64_t n_layers, const int64_t *st, void *h, int xdt,
+                      int isa) {
+  const int64_t M = st[ST_M], Hq = st[ST_HQ], Hkv = st[ST_HKV], D = st[ST_D], Dv = st[ST_DV];
+  const int64_t P = st[ST_P], es = xdt == D_F32 ? 4 : 2;
+  const int64_t nqkv = (Hq + Hkv) * D + Hkv * Dv;
+  const int64_t *slots = (const int64_t *)AT(st[ST_SLOTS]);
+  char *qkv = AT(st[ST_QKV]), *qb = AT(st[ST_QBUF]);
+  void *const *ptrs_c = AT(st[ST_PTRS]);
+  void **ptrs = (void **)ptrs_c;
+  const attention_fn attend = (attention_fn)AT(st[ST_ATTN]);
+  if (M <= 0 || P <= 0 || n_layers < 0) return 2;
+  ptrs[st[ST_PQ]] = qb, ptrs[st[ST_POUT]] = AT(st[ST_OBUF]), ptrs[st[ST_PLSE]] = AT(st[ST_LSE]);
+  for (int64_t l = 0; l < n_layers; l++) {
+    const int64_t *ly = layers + l * LY_NARGS;
+    int status = quant_linear_step(AT(ly[LY_QKV_W]), AT(ly[LY_QKV_F]), M, h, qkv, NULL,
+                                   AT(st[ST_COS]), AT(st[ST_SIN]), st[ST_ROPE_ROWS], xdt, isa,
+                                   (int)st[ST_T_QKV]);
+    if (status) return status;
+    char *kp = AT(ly[LY_K]), *vp = AT(ly[LY_V]);
+    for (int64_t t = 0; t < M; t++) { /* q rows out contiguous; k and v rows to their slots */
+      const char *row = qkv + t * nqkv * es;
+      const int64_t s = slots[t], page = s / P, at = s % P;
+      memcpy(qb + t * Hq * D * es, row, (size_t)(Hq * D * es));
+      memcpy(kp + (page * st[ST_KS0] + at * st[ST_KS1]) * es, row + Hq * D * es, (size_t)(Hkv * D * es));
+      memcpy(vp + (page * st[ST_VS0] + at * st[ST_VS1]) * es, row + (Hq + Hkv) * D * es,
+             (size_t)(Hkv * Dv * es));
+    }
+    ptrs[st[ST_PK]] = kp, ptrs[st[ST_PV]] = vp;
+    float scale;
+    const uint32_t bits = (uint32_t)ly[LY_SCALE];
+    memcpy(&scale, &bits, 4);
+    if (attend(AT(st[ST_IARGS]), ptrs_c, (int)st[ST_T_ATTN], scale)) return 3;
+    void *x = AT(st[ST_XBUF]);
+    if ((status = quant_linear_step(AT(ly[LY_OUT_W]), AT(ly[LY_OUT_F]), M, AT(st[ST_OBUF]), x, h,
+                                    NULL, NULL, 0, xdt, isa, (int)st[ST_T_OUT])))
+      return status;
+    if ((status = quant_linear_step(AT(ly[LY_MLP_W]), AT(ly[LY_MLP_F]), M, x, AT(st[ST_ACT]), NULL,
+                                    NULL, NULL, 0, xdt, isa, (int)st[ST_T_MLP])))
+      return status;
+    if ((status = quant_linear_step(AT(ly[LY_DOWN_W]), AT(ly[LY_DOWN_F]), M, AT(st[ST_ACT]), h, x,
+                                    NULL, NULL, 0, xdt, isa, (int)st[ST_T_DOWN])))
+      return status;
+  }
+  return 0;
+}
