@@ -24,10 +24,10 @@ def isa(request, monkeypatch):
 
 
 def random_weights(kind: str, N: int, K: int, group: int, g: torch.Generator):
-    """``(qs, d, m)``: every code value (s8: -127..127; u4: all nibbles), fp16 scales of either
-    sign with some subnormal, minimums for ``u4_min``."""
+    """``(qs, d, m)``: every code value (s8: -128..127, as 8-bit checkpoints hold; u4: all
+    nibbles), fp16 scales of either sign with some subnormal, minimums for ``u4_min``."""
     if kind == "s8":
-        qs = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        qs = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
     else:
         qs = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
 

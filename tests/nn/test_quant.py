@@ -266,6 +266,32 @@ def test_bad_input_names_the_value():
         table(torch.tensor([0, 8]))
 
 
+@pytest.mark.parametrize(("fmt", "group"), [("int8", 64), ("int4", 32), ("int4_sym", 128)])
+def test_from_codes_is_the_layer_of_those_codes(fmt, group):
+    """from_codes of a layer's own codes and scale bits rebuilds it, buffer for buffer; its
+    format follows the codes (int8 / uint8 with or without minimums)."""
+    layer = QuantizedLinear.from_float(torch.randn(8, 128, generator=_gen(5)), fmt, group=group)
+    qs, d, m = layer.stored()
+    again = QuantizedLinear.from_codes(qmm.codes(qs, layer.kind), d, m, group=group)
+    assert (again.fmt, again.group, again.dtype) == (fmt, group, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(again.stored()[:2], (qs, d)))
+    assert torch.equal(again.dequantize(), layer.dequantize())
+
+
+def test_from_codes_bad_input_names_the_value():
+    d = torch.zeros(4, 2, dtype=torch.int16)
+    with pytest.raises(ValueError, match=r"uint8 codes are 4-bit \(0..15\), got 16"):
+        QuantizedLinear.from_codes(torch.full((4, 64), 16, dtype=torch.uint8), d, group=32)
+    with pytest.raises(ValueError, match=r"int8 codes have no minimums"):
+        QuantizedLinear.from_codes(torch.zeros(4, 64, dtype=torch.int8), d, d, group=32)
+    with pytest.raises(ValueError, match=r"codes must be a 2-D int8 or uint8 tensor, got "):
+        QuantizedLinear.from_codes(torch.zeros(4, 64, dtype=torch.int32), d, group=32)
+    with pytest.raises(ValueError, match=r"d must be the fp16 bits as int16 \(4, 1\), one per "):
+        QuantizedLinear.from_codes(torch.zeros(4, 64, dtype=torch.int8), d, group=64)
+    with pytest.raises(ValueError, match=r"group=16: a group must be a positive multiple of 32"):
+        QuantizedLinear.from_codes(torch.zeros(4, 64, dtype=torch.int8), d, group=16)
+
+
 # -- a model of quantised layers -------------------------------------------------------------------
 def _quantise_model(model: Llama, fmt: str) -> tuple[Llama, Llama]:
     """``model`` with every nn.Linear and the embedding kept as ``fmt`` blocks, and its float

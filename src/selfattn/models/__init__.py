@@ -20,6 +20,7 @@ from selfattn.models.decoder import GPT2, CausalLM, DecoderConfig, LayerCaches, 
 from selfattn.models.llama4 import Llama4  # isort: skip
 from selfattn.models.generate import generate, next_token  # isort: skip
 from selfattn.models.gguf import GGUFError, save_pretrained  # isort: skip
+from selfattn.models import hf_quant  # noqa: F401  # isort: skip  (registers AWQ, GPTQ, ...)
 from selfattn.models.graph import GATLayer  # isort: skip
 from selfattn.models.seq2seq import T5, Bart  # isort: skip
 from selfattn.models.tokenizer import Tokenizer, load_tokenizer  # isort: skip

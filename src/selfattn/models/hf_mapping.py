@@ -309,9 +309,10 @@ def llama_state(
 
 def _stack_qkv(state: dict, attn: str) -> dict:
     """Each layer's ``q_proj``, ``k_proj``, ``v_proj`` tensors stacked into ``qkv_proj`` (rows
-    q, then k, then v: MultiHeadAttention's fused layout). Incomplete triples stay as they are,
-    so loading names them."""
-    for key in [k for k in state if k.endswith(".q_proj.weight") or k.endswith(".q_proj.bias")]:
+    q, then k, then v: MultiHeadAttention's fused layout), leaf by leaf: ``weight`` and ``bias``,
+    or a quantised layer's row-major buffers (``qs``, ``d``, ``m``: what ``cat_rows`` joins).
+    Incomplete triples stay as they are, so loading names them."""
+    for key in [k for k in state if ".q_proj." in k]:
         head, leaf = key.rsplit(".q_proj.", 1)
         parts = [f"{head}.{p}_proj.{leaf}" for p in "qkv"]
         if head.endswith(attn) and all(p in state for p in parts):

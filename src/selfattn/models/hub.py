@@ -47,6 +47,7 @@ __all__ = [
     "read_safetensors",
     "register",
     "register_format",
+    "register_quantization",
     "resolve",
 ]
 
@@ -308,11 +309,13 @@ def read_safetensors(
     *,
     device: torch.device | str | None = None,
     progress: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors file(s) (see :func:`checkpoint_files`).
 
     Shard by shard, tensor by tensor: each is read, cast to floating ``dtype`` (integer and bool
-    tensors keep theirs) and moved to ``device`` before the next is read, so the result is the
+    tensors keep theirs, and so do the tensors whose name ``keep`` accepts: a quantised
+    checkpoint's scales) and moved to ``device`` before the next is read, so the result is the
     only copy in memory (a float32 checkpoint loaded as bfloat16 never exists whole in float32).
     ``progress`` shows a tqdm bar over the shards when there are several.
     """
@@ -333,7 +336,8 @@ def read_safetensors(
                             f"tensor {name!r} appears in more than one shard ({origin[name]!r} "
                             f"and {f.name!r}" + listed
                         )
-                    state[name], origin[name] = _read_tensor(handle, name, dtype, device), f.name
+                    cast = None if keep is not None and keep(name) else dtype
+                    state[name], origin[name] = _read_tensor(handle, name, cast, device), f.name
             except (SafetensorError, OSError) as e:
                 raise _unreadable(f, e) from None
     return state
@@ -637,6 +641,36 @@ def register_format(source: Callable, load: Callable) -> None:
     _FORMATS.append((source, load))
 
 
+# Quantised transformers checkpoints (``quantization_config`` in config.json), by ``quant_method``:
+# ``packing(qconfig, config, quantized)`` -> an object with ``keeps(name)`` (the tensors read in
+# their own dtype: scales), ``unpack(state, dtype)`` (each packed layer's tensors -> its
+# QuantizedLinear buffers, in place, before the family's conversion) and ``swap(model, state,
+# dtype, device)`` (after it: each module given buffers becomes a QuantizedLinear). hf_quant.py
+# registers AWQ, GPTQ and compressed-tensors (selfattn.models imports it).
+_QUANT_METHODS: dict[str, Callable] = {}
+
+
+def register_quantization(method: str, packing: Callable) -> None:
+    """Let :func:`from_pretrained` load checkpoints whose ``quant_method`` is ``method``."""
+    _QUANT_METHODS[method] = packing
+
+
+def quantization(config: Mapping, quantized: bool):
+    """The packing of a checkpoint whose config has a ``quantization_config`` (None without
+    one); :class:`UnsupportedConfigError` for a method we do not load."""
+    qconfig = config.get("quantization_config")
+    if qconfig is None:
+        return None
+    method = qconfig.get("quant_method") if isinstance(qconfig, Mapping) else None
+    if method not in _QUANT_METHODS:
+        raise UnsupportedConfigError(
+            f"{_where(config)}quantization_config.quant_method={method!r} is not supported: "
+            f"quantised checkpoints load from {sorted(_QUANT_METHODS)}; dequantise it with its "
+            "own tool or load an unquantised checkpoint"
+        )
+    return _QUANT_METHODS[method](qconfig, config, quantized)
+
+
 def from_pretrained(
     path_or_repo_id,
     dtype: torch.dtype | str | None = "auto",
@@ -671,9 +705,15 @@ def from_pretrained(
             ``nn.Linear`` (the decoder blocks' projections and the LM head) is replaced by a
             weight-only quantised :class:`selfattn.nn.QuantizedLinear` after loading
             (:func:`selfattn.nn.quant.quantize_`, round to nearest); embeddings stay as loaded.
-            Layers a GGUF file keeps quantised stay in its format.
+            Layers a GGUF file keeps quantised stay in its format, and so do a quantised
+            checkpoint's.
         quantize_group: the inputs sharing a scale (a multiple of 32), or None for the
             format's default.
+        quantized: a checkpoint quantised by AWQ, GPTQ or compressed-tensors (a
+            ``quantization_config`` in config.json) keeps its packed layers as
+            :class:`selfattn.nn.QuantizedLinear` in ``dtype`` (:mod:`selfattn.models.hf_quant`:
+            the formats and options; q/k/v fused as the model fuses them); False dequantises
+            them to ``dtype``. Likewise for a GGUF file's blocks.
 
     The model is built on the meta device (no memory, no random init) and takes the checkpoint's
     tensors as its own (:func:`load_state` with ``assign=True``): peak memory is one copy of the
@@ -697,16 +737,22 @@ def from_pretrained(
         path_or_repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
     )
     config = read_config(folder)
+    packing = quantization(config, quantized)
     model = build(config, str(config.file))
     dtype = load_dtype(dtype, config, checkpoint_files(folder))
     device = torch.device("cpu") if device is None else torch.device(device)
     model = model.to(dtype)
-    state = read_safetensors(folder, dtype, device=device, progress=progress)
+    keep = None if packing is None else packing.keeps
+    state = read_safetensors(folder, dtype, device=device, progress=progress, keep=keep)
     # tensors a conversion only renames keep their identity: errors then name both spellings
     names = {id(t): (k, weakref.ref(t)) for k, t in state.items()}
     try:
+        if packing is not None:
+            packing.unpack(state, dtype)
         converted = model.convert_hf_state_dict(state)  # may take the tensors out of `state`
         del state
+        if packing is not None:
+            packing.swap(model, converted, dtype, device)
         sources = {}
         for k, t in converted.items():
             source, ref = names.get(id(t), (k, None))

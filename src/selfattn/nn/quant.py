@@ -79,6 +79,7 @@ CHUNK_BYTES = 4 << 20  # fp32 dequantised weight a forward holds at once
 KERNEL_ROWS = 16  # up to this many rows the C kernel runs
 FEW_ROWS = 16  # bf16 inputs of fewer rows multiply in fp32 on the dequantised path
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_CODE_DTYPES = (torch.int8, torch.uint8)  # from_codes: 8-bit signed, 4-bit unsigned
 
 
 def _check_fmt(fmt) -> str:
@@ -293,7 +294,8 @@ class _Blocks(nn.Module):
 
 class QuantizedLinear(_Blocks):
     """``y = x · Wᵀ (+ bias)`` with ``W (out_features, in_features)`` kept quantised in format
-    ``fmt`` (module docstring). Build it with :meth:`from_ggml` (a GGUF tensor's bytes) or
+    ``fmt`` (module docstring). Build it with :meth:`from_ggml` (a GGUF tensor's bytes),
+    :meth:`from_codes` (another format's integers, e.g. a transformers checkpoint's) or
     :meth:`from_float`; the constructor makes uninitialised storage (for ``device="meta"``
     and ``load_state_dict(assign=True)``)."""
 
@@ -353,6 +355,38 @@ class QuantizedLinear(_Blocks):
         group = _group_of(fmt, weight.shape[1], group)
         parts = cls._quantize(weight, fmt, group)
         return cls._assemble(fmt, group, parts, bias=bias, dtype=dtype or weight.dtype)
+
+    @classmethod
+    def from_codes(
+        cls, q, d, m=None, *, group: int, bias=None, dtype=torch.float32
+    ) -> QuantizedLinear:
+        """The layer of integer codes ``q (out_features, in_features)`` and the fp16 bits (int16)
+        of their scales ``d`` (and minimums ``m``), ``(out_features, in_features / group)``:
+        int8 codes make ``int8`` (``w = d · q``); uint8 codes 0..15 make ``int4`` with ``m``
+        (``w = d · q + m``) or ``int4_sym`` without (``w = d · (q - 8)``)."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype not in _CODE_DTYPES:
+            got = (q.dtype, tuple(q.shape)) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"codes must be a 2-D int8 or uint8 tensor, got {got}")
+        if q.dtype == torch.int8:
+            if m is not None:
+                raise ValueError("int8 codes have no minimums (w = d · q): pass m=None")
+            fmt = "int8"
+        else:
+            if q.numel() and int(q.max()) > 15:
+                raise ValueError(
+                    f"uint8 codes are 4-bit (0..15), got {int(q.max())}; 8-bit codes are int8"
+                )
+            fmt = "int4" if m is not None else "int4_sym"
+        N, K = q.shape
+        _check_in_features(K)
+        group = _group_of(fmt, K, group)
+        for name, t in (("d", d), ("m", m)):
+            if t is not None and (t.dtype != torch.int16 or tuple(t.shape) != (N, K // group)):
+                raise ValueError(
+                    f"{name} must be the fp16 bits as int16 ({N}, {K // group}), one per group "
+                    f"of {group} inputs, got {t.dtype} {tuple(t.shape)}"
+                )
+        return cls._assemble(fmt, group, (q, d, m), bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., in_features)`` -> ``(..., out_features)`` in ``x``'s dtype."""

@@ -25,9 +25,10 @@
    is independent of who computes it and of the thread count.
 
    Instruction sets (qmm_supports, the host picks the best or SELFATTN_QUANT_ISA's): generic C
-   (any CPU), AVX2 (maddubs; s8 by the sign trick: |x| against sign(w, x)), AVX-VNNI (256-bit
-   vpdpbusd) and AVX-512 VNNI. All compute the same integer sums per block; they differ only in
-   the order of the float sums. */
+   (any CPU), AVX2 (maddubs; s8 by the sign trick: |w| against sign(x, w), the weight on the u8
+   side because a code of -128 is 128 there, while x, within +-127, negates safely), AVX-VNNI
+   (256-bit vpdpbusd) and AVX-512 VNNI. All compute the same integer sums per block; they differ
+   only in the order of the float sums. */
 
 #include <math.h>
 #include <stdint.h>
@@ -243,9 +244,9 @@ T_AVX2 static float dot_avx2(const Call *c, const uint8_t *w, const int8_t *xq, 
   for (int64_t b = 0; b < c->nb; b++) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
     __m256i p;
-    if (c->wt == W_S8) { /* |x| (u8) against w with x's sign (s8): no offset to correct */
+    if (c->wt == W_S8) { /* |w| (u8) against x with w's sign (s8): no offset to correct */
       const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * 32));
-      p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x));
+      p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv));
     } else {
       p = _mm256_maddubs_epi16(U4_BLOCK(w, b), x);
     }
