@@ -283,6 +283,11 @@ def run(args) -> int:
     else:
         path = _common.model_path(args.model)
         label = _common.CHAT_MODEL_NAME if args.model is None else path
+        # The model and engine modules first, on this thread: a package imported by two
+        # threads at once can hand one of them a half-initialised module (an ImportError).
+        import selfattn.models
+        import selfattn.serving  # noqa: F401
+
         _in_background(_import_server, "import")
         with _common.spinner(f"loading {label}"):
             engine, own_name = _build_engine(args, path)

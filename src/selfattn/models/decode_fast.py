@@ -142,7 +142,7 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
             fields += [k_pages[i].data_ptr(), v_pages[i].data_ptr(), float_bits(scale)]
         memo = fast.native_memo = (values, objects, (ctypes.c_int64 * len(fields))(*fields))
     layers = memo[2]
-    qkv_s, out_s, mlp_s, down_s = fused[0]
+    mlp_s = fused[0][2]
     factors = None if first.rope is None else first.rope.rotation_factors(positions, h)
     buffers = [torch.empty(M, n, dtype=dtype) for n in
                ((Hq + Hkv) * D + Hkv * Dv, Hq * D, Hq * Dv, mlp_s.shape[0], d)]  # fmt: skip
@@ -156,7 +156,7 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
         *(b.data_ptr() for b in buffers), lse.data_ptr(),
     ]  # fmt: skip
     step_args = (ctypes.c_int64 * len(st))(*st)
-    held = (factors, buffers, slots, lse, fused, qkv_s, out_s, down_s)
+    held = (factors, buffers, slots, lse, fused, memo, launch, iargs, ptrs)
 
     def run(h):
         h = h.reshape(M, d).clone()
