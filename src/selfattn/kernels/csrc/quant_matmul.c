@@ -515,16 +515,29 @@ static int quantise_for(Call *c, const void *x, int xdt) {
   return 0;
 }
 
-/* Run call c's rows on up to n_threads participants into y (dtype odt, row stride ystride). */
-static int run_rows(Call *c, void *y, int odt, int64_t ystride, int n_threads) {
+/* Set call c to write y (dtype odt, row stride ystride) in chunks for up to n_threads
+   participants; returns the participants that have work. */
+static int plan_rows(Call *c, void *y, int odt, int64_t ystride, int n_threads) {
   c->y = y, c->odt = odt, c->ystride = ystride, c->next = 0;
   if (n_threads < 1) n_threads = 1;
   /* a few chunks per thread, so that a late or slow participant still finds work */
   int64_t chunk = c->N / (8 * (int64_t)n_threads);
   chunk = chunk < 16 ? 16 : chunk;
   c->chunk = chunk, c->n_chunks = (c->N + chunk - 1) / chunk;
-  if (c->n_chunks < n_threads) n_threads = (int)c->n_chunks;
+  return c->n_chunks < n_threads ? (int)c->n_chunks : n_threads;
+}
+
+/* Run call c's rows on up to n_threads participants into y (dtype odt, row stride ystride). */
+static int run_rows(Call *c, void *y, int odt, int64_t ystride, int n_threads) {
+  n_threads = plan_rows(c, y, odt, ystride, n_threads);
   return pool_run(rows_task, c, n_threads, TASK_SCRATCH(c));
+}
+
+/* Two calls' rows (a SwiGLU's gate and up) in one parallel region: each participant takes the
+   first call's chunks, then the second's. */
+static int pair_task(void *ctx, void *scratch) {
+  Call **calls = (Call **)ctx;
+  return rows_task(calls[0], scratch) | rows_task(calls[1], scratch);
 }
 
 /* y (M, N) = x (M, K) . W^T + bias. w: the weights' arguments (W_* above). x: xdt (D_F32 /
@@ -632,11 +645,15 @@ int quant_linear_step(const int64_t *w, const int64_t *f, int64_t M, const void 
     xin = xn, xin_dt = D_F32;
   }
   if (quantise_for(&c, xin, xin_dt)) return 1;
-  if (run_rows(&c, acc, D_F32, width, n_threads)) return 1;
   if (w2) {
     c2.xq = c.xq, c2.sx = c.sx, c2.xs = c.xs, c2.cz = c.cz; /* the same quantised rows */
     c2.sxv = c.sxv, c2.xsv = c.xsv, c2.czv = c.czv;
-    if (run_rows(&c2, acc + N, D_F32, width, n_threads)) return 1;
+    const int n1 = plan_rows(&c, acc, D_F32, width, n_threads);
+    const int n2 = plan_rows(&c2, acc + N, D_F32, width, n_threads);
+    Call *calls[2] = {&c, &c2};
+    if (pool_run(pair_task, calls, n1 > n2 ? n1 : n2, TASK_SCRATCH(&c))) return 1;
+  } else if (run_rows(&c, acc, D_F32, width, n_threads)) {
+    return 1;
   }
   for (int64_t m = 0; m < M; m++) {
     float *a = acc + m * width;
