@@ -169,8 +169,8 @@ class RowsStep:
     """
 
     __slots__ = ("att", "children", "children_then", "down", "fused", "gate", "heads", "hooks",
-                 "kernel", "mlp", "norm1", "norm2", "out", "qkv", "rope", "sizes", "split",
-                 "up")  # fmt: skip
+                 "kernel", "kernel_slots", "mlp", "norm1", "norm2", "out", "qkv", "rope", "sizes",
+                 "split", "up")  # fmt: skip
 
     def __init__(self, block: DecoderBlock):
         modules = list(block.modules())
@@ -179,7 +179,7 @@ class RowsStep:
         self.hooks = hook_dicts(modules[1:])
         self.children = [m._modules for m in modules]
         self.children_then = [dict(d) for d in self.children]
-        self.att = self.kernel = self.fused = None
+        self.att = self.kernel = self.fused = self.kernel_slots = None
         if not plain_layout(block):
             return
         att, mlp = block.self_attention, block.mlp
@@ -192,6 +192,12 @@ class RowsStep:
         self.sizes = [Hq + Hkv, Hkv]  # rotated (q and k), not (v)
         self.split = [Hq, Hkv]
         self.kernel = _kernel_parts(block)
+        if self.kernel is not None:  # what fused_steps compares at each step, where it is read
+            norms = (self.norm1, self.norm2)
+            self.kernel_slots = [(n.__dict__, "eps") for n in norms]
+            self.kernel_slots += [(n._parameters, "weight") for n in norms]
+            for p in self.kernel:
+                self.kernel_slots += p.kernel_slots()
 
     def current(self) -> bool:
         """Whether no module of the block was swapped since this step was built."""
@@ -285,14 +291,12 @@ class RowsStep:
         weights, its dtype: :meth:`~selfattn.nn.QuantizedLinear.kernel_tensors`), a norm's
         weight or eps, or ``dtype`` changed; None where the modules' dtypes are not all
         ``dtype`` (their rounding would differ) or a layer cannot be fused."""
-        norm1, norm2 = self.norm1, self.norm2
-        n1, n2 = norm1.weight, norm2.weight
-        key = [dtype, n1, n2, norm1.eps, norm2.eps]
-        for p in self.kernel:
-            key += p.kernel_tensors()
+        key = [dtype, *[d.get(k) for d, k in self.kernel_slots]]
         fused = self.fused
         if fused is not None and len(fused[0]) == len(key) and all(map(is_, fused[0], key)):
             return fused[1]
+        norm1, norm2 = self.norm1, self.norm2
+        n1, n2 = norm1.weight, norm2.weight
         qkv_m, out_m, gate_m, up_m, down_m = self.kernel
         if any(p.dtype != dtype for p in self.kernel) or any(
             w is not None and w.dtype != dtype for w in (n1, n2)

@@ -422,6 +422,13 @@ class QuantizedLinear(_Blocks):
         other = None if pair is None else pair._weights()
         return qmm.Step(self._weights(), norm=norm, pair=other, rope=rope)
 
+    def kernel_slots(self) -> list[tuple[dict, str]]:
+        """``(dict, key)`` of each of :meth:`kernel_tensors`' tensors, in its order: a caller
+        checking them at every call reads them there (``d.get(key)``) without the method."""
+        bufs = (self if self._tied is None else self._tied)._buffers
+        return [(bufs, "qs"), (bufs, "d"), (bufs, "m"), (self._parameters, "bias"),
+                (self._buffers, "_dtype")]  # fmt: skip
+
     def kernel_tensors(self) -> list:
         """``[qs, d, m, bias, probe]``: the tensors the kernel reads (a tied head's buffers are
         its table's; None where absent) and the compute dtype's probe (``.to(dtype)`` replaces
