@@ -80,30 +80,29 @@ class FastBlocks:
     def run(self, h, caches, masks, score_mod, positions):
         """``h (B, S, d_model)`` through every block's lean step; ``caches[i]`` is layer
         ``i``'s PagedLayer, ``masks[i]`` its self-attention's mask
-        (:meth:`~selfattn.nn.DecoderBlock.causal_mask`). The first block's step chooses the
-        step's attention; where it ran fused kernel calls and the C paged kernel, the other
-        blocks run as one C call (:func:`native_blocks`)."""
-        steps = self.steps
-        h = steps[0](h, caches[0], masks[0], score_mod, positions)
-        if len(steps) > 1 and score_mod is None:
+        (:meth:`~selfattn.nn.DecoderBlock.causal_mask`). Where every block's step is fused
+        kernel calls and the step's attention the C paged kernel, the blocks run as one C call
+        (:func:`native_blocks`)."""
+        if score_mod is None:
             native = native_blocks(self, caches, masks, h, positions)
             if native is not None:
                 return native(h)
-        for step, cache, mask in zip(steps[1:], caches[1:], masks[1:]):
+        for step, cache, mask in zip(self.steps, caches, masks):
             h = step(h, cache, mask, score_mod, positions)
         return h
 
 
 def native_blocks(fast: FastBlocks, caches, masks, h, positions):
-    """``run(h) -> h`` through the blocks of ``fast.steps[1:]`` as one call of the quantised
+    """``run(h) -> h`` through the blocks of ``fast.steps`` as one call of the quantised
     kernel's ``quant_block_steps`` (``csrc/quant_matmul.c``: each block's four fused kernel
     calls, its keys and values stored at the step's slots and the C paged-attention kernel
-    called with the launch the first block's step prepared), or None where a block may not run
-    there: a block whose step is not fused kernel calls in ``h``'s dtype, another mask or scale
-    than the first block's, sinks, or a first call that did not take the C
-    paged kernel (:meth:`~selfattn.cache.paged.PagedLayer.native_rows`). The same calls on
-    the same buffers as the blocks' own steps, so the same values. The blocks' arguments are
-    kept in ``fast`` between steps (rebuilt when a block's fused calls were)."""
+    called with the step's launch, :meth:`~selfattn.cache.paged.PagedLayer.native_rows`), or
+    None where a block may not run there: a block whose step is not fused kernel calls in
+    ``h``'s dtype, another mask or scale than the first block's, sinks, or an attention that
+    does not take the C paged kernel with a launch. The same calls on the same buffers as the
+    blocks' own steps (:meth:`~selfattn.nn.blocks.RowsStep.kernel_step`), so the same values.
+    The blocks' arguments are kept in ``fast`` between steps (rebuilt when a block's fused
+    calls were)."""
     steps = fast.steps
     B, S, d = h.shape
     M, dtype = B * S, h.dtype
@@ -131,12 +130,13 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
         return None  # a slot's heads are not one contiguous row
     entry, iargs, ptrs, attn_threads, at, lse = launch.native()
     ptrs[at["SINKS"]] = None
-    values = (dtype, scale, k_pages[1].data_ptr(), v_pages[1].data_ptr())
-    objects = [part for f in fused[1:] for part in f]
+    # every layer's page addresses: another pool may reuse the first one's memory
+    values = (dtype, scale, *[t.data_ptr() for t in k_pages], *[t.data_ptr() for t in v_pages])
+    objects = [part for f in fused for part in f]
     memo = fast.native_memo
     if memo is None or memo[0] != values or not all(map(is_, memo[1], objects)):
         fields = []
-        for i in range(1, len(steps)):
+        for i in range(len(steps)):
             for part in fused[i]:
                 fields += part.addresses()
             fields += [k_pages[i].data_ptr(), v_pages[i].data_ptr(), float_bits(scale)]
@@ -161,7 +161,7 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
     def run(h):
         h = h.reshape(M, d).clone()
         status = lib.quant_block_steps(
-            layers, len(steps) - 1, step_args, h.data_ptr(), h.dtype == torch.bfloat16,
+            layers, len(steps), step_args, h.data_ptr(), h.dtype == torch.bfloat16,
             isa_code(lib),
         )  # fmt: skip
         if status:

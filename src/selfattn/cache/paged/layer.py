@@ -167,21 +167,29 @@ class PagedLayer:
 
     def native_rows(self, q_shape, k_shape, v_shape, dtype, *, mask=None, score_mod=None,
                     scale=None, sinks=None):  # fmt: skip
-        """The C kernel's launch a caller may run itself for this layer after
-        :meth:`attend_rows` ran at the step's first layer with arguments of these shapes
-        (``q (B, S, Hq, D)``, rows ``(B·S, Hkv, D)`` and ``(B·S, Hkv, Dv)``), ``dtype`` and these
-        objects: ``(launch, slots, scale)``
-        (:meth:`~selfattn.kernels.paged_decode.Launch.native`; ``slots`` the step's int64 slot
-        per row, at which the caller stores each row's key and value in the layer's pages, whose
-        dtype is ``dtype``; ``scale`` the float the call ran with). None where that call took
-        another path: another backend, quantised pages, a uniform step of more than one token
-        (its queries are not rows-first)."""
+        """The C kernel's launch a caller may run itself for this layer in place of
+        :meth:`attend_rows` with arguments of these shapes (``q (B, S, Hq, D)``, rows ``(B·S,
+        Hkv, D)`` and ``(B·S, Hkv, Dv)``), ``dtype`` and these objects: ``(launch, slots,
+        scale)`` (:meth:`~selfattn.kernels.paged_decode.Launch.native`; ``slots`` the step's
+        int64 slot per row, at which the caller stores each row's key and value in the layer's
+        pages, whose dtype is ``dtype``; ``scale`` the float the call runs with). The checks and
+        the backend choice of the step run here if no call made them yet. None where the call
+        takes another path: another backend, quantised pages, a long chunk, a uniform step of
+        more than one token (its queries are not rows-first)."""
         plan, kv = self.plan, self.kv
         if kv.k_scales is not None or not kv.writes_rows or not (plan.packed or q_shape[1] == 1):
+            return None
+        if plan.packed and plan.blocks:
             return None
         key = (id(mask), id(score_mod), scale, id(sinks), q_shape, dtype, k_shape, dtype,
                v_shape, dtype)  # fmt: skip
         hit = plan.fast.get(key)
+        if hit is None:  # prepare as attend_rows' first call does: zeros of the shapes
+            q = torch.zeros(q_shape, dtype=dtype, device=kv.k_store.device)
+            k_rows, v_rows = (q.new_zeros(shape) for shape in (k_shape, v_shape))
+            if self._rows_miss(q, k_rows, v_rows, mask, score_mod, scale, sinks) is not None:
+                return None  # not reached: the conditions above exclude attend's path
+            hit = plan.fast[key]
         planned = None if hit is None or hit[0].name != "cpu" else hit[1].planned
         launch = None if planned is None else planned[3]
         if launch is None or kv.k_layers[self.layer].dtype != dtype:
