@@ -61,7 +61,7 @@ BLOCK = 32  # weights an activation block (and the smallest weight group) spans
 KINDS = {"s8": (0, 0), "u4_offset": (1, 1), "u4_min": (1, 2)}
 # The kernel's instruction-set paths (ISA_* in the C source), lowest first.
 ISAS = ("generic", "avx2", "avxvnni", "avx512vnni")
-_DT = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C source's D_* codes of x, y and bias
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -177,13 +177,15 @@ class Weights:
     def __init__(self, qs, d, m, kind: str, group: int, bias=None, *, key=None):
         wt, zp = KINDS[kind]
         N, K = d.shape[0], d.shape[1] * group
-        if bias is not None and bias.dtype not in _DT:
-            raise TypeError(f"bias dtype {bias.dtype}: the kernel takes {', '.join(map(str, _DT))}")
+        if bias is not None and bias.dtype not in DTYPE_CODES:
+            raise TypeError(
+                f"bias dtype {bias.dtype}: the kernel takes {', '.join(map(str, DTYPE_CODES))}"
+            )
         for t in (qs, d, m, bias):
             if t is not None and not t.is_contiguous():
                 raise ValueError("the kernel's weights, scales and bias must be contiguous")
         ptr = [0 if t is None else t.data_ptr() for t in (qs, d, m, bias)]
-        bdt = 0 if bias is None else _DT[bias.dtype]
+        bdt = 0 if bias is None else DTYPE_CODES[bias.dtype]
         self._args = (_I64 * 10)(N, K, wt, zp, group // BLOCK, bdt, *ptr)
         self._held = (qs, d, m, bias)
         self._key = self._held if key is None else tuple(key)
@@ -205,7 +207,7 @@ class Weights:
         M = x.shape[0]
         y = torch.empty(M, self._shape[0], dtype=x.dtype)
         status = lib.quant_matmul(
-            self._args, M, x.data_ptr(), y.data_ptr(), _DT[x.dtype], isa_code(lib),
+            self._args, M, x.data_ptr(), y.data_ptr(), DTYPE_CODES[x.dtype], isa_code(lib),
             _threads(lib, self._bytes),
         )  # fmt: skip
         if status:
@@ -243,9 +245,9 @@ class Step:
             weight, eps = norm
             f[0], f[3] = 1, float_bits(eps)
             if weight is not None:
-                if weight.dtype not in _DT or not weight.is_contiguous():
+                if weight.dtype not in DTYPE_CODES or not weight.is_contiguous():
                     raise ValueError("the norm's weight must be contiguous float32 or bfloat16")
-                f[1], f[2] = weight.data_ptr(), _DT[weight.dtype]
+                f[1], f[2] = weight.data_ptr(), DTYPE_CODES[weight.dtype]
         if pair is not None:
             if pair._shape != weights._shape:
                 raise ValueError(f"paired weights {pair._shape} must match {weights._shape}")
@@ -296,7 +298,7 @@ class Step:
             self.weights._args, self._args, M, x.data_ptr(), y.data_ptr(),
             None if residual is None else residual.data_ptr(),
             None if cos2 is None else cos2.data_ptr(), None if sin2 is None else sin2.data_ptr(),
-            rows, _DT[x.dtype], isa, self.threads(lib),
+            rows, DTYPE_CODES[x.dtype], isa, self.threads(lib),
         )  # fmt: skip
         if status:
             _failed("quant_linear_step", status, x, self._shape)

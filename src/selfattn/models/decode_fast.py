@@ -34,7 +34,7 @@ from torch import nn
 
 from selfattn._log import log_once
 from selfattn.cache.paged import PagedLayer
-from selfattn.kernels.quant_matmul import float_bits, isa_code
+from selfattn.kernels.quant_matmul import DTYPE_CODES, float_bits, isa_code
 from selfattn.nn.blocks import DecoderBlock, hook_dicts, hooks_registered
 from selfattn.nn.quant import kernel_for
 
@@ -161,7 +161,7 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
     def run(h):
         h = h.reshape(M, d).clone()
         status = lib.quant_block_steps(
-            layers, len(steps), step_args, h.data_ptr(), h.dtype == torch.bfloat16,
+            layers, len(steps), step_args, h.data_ptr(), DTYPE_CODES[h.dtype],
             isa_code(lib),
         )  # fmt: skip
         if status:

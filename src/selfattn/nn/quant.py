@@ -434,9 +434,7 @@ class QuantizedLinear(_Blocks):
         its table's; None where absent) and the compute dtype's probe (``.to(dtype)`` replaces
         it), each the object it is now: a caller holding kernel arguments compares them to tell
         whether they were replaced."""
-        bufs = (self if self._tied is None else self._tied)._buffers
-        own = self._buffers
-        return [bufs["qs"], bufs["d"], bufs.get("m"), self._parameters.get("bias"), own["_dtype"]]
+        return [d.get(k) for d, k in self.kernel_slots()]
 
     def _weights(self) -> qmm.Weights:
         """The kernel's arguments for the current buffers (rebuilt when they were replaced);
