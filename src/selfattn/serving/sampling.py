@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfattn.serving.structured import Guide
+
 __all__ = ["MAX_LOGPROBS", "MAX_N", "Choice", "SamplingParams", "choose", "probabilities"]
 
 MAX_N = 128  # samples per request: each is a sequence with its own pages once it diverges
@@ -69,7 +71,8 @@ class SamplingParams:
     tokenizer); ``stop_token_ids``: tokens that end it (included in its token ids, not in its
     text), as does the model's end-of-sequence token unless ``ignore_eos``. ``logprobs=k``:
     the log-probability of each chosen token and of the ``k`` most likely ones (0: the chosen
-    token's only; None: none).
+    token's only; None: none). ``guide``: a :class:`~selfattn.serving.structured.Guide` the
+    output must match (structured output).
     """
 
     n: int = 1
@@ -86,6 +89,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    guide: Guide | None = None
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -119,6 +123,8 @@ class SamplingParams:
             raise TypeError(f"SamplingParams ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise TypeError(f"SamplingParams guide must be a Guide, got {self.guide!r}")
 
     @property
     def greedy(self) -> bool:
