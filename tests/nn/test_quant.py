@@ -354,13 +354,49 @@ def test_cross_attention_with_a_quantised_fused_projection(monkeypatch):
             assert torch.allclose(quantised(x, ctx, **kw), want, rtol=1e-5, atol=1e-6)
 
 
-def test_tensor_parallel_refuses_quantised_projections():
+@pytest.mark.parametrize(("fmt", "group"), [*((f, None) for f in FORMATS), ("int8", None),
+                                            ("int4", 64), ("int4_sym", 128)])  # fmt: skip
+def test_part_holds_the_same_blocks(fmt, group):
+    """A part of the rows and columns dequantises to that part of the weight, exactly (its
+    blocks copied, never re-quantised); the bias follows the rows, and a part of the columns
+    has none (a partial sum's)."""
+    g = torch.Generator().manual_seed(len(fmt) + (group or 0))
+    N, K = 37, 256
+    layer = QuantizedLinear.from_float(torch.randn(N, K, generator=g), fmt, group=group,
+                                       bias=torch.randn(N, generator=g))  # fmt: skip
+    W = layer.dequantize()
+    rows = torch.randperm(N, generator=g)[:11]
+    edge = layer.group if layer.group < K else 32  # int8 per channel: parts of its one group
+    for r, c in [
+        (rows, None),
+        (slice(3, 30), slice(K - 2 * edge, K)),
+        (None, slice(edge, 2 * edge)),
+    ]:
+        part = layer.part(r, c)
+        r_, c_ = (slice(None) if r is None else r), (slice(None) if c is None else c)
+        assert torch.equal(part.dequantize(), W[r_][:, c_])
+        assert (part.bias is None) == (c is not None)
+        if part.bias is not None:
+            assert torch.equal(part.bias, layer.bias[r_])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        layer.part(cols=slice(0, 48))
+    if layer.group == 64:
+        with pytest.raises(ValueError, match="cut a group of 64"):
+            layer.part(cols=slice(32, 96))
+
+
+def test_tensor_parallel_splits_quantised_projections_on_block_edges_only():
     from selfattn.serving.parallel import _check_split
 
-    cfg = DecoderConfig(vocab_size=40, d_model=64, n_layers=1, n_heads=4, d_ff=64)
+    cfg = DecoderConfig(vocab_size=40, d_model=64, n_layers=1, n_heads=4, d_ff=96)
     quantised, _ = _quantise_model(Llama(cfg), "q4_0")
-    with pytest.raises(ValueError, match=r"layer 0: self_attention.qkv_proj keeps q4_0 blocks"):
+    _check_split(quantised, 1)
+    # out: 64 inputs, 32 a share; down: 96 inputs, 48 a share, across a 32-wide block
+    with pytest.raises(ValueError, match=r"layer 0: mlp.down's 96 inputs do not split into 2"):
         _check_split(quantised, 2)
+    cfg = DecoderConfig(vocab_size=40, d_model=64, n_layers=1, n_heads=4, d_ff=128)
+    quantised, _ = _quantise_model(Llama(cfg), "q4_0")
+    _check_split(quantised, 2)
 
 
 def test_engine_serves_a_quantised_model(monkeypatch):

@@ -68,27 +68,55 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([full, *steps])
 
 
-def split_logits(rank: int, W: int, folder: str, seed: int) -> torch.Tensor:
-    """A rank's case: the family's fp32 model split across the group, its logits."""
+def split_logits(rank: int, W: int, folder: str, seed: int, quantize=None) -> tuple:
+    """A rank's case: the family's fp32 model (``quantize``: kept quantised in that format)
+    split across the group: its logits, and whether its blocks run the lean decode step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = tensor_parallel(from_pretrained(folder, torch.float32), init_device_mesh("cpu", (W,)))
-    return _logits(model, _ids(seed, 13))
+    model = from_pretrained(folder, torch.float32, quantize=quantize)
+    model = tensor_parallel(model, init_device_mesh("cpu", (W,)))
+    lean = all(b.rows_step().unusable() is None for b in model.layers)
+    return _logits(model, _ids(seed, 13)), lean
+
+
+# A Llama whose row-wise parallel projections (out: 4 heads × 32, down: 128 inputs) split on
+# 32-wide blocks across two ranks.
+QUANT_SPLIT = {"head_dim": 32, "intermediate_size": 128}
+QUANT_FORMATS = ("int4", "int8")
 
 
 def test_split_model_logits_match_one_process(folders, tmp_path):
     cases = [(f, split_logits, {"folder": str(folders[f]), "seed": i})
              for i, f in enumerate(FAMILIES)]  # fmt: skip
+    quantised = tmp_path / "llama-blocks"
+    tiny_pair("llama", quantised, seed=7, **QUANT_SPLIT)
+    cases += [(fmt, split_logits, {"folder": str(quantised), "seed": 7, "quantize": fmt})
+              for fmt in QUANT_FORMATS]  # fmt: skip
     results = helpers.run_group(W, cases, tmp_path, TIMEOUT_S, DEADLINE_S)
     for i, f in enumerate(FAMILIES):
         errors = [v for status, v, _ in results[f] if status != "ok"]
         assert not errors, "\n".join(errors)
-        got = [v for _, v, _ in results[f]]
+        got = [v for _, (v, _), _ in results[f]]
         torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)  # replicated outputs
         ids = _ids(i, 13)
         oracle = _logits(from_pretrained(folders[f], torch.float64), ids)
         naive = _logits(from_pretrained(folders[f], torch.float32), ids)
         assert_close_to_reference(got[0], oracle, naive, what=f"{f} logits")
+        lean = [v for _, (_, v), _ in results[f]]
+        one = all(b.rows_step().unusable() is None for b in from_pretrained(folders[f]).layers)
+        assert lean == [one] * W, f"{f}: the ranks run the lean step {lean}, one process {one}"
+    for fmt in QUANT_FORMATS:
+        # The oracle: the same blocks dequantised in float64; the naive baseline: one process
+        # with the blocks kept quantised (its kernel quantises activations as each rank's does).
+        errors = [v for status, v, _ in results[fmt] if status != "ok"]
+        assert not errors, "\n".join(errors)
+        got = [v for _, (v, _), _ in results[fmt]]
+        torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)
+        assert all(lean for _, (_, lean), _ in results[fmt])
+        ids = _ids(7, 13)
+        oracle = _logits(from_pretrained(quantised, torch.float64, quantize=fmt), ids)
+        naive = _logits(from_pretrained(quantised, torch.float32, quantize=fmt), ids)
+        assert_close_to_reference(got[0], oracle, naive, what=f"{fmt} split logits")
 
 
 # -- the engine over two processes ----------------------------------------------------------------
@@ -121,9 +149,9 @@ def tp_engine(folders):
     """``start(**engine_kwargs)``: a 2-process engine over the llama checkpoint, closed after."""
     started = []
 
-    def start(**kw):
+    def start(folder=None, **kw):
         kw = {"kv_cache_bytes": 2**20, "page_size": P, "timeout_s": TIMEOUT_S, **kw}
-        started.append(tensor_parallel_engine(folders["llama"], W, **kw))
+        started.append(tensor_parallel_engine(folder or folders["llama"], W, **kw))
         return started[-1]
 
     yield start
@@ -166,6 +194,26 @@ def test_engine_on_two_processes_equals_one_and_closes(folders, tp_engine):
     assert [w.wait(timeout=TIMEOUT_S) for w in tp._workers] == [0] * (W - 1)
     assert not dist.is_initialized()
     tp.close()  # idempotent
+
+
+def test_quantised_engine_speculates_on_two_processes(tmp_path, tp_engine):
+    """A checkpoint kept quantised splits on its blocks, and speculative steps (drafts verified
+    on every rank, rejected ones rolled back by the next step's lengths) give the greedy tokens
+    of plain steps on the same split."""
+    folder = tmp_path / "llama-blocks"
+    tiny_pair("llama", folder, seed=5, **QUANT_SPLIT)
+    g = random.Random(5)
+    loop = [g.randrange(2, VOCAB) for _ in range(4)]
+    prompts = [loop * 5, [g.randrange(2, VOCAB) for _ in range(11)], loop * 3 + [7]]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = tp_engine(folder, quantize="int4")
+    want = _tokens(plain.generate(prompts, [params] * len(prompts)))
+    plain.close()
+    spec = tp_engine(folder, quantize="int4", speculative="ngram",
+                     num_speculative_tokens=3)  # fmt: skip
+    got = _tokens(spec.generate(prompts, [params] * len(prompts)))
+    assert got == want
+    assert spec.metrics.spec_draft_tokens > 0, "no draft was verified"
 
 
 def test_dead_worker_is_a_clear_error_on_rank_0(tp_engine):

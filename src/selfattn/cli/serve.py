@@ -190,11 +190,6 @@ def _build_engine(args, path: str):
     """``(engine, served name)`` of the decoder at ``path``."""
     kw = {"config": _engine_config(args)}
     if args.tensor_parallel > 1:
-        if args.quantize:
-            raise RuntimeError(
-                f"--quantize {args.quantize} does not combine with --tensor-parallel "
-                f"{args.tensor_parallel}: tensor parallelism shards float weights; drop one"
-            )
         kw["tokenizer"] = _tokenizer(path)
         try:
             from selfattn.serving.parallel import tensor_parallel_engine
@@ -203,7 +198,8 @@ def _build_engine(args, path: str):
                 f"--tensor-parallel {args.tensor_parallel} needs selfattn.serving.parallel, "
                 f"which this installation lacks ({e}); run with --tensor-parallel 1"
             ) from None
-        engine = tensor_parallel_engine(path, args.tensor_parallel, **kw)
+        engine = tensor_parallel_engine(path, args.tensor_parallel, quantize=args.quantize,
+                                        dtype=_common.model_dtype(args.dtype), **kw)  # fmt: skip
         return engine, _common.served_name(None, path)
     from selfattn.models import from_pretrained
     from selfattn.serving import Engine

@@ -107,9 +107,11 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
     B, S, d = h.shape
     M, dtype = B * S, h.dtype
     lib = kernel_for(h.view(M, d))
+    if lib is None:  # a dtype or a size the kernel does not take
+        return None
     fused = [None if s.kernel is None else s.fused_steps(dtype) for s in steps]
     first, mask = steps[0], masks[0]
-    if lib is None or any(f is None for f in fused) or any(m is not mask for m in masks):
+    if any(f is None for f in fused) or any(m is not mask for m in masks):
         return None
     atts = [s.att for s in steps]
     if any(a.sinks is not None or a.scale != atts[0].scale for a in atts):

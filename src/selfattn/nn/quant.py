@@ -109,6 +109,23 @@ def _check_in_features(in_features: int) -> None:
         )
 
 
+def column_groups(lo: int, hi: int, group: int) -> tuple[int, slice]:
+    """``(group, groups)`` of the input columns ``lo:hi`` of a weight with groups of ``group``
+    inputs: the part's group and which of the weight's groups it reads. ValueError unless the
+    columns start and end on group edges or lie inside one group (on 32-wide block edges)."""
+    if lo % BLOCK or hi % BLOCK:
+        raise ValueError(
+            f"columns {lo}:{hi} must start and end on multiples of {BLOCK} (the stored blocks)"
+        )
+    if lo // group == (hi - 1) // group:  # inside one group: its scale, a narrower group
+        return hi - lo, slice(lo // group, lo // group + 1)
+    if lo % group or hi % group:
+        raise ValueError(
+            f"columns {lo}:{hi} cut a group of {group} inputs; pick edges on multiples of {group}"
+        )
+    return group, slice(lo // group, hi // group)
+
+
 def _group_of(fmt: str, cols: int, group) -> int:
     """The checked group of ``fmt`` for a ``cols``-wide weight (defaults: module docstring)."""
     if fmt in FORMATS:
@@ -387,6 +404,29 @@ class QuantizedLinear(_Blocks):
                     f"of {group} inputs, got {t.dtype} {tuple(t.shape)}"
                 )
         return cls._assemble(fmt, group, (q, d, m), bias=bias, dtype=dtype)
+
+    def part(self, rows=None, cols: slice | None = None) -> QuantizedLinear:
+        """The layer of the weight's output rows ``rows`` (a slice or an index tensor; None:
+        all) and input columns ``cols`` (a slice; None: all), its blocks copied as stored (no
+        re-quantising): a tensor-parallel rank's shard. ``cols`` must start and end on group
+        edges (or lie inside one group, a multiple of 32 wide). The bias follows the rows; a
+        part of the columns has none (its product is a partial sum, the bias belongs to the
+        sum)."""
+        s, mins, K = self._store(), self._mins(), self.in_features
+        lo, hi = 0, K
+        if cols is not None:
+            lo, hi, step = cols.indices(K)
+            if step != 1 or hi <= lo:
+                raise ValueError(f"cols must be a non-empty slice with step 1, got {cols}")
+        group, groups = column_groups(lo, hi, s.group)
+        per = 1 if s.kind == "s8" else 2  # codes per stored byte
+        r = slice(None) if rows is None else rows
+        qs = s.qs[r][:, lo // per : hi // per].contiguous()
+        d = s.d[r][:, groups].contiguous()
+        m = None if mins is None else mins[r][:, groups].contiguous()
+        bias = None if self.bias is None or cols is not None else self.bias[r]
+        return type(self)._assemble(s.fmt, group, (qs, d, m), bias=bias, dtype=self.dtype,
+                                    stored=True)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., in_features)`` -> ``(..., out_features)`` in ``x``'s dtype."""

@@ -1,14 +1,17 @@
 """Tensor parallelism: one decoder served across ``N`` processes.
 
-Megatron's split (Shoeybi et al., 2019, arXiv 1909.08053) with PyTorch's own engine,
-:mod:`torch.distributed.tensor.parallel`. In every block the q/k/v projection and the MLP's
-input projections are column-wise parallel (each rank computes its own heads' q, k, v and its
-slice of the hidden units) and the attention's output projection and the MLP's output projection
-row-wise parallel (each rank's partial product, summed by one all-reduce): two all-reduces per
-layer, nothing else crosses ranks. Rank ``r`` holds query heads ``r·Hq/N .. (r+1)·Hq/N - 1`` and
-kv heads ``r·Hkv/N ..`` (a GQA group never straddles ranks) and their K/V pages in its own
-:class:`~selfattn.cache.PagedKV`: ``kv_cache_bytes`` is per rank, so N ranks hold about N times the
-tokens of one. Embeddings, norms and the LM head are replicated::
+Megatron's split (Shoeybi et al., 2019, arXiv 1909.08053). In every block the q/k/v projection
+and the MLP's input projections are column-wise parallel (each rank computes its own heads' q,
+k, v and its slice of the hidden units) and the attention's output projection and the MLP's
+output projection row-wise parallel (each rank's partial product, summed by one all-reduce,
+:class:`ReducedLinear`): two all-reduces per layer, nothing else crosses ranks. The shards are
+plain modules (``nn.Linear``, or a quantised checkpoint's
+:class:`~selfattn.nn.QuantizedLinear` split on its blocks, never re-quantised), so every rank runs
+the blocks' one decode step (:class:`~selfattn.nn.blocks.RowsStep`) as one process does.
+Rank ``r`` holds query heads ``r·Hq/N .. (r+1)·Hq/N - 1`` and kv heads ``r·Hkv/N ..`` (a GQA
+group never straddles ranks) and their K/V pages in its own :class:`~selfattn.cache.PagedKV`:
+``kv_cache_bytes`` is per rank, so N ranks hold about N times the tokens of one. Embeddings,
+norms and the LM head are replicated::
 
     engine = tensor_parallel_engine("path/to/model", 2, tokenizer=tok,
                                     config=EngineConfig(kv_cache_bytes=2**30))
@@ -45,7 +48,6 @@ import contextlib
 import dataclasses
 import datetime
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -56,14 +58,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from selfattn.cache import PagedKV
 from selfattn.models.decoder import CausalLM
 from selfattn.nn import MLP, DiffAttention, MultiHeadAttention, QuantizedLinear, SwiGLU
+from selfattn.nn.quant import column_groups
 from selfattn.serving.engine import Engine
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "ReducedLinear",
     "TensorParallelEngine",
     "TensorParallelError",
     "tensor_parallel",
@@ -82,7 +87,12 @@ _POLL_S = 0.05  # rank 0 polls the workers' start at this interval
 _STEP, _IDLE, _STOP = 1, 2, 3
 _HEADER = 6  # kind, T tokens, B sequences, R kept rows, pages listed, pages copied
 _GEOMETRY = 5  # rank 0's pool, sent once: ok, pages, page size, pages per sequence, dtype code
-_KEY = "selfattn/tp"  # the store keys of the workers' start and errors
+_KEY = "selfattn/tp"
+ROW_WISE = (
+    "out_proj",
+    "fc2",
+    "down",
+)  # the projections split by their inputs  # the store keys of the workers' start and errors
 
 
 class TensorParallelError(RuntimeError):
@@ -117,53 +127,83 @@ def _heads(attn: MultiHeadAttention, n: int, where: str) -> None:
         )
 
 
-def _dense(block, where: str) -> None:
-    """ValueError for a projection kept quantised: sharding slices float ``nn.Linear`` weights."""
-    for name, m in block.named_modules():
-        if isinstance(m, QuantizedLinear):
-            raise ValueError(
-                f"{where}: {name} keeps {m.fmt} blocks quantised (a QuantizedLinear), and "
-                "tensor parallelism shards float nn.Linear weights; load the model in a float "
-                "dtype with its weights dequantised (from_pretrained(..., quantized=False))"
-            )
+class ReducedLinear(nn.Module):
+    """A row-wise parallel projection: this rank's columns of the weight (``part``: an
+    ``nn.Linear`` or :class:`~selfattn.nn.QuantizedLinear` without bias) give a partial
+    product, one all-reduce sums the ranks' partials, then the bias is added once."""
+
+    def __init__(self, part: nn.Module, bias: torch.Tensor | None, group):
+        super().__init__()
+        self.part, self.group = part, group
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.part(x)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def _rank_major_qkv(attn: MultiHeadAttention, n: int) -> None:
-    """Reorder the fused ``qkv_proj`` rows ``[q | k | v]`` into ``[q_0 k_0 v_0 | q_1 k_1 v_1 |
-    ...]`` so that the column-wise split gives rank ``r`` its own heads' q, k and v."""
+def _rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """Column-wise parallel: the projection of ``m``'s output rows ``rows`` (its bias's too)."""
+    if isinstance(m, QuantizedLinear):
+        return m.part(rows=rows)
+    w, b = m.weight.detach(), m.bias
+    out = nn.Linear(w.shape[1], len(rows), bias=b is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(w.index_select(0, rows))
+        if b is not None:
+            out.bias.copy_(b.detach().index_select(0, rows))
+    return out.requires_grad_(m.weight.requires_grad)
+
+
+def _cols(m: nn.Module, r: int, n: int, group) -> ReducedLinear:
+    """Row-wise parallel: rank ``r`` of ``n``'s share of ``m``'s input columns."""
+    K = m.in_features
+    lo, hi = r * K // n, (r + 1) * K // n
+    if isinstance(m, QuantizedLinear):
+        part = m.part(cols=slice(lo, hi))  # the edges were checked (_splits)
+    else:
+        w = m.weight.detach()
+        part = nn.Linear(hi - lo, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            part.weight.copy_(w[:, lo:hi])
+        part.requires_grad_(m.weight.requires_grad)
+    return ReducedLinear(part, m.bias, group)
+
+
+def _qkv_rows(attn: MultiHeadAttention, r: int, n: int) -> torch.Tensor:
+    """Rank ``r`` of ``n``'s rows of the fused ``qkv_proj`` ``[q | k | v]``: its own heads'
+    q, k and v."""
     D, Hq, Hkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
     q, kv = Hq * D, Hkv * D
-    idx = []
-    for r in range(n):
-        idx += range(r * q // n, (r + 1) * q // n)
-        idx += range(q + r * kv // n, q + (r + 1) * kv // n)
-        idx += range(q + kv + r * kv // n, q + kv + (r + 1) * kv // n)
-    idx = torch.tensor(idx, device=attn.qkv_proj.weight.device)
-    with torch.no_grad():
-        for p in (attn.qkv_proj.weight, attn.qkv_proj.bias):
-            if p is not None:
-                p.copy_(p.index_select(0, idx))
+    idx = [*range(r * q // n, (r + 1) * q // n)]
+    idx += range(q + r * kv // n, q + (r + 1) * kv // n)
+    idx += range(q + kv + r * kv // n, q + kv + (r + 1) * kv // n)
+    return torch.tensor(idx)
+
+
+def _share(size: int, r: int, n: int) -> torch.Tensor:
+    return torch.arange(r * size // n, (r + 1) * size // n)
 
 
 def tensor_parallel(model: CausalLM, mesh) -> CausalLM:
     """Split ``model`` (in place) across the ranks of the 1-D ``mesh`` (a
     :class:`~torch.distributed.device_mesh.DeviceMesh`; module docstring); returns it.
 
-    Every rank calls it on the same full weights (no weight crosses ranks). Afterwards
+    Every rank calls it on the same full weights (no weight crosses ranks). Column-wise
+    parallel projections become this rank's rows (``nn.Linear`` or, kept quantised, a
+    :meth:`QuantizedLinear.part <selfattn.nn.QuantizedLinear.part>`), row-wise parallel ones a
+    :class:`ReducedLinear`: plain modules without hooks, so the ranks run the blocks' lean
+    decode step (:class:`~selfattn.nn.blocks.RowsStep`) as one process does. Afterwards
     ``model.config`` describes this rank's shard (``n_heads`` / ``n_kv_heads`` per rank), so a
     cache built from it holds this rank's heads. Raises ValueError for what it cannot split
     (kv heads not divisible by the mesh size, sinks, ALiBi, OLMo-2's QK-norm, DiffLlama,
-    mixtures of experts) before changing anything.
+    mixtures of experts, quantised inputs that do not split on block edges) before changing
+    anything.
     """
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     if not isinstance(model, CausalLM):
         raise TypeError(f"tensor_parallel splits selfattn's decoder LMs, got {type(model)}")
-    n = mesh.size()
+    n, r, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     plans = []
     for i, block in enumerate(model.layers):
         attns = [m for m in block.modules() if isinstance(m, MultiHeadAttention)]
@@ -175,24 +215,42 @@ def tensor_parallel(model: CausalLM, mesh) -> CausalLM:
                 "split yet); serve this model with one process"
             )
         _heads(attns[0], n, f"layer {i}")
-        _dense(block, f"layer {i}")
+        _splits(block, n, f"layer {i}")
         plans.append((attns[0], mlps[0]))
-    col, row = ColwiseParallel(), RowwiseParallel()
     for attn, mlp in plans:
         if attn.fused:
-            _rank_major_qkv(attn, n)
-            qkv = {"qkv_proj": col}
+            attn.qkv_proj = _rows(attn.qkv_proj, _qkv_rows(attn, r, n))
         else:
-            qkv = {"q_proj": col, "k_proj": col, "v_proj": col}
-        parallelize_module(attn, mesh, {**qkv, "out_proj": row}, src_data_rank=None)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                m = getattr(attn, name)
+                setattr(attn, name, _rows(m, _share(m.out_features, r, n)))
+        attn.out_proj = _cols(attn.out_proj, r, n, group)
         attn.n_heads //= n
         attn.n_kv_heads //= n
-        ffn = {"fc1": col, "fc2": row} if isinstance(mlp, MLP) else {
-            "gate": col, "up": col, "down": row}  # fmt: skip
-        parallelize_module(mlp, mesh, ffn, src_data_rank=None)
+        ins, out = (("gate", "up"), "down") if isinstance(mlp, SwiGLU) else (("fc1",), "fc2")
+        for name in ins:
+            m = getattr(mlp, name)
+            setattr(mlp, name, _rows(m, _share(m.out_features, r, n)))
+        setattr(mlp, out, _cols(getattr(mlp, out), r, n, group))
     c = model.config
     model.config = dataclasses.replace(c, n_heads=c.n_heads // n, n_kv_heads=c.n_kv_heads // n)
     return model
+
+
+def _splits(block, n: int, where: str) -> None:
+    """ValueError unless the block's quantised row-wise parallel projections split into ``n``
+    shares of their inputs on group edges."""
+    for name, m in block.named_modules():
+        if isinstance(m, QuantizedLinear) and name.rsplit(".", 1)[-1] in ROW_WISE:
+            K = m.in_features
+            for r in range(n):
+                try:
+                    column_groups(r * K // n, (r + 1) * K // n, m.group)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{where}: {name}'s {K} inputs do not split into {n} shares ({e}); "
+                        "serve it with fewer processes"
+                    ) from None
 
 
 # -- the step message ------------------------------------------------------------------------------
@@ -246,14 +304,11 @@ class TensorParallelEngine(Engine):
         self._broken: TensorParallelError | None = None
         self._closed = False
         self._last_message = time.monotonic()
-        device = model.lm_head.weight.device
+        device = _device(model)
         try:
+            # Speculative steps need nothing more: each step's message carries every sequence's
+            # length and pages, so the ranks follow rank 0's rollback of rejected drafts.
             super().__init__(model, **kw)
-            if self.speculator is not None:  # the ranks mirror plans, not a step's rollback
-                raise ValueError(
-                    "speculative decoding does not run tensor-parallel yet; drop speculative / "
-                    "speculative_model, or serve with one process"
-                )
         except BaseException:
             _broadcast(torch.zeros(_GEOMETRY, dtype=torch.long, device=device))  # workers stop
             raise
@@ -394,7 +449,7 @@ def _worker_errors(store, n: int) -> dict[int, str]:
 def _serve_steps(model: CausalLM) -> None:
     """Rank ``r > 0``: build the mirror pages rank 0 describes, then run every step it sends
     until it stops (or stopped: a geometry with status 0)."""
-    device = model.lm_head.weight.device
+    device = _device(model)
     geometry = torch.zeros(_GEOMETRY, dtype=torch.long, device=device)
     _broadcast(geometry)
     ok, num_pages, page_size, max_pages, code = geometry.tolist()
@@ -422,10 +477,19 @@ def _serve_steps(model: CausalLM) -> None:
             model(x, cache=step, logits_to_keep=rows)
 
 
-def _load(model_dir, dtype, device) -> CausalLM:
+def _device(model: CausalLM) -> torch.device:
+    """Where the model's weights live (a quantised LM head has no ``weight``)."""
+    return next(itertools.chain(model.parameters(), model.buffers())).device
+
+
+def _load(model_dir, load, device) -> CausalLM:
+    """The model of ``model_dir`` with ``load = (dtype, quantize, quantize_group)``, as
+    :func:`selfattn.models.from_pretrained` reads them."""
     from selfattn.models import from_pretrained
 
-    model = from_pretrained(model_dir, dtype, device=device).eval()
+    dtype, quantize, group = load
+    model = from_pretrained(model_dir, dtype, device=device, quantize=quantize,
+                            quantize_group=group).eval()  # fmt: skip
     if not isinstance(model, CausalLM):
         raise TypeError(
             f"{str(model_dir)!r} holds a {type(model).__name__}; tensor-parallel serving runs "
@@ -440,7 +504,7 @@ def _split(model: CausalLM, device_type: str) -> CausalLM:
     return tensor_parallel(model, init_device_mesh(device_type, (dist.get_world_size(),)))
 
 
-def _worker_main(rank, n, port, model_dir, dtype, device_type, timeout_s, start_s, threads):
+def _worker_main(rank, n, port, model_dir, load, device_type, timeout_s, start_s, threads):
     """A worker process: meet rank 0 on its store, load, join the group, serve steps."""
     torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -451,7 +515,7 @@ def _worker_main(rank, n, port, model_dir, dtype, device_type, timeout_s, start_
     try:
         if device_type == "cuda":
             torch.cuda.set_device(device)  # NCCL runs on the current device
-        model = _load(model_dir, dtype, device)
+        model = _load(model_dir, load, device)
         store.set(f"{_KEY}/loaded/{rank}", "1")
         dist.init_process_group(_backend(device_type), store=store, rank=rank, world_size=n,
                                 timeout=timeout)  # fmt: skip
@@ -483,6 +547,8 @@ def tensor_parallel_engine(
     n: int,
     *,
     dtype="auto",
+    quantize: str | None = None,
+    quantize_group: int | None = None,
     device: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
@@ -495,10 +561,11 @@ def tensor_parallel_engine(
     geometry is broadcast once), so the config is read in one place. ``n == 1`` is a plain
     Engine.
 
-    ``dtype``: as :func:`selfattn.models.from_pretrained`. ``device``: None / ``"cpu"`` (gloo)
-    or ``"cuda"`` (NCCL; rank ``r`` on GPU ``LOCAL_RANK``, or ``r`` when spawned here).
-    ``timeout_s`` bounds every collective, ``start_timeout_s`` the workers' start (loading the
-    model, meeting rank 0). Under torchrun (``WORLD_SIZE``
+    ``dtype``, ``quantize``, ``quantize_group``: as :func:`selfattn.models.from_pretrained`
+    (a quantised model's projections split on their blocks, kept quantised). ``device``: None /
+    ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; rank ``r`` on GPU ``LOCAL_RANK``, or ``r`` when
+    spawned here). ``timeout_s`` bounds every collective, ``start_timeout_s`` the workers'
+    start (loading the model, meeting rank 0). Under torchrun (``WORLD_SIZE``
     in the environment, which must equal ``n``) it joins that group; on ranks other than 0 it
     serves steps and then raises ``SystemExit(0)`` instead of returning.
     """
@@ -512,14 +579,17 @@ def tensor_parallel_engine(
     for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    if not (dtype is None or isinstance(dtype, str)):
+        dtype = str(dtype).removeprefix("torch.")  # the workers read it from their arguments
+    load = (dtype, quantize, quantize_group)
     if n == 1:
-        return Engine(_load(model_dir, dtype, device), **engine_kwargs)
+        return Engine(_load(model_dir, load, device), **engine_kwargs)
     if "WORLD_SIZE" in os.environ:
-        return _join_torchrun(model_dir, n, dtype, device_type, timeout_s, engine_kwargs)
-    return _spawn(model_dir, n, dtype, device_type, (timeout_s, start_timeout_s), engine_kwargs)
+        return _join_torchrun(model_dir, n, load, device_type, timeout_s, engine_kwargs)
+    return _spawn(model_dir, n, load, device_type, (timeout_s, start_timeout_s), engine_kwargs)
 
 
-def _spawn(model_dir, n, dtype, device_type, timeouts, engine_kwargs) -> Engine:
+def _spawn(model_dir, n, load, device_type, timeouts, engine_kwargs) -> Engine:
     timeout_s, start_timeout_s = timeouts
     if dist.is_initialized():
         raise RuntimeError(
@@ -532,13 +602,13 @@ def _spawn(model_dir, n, dtype, device_type, timeouts, engine_kwargs) -> Engine:
             f"{torch.cuda.device_count()}; lower n or launch across machines with torchrun"
         )
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-    model = _load(model_dir, dtype, device)  # fails fast on a bad folder, before any worker
+    model = _load(model_dir, load, device)  # fails fast on a bad folder, before any worker
     _check_split(model, n)
     timeout = datetime.timedelta(seconds=timeout_s)
     start = datetime.timedelta(seconds=max(timeout_s, start_timeout_s))
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=start,
                           wait_for_workers=False)  # fmt: skip
-    workers = [_start_worker(r, n, store.port, model_dir, dtype, device_type, timeouts)
+    workers = [_start_worker(r, n, store.port, model_dir, load, device_type, timeouts)
                for r in range(1, n)]  # fmt: skip
     try:
         _wait_loaded(store, workers, n, start_timeout_s)
@@ -554,12 +624,11 @@ def _spawn(model_dir, n, dtype, device_type, timeouts, engine_kwargs) -> Engine:
         raise
 
 
-def _start_worker(rank, n, port, model_dir, dtype, device_type, timeouts) -> subprocess.Popen:
+def _start_worker(rank, n, port, model_dir, load, device_type, timeouts) -> subprocess.Popen:
     """A fresh Python running :func:`_worker_main` (not multiprocessing's spawn: that re-imports
     the caller's main module, which a script without a ``__main__`` guard cannot survive)."""
-    dtype = dtype if dtype is None or isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    args = [rank, n, port, str(model_dir), dtype, device_type, *timeouts, torch.get_num_threads()]
-    code = f"from selfattn.serving.parallel import _worker_main; _worker_main(*{json.dumps(args)})"
+    args = [rank, n, port, str(model_dir), load, device_type, *timeouts, torch.get_num_threads()]
+    code = f"from selfattn.serving.parallel import _worker_main; _worker_main(*{args!r})"
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parents[2])  # this selfattn, wherever it is installed
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
@@ -569,7 +638,7 @@ def _start_worker(rank, n, port, model_dir, dtype, device_type, timeouts) -> sub
 def _check_split(model: CausalLM, n: int) -> None:
     """The checks of :func:`tensor_parallel` on rank 0 alone, before workers start."""
     for i, block in enumerate(model.layers):
-        _dense(block, f"layer {i}")
+        _splits(block, n, f"layer {i}")
         for m in block.modules():
             if isinstance(m, MultiHeadAttention):
                 _heads(m, n, f"layer {i}")
@@ -596,7 +665,7 @@ def _wait_loaded(store, workers, n: int, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
-def _join_torchrun(model_dir, n, dtype, device_type, timeout_s, engine_kwargs) -> Engine:
+def _join_torchrun(model_dir, n, load, device_type, timeout_s, engine_kwargs) -> Engine:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
     if world != n:
         raise ValueError(
@@ -611,7 +680,7 @@ def _join_torchrun(model_dir, n, dtype, device_type, timeout_s, engine_kwargs) -
     if owns:
         dist.init_process_group(_backend(device_type),
                                 timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
-    model = _split(_load(model_dir, dtype, device), device_type)
+    model = _split(_load(model_dir, load, device), device_type)
     if rank == 0:
         return TensorParallelEngine(model, timeout_s=timeout_s, owns_group=owns, **engine_kwargs)
     try:
