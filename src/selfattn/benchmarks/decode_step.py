@@ -33,7 +33,9 @@ then runs single-token decode steps. Per step (median of ``--steps``):
   (``engine`` rows). The target is <= 15 %. ``matmul (incl)``, ``attn kernel``: that step's.
 - ``overhead (cpu)``: the same share in thread CPU time (with ``--threads 1``: a loaded host's
   preemption left out): the step's CPU time less the model's projections replayed alone
-  (``matmul (cpu)``) and the attention kernel at the profiled step's ratio to them.
+  (``matmul (cpu)``) and every layer's attention replayed alone (``attn (cpu)``: the paged
+  kernel over the step's context, its call included). The one measure where the blocks run as
+  one C call, which the profiler cannot split.
 - ``ops``: the aten ops a step dispatches (outermost ones: each costs its dispatch however
   small its work).
 
@@ -65,10 +67,13 @@ ATTENTION_LABEL = "attention call"
 KERNEL_LABEL = "decode kernel"  # the C kernel runs through ctypes: no aten op records it
 STEP_LABEL = "decode step"  # one profiled step
 QUANT_LABEL = "quantised linear"  # QuantizedLinear.forward: its kernel and any dequantising
+# Every block of a step as one C call (decode_fast.native_blocks): the projections with their
+# fused norms, RoPE, SwiGLU and residuals, and the attention kernel; counted as matrix products
+BLOCKS_LABEL = "blocks kernel"
 # the outermost of these events is a matrix product (inclusive time), of these attention
 MATMUL_EVENTS = frozenset(
     (*MATMUL_OPS, "aten::linear", "aten::matmul", "aten::_weight_int4pack_mm_for_cpu",
-     "aten::_weight_int8pack_mm", QUANT_LABEL)
+     "aten::_weight_int8pack_mm", QUANT_LABEL, BLOCKS_LABEL)
 )  # fmt: skip
 ATTENTION_EVENTS = frozenset(
     (KERNEL_LABEL, "aten::scaled_dot_product_attention",
@@ -116,9 +121,20 @@ def labelled_attention():
     quant = importlib.import_module("selfattn.nn.quant")
     if hasattr(quant, "QuantizedLinear"):  # a class attribute: looked up at each call
         patched.append((quant.QuantizedLinear, "forward", QUANT_LABEL))
+    fast = importlib.import_module("selfattn.models.decode_fast")
+    if hasattr(fast, "native_blocks"):  # the call it returns is labelled, not the preparing
+        patched.append((fast, "native_blocks", None))
     originals = [getattr(m, name) for m, name, _ in patched]
 
     def labelled(fn, label):
+        if label is None:  # a maker of the step's call: label what it makes
+
+            def make(*args, **kwargs):
+                run = fn(*args, **kwargs)
+                return None if run is None else labelled(run, BLOCKS_LABEL)
+
+            return make
+
         def call(*args, **kwargs):
             with torch.profiler.record_function(label):
                 return fn(*args, **kwargs)
@@ -247,7 +263,7 @@ def measure(model, kind: str, B: int, prompt: int, steps: int, page_size: int) -
     # to them, and the rest of the step's CPU time.
     cpu_ms = statistics.median(cpus) * 1e3
     mm_cpu = projections_cpu_ms(model, B)
-    att_cpu = mm_cpu * kernel_ms / mm_ms if mm_ms else 0.0
+    att_cpu = attention_cpu_ms(model, B, prompt + steps, page_size)
 
     def per_step(total_us: float) -> float:
         return total_us / 1e6 / steps * 1e3  # ms
@@ -276,6 +292,7 @@ def measure(model, kind: str, B: int, prompt: int, steps: int, page_size: int) -
         "overhead_pct": 100 * overhead_ms / step_ms,
         "matmul_cpu_ms": mm_cpu,
         "aten_ops": least[3],
+        "attention_cpu_ms": att_cpu,
         "overhead_cpu_pct": 100 * (cpu_ms - mm_cpu - att_cpu) / cpu_ms,
     }
 
@@ -294,6 +311,37 @@ def projections_cpu_ms(model, B: int, repeat: int = 5) -> float:
         c0 = time.thread_time()
         for m, x in zip(lins, xs):
             m(x)
+        best = min(best, time.thread_time() - c0)
+    return best * 1e3
+
+
+def attention_cpu_ms(model, B: int, context: int, page_size: int, repeat: int = 5) -> float:
+    """Thread CPU time of one decode token's attention in every layer of ``model`` replayed
+    alone: ``paged_attention`` over ``context`` keys per sequence (random pages of the model's
+    dtype and shapes, one pool per layer, a shuffled block table, causal) through one plan, as a
+    planned step's layers call it: the least of ``repeat`` passes. Its Python call counts, so
+    this is an upper bound on the kernel's time."""
+    from selfattn import masks
+    from selfattn.cache import PagedAttentionPlan
+    from selfattn.functional import paged_attention
+
+    c, dtype = model.config, model.norm.weight.dtype
+    g = torch.Generator().manual_seed(context)
+    n = -(-context // page_size)  # pages a sequence
+    pools = [
+        tuple(torch.randn(B * n, page_size, c.n_kv_heads, dim, generator=g).to(dtype)
+              for dim in (c.head_dim, c.value_dim))
+        for _ in range(c.n_layers)
+    ]  # fmt: skip
+    table = torch.randperm(B * n, generator=g).to(torch.int32).view(B, n)
+    lens = torch.full((B,), context, dtype=torch.int32)
+    q = torch.randn(B, c.n_heads, 1, c.head_dim, generator=g).to(dtype)
+    plan, mask = PagedAttentionPlan(table, lens), masks.causal()
+    best = float("inf")
+    for _ in range(repeat):
+        c0 = time.thread_time()
+        for kp, vp in pools:
+            paged_attention(q, kp, vp, table, lens, mask=mask, plan=plan)
         best = min(best, time.thread_time() - c0)
     return best * 1e3
 
@@ -406,14 +454,16 @@ def main(argv=None) -> int:
         print()
         return 0
     cols = ["cache", "B", "step", "cpu", "matmul", "ops", "python", "attention", "matmul (incl)",
-            "attn kernel", "overhead", "matmul (cpu)", "overhead (cpu)", "ops"]  # fmt: skip
+            "attn kernel", "overhead", "matmul (cpu)", "attn (cpu)", "overhead (cpu)",
+            "ops"]  # fmt: skip
     keys = ("step_ms", "cpu_ms", "matmul_ms", "ops_ms", "python_ms", "attention_ms",
             "matmul_incl_ms", "kernel_ms")  # fmt: skip
     table = [
         [r["cache"], str(r["batch"])]
         + [f"{r[k]:.2f} ms" for k in keys]
         + [f"{r['overhead_ms']:.2f} ms ({r['overhead_pct']:.0f} %)"]
-        + [f"{r['matmul_cpu_ms']:.2f} ms", f"{r['overhead_cpu_pct']:.0f} %", str(r["aten_ops"])]
+        + [f"{r['matmul_cpu_ms']:.2f} ms", f"{r['attention_cpu_ms']:.2f} ms"]
+        + [f"{r['overhead_cpu_pct']:.0f} %", str(r["aten_ops"])]
         for r in rows
     ]
     m = _util.machine()
