@@ -444,11 +444,17 @@ def test_misplaced_tool_fields_in_messages_are_400s(message, words):
 
 def test_serve_offers_every_parser_and_hands_the_choice_to_the_app(tmp_path, monkeypatch):
     from selfattn.cli import main
+    from selfattn.cli.main import build_parser
     from selfattn.cli.serve import TOOL_CALL_PARSERS
 
     assert TOOL_CALL_PARSERS == PARSER_CHOICES
+    assert build_parser().parse_args(["serve", "m"]).tool_call_parser == "auto"
+    pytest.importorskip("fastapi")
     pytest.importorskip("transformers")
     import selfattn.serving.server as server
+
+    with pytest.raises(ValueError, match="'qwen'"):
+        server.build_app(encoder=object(), tool_call_parser="qwen")
     from tests._serving_helpers import save_tiny_llama
 
     folder = save_tiny_llama(tmp_path / "tiny")
@@ -456,5 +462,4 @@ def test_serve_offers_every_parser_and_hands_the_choice_to_the_app(tmp_path, mon
     monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append(kw))
     argv = ["serve", str(folder), "--kv-cache-bytes", str(1 << 20), "--threads", "1"]
     assert main([*argv, "--tool-call-parser", "mistral"]) == 0
-    assert main(argv) == 0
-    assert [kw["tool_call_parser"] for kw in served] == ["mistral", "auto"]
+    assert [kw["tool_call_parser"] for kw in served] == ["mistral"]
