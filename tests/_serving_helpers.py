@@ -15,19 +15,26 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfo
 START_TIMEOUT_S = 30
 
 
+def save_random_llama(path, vocab_size: int, eos_token_id: int, max_positions: int) -> None:
+    """A tiny random Llama (seeded) saved by transformers into ``path``."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
 def save_tiny_llama(path, max_positions: int = 128):
     """A tiny random Llama and a WordLevel tokenizer over its ids ("w0" .. "w63", plus role
     words; "</s>" is id 1, the end of sequence), saved by transformers into ``path``."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        eos_token_id=1, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    save_random_llama(path, VOCAB, eos_token_id=1, max_positions=max_positions)
     vocab = {f"w{i}": i for i in range(VOCAB - 3)}
     vocab["</s>"] = vocab.pop("w1")
     for i, word in enumerate(("<user>", "<assistant>", "<system>")):
@@ -36,6 +43,32 @@ def save_tiny_llama(path, max_positions: int = 128):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
     hf.chat_template = TEMPLATE
+    hf.save_pretrained(path)
+    return path
+
+
+BYTE_SPECIALS = ("<|im_end|>", "<|im_start|>")  # the end of a turn (the eos) and its start
+BYTE_ADDED = ("<tool_call>", "</tool_call>")  # ordinary added tokens, as Qwen2.5 has them
+
+
+def save_tiny_byte_llama(path, chat_template: str, max_positions: int = 1024):
+    """A tiny random Llama over a byte-level tokenizer that spells any text (256 byte tokens,
+    no merges) plus ``BYTE_SPECIALS`` and ``BYTE_ADDED``; ``<|im_end|>`` is the end of
+    sequence. Saved by transformers into ``path`` with ``chat_template``."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in BYTE_SPECIALS])
+    tok.add_tokens([AddedToken(t, special=False) for t in BYTE_ADDED])
+    V = tok.get_vocab_size(with_added_tokens=True)
+    save_random_llama(path, V, tok.token_to_id("<|im_end|>"), max_positions)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    hf.chat_template = chat_template
     hf.save_pretrained(path)
     return path
 

@@ -165,3 +165,31 @@ def test_batch_is_left_padded(tmp_path):
     assert ids.shape == mask.shape == (2, len(ours.encode("The cat sat on the mat.")))
     assert ids[1, -len(short) :].tolist() == short and mask[1].sum() == len(short)
     assert (ids[1, : -len(short)] == ours.pad_token_id).all() and not mask[1, 0]
+
+
+TOOL_TEMPLATE = (
+    "{% if tools is not none %}[tools]{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "{% else %}[no tools]{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}"
+    "{% endfor %}{% endfor %}"
+)
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(tmp_path):
+    """``tools`` is the template's variable, None when not given (templates test ``tools is
+    not none``), and a call's arguments render as the template writes them."""
+    theirs = bpe_folder(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    tools = [{"type": "function", "function": {"name": "f", "description": "ü",
+                                               "parameters": {"type": "object"}}}]  # fmt: skip
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "2"}]  # fmt: skip
+    for kw in ({}, {"tools": tools}):
+        text = ours.apply_chat_template(messages, tokenize=False, chat_template=TOOL_TEMPLATE, **kw)
+        want = theirs.apply_chat_template(
+            messages, tokenize=False, chat_template=TOOL_TEMPLATE, **kw
+        )
+        assert text == want
+        assert text.startswith("[tools]" if kw else "[no tools]") and 'f{"x": 1}' in text

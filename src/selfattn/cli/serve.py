@@ -21,6 +21,8 @@ from selfattn.cli import _common
 from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, EngineConfig
 
 KV_DTYPES = ("auto", "int8", "fp8")
+# selfattn.serving.tools.PARSER_CHOICES, spelled here: --help imports no serving module
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
 API_KEY_ENV = "SELFATTN_API_KEY"  # the key without putting it on the command line (ps shows it)
 # Flags that set an EngineConfig field of the same name; each flag's default is the field's.
 ENGINE_FLAGS = (
@@ -93,6 +95,14 @@ def add_parser(subparsers):
         default = getattr(EngineConfig, field)
         p.add_argument(flag, type=_common.positive_int, default=default, metavar="N",
                        help=f"{text} (default {default})")  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="how chat requests with tools read the model's calls: hermes (<tool_call>, Qwen), "
+        "llama3_json, mistral ([TOOL_CALLS]), none, or auto (by the markers the chat template "
+        "writes; default)",
+    )
     _add_speculative(p)
     _common.add_dtype(p)
     _common.add_threads(p)
@@ -287,7 +297,8 @@ def run(args) -> int:
         _in_background(_import_server, "import")
         with _common.spinner(f"loading {label}"):
             engine, own_name = _build_engine(args, path)
-        app_kw = dict(model_name=name or own_name, max_waiting=args.max_waiting)
+        app_kw = dict(model_name=name or own_name, max_waiting=args.max_waiting,
+                      tool_call_parser=args.tool_call_parser)  # fmt: skip
         threads = _common.apply_threads(args)
         log.info("selfattn serve: %r as %r on %d threads: %r", path, app_kw["model_name"],
                  threads, engine)  # fmt: skip

@@ -176,13 +176,21 @@ class Tokenizer:
         add_generation_prompt: bool = False,
         tokenize: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
         **kwargs,
     ) -> str | list[int]:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template,
-        as transformers does: the template sees ``messages``, ``add_generation_prompt``, the
-        special tokens by name (``bos_token``, ``eos_token``, ...) and ``kwargs``. Returns the
-        text, or its ids (``tokenize=True``, no specials added: the template writes them;
-        transformers 5 returns them in a dict by default)."""
+        as transformers does: the template sees ``messages``, ``add_generation_prompt``,
+        ``tools`` and ``documents`` (None unless given: templates test ``tools is not none``),
+        the special tokens by name (``bos_token``, ``eos_token``, ...) and ``kwargs``. Returns
+        the text, or its ids (``tokenize=True``, no specials added: the template writes them;
+        transformers 5 returns them in a dict by default).
+
+        ``tools``: JSON schemas of functions, ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``; an assistant message's calls are ``"tool_calls":
+        [{"type": "function", "function": {"name": ..., "arguments": {...}}}]`` and a tool's
+        answer ``{"role": "tool", "content": ...}`` (transformers' convention)."""
         template = self.named_templates.get(chat_template, chat_template) or self.chat_template
         if template is None:
             raise ValueError(
@@ -194,6 +202,8 @@ class Tokenizer:
         text = _compile(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
             **{**self.special_tokens_map, **kwargs},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -5,8 +5,10 @@ the context check (:func:`max_tokens_within`) and :class:`~selfattn.serving.Samp
 
 Every model forbids unknown fields (a typo such as ``max_token`` is a 400, never silently
 ignored) and is strict (``"n": "2"`` or ``"stream": 1`` are 400s, not coerced). Fields the API
-defines that this server does not implement (``logit_bias``, ``suffix``, ``echo``, tools, ...)
-are accepted at their neutral values only and refused otherwise, naming the field.
+defines that this server does not implement (``logit_bias``, ``suffix``, ``echo``, ...) are
+accepted at their neutral values only and refused otherwise, naming the field. Tool calling's
+fields (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and
+``role: "tool"`` messages) are read by :mod:`selfattn.serving.tools`.
 
 Sampling maps as vLLM's OpenAI server maps it: ``temperature`` (default 1), ``top_p``, ``n``,
 ``seed``, ``stop``, ``presence_penalty`` / ``frequency_penalty``, ``logprobs``; vLLM's extra
@@ -16,6 +18,7 @@ fields (``extra_body`` in the ``openai`` client) ``top_k`` (0 or -1: off), ``min
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
@@ -31,6 +34,7 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "RequestError",
+    "ToolDefinition",
     "chat_prompt_ids",
     "completion_prompt_ids",
     "max_tokens_within",
@@ -116,10 +120,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallMessage(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallMessage(_Strict):
+    """A call in an assistant message sent back: ``{"id", "type": "function", "function"}``."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallMessage
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -131,6 +150,27 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema (checked by selfattn.serving.tools)
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampled):
     """``POST /v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template."""
 
@@ -139,14 +179,12 @@ class ChatCompletionRequest(_Sampled):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise RequestError("tools are not supported by this server", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -231,17 +269,52 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
             "chat_template.jinja); use /v1/completions with the prompt formatted yourself",
             param="messages",
         )
-    messages = []
-    for m in body.messages:
-        d = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            d["name"] = m.name
-        messages.append(d)
+    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    kw = {}
+    if body.tools:  # the template's own ``tools`` variable, as transformers passes it
+        kw["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             **kw)  # fmt: skip
     except Exception as e:  # the template's own raise_exception (an unsupported role, ...)
         raise RequestError(f"the chat template refused the messages: {e}",
                            param="messages") from None  # fmt: skip
+
+
+def template_message(m: ChatMessage, i: int) -> dict:
+    """Message ``i`` in the shape chat templates read (transformers' convention): a call's
+    ``arguments`` as a dict where they are a JSON object (templates write ``arguments |
+    tojson``), else the text as given; ``tool_call_id`` on a tool's answer."""
+    d = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_calls is not None:
+        if m.role != "assistant":
+            raise RequestError(f"messages[{i}] has tool_calls but role {m.role!r}; only "
+                               "assistant messages carry tool_calls", param="messages")  # fmt: skip
+        d["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": json_object(c.function.arguments)}}
+            for c in m.tool_calls
+        ]  # fmt: skip
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise RequestError(f"messages[{i}] has role 'tool' but no tool_call_id; give the id "
+                               "of the call it answers", param="messages")  # fmt: skip
+        d["tool_call_id"] = m.tool_call_id
+    elif m.tool_call_id is not None:
+        raise RequestError(f"messages[{i}] has a tool_call_id but role {m.role!r}; only tool "
+                           "messages answer a call", param="messages")  # fmt: skip
+    return d
+
+
+def json_object(text: str):
+    """``text`` parsed where it is a JSON object, else ``text``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def max_tokens_within(prompt_ids: list[int], max_tokens: int | None, limit: int) -> int:

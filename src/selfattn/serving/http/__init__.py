@@ -12,7 +12,8 @@ one module per endpoint family — ``completions.py`` (``POST /v1/completions``)
 /v1/embeddings``, a :class:`~selfattn.models.SentenceEncoder`), ``models.py`` (``GET
 /v1/models``, ``GET /health``, ``GET /metrics``: Prometheus) — and ``common.py`` (the state the
 routes read, submission, SSE, usage, logprobs, errors). Request bodies and their conversion to
-prompt ids and :class:`~selfattn.serving.SamplingParams`: :mod:`selfattn.serving.protocol`.
+prompt ids and :class:`~selfattn.serving.SamplingParams`: :mod:`selfattn.serving.protocol`;
+tool calling (``tools``, ``tool_choice``, the calls read back): :mod:`selfattn.serving.tools`.
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with
 ``data: [DONE]``.
 

@@ -21,6 +21,7 @@ from selfattn.serving.http.common import (
     validation_message,
 )
 from selfattn.serving.protocol import RequestError
+from selfattn.serving.tools import PARSER_CHOICES
 
 fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
 exceptions = require("fastapi.exceptions", extra="serve")
@@ -38,6 +39,7 @@ def build_app(
     api_key: str | None = None,
     max_waiting: int | None = None,
     on_startup=None,
+    tool_call_parser: str = "auto",
 ):
     """The FastAPI app serving ``engine`` (completions, chat) and/or ``encoder`` (a
     :class:`~selfattn.models.SentenceEncoder`: embeddings) under ``model_name`` /
@@ -50,12 +52,19 @@ def build_app(
     ``max_waiting``: requests waiting for admission at once before new ones get 429 (default,
     and at most, the engine's ``max_waiting``). ``on_startup()``: called once the app starts,
     just before the server takes connections (``selfattn serve`` starts loading MiniLM there,
-    off the start-up's path).
+    off the start-up's path). ``tool_call_parser``: how chat requests with ``tools`` read the
+    model's calls, one of :data:`~selfattn.serving.tools.PARSER_CHOICES` (``"auto"``: by the
+    markers the chat template writes).
     """
     _check_app_args(engine, encoder, max_waiting)
+    if tool_call_parser not in PARSER_CHOICES:
+        raise ValueError(
+            f"tool_call_parser must be one of {PARSER_CHOICES}, got {tool_call_parser!r}"
+        )
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="selfattn-embed")
     state = ServerState(engine, encoder, model_name=model_name, max_waiting=max_waiting,
-                        embedding_model_name=embedding_model_name, embed_pool=pool)  # fmt: skip
+                        embedding_model_name=embedding_model_name, embed_pool=pool,
+                        tool_call_parser=tool_call_parser)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

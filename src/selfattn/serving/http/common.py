@@ -70,11 +70,13 @@ def failure_message(e: ModelFailure) -> str:
 class ServerState:
     """What the routes read (``app.state.selfattn``): the engine and its loop, the encoder (or a
     ``Future`` of it, replaced once loaded), the served names, the waiting limit, the pool that
-    embeds."""
+    embeds, the tool call parser's name (:data:`selfattn.serving.tools.PARSER_CHOICES`)."""
 
     def __init__(self, engine: Engine | None, encoder, *, model_name: str,
-                 embedding_model_name: str, max_waiting: int | None, embed_pool):  # fmt: skip
+                 embedding_model_name: str, max_waiting: int | None, embed_pool,
+                 tool_call_parser: str = "auto"):  # fmt: skip
         self.engine, self.encoder = engine, encoder
+        self.tool_call_parser = tool_call_parser
         self.loop: EngineLoop | None = None if engine is None else engine.loop
         self.model_name, self.embedding_model_name = model_name, embedding_model_name
         self.max_waiting, self.embed_pool = max_waiting, embed_pool
