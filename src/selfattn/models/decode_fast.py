@@ -56,6 +56,12 @@ class FastBlocks:
         self.children = [m._modules for m in own]
         self.children_then = [dict(d) for d in self.children]
         self.native_memo = None  # native_blocks' arguments of the blocks, kept between steps
+        # Where every block's fused kernel calls read their tensors (RowsStep.kernel_slots), as
+        # two flat lists, and the calls made for them last: one C-level loop a step tells
+        # whether any was replaced (fused_steps then rebuilds them).
+        slots = [x for s in self.steps if s is not None and s.kernel_slots for x in s.kernel_slots]
+        self.slot_dicts, self.slot_keys = [d for d, _ in slots], [k for _, k in slots]
+        self.fused_memo = None
         for s in self.steps:
             if s is not None:
                 self.children += s.children
@@ -64,6 +70,18 @@ class FastBlocks:
     def current(self) -> bool:
         """Whether no module of the tree was swapped since this view was built."""
         return self.children == self.children_then
+
+    def fused_steps(self, dtype) -> list:
+        """Each block's fused kernel calls in ``dtype`` (:meth:`RowsStep.fused_steps
+        <selfattn.nn.blocks.RowsStep.fused_steps>`; None for a block without), kept while no
+        tensor they read was replaced."""
+        now = list(map(dict.get, self.slot_dicts, self.slot_keys))
+        memo = self.fused_memo
+        if memo is not None and memo[0] is dtype and all(map(is_, memo[1], now)):
+            return memo[2]
+        fused = [None if s.kernel is None else s.fused_steps(dtype) for s in self.steps]
+        self.fused_memo = (dtype, now, fused)
+        return fused
 
     def unusable(self) -> str | None:
         """Why the fast path may not run now (None: it may): the layout, hooks, inspection."""
@@ -109,7 +127,7 @@ def native_blocks(fast: FastBlocks, caches, masks, h, positions):
     lib = kernel_for(h.view(M, d))
     if lib is None:  # a dtype or a size the kernel does not take
         return None
-    fused = [None if s.kernel is None else s.fused_steps(dtype) for s in steps]
+    fused = fast.fused_steps(dtype)
     first, mask = steps[0], masks[0]
     if any(f is None for f in fused) or any(m is not mask for m in masks):
         return None

@@ -65,6 +65,10 @@ def key_interval_union(mask, lens: torch.Tensor, Sq: int):
     interval (sorted by ``lo``, each starts at or after every earlier end), so no key is
     counted twice."""
     pos = lens.view(-1, 1) - Sq + torch.arange(Sq, device=lens.device)  # (B, Sq) absolute
+    if mask is None or mask.is_causal:  # [0, end) or [0, position + 1): a decode step's case
+        hi = (pos + 1).clamp(min=0) if mask is not None else lens.view(-1, 1).expand_as(pos)
+        hi = hi.unsqueeze(-1)
+        return torch.zeros_like(hi), hi
     b = torch.arange(len(lens), device=lens.device).view(-1, 1)
     end = lens.view(-1, 1, 1)
     parts = [(0, end[..., 0])] if mask is None else mask.key_intervals(b, pos)

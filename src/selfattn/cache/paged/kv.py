@@ -264,8 +264,8 @@ class PagedKV:
     def _packed_step(self, ids, counts, before, copies) -> Step:
         """The :class:`Step` of a packed step whose pages are reserved."""
         plan = planner.build_packed(before, self.blocks.page_lists(ids), counts,
-                                    epoch=self.blocks.epoch, copies=copies,
-                                    **self._shape)  # fmt: skip
+                                    num_pages=self.num_pages, epoch=self.blocks.epoch,
+                                    copies=copies, **self._shape)  # fmt: skip
         layers = [PagedLayer(self, plan, i) for i in range(self.n_layers)]
         return Step(layers, plan.positions.view(1, -1), None)
 

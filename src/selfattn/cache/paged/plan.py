@@ -148,8 +148,8 @@ def build(
 
 
 def build_packed(
-    before, pages, counts, *, page_size: int, max_pages: int, paired: bool, device, epoch: int,
-    copies,
+    before, pages, counts, *, page_size: int, max_pages: int, num_pages: int, paired: bool,
+    device, epoch: int, copies,
 ) -> StepPlan:  # fmt: skip
     """The packed plan of ``counts[i]`` new tokens of sequence ``before[i]`` (module
     docstring); ``pages`` as :func:`build`'s."""
@@ -189,7 +189,8 @@ def build_packed(
         max_len=max((n + c for (_, _, n), c in zip(before, counts)), default=0),
         before=tuple(before),
         epoch=epoch,
-        attention=PagedAttentionPlan(row_table, row_lens),
+        # ours: every row one query over its sequence's own pages and length
+        attention=PagedAttentionPlan(row_table, row_lens, valid_for=(num_pages, P, 1)),
         pair_slots=t[at_rows + 2 * R :].view(2, T) if paired else None,
         copies=tuple(copies),
         counts=tuple(counts),
