@@ -398,7 +398,7 @@ def test_waiting_queue_is_bounded(models):
     ("kw", "match"),
     [
         ({"n": 0}, "n must be in 1..128"),
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": -1}, "max_tokens must be >= 0"),
         ({"temperature": -0.5}, r"temperature must lie in \[0.0, inf\)"),
         ({"temperature": float("nan")}, "temperature must be a finite number"),
         ({"top_k": 0}, "top_k must be >= 1"),
@@ -410,6 +410,11 @@ def test_waiting_queue_is_bounded(models):
         ({"stop": [""]}, "stop must hold non-empty strings"),
         ({"stop_token_ids": [-3]}, "stop_token_ids entries must be >= 0"),
         ({"logprobs": 21}, "logprobs must be in 0..20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be in 0..20"),
+        ({"logit_bias": {3: 100.5}}, r"logit_bias\[3\] must lie in \[-100.0, 100.0\]"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias token ids must be >= 0"),
+        ({"logit_bias": [1, 2]}, "logit_bias must map token ids to biases"),
+        ({"n": 3, "best_of": 2}, "best_of must be in 3..128"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool"),
     ],
 )
@@ -428,6 +433,8 @@ def test_bad_requests_raise_and_change_nothing(models):
         (([1] * 60, SamplingParams(max_tokens=8)), "exceed the engine's max_model_len=64"),
         (([1], SamplingParams(stop="x")), "stop strings .* need a tokenizer"),
         (([1], SamplingParams(n=3)), "n=3 samples need 3 sequences .* max_num_seqs=2"),
+        (([1], SamplingParams(best_of=3)), "best_of=3 samples .* lower best_of"),
+        (([1], SamplingParams(logit_bias={VOCAB: 1.0})), f"logit_bias names token id {VOCAB}"),
         (([1], {"max_tokens": 3}), "params must be a SamplingParams"),
     ]
     for args, match in cases:

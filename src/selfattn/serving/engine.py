@@ -18,7 +18,9 @@ a token budget), runs the model ONCE over all of its tokens packed into one row
 (:meth:`~selfattn.cache.PagedKV.plan_packed`: each token attends over its own sequence's pages),
 keeps the logits of each sequence's last token only, and lets each sequence choose its next
 token (:func:`~selfattn.serving.sampling.choose`); finished sequences free their pages. Greedy
-output equals :func:`selfattn.models.generate` of each request alone.
+output equals :func:`selfattn.models.generate` of each request alone. A request with
+``prompt_logprobs`` also keeps the logits of every prompt row its prefill chunks compute (the
+LM head over those rows only) and scores the next prompt token at each.
 
 Pool: ``kv_cache_bytes`` buys ``kv_cache_bytes // page_bytes`` pages, ``page_bytes`` from the
 textbook's formula (:func:`selfattn.cache.kv_cache_bytes` of one page:
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -64,8 +67,14 @@ from selfattn.serving.config import (
 )
 from selfattn.serving.loop import EngineLoop
 from selfattn.serving.metrics import EngineMetrics
-from selfattn.serving.request import Request, RequestOutput, Sequence, TokenLogprob
-from selfattn.serving.sampling import Choice, SamplingParams, choose
+from selfattn.serving.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    Sequence,
+    TokenLogprob,
+)
+from selfattn.serving.sampling import Choice, SamplingParams, choose, token_logprobs
 from selfattn.serving.scheduler import Batch, Scheduler
 from selfattn.serving.speculative import Speculator
 
@@ -196,11 +205,13 @@ class Engine:
                 f"the engine's max_model_len={self.max_model_len}; shorten the prompt or lower "
                 "max_tokens"
             )
-        if params.n > self.scheduler.max_num_seqs:
+        if params.samples > self.scheduler.max_num_seqs:
+            name = "n" if params.best_of is None else "best_of"
             raise ValueError(
-                f"n={params.n} samples need {params.n} sequences at once but the engine runs at "
-                f"most max_num_seqs={self.scheduler.max_num_seqs}; lower n"
+                f"{name}={params.samples} samples need {params.samples} sequences at once but "
+                f"the engine runs at most max_num_seqs={self.scheduler.max_num_seqs}; lower {name}"
             )
+        params.check_vocab(self.model.config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"stop strings {list(params.stop)} need a tokenizer; build the Engine with one "
@@ -313,7 +324,8 @@ class Engine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
         if not req.forked:  # the n - 1 samples it never forked end too
-            req.seqs += [Sequence(req, i, list(req.prompt_ids)) for i in range(1, req.params.n)]
+            n = req.params.samples
+            req.seqs += [Sequence(req, i, list(req.prompt_ids)) for i in range(1, n)]
             for seq in req.seqs[1:]:
                 seq.finish_reason = reason
             req.forked = True
@@ -329,6 +341,7 @@ class Engine:
         ids, counts, flat, keep, samplers = [], [], [], [], []
         drafts = self._drafts(batch) if self.speculator is not None else {}
         spec_keep, spec = [], []  # the drafted chunks' rows; (sequence, draft, q)
+        prompt_keep, scoring = [], []  # prompt rows kept for prompt logprobs; (request, lo, hi)
         for seq, n in batch.chunks:
             ids.append(seq.kv_id)
             counts.append(n)
@@ -339,6 +352,8 @@ class Engine:
                 spec.append((seq, draft, q))
                 continue
             flat += seq.tokens[seq.num_computed : seq.num_computed + n]
+            if seq.request.scoring_prompt:
+                self._prompt_rows(seq, n, len(flat) - n, prompt_keep, scoring)
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the known tokens
                 keep.append(len(flat) - 1)
                 samplers.append(seq)
@@ -348,11 +363,13 @@ class Engine:
         m.peak_pages_used = max(m.peak_pages_used, self.kv.pool.num_used)  # pages are taken now
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
-            rows = torch.tensor(keep + spec_keep, dtype=torch.long, device=device)
+            rows = torch.tensor(keep + spec_keep + prompt_keep, dtype=torch.long, device=device)
             logits = self._forward(x, step, rows)
         except BaseException:
             self._undo(step)
             raise
+        if scoring:
+            self._score_prompts(scoring, logits[len(keep) + len(spec_keep) :])
         if spec:
             self.scheduler.advance(Batch([c for c in batch.chunks if id(c[0]) not in drafts]))
             self._settle(spec, logits[len(keep) :], touched)
@@ -362,8 +379,13 @@ class Engine:
         seqs, rows = [], []
         for r, seq in enumerate(samplers):
             req = seq.request
+            if req.params.max_tokens == 0:  # the prompt only (scored): no sample
+                self._end(req, "length")
+                self.metrics.requests_finished += 1
+                touched[id(req)] = req
+                continue
             if not req.forked:
-                for i in range(1, req.params.n):
+                for i in range(1, req.params.samples):
                     req.seqs.append(self.scheduler.fork(seq, i))
                 req.forked = True
                 group = req.seqs
@@ -377,6 +399,33 @@ class Engine:
             self._append(seq, choice, now)
             touched[id(seq.request)] = seq.request
         self.metrics.record_tokens(len(choices), now)
+
+    @staticmethod
+    def _prompt_rows(seq: Sequence, n: int, at: int, keep: list, scoring: list) -> None:
+        """The rows of ``seq``'s chunk of ``n`` tokens (from row ``at`` of the step) whose
+        logits score a prompt token not scored yet: position ``p``'s scores token ``p + 1``."""
+        req, start = seq.request, seq.num_computed
+        lo = max(start, len(req.prompt_logprobs) - 1)
+        hi = min(start + n, len(req.prompt_ids) - 1)
+        if lo < hi:
+            keep += range(at + lo - start, at + hi - start)
+            scoring.append((req, lo, hi))
+
+    @staticmethod
+    def _score_prompts(scoring: list, logits: torch.Tensor) -> None:
+        """Append the prompt logprobs of ``scoring`` (``(request, lo, hi)``: positions ``lo ..
+        hi - 1``, their rows of ``logits`` in order); a whole prompt's become a tuple."""
+        targets = [t for req, lo, hi in scoring for t in req.prompt_ids[lo + 1 : hi + 1]]
+        k = max(req.params.prompt_logprobs for req, _, _ in scoring)
+        picks = token_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        at = 0
+        for req, lo, hi in scoring:
+            k = req.params.prompt_logprobs
+            req.prompt_logprobs += [TokenLogprob(c.token, c.logprob, c.top[:k], c.rank)
+                                    for c in picks[at : at + hi - lo]]  # fmt: skip
+            at += hi - lo
+            if len(req.prompt_logprobs) == len(req.prompt_ids):
+                req.prompt_logprobs = tuple(req.prompt_logprobs)
 
     def _drafts(self, batch: Batch) -> dict[int, tuple[list[int], object]]:
         """Drafts for the batch's decoding chunks with room for them (the scheduler's lookahead),
@@ -430,8 +479,10 @@ class Engine:
         """Add the chosen token to ``seq``; finish it on a stop token, stop string or length."""
         tok, p, req = choice.token, seq.params, seq.request
         seq.tokens.append(tok)
+        if choice.logprob is not None:
+            seq.cumulative_logprob += choice.logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(TokenLogprob(tok, choice.logprob, choice.top))
+            seq.logprobs.append(TokenLogprob(tok, choice.logprob, choice.top, choice.rank))
         if seq.last_token_time is None:
             self.metrics.ttft.observe(now - req.arrival_time)
             if req.first_token_time is None:
@@ -468,17 +519,22 @@ class Engine:
     def _outputs(self, touched: dict[int, Request]) -> list[RequestOutput]:
         outs = []
         for req in touched.values():
+            if req.params.ranked and not req.finished:
+                continue  # best_of: one output, at the end, of the n best samples
             hold = max((len(s) for s in req.params.stop), default=1) - 1
+            samples = tuple(s.output(self.tokenizer, hold) for s in req.seqs)
+            scored = req.prompt_logprobs
             out = RequestOutput(
                 request_id=req.request_id,
                 prompt=req.prompt,
                 prompt_token_ids=tuple(req.prompt_ids),
-                outputs=tuple(s.output(self.tokenizer, hold) for s in req.seqs),
+                outputs=_best(samples, req.params.n) if req.params.ranked else samples,
                 finished=req.finished,
                 cached_tokens=req.cached_tokens or 0,
                 arrival_time=req.arrival_time,
                 first_token_time=req.first_token_time,
                 error=req.error,
+                prompt_logprobs=scored if isinstance(scored, tuple) else None,
             )
             if out.finished:
                 self._requests.pop(req.request_id, None)
@@ -601,6 +657,12 @@ class Engine:
             f"max_batch_tokens={self.scheduler.max_batch_tokens}, "
             f"max_num_seqs={self.scheduler.max_num_seqs})"
         )
+
+
+def _best(samples: tuple[CompletionOutput, ...], n: int) -> tuple[CompletionOutput, ...]:
+    """The ``n`` samples of highest cumulative log-probability, best first, indexed 0 .. n-1."""
+    ranked = sorted(samples, key=lambda c: -c.cumulative_logprob)[:n]
+    return tuple(dataclasses.replace(c, index=i) for i, c in enumerate(ranked))
 
 
 def _prompts_and_params(prompts, params) -> list[tuple]:

@@ -5,15 +5,18 @@ the context check (:func:`max_tokens_within`) and :class:`~selfattn.serving.Samp
 
 Every model forbids unknown fields (a typo such as ``max_token`` is a 400, never silently
 ignored) and is strict (``"n": "2"`` or ``"stream": 1`` are 400s, not coerced). Fields the API
-defines that this server does not implement (``logit_bias``, ``suffix``, ``echo``, ...) are
-accepted at their neutral values only and refused otherwise, naming the field. Tool calling's
-fields (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and
-``role: "tool"`` messages) are read by :mod:`selfattn.serving.tools`.
+defines that this server does not implement (``suffix``, ...) are accepted at their neutral
+values only and refused otherwise, naming the field. Tool calling's fields (``tools``,
+``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and ``role: "tool"``
+messages) are read by :mod:`selfattn.serving.tools`.
 
 Sampling maps as vLLM's OpenAI server maps it: ``temperature`` (default 1), ``top_p``, ``n``,
-``seed``, ``stop``, ``presence_penalty`` / ``frequency_penalty``, ``logprobs``; vLLM's extra
-fields (``extra_body`` in the ``openai`` client) ``top_k`` (0 or -1: off), ``min_p``,
-``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``.
+``best_of`` (completions), ``seed``, ``stop``, ``presence_penalty`` / ``frequency_penalty``,
+``logit_bias`` (token id strings -> [-100, 100]), ``logprobs``, ``echo`` (completions: the
+prompt before the completion, with its logprobs when ``logprobs`` is set; ``max_tokens: 0``
+then scores the prompt only); vLLM's extra fields (``extra_body`` in the ``openai`` client)
+``top_k`` (0 or -1: off), ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos`` and ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class _Sampled(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -84,10 +87,11 @@ class _Sampled(_Strict):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported by this server", param="logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs needs stream: false", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options needs stream: true", param="stream_options")
 
@@ -103,14 +107,12 @@ class CompletionRequest(_Sampled):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise RequestError("echo is not supported by this server", param="echo")
         if self.suffix:
             raise RequestError("suffix is not supported by this server", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.n and self.stream:
             raise RequestError(
-                f"best_of={self.best_of} differs from n={self.n}; this server returns every "
-                "sample it draws (best_of equal to n, or unset)",
+                f"best_of={self.best_of} with n={self.n} needs stream: false (the best samples "
+                "are known only when all have finished)",
                 param="best_of",
             )
 
@@ -208,6 +210,16 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     if len(stop) > MAX_STOP:
         raise RequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    echo = getattr(req, "echo", False)
+    if max_tokens == 0 and not echo:
+        raise RequestError(
+            "max_tokens must be >= 1 (0 only with echo: true, which scores the prompt)",
+            param="max_tokens",
+        )
+    prompt_logprobs = req.prompt_logprobs
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    bias = _token_biases(req.logit_bias)
     try:
         return SamplingParams(
             n=req.n,
@@ -224,6 +236,9 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=bias,
+            best_of=getattr(req, "best_of", None),
         )
     except (TypeError, ValueError) as e:
         m = _FIELD.match(str(e))
@@ -232,6 +247,19 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
         if param == "logprobs" and isinstance(req, ChatCompletionRequest):
             param = "top_logprobs"
         raise RequestError(message, param=param) from None
+
+
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float]:
+    """``logit_bias``'s token id strings -> ints (their biases are SamplingParams' to check)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise RequestError(
+                f"logit_bias keys must be token ids (decimal strings), got {key!r}",
+                param="logit_bias",
+            )
+        out[int(key)] = value
+    return out
 
 
 # -- request -> engine ----------------------------------------------------------------------------

@@ -34,11 +34,14 @@ __all__ = ["CompletionOutput", "Request", "RequestOutput", "Sequence", "TokenLog
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The log-probability of a chosen ``token`` and of the most likely tokens (``top``)."""
+    """The log-probability of a chosen (or prompt) ``token``, of the most likely tokens at its
+    position (``top``: ``(token, logprob)``, most likely first) and the token's ``rank`` there
+    (1: the most likely)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,9 @@ class CompletionOutput:
     """Sample ``index`` of a request: ``token_ids`` and ``text`` (None without a tokenizer) so
     far, ``logprobs`` (None unless asked), ``finish_reason`` (None while running; ``"stop"``,
     ``"length"``, ``"abort"`` or ``"error"``) and ``stop_reason`` (the stop string or token id
-    that ended it). ``delta_token_ids`` / ``delta_text``: new since the previous output."""
+    that ended it). ``delta_token_ids`` / ``delta_text``: new since the previous output.
+    ``cumulative_logprob``: the sum of its tokens' log-probabilities (None unless logprobs
+    or ``best_of`` asked for them)."""
 
     index: int
     token_ids: tuple[int, ...]
@@ -56,6 +61,7 @@ class CompletionOutput:
     stop_reason: str | int | None
     delta_token_ids: tuple[int, ...]
     delta_text: str | None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,7 +73,9 @@ class RequestOutput:
     """One request's state: its ``outputs`` (one per sample), ``finished`` when all are,
     ``prompt_token_ids``, ``cached_tokens`` (prompt tokens served from the prefix cache at
     admission), ``error`` (the exception that ended it, if one did) and times in seconds
-    (``time.perf_counter``): ``arrival_time``, ``first_token_time``."""
+    (``time.perf_counter``): ``arrival_time``, ``first_token_time``. ``prompt_logprobs``
+    (asked by ``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the
+    first (nothing precedes it), then each token's :class:`TokenLogprob` (vLLM's layout)."""
 
     request_id: str
     prompt: str | None
@@ -78,6 +86,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     error: BaseException | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -97,9 +106,19 @@ class Request:
     first_token_time: float | None = None
     error: BaseException | None = None
     sink: object = None  # where outputs go (an async stream's queue), or None
+    # prompt logprobs scored so far (None first: the first token has none); a tuple once whole
+    prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None = None
 
     def __post_init__(self):
         self.seqs = [Sequence(self, 0, list(self.prompt_ids))]
+        if self.params.prompt_logprobs is not None:  # a one-token prompt is scored already
+            self.prompt_logprobs = [None] if len(self.prompt_ids) > 1 else (None,)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt logprobs are still to be computed (its prefill cannot start from
+        cached pages: those have no logits)."""
+        return isinstance(self.prompt_logprobs, list)
 
     @property
     def finished(self) -> bool:
@@ -107,8 +126,8 @@ class Request:
 
     @property
     def slots(self) -> int:
-        """Cache sequences one of its sequences needs: all n before the fork, then one."""
-        return 1 if self.forked else self.params.n
+        """Cache sequences one of its sequences needs: all samples before the fork, then one."""
+        return 1 if self.forked else self.params.samples
 
 
 @dataclass(eq=False)
@@ -124,6 +143,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
     text: str = ""  # decoded output (of the first read_offset tokens), cut at a stop string
     prefix_offset: int = 0  # output tokens [prefix_offset, read_offset) give the next decode's
     read_offset: int = 0  # context (detokenize)
@@ -162,11 +182,13 @@ class Sequence:
     def draft_room(self, k: int) -> int:
         """Draft tokens a speculative step may verify for this decoding sequence: at most
         ``k``, fewer near ``max_tokens`` (the step emits up to one more than it verifies), none
-        with penalties or logprobs (their values depend on every token before)."""
+        with penalties, logit_bias or logprobs (their values depend on every token before, or
+        the verdict does not apply them)."""
         p = self.params
-        if p.penalised or p.logprobs is not None:
+        if p.penalised or p.logit_bias or p.scores_tokens:
             log_once("speculative-declined", logging.INFO, "speculative decoding: requests with "
-                     "penalties or logprobs decode one token a step, without drafts")  # fmt: skip
+                     "penalties, logit_bias, logprobs or best_of decode one token a step, "
+                     "without drafts")  # fmt: skip
             return 0
         return max(min(k, p.max_tokens - (len(self.tokens) - self.num_prompt) - 1), 0)
 
@@ -231,4 +253,5 @@ class Sequence:
             stop_reason=self.stop_reason,
             delta_token_ids=new_tokens,
             delta_text=delta,
+            cumulative_logprob=self.cumulative_logprob if self.params.scores_tokens else None,
         )

@@ -3,8 +3,11 @@
 One step's logits are processed for every sequence of the batch at once, each row with its own
 parameters, in this order (transformers' and vLLM's)::
 
-    logits ─ penalties ─┬─ temperature == 0: argmax                     (greedy)
-                        └─ / temperature ─ top-k ─ top-p ─ min-p ─ draw  (sampling)
+    logits ─ logit_bias ─ penalties ─┬─ temperature == 0: argmax                     (greedy)
+                                     └─ / temperature ─ top-k ─ top-p ─ min-p ─ draw  (sampling)
+
+- ``logit_bias`` (OpenAI's): a fixed number in [-100, 100] added to the logits of the tokens it
+  names; -100 bans a token in practice, +100 forces it.
 
 - ``repetition_penalty`` r (CTRL, Keskar et al. 2019): the logit of every token already in the
   prompt or the output is divided by r when positive, multiplied by r when negative.
@@ -18,8 +21,9 @@ parameters, in this order (transformers' and vLLM's)::
   therefore draws the same tokens whatever else shares its batch: nothing it reads depends on
   the other rows.
 
-Log-probabilities (``logprobs=k``) are those of the model's distribution, before penalties,
-temperature and filters: the chosen token's and the ``k`` most likely tokens'.
+Log-probabilities (``logprobs=k``) are those of the model's distribution, before the bias,
+penalties, temperature and filters: the chosen token's, its rank and the ``k`` most likely
+tokens' (:func:`token_logprobs`, which scores prompt tokens too).
 """
 
 from __future__ import annotations
@@ -31,11 +35,21 @@ import torch
 
 from selfattn.serving.structured import Guide
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "Choice", "SamplingParams", "choose", "probabilities"]
+__all__ = [
+    "MAX_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "Choice",
+    "SamplingParams",
+    "choose",
+    "probabilities",
+    "token_logprobs",
+]
 
 MAX_N = 128  # samples per request: each is a sequence with its own pages once it diverges
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
 
 
 def _number(name: str, value, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
@@ -73,6 +87,14 @@ class SamplingParams:
     the log-probability of each chosen token and of the ``k`` most likely ones (0: the chosen
     token's only; None: none). ``guide``: a :class:`~selfattn.serving.structured.Guide` the
     output must match (structured output).
+
+    ``max_tokens=0`` computes the prompt and stops (with ``prompt_logprobs``: scores it).
+    ``prompt_logprobs=k``: the log-probability of every prompt token after the first, its rank
+    and the ``k`` most likely tokens at its position (``RequestOutput.prompt_logprobs``),
+    computed in the prefill the request runs anyway. ``logit_bias``: ``{token id: bias}``
+    added to the logits before sampling (stored as sorted ``(id, bias)`` pairs). ``best_of``:
+    draw that many samples and return the ``n`` with the highest cumulative log-probability
+    (vLLM's rule; None: ``n``).
     """
 
     n: int = 1
@@ -89,11 +111,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    best_of: int | None = None
     guide: Guide | None = None
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
-        _int("max_tokens", self.max_tokens, 1)
+        _int("max_tokens", self.max_tokens, 0)
         _number("temperature", self.temperature, 0.0, math.inf, hi_open=True)
         if self.top_k is not None:
             _int("top_k", self.top_k, 1)
@@ -123,12 +148,41 @@ class SamplingParams:
             raise TypeError(f"SamplingParams ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.best_of is not None:
+            _int("best_of", self.best_of, self.n, MAX_N)
         if self.guide is not None and not isinstance(self.guide, Guide):
             raise TypeError(f"SamplingParams guide must be a Guide, got {self.guide!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def samples(self) -> int:
+        """Samples drawn: ``best_of``, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def ranked(self) -> bool:
+        """Whether more samples are drawn than returned (``best_of > n``)."""
+        return self.samples > self.n
+
+    @property
+    def scores_tokens(self) -> bool:
+        """Whether each chosen token's log-probability is needed (logprobs, or ranking)."""
+        return self.logprobs is not None or self.ranked
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError unless every ``logit_bias`` token id is below ``vocab_size``."""
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                raise ValueError(
+                    f"logit_bias names token id {t}, outside the vocabulary 0..{vocab_size - 1}; "
+                    "give ids of this model's tokenizer"
+                )
 
     @property
     def penalised(self) -> bool:
@@ -139,14 +193,55 @@ class SamplingParams:
         )
 
 
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a mapping or ``(id, bias)`` pairs) -> sorted pairs, each checked."""
+    items = bias.items() if hasattr(bias, "items") else bias
+    try:
+        pairs = [tuple(p) for p in items]
+    except TypeError:
+        raise TypeError(
+            f"SamplingParams logit_bias must map token ids to biases, got {bias!r}"
+        ) from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise TypeError(f"SamplingParams logit_bias must map token ids to biases, got {bias!r}")
+        t, b = pair
+        _int("logit_bias token ids", t, 0)
+        out[t] = _number(f"logit_bias[{t}]", b, -MAX_BIAS, MAX_BIAS)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class Choice:
-    """One sequence's pick: ``token``; with logprobs, ``logprob`` (the chosen token's) and
-    ``top`` (``(token, logprob)`` of the most likely tokens, most likely first)."""
+    """One sequence's pick: ``token``; with logprobs, ``logprob`` (the chosen token's), ``top``
+    (``(token, logprob)`` of the most likely tokens, most likely first) and ``rank`` (the
+    chosen token's place in the model's distribution, 1 for the most likely)."""
 
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
+    rank: int | None = None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[Choice]:
+    """Each row's ``tokens[i]`` scored under ``logits (R, V)``: its log-probability, its rank
+    (1 + the tokens strictly more likely) and the ``k`` most likely ``(token, logprob)``."""
+    lp = logits.float().log_softmax(-1)  # (R, V)
+    chosen = lp.gather(1, tokens.view(-1, 1))  # (R, 1)
+    ranks = (lp > chosen).sum(-1) + 1
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    rows = zip(tokens.tolist(), chosen.view(-1).tolist(), ranks.tolist(), top_i.tolist(),
+               top_v.tolist())  # fmt: skip
+    return [Choice(t, v, tuple(zip(ti, tv)), r) for t, v, r, ti, tv in rows]
+
+
+def _apply_bias(x: torch.Tensor, seqs) -> None:
+    """Each row's ``logit_bias``, in place on ``x (R, V)``."""
+    for i, s in enumerate(seqs):
+        if s.params.logit_bias:
+            ids, bias = zip(*s.params.logit_bias)
+            x[i, list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
 
 
 def _apply_penalties(x: torch.Tensor, seqs) -> None:
@@ -220,27 +315,21 @@ def choose(logits: torch.Tensor, seqs) -> list[Choice]:
     """
     x = logits.float()
     raw = x
-    if any(s.params.penalised for s in seqs):
+    if any(s.params.penalised or s.params.logit_bias for s in seqs):
         x = x.clone()
+        _apply_bias(x, seqs)
         _apply_penalties(x, seqs)
     tokens = x.argmax(-1)  # (R,): greedy rows keep it
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         idx = torch.tensor(sampled, device=x.device)
         tokens[idx] = _draw(x[idx], [seqs[i] for i in sampled])
-    picks = tokens.tolist()
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    choices = [Choice(t) for t in tokens.tolist()]
+    want = [i for i, s in enumerate(seqs) if s.params.scores_tokens]
     if not want:
-        return [Choice(t) for t in picks]
-    choices = [Choice(t) for t in picks]
+        return choices
     idx = torch.tensor(want, device=x.device)
-    lp = raw[idx].log_softmax(-1)  # (W, V): the model's distribution
-    k = max(seqs[i].params.logprobs for i in want)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, tokens[idx].view(-1, 1)).view(-1).tolist()
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for w, i in enumerate(want):
-        n = seqs[i].params.logprobs
-        top = tuple(zip(top_i[w][:n], top_v[w][:n]))
-        choices[i] = Choice(picks[i], chosen[w], top)
+    k = max(seqs[i].params.logprobs or 0 for i in want)
+    for i, c in zip(want, token_logprobs(raw[idx], tokens[idx], k)):  # the model's distribution
+        choices[i] = Choice(c.token, c.logprob, c.top[: seqs[i].params.logprobs or 0], c.rank)
     return choices

@@ -14,7 +14,9 @@ its tokens (:meth:`PagedKV.add_sequence_from_prefix`) and computes only the rest
 fills is offered to the cache at the end of the step, so the next request with that prefix
 reuses it. A waiting request whose next uncached page is being computed right now by a running
 prefill waits one step for it rather than computing it again (SGLang's cache-aware scheduling,
-Zheng et al. 2024: 64 requests with one system prompt compute it once, not 64 times).
+Zheng et al. 2024: 64 requests with one system prompt compute it once, not 64 times). A request
+still scoring its prompt (``prompt_logprobs``) computes every prompt token: cached pages hold
+K/V, not the logits it reports (the pages it fills are offered all the same).
 
 When the pool (free pages plus cached pages nobody uses) cannot hold a step's tokens, the newest
 running sequence is preempted: its pages are freed (full ones stay in the prefix cache, so its
@@ -183,7 +185,7 @@ class Scheduler:
             seq = self.waiting[0]
             if slots + seq.request.slots > self.max_num_seqs:
                 return
-            if kv.index is not None:
+            if kv.index is not None and not seq.request.scoring_prompt:
                 kv_id, cached = kv.add_sequence_from_prefix(seq.tokens)
             else:
                 kv_id, cached = kv.add_sequence(), 0

@@ -89,7 +89,11 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
         for c in o.outputs:
             msg, finish = message(c)
             choices.append(choice(c, c.logprobs, finish, message=msg))
-        return {**head, "object": "chat.completion", "choices": choices,
-                "usage": usage([o])}  # fmt: skip
+        answer = {**head, "object": "chat.completion", "choices": choices, "usage": usage([o])}
+        if body.prompt_logprobs is not None:  # vLLM's: beside the choices
+            answer["prompt_logprobs"] = s.tokens.prompt_logprobs(
+                o.prompt_token_ids, o.prompt_logprobs, body.prompt_logprobs
+            )
+        return answer
 
     return await respond(request, sub, body.stream, chunks, final)

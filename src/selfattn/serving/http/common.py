@@ -108,6 +108,10 @@ class ServerState:
                 type="rate_limit_exceeded",
                 code="queue_full",
             )
+        try:
+            params.check_vocab(engine.model.config.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param="logit_bias") from None
         sub = Submission(self.loop, f"{prefix}-{uuid.uuid4().hex}")
         try:
             for ids in prompts:
@@ -263,6 +267,13 @@ def usage_chunks(head: dict, body, seen: dict):
         yield {**head, "choices": [], "usage": usage(seen.values())}
 
 
+def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    """Completions ``logprobs`` of ``a``'s tokens followed by ``b``'s (either may be None)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return {key: a[key] + b[key] for key in a}
+
+
 def news(out):
     """The samples of ``out`` with something to report, and the logprobs new in each."""
     for c in out.outputs:
@@ -271,6 +282,9 @@ def news(out):
             if c.logprobs is not None:
                 new_lps = c.logprobs[len(c.token_ids) - len(c.delta_token_ids) :]
             yield c, new_lps
+
+
+CONTEXT_TOKENS = 6  # tokens a token's text is decoded after (spaces and merges depend on them)
 
 
 class TokenText:
@@ -282,20 +296,64 @@ class TokenText:
     def text(self, t: int) -> str:
         return str(t) if self.tokenizer is None else self.tokenizer.decode([t])
 
-    def completion_logprobs(self, lps, offset: int) -> dict:
-        """OpenAI's completions ``logprobs`` of ``lps`` (TokenLogprob), text offsets from
-        ``offset``."""
-        tokens, offsets = [], []
-        for lp in lps:
-            tokens.append(self.text(lp.token))
+    def after(self, context: list[int], tokens) -> list[str]:
+        """The text each of ``tokens`` adds after ``context`` (the tokens before it): the
+        decoded ``context + [t]`` past the decoded ``context`` (its last ``CONTEXT_TOKENS``),
+        so a word's leading space belongs to its token and consecutive pieces add up to the
+        decoded text."""
+        ctx = context[-CONTEXT_TOKENS:]
+        if self.tokenizer is None or not ctx:
+            return [self.text(t) for t in tokens]
+        head = self.tokenizer.decode(ctx)
+        out = []
+        for t in tokens:
+            full = self.tokenizer.decode([*ctx, t])
+            out.append(full[len(head) :] if full.startswith(head) else self.text(t))
+        return out
+
+    def pieces(self, ids: list[int], context: list[int] = ()) -> list[str]:
+        """The text of each of ``ids`` after ``context`` and the ids before it."""
+        seen = list(context)
+        out = []
+        for t in ids:
+            out += self.after(seen, [t])
+            seen.append(t)
+        return out
+
+    def completion_logprobs(self, ids, lps, offset: int, context=(), top=None) -> dict:
+        """OpenAI's completions ``logprobs`` of the tokens ``ids`` after ``context`` (their
+        :class:`TokenLogprob` s ``lps``, None where a token has none: a prompt's first), at
+        most ``top`` alternatives each; ``text_offset``: where each token's text starts in a
+        text whose ``ids`` start at ``offset``."""
+        seen, tokens, offsets, tops = list(context), [], [], []
+        for t, lp in zip(ids, lps):
+            alts = [] if lp is None else [a for a, _ in lp.top[:top]]
+            texts = self.after(seen, [t, *alts])
+            tokens.append(texts[0])
             offsets.append(offset)
-            offset += len(tokens[-1])
+            offset += len(texts[0])
+            tops.append(None if lp is None else {s: v for s, (_, v) in zip(texts[1:], lp.top)})
+            seen.append(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.text(t): v for t, v in lp.top} for lp in lps],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(self, prompt_ids, lps, top: int) -> list:
+        """vLLM's ``prompt_logprobs``: None for the first token, then per position ``{token
+        id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the ``top`` most
+        likely ones."""
+        out = [None]
+        for p, lp in enumerate(lps[1:]):
+            ids = [lp.token, *(t for t, _ in lp.top[:top])]
+            texts = self.after(list(prompt_ids[: p + 1]), ids)
+            ranks = [lp.rank, *range(1, len(ids))]
+            values = [lp.logprob, *(v for _, v in lp.top[:top])]
+            out.append({str(t): {"logprob": v, "rank": r, "decoded_token": s}
+                        for t, v, r, s in zip(ids, values, ranks, texts)})  # fmt: skip
+        return out
 
     def chat_logprobs(self, lps) -> dict:
         """OpenAI's chat ``logprobs`` of ``lps`` (TokenLogprob)."""

@@ -1,10 +1,18 @@
-"""``POST /v1/completions``: text or token-id prompts (one or many), ``n`` samples each."""
+"""``POST /v1/completions``: text or token-id prompts (one or many), ``n`` samples each; ``echo``
+puts each prompt (and its logprobs) before its completions, streamed first."""
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations as objects.
 import time
 
 from selfattn._optional import require
-from selfattn.serving.http.common import news, respond, state, usage, usage_chunks
+from selfattn.serving.http.common import (
+    join_logprobs,
+    news,
+    respond,
+    state,
+    usage,
+    usage_chunks,
+)
 from selfattn.serving.protocol import (
     CompletionRequest,
     completion_prompt_ids,
@@ -32,14 +40,35 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
     head = {"id": sub.base_id, "object": "text_completion", "created": int(time.time()),
             "model": s.model_name}  # fmt: skip
     want_lp = params.logprobs is not None
+    prompt_parts: dict = {}  # prompt k -> its echo (text, logprobs) and its prompt_logprobs
 
-    def choice(k, c, text, lps, offset):
-        return {
-            "index": k * params.n + c.index,
-            "text": text,
-            "logprobs": s.tokens.completion_logprobs(lps, offset) if want_lp else None,
-            "finish_reason": c.finish_reason,
-        }
+    def prompt_part(k, out) -> tuple:
+        if k not in prompt_parts:
+            ids, lps = list(out.prompt_token_ids), out.prompt_logprobs
+            text = "".join(s.tokens.pieces(ids)) if body.echo else ""
+            echo_lp = None
+            if body.echo and want_lp:
+                echo_lp = s.tokens.completion_logprobs(ids, lps, 0, top=body.logprobs)
+            scored = None
+            if body.prompt_logprobs is not None:
+                scored = s.tokens.prompt_logprobs(ids, lps, body.prompt_logprobs)
+            prompt_parts[k] = (text, echo_lp, scored)
+        return prompt_parts[k]
+
+    def choice(k, out, c, text, lps, offset):
+        """Sample ``c`` of prompt ``k``: ``text``, and the logprobs ``lps`` of its last tokens
+        whose text starts ``offset`` characters into the completion."""
+        echoed, _, scored = prompt_part(k, out)
+        lp = None
+        if want_lp:
+            before = list(c.token_ids[: len(c.token_ids) - len(lps)])
+            ids = [x.token for x in lps]
+            lp = s.tokens.completion_logprobs(ids, lps, len(echoed) + offset, before)
+        d = {"index": k * params.n + c.index, "text": text, "logprobs": lp,
+             "finish_reason": c.finish_reason}  # fmt: skip
+        if scored is not None:
+            d["prompt_logprobs"] = scored
+        return d
 
     seen: dict = {}  # the last output of each prompt, for the closing usage
 
@@ -47,15 +76,26 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
         if out is None:
             yield from usage_chunks(head, body, seen)
             return
+        if body.echo and k not in seen:  # the prompt first, one chunk per sample
+            text, lp, _ = prompt_part(k, out)
+            for i in range(params.n):
+                opening = {"index": k * params.n + i, "text": text, "logprobs": lp,
+                           "finish_reason": None}  # fmt: skip
+                yield {**head, "choices": [opening]}
         seen[k] = out
         for c, lps in news(out):
             offset = len(c.text or "") - len(c.delta_text or "")
-            yield {**head, "choices": [choice(k, c, c.delta_text or "", lps, offset)]}
+            yield {**head, "choices": [choice(k, out, c, c.delta_text or "", lps, offset)]}
 
     def final(outs):
-        choices = [
-            choice(k, c, c.text or "", c.logprobs, 0) for k in sorted(outs) for c in outs[k].outputs
-        ]
+        choices = []
+        for k in sorted(outs):
+            for c in outs[k].outputs:
+                ch = choice(k, outs[k], c, c.text or "", c.logprobs, 0)
+                text, lp, _ = prompt_part(k, outs[k])
+                ch["text"] = text + ch["text"]
+                ch["logprobs"] = join_logprobs(lp, ch["logprobs"])
+                choices.append(ch)
         return {**head, "choices": choices, "usage": usage(outs.values())}
 
     return await respond(request, sub, body.stream, chunks, final)
