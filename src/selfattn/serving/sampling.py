@@ -20,6 +20,10 @@ parameters, in this order (transformers' and vLLM's)::
 
 Log-probabilities (``logprobs=k``) are those of the model's distribution, before penalties,
 temperature and filters: the chosen token's and the ``k`` most likely tokens'.
+
+A guided sequence (structured output, :mod:`selfattn.serving.structured`) samples from its
+penalised logits with every token its guide forbids set to -inf, before temperature and the
+filters (as vLLM applies its grammar bitmask); its log-probabilities stay the model's.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfattn.serving.structured import Guide
+from selfattn.serving.structured import Guide, apply_bitmask
 
 __all__ = ["MAX_LOGPROBS", "MAX_N", "Choice", "SamplingParams", "choose", "probabilities"]
 
@@ -212,17 +216,22 @@ def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
     return order.gather(1, j).view(R)
 
 
-def choose(logits: torch.Tensor, seqs) -> list[Choice]:
+def choose(logits: torch.Tensor, seqs, masks=None) -> list[Choice]:
     """The next token of each sequence from ``logits (R, V)`` (row ``i`` for ``seqs[i]``).
 
     A sequence provides ``params`` (:class:`SamplingParams`), ``tokens`` (prompt and output
-    ids), ``output_ids`` and ``generator`` (a CPU ``torch.Generator``).
+    ids), ``output_ids`` and ``generator`` (a CPU ``torch.Generator``). ``masks``: ``(rows
+    (G,), bits (G, words))``, the allowed tokens of the guided rows as bitmasks
+    (:func:`~selfattn.serving.structured.apply_bitmask`; each row allows at least one token).
     """
     x = logits.float()
     raw = x
-    if any(s.params.penalised for s in seqs):
+    if masks is not None or any(s.params.penalised for s in seqs):
         x = x.clone()
+    if any(s.params.penalised for s in seqs):
         _apply_penalties(x, seqs)
+    if masks is not None:
+        apply_bitmask(x, *masks)
     tokens = x.argmax(-1)  # (R,): greedy rows keep it
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:

@@ -8,11 +8,13 @@ from selfattn.serving.http.common import news, respond, state, usage, usage_chun
 from selfattn.serving.protocol import (
     ChatCompletionRequest,
     chat_prompt_ids,
+    compile_guide,
     max_tokens_within,
     sampling_params,
 )
 
 fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
+concurrency = require("starlette.concurrency", extra="serve", purpose="the OpenAI server")
 
 router = fastapi.APIRouter()
 
@@ -26,6 +28,7 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
     max_tokens = max_tokens_within(ids, asked, engine.max_model_len)  # None: the context's rest
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
+    await concurrency.run_in_threadpool(compile_guide, body, params, engine.grammars)
     sub = s.submit([ids], params, "chatcmpl")
     head = {"id": sub.base_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": s.model_name}  # fmt: skip
