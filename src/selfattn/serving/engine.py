@@ -192,6 +192,7 @@ class Engine:
         ``sink(output)`` receives each of its outputs as :meth:`step` makes them (on the
         stepping thread).
         """
+        arrival = time.perf_counter()  # a guide's compile counts in its time to first token
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -227,8 +228,8 @@ class Engine:
             )
         matcher = None if params.guide is None else self._matcher(params.guide)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Request(request_id, text, ids, params, next(self._order), time.perf_counter(),
-                      seed, sink=sink)  # fmt: skip
+        req = Request(request_id, text, ids, params, next(self._order), arrival, seed,
+                      sink=sink)  # fmt: skip
         req.seqs[0].matcher = matcher
         self._requests[request_id] = req
         self._inbox.append(req)

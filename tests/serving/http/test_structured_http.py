@@ -95,8 +95,11 @@ def test_response_format_json_object_and_guided_fields(url):
         ({"structured_outputs": {"regex": "(("}}, "structured_outputs", "regex"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "at most one"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format", "json_schema.schema"),  # fmt: skip
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "json_schema.schema",
+        ),  # fmt: skip
     ],
 )
 def test_bad_guides_are_400s_naming_the_field(url, extra, param, words):
