@@ -99,7 +99,7 @@ def test_response_format_json_object_and_guided_fields(url):
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             "response_format",
             "json_schema.schema",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_bad_guides_are_400s_naming_the_field(url, extra, param, words):
