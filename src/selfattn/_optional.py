@@ -34,6 +34,7 @@ EXTRAS = {
     "pydantic": ("fastapi", "serve"),
     "uvicorn": ("uvicorn", "serve"),
     "prometheus_client": ("prometheus-client", "serve"),
+    "llguidance": ("llguidance", "serve"),
 }
 
 

@@ -247,6 +247,17 @@ def check_decode_step(report: dict) -> None:
         assert r["overhead_ms"] >= 0 and r["aten_ops"] > 0, r
 
 
+def check_structured(report: dict) -> None:
+    rows = {r["case"]: r for r in report["rows"]}
+    for batch in (1, 16):
+        r = rows[f"llguidance, batch {batch}"]
+        assert r["compile_ms"] > 0 and r["mask_us"] > 0, r
+        e = rows[f"engine, batch {batch}"]
+        assert e["ratio"] == e["ours"] / e["peer_value"], e  # guided / free tok/s
+    assert rows["engine, batch 16"]["met"] == (rows["engine, batch 16"]["mask_share"] <= 0.10)
+    assert set(rows["engine, TTFT ms"]) >= {"free", "guided, cold", "guided, cached"}
+
+
 def check_speculative(report: dict) -> None:
     rows = report["rows"]
     assert [r["case"].split(":")[1].split(",")[0].strip() for r in rows] == ["generate", "engine"]
@@ -474,6 +485,9 @@ SMOKES = {
     "mla": Smoke(packaged("mla", "--repeat", "2", "--threads", "1"), check_mla),
     "speculative": Smoke(packaged("speculative", "--threads", "1"), check_speculative),
     "streaming": Smoke(packaged("streaming"), check_streaming),
+    "structured": Smoke(
+        packaged("structured", "--threads", "1"), check_structured, needs=("llguidance",)
+    ),
     "view": Smoke(packaged("view"), check_view),
     "serving": Smoke(
         packaged(

@@ -26,6 +26,7 @@ NAMES = (
     "serving_http",
     "speculative",
     "streaming",
+    "structured",
     "variants",
     "view",
 )

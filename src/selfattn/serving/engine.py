@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -77,6 +78,7 @@ from selfattn.serving.request import (
 from selfattn.serving.sampling import Choice, SamplingParams, choose, token_logprobs
 from selfattn.serving.scheduler import Batch, Scheduler
 from selfattn.serving.speculative import Speculator
+from selfattn.serving.structured import DEAD_END, Grammars
 
 __all__ = [
     "DEFAULT_KV_CACHE_BYTES",
@@ -160,6 +162,11 @@ class Engine:
         self.max_waiting = cfg.max_waiting
         # the model's and the tokenizer's stop tokens (end of turn included); ignore_eos skips
         self._eos = frozenset(stop_token_ids(model, tokenizer))
+        # structured output: the grammar engine's tokenizer and compiled guides, built at the
+        # first guided request; the guided rows' masks are filled on a worker thread while
+        # the forward runs (the grammar engine releases the GIL)
+        self.grammars = Grammars(tokenizer, c.vocab_size, self._eos)
+        self._mask_worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._rng = random.Random(cfg.seed)
         self._order = itertools.count()
         self._inbox: collections.deque[Request] = collections.deque()
@@ -194,6 +201,7 @@ class Engine:
         ``sink(output)`` receives each of its outputs as :meth:`step` makes them (on the
         stepping thread).
         """
+        arrival = time.perf_counter()  # a guide's compile counts in its time to first token
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -229,12 +237,24 @@ class Engine:
                 f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry when "
                 "running requests finish, or build the Engine with a larger max_waiting"
             )
+        matcher = None if params.guide is None else self._matcher(params.guide)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Request(request_id, text, ids, params, next(self._order), time.perf_counter(),
-                      seed, sink=sink)  # fmt: skip
+        req = Request(request_id, text, ids, params, next(self._order), arrival, seed,
+                      sink=sink)  # fmt: skip
+        req.seqs[0].matcher = matcher
         self._requests[request_id] = req
         self._inbox.append(req)
         return request_id
+
+    def _matcher(self, guide):
+        """A matcher at the start of ``guide`` (structured output); a guide the grammar engine
+        refuses raises :class:`~selfattn.serving.structured.GuideError` (a ValueError)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"a {guide.kind} guide needs the tokenizer (the grammar is spelled in its "
+                "tokens); build the Engine with one"
+            )
+        return self.grammars.matcher(guide)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -358,6 +378,7 @@ class Engine:
                 keep.append(len(flat) - 1)
                 samplers.append(seq)
         device = self.kv.k_store.device
+        masks = self._start_masks(samplers)
         step = self.kv.plan_packed(ids, counts)
         m = self.metrics
         m.peak_pages_used = max(m.peak_pages_used, self.kv.pool.num_used)  # pages are taken now
@@ -370,6 +391,7 @@ class Engine:
             raise
         if scoring:
             self._score_prompts(scoring, logits[len(keep) + len(spec_keep) :])
+        bits = None if masks is None else masks.result()  # before forks copy the matchers
         if spec:
             self.scheduler.advance(Batch([c for c in batch.chunks if id(c[0]) not in drafts]))
             self._settle(spec, logits[len(keep) :], touched)
@@ -393,7 +415,9 @@ class Engine:
                 group = [seq]
             seqs += group
             rows += [r] * len(group)
-        choices = choose(logits[rows], seqs) if seqs else []
+        if bits is not None:
+            seqs, rows, masks = self._guided_rows(samplers, bits, seqs, rows, touched)
+        choices = choose(logits[rows], seqs, masks) if seqs else []
         now = time.perf_counter()
         for seq, choice in zip(seqs, choices):
             self._append(seq, choice, now)
@@ -426,6 +450,43 @@ class Engine:
             at += hi - lo
             if len(req.prompt_logprobs) == len(req.prompt_ids):
                 req.prompt_logprobs = tuple(req.prompt_logprobs)
+
+    def _start_masks(self, samplers) -> concurrent.futures.Future | None:
+        """The guided samplers' next-token bitmasks, filled on the mask worker (structured
+        output) while the caller runs the forward; None when no sampler is guided."""
+        guided = [s.matcher for s in samplers if s.matcher is not None]
+        if not guided:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="selfattn-guide-masks"
+            )
+        return self._mask_worker.submit(self.grammars.fill_bitmasks, guided)
+
+    def _guided_rows(self, samplers, bits, seqs, rows, touched):
+        """The sampling sequences and their logits rows without those whose guide allows no
+        token (finished: ``DEAD_END``), and choose's ``masks``: each guided sequence's row
+        (after its sampler's forks) and its sampler's bitmask ``bits (G, words)``."""
+        g_of, alive = {}, []  # sampler row -> its bitmask row; whether the guide goes on
+        for r, seq in enumerate(samplers):
+            if seq.matcher is not None:
+                g_of[r] = len(alive)
+                alive.append(not seq.matcher.is_error())  # stuck: it allows only the EOS
+        alive = [a and any_ for a, any_ in zip(alive, bits.ne(0).any(-1).tolist())]
+        keep, mask_rows, mask_of = [], [], []
+        for j, (seq, r) in enumerate(zip(seqs, rows)):
+            if r in g_of and not alive[g_of[r]]:
+                self._finish(seq, "stop", DEAD_END)
+                touched[id(seq.request)] = seq.request
+                continue
+            if r in g_of:
+                mask_rows.append(len(keep))
+                mask_of.append(g_of[r])
+            keep.append(j)
+        seqs, rows = [seqs[j] for j in keep], [rows[j] for j in keep]
+        if not mask_rows:
+            return seqs, rows, None
+        return seqs, rows, (torch.tensor(mask_rows), bits[mask_of])
 
     def _drafts(self, batch: Batch) -> dict[int, tuple[list[int], object]]:
         """Drafts for the batch's decoding chunks with room for them (the scheduler's lookahead),
@@ -491,10 +552,16 @@ class Engine:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos)
+        # a guided sequence ends where its grammar admits nothing more
+        complete = dead = False
+        if seq.matcher is not None:
+            dead = not seq.matcher.consume_token(tok)  # the grammar engine misjudged its mask
+            complete = dead or seq.matcher.is_stopped()
         n_out = len(seq.tokens) - seq.num_prompt
         length = n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len
         if self.tokenizer is not None:
-            new = seq.detokenize(self.tokenizer, n_out - stop_token, stop_token or length)
+            new = seq.detokenize(self.tokenizer, n_out - stop_token,
+                                 stop_token or length or complete)  # fmt: skip
             if p.stop and not stop_token and new:
                 # Only a stop string ending in the new text can be new: search from the
                 # longest stop string's length before it (the rest was searched before).
@@ -506,6 +573,8 @@ class Engine:
                     return self._finish(seq, "stop", s)
         if stop_token:
             return self._finish(seq, "stop", tok)
+        if complete:
+            return self._finish(seq, "stop", DEAD_END if dead else None)
         if length:
             return self._finish(seq, "length", None)
         return None
@@ -640,6 +709,8 @@ class Engine:
         self.loop.stop()
         if self._aborts:
             self.step()
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown()
 
     def check(self) -> None:
         """Raise AssertionError unless the pool and the scheduler agree (no page leaked: with

@@ -17,6 +17,14 @@ prompt before the completion, with its logprobs when ``logprobs`` is set; ``max_
 then scores the prompt only); vLLM's extra fields (``extra_body`` in the ``openai`` client)
 ``top_k`` (0 or -1: off), ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos`` and ``prompt_logprobs``.
+
+Structured output (one guide per request, :func:`request_guide`; two are a 400): OpenAI's
+``response_format`` (``json_object``, or ``json_schema`` with its ``schema``), vLLM's
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (Lark, or GBNF /
+EBNF with ``::=`` rules) and vLLM's newer ``structured_outputs`` object (one of ``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``), on chat and completions alike.
+:func:`compile_guide` compiles it when the request arrives, so a guide the grammar engine
+refuses is a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Literal
 
 from selfattn._optional import require
 from selfattn.serving.sampling import SamplingParams
+from selfattn.serving.structured import Guide
 
 pydantic = require("pydantic", extra="serve", purpose="the OpenAI server")
 BaseModel, ConfigDict, Field = pydantic.BaseModel, pydantic.ConfigDict, pydantic.Field
@@ -39,8 +48,10 @@ __all__ = [
     "RequestError",
     "ToolDefinition",
     "chat_prompt_ids",
+    "compile_guide",
     "completion_prompt_ids",
     "max_tokens_within",
+    "request_guide",
     "sampling_params",
 ]
 
@@ -63,6 +74,32 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the ``schema`` the output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: one of its fields."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class _Sampled(_Strict):
@@ -88,6 +125,13 @@ class _Sampled(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def refuse_unsupported(self) -> None:
         if self.prompt_logprobs is not None and self.stream:
@@ -148,10 +192,6 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
@@ -180,7 +220,6 @@ class ChatCompletionRequest(_Sampled):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -239,7 +278,10 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
             prompt_logprobs=prompt_logprobs,
             logit_bias=bias,
             best_of=getattr(req, "best_of", None),
+            guide=(request_guide(req) or (None, None))[1],
         )
+    except RequestError:
+        raise
     except (TypeError, ValueError) as e:
         m = _FIELD.match(str(e))
         param = m and m[1]
@@ -260,6 +302,67 @@ def _token_biases(bias: dict[str, float] | None) -> dict[int, float]:
             )
         out[int(key)] = value
     return out
+
+
+def _guides(req: _Sampled) -> list[tuple[str, str, object]]:
+    """Every guide ``req`` gives: ``(field, kind, value)``."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", "json_object", None))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise RequestError(
+                "response_format json_schema needs json_schema.schema (the JSON schema)",
+                param="response_format",
+            )
+        found.append(("response_format", "json_schema", rf.json_schema.schema_))
+    for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                        ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        if getattr(req, field) is not None:
+            found.append((field, kind, getattr(req, field)))
+    so = req.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json_schema", so.json_), ("regex", so.regex),
+                 ("choice", so.choice), ("grammar", so.grammar)) if v is not None]  # fmt: skip
+        if so.json_object:
+            given.append(("json_object", None))
+        found += [("structured_outputs", kind, value) for kind, value in given]
+    return found
+
+
+def request_guide(req: _Sampled) -> tuple[str, Guide] | None:
+    """The structured-output guide ``req`` asks for and the field that asked, or None; a
+    :class:`RequestError` for two guides at once or a malformed one (an empty choice list)."""
+    found = _guides(req)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(f"{f} ({k})" for f, k, _ in found)
+        raise RequestError(f"give at most one structured-output guide; got {names}",
+                           param=found[1][0])  # fmt: skip
+    field, kind, value = found[0]
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    elif kind == "choice":
+        value = tuple(value)
+    try:
+        return field, Guide(kind, value)
+    except ValueError as e:
+        raise RequestError(f"{field}: {e}", param=field) from None
+
+
+def compile_guide(req: _Sampled, params: SamplingParams, grammars) -> None:
+    """Compile ``params.guide`` with the engine's ``grammars`` now (cached for the engine), so
+    that a guide the grammar engine refuses (an invalid regex or grammar, an unsupported schema)
+    is a 400 naming its field; a blocking call (the server runs it on a worker thread)."""
+    if params.guide is None:
+        return
+    field = (request_guide(req) or ("tool_choice",))[0]  # else the guide is tool_choice's
+    try:
+        grammars.compile(params.guide)
+    except (ValueError, ImportError) as e:  # a GuideError, or the serve extra's llguidance absent
+        raise RequestError(f"{field}: {e}", param=field) from None
 
 
 # -- request -> engine ----------------------------------------------------------------------------

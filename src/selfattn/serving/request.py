@@ -151,6 +151,7 @@ class Sequence:
     sent_tokens: int = 0  # output tokens already reported
     sent_text: int = 0  # characters of text already reported
     generator: torch.Generator = None
+    matcher: object = None  # the guide's grammar state (structured output), or None
 
     def __post_init__(self):
         r = self.request
@@ -183,8 +184,13 @@ class Sequence:
         """Draft tokens a speculative step may verify for this decoding sequence: at most
         ``k``, fewer near ``max_tokens`` (the step emits up to one more than it verifies), none
         with penalties, logit_bias or logprobs (their values depend on every token before, or
-        the verdict does not apply them)."""
+        the verdict does not apply them), none for a guided sequence (its mask of each drafted
+        position would need the drafts consumed first)."""
         p = self.params
+        if self.matcher is not None:
+            log_once("speculative-guided", logging.INFO, "speculative decoding: guided requests "
+                     "(structured output) decode one token a step, without drafts")  # fmt: skip
+            return 0
         if p.penalised or p.logit_bias or p.scores_tokens:
             log_once("speculative-declined", logging.INFO, "speculative decoding: requests with "
                      "penalties, logit_bias, logprobs or best_of decode one token a step, "
@@ -198,8 +204,12 @@ class Sequence:
         return (self.request.order, self.index)
 
     def fork(self, index: int) -> Sequence:
-        """Sample ``index`` of the same request, at this sequence's state (a new generator)."""
-        return Sequence(self.request, index, list(self.tokens), self.num_computed)
+        """Sample ``index`` of the same request, at this sequence's state (a new generator; a
+        copy of the guide's state)."""
+        child = Sequence(self.request, index, list(self.tokens), self.num_computed)
+        if self.matcher is not None:
+            child.matcher = self.matcher.deep_copy()
+        return child
 
     def detokenize(self, tokenizer, end: int, final: bool) -> str:
         """Extend ``text`` to the first ``end`` output tokens; returns the text added.

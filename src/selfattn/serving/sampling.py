@@ -24,6 +24,10 @@ parameters, in this order (transformers' and vLLM's)::
 Log-probabilities (``logprobs=k``) are those of the model's distribution, before the bias,
 penalties, temperature and filters: the chosen token's, its rank and the ``k`` most likely
 tokens' (:func:`token_logprobs`, which scores prompt tokens too).
+
+A guided sequence (structured output, :mod:`selfattn.serving.structured`) samples from its
+biased and penalised logits with every token its guide forbids set to -inf, before temperature
+and the filters (as vLLM applies its grammar bitmask); its log-probabilities stay the model's.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfattn.serving.structured import Guide
+from selfattn.serving.structured import Guide, apply_bitmask
 
 __all__ = [
     "MAX_BIAS",
@@ -307,18 +311,23 @@ def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
     return order.gather(1, j).view(R)
 
 
-def choose(logits: torch.Tensor, seqs) -> list[Choice]:
+def choose(logits: torch.Tensor, seqs, masks=None) -> list[Choice]:
     """The next token of each sequence from ``logits (R, V)`` (row ``i`` for ``seqs[i]``).
 
     A sequence provides ``params`` (:class:`SamplingParams`), ``tokens`` (prompt and output
-    ids), ``output_ids`` and ``generator`` (a CPU ``torch.Generator``).
+    ids), ``output_ids`` and ``generator`` (a CPU ``torch.Generator``). ``masks``: ``(rows
+    (G,), bits (G, words))``, the allowed tokens of the guided rows as bitmasks
+    (:func:`~selfattn.serving.structured.apply_bitmask`; each row allows at least one token).
     """
     x = logits.float()
     raw = x
-    if any(s.params.penalised or s.params.logit_bias for s in seqs):
+    if masks is not None or any(s.params.penalised or s.params.logit_bias for s in seqs):
         x = x.clone()
+    if any(s.params.penalised or s.params.logit_bias for s in seqs):
         _apply_bias(x, seqs)
         _apply_penalties(x, seqs)
+    if masks is not None:
+        apply_bitmask(x, *masks)
     tokens = x.argmax(-1)  # (R,): greedy rows keep it
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:

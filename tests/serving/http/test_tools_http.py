@@ -25,10 +25,9 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from selfattn.models import from_pretrained, load_tokenizer  # noqa: E402
-from selfattn.serving import Engine, SamplingParams  # noqa: E402
+from selfattn.serving import Engine  # noqa: E402
 from selfattn.serving.sampling import Choice  # noqa: E402
 from selfattn.serving.server import build_app  # noqa: E402
-from selfattn.serving.structured import Guide  # noqa: E402
 from tests._serving_helpers import running_server, save_tiny_byte_llama  # noqa: E402
 
 TIMEOUT_S = 30  # any one HTTP call
@@ -362,33 +361,7 @@ def test_required_and_named_send_their_guide_and_read_the_guided_text(model, tok
 # -- required and named: the guide makes any model's output a call --------------------------------
 
 
-@pytest.fixture(scope="module")
-def enforcing(model, tokenizer):
-    """Whether the engine enforces ``SamplingParams.guide`` (random weights write no JSON
-    object of one integer by chance)."""
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
-    sp = SamplingParams(
-        max_tokens=40, temperature=0.0, guide=Guide("json_schema", json.dumps(schema))
-    )
-    engine = Engine(model, tokenizer, kv_cache_bytes=1 << 20, page_size=8)
-    text = engine.generate(tokenizer.encode("x"), sp)[0].outputs[0].text
-    try:
-        jsonschema.validate(json.loads(text), schema)
-    except ValueError:
-        return False
-    except jsonschema.ValidationError:
-        return False
-    return True
-
-
-def guided_server(model, tokenizer, enforcing):
-    if not enforcing:
-        pytest.skip("the engine does not enforce SamplingParams.guide (structured output)")
+def guided_server(model, tokenizer):
     return served(Engine(model, tokenizer, kv_cache_bytes=1 << 21, page_size=8))
 
 
@@ -397,8 +370,8 @@ def parameters_of(name: str) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_always_answers_with_valid_calls(model, tokenizer, enforcing, stream):
-    with guided_server(model, tokenizer, enforcing) as client:
+def test_required_always_answers_with_valid_calls(model, tokenizer, stream):
+    with guided_server(model, tokenizer) as client:
         for seed, parallel in ((0, True), (1, False)):
             kw = dict(
                 model=NAME,
@@ -422,9 +395,9 @@ def test_required_always_answers_with_valid_calls(model, tokenizer, enforcing, s
                 jsonschema.validate(json.loads(arguments), parameters_of(name))
 
 
-def test_a_named_function_is_always_called_and_the_loop_completes(model, tokenizer, enforcing):
+def test_a_named_function_is_always_called_and_the_loop_completes(model, tokenizer):
     named = {"type": "function", "function": {"name": "weather"}}
-    with guided_server(model, tokenizer, enforcing) as client:
+    with guided_server(model, tokenizer) as client:
         r = client.chat.completions.create(
             model=NAME, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=MAX_GUIDED_TOKENS
         )

@@ -9,12 +9,14 @@ from selfattn.serving.http.common import news, respond, state, usage, usage_chun
 from selfattn.serving.protocol import (
     ChatCompletionRequest,
     chat_prompt_ids,
+    compile_guide,
     max_tokens_within,
     sampling_params,
 )
 from selfattn.serving.tools import tool_use
 
 fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
+concurrency = require("starlette.concurrency", extra="serve", purpose="the OpenAI server")
 
 router = fastapi.APIRouter()
 
@@ -31,6 +33,7 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
     params = sampling_params(body, max_tokens, logprobs)
     if tools is not None:
         params = tools.sampling(params)
+    await concurrency.run_in_threadpool(compile_guide, body, params, engine.grammars)
     sub = s.submit([ids], params, "chatcmpl")
     head = {"id": sub.base_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": s.model_name}  # fmt: skip

@@ -15,12 +15,14 @@ from selfattn.serving.http.common import (
 )
 from selfattn.serving.protocol import (
     CompletionRequest,
+    compile_guide,
     completion_prompt_ids,
     max_tokens_within,
     sampling_params,
 )
 
 fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
+concurrency = require("starlette.concurrency", extra="serve", purpose="the OpenAI server")
 
 DEFAULT_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's default)
 
@@ -36,6 +38,7 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
     for ids in prompts:
         max_tokens_within(ids, max_tokens, engine.max_model_len)
     params = sampling_params(body, max_tokens, body.logprobs)
+    await concurrency.run_in_threadpool(compile_guide, body, params, engine.grammars)
     sub = s.submit(prompts, params, "cmpl")
     head = {"id": sub.base_id, "object": "text_completion", "created": int(time.time()),
             "model": s.model_name}  # fmt: skip
