@@ -4,7 +4,8 @@ selfattn nor torch itself, reads one job as JSON on stdin and prints its result 
 
     PEER_PYTHON cpu_llm_peers.py < job.json
 
-A job: ``{"peer": "llama.cpp" | "vllm", "mode": "single" | "batch" | "spec", "model": PATH,
+A job: ``{"peer": "llama.cpp" | "vllm", "mode": "single" | "batch" | "spec" | "structured"
+(vLLM's guided decoding: :mod:`selfattn.benchmarks.structured`), "model": PATH,
 "threads": N, "prompts": [[ids], ...], "warm": [ids], "new": N, ...}``. Every mode is greedy and
 runs ``new`` tokens per prompt past any end-of-sequence token, after one untimed warm-up
 request on ``warm`` (ids that share no prefix with the prompts). The result holds the peak RSS
@@ -112,6 +113,9 @@ def run_vllm(job: dict) -> dict:
 
     llm.generate(prompts([job["warm"]]), params(4), use_tqdm=False)
     out = {"version": vllm.__version__}
+    if job["mode"] == "structured":
+        out.update(vllm_structured(llm, job, prompts, params))
+        return out
     if job["mode"] == "single":
         # its offline API returns whole outputs: the first token's time is a one-token
         # request's, and decode is the rest of a full request's time
@@ -127,6 +131,40 @@ def run_vllm(job: dict) -> dict:
         res = llm.generate(prompts(job["prompts"]), params(job["new"]), use_tqdm=False)
         out.update(wall_s=time.perf_counter() - t0)
     out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+    return out
+
+
+def vllm_structured(llm, job: dict, prompts, params) -> dict:
+    """Guided against free generation (``job["schema"]``, greedy, ``new`` tokens) at batch 1
+    and 16: output tokens per second; the time of a one-token request, free, guided by a new
+    schema each time (``job["cold"]``: its compile included) and by one schema again."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def guided(n, schema):
+        p = params(n)
+        p.ignore_eos = False
+        p.structured_outputs = StructuredOutputsParams(json=schema)
+        return p
+
+    out = {}
+    for batch in (1, 16):
+        ps, n = prompts(job["prompts"] * batch), job["new"]
+        for name, p in (("free", params(n)), ("guided", guided(n, job["schema"]))):
+            llm.generate(ps, p, use_tqdm=False)  # warm
+            t0 = time.perf_counter()
+            res = llm.generate(ps, p, use_tqdm=False)
+            made = sum(len(r.outputs[0].token_ids) for r in res)
+            out[f"{name}_{batch}"] = made / (time.perf_counter() - t0)
+    ttft = {"free": [], "cold": [], "cached": []}
+    for i, cold in enumerate(job["cold"]):
+        for name, p in (("free", params(1)), ("cold", guided(1, cold)),
+                        ("cached", guided(1, job["cold"][0]))):  # fmt: skip
+            if name == "cached" and i == 0:
+                continue
+            t0 = time.perf_counter()
+            llm.generate(prompts(job["prompts"]), p, use_tqdm=False)
+            ttft[name].append(time.perf_counter() - t0)
+    out["ttft_ms"] = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in ttft.items()}
     return out
 
 

