@@ -314,6 +314,29 @@ def test_incremental_detokenize_equals_one_decode(seed):
     assert seq.text == full
 
 
+class WordTokenizer:
+    """SentencePiece's way with spaces: words joined by one, the text's first word without."""
+
+    def decode(self, ids) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 3, 12])
+def test_a_completion_spells_its_start_as_after_the_prompt(prompt_len):
+    """The completion's text is what its tokens add to the prompt's decoded text (a first word's
+    space included), also when the prompt is longer than the decoding context."""
+    from selfattn.serving.request import Request
+
+    tok = WordTokenizer()
+    prompt, out = list(range(prompt_len)), [7, 8, 9]
+    seq = Request("r", None, prompt, SamplingParams(), 0, 0.0, 0).seqs[0]
+    for i, t in enumerate(out):
+        seq.tokens.append(t)
+        seq.detokenize(tok, i + 1, final=i + 1 == len(out))
+    whole, head = tok.decode(prompt + out), tok.decode(prompt)
+    assert seq.text == whole[len(head) :] == " w7 w8 w9"
+
+
 def test_logprobs_are_the_models_log_softmax(models):
     _, ours = models["gemma2"]
     prompt = prompts_for(seed=11, count=1)[0]

@@ -31,6 +31,10 @@ from selfattn.serving.sampling import SamplingParams
 
 __all__ = ["CompletionOutput", "Request", "RequestOutput", "Sequence", "TokenLogprob"]
 
+# Prompt tokens decoded before a sample's first ones, for their context (vLLM's 5): a tokenizer
+# that spaces or merges by neighbours then spells the sample's start as it does mid-text.
+PROMPT_CONTEXT = 5
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -146,7 +150,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     text: str = ""  # decoded output (of the first read_offset tokens), cut at a stop string
     prefix_offset: int = 0  # output tokens [prefix_offset, read_offset) give the next decode's
-    read_offset: int = 0  # context (detokenize)
+    read_offset: int = 0  # context (detokenize; negative: the prompt's last tokens)
     last_token_time: float | None = None
     sent_tokens: int = 0  # output tokens already reported
     sent_text: int = 0  # characters of text already reported
@@ -156,6 +160,8 @@ class Sequence:
     def __post_init__(self):
         r = self.request
         self.generator = torch.Generator().manual_seed(r.seed + self.index)
+        if len(self.tokens) == self.num_prompt:  # the first decode's context: the prompt's end
+            self.prefix_offset = -min(PROMPT_CONTEXT, self.num_prompt)
         if r.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 
@@ -217,8 +223,11 @@ class Sequence:
         Incremental, as vLLM's ``detokenize_incrementally``: each call decodes only the window
         from ``prefix_offset`` (the tokens decoded last time, context for a tokenizer that
         spaces or merges by neighbours) to ``end``, and keeps what the window adds beyond its
-        context, so a sample of ``n`` tokens costs O(n) decoding, not O(n²). Text ending in
-        U+FFFD (a UTF-8 character the next token may complete) waits, unless ``final``.
+        context, so a sample of ``n`` tokens costs O(n) decoding, not O(n²). The first window
+        starts ``PROMPT_CONTEXT`` tokens into the prompt, as vLLM's does: a SentencePiece
+        tokenizer drops the space of a text's first word, which the completion's first word has.
+        Text ending in U+FFFD (a UTF-8 character the next token may complete) waits, unless
+        ``final``.
         """
         base = self.num_prompt
         window = self.tokens[base + self.prefix_offset : base + end]

@@ -84,9 +84,15 @@ def expected(model, tokenizer, prompt, max_tokens: int, **params) -> list[int]:
     return list(make_engine(model, tokenizer).generate(prompt, sp)[0].outputs[0].token_ids)
 
 
-def text_of(tokenizer, ids: list[int]) -> str:
+def text_of(tokenizer, ids: list[int], prompt) -> str:
+    """The text ``ids`` (a completion of ``prompt``, text or ids; a final EOS not spelled) add
+    to the prompt's decoded text: what a server's completion text is."""
     eos = 1
-    return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids)
+    ids = ids[:-1] if ids and ids[-1] == eos else ids
+    prompt = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    head, full = tokenizer.decode(prompt), tokenizer.decode(prompt + ids)
+    assert full.startswith(head), (head, full)
+    return full[len(head) :]
 
 
 def sse_events(text: str) -> list[str]:
@@ -116,7 +122,7 @@ def test_completions_and_chat_equal_engine_generate(model, tokenizer):
     with served(model, tokenizer) as (engine, url):
         c = client(url)
         r = c.completions.create(model=NAME, prompt=prompt, max_tokens=9, temperature=0)
-        assert r.choices[0].text == text_of(tokenizer, want_text)
+        assert r.choices[0].text == text_of(tokenizer, want_text, prompt)
         assert r.choices[0].finish_reason == ("stop" if want_text[-1] == 1 else "length")
         P = len(tokenizer.encode(prompt))
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (P, len(want_text))
@@ -131,7 +137,7 @@ def test_completions_and_chat_equal_engine_generate(model, tokenizer):
             model=NAME, prompt=[ids_prompt, ids_prompt], max_tokens=6, temperature=0
         )
         assert [ch.index for ch in r.choices] == [0, 1]
-        assert all(ch.text == text_of(tokenizer, want_ids) for ch in r.choices)
+        assert all(ch.text == text_of(tokenizer, want_ids, ids_prompt) for ch in r.choices)
         chat = c.chat.completions.create(
             model=NAME,
             messages=[{"role": "user", "content": "w7 w8"}],
@@ -140,7 +146,7 @@ def test_completions_and_chat_equal_engine_generate(model, tokenizer):
         )
         assert chat.object == "chat.completion"
         assert chat.choices[0].message.role == "assistant"
-        assert chat.choices[0].message.content == text_of(tokenizer, want_chat)
+        assert chat.choices[0].message.content == text_of(tokenizer, want_chat, chat_ids)
         assert chat.usage.prompt_tokens == len(chat_ids)
         models = c.models.list().data
         assert [m.id for m in models] == [NAME]
@@ -285,7 +291,7 @@ def test_streaming_chunks_add_up_to_the_answer(model, tokenizer):
 def test_concurrent_clients_each_get_their_own_greedy_answer(model, tokenizer):
     prompts = [" ".join(f"w{(7 * i + 3 * j) % 60 + 2}" for j in range(3 + i % 5)) for i in range(8)]
     lengths = [4 + i % 6 for i in range(8)]
-    want = [text_of(tokenizer, expected(model, tokenizer, p, n)) for p, n in zip(prompts, lengths)]
+    want = [text_of(tokenizer, expected(model, tokenizer, p, n), p) for p, n in zip(prompts, lengths)]
 
     def ask(i: int, url: str) -> str:
         c = client(url)
@@ -661,7 +667,7 @@ def test_a_failing_request_does_not_stop_the_engine(model, tokenizer, monkeypatc
             raise RuntimeError("boom in the model")
         return forward(*args, **kw)
 
-    want = text_of(tokenizer, expected(model, tokenizer, "w5 w6", 2))
+    want = text_of(tokenizer, expected(model, tokenizer, "w5 w6", 2), "w5 w6")
     with served(model, tokenizer) as (engine, url):
         monkeypatch.setattr(model, "forward", flaky)
         r = httpx.post(f"{url}/v1/completions", json={**OK, "stream": stream}, timeout=TIMEOUT_S)

@@ -64,7 +64,8 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
         echoed, _, scored = prompt_part(k, out)
         lp = None
         if want_lp:
-            before = list(c.token_ids[: len(c.token_ids) - len(lps)])
+            # the tokens before them, the prompt's included: the engine decodes in that context
+            before = [*out.prompt_token_ids, *c.token_ids[: len(c.token_ids) - len(lps)]]
             ids = [x.token for x in lps]
             lp = s.tokens.completion_logprobs(ids, lps, len(echoed) + offset, before)
         d = {"index": k * params.n + c.index, "text": text, "logprobs": lp,
