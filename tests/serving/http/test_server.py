@@ -291,7 +291,8 @@ def test_streaming_chunks_add_up_to_the_answer(model, tokenizer):
 def test_concurrent_clients_each_get_their_own_greedy_answer(model, tokenizer):
     prompts = [" ".join(f"w{(7 * i + 3 * j) % 60 + 2}" for j in range(3 + i % 5)) for i in range(8)]
     lengths = [4 + i % 6 for i in range(8)]
-    want = [text_of(tokenizer, expected(model, tokenizer, p, n), p) for p, n in zip(prompts, lengths)]
+    want = [text_of(tokenizer, expected(model, tokenizer, p, n), p)
+            for p, n in zip(prompts, lengths)]  # fmt: skip
 
     def ask(i: int, url: str) -> str:
         c = client(url)
