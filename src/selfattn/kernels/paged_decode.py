@@ -99,7 +99,7 @@ PTR_ARGS = (
 # The kernel's instruction-set paths (the ISA_* enum of csrc/paged_decode.c), lowest first: one
 # C source compiled for each; the kernel runs the best this CPU has unless SELFATTN_DECODE_ISA
 # names a lower one (tests force "generic", the path every machine runs).
-ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "avx512_vbmi")
 # Work items per thread the key splits aim for, so that ragged lengths still balance.
 ITEMS_PER_THREAD = 4
 
