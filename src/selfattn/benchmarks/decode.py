@@ -58,7 +58,7 @@ STORAGES = {
     "fp8": (torch.bfloat16, quantize_fp8),
 }
 # CPU features the kernel's paths use, as /proc/cpuinfo names them.
-FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512vbmi", "amx_bf16")
 
 
 def make_cache(B: int, S: int, dtype, seed: int = 0):

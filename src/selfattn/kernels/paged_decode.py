@@ -17,8 +17,10 @@ multiply the scores and the V weights); bf16 queries against bf16 or int8 keys u
 SDPA's bf16 kernels round the probabilities). A page every query row attends whole (every
 decode page) takes one fused step per kv head: softmax update as vectors over its slots, then
 the V sum with the rescale folded in; other pages (a window's first page, pages over 16 slots)
-the general path. One source, three instruction-set paths picked at run time
-(:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why it is built this
+the general path. fp8 pages on a CPU with avx512_vbmi are converted by byte tables (``vpermt2b``:
+64 codes an instruction). The next page's rows are prefetched into L2 as a page is computed.
+One source, instruction-set paths picked at run time (:data:`ISAS`, :func:`isa`;
+``SELFATTN_DECODE_ISA`` forces a lower one). Why it is built this
 way (memory latency, not arithmetic, bounds a decode step): the header of
 ``csrc/paged_decode.c``. torch.compile of a gather-and-reduce decode is no alternative: seconds
 to compile on first call, then slower than SDPA on contiguous K/V.

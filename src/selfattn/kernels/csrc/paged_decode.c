@@ -15,7 +15,8 @@
      miss buffers and stalls the core on the prefetch instructions themselves;
    - no staging buffer: K and V rows are converted in registers inside the dot-product and
      weighted-sum blocks (bf16 by a 16-bit shift, int8 by sign extension, fp8 e4m3 by a
-     128-entry table of bf16 bits, fp16 by vcvtph2ps; named intrinsics, as gcc lowers
+     128-entry table of bf16 bits, or on ISA_AVX512_VBMI by byte tables looked up 64 codes an
+     instruction, fp16 by vcvtph2ps; named intrinsics, as gcc lowers
      __builtin_convertvector from 8-bit vectors to one scalar convert per element);
    - a bf16 query against bf16 keys and V uses vdpbf16ps (exact products, fp32 sums) where the
      CPU has avx512_bf16; against int8 pages the keys take vpdpwssd on the query in int16 and V
@@ -34,7 +35,8 @@
 
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
-   and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
+   and generic (VW 8, the build's own target); ISA_AVX512_BF16 and ISA_AVX512_VBMI add blocks of
+   their own to the avx512 pass. paged_decode_isa() picks the best this CPU runs,
    or a lower one on request (A_ISA; the host's SELFATTN_DECODE_ISA, tests force generic). */
 
 #ifndef PD_SIMD_PASS
