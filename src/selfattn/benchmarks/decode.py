@@ -26,11 +26,11 @@ hardware prefetchers that make a large copy fast stop at every page.
 
 These calls take ``paged_attention``'s C kernel (its ``cpu`` backend), each as one layer's call of
 a decode step: with the step's ``PagedAttentionPlan``, made once outside the timing as a model
-makes it once for all its layers (a row times one call without a plan, whose per-call checks
-cost a one-sequence call more than its K/V reads at the 1-byte dtypes); the line under the table
-names its instruction-set path and the CPU features it found, with the kernel's one-time build
-(or cache load) cost, which no timed call includes. ``SELFATTN_DECODE_ISA=generic`` (or avx2)
-measures a lower path; ``SELFATTN_DECODE_KERNEL=0`` the PyTorch path.
+makes it once for all its layers (a row times one call without a plan against it); the line
+under the table names its instruction-set path and the CPU features it found, with the kernel's
+one-time build (or cache load) cost, which no timed call includes.
+``SELFATTN_DECODE_ISA=generic`` (or avx2, avx512, avx512_bf16) measures a lower path;
+``SELFATTN_DECODE_KERNEL=0`` the PyTorch path.
 """
 
 from __future__ import annotations
