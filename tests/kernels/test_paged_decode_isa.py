@@ -186,6 +186,32 @@ def test_output_is_bitwise_reproducible(isa, storage):
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
+@pytest.mark.skipif("avx512_vbmi" not in _paths(), reason="this CPU has no avx512_vbmi")
+@pytest.mark.parametrize("D", [128, 40], ids=["d128", "d40-tail"])
+def test_fp8_byte_tables_match_the_word_table_bitwise(monkeypatch, D):
+    """fp8 pages with a bf16 query: the avx512_vbmi path converts keys and values by byte tables
+    (64 codes a vpermt2b), avx512_bf16 by the 128-word table, both exactly, into the same
+    vdpbf16ps sums in the same order: identical bits, out and lse. Ragged lengths give pages with
+    an odd count of used slots (the V pairs' missing row) and whole ones; the keys hold every fp8
+    code but the NaNs."""
+    q, kp, vp, table, lens = make_paged([300, 77, 16], 8, 2, D=D, P=16, Sq=1, seed=11)
+    kp, vp, ks, vs = _pages("fp8", kp, vp)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN: one would make every score of its row NaN
+    flat = kp.view(torch.uint8).view(-1)
+    flat[: codes.numel()] = codes
+    q = q.to(torch.bfloat16)
+    pos = lens.long().view(-1, 1)
+    args = (q, kp, vp, table, torch.zeros_like(pos), pos, D**-0.5, ks, vs)
+    got = {}
+    for path in ("avx512_bf16", "avx512_vbmi"):
+        monkeypatch.setenv("SELFATTN_DECODE_ISA", path)
+        got[path] = paged_decode.decode(*args)
+    (o1, l1), (o2, l2) = got.values()
+    assert torch.isfinite(l1).all()
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
 def test_unknown_path_is_refused(monkeypatch):
     monkeypatch.setenv("SELFATTN_DECODE_ISA", "sse9")
     q, kp, vp, table, lens = make_paged([9], 2, 1, D=8, P=4, Sq=1, seed=1)

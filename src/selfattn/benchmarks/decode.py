@@ -24,10 +24,13 @@ page-copy rate, the same pages copied in table order (``index_select``, bytes re
 what memory gives the decode's own pattern, whole pages of a few KiB at random places, where the
 hardware prefetchers that make a large copy fast stop at every page.
 
-These calls take ``paged_attention``'s C kernel (its ``cpu`` backend); the line under the table
-names its instruction-set path and the CPU features it found, with the kernel's one-time build
-(or cache load) cost, which no timed call includes. ``SELFATTN_DECODE_ISA=generic`` (or avx2)
-measures a lower path; ``SELFATTN_DECODE_KERNEL=0`` the PyTorch path.
+These calls take ``paged_attention``'s C kernel (its ``cpu`` backend), each as one layer's call of
+a decode step: with the step's ``PagedAttentionPlan``, made once outside the timing as a model
+makes it once for all its layers (a row times one call without a plan against it); the line
+under the table names its instruction-set path and the CPU features it found, with the kernel's
+one-time build (or cache load) cost, which no timed call includes.
+``SELFATTN_DECODE_ISA=generic`` (or avx2, avx512, avx512_bf16) measures a lower path;
+``SELFATTN_DECODE_KERNEL=0`` the PyTorch path.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn.benchmarks import _util
-from selfattn.cache import memory, paged_attention
+from selfattn.cache import PagedAttentionPlan, memory, paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.cache.size import kv_cache_bytes
 from selfattn.kernels import paged_decode
@@ -55,7 +58,7 @@ STORAGES = {
     "fp8": (torch.bfloat16, quantize_fp8),
 }
 # CPU features the kernel's paths use, as /proc/cpuinfo names them.
-FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512vbmi", "amx_bf16")
 
 
 def make_cache(B: int, S: int, dtype, seed: int = 0):
@@ -99,7 +102,13 @@ def _pooled(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[torch.Tensor,
 def paged_case(B: int, S: int, storage: str, one_page: bool = False):
     """``(decode call, bytes it reads)`` over pages of ``storage`` (see :data:`STORAGES`). The
     call's ``pages`` attribute: ``(k_pages, v_pages, table)``. ``one_page``: every table entry
-    is page 0, so the call does all its arithmetic on K/V the caches hold (its compute alone)."""
+    is page 0, so the call does all its arithmetic on K/V the caches hold (its compute alone).
+
+    The call is one layer's call of a decode step: ``paged_attention`` with the step's
+    :class:`~selfattn.cache.PagedAttentionPlan` (made here, once, as a model makes it once for
+    all its layers), so the table and length checks and the key intervals it keeps are not
+    timed; what is timed is the kernel and the per-layer Python around it (:func:`unplanned_rows`
+    times the same call without a plan)."""
     dtype, quantise = STORAGES[storage]
     if one_page:  # B pages made (one per sequence, for q's shape), page 0 at every entry
         q, kp, vp, _, _, _, _ = make_cache(B, PAGE, dtype)
@@ -113,8 +122,10 @@ def paged_case(B: int, S: int, storage: str, one_page: bool = False):
         kp, vp = _pooled(kp, vp)
     n_bytes = sum(t.numel() * t.element_size() for t in (kp, vp, ks, vs) if t is not None)
 
+    plan = PagedAttentionPlan(table, lens)
+
     def call():
-        return paged_attention(q, kp, vp, table, lens, k_scales=ks, v_scales=vs)
+        return paged_attention(q, kp, vp, table, lens, k_scales=ks, v_scales=vs, plan=plan)
 
     call.pages = (kp, vp, table)
     return call, n_bytes
@@ -215,6 +226,27 @@ def paired_rows(
     return rows
 
 
+def unplanned_rows(B: int, S: int, repeat: int) -> list[dict]:
+    """bf16 pages, one call without a plan (the table and length checks, the backend choice and
+    the key intervals per call) against the planned call the other rows time; no target."""
+    planned, n_bytes = paged_case(B, S, "bf16")
+    kp, vp, table = planned.pages
+    q = torch.randn(B, HQ, 1, D).to(torch.bfloat16)
+    lens = torch.full((B,), S, dtype=torch.int32)
+
+    def plain():
+        return paged_attention(q, kp, vp, table, lens)
+
+    plan = PagedAttentionPlan(table, lens)
+
+    def with_plan():
+        return paged_attention(q, kp, vp, table, lens, plan=plan)
+
+    case = f"bf16 decode without a plan, B={B} S={S}"
+    peers = [("the same call with a plan", with_plan, None)]
+    return paired_rows(case, plain, peers, n_bytes, repeat)
+
+
 # Seconds each side of a narrow row runs at least (the --quick smoke run: none).
 NARROW_S = 1.0
 
@@ -293,6 +325,7 @@ def rows_for(B: int, S: int, repeat: int, narrow_s: float = NARROW_S) -> list[di
     rows += narrow_rows(B, S, 0.6, repeat, narrow_s)
     rows += copy_rows(B, S, 0.7, repeat)
     rows += copy_rows(1, S, 0.7, repeat)  # one sequence: its 8 kv heads share the threads
+    rows += unplanned_rows(1, S, repeat)
 
     # Cache size: the formula and the tensors quantize_int8 actually returns must agree.
     int8_formula = kv_cache_bytes(1, HKV, D, S, "int8", batch=B)

@@ -17,8 +17,10 @@ multiply the scores and the V weights); bf16 queries against bf16 or int8 keys u
 SDPA's bf16 kernels round the probabilities). A page every query row attends whole (every
 decode page) takes one fused step per kv head: softmax update as vectors over its slots, then
 the V sum with the rescale folded in; other pages (a window's first page, pages over 16 slots)
-the general path. One source, three instruction-set paths picked at run time
-(:data:`ISAS`, :func:`isa`; ``SELFATTN_DECODE_ISA`` forces a lower one). Why it is built this
+the general path. fp8 pages on a CPU with avx512_vbmi are converted by byte tables (``vpermt2b``:
+64 codes an instruction). The next page's rows are prefetched into L2 as a page is computed.
+One source, instruction-set paths picked at run time (:data:`ISAS`, :func:`isa`;
+``SELFATTN_DECODE_ISA`` forces a lower one). Why it is built this
 way (memory latency, not arithmetic, bounds a decode step): the header of
 ``csrc/paged_decode.c``. torch.compile of a gather-and-reduce decode is no alternative: seconds
 to compile on first call, then slower than SDPA on contiguous K/V.
@@ -99,7 +101,7 @@ PTR_ARGS = (
 # The kernel's instruction-set paths (the ISA_* enum of csrc/paged_decode.c), lowest first: one
 # C source compiled for each; the kernel runs the best this CPU has unless SELFATTN_DECODE_ISA
 # names a lower one (tests force "generic", the path every machine runs).
-ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "avx512_vbmi")
 # Work items per thread the key splits aim for, so that ragged lengths still balance.
 ITEMS_PER_THREAD = 4
 

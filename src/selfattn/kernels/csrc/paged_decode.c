@@ -10,12 +10,13 @@
    in the pool and a bf16 page's slot is 2 KiB, so the hardware prefetcher (which stops at 4 KiB
    boundaries) retrains every second slot, and misses overlap only as far as the out-of-order
    window reaches. Hence:
-   - the next page's rows are prefetched in software while this page is computed, one line per
-     line loaded inside the blocks (PD_PREFETCH); a whole page asked at once fills the miss
-     buffers and stalls the core on the prefetch instructions themselves;
+   - the next page's rows are prefetched in software into L2 while this page is computed, one
+     line per line loaded inside the blocks (PD_PREFETCH); a whole page asked at once fills the
+     miss buffers and stalls the core on the prefetch instructions themselves;
    - no staging buffer: K and V rows are converted in registers inside the dot-product and
      weighted-sum blocks (bf16 by a 16-bit shift, int8 by sign extension, fp8 e4m3 by a
-     128-entry table of bf16 bits, fp16 by vcvtph2ps; named intrinsics, as gcc lowers
+     128-entry table of bf16 bits, or on ISA_AVX512_VBMI by byte tables looked up 64 codes an
+     instruction, fp16 by vcvtph2ps; named intrinsics, as gcc lowers
      __builtin_convertvector from 8-bit vectors to one scalar convert per element);
    - a bf16 query against bf16 keys and V uses vdpbf16ps (exact products, fp32 sums) where the
      CPU has avx512_bf16; against int8 pages the keys take vpdpwssd on the query in int16 and V
@@ -34,7 +35,8 @@
 
    Instruction sets: the block kernels are written once over a vector width VW and compiled three
    times (the SIMD pass at the end of this file includes itself): avx512 (VW 16), avx2 (VW 8)
-   and generic (VW 8, the build's own target). paged_decode_isa() picks the best this CPU runs,
+   and generic (VW 8, the build's own target); ISA_AVX512_BF16 and ISA_AVX512_VBMI add blocks of
+   their own to the avx512 pass. paged_decode_isa() picks the best this CPU runs,
    or a lower one on request (A_ISA; the host's SELFATTN_DECODE_ISA, tests force generic). */
 
 #ifndef PD_SIMD_PASS
@@ -50,8 +52,9 @@
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, LUT8 = 4 };
 /* instruction sets, lowest first; ISA_AVX512_BF16 adds vdpbf16ps and vpdpwssd (avx512_bf16 and
-   avx512_vnni: every CPU with the first has the second) to ISA_AVX512 */
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
+   avx512_vnni: every CPU with the first has the second) to ISA_AVX512; ISA_AVX512_VBMI adds
+   vpermt2b (fp8 pages converted by byte tables) to ISA_AVX512_BF16 */
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AVX512_VBMI = 4 };
 
 /* iargs, in order */
 enum {
@@ -132,7 +135,12 @@ static inline int exponent_of(float x) {
    the prefetch instructions themselves (benchmarks/decode_walk_model.c measures the walk).
    Asked in the order the blocks load this page (the same row of the next page), the lines of a
    2 KiB-strided slot column reach DRAM scattered over the page; in address order more bytes
-   arrive a second and the hardware prefetcher follows the run. */
+   arrive a second and the hardware prefetcher follows the run. Asked into L2 (prefetcht1,
+   PD_PF_LOCALITY), not L1: a line asked into L1 holds one of the core's few L1 miss buffers until
+   it arrives, which caps the lines in flight (measured on Zen 4, one thread, B=32 x 4,096 tokens:
+   bf16 pages read 1.6x faster into L2, fp32 1.3x, int8 1.3x, fp8 about the same); the blocks'
+   loads then find the line in L2, a few ns away. */
+#define PD_PF_LOCALITY 2
 typedef struct {
   const char *at, *end;
 } Pf;
@@ -143,7 +151,7 @@ typedef struct {
 #define PD_PREFETCH_AT(c, off)                                                                    \
   do {                                                                                            \
     if ((off) % LINE == 0 && (c).at < (c).end) {                                                  \
-      __builtin_prefetch((c).at, 0, 3);                                                           \
+      __builtin_prefetch((c).at, 0, PD_PF_LOCALITY);                                              \
       (c).at += LINE;                                                                             \
     }                                                                                             \
   } while (0)
@@ -257,6 +265,70 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
    spilled one to the stack in the int8 scores), where the instruction updates it in place. */
 #define PD_DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 
+/* fp8 e4m3fn to bf16 by byte tables (ISA_AVX512_VBMI): the low and the high bytes of
+   E4M3_BF16's 128 entries, each table in two registers that vpermt2b indexes by a byte's low 7
+   bits, so that one instruction looks up 64 codes; the sign joins the high byte. 5 instructions
+   convert two rows of 32 codes where key_pairs takes 14 (the interleave of the looked-up bytes
+   into words is two more vpermt2b). vpermt2b by inline asm: an intrinsic would need the
+   avx512vbmi target on every function it is inlined into, and those run on CPUs without it
+   too; the dispatch (paged_decode_isa) takes these instructions only where the CPU has them. */
+static uint8_t E4M3_BF16_BYTES[2][128] __attribute__((aligned(64))); /* [0] low, [1] high */
+__attribute__((constructor)) static void fill_e4m3_bf16_bytes(void) {
+  for (int i = 0; i < 128; i++) {
+    E4M3_BF16_BYTES[0][i] = (uint8_t)(E4M3_BF16[i] & 0xFF);
+    E4M3_BF16_BYTES[1][i] = (uint8_t)(E4M3_BF16[i] >> 8);
+  }
+}
+/* out = the bytes of (a:b) (128 bytes) at idx's low 7 bits, byte by byte */
+#define PD_PERMT2B(out, a, idx, b)                                                                \
+  do {                                                                                            \
+    out = (a);                                                                                    \
+    __asm__("vpermt2b %2, %1, %0" : "+v"(out) : "v"(idx), "vm"(b));                                \
+  } while (0)
+typedef struct {
+  __m512i lo0, lo1, hi0, hi1; /* the tables' halves */
+} E4M3Bytes;
+__attribute__((always_inline)) static inline E4M3Bytes e4m3_bytes(void) {
+  const __m512i *t = (const __m512i *)E4M3_BF16_BYTES;
+  return (E4M3Bytes){_mm512_load_si512(t), _mm512_load_si512(t + 1), _mm512_load_si512(t + 2),
+                     _mm512_load_si512(t + 3)};
+}
+/* Two rows of 32 fp8 codes from a and b (d on; past D, and row b where with_b is 0: code 0,
+   whose bf16 is 0) looked up: the
+   low bytes of their bf16 into *lo, the high bytes (sign included) into *hi, row a's in bytes
+   0-31, row b's in 32-63. */
+__attribute__((always_inline)) static inline void e4m3_lookup(const E4M3Bytes *t, const char *a,
+                                                              const char *b, int64_t d, int64_t D,
+                                                              int with_b, __m512i *lo,
+                                                              __m512i *hi) {
+  const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
+  const __m512i raw = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, (const uint8_t *)a + d)),
+      _mm256_maskz_loadu_epi8(with_b ? m : 0, (const uint8_t *)b + d), 1);
+  __m512i h;
+  PD_PERMT2B(*lo, t->lo0, raw, t->lo1);
+  PD_PERMT2B(h, t->hi0, raw, t->hi1);
+  *hi = _mm512_ternarylogic_epi32(h, raw, _mm512_set1_epi8((char)0x80), 0xF8); /* h | raw & 0x80 */
+}
+/* vpermt2b indexes that interleave looked-up bytes (lo in 0-63, hi in 64-127) into bf16 words:
+   row a's 32 words (PD_ROW_A), row b's (PD_ROW_B); or the two rows' words of dims 0-15
+   (PD_PAIRS_LO) and 16-31 (PD_PAIRS_HI) as pairs (a, b), vdpbf16ps's operand over two slots. */
+static uint8_t PD_INTERLEAVE[4][64] __attribute__((aligned(64)));
+__attribute__((constructor)) static void fill_interleave(void) {
+  for (int k = 0; k < 32; k++) {
+    PD_INTERLEAVE[0][2 * k] = (uint8_t)k, PD_INTERLEAVE[0][2 * k + 1] = (uint8_t)(64 + k);
+    PD_INTERLEAVE[1][2 * k] = (uint8_t)(32 + k), PD_INTERLEAVE[1][2 * k + 1] = (uint8_t)(96 + k);
+  }
+  for (int k = 0; k < 16; k++)
+    for (int half = 0; half < 2; half++) {
+      uint8_t *x = PD_INTERLEAVE[2 + half] + 4 * k;
+      const int e = 16 * half + k;
+      x[0] = (uint8_t)e, x[1] = (uint8_t)(64 + e), x[2] = (uint8_t)(32 + e), x[3] = (uint8_t)(96 + e);
+    }
+}
+enum { PD_ROW_A, PD_ROW_B, PD_PAIRS_LO, PD_PAIRS_HI };
+#define PD_INTERLEAVE_IDX(which) _mm512_load_si512((const __m512i *)PD_INTERLEAVE[which])
+
 /* The scores of a kv head's Rh query rows against ns keys, 4 rows x 4 keys a block, the 16 sums
    reduced by the same shuffle tree as the fp32 blocks.
    i16 = 0: bf16 query rows (pairs, zero-padded to Dq, a multiple of 32) against bf16, int8 or
@@ -267,12 +339,17 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
    instructions); products and int32 sums exact. A query element rounds by at most 2^-16 of its
    row's largest (about 2^-15 for D > 256), far under the keys' own quantisation step (2^-8 of
    their largest). Fewer instructions than the vdpbf16ps scores on int8 keys. The key
-   dequantisation scales multiply the scores afterwards, as on the fp32 path. */
+   dequantisation scales multiply the scores afterwards, as on the fp32 path.
+   vbmi = 1 (fp8 keys): two keys' pieces converted at once by the byte tables (e4m3_lookup). */
 __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline void scores_dp_dt(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, int i16, Pf *pf) {
+    int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, int i16, int vbmi,
+    Pf *pf) {
   enum { RB = 4, SB = 4 };
   const int64_t kesz = elem_size(kdt);
+  const E4M3Bytes tab = vbmi ? e4m3_bytes() : (E4M3Bytes){0};
+  const __m512i row_a = vbmi ? PD_INTERLEAVE_IDX(PD_ROW_A) : _mm512_setzero_si512();
+  const __m512i row_b = vbmi ? PD_INTERLEAVE_IDX(PD_ROW_B) : _mm512_setzero_si512();
   int64_t r, s, d;
   Pf cur = pf_local(pf);
   for (r = 0; r < Rh; r += RB) {
@@ -294,7 +371,17 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
       for (i = 0; i < RB * SB; i++) acc[i] = _mm512_setzero_ps();
       for (d = 0; d < Dq; d += 32) {
         __m512i kv[SB];
-        for (j = 0; j < SB; j++) {
+        for (j = 0; vbmi && j < SB; j += 2) {
+          __m512i lo, hi;
+          e4m3_lookup(&tab, k[j], k[j + 1], d, D, 1, &lo, &hi);
+          PD_PERMT2B(kv[j], lo, row_a, hi);
+          PD_PERMT2B(kv[j + 1], lo, row_b, hi);
+          if (r == 0) {
+            PD_PREFETCH_AT(cur, d * kesz);
+            PD_PREFETCH_AT(cur, d * kesz);
+          }
+        }
+        for (j = 0; !vbmi && j < SB; j++) {
           if (i16) {
             const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (D - d)) - 1);
             kv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, (const int8_t *)k[j] + d));
@@ -325,18 +412,20 @@ __attribute__((target("avx512bf16,avx512vnni"), always_inline)) static inline vo
   if (pf) *pf = cur;
 }
 /* bf16, int8 or fp8 keys against a bf16 query, or int8 keys against an int16 one (qf non-NULL;
-   one instance each: the loads specialise) */
+   one instance each: the loads specialise); vbmi: fp8 keys by the byte tables */
 __attribute__((target("avx512bf16,avx512vnni"))) static void scores_bf16dp(
     const uint16_t *q, int64_t Rh, int64_t Dq, int64_t D, const char *k0, int64_t kstride,
-    int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, Pf *pf) {
+    int64_t ns, float *out, int64_t P, float scale, const float *qf, int kdt, int vbmi, Pf *pf) {
   if (qf)
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, qf, I8, 1, pf);
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, qf, I8, 1, 0, pf);
   else if (kdt == BF16)
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, BF16, 0, pf);
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, BF16, 0, 0, pf);
   else if (kdt == I8)
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, I8, 0, pf);
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, I8, 0, 0, pf);
+  else if (vbmi)
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, LUT8, 0, 1, pf);
   else
-    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, LUT8, 0, pf);
+    scores_dp_dt(q, Rh, Dq, D, k0, kstride, ns, out, P, scale, NULL, LUT8, 0, 0, pf);
 }
 
 /* The fused page step (page_step) for bf16 or fp8 e4m3 V rows and a bf16 query, the weighted V
@@ -354,9 +443,12 @@ __attribute__((target("avx512bf16,avx512vnni"))) static void scores_bf16dp(
 #define PD_PAIRS_BACK _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0)
 __attribute__((target("avx512bf16"), always_inline)) static inline void page_step_dp_rb(
     float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
-    const float *ksc, const float *vsc, const char *v0, int64_t vstride, int vdt,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, int vdt, int vbmi,
     const float *lut, float *wbuf, Pf *pf) {
   const int64_t vesz = elem_size(vdt);
+  const E4M3Bytes tab = vbmi ? e4m3_bytes() : (E4M3Bytes){0};
+  const __m512i pairs_lo = vbmi ? PD_INTERLEAVE_IDX(PD_PAIRS_LO) : _mm512_setzero_si512();
+  const __m512i pairs_hi = vbmi ? PD_INTERLEAVE_IDX(PD_PAIRS_HI) : _mm512_setzero_si512();
   enum { NP = PD_SLOTS / 2 }; /* slot pairs */
   float alpha[4];
   uint32_t wp[4][NP]; /* the weights of slots 2p, 2p + 1 as a bf16 pair */
@@ -375,18 +467,29 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
     for (r = 0; r < RB; r++) {
       const __m512 n0 = _mm512_loadu_ps(acc + r * Dv + d), n1 = _mm512_loadu_ps(acc + r * Dv + d + 16);
       const __m512 a = _mm512_set1_ps(alpha[r]);
-      lo[r] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_lo, n1), a);
-      hi[r] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_hi, n1), a);
+      lo[r] = _mm512_mul_ps(vbmi ? n0 : _mm512_permutex2var_ps(n0, to_lo, n1), a);
+      hi[r] = _mm512_mul_ps(vbmi ? n1 : _mm512_permutex2var_ps(n0, to_hi, n1), a);
     }
     for (p = 0; 2 * p < ns; p++) {
-      const __m512i x = key_pairs(v0 + 2 * p * vstride, d, Dv, vdt);
       PD_PREFETCH(pf, d * vesz);
       if (2 * p + 1 < ns) PD_PREFETCH(pf, d * vesz);
-      /* an odd ns: slot ns is past the page's used slots (its weight is 0, its bytes may be NaN) */
-      const __m512i y =
-          2 * p + 1 < ns ? key_pairs(v0 + (2 * p + 1) * vstride, d, Dv, vdt) : _mm512_setzero_si512();
-      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
-      const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      __m512bh vl, vh;
+      if (vbmi) { /* the pairs in dims' order (no permute of acc) */
+        const char *va = v0 + 2 * p * vstride;
+        __m512i lo8, hi8, x, y;
+        e4m3_lookup(&tab, va, va + vstride, d, Dv, 2 * p + 1 < ns, &lo8, &hi8);
+        PD_PERMT2B(x, lo8, pairs_lo, hi8);
+        PD_PERMT2B(y, lo8, pairs_hi, hi8);
+        vl = (__m512bh)x, vh = (__m512bh)y;
+      } else {
+        const __m512i x = key_pairs(v0 + 2 * p * vstride, d, Dv, vdt);
+        /* an odd ns: slot ns is past the page's used slots (its weight is 0, its bytes may be
+           NaN) */
+        const __m512i y = 2 * p + 1 < ns ? key_pairs(v0 + (2 * p + 1) * vstride, d, Dv, vdt)
+                                         : _mm512_setzero_si512();
+        vl = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      }
       for (r = 0; r < RB; r++) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wp[r][p]);
         lo[r] = _mm512_dpbf16_ps(lo[r], vl, w);
@@ -394,8 +497,9 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void page_ste
       }
     }
     for (r = 0; r < RB; r++) {
-      _mm512_storeu_ps(acc + r * Dv + d, _mm512_permutex2var_ps(lo[r], back0, hi[r]));
-      _mm512_storeu_ps(acc + r * Dv + d + 16, _mm512_permutex2var_ps(lo[r], back1, hi[r]));
+      _mm512_storeu_ps(acc + r * Dv + d, vbmi ? lo[r] : _mm512_permutex2var_ps(lo[r], back0, hi[r]));
+      _mm512_storeu_ps(acc + r * Dv + d + 16,
+                       vbmi ? hi[r] : _mm512_permutex2var_ps(lo[r], back1, hi[r]));
     }
   }
   for (; d < Dv; d += 16)
@@ -408,15 +512,22 @@ __attribute__((target("avx512bf16"))) static void page_step_bf16dp(
     const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
     float *wbuf, Pf *pf) {
   /* BF16 or LUT8 (fp8 e4m3, exact in bf16): the caller picks this step for those V only */
-#define PD_DP_RB(DT)                                                                              \
-  PD_WITH_RB(RB, page_step_dp_rb(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, DT, lut,  \
-                                 wbuf, pf))
   if (dt == BF16) {
-    PD_DP_RB(BF16)
+    PD_WITH_RB(RB, page_step_dp_rb(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, BF16, 0,
+                                   lut, wbuf, pf))
   } else {
-    PD_DP_RB(LUT8)
+    PD_WITH_RB(RB, page_step_dp_rb(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, LUT8, 0,
+                                   lut, wbuf, pf))
   }
-#undef PD_DP_RB
+}
+/* page_step_bf16dp for fp8 V rows on ISA_AVX512_VBMI: converted by the byte tables */
+__attribute__((target("avx512bf16"))) static void page_step_fp8vbmi(
+    float *acc, int64_t Dv, float *m, float *l, const float *sc, int64_t P, int RB, int64_t ns,
+    const float *ksc, const float *vsc, const char *v0, int64_t vstride, int dt, const float *lut,
+    float *wbuf, Pf *pf) {
+  (void)dt; /* LUT8: the caller picks this step for fp8 V only */
+  PD_WITH_RB(RB, page_step_dp_rb(acc, Dv, m, l, sc, P, RBC, ns, ksc, vsc, v0, vstride, LUT8, 1,
+                                 lut, wbuf, pf))
 }
 /* page_scales for a whole page (ns = PD_SLOTS) of int8 scales (bf16, (slot, head) order from x).
    2, 4 or 8 kv heads: the page's scales loaded whole and each head's picked by word permutes
@@ -573,6 +684,7 @@ int paged_decode_isa(int want) {
   if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16") &&
       __builtin_cpu_supports("avx512vnni"))
     best = ISA_AVX512_BF16;
+  if (best == ISA_AVX512_BF16 && __builtin_cpu_supports("avx512vbmi")) best = ISA_AVX512_VBMI;
 #endif
   return want >= 0 && want < best ? want : best;
 }
@@ -681,9 +793,9 @@ static void page_scales(float *out, const void *scales, int64_t mode, int64_t pa
 }
 
 /* How many pages ahead the prefetch asks: 2 or 3 measured the same as 1 or slower (one
-   thread, B=32 and B=8 x 4,096 tokens); asking into L2 only (prefetcht2) or
-   non-temporally, or a dense page in address order rather than head by head, measured the same
-   or slower (address order: 1.8x bf16). */
+   thread, B=32 and B=8 x 4,096 tokens, into L1 and into L2 alike); asking non-temporally, or a
+   dense page in address order rather than head by head, measured the same or slower (address
+   order: 1.8x bf16). */
 #define AHEAD 1
 
 /* Ask for the rows of slots [0, ns) of kv head h of a page (`bytes` each, slot stride st[1])
@@ -696,7 +808,7 @@ static void prefetch_head(const char *base, const int64_t *st, int64_t esz, int6
   const char *row = base + (page * st[0] + h * st[2]) * esz;
   for (int64_t s = 0; s < ns; s++, row += st[1] * esz) {
 #pragma GCC unroll 4
-    for (int64_t o = 0; o < bytes; o += LINE) __builtin_prefetch(row + o, 0, 3);
+    for (int64_t o = 0; o < bytes; o += LINE) __builtin_prefetch(row + o, 0, PD_PF_LOCALITY);
   }
 }
 
@@ -796,7 +908,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   const int64_t kesz = elem_size(kdt), vesz = elem_size(vdt);
   /* bf16 query rows against bf16, int8 or fp8 keys: vdpbf16ps on the raw query (exact products) */
   const int dp =
-      job->isa == ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8 || kdt == LUT8) && qdt == BF16;
+      job->isa >= ISA_AVX512_BF16 && (kdt == BF16 || kdt == I8 || kdt == LUT8) && qdt == BF16;
   /* The general path's weighted V sum stays in fp32 FMAs for bf16 pages: vdpbf16ps there
      (accumulators kept in the pair layout in memory) is slower. The fused step's
      (page_step_bf16dp: the pair layout in registers only) is faster. */
@@ -872,7 +984,8 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
 #ifdef HAVE_X86_PATHS
       if (dp) { /* i8k: the rows of qbh are int16, their factors qf */
         scores_bf16dp(qbh + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, sc + h * Rh * P, P,
-                      job->scale, i8k ? qf + h * Rh : NULL, kdt, pfk);
+                      job->scale, i8k ? qf + h * Rh : NULL, kdt, job->isa >= ISA_AVX512_VBMI,
+                      pfk);
         continue;
       }
 #endif
@@ -1095,10 +1208,12 @@ int paged_decode(const int64_t *iargs, void *const *ptrs, int n_threads, float s
   if (job.isa == ISA_AVX2) job.scores = scores_avx2, job.pv = pv_avx2, job.page = page_step_avx2;
   if (job.isa >= ISA_AVX512)
     job.scores = scores_avx512, job.pv = pv_avx512, job.page = page_step_avx512;
-  if (job.isa == ISA_AVX512_BF16 && (iargs[A_VDT] == BF16 || iargs[A_VDT] == LUT8) &&
+  if (job.isa >= ISA_AVX512_BF16 && (iargs[A_VDT] == BF16 || iargs[A_VDT] == LUT8) &&
       iargs[A_QDT] == BF16)
     job.page = page_step_bf16dp;
-  if (job.isa == ISA_AVX512_BF16 && iargs[A_VDT] == I8 && iargs[A_QDT] == BF16)
+  if (job.isa >= ISA_AVX512_VBMI && iargs[A_VDT] == LUT8 && iargs[A_QDT] == BF16)
+    job.page = page_step_fp8vbmi;
+  if (job.isa >= ISA_AVX512_BF16 && iargs[A_VDT] == I8 && iargs[A_QDT] == BF16)
     job.page = page_step_i8dp;
 #endif
   job.page_part = job.page;
