@@ -807,6 +807,10 @@ def part_b(ctx: Context) -> list[System]:
                _fresh(ours_batch, ctx.files[q1], dtype, True, prompts, warm, n, t))
         for dtype in (("bfloat16", "float32") if "fp32" in ctx.ours else ("bfloat16",))
     ]  # fmt: skip
+    if "dequantised" in ctx.ours:  # vLLM's format: the weights in bfloat16
+        out.append(System("ours Engine, dequantised", "bf16", "bf16", t,
+                          _fresh(ours_batch, ctx.files[q1], "bfloat16", False, prompts, warm,
+                                 n, t)))  # fmt: skip
     if ctx.llama:
         job = dict(peer="llama.cpp", mode="batch", model=ctx.files[q1], threads=t,
                    prompts=prompts, warm=warm, new=n)  # fmt: skip
