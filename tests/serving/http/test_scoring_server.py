@@ -189,3 +189,19 @@ def test_openapi_lists_the_accepted_fields(served):
               "repetition_penalty", "stop_token_ids", "ignore_eos", "prompt_logprobs"}  # fmt: skip
     assert shared | {"prompt", "logprobs", "echo", "best_of", "suffix"} <= completion
     assert shared | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} <= chat
+
+
+def test_stop_reason_names_what_ended_a_sample(served):
+    """vLLM's ``stop_reason``: the stop string, or the stop token's id, or None at the length."""
+    _, _, url = served
+    kw = dict(prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"17": 100})
+    by_string = post(url, "/v1/completions", {**kw, "stop": ["w17"]})["choices"][0]
+    assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", "w17")
+    by_token = post(url, "/v1/completions", {**kw, "stop_token_ids": [17]})["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", 17)
+    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w4"}],
+                "max_tokens": 3, "temperature": 0, "logit_bias": {"17": 100},
+                "stop": ["w17"]})["choices"][0]  # fmt: skip
+    assert (chat["finish_reason"], chat["stop_reason"]) == ("stop", "w17")
+    longest = post(url, "/v1/completions", kw)["choices"][0]
+    assert (longest["finish_reason"], longest["stop_reason"]) == ("length", None)

@@ -5,7 +5,7 @@ calls read back from the model's text (:mod:`selfattn.serving.tools`)."""
 import time
 
 from selfattn._optional import require
-from selfattn.serving.http.common import news, respond, state, usage, usage_chunks
+from selfattn.serving.http.common import news, respond, state, stop_reason, usage, usage_chunks
 from selfattn.serving.protocol import (
     ChatCompletionRequest,
     chat_prompt_ids,
@@ -43,7 +43,8 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
 
     def choice(c, lps, finish_reason, **content):
         lp = s.tokens.chat_logprobs(lps) if body.logprobs else None
-        return {"index": c.index, **content, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": c.index, **content, "logprobs": lp, "finish_reason": finish_reason,
+                "stop_reason": stop_reason(c) if finish_reason else None}  # fmt: skip
 
     def tool_chunks(c, lps):
         """One sample's news read for calls: its deltas, then a closing chunk when it ends."""

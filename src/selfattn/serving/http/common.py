@@ -287,6 +287,12 @@ def news(out):
 CONTEXT_TOKENS = 6  # tokens a token's text is decoded after (spaces and merges depend on them)
 
 
+def stop_reason(c) -> int | str | None:
+    """vLLM's ``stop_reason`` of a finished sample ``c`` (a CompletionOutput): the stop token's
+    id or the stop string that ended it, why a guide ended it (structured output), else None."""
+    return c.stop_reason if c.finished else None
+
+
 class TokenText:
     """Token text for logprobs (None without a tokenizer: the id as text)."""
 

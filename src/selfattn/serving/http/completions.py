@@ -10,6 +10,7 @@ from selfattn.serving.http.common import (
     news,
     respond,
     state,
+    stop_reason,
     usage,
     usage_chunks,
 )
@@ -69,7 +70,7 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
             ids = [x.token for x in lps]
             lp = s.tokens.completion_logprobs(ids, lps, len(echoed) + offset, before)
         d = {"index": k * params.n + c.index, "text": text, "logprobs": lp,
-             "finish_reason": c.finish_reason}  # fmt: skip
+             "finish_reason": c.finish_reason, "stop_reason": stop_reason(c)}  # fmt: skip
         if scored is not None:
             d["prompt_logprobs"] = scored
         return d
