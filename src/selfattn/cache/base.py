@@ -42,7 +42,15 @@ import torch
 from selfattn.masks import as_mask
 from selfattn.scores import as_score_mod
 
-__all__ = ["KV", "InPlaceKVCache", "KVCache", "ModelKVCache", "Step", "next_positions"]
+__all__ = [
+    "KV",
+    "InPlaceKVCache",
+    "KVCache",
+    "ModelKVCache",
+    "Step",
+    "next_position",
+    "next_positions",
+]
 
 
 class KV(tuple):
@@ -131,6 +139,13 @@ def attends_in_place(cache) -> bool:
     if not callable(getattr(cls, "attend", None)):
         return False
     return hasattr(cls, "lengths") or "lengths" in getattr(cache, "__dict__", ())
+
+
+def next_position(cache) -> int:
+    """The position of a layer cache's next token: its ``position`` where it keeps fewer slots
+    than tokens seen (a :class:`~selfattn.cache.StaticCache` after ``compact``), else its
+    ``length``."""
+    return getattr(cache, "position", cache.length)
 
 
 def next_positions(past, n_tokens: int, device=None) -> torch.Tensor:

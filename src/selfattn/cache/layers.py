@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from selfattn.cache.base import Step, next_positions
+from selfattn.cache.base import Step, next_position, next_positions
 
 __all__ = ["LayerCaches"]
 
@@ -13,8 +13,10 @@ class LayerCaches:
 
     ``layers[i]`` follows the layer contract (:class:`~selfattn.cache.base.KVCache`) and updates
     itself inside its layer, so :meth:`plan` has no bookkeeping to do: it hands out the layers
-    and the new tokens' positions ``length + arange(S)`` on ``device``. ``length`` is the
-    number of cached token positions (padding included), the same for every layer.
+    and the new tokens' positions ``position + arange(S)`` on ``device``. ``length`` is the
+    number of cached token positions (padding included), the same for every layer; after KV
+    compression (``StaticCache.compact``) it is layer 0's slots used (layers may keep different
+    numbers) and ``position``, the tokens seen, runs ahead of it.
     """
 
     def __init__(self, kind: str, layers: list, device=None):
@@ -28,11 +30,16 @@ class LayerCaches:
     def length(self) -> int:
         return self.layers[0].length
 
+    @property
+    def position(self) -> int:
+        """The next token's position (tokens seen): ``length`` unless compression evicted some."""
+        return next_position(self.layers[0])
+
     def __len__(self) -> int:
         return self.length
 
     def plan(self, n_tokens: int) -> Step:
-        n = self.length
+        n = self.position
         return Step(self.layers, next_positions(n, n_tokens, self.device), n)
 
     def reset(self) -> None:

@@ -66,6 +66,13 @@ class StaticCache:
             dtype, device,
         )  # fmt: skip
         self.length = 0
+        self.evicted = 0  # tokens removed by compact(): positions run ahead of slots by this
+
+    @property
+    def position(self) -> int:
+        """The next token's position: tokens seen, ``length`` plus those :meth:`compact`
+        removed."""
+        return self.length + self.evicted
 
     @property
     def max_len(self) -> int:
@@ -76,7 +83,22 @@ class StaticCache:
 
     def reset(self) -> None:
         """Forget every token (the storage is kept and overwritten by later updates)."""
-        self.length = 0
+        self.length = self.evicted = 0
+
+    def compact(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep only ``k (B, Hkv, n, D)``, ``v (B, Hkv, n, Dv)`` (a subset of the cached tokens,
+        oldest first) in slots ``0 .. n - 1``; ``position`` stays, so later tokens continue
+        at their true positions in the slots after ``n``."""
+        n = check_new_kv(self.k, self.v, k, v)
+        if n > self.length:
+            raise ValueError(
+                f"compact keeps a subset of the {self.length} cached tokens, got {n}; pass at "
+                "most the cached tokens"
+            )
+        position = self.position
+        self.k[:, :, :n] = k
+        self.v[:, :, :n] = v
+        self.length, self.evicted = n, position - n
 
     def update(self, k: torch.Tensor, v: torch.Tensor, positions=None) -> KV:
         """Store ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` at slots ``positions`` ``(S,)``.

@@ -55,6 +55,7 @@ from selfattn._validate import int_at_least
 from selfattn.models import speculative as spec
 from selfattn.models.decode_fast import plain_blocks
 from selfattn.models.decoder import CACHE_KINDS, CausalLM
+from selfattn.models.kv_compression import as_press, check_compressible, compress_prefill
 
 __all__ = ["generate", "generation_defaults", "next_token", "stop_token_ids", "token_probs"]
 
@@ -230,6 +231,8 @@ def generate(
     max_matching_ngram_size: int | None = None,
     assistant_model=None,
     num_assistant_tokens: int | None = None,
+    kv_compression=None,
+    kv_compression_context: int | None = None,
 ) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids (B, S)`` by up to ``max_new_tokens`` tokens.
 
@@ -267,6 +270,13 @@ def generate(
             ``page_size``-token pages whatever ``cache`` says (rows then hold different
             lengths; rejected drafts are rolled back), rows without padding, and
             decoder-only models.
+        kv_compression: compress the prompt's KV once after the prefill, as kvpress does: a
+            press (``selfattn.cache.compress.press("snapkv", 0.5)``) or a ``"POLICY:RATIO"``
+            string (:mod:`selfattn.models.kv_compression`). It runs on the static cache
+            (``cache="auto"`` picks it), for decoder-only models with global attention in every
+            layer and rows without padding; None or ratio 0: exactly the uncompressed run.
+        kv_compression_context: compress the first ``n`` prompt tokens only (kvpress's context)
+            and prefill the rest (its question) after them uncompressed; None: the whole prompt.
 
     Returns:
         ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
@@ -284,7 +294,8 @@ def generate(
             ignore_eos=ignore_eos, streamer=streamer, page_size=page_size,
             prompt_lookup_num_tokens=prompt_lookup_num_tokens,
             max_matching_ngram_size=max_matching_ngram_size, assistant_model=assistant_model,
-            num_assistant_tokens=num_assistant_tokens,
+            num_assistant_tokens=num_assistant_tokens, kv_compression=kv_compression,
+            kv_compression_context=kv_compression_context,
         )  # fmt: skip
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
@@ -332,6 +343,10 @@ def generate(
     )
     spec = _speculation(model, prompt_lookup_num_tokens, max_matching_ngram_size,
                         assistant_model, num_assistant_tokens)  # fmt: skip
+    kv_press = _compression(model, kv_compression, kv_compression_context, cache,
+                            attention_mask, spec)  # fmt: skip
+    if kv_press is not None:
+        cache = "static"
     if spec is not None and max_new_tokens > 0:
         if end is not None:
             put(input_ids.cpu())
@@ -348,8 +363,9 @@ def generate(
         )
     else:
         step, prefix = _decoder_steps(
-            model, input_ids, attention_mask, cache, max_new_tokens, page_size
-        )
+            model, input_ids, attention_mask, cache, max_new_tokens, page_size,
+            (kv_press, kv_compression_context),
+        )  # fmt: skip
     out = prefix.new_empty(B, prefix.shape[1] + max_new_tokens)
     out[:, : prefix.shape[1]] = prefix
     n = prefix.shape[1]
@@ -409,8 +425,26 @@ def _decode_loop(step, out, n: int, max_new_tokens: int, eos, pad_token_id, pick
     return out[:, :n]
 
 
-def _decoder_steps(model, input_ids, attention_mask, kind, max_new: int, page_size: int):
-    """``step(tokens so far or None, n) -> logits`` for a causal LM, and the prefix to extend."""
+def _compression(model, spec, context_len, cache, attention_mask, speculation):
+    """``generate``'s ``kv_compression`` checked -> a press, or None (none, or ratio 0)."""
+    if spec is None:
+        if context_len is not None:
+            raise ValueError("kv_compression_context needs kv_compression=; drop it")
+        return None
+    kv_press = as_press(spec)
+    check_compressible(model, cache, attention_mask)
+    if speculation is not None:
+        raise ValueError(
+            "kv_compression runs on the static cache and speculation on the paged one; drop "
+            "prompt_lookup_num_tokens / assistant_model or kv_compression"
+        )
+    return kv_press
+
+
+def _decoder_steps(model, input_ids, attention_mask, kind, max_new: int, page_size: int,
+                   compression=(None, None)):  # fmt: skip
+    """``step(tokens so far or None, n) -> logits`` for a causal LM, and the prefix to extend;
+    ``compression``: ``(press or None, context length)`` for the prefill."""
     B, S = input_ids.shape
     total = S + max_new
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
@@ -423,6 +457,8 @@ def _decoder_steps(model, input_ids, attention_mask, kind, max_new: int, page_si
 
     def step(seq, n):
         nonlocal next_pos
+        if seq is None and compression[0] is not None:  # prefill, then compress
+            return compress_prefill(model, input_ids, cache, *compression)
         if seq is None:  # prefill
             m = None if mask is None else mask[:, :S]
             return model(input_ids, attention_mask=m, cache=cache, logits_to_keep=1)

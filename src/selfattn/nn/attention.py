@@ -12,7 +12,7 @@ from torch import nn
 
 from selfattn import scores as _scores
 from selfattn._validate import one_of, positive_int, positive_number
-from selfattn.cache.base import KV, attends_in_place, next_positions
+from selfattn.cache.base import KV, attends_in_place, next_position, next_positions
 from selfattn.cache.static import StaticCache
 from selfattn.functional import attention, attention_weights
 from selfattn.masks import causal
@@ -33,14 +33,15 @@ ContiguousCache = StaticCache
 
 
 def positions_after(cache, B: int, Sq: int, device) -> torch.Tensor:
-    """RoPE positions of ``Sq`` new tokens: ``(Sq,)`` after ``cache.length``, or after each
+    """RoPE positions of ``Sq`` new tokens: ``(Sq,)`` after the cache's tokens seen
+    (:func:`~selfattn.cache.base.next_position`), or after each
     sequence's own ``lengths`` for an :class:`InPlaceKVCache` (``(B, Sq)`` when they differ)."""
     if cache is None:
         return next_positions(0, Sq, device)
     if callable(getattr(cache, "next_positions", None)):  # a cache that assigns them (streaming)
         return cache.next_positions(Sq, device)
     if not attends_in_place(cache):
-        return next_positions(cache.length, Sq, device)
+        return next_positions(next_position(cache), Sq, device)
     lengths = cache.lengths.to(device)
     if lengths.shape != (B,):
         raise ValueError(
@@ -269,6 +270,16 @@ class MultiHeadAttention(nn.Module):
                 positions = torch.arange(x.shape[1], device=x.device)
             q, k = self.rope(q, positions), self.rope(k, positions)
         return q, k, v
+
+    def queries(self, x: torch.Tensor, positions=None, *, rotate: bool = True) -> torch.Tensor:
+        """The per-head queries ``(B, Hq, Sq, D)`` this layer's self-attention computes from
+        ``x (B, Sq, d_model)``: projected, qk-normed and, with ``rotate``, rotated at
+        ``positions`` (default ``arange(Sq)``); ``rotate=False`` gives them before RoPE (what
+        KV-compression policies predicting future queries read)."""
+        if rotate:
+            return self.heads_qkv(x, positions=positions)[0]
+        # attending from x to x as context: the same projections and norms, no rotation
+        return self.heads_qkv(x, x)[0]
 
     def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
         """The attention output ``(B, Hq, Sq, Dv)`` as the out projection's input ``(B, Sq,

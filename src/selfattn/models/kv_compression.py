@@ -1,0 +1,190 @@
+"""KV compression in generation: each layer's prompt KV compressed once, after the prefill.
+
+As kvpress does on transformers' dense cache: the prompt (the context) is prefilled normally,
+then a press (:mod:`selfattn.cache.compress`) keeps part of each layer's K/V, and decoding
+attends to the kept tokens only::
+
+    cache = model.make_cache("static", B, S + new)
+    logits = compress_prefill(model, input_ids, cache, press("snapkv", 0.5))   # (B, 1, vocab)
+    # layer i's StaticCache holds its n_i kept tokens in slots 0 .. n_i - 1
+    logits = model(next_ids, cache=cache)   # new tokens at their true positions S, S + 1, ...
+
+``context_len=C`` compresses the first ``C`` prompt tokens only and prefills the rest (a
+question) after them uncompressed, as kvpress's pipeline does with its ``question``.
+
+The presses read each layer's last ``press.query_rows(S)`` queries: a forward pre-hook on each
+:class:`~selfattn.nn.MultiHeadAttention` records its input's last rows (and their positions)
+during the prefill and :meth:`~selfattn.nn.MultiHeadAttention.queries` projects them after, so
+the prompt is run once. Decode-time policies (H2O's ``observed_attention``, TOVA) score at the
+prefill only, as kvpress does.
+
+Positions are decoupled from slots (``StaticCache.position``): a kept token keeps its RoPE
+rotation, new tokens continue at ``S + t`` in the slots after the kept ones, and a decode query
+attends every kept slot (causal over slots holds: every kept token is in its past). Hence the
+refusals: layers whose masks read absolute key positions (sliding-window and chunked layers,
+ALiBi, left-padded batches), per-head budgets (AdaKV's ragged counts) and the paged cache.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from selfattn._validate import int_at_least
+from selfattn.cache import StaticCache
+from selfattn.cache.compress import Press, Quantized, press
+from selfattn.nn import MultiHeadAttention
+
+__all__ = ["as_press", "check_compressible", "compress_prefill", "recorded_inputs"]
+
+
+def as_press(spec) -> Press | None:
+    """A press from ``spec``: None, a :class:`~selfattn.cache.compress.Press`, or a string
+    ``"POLICY:RATIO"`` (``"snapkv:0.5"``; the registry's names). None for None or ratio 0 (an
+    exact no-op)."""
+    if isinstance(spec, str):
+        name, _, ratio = spec.partition(":")
+        try:
+            value = float(ratio)
+        except ValueError:
+            raise ValueError(
+                f"kv_compression {spec!r} must read POLICY:RATIO, e.g. 'snapkv:0.5' (RATIO: "
+                "the fraction of the prompt's KV removed, in [0, 1))"
+            ) from None
+        spec = press(name, value)
+    if spec is None:
+        return None
+    if isinstance(spec, Quantized):
+        raise ValueError(
+            f"kv_compression={spec.name!r} quantises the cache instead of evicting tokens; "
+            "pass it as the cache kind, or an eviction policy such as 'snapkv:0.5'"
+        )
+    if not isinstance(spec, Press):
+        raise TypeError(
+            f"kv_compression must be a press (selfattn.cache.compress.press(name, ratio)) or "
+            f"a 'POLICY:RATIO' string, got {type(spec).__name__}"
+        )
+    if spec.ragged:
+        raise ValueError(
+            f"kv_compression={spec.name!r} keeps a different number of tokens per head, which "
+            "the static cache cannot hold yet; use its scorer without adakv_ (e.g. 'snapkv')"
+        )
+    return None if spec.compression_ratio == 0 else spec
+
+
+def attention_layers(model) -> list[MultiHeadAttention]:
+    """Each block's self-attention module, in layer order (ValueError where one has none)."""
+    found = []
+    for i, block in enumerate(model.layers):
+        own = getattr(block, "self_attention", None)
+        inner = [] if own is None else own.modules()
+        mods = [m for m in inner if isinstance(m, MultiHeadAttention)]
+        if len(mods) != 1:
+            raise ValueError(
+                f"kv_compression needs one MultiHeadAttention per block; block {i} "
+                f"({type(block).__name__}) has {len(mods)}: use a model of attention blocks"
+            )
+        found.append(mods[0])
+    return found
+
+
+def check_compressible(model, cache_kind, attention_mask=None) -> None:
+    """ValueError naming what stops ``model`` from compressing its prompt's KV: a cache kind
+    other than ``"static"``/``"auto"``, an encoder-decoder, layers whose masks read absolute key
+    positions (windows, chunks, ALiBi) or a left-padded batch."""
+    if cache_kind not in ("static", "auto"):
+        raise ValueError(
+            f"kv_compression runs on the static cache, got cache={cache_kind!r}; pass "
+            "cache='static' (or 'auto')"
+        )
+    if getattr(model, "is_encoder_decoder", False):
+        raise ValueError(
+            f"kv_compression compresses a decoder-only model's prompt, not "
+            f"{type(model).__name__}'s encoder output; drop kv_compression"
+        )
+    config = getattr(model, "config", None)
+    kinds = set(getattr(config, "layer_types", ()) or ()) - {"full_attention"}
+    if kinds:
+        raise ValueError(
+            f"kv_compression needs global attention in every layer; this model has "
+            f"{sorted(kinds)} layers, whose masks read each kept key's original position; "
+            "drop kv_compression for it"
+        )
+    if any(m.alibi is not None for m in attention_layers(model)):
+        raise ValueError(
+            "kv_compression cannot keep ALiBi's biases, which read each key's original "
+            "position; drop kv_compression for this model"
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "kv_compression takes rows of equal length (no padding in attention_mask): the "
+            "padding mask reads key positions; generate the rows one at a time"
+        )
+
+
+@contextmanager
+def recorded_inputs(layers: list[MultiHeadAttention], rows: int):
+    """Within the block, each forward of ``layers[i]`` records ``(x[:, -rows:], positions of
+    those rows or None)`` into the yielded dict under ``i`` (the last call wins); the hooks are
+    removed on exit."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def hook(i):
+        def record(module, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            pos = kwargs.get("positions")
+            pos = None if pos is None else pos[..., -rows:].clone()
+            seen[i] = (x[:, -rows:].clone(), pos)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(layers)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def compress_prefill(
+    model, input_ids: torch.Tensor, cache, kv_compression, context_len: int | None = None
+) -> torch.Tensor:
+    """Prefill ``input_ids (B, S)`` into ``cache`` (``model.make_cache("static", ...)``, empty)
+    compressing the first ``context_len`` tokens' KV (default all) by ``kv_compression`` (as
+    :func:`as_press` reads it); returns the last token's logits ``(B, 1, vocab)`` (module
+    docstring)."""
+    check_compressible(model, "static")
+    press_ = as_press(kv_compression)
+    layers = attention_layers(model)
+    caches = getattr(cache, "layers", None)
+    if caches is None or not all(isinstance(c, StaticCache) for c in caches) or cache.position:
+        raise ValueError(
+            "compress_prefill needs an empty model.make_cache('static', ...), got "
+            f"{type(cache).__name__}"
+        )
+    S = input_ids.shape[1]
+    C = S if context_len is None else int_at_least(context_len, "context_len", 1)
+    if C > S:
+        raise ValueError(f"context_len={C} exceeds the prompt's {S} tokens; pass at most {S}")
+    if press_ is None:
+        return model(input_ids, cache=cache, logits_to_keep=1)
+    rows = max(0, min(C, press_.query_rows(C)))
+    context = input_ids[:, :C]
+    with recorded_inputs(layers if rows else [], rows) as seen:
+        logits = model(context, cache=cache, logits_to_keep=1)
+    positions = torch.arange(C, device=input_ids.device)
+    for i, (att, layer) in enumerate(zip(layers, caches)):
+        queries = None
+        if rows:
+            x, pos = seen[i]
+            pos = positions[-rows:] if pos is None else pos
+            queries = att.queries(x, pos, rotate=press_.rotated_queries)
+        kept = press_.apply(
+            layer.k[:, :, :C], layer.v[:, :, :C], queries, layer=i, n_layers=len(layers),
+            rope=att.rope, positions=positions, scale=att.scale,
+        )  # fmt: skip
+        layer.compact(kept.keys, kept.values)
+    if C < S:
+        logits = model(input_ids[:, C:], cache=cache, logits_to_keep=1)
+    return logits
