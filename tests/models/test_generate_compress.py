@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from selfattn.cache import StaticCache
 from selfattn.cache.compress import press
 from selfattn.inspect import capture_attention
 from selfattn.models import generate
@@ -175,3 +176,21 @@ def test_refusals_name_the_value_and_the_fix(model_kw, call_kw, match):
     call = {"kv_compression": "snapkv:0.5", **call_kw}
     with pytest.raises((ValueError, TypeError), match=match):
         generate(model, prompt(), 2, **call)
+
+
+def test_compact_keeps_the_position_and_refuses_more_tokens_than_cached():
+    c = StaticCache(1, 8, 2, 4, dtype=torch.float64)
+    k, v = (
+        torch.randn(1, 2, 5, 4, dtype=torch.float64),
+        torch.randn(1, 2, 5, 4, dtype=torch.float64),
+    )
+    c.update(k, v)
+    c.compact(k[:, :, [1, 4]], v[:, :, [1, 4]])
+    assert (c.length, c.position) == (2, 5)
+    got = c.update(k[:, :, :1], v[:, :, :1])  # the next token: slot 2, position 5
+    assert torch.equal(got[0], torch.cat([k[:, :, [1, 4]], k[:, :, :1]], 2))
+    assert (c.length, c.position) == (3, 6)
+    with pytest.raises(ValueError, match="subset of the 3 cached tokens, got 4"):
+        c.compact(k[:, :, :4], v[:, :, :4])
+    c.reset()
+    assert (c.length, c.position) == (0, 0)
