@@ -46,7 +46,8 @@ Model protocol (generation, serving and benchmarks rely on it)::
     #    for the last S columns, else S_past + arange(S).
     cache = model.make_cache(kind, batch, max_len, *, dtype=None, page_size=16)
     # kind "static" (StaticCache per layer), "window" (SlidingWindowCache for windowed layers,
-    # StaticCache for global ones): a LayerCaches; "paged": one PagedKV for the whole model
+    # StaticCache for global ones), "kivi" (a 2/4-bit KIVICache per layer, bits=, group=,
+    # residual=): a LayerCaches; "paged": one PagedKV for the whole model
     # (one block table, allocator and prefix index; per-layer pages), viewed over `batch`
     # sequences. Pass it back as cache=, read .length. Each forward plans the cache once
     # (cache.plan(S)) and gives layer i step.layers[i]. Without an attention_mask, a paged
