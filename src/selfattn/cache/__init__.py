@@ -5,6 +5,14 @@ plugs into ``selfattn.nn.MultiHeadAttention(..., cache=)``.
 """
 
 from selfattn.backends.paged.plan import PagedAttentionPlan
+from selfattn.cache.kivi import (
+    KIVICache,
+    dequantize_keys,
+    dequantize_values,
+    kivi_bytes,
+    quantize_keys,
+    quantize_values,
+)
 from selfattn.cache.latent import LatentCache, PagedLatentKV
 from selfattn.cache.paged import PagedCache, PagedCacheView, PagedKV
 from selfattn.cache.pool import BlockPool
@@ -19,6 +27,7 @@ from selfattn.functional import paged_attention
 
 __all__ = [
     "BlockPool",
+    "KIVICache",
     "LatentCache",
     "PagedAttentionPlan",
     "PagedCache",
@@ -33,11 +42,16 @@ __all__ = [
     "StreamingCaches",
     "StreamingPagedKV",
     "dequantize",
+    "dequantize_keys",
+    "dequantize_values",
     "format_bytes",
+    "kivi_bytes",
     "kv_cache_bytes",
     "latent_cache_bytes",
     "paged_attention",
     "quantize_fp8",
     "quantize_int8",
+    "quantize_keys",
+    "quantize_values",
     "write_quantized",
 ]

@@ -46,7 +46,8 @@ Model protocol (generation, serving and benchmarks rely on it)::
     #    for the last S columns, else S_past + arange(S).
     cache = model.make_cache(kind, batch, max_len, *, dtype=None, page_size=16)
     # kind "static" (StaticCache per layer), "window" (SlidingWindowCache for windowed layers,
-    # StaticCache for global ones): a LayerCaches; "paged": one PagedKV for the whole model
+    # StaticCache for global ones), "kivi" (a 2/4-bit KIVICache per layer, bits=, group=,
+    # residual=): a LayerCaches; "paged": one PagedKV for the whole model
     # (one block table, allocator and prefix index; per-layer pages), viewed over `batch`
     # sequences. Pass it back as cache=, read .length. Each forward plans the cache once
     # (cache.plan(S)) and gives layer i step.layers[i]. Without an attention_mask, a paged
@@ -80,6 +81,7 @@ from selfattn import masks as _masks
 from selfattn import scores as _scores
 from selfattn._validate import one_of, positive_int, positive_number
 from selfattn.cache import (
+    KIVICache,
     PagedCacheView,
     PagedKV,
     SlidingWindowCache,
@@ -121,6 +123,8 @@ __all__ = [
 
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 CACHE_KINDS = ("static", "window", "paged")
+# A causal LM's kinds: the shared ones plus KIVI's quantised per-layer cache.
+DECODER_CACHE_KINDS = (*CACHE_KINDS, "kivi")
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -445,8 +449,8 @@ class CausalLM(nn.Module):
     def _cache_request(self, kind, batch, max_len, page_size, dtype) -> dict:
         """Check a ``make_cache`` request; the ``dtype``/``device`` keywords of its storage
         (the model's unless ``dtype`` says otherwise)."""
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
+        if kind not in DECODER_CACHE_KINDS:
+            raise ValueError(f"cache kind must be one of {DECODER_CACHE_KINDS}, got {kind!r}")
         for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             positive_int(value, f"make_cache {name}")
         w = self.norm.weight  # dense in every model (a quantised LM head has no .weight)
@@ -464,6 +468,9 @@ class CausalLM(nn.Module):
         window: int | None = None,
         positions: str = "cache",
         paged: bool = False,
+        bits: int | None = None,
+        group: int | None = None,
+        residual: int | None = None,
     ) -> LayerCaches | PagedCacheView:
         """The model's KV cache for ``batch`` sequences of up to ``max_len`` tokens.
 
@@ -482,7 +489,15 @@ class CausalLM(nn.Module):
         :class:`~selfattn.cache.StreamingPagedKV` of ``page_size``-token pages instead (sink
         pages pinned, passed window pages freed; ``"cache"`` positions are the kernel's key
         indices there; ``max_len`` then bounds one step's new tokens, default ``window``).
+
+        ``"kivi"``: a :class:`~selfattn.cache.KIVICache` per layer (Liu et al., 2024): keys
+        per channel and values per token in ``bits`` (2, the default, or 4) over groups of
+        ``group`` (default 32), the last ``residual`` (default 128) tokens in full precision.
         """
+        kivi = {"bits": bits, "group": group, "residual": residual}
+        kivi = {name: value for name, value in kivi.items() if value is not None}
+        if kivi and kind != "kivi":
+            raise ValueError(f"make_cache({kind!r}) takes no {sorted(kivi)}: they are for 'kivi'")
         if kind == "streaming" and paged:
             return self._streaming_pages(
                 batch, max_len, n_sink, window, positions, dtype, page_size
@@ -505,6 +520,9 @@ class CausalLM(nn.Module):
                 max_pages_per_seq=pages, **fk,
             )  # fmt: skip
             return kv.view(kv.add_sequences(batch))
+        if kind == "kivi":
+            layers = [KIVICache(batch, max_len, *shape, **kivi, **fk) for _ in self._windows]
+            return LayerCaches(kind, layers, fk["device"])
         layers = []
         for window in self._windows:
             if kind == "window" and window is not None:

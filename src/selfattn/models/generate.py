@@ -52,9 +52,10 @@ from __future__ import annotations
 import torch
 
 from selfattn._validate import int_at_least
+from selfattn.cache.base import ModelKVCache
 from selfattn.models import speculative as spec
 from selfattn.models.decode_fast import plain_blocks
-from selfattn.models.decoder import CACHE_KINDS, CausalLM
+from selfattn.models.decoder import DECODER_CACHE_KINDS, CausalLM
 from selfattn.models.kv_compression import as_press, check_compressible, compress_prefill
 
 __all__ = ["generate", "generation_defaults", "next_token", "stop_token_ids", "token_probs"]
@@ -215,7 +216,7 @@ def generate(
     max_new_tokens: int | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
-    cache: str | None = "auto",
+    cache: str | ModelKVCache | None = "auto",
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -241,8 +242,11 @@ def generate(
             (``model.is_encoder_decoder``; ``input_ids`` then go to the encoder and the decoder
             starts from ``model.decoder_start_token_id``).
         attention_mask: ``(B, S)`` 1 = token, 0 = padding; prompts are left-padded.
-        cache: ``"static"``, ``"window"``, ``"paged"`` (``page_size`` tokens a page), or None to
+        cache: ``"static"``, ``"window"``, ``"paged"`` (``page_size`` tokens a page),
+            ``"kivi"`` (2-bit KIVI, :class:`~selfattn.cache.KIVICache`), or None to
             recompute the whole sequence at every step (slow; the reference for the caches).
+            An empty cache from ``model.make_cache(...)`` (room for the prompt and the new
+            tokens) is used as given: ``make_cache("kivi", B, n, bits=4)`` for 4-bit KIVI.
             ``"auto"`` (the default): ``"paged"`` where its decode steps take the fast path (a
             decoder-only model whose blocks are all the plain Llama layout, rows without
             padding: :mod:`selfattn.models.decode_fast`), else ``"static"``.
@@ -309,8 +313,11 @@ def generate(
     if max_new_tokens is None:
         max_new_tokens = _default_max_new(defaults, input_ids.shape[1])
     int_at_least(max_new_tokens, "max_new_tokens", 0)
-    if cache is not None and cache != "auto" and cache not in CACHE_KINDS:
-        raise ValueError(f"cache must be one of {(*CACHE_KINDS, 'auto')} or None, got {cache!r}")
+    if isinstance(cache, str) and cache != "auto" and cache not in DECODER_CACHE_KINDS:
+        raise ValueError(
+            f"cache must be one of {(*DECODER_CACHE_KINDS, 'auto')}, None or an empty cache "
+            f"from model.make_cache(...), got {cache!r}"
+        )
     if do_sample is None:
         do_sample = bool(defaults.get("do_sample", False))
     if do_sample:  # the checkpoint's sampling values apply where the call gives none
@@ -441,6 +448,19 @@ def _compression(model, spec, context_len, cache, attention_mask, speculation):
     return kv_press
 
 
+def _step_cache(model, kind, batch: int, max_len: int, page_size: int):
+    """The cache of a generation: None, ``model.make_cache(kind, ...)`` for a kind, or the
+    caller's own cache, which must be empty (generation starts from position 0)."""
+    if kind is None or isinstance(kind, str):
+        return None if kind is None else model.make_cache(kind, batch, max_len, page_size=page_size)
+    if kind.length:
+        raise ValueError(
+            f"generate needs an empty cache, got one holding {kind.length} tokens; reset() it "
+            "or build a new one with model.make_cache(...)"
+        )
+    return kind
+
+
 def _decoder_steps(model, input_ids, attention_mask, kind, max_new: int, page_size: int,
                    compression=(None, None)):  # fmt: skip
     """``step(tokens so far or None, n) -> logits`` for a causal LM, and the prefix to extend;
@@ -453,7 +473,7 @@ def _decoder_steps(model, input_ids, attention_mask, kind, max_new: int, page_si
         mask = attention_mask.new_ones(B, total)
         mask[:, :S] = attention_mask
         next_pos = attention_mask.long().sum(-1, keepdim=True)  # (B, 1): next real position
-    cache = None if kind is None else model.make_cache(kind, B, total, page_size=page_size)
+    cache = _step_cache(model, kind, B, total, page_size)
 
     def step(seq, n):
         nonlocal next_pos
@@ -485,7 +505,7 @@ def _seq2seq_steps(model, input_ids, attention_mask, kind, max_new: int, page_si
     B = input_ids.shape[0]
     memory = model.encode(input_ids, attention_mask=attention_mask)  # once: (B, Se, d_model)
     prefix = torch.full((B, 1), start, dtype=input_ids.dtype, device=input_ids.device)
-    cache = None if kind is None else model.make_cache(kind, B, 1 + max_new, page_size=page_size)
+    cache = _step_cache(model, kind, B, 1 + max_new, page_size)
 
     def step(seq, n):
         dec = prefix if seq is None else seq if cache is None else seq[:, -1:]
