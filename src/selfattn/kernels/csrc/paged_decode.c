@@ -137,9 +137,8 @@ static inline int exponent_of(float x) {
    2 KiB-strided slot column reach DRAM scattered over the page; in address order more bytes
    arrive a second and the hardware prefetcher follows the run. Asked into L2 (prefetcht1,
    PD_PF_LOCALITY), not L1: a line asked into L1 holds one of the core's few L1 miss buffers until
-   it arrives, which caps the lines in flight (measured on Zen 4, one thread, B=32 x 4,096 tokens:
-   bf16 pages read 1.6x faster into L2, fp32 1.3x, int8 1.3x, fp8 about the same); the blocks'
-   loads then find the line in L2, a few ns away. */
+   it arrives, which caps the lines in flight (BENCHMARKS.md "Paged decode" has the measurement);
+   the blocks' loads then find the line in L2, a few ns away. */
 #define PD_PF_LOCALITY 2
 typedef struct {
   const char *at, *end;
