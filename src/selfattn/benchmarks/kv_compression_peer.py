@@ -53,7 +53,10 @@ def pipeline(folder: str, eager: bool):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager" if eager else "sdpa"
     )
-    return transformers.pipeline("kv-press-text-generation", model=model, device="cpu")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    return transformers.pipeline(
+        "kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu"
+    )
 
 
 def run(pipe, samples: list[dict], press, new: int) -> dict:
@@ -82,7 +85,8 @@ def run(pipe, samples: list[dict], press, new: int) -> dict:
 
 
 def main() -> int:
-    import kvpress
+    from importlib.metadata import version
+
     import torch
     import transformers
 
@@ -98,7 +102,7 @@ def main() -> int:
         out.update(policy=name, ratio=ratio)
         print(json.dumps(out), flush=True)
         print(f"kvpress {name} {ratio}: {out['seconds']:.1f} s", file=sys.stderr, flush=True)
-    print(json.dumps({"done": True, "version": kvpress.__version__,
+    print(json.dumps({"done": True, "version": version("kvpress"),
                       "transformers": transformers.__version__}), flush=True)  # fmt: skip
     return 0
 
