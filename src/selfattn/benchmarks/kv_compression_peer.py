@@ -11,7 +11,7 @@ runs kvpress's pipeline path itself (``KVPressTextGenerationPipeline._forward``)
 prefilled under the press and compressed, then the question is run after it at its original
 positions and up to ``new`` tokens are decoded greedily (stopping at end-of-sequence), float32
 on the CPU. A line holds the decoded answers in sample order, the K/V bytes per context token
-the compressed cache stores, and its seconds.
+the compressed cache stores, and its seconds; or the error of a press that fails.
 """
 
 from __future__ import annotations
@@ -98,10 +98,14 @@ def main() -> int:
         eager = name in EAGER
         if eager not in pipes:
             pipes[eager] = pipeline(job["model"], eager)
-        out = run(pipes[eager], job["samples"], make_press(name, ratio), job["new"])
+        try:
+            out = run(pipes[eager], job["samples"], make_press(name, ratio), job["new"])
+        except Exception as e:  # a press that fails on this model: reported, the others run
+            out = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         out.update(policy=name, ratio=ratio)
         print(json.dumps(out), flush=True)
-        print(f"kvpress {name} {ratio}: {out['seconds']:.1f} s", file=sys.stderr, flush=True)
+        print(f"kvpress {name} {ratio}: {out.get('seconds', out.get('error'))}", file=sys.stderr,
+              flush=True)  # fmt: skip
     print(json.dumps({"done": True, "version": version("kvpress"),
                       "transformers": transformers.__version__}), flush=True)  # fmt: skip
     return 0
