@@ -395,6 +395,24 @@ def check_serving_http(report: dict) -> None:
     assert row["ours"] == report["detail"]["http"]["tok_s"]
 
 
+def check_kv_compression(report: dict) -> None:
+    """Every task's prompts at the asked length, each row's accuracy from its answers, and our
+    uncompressed column there (quick: no peer, so no targets)."""
+    from selfattn.benchmarks.kv_compression import TASKS
+
+    setup, rows = report["setup"], report["rows"]
+    assert {(r["task"], r["length"]) for r in rows} == {
+        (t, n) for t in TASKS for n in setup["lengths"]
+    }
+    for r in rows:
+        assert len(r["answers"]) == r["total"] == setup["samples"], r
+        assert r["accuracy"] == pytest.approx(100 * r["correct"] / r["total"]), r
+        full = setup["full_kv_bytes_per_token"]
+        assert r["kv_bytes_per_token"] == pytest.approx((1 - r["compression"]) * full), r
+    assert any(r["side"] == "ours" and r["policy"] == "none" for r in rows)
+    assert report["targets"] == []
+
+
 def check_alternatives(report: dict) -> None:
     from selfattn.benchmarks import alternatives as alt
 
@@ -468,6 +486,7 @@ SMOKES = {
         wrote=check_crossover_fits,
     ),
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
+    "kv_compression": Smoke(packaged("kv_compression"), check_kv_compression, needs=("gguf",)),
     "variants": Smoke(packaged("variants", "--repeat", "2"), check_variants),
     "layers": pytest.param(
         Smoke(packaged("layers", "--repeat", "1"), check_layers), marks=pytest.mark.slow
