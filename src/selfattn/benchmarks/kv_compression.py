@@ -204,14 +204,16 @@ def our_press_factory():
 
 
 def our_answers(model, tokenizer, samples: list[Sample], new: int, press=None) -> list[str]:
-    """Greedy answers of ours: plain ``generate`` (``press`` None) or under ``press``."""
+    """Greedy answers of ours: plain ``generate`` (``press`` None) or under ``press``, which
+    compresses the context only and runs the question after it, as kvpress's pipeline does."""
     from selfattn.models import generate
 
-    extra = {} if press is None else {"kv_compression": press}
     out = []
     with torch.inference_mode():
         for s in samples:
             ids = s.context + s.question
+            extra = {} if press is None else {"kv_compression": press,
+                                              "kv_compression_context": len(s.context)}  # fmt: skip
             tokens = generate(model, torch.tensor([ids]), new, **extra)[0, len(ids) :]
             out.append(tokenizer.decode(tokens.tolist()))
     return out
@@ -334,7 +336,11 @@ def run(args) -> dict:
               file=sys.stderr)  # fmt: skip
         for policy, ratio in configs if press is not None else []:
             if policy != "none":
-                answers = our_answers(model, tokenizer, flat, args.new, press(policy, ratio))
+                try:
+                    answers = our_answers(model, tokenizer, flat, args.new, press(policy, ratio))
+                except ValueError as e:  # refused here (AdaKV on this path, a budget too small)
+                    print(f"{length}: ours {policy} at {ratio}: not run ({e})", file=sys.stderr)
+                    continue
                 rows += split_rows(length, policy, ratio, "ours", answers, samples, full_bytes)
         if kvpress:
             job = {"model": folder, "threads": args.threads, "new": args.new,
