@@ -26,6 +26,7 @@ EXTRAS = (
     "httpx",
     "huggingface_hub",
     "jinja2",
+    "llguidance",
     "matplotlib",
     "numpy",
     "PIL",
