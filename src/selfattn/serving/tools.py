@@ -117,6 +117,19 @@ def partial_marker(text: str, start: int, marker: str) -> int:
 # ``end`` on may still become a call; ``final`` (the sample ended) settles everything.
 
 
+def next_marker(pieces: list, text: str, i: int, marker: str, final: bool):
+    """Scan ``text`` from ``i`` to the next ``marker``: the text before it appended to
+    ``pieces`` as content; returns ``(the marker's index, None)``, or ``(None, where the scan
+    ends)`` without one (short of a marker's possible start while more text may come)."""
+    j = text.find(marker, i)
+    if j < 0:
+        end = len(text) - (0 if final else partial_marker(text, i, marker))
+        pieces.append(("text", text[i:end]))
+        return None, end
+    pieces.append(("text", text[i:j]))
+    return j, None
+
+
 class TaggedParser:
     """Calls between an opening and a closing tag: Hermes / Qwen's ``<tool_call>...
     </tool_call>``, one JSON object each (an unclosed last call is read at the end)."""
@@ -128,12 +141,9 @@ class TaggedParser:
     def scan(self, text: str, start: int, final: bool):
         pieces, i = [], start
         while True:
-            j = text.find(self.open, i)
-            if j < 0:
-                end = len(text) - (0 if final else partial_marker(text, i, self.open))
-                pieces.append(("text", text[i:end]))
+            j, end = next_marker(pieces, text, i, self.open, final)
+            if j is None:
                 return pieces, end
-            pieces.append(("text", text[i:j]))
             k = text.find(self.close, j)
             if k < 0 and not final:
                 return pieces, j
@@ -153,12 +163,9 @@ class MistralParser:
     def scan(self, text: str, start: int, final: bool):
         pieces, i = [], start
         while True:
-            j = text.find(self.open, i)
-            if j < 0:
-                end = len(text) - (0 if final else partial_marker(text, i, self.open))
-                pieces.append(("text", text[i:end]))
+            j, end = next_marker(pieces, text, i, self.open, final)
+            if j is None:
                 return pieces, end
-            pieces.append(("text", text[i:j]))
             body = j + len(self.open)
             obj, end = raw_decode(text, body)
             objs = obj if isinstance(obj, list) else [obj]
