@@ -160,7 +160,7 @@ def test_compression_changes_the_run_and_shrinks_the_caches():
          "sliding_attention"),
         ({}, {"kv_compression": "adakv_snapkv:0.5"}, "adakv_"),
         ({}, {"kv_compression": "kivi2:0"}, "kivi2"),
-        ({}, {"kv_compression": "snapkv"}, "POLICY:RATIO"),
+        ({}, {"kv_compression": "snapkv:half"}, "ratio must be a number"),
         ({}, {"kv_compression": "snapkv:1.5"}, "compression_ratio"),
         ({}, {"kv_compression": "nope:0.5"}, "unknown KV-compression policy 'nope'"),
         ({}, {"kv_compression": 0.5}, "must be a press"),

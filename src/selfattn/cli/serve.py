@@ -91,6 +91,14 @@ def add_parser(subparsers):
         default="auto",
         help="KV pool storage: the model's dtype (auto), int8 or fp8",
     )
+    p.add_argument(
+        "--kv-compression",
+        metavar="POLICY[:RATIO]",
+        default=EngineConfig.kv_compression,
+        help="compress every prompt's KV after its prefill unless the request names its own "
+        "kv_compression: snapkv, knorm, tova, observed_attention, expected_attention or "
+        "streaming_llm, RATIO the fraction removed (default 0.5), e.g. snapkv:0.5; off by default",
+    )
     for flag, field, text in ENGINE_FLAGS:
         default = getattr(EngineConfig, field)
         p.add_argument(flag, type=_common.positive_int, default=default, metavar="N",
@@ -179,7 +187,8 @@ def _engine_config(args) -> EngineConfig:
     )
     fields = {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS}
     fields |= {field: getattr(args, field) for field in SPECULATIVE_FIELDS}
-    return EngineConfig(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype, **fields)
+    return EngineConfig(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype,
+                        kv_compression=args.kv_compression, **fields)  # fmt: skip
 
 
 def _tokenizer(model: str):

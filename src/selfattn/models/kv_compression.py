@@ -33,7 +33,7 @@ import torch
 
 from selfattn._validate import int_at_least
 from selfattn.cache import StaticCache
-from selfattn.cache.compress import Press, Quantized, press
+from selfattn.cache.compress import Press, Quantized, compression
 from selfattn.nn import MultiHeadAttention
 
 __all__ = ["as_press", "check_compressible", "compress_prefill", "recorded_inputs"]
@@ -41,36 +41,27 @@ __all__ = ["as_press", "check_compressible", "compress_prefill", "recorded_input
 
 def as_press(spec) -> Press | None:
     """A press from ``spec``: None, a :class:`~selfattn.cache.compress.Press`, or a string
-    ``"POLICY:RATIO"`` (``"snapkv:0.5"``; the registry's names). None for None or ratio 0 (an
-    exact no-op)."""
-    if isinstance(spec, str):
-        name, _, ratio = spec.partition(":")
-        try:
-            value = float(ratio)
-        except ValueError:
-            raise ValueError(
-                f"kv_compression {spec!r} must read POLICY:RATIO, e.g. 'snapkv:0.5' (RATIO: "
-                "the fraction of the prompt's KV removed, in [0, 1))"
-            ) from None
-        spec = press(name, value)
-    if spec is None:
-        return None
+    ``"POLICY[:RATIO]"`` (``"snapkv:0.5"``; :func:`~selfattn.cache.compress.compression` reads
+    it). None for None or ratio 0 (an exact no-op)."""
     if isinstance(spec, Quantized):
         raise ValueError(
             f"kv_compression={spec.name!r} quantises the cache instead of evicting tokens; "
             "pass it as the cache kind, or an eviction policy such as 'snapkv:0.5'"
         )
-    if not isinstance(spec, Press):
+    if spec is not None and not isinstance(spec, (str, Press)):
         raise TypeError(
             f"kv_compression must be a press (selfattn.cache.compress.press(name, ratio)) or "
             f"a 'POLICY:RATIO' string, got {type(spec).__name__}"
         )
-    if spec.ragged:
+    found = compression(spec)
+    if found is None:
+        return None
+    if found.press.ragged:
         raise ValueError(
-            f"kv_compression={spec.name!r} keeps a different number of tokens per head, which "
+            f"kv_compression={found.name!r} keeps a different number of tokens per head, which "
             "the static cache cannot hold yet; use its scorer without adakv_ (e.g. 'snapkv')"
         )
-    return None if spec.compression_ratio == 0 else spec
+    return found.press
 
 
 def attention_layers(model) -> list[MultiHeadAttention]:

@@ -89,6 +89,9 @@ class EngineConfig:
     # (vLLM's names; the longest match first).
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # KV compression of every prompt without its own kv_compression: "POLICY[:RATIO]"
+    # ("snapkv:0.5"; selfattn.cache.compress.compression reads it) or None (off).
+    kv_compression: str | None = None
 
     def __post_init__(self):
         for name in ("kv_cache_bytes", "page_size", "max_batch_tokens", "max_num_seqs",
@@ -114,6 +117,18 @@ class EngineConfig:
                 )
         self._check_kv_dtype()
         self._check_speculative()
+        if self.kv_compression is not None:
+            if not isinstance(self.kv_compression, str):
+                raise TypeError(
+                    "EngineConfig kv_compression must be None or 'POLICY[:RATIO]' (e.g. "
+                    f"'snapkv:0.5'), got {self.kv_compression!r}"
+                )
+            from selfattn.cache.compress import compression  # torch: only when asked
+
+            try:
+                compression(self.kv_compression)
+            except ValueError as e:
+                raise ValueError(f"EngineConfig kv_compression: {e}") from None
 
     def _check_speculative(self) -> None:
         if self.speculative is None and self.speculative_model is not None:

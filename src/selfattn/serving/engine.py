@@ -66,6 +66,7 @@ from selfattn.serving.config import (
     EngineConfig,
     kv_cache_bytes_from_memory,
 )
+from selfattn.serving.kv_compression import PromptCompression
 from selfattn.serving.loop import EngineLoop
 from selfattn.serving.metrics import EngineMetrics
 from selfattn.serving.request import (
@@ -111,6 +112,9 @@ class Engine:
             ``max_model_len``, seed); ``**knobs``: its fields as keywords, over ``config``.
             :meth:`add_request` raises :class:`QueueFull` beyond ``max_waiting``.
     """
+
+    # why this kind of engine runs no KV compression (None: it does)
+    compression_refused: str | None = None
 
     def __init__(
         self,
@@ -173,6 +177,8 @@ class Engine:
         self._aborts: collections.deque[str] = collections.deque()
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
+        self.compression = PromptCompression(model, self.kv, cfg.kv_compression,
+                                             refused=self.compression_refused)  # fmt: skip
         self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
         self.loop = EngineLoop(self)  # steps this engine for generate, stream and a server
 
@@ -237,10 +243,11 @@ class Engine:
                 f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry when "
                 "running requests finish, or build the Engine with a larger max_waiting"
             )
+        compression = self.compression.resolve(params)
         matcher = None if params.guide is None else self._matcher(params.guide)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, text, ids, params, next(self._order), arrival, seed,
-                      sink=sink)  # fmt: skip
+                      sink=sink, compression=compression)  # fmt: skip
         req.seqs[0].matcher = matcher
         self._requests[request_id] = req
         self._inbox.append(req)
@@ -358,7 +365,7 @@ class Engine:
 
     def _run(self, batch: Batch, touched: dict[int, Request]) -> None:
         """One forward over the batch's packed tokens, then every sampling sequence's token."""
-        ids, counts, flat, keep, samplers = [], [], [], [], []
+        ids, counts, flat, keep, samplers, at = [], [], [], [], [], []
         drafts = self._drafts(batch) if self.speculator is not None else {}
         spec_keep, spec = [], []  # the drafted chunks' rows; (sequence, draft, q)
         prompt_keep, scoring = [], []  # prompt rows kept for prompt logprobs; (request, lo, hi)
@@ -372,6 +379,7 @@ class Engine:
                 spec.append((seq, draft, q))
                 continue
             flat += seq.tokens[seq.num_computed : seq.num_computed + n]
+            at.append((seq, n, len(flat) - n))
             if seq.request.scoring_prompt:
                 self._prompt_rows(seq, n, len(flat) - n, prompt_keep, scoring)
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the known tokens
@@ -385,7 +393,8 @@ class Engine:
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
             rows = torch.tensor(keep + spec_keep + prompt_keep, dtype=torch.long, device=device)
-            logits = self._forward(x, step, rows)
+            with self.compression.recording(self.compression.window_rows(at)):
+                logits = self._forward(x, step, rows)
         except BaseException:
             self._undo(step)
             raise
@@ -397,6 +406,9 @@ class Engine:
             self._settle(spec, logits[len(keep) :], touched)
         else:
             self.scheduler.advance(batch)
+        for seq, _, _ in at:  # a prompt just computed: compressed before its samples fork
+            if self.compression.due(seq):
+                self._compress(seq)
         # The prompt's last logits choose the first token of every sample: fork the rest now.
         seqs, rows = [], []
         for r, seq in enumerate(samplers):
@@ -423,6 +435,17 @@ class Engine:
             self._append(seq, choice, now)
             touched[id(seq.request)] = seq.request
         self.metrics.record_tokens(len(choices), now)
+
+    def _compress(self, seq: Sequence) -> None:
+        """Compress ``seq``'s prompt KV (:mod:`selfattn.serving.kv_compression`) and count it;
+        a pool too short for the copies of shared pages leaves the prompt whole (logged)."""
+        name = seq.request.compression.name
+        try:
+            done = self.compression.compress(seq)
+        except RuntimeError as e:
+            log.warning("selfattn.serving: %s left a prompt uncompressed: %s", name, e)
+            done = None
+        self.metrics.record_compression(name, done)
 
     @staticmethod
     def _prompt_rows(seq: Sequence, n: int, at: int, keep: list, scoring: list) -> None:

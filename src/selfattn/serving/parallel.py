@@ -296,6 +296,11 @@ class TensorParallelEngine(Engine):
     :func:`tensor_parallel_engine`): each step runs on every rank. ``world_size`` ranks;
     :meth:`close` ends the workers and the process group."""
 
+    compression_refused = (
+        "a tensor-parallel engine's ranks mirror rank 0's pages step by step and do not move "
+        "tokens between them; drop kv_compression"
+    )
+
     def __init__(self, model, *, timeout_s, workers=(), store=None, owns_group=True, **kw):
         self.world_size = dist.get_world_size()
         self._workers, self._store, self._owns_group = list(workers), store, owns_group

@@ -132,6 +132,8 @@ class _Sampled(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # KV compression of the prompt: "POLICY[:RATIO]" or {"policy", "ratio", "window", "budget"}
+    kv_compression: str | dict | None = None
 
     def refuse_unsupported(self) -> None:
         if self.prompt_logprobs is not None and self.stream:
@@ -279,6 +281,7 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
             logit_bias=bias,
             best_of=getattr(req, "best_of", None),
             guide=(request_guide(req) or (None, None))[1],
+            kv_compression=req.kv_compression,
         )
     except RequestError:
         raise

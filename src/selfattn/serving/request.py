@@ -110,6 +110,8 @@ class Request:
     first_token_time: float | None = None
     error: BaseException | None = None
     sink: object = None  # where outputs go (an async stream's queue), or None
+    # the KV compression its prompt gets (the params' or the engine's default), or None
+    compression: object = None
     # prompt logprobs scored so far (None first: the first token has none); a tuple once whole
     prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None = None
 
@@ -156,6 +158,12 @@ class Sequence:
     sent_text: int = 0  # characters of text already reported
     generator: torch.Generator = None
     matcher: object = None  # the guide's grammar state (structured output), or None
+    # KV compression: whether the prompt's KV was compressed (or found too short) since the
+    # sequence was last admitted, the tokens its cache evicted, and the observation window's
+    # attention inputs recorded so far (per layer)
+    compressed: bool = False
+    evicted: int = 0
+    window: list | None = None
 
     def __post_init__(self):
         r = self.request
@@ -179,8 +187,17 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
-        """Tokens to compute before the next token can be chosen."""
-        return len(self.tokens) - self.num_computed
+        """Tokens to compute before the next token can be chosen; a prompt to be compressed
+        first stops at its end (the tokens after it attend the compressed prompt)."""
+        end = len(self.tokens)
+        if self.request.compression is not None and not self.compressed:
+            end = min(end, self.num_prompt)
+        return end - self.num_computed
+
+    @property
+    def cache_length(self) -> int:
+        """Tokens its cache sequence holds: those computed less those compression evicted."""
+        return self.num_computed - self.evicted
 
     @property
     def finished(self) -> bool:
@@ -193,6 +210,8 @@ class Sequence:
         the verdict does not apply them), none for a guided sequence (its mask of each drafted
         position would need the drafts consumed first)."""
         p = self.params
+        if self.request.compression is not None and not self.compressed:
+            return 0  # its prompt ends the chunk (remaining), to be compressed first
         if self.matcher is not None:
             log_once("speculative-guided", logging.INFO, "speculative decoding: guided requests "
                      "(structured output) decode one token a step, without drafts")  # fmt: skip
@@ -213,6 +232,7 @@ class Sequence:
         """Sample ``index`` of the same request, at this sequence's state (a new generator; a
         copy of the guide's state)."""
         child = Sequence(self.request, index, list(self.tokens), self.num_computed)
+        child.compressed, child.evicted = self.compressed, self.evicted
         if self.matcher is not None:
             child.matcher = self.matcher.deep_copy()
         return child

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
+from selfattn.cache.compress import KVCompression, compression
 from selfattn.serving.structured import Guide, apply_bitmask
 
 __all__ = [
     "MAX_BIAS",
     "MAX_LOGPROBS",
     "MAX_N",
+    "NO_COMPRESSION",
     "Choice",
     "SamplingParams",
     "choose",
@@ -54,6 +56,8 @@ MAX_N = 128  # samples per request: each is a sequence with its own pages once i
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
+# SamplingParams.kv_compression's explicit "off" (None there means the engine's default)
+NO_COMPRESSION = "none"
 
 
 def _number(name: str, value, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
@@ -98,7 +102,11 @@ class SamplingParams:
     computed in the prefill the request runs anyway. ``logit_bias``: ``{token id: bias}``
     added to the logits before sampling (stored as sorted ``(id, bias)`` pairs). ``best_of``:
     draw that many samples and return the ``n`` with the highest cumulative log-probability
-    (vLLM's rule; None: ``n``).
+    (vLLM's rule; None: ``n``). ``kv_compression``: what the prompt's KV keeps after its
+    prefill (:func:`selfattn.cache.compress.compression` reads ``"snapkv:0.5"``, ``{"policy":
+    "snapkv", "ratio": 0.5, "window": 32, "budget": 1024}`` or a press; stored as a
+    :class:`~selfattn.cache.compress.KVCompression`); None: the engine's default;
+    ``"none"`` or ratio 0: no compression (stored as :data:`NO_COMPRESSION`).
     """
 
     n: int = 1
@@ -119,6 +127,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     best_of: int | None = None
     guide: Guide | None = None
+    kv_compression: KVCompression | str | None = None
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -159,6 +168,13 @@ class SamplingParams:
             _int("best_of", self.best_of, self.n, MAX_N)
         if self.guide is not None and not isinstance(self.guide, Guide):
             raise TypeError(f"SamplingParams guide must be a Guide, got {self.guide!r}")
+        spec = self.kv_compression
+        if spec is not None and spec != NO_COMPRESSION:
+            try:
+                spec = compression(spec) or NO_COMPRESSION
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"SamplingParams kv_compression: {e}") from None
+            object.__setattr__(self, "kv_compression", spec)
 
     @property
     def greedy(self) -> bool:

@@ -88,7 +88,7 @@ class Scheduler:
         """Pages ``n`` more tokens of ``seq`` take: new pages, plus one when its last page is
         shared and partly filled (copy-on-write; an upper bound when its sharers write too)."""
         P = self.kv.page_size
-        have = seq.num_computed
+        have = seq.cache_length
         need = -(-(have + n) // P) - -(-have // P)
         if have % P and self.kv.pool.refcount(self.kv.pages(seq.kv_id)[-1]) > 1:
             need += 1
@@ -103,8 +103,9 @@ class Scheduler:
         seq.kv_id = None
 
     def offer_pages(self, seq: Sequence) -> None:
-        """Give the prefix cache the full pages ``seq`` computed since it last did."""
-        if self.kv.index is None or seq.kv_id is None:
+        """Give the prefix cache the full pages ``seq`` computed since it last did (none once
+        compression moved its tokens: its pages no longer hold its tokens in order)."""
+        if self.kv.index is None or seq.kv_id is None or seq.evicted:
             return
         full = seq.num_computed // self.kv.page_size
         if full > seq.cached_pages:
@@ -123,7 +124,8 @@ class Scheduler:
         """Back to the head of the waiting queue, its pages freed: recomputed when readmitted."""
         self.running.remove(seq)
         self.release(seq)
-        seq.num_computed = seq.cached_pages = 0
+        seq.num_computed = seq.cached_pages = seq.evicted = 0
+        seq.compressed, seq.window = False, None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -186,7 +188,7 @@ class Scheduler:
             if slots + seq.request.slots > self.max_num_seqs:
                 return
             if kv.index is not None and not seq.request.scoring_prompt:
-                kv_id, cached = kv.add_sequence_from_prefix(seq.tokens)
+                kv_id, cached = kv.add_sequence_from_prefix(seq.tokens[: _reusable(seq)])
             else:
                 kv_id, cached = kv.add_sequence(), 0
             seq.kv_id, seq.num_computed, seq.cached_pages = kv_id, cached, cached // kv.page_size
@@ -245,7 +247,7 @@ class Scheduler:
         pages to the prefix cache (with the accepted tokens, before they are appended)."""
         self.computed_tokens += computed
         seq.num_computed += kept
-        self.kv.trim(seq.kv_id, seq.num_computed)
+        self.kv.trim(seq.kv_id, seq.cache_length)
         if accepted and self.kv.index is not None:
             seq.tokens += accepted
             try:
@@ -262,10 +264,20 @@ class Scheduler:
         if live != mine:
             raise AssertionError(f"cache sequences {sorted(live)} but running {sorted(mine)}")
         for s in self.running:
-            if self.kv.length(s.kv_id) != s.num_computed:
+            if self.kv.length(s.kv_id) != s.cache_length or self.kv.evicted(s.kv_id) != s.evicted:
                 raise AssertionError(
-                    f"sequence {s.key}: cache length {self.kv.length(s.kv_id)}, computed "
-                    f"{s.num_computed}"
+                    f"sequence {s.key}: cache length {self.kv.length(s.kv_id)} (evicted "
+                    f"{self.kv.evicted(s.kv_id)}), computed {s.num_computed} (evicted {s.evicted})"
                 )
         if any(s.kv_id is not None for s in self.waiting):
             raise AssertionError("a waiting sequence holds cache pages")
+
+
+def _reusable(seq: Sequence) -> int:
+    """How many of ``seq``'s tokens a prefix-cache hit may cover: all, except that a prompt to
+    be compressed computes the rows its policy reads (their attention inputs are recorded)."""
+    spec = seq.request.compression
+    if spec is None or seq.compressed:
+        return len(seq.tokens)
+    C = seq.num_prompt
+    return C - min(C, spec.press.query_rows(C)) + 1

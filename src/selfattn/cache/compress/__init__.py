@@ -17,7 +17,15 @@ from selfattn.cache.compress.policies import (
     SnapKV,
     StreamingLLM,
 )
-from selfattn.cache.compress.registry import POLICIES, QUANTIZED, Quantized, names, press
+from selfattn.cache.compress.registry import (
+    POLICIES,
+    QUANTIZED,
+    KVCompression,
+    Quantized,
+    compression,
+    names,
+    press,
+)
 
 __all__ = [
     "POLICIES",
@@ -29,6 +37,7 @@ __all__ = [
     "Eviction",
     "ExpectedAttention",
     "KNorm",
+    "KVCompression",
     "Kept",
     "ObservedAttention",
     "Press",
@@ -37,6 +46,7 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "compress_kv",
+    "compression",
     "names",
     "press",
     "window_attention",

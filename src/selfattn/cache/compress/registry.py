@@ -7,6 +7,7 @@ map to a :class:`Quantized` marker that the cache reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from selfattn.cache.compress.base import Press, check_count
@@ -21,7 +22,16 @@ from selfattn.cache.compress.policies import (
     StreamingLLM,
 )
 
-__all__ = ["POLICIES", "QUANTIZED", "Quantized", "names", "press"]
+__all__ = [
+    "DEFAULT_RATIO",
+    "POLICIES",
+    "QUANTIZED",
+    "KVCompression",
+    "Quantized",
+    "compression",
+    "names",
+    "press",
+]
 
 POLICIES: dict[str, type[Press]] = {
     cls.name: cls
@@ -29,6 +39,8 @@ POLICIES: dict[str, type[Press]] = {
 }
 QUANTIZED = {"kivi2": 2, "kivi4": 4}
 _ADAKV = "adakv_"
+# the ratio of a policy named without one ("snapkv"): half the prompt's KV removed
+DEFAULT_RATIO = 0.5
 
 
 @dataclass(frozen=True)
@@ -86,3 +98,109 @@ def press(name: str, ratio: float = 0.0, **knobs) -> Press | Quantized:
         scorer = press(inner, ratio, **_knobs(POLICIES[inner], knobs, name))
         return AdaKV(ratio, scorer.window, scorer=scorer, **own)
     return POLICIES[name](ratio, **_knobs(POLICIES[name], knobs, name))
+
+
+@dataclass(frozen=True)
+class KVCompression:
+    """One request's KV compression: its ``press`` and optionally ``budget``, the most prompt
+    tokens kept per head (kept = ``min(press's budget, budget)``). Built by :func:`compression`
+    from what users write."""
+
+    press: Press
+    budget: int | None = None
+
+    def __post_init__(self):
+        if self.budget is not None:
+            check_count(self.budget, "kv_compression budget", 1)
+            need = self.press.sinks + self.press.window
+            if self.budget < need:
+                raise ValueError(
+                    f"kv_compression budget {self.budget} is below the {need} tokens "
+                    f"{self.press.name} always keeps (sinks {self.press.sinks} + window "
+                    f"{self.press.window}); raise the budget or lower the window"
+                )
+
+    @property
+    def name(self) -> str:
+        return self.press.name
+
+    def kept(self, seq_len: int) -> int | None:
+        """Tokens per head a ``seq_len``-token prompt keeps, or None where it stays whole:
+        nothing would be removed, or the prompt is no longer than the tokens the policy always
+        keeps (its budget could not hold them)."""
+        p = self.press
+        n = seq_len if p.compression_ratio == 0 else p.layer_budget(seq_len, 0, 1)
+        if self.budget is not None:
+            n = min(n, self.budget)
+        if n >= seq_len or n < max(1, p.protected(seq_len)) or seq_len <= p.protected(seq_len):
+            return None
+        return n
+
+    def __str__(self) -> str:
+        cap = "" if self.budget is None else f", budget {self.budget}"
+        return f"{self.name}:{self.press.compression_ratio:g}{cap}"
+
+
+def _ratio(value, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(
+            f"{where} ratio must be a number in [0, 1) (the fraction of the prompt's KV "
+            f"removed), got {value!r}"
+        )
+    return float(value)
+
+
+def compression(spec) -> KVCompression | None:
+    """A request's KV compression from ``spec``: None; a :class:`Press`; a
+    :class:`KVCompression`; ``"POLICY"`` or ``"POLICY:RATIO"`` (``"snapkv:0.5"``); or a dict
+    ``{"policy": "snapkv", "ratio": 0.5, "window": 32, "budget": 1024, ...}`` (other keys are
+    the policy's knobs). A policy without a ratio removes :data:`DEFAULT_RATIO` of the prompt
+    (with a ``budget``: what the budget leaves out). None where nothing would be removed
+    (ratio 0, no budget): an exact no-op. ValueError naming the offending value otherwise;
+    ``kivi2``/``kivi4`` (pages, not eviction) are refused here."""
+    if spec is None or isinstance(spec, KVCompression):
+        found = spec
+    elif isinstance(spec, Press):
+        found = KVCompression(spec)
+    elif isinstance(spec, str):
+        name, _, ratio = spec.partition(":")
+        found = _build(name, _ratio(ratio, f"kv_compression {spec!r}") if ratio else None, {})
+    elif isinstance(spec, dict):
+        knobs = dict(spec)
+        name = knobs.pop("policy", None)
+        if name is None:
+            raise ValueError(
+                f"kv_compression {spec!r} names no policy; give {{'policy': NAME, 'ratio': R}} "
+                f"with NAME one of {names()}"
+            )
+        ratio = knobs.pop("ratio", None)
+        found = _build(name, None if ratio is None else _ratio(ratio, "kv_compression"), knobs)
+    else:
+        raise TypeError(
+            "kv_compression must be 'POLICY:RATIO', a dict {'policy', 'ratio', 'window', "
+            f"'budget'}} or a press, got {type(spec).__name__}"
+        )
+    if found is None or (found.press.compression_ratio == 0 and found.budget is None):
+        return None
+    return found
+
+
+def _build(name: str, ratio: float | None, knobs: dict) -> KVCompression:
+    budget = knobs.pop("budget", None)
+    if ratio is None:  # a policy named alone removes DEFAULT_RATIO; with a budget, the budget
+        ratio = 0.0 if budget is not None or name in QUANTIZED else DEFAULT_RATIO
+    made = press(name, ratio, **knobs)
+    if isinstance(made, Quantized):
+        raise ValueError(
+            f"kv_compression={name!r} quantises the cache's pages instead of evicting tokens; "
+            "it is a cache kind (make_cache('kivi', bits=...)), not a per-request policy: use "
+            "an eviction policy such as 'snapkv:0.5'"
+        )
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise ValueError(f"kv_compression budget must be an int >= 1, got {budget!r}")
+    return KVCompression(made, budget)

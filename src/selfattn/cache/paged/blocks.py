@@ -55,6 +55,9 @@ class BlockTable:
         self.epoch = 0
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        # tokens evicted from a compacted sequence (compact): its next token's position is its
+        # length plus these; absent for the others
+        self._evicted: dict[int, int] = {}
         self._next_id = 0
 
     # -- reads ----------------------------------------------------------------------------------
@@ -73,6 +76,19 @@ class BlockTable:
 
     def length(self, seq_id: int) -> int:
         return self._lens[self.check_id(seq_id)]
+
+    def evicted(self, seq_id: int) -> int:
+        """Tokens :meth:`compact` removed from ``seq_id`` (0 for a sequence never compacted):
+        its slots hold ``length`` tokens of the ``length + evicted`` it has seen."""
+        return self._evicted.get(seq_id, 0)
+
+    def offsets(self, ids: list[int]) -> list[int] | None:
+        """Each checked sequence's :meth:`evicted`, or None when none of them was compacted
+        (its positions are its slots)."""
+        if not self._evicted:
+            return None
+        found = [self._evicted.get(s, 0) for s in ids]
+        return found if any(found) else None
 
     def page_lists(self, ids: list[int]) -> list[list[int]]:
         """The live page lists of checked ``ids`` (read them, never change them): what a
@@ -131,6 +147,8 @@ class BlockTable:
         sid = self._new_id()
         self._pages[sid] = self.pool.fork(self._pages[seq_id])
         self._lens[sid] = self._lens[seq_id]
+        if seq_id in self._evicted:
+            self._evicted[sid] = self._evicted[seq_id]
         return sid
 
     def add_from_prefix(self, tokens, index: PrefixIndex | None = None, salt=None):
@@ -188,11 +206,13 @@ class BlockTable:
         """Drop ``seq_id`` and its references; pages no other holder shares become free."""
         self.pool.free(self._pages[self.check_id(seq_id)])
         del self._pages[seq_id], self._lens[seq_id]
+        self._evicted.pop(seq_id, None)
 
     def truncate(self, seq_id: int) -> None:
         """Empty ``seq_id`` (length 0, its references dropped) but keep it live."""
         self.pool.free(self._pages[self.check_id(seq_id)])
         self._pages[seq_id], self._lens[seq_id] = [], 0
+        self._evicted.pop(seq_id, None)
 
     def trim(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens of ``seq_id``: its pages past them are dropped (a
@@ -219,6 +239,34 @@ class BlockTable:
         pages = self._pages[self.check_id(seq_id)]
         self.pool.decref([pages.pop(at)])
         self._lens[seq_id] -= self.page_size
+
+    def compact(self, seq_id: int, n: int) -> tuple[list[int], list[int]]:
+        """Shrink ``seq_id`` to ``n`` of its tokens (a KV-compression policy chose them; the
+        storage moves them, :meth:`PagedKV.compact`). Returns ``(old, new)`` page lists: the
+        kept tokens go to slots ``0 .. n-1`` of ``new``, which reuses the first ``ceil(n / P)``
+        pages of ``old`` that the sequence alone holds and takes fresh pages for those it
+        shares (a prefix's cached pages and a fork's stay as they are: copy-on-write); the
+        pages it no longer lists lose its reference. The removed tokens count in
+        :meth:`evicted`. Advances :attr:`epoch` (no earlier plan can be undone)."""
+        have = self._lens[self.check_id(seq_id)]
+        checked_int(n, "compact n")
+        if not 1 <= n <= have:
+            raise ValueError(
+                f"cannot compact sequence {seq_id} to {n} tokens: it holds {have}; keep 1..{have}"
+            )
+        old = self._pages[seq_id]
+        keep = -(-n // self.page_size)
+        shared = [i for i, p in enumerate(old[:keep]) if self.pool.refcount(p) > 1]
+        what = f"compacting sequence {seq_id} (it shares {len(shared)} of its kept pages)"
+        fresh = self._allocate(len(shared), what) if shared else []
+        new = list(old[:keep])
+        for i, p in zip(shared, fresh):
+            new[i] = p
+        self.pool.decref([old[i] for i in shared] + old[keep:])
+        self._pages[seq_id], self._lens[seq_id] = new, n
+        self._evicted[seq_id] = self._evicted.get(seq_id, 0) + have - n
+        self.epoch += 1
+        return old, new
 
     # -- one step -------------------------------------------------------------------------------
     def reserve(self, ids: list[int], counts: list[int]):
@@ -251,7 +299,7 @@ class BlockTable:
                 holders[last] = left - copy
             cow.append(copy)
             n_new.append(-(-(n + S) // P) - n_pages + int(copy))
-        fresh = self._allocate(sum(n_new), ids, counts)
+        fresh = self._allocate(sum(n_new), f"appending {counts} token(s) to sequences {ids}")
         copies = []
         for s, copy, m, S in zip(ids, cow, n_new, counts):
             mine, fresh = fresh[:m], fresh[m:]
@@ -266,15 +314,15 @@ class BlockTable:
         self.epoch += 1
         return before, copies
 
-    def _allocate(self, need: int, ids, counts) -> list[int]:
+    def _allocate(self, need: int, what: str) -> list[int]:
         """``need`` fresh pages, evicting least-recently-used cached pages when the pool is
         short; RuntimeError naming the step before anything changes when even that is short."""
         evictable = 0 if self.index is None else self.index.num_evictable_pages
         if need > self.pool.num_free + evictable:
             raise RuntimeError(
-                f"appending {counts} token(s) to sequences {ids} needs {need} free page(s) but the "
-                f"pool has {self.pool.num_free} of {self.pool.num_pages} (+{evictable} evictable "
-                "cached); free sequences or build a larger pool"
+                f"{what} needs {need} free page(s) but the pool has {self.pool.num_free} of "
+                f"{self.pool.num_pages} (+{evictable} evictable cached); free sequences or build "
+                "a larger pool"
             )
         if self.index is None:
             return self.pool.allocate(need)
@@ -301,6 +349,7 @@ class BlockTable:
         drops nothing); advances :attr:`epoch`."""
         self._pages = {s: list(p) for s, p in zip(ids, page_lists)}
         self._lens = {s: n + c for s, n, c in zip(ids, lengths, counts)}
+        self._evicted = {}
         self.epoch += 1
         return [(s, len(p), n) for s, p, n in zip(ids, page_lists, lengths)]
 

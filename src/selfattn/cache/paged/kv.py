@@ -199,6 +199,47 @@ class PagedKV:
         """Empty ``seq_id`` (length 0, its page references dropped) but keep it live."""
         self.blocks.truncate(seq_id)
 
+    def evicted(self, seq_id: int) -> int:
+        """Tokens :meth:`compact` removed from ``seq_id`` (0 if never compacted)."""
+        return self.blocks.evicted(seq_id)
+
+    def compact(self, seq_id: int, kept: torch.Tensor) -> tuple[int, int]:
+        """Keep, in each layer and KV head, the tokens ``kept (L, Hkv, n)`` of ``seq_id``
+        (indices into its ``length`` tokens, ascending per head, as a KV-compression press
+        chooses them) and free the pages the rest held.
+
+        The kept tokens of layer ``l``, head ``h`` move to slots ``0 .. n-1`` (each head its
+        own tokens in the same slots; quantised pages move with their scales); the sequence's
+        length becomes ``n`` and its next tokens' positions continue after every token it has
+        seen (:meth:`evicted`), so RoPE and causal order hold. Pages others share (a cached
+        prefix, a fork) are never written: the sequence takes fresh pages in their place.
+        Returns ``(tokens removed, pages freed by the sequence)``.
+        """
+        if type(self) is not PagedKV:
+            raise TypeError(
+                f"{type(self).__name__} places tokens itself; compaction needs a plain PagedKV"
+            )
+        have = self.blocks.length(seq_id)
+        L, Hkv = self.n_layers, self.k_store.shape[3]
+        if not isinstance(kept, torch.Tensor) or kept.dim() != 3 or kept.shape[:2] != (L, Hkv):
+            got = tuple(kept.shape) if isinstance(kept, torch.Tensor) else type(kept).__name__
+            raise ValueError(f"kept must be (L={L}, Hkv={Hkv}, n) token indices, got {got}")
+        n = kept.shape[2]
+        kept = kept.to(torch.long)
+        if n and (int(kept.min()) < 0 or int(kept.max()) >= have or bool((kept.diff() <= 0).any())):
+            raise ValueError(
+                f"kept must hold ascending, distinct token indices in 0..{have - 1} per head "
+                f"(sequence {seq_id} holds {have} tokens)"
+            )
+        old, new = self.blocks.compact(seq_id, n)
+        device = self.k_store.device
+        P = self.page_size
+        src_pages = torch.tensor(old, dtype=torch.long, device=device)[kept // P]  # (L, Hkv, n)
+        dst = torch.arange(n, device=device)
+        dst_pages = torch.tensor(new, dtype=torch.long, device=device)[dst // P]
+        self.store.move_rows((src_pages, kept.to(device) % P), (dst_pages, dst % P))
+        return have - n, len(old) - len(new)
+
     def trim(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens of ``seq_id`` and free the pages past them: a
         speculative step rolls its rejected tokens back this way. ValueError when ``length``
@@ -220,7 +261,7 @@ class PagedKV:
         before, copies = self._reserve(ids, [n_tokens] * len(ids))
         return planner.build(before, self.blocks.page_lists(ids), n_tokens,
                              num_pages=self.num_pages, epoch=self.blocks.epoch, copies=copies,
-                             **self._shape)  # fmt: skip
+                             offsets=self.blocks.offsets(ids), **self._shape)  # fmt: skip
 
     def plan_packed(self, seq_ids, counts) -> Step:
         """Plan one step that appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` (a
@@ -265,7 +306,8 @@ class PagedKV:
         """The :class:`Step` of a packed step whose pages are reserved."""
         plan = planner.build_packed(before, self.blocks.page_lists(ids), counts,
                                     num_pages=self.num_pages, epoch=self.blocks.epoch,
-                                    copies=copies, **self._shape)  # fmt: skip
+                                    copies=copies, offsets=self.blocks.offsets(ids),
+                                    **self._shape)  # fmt: skip
         layers = [PagedLayer(self, plan, i) for i in range(self.n_layers)]
         return Step(layers, plan.positions.view(1, -1), None)
 

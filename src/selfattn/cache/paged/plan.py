@@ -20,6 +20,12 @@ Two kinds of step:
   call (causal order inside the chunk needs no mask); a longer chunk is a ``block``, attended
   as one query block over its sequence's gathered K/V.
 
+Positions and slots: a sequence's tokens sit in slots ``0 .. length-1`` and its new token's
+RoPE position is its slot, unless a KV-compression policy compacted it
+(:meth:`~selfattn.cache.PagedKV.compact`): then ``offsets[b]`` tokens were removed and the new
+tokens' ``positions`` are their slots plus that, while ``lengths``, ``seq_lens`` and the
+attention read slots (the kept keys carry their rotation; causal order over slots holds).
+
 Slots: token ``t`` of a sequence sits at flat slot ``page · P + t % P`` of a layer's ``(N·P,
 Hkv, ·)`` rows; with one K/V pool per layer (``kv_store (N, 2, P, Hkv, D)``) its key row is
 ``page · 2P + t % P`` and its value row ``P`` later (:func:`pair_slots`).
@@ -63,7 +69,8 @@ class StepPlan:
     block_table: torch.Tensor
     # (B·S,) int64 flat slot page · P + t % P of each new token, row-major over (b, s)
     slots: torch.Tensor
-    # the new tokens' positions: (S,) when every row has length `past`, else (B, S)
+    # the new tokens' RoPE positions: (S,) when every row has length `past`, else (B, S);
+    # packed (T, 1); a compacted sequence's are its slots plus its evicted tokens
     positions: torch.Tensor
     # the common length of the rows before the step, None when they differ (packed: None)
     past: int | None
@@ -106,11 +113,12 @@ def pair_slots(slots: list[int], page_size: int) -> list[int]:
 
 def build(
     before, pages, n_tokens: int, *, page_size: int, max_pages: int, num_pages: int,
-    paired: bool, device, epoch: int, copies,
+    paired: bool, device, epoch: int, copies, offsets=None,
 ) -> StepPlan:  # fmt: skip
     """The plan of ``n_tokens`` new tokens in each sequence of ``before`` (``(id, pages
     before, length before)``), whose pages after the reservation are ``pages``. ``paired``:
-    the layers keep one K/V pool (``pair_slots``)."""
+    the layers keep one K/V pool (``pair_slots``); ``offsets``: each sequence's evicted
+    tokens, or None (module docstring)."""
     S, P, M, B = n_tokens, page_size, max_pages, len(before)
     # One host list, one copy to the device: lengths (B), slots (B·S), table (B·M), pair slots.
     flat = [n for _, _, n in before]
@@ -128,6 +136,10 @@ def build(
     lens = {n for _, _, n in before}
     past = lens.pop() if len(lens) == 1 else None
     seq_lens = (lengths + S).to(torch.int32)
+    if offsets is None:
+        positions = next_positions(lengths if past is None else past, S, t.device)  # (S,)|(B, S)
+    else:
+        positions = next_positions(lengths + torch.tensor(offsets, device=t.device), S)
     return StepPlan(
         seq_ids=[s for s, _, _ in before],
         n_tokens=S,
@@ -135,7 +147,7 @@ def build(
         seq_lens=seq_lens,
         block_table=table,
         slots=slots,
-        positions=next_positions(lengths if past is None else past, S, t.device),  # (S,)|(B, S)
+        positions=positions,
         past=past if B else 0,
         max_len=max((n for _, _, n in before), default=0) + S,
         before=tuple(before),
@@ -149,10 +161,10 @@ def build(
 
 def build_packed(
     before, pages, counts, *, page_size: int, max_pages: int, num_pages: int, paired: bool,
-    device, epoch: int, copies,
+    device, epoch: int, copies, offsets=None,
 ) -> StepPlan:  # fmt: skip
     """The packed plan of ``counts[i]`` new tokens of sequence ``before[i]`` (module
-    docstring); ``pages`` as :func:`build`'s."""
+    docstring); ``pages`` and ``offsets`` as :func:`build`'s."""
     P, M = page_size, max_pages
     # One host list, one copy: slots (T), positions (T), table (B·M), for the row tokens their
     # index in T and their sequence's row of the table, then the pair slots.
@@ -168,7 +180,12 @@ def build_packed(
         else:
             spans.append((start, c, len(table) - M, len(mine), n + c))
     T, B, R = len(slots), len(before), len(rows)
-    t = torch.tensor(slots + pos + table + rows + row_of + (pair_slots(slots, P) if paired else []))
+    pairs = pair_slots(slots, P) if paired else []
+    rope = []  # the RoPE positions where they are not the slots: each token's plus its offset
+    if offsets is not None:
+        rope = [p + off for (_, _, n), c, off in zip(before, counts, offsets)
+                for p in range(n, n + c)]  # fmt: skip
+    t = torch.tensor(slots + pos + table + rows + row_of + pairs + rope)
     t = t.to(device, non_blocking=True)
     positions = t[T : 2 * T]
     at_rows = 2 * T + B * M  # where the row indices start
@@ -184,14 +201,14 @@ def build_packed(
         seq_lens=row_lens,
         block_table=row_table,
         slots=t[:T],
-        positions=positions.view(T, 1),
+        positions=(t[len(t) - T :] if rope else positions).view(T, 1),
         past=None,
         max_len=max((n + c for (_, _, n), c in zip(before, counts)), default=0),
         before=tuple(before),
         epoch=epoch,
         # ours: every row one query over its sequence's own pages and length
         attention=PagedAttentionPlan(row_table, row_lens, valid_for=(num_pages, P, 1)),
-        pair_slots=t[at_rows + 2 * R :].view(2, T) if paired else None,
+        pair_slots=t[at_rows + 2 * R : at_rows + 2 * R + len(pairs)].view(2, T) if paired else None,
         copies=tuple(copies),
         counts=tuple(counts),
         rows=rows_t,

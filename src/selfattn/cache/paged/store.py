@@ -148,6 +148,31 @@ class PageStore:
                 q, _ = quantize_fp8(rows, scales)
                 flat.view(torch.uint8).index_copy_(0, at, q.view(torch.uint8))
 
+    def move_rows(self, src, dst) -> None:
+        """Copy, in every layer ``l`` and KV head ``h``, the token at ``(page, slot) =
+        (src[0][l, h, i], src[1][l, h, i])`` to ``(dst[0][i], dst[1][i])`` for each ``i`` (int64
+        tensors ``(L, Hkv, n)`` and ``(n,)``), keys, values and int8 scales alike. Every source
+        is read before any destination is written, so the two may overlap (compaction)."""
+        pages, slots = src
+        heads = torch.arange(pages.shape[1], device=pages.device)
+        scaled = self.k_scales is not None and self.k_scales.dim() == 4  # int8: per slot
+        for layer in range(pages.shape[0]):
+            where = (pages[layer].T, slots[layer].T, heads)  # (n, Hkv) each, heads broadcast
+            held = [(t, t[where]) for t in self._token_tensors(layer, scaled)]
+            for t, rows in held:
+                t[dst] = rows
+
+    def _token_tensors(self, layer: int, scaled: bool) -> list[torch.Tensor]:
+        """Layer ``layer``'s ``(N, P, Hkv, ...)`` tensors that hold something per token: its
+        key and value pages (fp8 as bytes, which indexing moves) and int8 scales."""
+        found = [self.k_layers[layer]]
+        if self.v_layers[layer].data_ptr() != self.k_layers[layer].data_ptr():
+            found.append(self.v_layers[layer])  # a latent pool's values are its keys
+        found = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in found]
+        if scaled:
+            found += [self.k_scales[layer], self.v_scales[layer]]
+        return found
+
     # -- reads ----------------------------------------------------------------------------------
     def gather_pages(self, ids: torch.Tensor, n: int, layer: int = 0):
         """Contiguous copies ``(Hkv, n, D)``, ``(Hkv, n, Dv)`` of the first ``n`` tokens held

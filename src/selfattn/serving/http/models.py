@@ -73,6 +73,20 @@ class _EngineCollector:
         out.add_metric([self.model], buckets, h.sum)
         return out
 
+    def compression(self, m):
+        """KV compression's counters, labelled by policy as well as model."""
+        kinds = (
+            ("kv_compression_prompts", "Prompts whose KV was compressed.", 0),
+            ("kv_compression_skipped", "Prompts too short for their policy, left whole.", 1),
+            ("kv_compression_evicted_tokens", "Prompt tokens evicted from the KV cache.", 2),
+            ("kv_compression_pages_saved", "KV pages compressed prompts gave back.", 3),
+        )
+        for name, doc, i in kinds:
+            c = prom_core.CounterMetricFamily(f"selfattn_{name}", doc, labels=["model", "policy"])
+            for policy, counts in sorted(m.kv_compression_by_policy.items()):
+                c.add_metric([self.model, policy], counts[i])
+            yield c
+
     def collect(self):
         m, gauge, counter = self.engine.metrics, self.gauge, self.counter
         yield gauge("num_requests_running", "Requests running in the engine.", m.running)
@@ -100,5 +114,6 @@ class _EngineCollector:
         yield gauge("spec_decode_draft_acceptance_rate",
                     "Draft tokens accepted / draft tokens verified.",
                     m.spec_acceptance_rate)  # fmt: skip
+        yield from self.compression(m)
         yield self.histogram("time_to_first_token_seconds", "Arrival to first token.", m.ttft)
         yield self.histogram("inter_token_latency_seconds", "Between consecutive tokens.", m.itl)

@@ -1,0 +1,169 @@
+"""KV compression in the engine: a request's prompt KV compressed after its prefill, the freed
+pages back in the pool.
+
+A request names a policy (``SamplingParams.kv_compression``, or the engine's default
+``EngineConfig.kv_compression``); :class:`PromptCompression` resolves and checks it when the
+request is added, then runs it in three places of a step::
+
+    rows = pc.window_rows(chunks)          # before the forward: the prompt rows its policy reads
+    with pc.recording(rows): forward()     # their attention inputs, per layer (pre-hooks)
+    pc.compress(seq)                       # the prompt computed: score, keep, compact pages
+
+The scheduler stops the prompt's prefill at its end (``Sequence.remaining``) so that what comes
+after it (on a preempted sequence's recompute, its earlier output) attends to the compressed
+prompt, as it did the first time. Compression keeps the same number of tokens in every layer and
+KV head (each head its own tokens, :meth:`~selfattn.cache.PagedKV.compact`): one page list per
+sequence serves every layer. Hence policies with per-layer or per-head budgets (PyramidKV,
+AdaKV) are refused here (``selfattn.models.generate`` runs PyramidKV on its static cache).
+
+A prompt too short for its policy (no more tokens than it always keeps, or a budget that cannot
+hold them) stays whole and counts as skipped. Ratio 0 never reaches this module: no hooks, no
+compaction, outputs bit-identical to no policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from selfattn.cache import PagedKV
+from selfattn.cache.compress import KVCompression, PyramidKV, compression
+from selfattn.models.kv_compression import attention_layers, check_compressible
+from selfattn.serving.request import Sequence
+from selfattn.serving.sampling import NO_COMPRESSION, SamplingParams
+
+__all__ = ["PromptCompression"]
+
+
+class PromptCompression:
+    """The engine's KV compression over ``model`` and its pool ``kv`` (module docstring);
+    ``default`` the engine's ``"POLICY[:RATIO]"`` or None; ``refused``: why this engine runs
+    none (every policy is then refused with it), or None."""
+
+    def __init__(self, model, kv: PagedKV, default: str | None, *, refused: str | None = None):
+        self.model, self.kv, self.refused = model, kv, refused
+        self.default = None if default is None else self._usable(compression(default))
+        self._layers = None  # the model's attention modules, found at first use
+
+    def resolve(self, params: SamplingParams) -> KVCompression | None:
+        """The compression a request with ``params`` gets: its own, else the engine's default;
+        None for none (``"none"``, ratio 0, or a scoring-only request). ValueError naming why
+        where this engine cannot run it."""
+        spec = params.kv_compression
+        if spec is None:
+            spec = self.default
+        elif spec == NO_COMPRESSION:
+            spec = None
+        else:
+            spec = self._usable(spec)
+        return None if params.max_tokens == 0 else spec
+
+    def _usable(self, spec: KVCompression | None) -> KVCompression | None:
+        if spec is None:
+            return None
+        if self.refused is not None:
+            raise ValueError(f"kv_compression {spec.name!r}: {self.refused}")
+        press = spec.press
+        if press.ragged or isinstance(press, PyramidKV):
+            what = "KV head" if press.ragged else "layer"
+            raise ValueError(
+                f"kv_compression {press.name!r} keeps a different number of tokens per {what}; "
+                "the engine's pages keep one count per sequence: use its scorer alone (e.g. "
+                "'snapkv'), or selfattn.models.generate for this policy"
+            )
+        check_compressible(self.model, "static")
+        if type(self.kv) is not PagedKV:
+            raise ValueError(f"kv_compression needs a plain PagedKV pool, not {type(self.kv)}")
+        return spec
+
+    @property
+    def layers(self) -> list:
+        if self._layers is None:
+            self._layers = attention_layers(self.model)
+        return self._layers
+
+    # -- the observation window ---------------------------------------------------------------
+    def window_rows(self, chunks) -> list[tuple[Sequence, list[int]]]:
+        """For each ``(sequence, n tokens, first row of the chunk in the step)`` of ``chunks``
+        whose prompt is still to be compressed: the step's rows of the prompt tokens its
+        policy reads (the last ``query_rows``), where the chunk computes any."""
+        found = []
+        for seq, n, at in chunks:
+            spec = seq.request.compression
+            if spec is None or seq.compressed:
+                continue
+            C, start = seq.num_prompt, seq.num_computed
+            lo = max(start, C - min(C, spec.press.query_rows(C)))
+            hi = min(start + n, C)
+            if lo < hi:
+                found.append((seq, list(range(at + lo - start, at + hi - start))))
+        return found
+
+    @contextlib.contextmanager
+    def recording(self, rows: list[tuple[Sequence, list[int]]]):
+        """Within the block (the step's forward), each attention layer's input at ``rows``
+        (:meth:`window_rows`) is recorded; kept in the sequences when the block succeeds."""
+        if not rows:
+            yield
+            return
+        at = torch.tensor([r for _, mine in rows for r in mine], dtype=torch.long)
+        seen: dict[int, torch.Tensor] = {}
+
+        def hook(i):
+            def record(module, args, kwargs):
+                x = args[0] if args else kwargs["x"]
+                seen[i] = x[0].index_select(0, at.to(x.device))  # (rows, d_model)
+
+            return record
+
+        handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True)
+                   for i, m in enumerate(self.layers)]  # fmt: skip
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        start = 0
+        for seq, mine in rows:
+            part = [seen[i][start : start + len(mine)] for i in range(len(self.layers))]
+            seq.window = part if seq.window is None else [
+                torch.cat((a, b)) for a, b in zip(seq.window, part)
+            ]  # fmt: skip
+            start += len(mine)
+
+    # -- compaction -----------------------------------------------------------------------------
+    def due(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has just computed its whole prompt, still to be compressed."""
+        return (
+            seq.request.compression is not None
+            and not seq.compressed
+            and seq.num_computed == seq.num_prompt
+        )
+
+    def compress(self, seq: Sequence) -> tuple[int, int] | None:
+        """Compress ``seq``'s prompt KV (it is :meth:`due`): score each layer's tokens with its
+        policy, keep the best per KV head, compact them into fewer pages. Returns ``(tokens
+        evicted, pages freed)``, or None where the prompt stays whole (too short)."""
+        spec, C = seq.request.compression, seq.num_prompt
+        seq.compressed = True
+        window, seq.window = seq.window, None
+        n = spec.kept(C)
+        if n is None:
+            return None
+        press, L = spec.press, len(self.layers)
+        R = min(C, press.query_rows(C))
+        positions = torch.arange(C, device=self.kv.k_store.device)
+        kept = []
+        for i, att in enumerate(self.layers):
+            queries = None
+            if R:
+                x = window[i][None]  # (1, R, d_model)
+                queries = att.queries(x, positions[C - R :], rotate=press.rotated_queries)
+            k, v = self.kv.gather(seq.kv_id, i)  # (Hkv, C, ·)
+            scores = press.score(k[None], v[None], queries, layer=i, n_layers=L, rope=att.rope,
+                                 positions=positions, scale=att.scale)  # fmt: skip
+            kept.append(press.keep(scores, n)[0])  # (Hkv, n)
+        removed, freed = self.kv.compact(seq.kv_id, torch.stack(kept))
+        seq.evicted = removed
+        return removed, freed
