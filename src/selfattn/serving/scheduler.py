@@ -103,9 +103,13 @@ class Scheduler:
         seq.kv_id = None
 
     def offer_pages(self, seq: Sequence) -> None:
-        """Give the prefix cache the full pages ``seq`` computed since it last did (none once
-        compression moved its tokens: its pages no longer hold its tokens in order)."""
+        """Give the prefix cache the full pages ``seq`` computed since it last did. None of a
+        prompt to be compressed: its pages are about to be rewritten in place (a cached copy
+        would hold them until evicted, the memory compression is there to free), nor after:
+        they no longer hold its tokens in order."""
         if self.kv.index is None or seq.kv_id is None or seq.evicted:
+            return
+        if seq.request.compression is not None and not seq.compressed:
             return
         full = seq.num_computed // self.kv.page_size
         if full > seq.cached_pages:

@@ -243,10 +243,10 @@ class BlockTable:
     def compact(self, seq_id: int, n: int) -> tuple[list[int], list[int]]:
         """Shrink ``seq_id`` to ``n`` of its tokens (a KV-compression policy chose them; the
         storage moves them, :meth:`PagedKV.compact`). Returns ``(old, new)`` page lists: the
-        kept tokens go to slots ``0 .. n-1`` of ``new``, which reuses the first ``ceil(n / P)``
-        pages of ``old`` that the sequence alone holds and takes fresh pages for those it
-        shares (a prefix's cached pages and a fork's stay as they are: copy-on-write); the
-        pages it no longer lists lose its reference. The removed tokens count in
+        kept tokens go to slots ``0 .. n-1`` of ``new``, ``ceil(n / P)`` pages taken from those
+        of ``old`` the sequence alone holds (in order), fresh pages only where too few are its
+        own; pages others share (a cached prefix, a fork) are never written (copy-on-write).
+        The pages it no longer lists lose its reference. The removed tokens count in
         :meth:`evicted`. Advances :attr:`epoch` (no earlier plan can be undone)."""
         have = self._lens[self.check_id(seq_id)]
         checked_int(n, "compact n")
@@ -256,13 +256,12 @@ class BlockTable:
             )
         old = self._pages[seq_id]
         keep = -(-n // self.page_size)
-        shared = [i for i, p in enumerate(old[:keep]) if self.pool.refcount(p) > 1]
-        what = f"compacting sequence {seq_id} (it shares {len(shared)} of its kept pages)"
-        fresh = self._allocate(len(shared), what) if shared else []
-        new = list(old[:keep])
-        for i, p in zip(shared, fresh):
-            new[i] = p
-        self.pool.decref([old[i] for i in shared] + old[keep:])
+        new = [p for p in old if self.pool.refcount(p) == 1][:keep]
+        if len(new) < keep:
+            what = f"compacting sequence {seq_id} (it shares {len(old) - len(new)} of its pages)"
+            new += self._allocate(keep - len(new), what)
+        mine = set(new)
+        self.pool.decref([p for p in old if p not in mine])
         self._pages[seq_id], self._lens[seq_id] = new, n
         self._evicted[seq_id] = self._evicted.get(seq_id, 0) + have - n
         self.epoch += 1
