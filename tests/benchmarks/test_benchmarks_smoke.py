@@ -416,6 +416,24 @@ def check_kv_compression(report: dict) -> None:
     assert report["targets"] == []
 
 
+def check_kv_capacity(report: dict) -> None:
+    """Both runs served every request; the compressed one saved pages and its verdict follows
+    from its numbers."""
+    setup, rows = report["setup"], report["rows"]
+    assert [r["policy"] for r in rows][0] == "none" and len(rows) >= 2
+    for r in rows:
+        assert r["requests"] == 4 * setup["n"]
+        assert r["generated_tokens"] == r["requests"] * setup["max_tokens"], r
+        assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["seconds"])
+        assert 1 <= r["mean_running"] <= r["peak_running"] <= r["requests"], r
+    assert rows[0]["pages_saved"] == 0 and all(r["pages_saved"] > 0 for r in rows[1:])
+    for t in report["targets"]:
+        row = next(r for r in rows if r["policy"] == t["policy"])
+        assert t["speedup"] == pytest.approx(row["tokens_per_s"] / rows[0]["tokens_per_s"])
+        assert t["met"] == (t["peak_running"] >= t["target_running"]
+                            and t["speedup"] >= t["target_speedup"])  # fmt: skip
+
+
 def check_alternatives(report: dict) -> None:
     from selfattn.benchmarks import alternatives as alt
 
@@ -490,6 +508,7 @@ SMOKES = {
     ),
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
     "kv_compression": Smoke(packaged("kv_compression"), check_kv_compression, needs=("gguf",)),
+    "kv_capacity": Smoke(packaged("kv_capacity"), check_kv_capacity, needs=("gguf",)),
     "variants": Smoke(packaged("variants", "--repeat", "2"), check_variants),
     "layers": pytest.param(
         Smoke(packaged("layers", "--repeat", "1"), check_layers), marks=pytest.mark.slow

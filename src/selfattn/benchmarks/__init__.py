@@ -17,6 +17,7 @@ NAMES = (
     "decode_step",
     "gguf_model",
     "gpu",
+    "kv_capacity",
     "kv_compression",
     "layers",
     "mla",
