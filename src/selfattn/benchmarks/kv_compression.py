@@ -29,9 +29,10 @@ compresses the context at prefill and runs the question after it (its pipeline's
 ``question=``): in its own environment (``--kvpress-python`` / ``$SELFATTN_KVPRESS_PYTHON``;
 ``python3 -m venv ENV && ENV/bin/pip install kvpress``), one process per length
 (:mod:`selfattn.benchmarks.kv_compression_peer`). Ours: ``generate(model, ids,
-kv_compression=press(name, ratio))`` once ``selfattn.cache.compress`` provides ``press``
-(until then our compressed column is skipped with a message), and plain ``generate`` for the
-uncompressed column.
+kv_compression=press(name, ratio), kv_compression_context=len(context))`` (the same press the
+serving engine runs; its greedy tokens equal generate's, tests/serving/test_serving_compress.py),
+and plain ``generate`` for the uncompressed column. The engine's capacity under compression is
+:mod:`selfattn.benchmarks.kv_capacity`'s.
 
 K/V bytes per token: what a policy keeps of an uncompressed cache's bytes per context token
 (``(1 - ratio) x 2 x layers x KV heads x head dim x 4`` in float32); kvpress's own cache's
