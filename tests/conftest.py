@@ -7,10 +7,21 @@ import os
 import pytest
 import torch
 
-# Triton kernels run in Triton's interpreter on CPU tensors (TESTING.md). The flag must be set
+# Triton kernels run in Triton's interpreter on CPU tensors (docs/testing.md). The flag must be set
 # before triton is first imported, so it is set here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def c_kernel_mark(request):
+    """A test marked ``pytest.mark.c_kernel(module)`` gets that C kernel or skips or fails as
+    tests/_kernel_helpers.c_kernel says (no compiler: skip; a failed build: fail)."""
+    mark = request.node.get_closest_marker("c_kernel")
+    if mark is not None:
+        from tests._kernel_helpers import c_kernel
+
+        c_kernel(*mark.args, **mark.kwargs)
 
 
 @pytest.fixture

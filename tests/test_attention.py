@@ -1,6 +1,6 @@
 """Cross-backend tests of ``selfattn.attention`` and ``selfattn.attention_weights``.
 
-Every backend is checked against the float64 reference with the ratio rule of TESTING.md
+Every backend is checked against the float64 reference with the ratio rule of docs/testing.md
 (``selfattn.testing.check_against_reference``). The full Cartesian product of backend × mask ×
 score mod × dtype × GQA ratio × sizes × head dim × layout × gradients is far too slow, so
 :func:`covering_design` draws a deterministic pairwise covering array: every pair of values of any

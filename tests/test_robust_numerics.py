@@ -271,7 +271,7 @@ def test_nan_query_row_gives_a_nan_row(backend, mask_kind):
 @pytest.mark.parametrize("backend", NO_FLEX)
 def test_gradients_on_large_scores(backend):
     """flash-attention's backward-overflow inputs (scores up to ~70): dq/dk/dv within the 3x of the
-    naive float32 error that TESTING.md promises (chunked's recomputation from one float32
+    naive float32 error that docs/testing.md promises (chunked's recomputation from one float32
     log-sum-exp gave 3.5-6.3x)."""
     q, k, v = make_qkv(2, 5, 128, 16, seed=80)
     q, k, v = q * 5, k * 3, v * 3

@@ -21,11 +21,10 @@ from selfattn.cache import paged_attention
 from selfattn.call import prepare
 from selfattn.kernels import fused_attention, paged_decode
 from selfattn.testing import make_qkv
+from tests._kernel_helpers import c_kernel
 from tests.cache.test_paged import check, make_paged, spy_paged_backends
 
-needs_c_kernel = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+needs_c_kernel = pytest.mark.c_kernel(paged_decode)
 
 
 def test_dense_triton_is_registered_and_declines_with_its_reason():
@@ -85,8 +84,8 @@ def test_explain_paged_prints_by_default_and_validates_like_paged_attention(caps
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_paged_backend_by_name_runs_that_backend(monkeypatch, backend):
-    if backend == "cpu" and paged_decode.library() is None:
-        pytest.skip("no C compiler here: the kernel cannot be built")
+    if backend == "cpu":
+        c_kernel(paged_decode)
     q, kp, vp, table, lens = make_paged([23, 9, 14], 4, 2, D=8, P=4, Sq=2, seed=7)
     ran = spy_paged_backends(monkeypatch)
     check(q, kp, vp, table, lens, mask=masks.sliding_window(5), backend=backend)

@@ -3,7 +3,7 @@
 Most cases run twice: with the default tiles and with tiny ones (``block_q=4, block_k=3,
 max_chunk=6``) so that small sizes cross many tile and chunk boundaries, and every tile kind
 (EMPTY / PARTIAL / FULL) and the multi-chunk rescaling are exercised. The oracle is the float64
-reference with the ratio rule of TESTING.md.
+reference with the ratio rule of docs/testing.md.
 """
 
 from __future__ import annotations

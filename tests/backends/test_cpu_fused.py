@@ -25,11 +25,10 @@ from selfattn.testing import (
     naive_attention,
     reference_attention,
 )
+from tests._kernel_helpers import c_kernel
 from tests.backends.test_chunked import MASKS, NEEDS_NONNEGATIVE_OFFSET
 
-needs_kernel = pytest.mark.skipif(
-    fused_attention.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+needs_kernel = pytest.mark.c_kernel(fused_attention)
 pytestmark = needs_kernel
 cpu_attention = functools.partial(selfattn.attention, backend="cpu_fused")
 
@@ -268,8 +267,7 @@ def test_forced_lower_isa_path_matches(monkeypatch, var, value, isa, dtype):
     if value == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setenv(var, value)
-    if fused_attention.library() is None:
-        pytest.skip(f"this compiler cannot build the {value} kernel")
+    c_kernel(fused_attention)
     assert fused_attention.isa() == isa
     q, k, v = make_qkv(2, 4, 97, 40, Hkv=2, Sk=130, dtype=dtype, seed=5)
     check_against_reference(cpu_attention, q, k, v, mask=masks.causal())

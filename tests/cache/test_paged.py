@@ -21,6 +21,7 @@ from selfattn.cache.pool import BlockPool
 from selfattn.cache.quant import dequantize, quantize_fp8, quantize_int8
 from selfattn.kernels import build, paged_decode
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
+from tests._kernel_helpers import c_kernel
 
 
 def make_paged(lens, Hq, Hkv, D, P, *, Sq, dtype=torch.float32, Dv=None, spare=3, seed=0):
@@ -91,8 +92,8 @@ def path(request, monkeypatch):
     """Run a test on both implementations: the C kernel and the PyTorch path (env switch)."""
     if request.param == "torch":
         monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
-    elif paged_decode.library() is None:
-        pytest.skip("no C compiler here: the decode kernel cannot be built")
+    else:
+        c_kernel(paged_decode)
     return request.param
 
 
@@ -418,9 +419,7 @@ def test_sliding_window_reads_only_window_pages(monkeypatch, gathered_counts, Sq
 # -- the C kernel (decode, short query chunks) ---------------------------------------------------
 
 
-needs_kernel = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+needs_kernel = pytest.mark.c_kernel(paged_decode)
 
 
 @needs_kernel

@@ -30,6 +30,7 @@ from selfattn.cache import paged_attention
 from selfattn.cache.quant import quantize_fp8, quantize_int8
 from selfattn.kernels import build, paged_decode
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
+from tests._kernel_helpers import c_kernel
 from tests.cache.test_paged import check, contiguous, make_paged, spy_paged_backends
 
 
@@ -38,8 +39,8 @@ def paged_path(request, monkeypatch) -> list[str]:
     """Run a test on one of paged_attention's backends; the list records the backends that ran."""
     if request.param == "torch":
         monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")
-    elif request.param == "cpu" and paged_decode.library() is None:
-        pytest.skip("no C compiler here: the decode kernel cannot be built")
+    elif request.param == "cpu":
+        c_kernel(paged_decode)
     elif request.param == "triton":
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -203,9 +204,7 @@ def test_quantised_scales_keep_their_dtype_whatever_the_default_dtype(
 def library_file(tmp_path_factory) -> Path:
     """A built kernel library: the session's own, or (when that was built in a temporary dir
     that is gone) one real build."""
-    lib = paged_decode.library()
-    if lib is None:
-        pytest.skip("no C compiler here: the decode kernel cannot be built")
+    lib = c_kernel(paged_decode)
     if Path(lib._name).is_file():
         return Path(lib._name)
     spec = paged_decode.SPEC
@@ -422,8 +421,7 @@ def test_a_stuck_build_lock_is_waited_on_for_a_bounded_time(kernel_cache, monkey
 def test_library_missing_a_symbol_falls_back_to_pytorch(monkeypatch, tmp_path, caplog):
     """A loadable library under the expected name without the kernel's functions: logged, and
     paged_attention runs its PyTorch path (it used to raise AttributeError on every call)."""
-    if paged_decode.library() is None:
-        pytest.skip("no C compiler here")
+    c_kernel(paged_decode)
     cc, name = build.compiler(), _library_name()
     monkeypatch.setenv("SELFATTN_CACHE_DIR", str(tmp_path))
     src = tmp_path / "other.c"

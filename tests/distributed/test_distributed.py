@@ -2,7 +2,7 @@
 
 Each world size starts one process group that runs all of its cases (tests/_dist_helpers.py);
 every test below reads one case's result from every rank. The oracle is the float64 reference on
-the whole sequence, the tolerance the ratio rule of TESTING.md, applied to each rank's shard.
+the whole sequence, the tolerance the ratio rule of docs/testing.md, applied to each rank's shard.
 """
 
 from __future__ import annotations

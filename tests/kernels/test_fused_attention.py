@@ -17,13 +17,12 @@ import torch
 from selfattn.kernels import fused_attention as fa
 from selfattn.kernels import ops
 from selfattn.testing import GRAD_FACTOR, assert_close_to_reference
+from tests._kernel_helpers import c_kernel
 from tests.kernels.test_kernels import _c_enum
 
 KERNELS = Path(fa.__file__).resolve().parent
 
-pytestmark = pytest.mark.skipif(
-    fa.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = pytest.mark.c_kernel(fa)
 
 
 def test_kernel_arguments_follow_the_c_enums():
@@ -68,8 +67,7 @@ def _force_build(monkeypatch, build: str) -> bool:
         if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
             pytest.skip("this CPU has no AVX2")
         monkeypatch.setenv("SELFATTN_FUSED_ISA", "avx2")
-        if fa.library() is None:
-            pytest.skip("this compiler cannot build the avx2 kernel")
+        c_kernel(fa)
         assert fa.isa() == "avx2+fma"
     return build == "generic"
 

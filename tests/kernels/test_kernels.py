@@ -22,14 +22,13 @@ from selfattn.cache.quant import quantize_int8
 from selfattn.kernels import ops, paged_decode
 from selfattn.kernels.paged_twin import paged_attention_twin
 from selfattn.testing import assert_close_to_reference
+from tests._kernel_helpers import c_kernel
 from tests.cache.test_paged import make_paged
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src" / "selfattn" / "kernels"
 
-needs_c_kernel = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+needs_c_kernel = pytest.mark.c_kernel(paged_decode)
 
 
 def _interpreted_triton() -> None:
@@ -157,8 +156,7 @@ def _decode_step(q, k_pages, v_pages, block_table, seq_lens):
 
 @pytest.fixture(scope="module")
 def compiled_step():
-    if paged_decode.library() is None:
-        pytest.skip("no C compiler here: the kernel cannot be built")
+    c_kernel(paged_decode)
     torch._dynamo.reset()
     yield torch.compile(_decode_step, fullgraph=True)
     torch._dynamo.reset()

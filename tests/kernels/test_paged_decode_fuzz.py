@@ -35,9 +35,7 @@ from selfattn.testing import assert_close_to_reference, naive_attention, referen
 from tests.cache.test_paged import make_paged
 from tests.kernels.test_paged_decode_isa import _pages, _paths
 
-pytestmark = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = pytest.mark.c_kernel(paged_decode)
 
 SEED = int(os.environ.get("SELFATTN_FUZZ_SEED", "16"))
 CASES = int(os.environ.get("SELFATTN_FUZZ_CASES", "40"))

@@ -18,9 +18,7 @@ from selfattn.kernels.paged_twin import paged_attention_twin
 from selfattn.testing import assert_close_to_reference, naive_attention, reference_attention
 from tests.cache.test_paged import contiguous, make_paged
 
-pytestmark = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = pytest.mark.c_kernel(paged_decode)
 
 
 def _paths() -> list[str]:

@@ -11,9 +11,7 @@ from selfattn.backends.paged._intervals import key_intervals
 from selfattn.kernels import paged_decode
 from tests.cache.test_paged import make_paged
 
-pytestmark = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = pytest.mark.c_kernel(paged_decode)
 
 
 @pytest.mark.parametrize("Sq, sinks", [(1, False), (3, True)])

@@ -11,9 +11,7 @@ import torch
 from selfattn.kernels import quant_matmul as qmm
 from selfattn.testing import assert_close_to_reference
 
-pytestmark = pytest.mark.skipif(
-    qmm.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+pytestmark = pytest.mark.c_kernel(qmm)
 
 
 @pytest.fixture(params=qmm.supported_isas() or ["generic"])

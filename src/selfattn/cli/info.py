@@ -89,7 +89,7 @@ def _c_kernel() -> dict:
     """The C paged-decode kernel: compiler, cache, built and loaded, its path, or why not."""
     from selfattn.kernels import paged_decode
 
-    state = _c_state("C paged decode (CPU)", paged_decode.SPEC, "SELFATTN_DECODE_KERNEL")
+    state = _c_state("C paged decode (CPU)", paged_decode.SPEC, paged_decode.ENV_VAR)
     if state["why_not"] is None:
         _load_into(state, paged_decode)
     return state

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CLibrary", "Function", "cache_dir", "compile_library", "compiler", "load", "openmp_flags",
+    "CLibrary", "Function", "build_errors", "cache_dir", "compile_library", "compiler", "load",
+    "openmp_flags",
 ]  # fmt: skip
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -375,8 +376,37 @@ def load(spec: CLibrary) -> ctypes.CDLL | None:
     return None
 
 
+def build_errors(spec: CLibrary) -> list[str]:
+    """Why ``spec`` does not build and load with this machine's compiler: one entry per target
+    that failed (its command line and the compiler's whole stderr, or the functions the library
+    lacks); empty where a target builds and loads, or where there is no compiler.
+
+    Builds afresh in a private temporary directory, the cache neither read nor written: the
+    full account behind :func:`load`'s one-line warning, for tests and diagnostics."""
+    cc = compiler()
+    errors: list[str] = []
+    for target in spec.target_flags(cc) if cc else ():
+        flags = [*spec.flags, *target]
+        with tempfile.TemporaryDirectory(prefix="selfattn-") as tmp:
+            try:
+                path = compile_library(spec, cc, flags, Path(tmp), library_name(spec, cc, flags))
+                lib = ctypes.CDLL(str(path))
+            except (OSError, subprocess.SubprocessError) as e:
+                stderr = getattr(e, "stderr", None)
+                detail = stderr.decode(errors="replace").strip() if stderr else str(e)
+                errors.append(f"{cc} {' '.join(flags)}:\n{detail}")
+                continue
+        missing = [f.name for f in spec.functions if not hasattr(lib, f.name)]
+        if not missing:
+            return []
+        errors.append(f"{cc} {' '.join(flags)}: the library lacks {', '.join(missing)}")
+    return errors
+
+
 def _build_failure(flags: list[str], error: Exception) -> str:
-    """One line on why a build with ``flags`` failed: the compiler's last words, or the error."""
+    """One line on why a build with ``flags`` failed: the compiler's first error (else its last
+    words), or the error."""
     stderr = getattr(error, "stderr", None)
-    detail = stderr.decode(errors="replace").strip().splitlines()[-1:] if stderr else []
-    return f"{' '.join(flags)}: {detail[0] if detail else error}"
+    lines = stderr.decode(errors="replace").strip().splitlines() if stderr else []
+    detail = [ln for ln in lines if "error" in ln][:1] or lines[-1:]
+    return f"{' '.join(flags)}: {detail[0].strip() if detail else error}"

@@ -90,6 +90,7 @@ from selfattn.kernels.build import CLibrary, Function, load
 __all__ = [
     "AVX2_SPEC",
     "BLOCK_K",
+    "ENV_VAR",
     "GENERIC_SPEC",
     "ISAS",
     "SPEC",
@@ -102,6 +103,7 @@ __all__ = [
     "library",
     "log2_sums",
     "requested_isa",
+    "spec",
     "tanh",
     "twin",
 ]
@@ -189,6 +191,11 @@ def requested_isa() -> str:
     if name not in ISAS:
         raise ValueError(f"{ISA_VAR}={name!r}: expected one of {', '.join(ISAS)}")
     return name
+
+
+def spec(generic: bool = False) -> CLibrary:
+    """The build spec :func:`library` loads (the baseline-ISA one with ``generic``)."""
+    return _SPECS["generic" if generic else requested_isa()]
 
 
 def forced_generic() -> bool:

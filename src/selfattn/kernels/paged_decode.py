@@ -50,9 +50,11 @@ from selfattn.kernels.build import CLibrary, Function, load
 from selfattn.kernels.markers import assume_constant_result
 
 __all__ = [
-    "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library", "supported_dtypes",
+    "ENV_VAR", "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library",
+    "supported_dtypes",
 ]  # fmt: skip
 
+ENV_VAR = "SELFATTN_DECODE_KERNEL"  # 0 turns the kernel off
 SPEC = CLibrary(
     name="paged_decode",
     sources=("paged_decode.c",),
@@ -113,7 +115,7 @@ def _library_once() -> ctypes.CDLL | None:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it cannot be (then use PyTorch)."""
-    if os.environ.get("SELFATTN_DECODE_KERNEL", "1") == "0":
+    if os.environ.get(ENV_VAR, "1") == "0":
         return None
     return _library_once()
 

@@ -41,6 +41,7 @@ from selfattn.kernels.build import CLibrary, Function, load
 
 __all__ = [
     "BLOCK",
+    "ENV_VAR",
     "ISAS",
     "KINDS",
     "SPEC",
@@ -65,6 +66,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the C source's D_* codes 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
+ENV_VAR = "SELFATTN_QUANT_KERNEL"  # 0 turns the kernel off
 SPEC = CLibrary(
     name="quant_matmul",
     sources=("quant_matmul.c",),
@@ -117,7 +119,7 @@ def _library_once() -> ctypes.CDLL | None:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it cannot be (or is switched off)."""
-    if os.environ.get("SELFATTN_QUANT_KERNEL", "1") == "0":
+    if os.environ.get(ENV_VAR, "1") == "0":
         return None
     return _library_once()
 
