@@ -420,7 +420,7 @@ def check_kv_capacity(report: dict) -> None:
     """Both runs served every request; the compressed one saved pages and its verdict follows
     from its numbers."""
     setup, rows = report["setup"], report["rows"]
-    assert [r["policy"] for r in rows][0] == "none" and len(rows) >= 2
+    assert rows[0]["policy"] == "none" and len(rows) >= 2
     for r in rows:
         assert r["requests"] == 4 * setup["n"]
         assert r["generated_tokens"] == r["requests"] * setup["max_tokens"], r
@@ -432,6 +432,19 @@ def check_kv_capacity(report: dict) -> None:
         assert t["speedup"] == pytest.approx(row["tokens_per_s"] / rows[0]["tokens_per_s"])
         assert t["met"] == (t["peak_running"] >= t["target_running"]
                             and t["speedup"] >= t["target_speedup"])  # fmt: skip
+
+
+def check_soak(report: dict) -> None:
+    """The short soak: every request accounted for, nothing lost, duplicated or leaked, no 5xx,
+    every greedy answer the same alone, and the small pool did preempt."""
+    r = report["result"]
+    assert sum(r["kinds"].values()) == r["requests"] == report["setup"]["requests"]
+    assert r["kinds"].get("hung_up", 0) >= 1 and r["kinds"]["ok"] >= r["requests"] // 2
+    assert r["greedy_checked"] >= 10
+    assert r["preemptions"] > 0 and r["aborted"] >= 1
+    assert r["running_after"] == r["waiting_after"] == 0
+    for t in report["targets"]:
+        assert t["met"], t
 
 
 def check_alternatives(report: dict) -> None:
@@ -509,6 +522,12 @@ SMOKES = {
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
     "kv_compression": Smoke(packaged("kv_compression"), check_kv_compression, needs=("gguf",)),
     "kv_capacity": Smoke(packaged("kv_capacity"), check_kv_capacity, needs=("gguf",)),
+    "soak": Smoke(
+        packaged("soak", "--threads", "1"),
+        check_soak,
+        needs=("httpx", "transformers"),
+        timeout_s=600,
+    ),
     "variants": Smoke(packaged("variants", "--repeat", "2"), check_variants),
     "layers": pytest.param(
         Smoke(packaged("layers", "--repeat", "1"), check_layers), marks=pytest.mark.slow

@@ -26,6 +26,7 @@ NAMES = (
     "ring",
     "serving",
     "serving_http",
+    "soak",
     "speculative",
     "streaming",
     "structured",

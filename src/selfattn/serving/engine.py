@@ -642,6 +642,7 @@ class Engine:
         m.running = len({id(q.request) for q in s.running})
         m.waiting = len({id(q.request) for q in s.waiting}) + len(self._inbox)
         m.pages_used, m.pages_free = pool.num_used, pool.num_free
+        m.pages_cached = 0 if self.kv.index is None else self.kv.index.num_cached_pages
         return outs
 
     # -- offline ----------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ class EngineMetrics:
     waiting: int = 0
     pages_used: int = 0
     pages_free: int = 0
+    pages_cached: int = 0  # held by the prefix cache (some also by running sequences)
     pool_bytes: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0

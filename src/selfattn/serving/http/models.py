@@ -93,6 +93,8 @@ class _EngineCollector:
         yield gauge("num_requests_waiting", "Requests waiting for admission.", m.waiting)
         yield gauge("kv_pages_used", "Pages of the KV pool in use.", m.pages_used)
         yield gauge("kv_pages_free", "Free pages of the KV pool.", m.pages_free)
+        yield gauge("kv_pages_cached", "Pages the prefix cache holds (some also in use).",
+                    m.pages_cached)  # fmt: skip
         yield gauge("kv_pool_bytes", "Bytes of the KV pool.", m.pool_bytes)
         yield gauge("prefix_cache_hit_rate",
                     "Prompt tokens served from the prefix cache / prompt tokens admitted.",
