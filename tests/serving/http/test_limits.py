@@ -17,7 +17,7 @@ import concurrent.futures
 import contextlib
 import json
 import socket
-import threading
+import sys
 
 import pytest
 
@@ -36,7 +36,7 @@ from selfattn.serving.protocol import (  # noqa: E402
 )
 from selfattn.serving.server import build_app  # noqa: E402
 from tests._serving_helpers import running_server  # noqa: E402
-from tests.serving.http.test_server import make_engine  # noqa: E402
+from tests.serving.http.test_server import make_engine, wait_for  # noqa: E402
 
 TIMEOUT_S = 20  # any one HTTP call or wait
 NAME = "tiny"
@@ -267,16 +267,22 @@ def test_connections_beyond_the_bound_get_503(model, tokenizer):
         try:
             r = httpx.post(f"{url}/v1/completions", json=OK, timeout=TIMEOUT_S)
             assert r.status_code == 503
+            idle.pop().close()  # the server sees it gone soon after: then a request fits
+
+            def served_now() -> bool:
+                return httpx.post(f"{url}/v1/completions", json=OK,
+                                  timeout=TIMEOUT_S).status_code == 200  # fmt: skip
+
+            wait_for(served_now, "a request to be served once a connection closed")
         finally:
-            idle.pop().close()
-        r = httpx.post(f"{url}/v1/completions", json=OK, timeout=TIMEOUT_S)
-        assert r.status_code == 200, r.text
-        idle[0].close()
+            for sock in idle:
+                sock.close()
 
 
 # -- slow clients ----------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="accepted sockets inherit SO_SNDBUF on Linux")
 def test_a_stream_whose_client_stops_reading_is_dropped_and_others_are_served(model, tokenizer):
     prompt, n_tokens = "w5 w6 w7", 100
     want = greedy_text(model, tokenizer, prompt, n_tokens)
@@ -299,13 +305,8 @@ def test_a_stream_whose_client_stops_reading_is_dropped_and_others_are_served(mo
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want
-        deadline = threading.Event()
-        for _ in range(int(TIMEOUT_S / 0.01)):
-            if state.streams_dropped == 1 and engine.kv.pool.num_free == pages:
-                break
-            deadline.wait(0.01)
-        assert state.streams_dropped == 1, "the stalled stream was never dropped"
-        assert engine.kv.pool.num_free == pages, "the dropped stream's pages were kept"
+        wait_for(lambda: state.streams_dropped == 1, "the stalled stream to be dropped")
+        wait_for(lambda: engine.kv.pool.num_free == pages, "its pages to be freed")
         assert engine.metrics.requests_aborted == 1 and engine.metrics.requests_finished == 1
         _, _, body = read_response(slow)  # the server closed it: the read ends
         slow.close()

@@ -150,8 +150,9 @@ class Submission:
 
     A stream's writer may wait on a client that does not read (the socket's buffers full); the
     outputs it has not written wait in the queue, each holding its sample's tokens and text so
-    far. :meth:`bound` caps them: past ``max_backlog`` per engine request the submission is
-    dropped (:meth:`drop`: its requests aborted, its writer cancelled)."""
+    far. :meth:`bound` caps them: past ``max_backlog`` per engine request, while the writer
+    waits to send (not merely for its turn on a busy event loop), the submission is dropped
+    (:meth:`drop`: its requests aborted, its writer cancelled)."""
 
     def __init__(self, loop: EngineLoop, base_id: str):
         self.loop, self.base_id = loop, base_id
@@ -163,6 +164,7 @@ class Submission:
         self.on_drop = None
         self.dropped = False
         self.writer: asyncio.Task | None = None  # the task writing its stream
+        self.sending = False  # whether the writer waits in the server's send
 
     def add(self, prompt_ids: list[int], params) -> None:
         k = len(self.ids)
@@ -180,7 +182,8 @@ class Submission:
         """An output from the engine loop (on the event loop's thread)."""
         if self.dropped:
             return
-        if self.max_backlog is not None and self.queue.qsize() >= self.max_backlog * len(self.ids):
+        bound = None if self.max_backlog is None else self.max_backlog * len(self.ids)
+        if self.sending and bound is not None and self.queue.qsize() >= bound:
             self.drop()
             return
         self.queue.put_nowait(item)
@@ -249,14 +252,23 @@ class EventStream(responses.StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         self.sub.writer = asyncio.current_task()
+
+        async def sending(message):  # a client that does not read holds the writer here
+            self.sub.sending = True
+            try:
+                await send(message)
+            finally:
+                self.sub.sending = False
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
         except asyncio.CancelledError:
             if not self.sub.dropped:
                 raise
             # dropped (Submission.drop): the response ends unfinished and uvicorn closes the
-            # connection
-            self.sub.writer.uncancel()
+            # connection; from Python 3.11 the task counts cancellations, this one is handled
+            if hasattr(self.sub.writer, "uncancel"):
+                self.sub.writer.uncancel()
         finally:
             self.sub.writer = None
             self.sub.close()
@@ -267,6 +279,8 @@ async def _events(sub: Submission, chunks):
         async for k, out in sub.outputs():
             for chunk in chunks(k, out):
                 yield sse(chunk)
+        if sub.dropped:  # its writer is being cancelled: no closing events
+            return
         for chunk in chunks(None, None):  # the closing events (usage)
             yield sse(chunk)
     except ModelFailure as e:
