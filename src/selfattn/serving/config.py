@@ -189,9 +189,10 @@ class ServerLimits:
     # Open connections at once (uvicorn's limit_concurrency: 503 beyond it). Every waiting or
     # running request holds one, so this also bounds what clients can queue over HTTP.
     max_connections: int = 1024
-    # Engine steps' outputs a stream may hold for a client that does not read them; beyond it
-    # the stream is dropped (its requests aborted, their pages freed). A client reading at any
-    # pace drains one output per step, so only one that stopped reading falls this far behind.
+    # Engine steps' outputs a stream may hold for a client that does not read them; beyond it,
+    # while the stream's writer waits on the client's socket, the stream is dropped (its
+    # requests aborted, their pages freed). A client reading at any pace drains one output per
+    # step, so only one that stopped reading falls this far behind.
     max_stream_backlog: int = 256
 
     def __post_init__(self):
