@@ -80,16 +80,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(app, port: int | None = None):
+def running_server(app, port: int | None = None, send_buffer: int | None = None, **config_kw):
     """Serve ``app`` on 127.0.0.1 (``port``, or a free one) from a thread; yields the base URL
-    (``http://127.0.0.1:PORT``); stops it (a graceful uvicorn shutdown) on exit."""
+    (``http://127.0.0.1:PORT``); stops it (a graceful uvicorn shutdown) on exit.
+    ``send_buffer``: SO_SNDBUF of the listening socket, which Linux gives each accepted
+    connection (a client that stops reading then stalls the server's writes soon);
+    ``config_kw``: more of ``uvicorn.Config``'s arguments."""
     import uvicorn
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", port or 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, **config_kw)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

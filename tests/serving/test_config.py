@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfattn.serving.config import EngineConfig
+from selfattn.serving.config import EngineConfig, ServerLimits
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,6 +26,9 @@ def test_serve_flags_default_to_the_config_fields():
     c = EngineConfig()
     got = (args.page_size, args.max_num_seqs, args.max_batch_tokens, args.max_waiting)
     assert got == (c.page_size, c.max_num_seqs, c.max_batch_tokens, c.max_waiting)
+    limits = ServerLimits()
+    got = (args.max_request_bytes, args.max_connections, args.max_stream_backlog)
+    assert got == (limits.max_request_bytes, limits.max_connections, limits.max_stream_backlog)
 
 
 @pytest.mark.parametrize(

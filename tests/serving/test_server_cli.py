@@ -17,6 +17,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from selfattn.cli import main  # noqa: E402
+from selfattn.serving.config import ServerLimits  # noqa: E402
 from selfattn.serving.server import wait_until_healthy  # noqa: E402
 from tests._no_extras import PYTHONPATH  # noqa: E402
 from tests._serving_helpers import free_port, save_tiny_llama  # noqa: E402
@@ -203,10 +204,13 @@ def test_served_model_name_and_kv_pool_flags(folder, monkeypatch):
     served = []
     monkeypatch.setattr(server, "serve", lambda engine, **kw: served.append((engine, kw)))
     argv = ["serve", str(folder), "--served-model-name", "x", "--kv-cache-bytes", str(1 << 20),
-            "--max-batch-tokens", "64", "--threads", "1"]  # fmt: skip
+            "--max-batch-tokens", "64", "--threads", "1", "--max-request-bytes", "5000",
+            "--max-connections", "7", "--max-stream-backlog", "9"]  # fmt: skip
     assert main(argv) == 0
     ((engine, kw),) = served
     assert kw["model_name"] == "x" and engine.scheduler.max_batch_tokens == 64
+    assert kw["limits"] == ServerLimits(max_request_bytes=5000, max_connections=7,
+                                        max_stream_backlog=9)  # fmt: skip
     assert engine.kv.nbytes <= 1 << 20
 
 

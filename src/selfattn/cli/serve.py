@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from selfattn.cli import _common
-from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, EngineConfig
+from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, EngineConfig, ServerLimits
 
 KV_DTYPES = ("auto", "int8", "fp8")
 # selfattn.serving.tools.PARSER_CHOICES, spelled here: --help imports no serving module
@@ -31,6 +31,15 @@ ENGINE_FLAGS = (
     ("--max-batch-tokens", "max_batch_tokens",
      "tokens one step computes at most (decode tokens and prefill chunks)"),
     ("--max-waiting", "max_waiting", "requests waiting at once before 429"),
+)  # fmt: skip
+
+
+# Flags that set a ServerLimits field of the same name; each flag's default is the field's.
+LIMIT_FLAGS = (
+    ("--max-connections", "max_connections",
+     "open connections at once; beyond them uvicorn answers 503"),
+    ("--max-stream-backlog", "max_stream_backlog",
+     "outputs a stream may hold for a client that stopped reading before it is dropped"),
 )  # fmt: skip
 
 
@@ -103,6 +112,7 @@ def add_parser(subparsers):
         default = getattr(EngineConfig, field)
         p.add_argument(flag, type=_common.positive_int, default=default, metavar="N",
                        help=f"{text} (default {default})")  # fmt: skip
+    _add_limits(p)
     p.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
@@ -126,6 +136,22 @@ def add_parser(subparsers):
     )
     p.set_defaults(run=run, subparser=p)
     return p
+
+
+def _add_limits(p) -> None:
+    """The flags of what one client may take (ServerLimits' fields)."""
+    p.add_argument(
+        "--max-request-bytes",
+        type=_common.positive_int,
+        default=ServerLimits.max_request_bytes,
+        metavar="N",
+        help="bytes of one request body; beyond them 413 before the rest is read (default: "
+        "64 per token of the model's context plus 1 MiB)",
+    )
+    for flag, field, text in LIMIT_FLAGS:
+        default = getattr(ServerLimits, field)
+        p.add_argument(flag, type=_common.positive_int, default=default, metavar="N",
+                       help=f"{text} (default {default})")  # fmt: skip
 
 
 def _add_speculative(p) -> None:
@@ -317,6 +343,8 @@ def run(args) -> int:
 
     if args.model is None:
         app_kw["embedding_model_name"] = EMBEDDING_MODEL
+    limit_fields = {field: getattr(args, field) for _, field, _ in LIMIT_FLAGS}
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, **limit_fields)
     serve(
         engine,
         encoder=encoder,
@@ -324,6 +352,7 @@ def run(args) -> int:
         port=args.port,
         api_key=args.api_key,
         log_level=args.log_level,
+        limits=limits,
         **app_kw,
     )
     return _common.EXIT_OK

@@ -1,7 +1,8 @@
 """Serving: a continuous-batching engine over the paged KV cache (:class:`Engine`).
 
 ``Engine(model, tokenizer)`` runs many requests at once (chunked prefill mixed with decode,
-prefix caching, preemption by recompute); :class:`EngineConfig` holds its knobs;
+prefix caching, preemption by recompute); :class:`EngineConfig` holds its knobs
+(:class:`ServerLimits` the HTTP server's bounds on one client);
 :class:`SamplingParams` says how each request picks its tokens; :class:`RequestOutput` is what
 comes back; :class:`EngineLoop` steps it (offline, asyncio streams, the HTTP server in
 :mod:`selfattn.serving.http`). See :mod:`selfattn.serving.engine`.
@@ -14,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from selfattn.serving.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+    from selfattn.serving.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, ServerLimits
     from selfattn.serving.engine import Engine, QueueFull
     from selfattn.serving.loop import EngineLoop
     from selfattn.serving.metrics import EngineMetrics, Histogram
@@ -32,6 +33,7 @@ _HOME = {
     "QueueFull": "engine",
     "RequestOutput": "request",
     "SamplingParams": "sampling",
+    "ServerLimits": "config",
     "TokenLogprob": "request",
 }
 
@@ -46,6 +48,7 @@ __all__ = [
     "QueueFull",
     "RequestOutput",
     "SamplingParams",
+    "ServerLimits",
     "TokenLogprob",
 ]
 

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_PORT",
     "EngineConfig",
+    "ServerLimits",
     "kv_cache_bytes_from_memory",
 ]
 
@@ -176,10 +177,51 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _positive(name: str, value) -> int:
+def _positive(name: str, value, owner: str = "EngineConfig") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"EngineConfig {name} must be a positive int (1 or more), got {value!r}")
+        raise ValueError(f"{owner} {name} must be a positive int (1 or more), got {value!r}")
     return value
+
+
+# A request body's default bound: enough for a prompt of max_model_len tokens as JSON text (a
+# token spells a few characters, ~4 in English, a JSON escape writes one in up to 6 bytes; 64
+# bytes per token leaves room for both) plus the rest of the request (sampling fields, tool
+# definitions, a JSON schema). A batch of long prompts needs a larger --max-request-bytes.
+REQUEST_BYTES_PER_TOKEN = 64
+REQUEST_SLACK_BYTES = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one client may take of ``selfattn serve``'s memory and connections (the HTTP
+    server's knobs; the engine's are :class:`EngineConfig`'s). Each limit answers the request
+    it refuses with OpenAI's error JSON (docs/serving.md, "Limits")."""
+
+    # Bytes of one request body; None: max_model_len * REQUEST_BYTES_PER_TOKEN +
+    # REQUEST_SLACK_BYTES (request_bytes). Checked on Content-Length, then counted as a body
+    # streams in: 413 before the rest is read.
+    max_request_bytes: int | None = None
+    # Open connections at once (uvicorn's limit_concurrency: 503 beyond it). Every waiting or
+    # running request holds one, so this also bounds what clients can queue over HTTP.
+    max_connections: int = 1024
+    # Engine steps' outputs a stream may hold for a client that does not read them; beyond it,
+    # while the stream's writer waits on the client's socket, the stream is dropped (its
+    # requests aborted, their pages freed). A client reading at any pace drains one output per
+    # step, so only one that stopped reading falls this far behind.
+    max_stream_backlog: int = 256
+
+    def __post_init__(self):
+        if self.max_request_bytes is not None:
+            _positive("max_request_bytes", self.max_request_bytes, "ServerLimits")
+        _positive("max_connections", self.max_connections, "ServerLimits")
+        _positive("max_stream_backlog", self.max_stream_backlog, "ServerLimits")
+
+    def request_bytes(self, max_model_len: int | None) -> int:
+        """The body limit in bytes: ``max_request_bytes``, else derived from ``max_model_len``
+        (None, a server without an engine: the slack alone)."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return (max_model_len or 0) * REQUEST_BYTES_PER_TOKEN + REQUEST_SLACK_BYTES
 
 
 # The defaults under the names the engine module has always exported (one statement: the fields).

@@ -93,7 +93,8 @@ class EngineLoop:
 
     def submit(self, prompt, params, request_id: str | None, loop, queue, tag=None) -> str:
         """Add a request whose outputs arrive in ``queue`` (an ``asyncio.Queue`` of the event
-        loop ``loop``) as ``(tag, output)``, and have the thread step it."""
+        loop ``loop``, or anything with its ``put_nowait``, called on that loop) as ``(tag,
+        output)``, and have the thread step it."""
         sink = functools.partial(self._post, loop, queue, tag)
         rid = self.add(prompt, params, request_id, sink=sink)
         self._wake.set()  # before start: a thread deciding to end sees it

@@ -25,6 +25,12 @@ EBNF with ``::=`` rules) and vLLM's newer ``structured_outputs`` object (one of 
 ``regex``, ``choice``, ``grammar``, ``json_object``), on chat and completions alike.
 :func:`compile_guide` compiles it when the request arrives, so a guide the grammar engine
 refuses is a 400 naming its field.
+
+Bounds on what one request may ask (each a 400 naming its field): at most :data:`MAX_STOP`
+stop strings of :data:`MAX_STOP_CHARS` characters, :data:`MAX_LOGIT_BIAS` ``logit_bias``
+entries, ``n`` / ``best_of`` within the engine's running set (:func:`check_samples`), a text
+prompt of at most :data:`PROMPT_CHARS_PER_TOKEN` characters per token of the context (checked
+before tokenising: :func:`text_within`); logprobs' bounds are SamplingParams'.
 """
 
 from __future__ import annotations
@@ -48,14 +54,25 @@ __all__ = [
     "RequestError",
     "ToolDefinition",
     "chat_prompt_ids",
+    "check_samples",
     "compile_guide",
     "completion_prompt_ids",
     "max_tokens_within",
     "request_guide",
     "sampling_params",
+    "text_within",
 ]
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+# Characters of one stop string: a stream holds back the longest one's length minus one, and
+# every step matches each against the sample's tail.
+MAX_STOP_CHARS = 256
+# logit_bias entries per request: every step adds them to each of its samples' logits.
+MAX_LOGIT_BIAS = 1024
+# A text prompt's characters per token of the context at most: a prompt longer than
+# max_model_len * PROMPT_CHARS_PER_TOKEN characters cannot fit (a token spells ~4 characters of
+# English, a few more of code) and is refused before it is tokenised.
+PROMPT_CHARS_PER_TOKEN = 32
 
 
 class RequestError(ValueError):
@@ -251,6 +268,10 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     if len(stop) > MAX_STOP:
         raise RequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP}", param="stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} "
+                           "each: shorten it", param="stop")  # fmt: skip
     echo = getattr(req, "echo", False)
     if max_tokens == 0 and not echo:
         raise RequestError(
@@ -290,12 +311,15 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
         param = m and m[1]
         message = str(e).replace("SamplingParams ", "", 1)
         if param == "logprobs" and isinstance(req, ChatCompletionRequest):
-            param = "top_logprobs"
+            param, message = "top_logprobs", f"top_{message}"  # chat's name of the field
         raise RequestError(message, param=param) from None
 
 
 def _token_biases(bias: dict[str, float] | None) -> dict[int, float]:
     """``logit_bias``'s token id strings -> ints (their biases are SamplingParams' to check)."""
+    if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}: "
+                           "bias fewer tokens", param="logit_bias")  # fmt: skip
     out = {}
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()):
@@ -371,8 +395,10 @@ def compile_guide(req: _Sampled, params: SamplingParams, grammars) -> None:
 # -- request -> engine ----------------------------------------------------------------------------
 
 
-def completion_prompt_ids(prompt, tokenizer) -> list[list[int]]:
-    """A completion's ``prompt`` (text, ids, or a list of either) -> token-id lists."""
+def completion_prompt_ids(prompt, tokenizer, max_model_len: int) -> list[list[int]]:
+    """A completion's ``prompt`` (text, ids, or a list of either) -> token-id lists; a text
+    longer than a context of ``max_model_len`` tokens could hold is refused untokenised (a
+    blocking call on a long text: the server runs it on a worker thread)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -390,19 +416,37 @@ def completion_prompt_ids(prompt, tokenizer) -> list[list[int]]:
                     "ids as the prompt",
                     param="prompt",
                 )
+            text_within(len(p), max_model_len, "prompt")
             p = tokenizer.encode(p)
         out.append(list(p))
     return out
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    """A chat's ``messages`` rendered by the checkpoint's chat template, as token ids."""
+def text_within(chars: int, max_model_len: int, param: str) -> None:
+    """400 naming ``param`` when ``chars`` characters of text cannot fit a context of
+    ``max_model_len`` tokens (more than :data:`PROMPT_CHARS_PER_TOKEN` per token)."""
+    limit = max_model_len * PROMPT_CHARS_PER_TOKEN
+    if chars > limit:
+        raise RequestError(
+            f"the {param} has {chars} characters, more than this model's context of "
+            f"{max_model_len} tokens can hold (at most {limit} characters, "
+            f"{PROMPT_CHARS_PER_TOKEN} per token); shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer, max_model_len: int) -> list[int]:
+    """A chat's ``messages`` rendered by the checkpoint's chat template, as token ids; messages
+    longer than a context of ``max_model_len`` tokens could hold are refused unrendered (a
+    blocking call on long messages: the server runs it on a worker thread)."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise RequestError(
             "this model has no chat template (none in its tokenizer_config.json or "
             "chat_template.jinja); use /v1/completions with the prompt formatted yourself",
             param="messages",
         )
+    text_within(sum(len(m.text()) for m in body.messages), max_model_len, "messages")
     messages = [template_message(m, i) for i, m in enumerate(body.messages)]
     kw = {}
     if body.tools:  # the template's own ``tools`` variable, as transformers passes it
@@ -449,6 +493,18 @@ def json_object(text: str):
     except ValueError:
         return text
     return value if isinstance(value, dict) else text
+
+
+def check_samples(params: SamplingParams, max_num_seqs: int) -> None:
+    """400 naming ``n`` or ``best_of`` when a request draws more samples than the engine runs
+    at once (each sample is a sequence of its own)."""
+    if params.samples > max_num_seqs:
+        name = "n" if params.best_of is None else "best_of"
+        raise RequestError(
+            f"{name}={params.samples} asks for more samples than this server runs at once "
+            f"(max_num_seqs={max_num_seqs}); lower {name} or send several requests",
+            param=name,
+        )
 
 
 def max_tokens_within(prompt_ids: list[int], max_tokens: int | None, limit: int) -> int:

@@ -32,31 +32,15 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from selfattn.models import from_pretrained, load_tokenizer  # noqa: E402
 from selfattn.serving import Engine, SamplingParams  # noqa: E402
 from selfattn.serving.server import build_app  # noqa: E402
-from tests._serving_helpers import running_server, save_tiny_llama  # noqa: E402
+from tests._serving_helpers import running_server  # noqa: E402
 
 TIMEOUT_S = 20  # any one HTTP call
 NAME = "tiny"
 GREEDY = dict(temperature=0.0)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return from_pretrained(folder).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(folder):
-    return load_tokenizer(folder)
 
 
 def make_engine(model, tokenizer, **kw) -> Engine:

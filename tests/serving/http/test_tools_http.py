@@ -24,7 +24,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
-from selfattn.models import from_pretrained, load_tokenizer  # noqa: E402
 from selfattn.serving import Engine  # noqa: E402
 from selfattn.serving.sampling import Choice  # noqa: E402
 from selfattn.serving.server import build_app  # noqa: E402
@@ -92,16 +91,6 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return save_tiny_byte_llama(tmp_path_factory.mktemp("tiny-byte-llama"), TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return from_pretrained(folder).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(folder):
-    return load_tokenizer(folder)
 
 
 class ScriptedEngine(Engine):

@@ -11,7 +11,7 @@ import threading
 import time
 
 from selfattn._optional import require
-from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT
+from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, ServerLimits
 from selfattn.serving.engine import Engine
 from selfattn.serving.http import chat, completions, embeddings, models
 from selfattn.serving.http.common import (
@@ -20,6 +20,7 @@ from selfattn.serving.http.common import (
     error_response,
     validation_message,
 )
+from selfattn.serving.http.limits import BodyLimit
 from selfattn.serving.protocol import RequestError
 from selfattn.serving.tools import PARSER_CHOICES
 
@@ -40,6 +41,7 @@ def build_app(
     max_waiting: int | None = None,
     on_startup=None,
     tool_call_parser: str = "auto",
+    limits: ServerLimits | None = None,
 ):
     """The FastAPI app serving ``engine`` (completions, chat) and/or ``encoder`` (a
     :class:`~selfattn.models.SentenceEncoder`: embeddings) under ``model_name`` /
@@ -54,9 +56,14 @@ def build_app(
     just before the server takes connections (``selfattn serve`` starts loading MiniLM there,
     off the start-up's path). ``tool_call_parser``: how chat requests with ``tools`` read the
     model's calls, one of :data:`~selfattn.serving.tools.PARSER_CHOICES` (``"auto"``: by the
-    markers the chat template writes).
+    markers the chat template writes). ``limits``: what one client may take
+    (:class:`~selfattn.serving.config.ServerLimits`: the request body's size, a stream's backlog;
+    :func:`serve` passes its ``max_connections`` to uvicorn).
     """
     _check_app_args(engine, encoder, max_waiting)
+    limits = ServerLimits() if limits is None else limits
+    if not isinstance(limits, ServerLimits):
+        raise TypeError(f"limits must be a ServerLimits, got {type(limits).__name__}")
     if tool_call_parser not in PARSER_CHOICES:
         raise ValueError(
             f"tool_call_parser must be one of {PARSER_CHOICES}, got {tool_call_parser!r}"
@@ -64,7 +71,7 @@ def build_app(
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="selfattn-embed")
     state = ServerState(engine, encoder, model_name=model_name, max_waiting=max_waiting,
                         embedding_model_name=embedding_model_name, embed_pool=pool,
-                        tool_call_parser=tool_call_parser)  # fmt: skip
+                        tool_call_parser=tool_call_parser, limits=limits)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -97,6 +104,8 @@ def build_app(
         app.add_exception_handler(error, handler)
     for router in ROUTERS:
         app.include_router(router)
+    max_model_len = None if engine is None else engine.max_model_len
+    app.add_middleware(BodyLimit, max_bytes=limits.request_bytes(max_model_len))
     return app
 
 
@@ -152,14 +161,18 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
     **app_kw,
 ) -> None:
     """Run :func:`build_app` on uvicorn until SIGINT/SIGTERM, then drain: the listening socket
-    closes, running requests finish and get their answers, and this returns."""
+    closes, running requests finish and get their answers, and this returns. Connections
+    beyond ``limits.max_connections`` are answered 503 by uvicorn."""
     uvicorn = require("uvicorn", extra="serve", purpose="selfattn serve")
-    app = build_app(engine, encoder=encoder, **app_kw)
+    limits = ServerLimits() if limits is None else limits
+    app = build_app(engine, encoder=encoder, limits=limits, **app_kw)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=None)  # fmt: skip
+                            timeout_graceful_shutdown=None,
+                            limit_concurrency=limits.max_connections)  # fmt: skip
     server = uvicorn.Server(config)
     main = threading.current_thread() is threading.main_thread()
     # uvicorn re-raises the signal it shut down on, to let the previous handler act; this one

@@ -26,7 +26,9 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
     s = state(request)
     engine = s.engine_for(body)
     tools = tool_use(body, s.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
-    ids = chat_prompt_ids(body, engine.tokenizer)
+    # off the event loop: rendering and tokenising long messages would hold up other requests
+    ids = await concurrency.run_in_threadpool(chat_prompt_ids, body, engine.tokenizer,
+                                              engine.max_model_len)  # fmt: skip
     asked = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     max_tokens = max_tokens_within(ids, asked, engine.max_model_len)  # None: the context's rest
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

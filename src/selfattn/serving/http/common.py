@@ -10,9 +10,10 @@ import time
 import uuid
 
 from selfattn._optional import require
+from selfattn.serving.config import ServerLimits
 from selfattn.serving.engine import Engine, QueueFull
 from selfattn.serving.loop import EngineLoop, ShuttingDown
-from selfattn.serving.protocol import RequestError
+from selfattn.serving.protocol import RequestError, check_samples
 
 responses = require("fastapi.responses", extra="serve", purpose="the OpenAI server")
 
@@ -70,18 +71,25 @@ def failure_message(e: ModelFailure) -> str:
 class ServerState:
     """What the routes read (``app.state.selfattn``): the engine and its loop, the encoder (or a
     ``Future`` of it, replaced once loaded), the served names, the waiting limit, the pool that
-    embeds, the tool call parser's name (:data:`selfattn.serving.tools.PARSER_CHOICES`)."""
+    embeds, the tool call parser's name (:data:`selfattn.serving.tools.PARSER_CHOICES`), the
+    server's :class:`~selfattn.serving.config.ServerLimits` and the streams dropped for falling
+    behind them."""
 
     def __init__(self, engine: Engine | None, encoder, *, model_name: str,
                  embedding_model_name: str, max_waiting: int | None, embed_pool,
-                 tool_call_parser: str = "auto"):  # fmt: skip
+                 tool_call_parser: str = "auto", limits: ServerLimits | None = None):  # fmt: skip
         self.engine, self.encoder = engine, encoder
+        self.limits = ServerLimits() if limits is None else limits
+        self.streams_dropped = 0
         self.tool_call_parser = tool_call_parser
         self.loop: EngineLoop | None = None if engine is None else engine.loop
         self.model_name, self.embedding_model_name = model_name, embedding_model_name
         self.max_waiting, self.embed_pool = max_waiting, embed_pool
         self.created = int(time.time())
         self.tokens = TokenText(None if engine is None else engine.tokenizer)
+
+    def count_dropped(self) -> None:
+        self.streams_dropped += 1
 
     def engine_for(self, body) -> Engine:
         """The engine generating for ``body`` (a completion or chat request): 404 unless it
@@ -98,6 +106,7 @@ class ServerState:
     def submit(self, prompts: list[list[int]], params, prefix: str) -> "Submission":
         """One engine request per prompt; 429 when the waiting queue has no room for them."""
         engine = self.engine
+        check_samples(params, engine.scheduler.max_num_seqs)
         waiting = engine.num_waiting()
         limit = engine.max_waiting if self.max_waiting is None else min(
             self.max_waiting, engine.max_waiting)  # fmt: skip
@@ -137,7 +146,13 @@ class ServerState:
 
 class Submission:
     """The engine requests of one HTTP request (one per prompt), their outputs arriving in one
-    queue as ``(prompt index, RequestOutput)``; :meth:`close` aborts whatever is unfinished."""
+    queue as ``(prompt index, RequestOutput)``; :meth:`close` aborts whatever is unfinished.
+
+    A stream's writer may wait on a client that does not read (the socket's buffers full); the
+    outputs it has not written wait in the queue, each holding its sample's tokens and text so
+    far. :meth:`bound` caps them: past ``max_backlog`` per engine request, while the writer
+    waits to send (not merely for its turn on a busy event loop), the submission is dropped
+    (:meth:`drop`: its requests aborted, its writer cancelled)."""
 
     def __init__(self, loop: EngineLoop, base_id: str):
         self.loop, self.base_id = loop, base_id
@@ -145,13 +160,44 @@ class Submission:
         self.open: set[str] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.event_loop = asyncio.get_running_loop()
+        self.max_backlog: int | None = None
+        self.on_drop = None
+        self.dropped = False
+        self.writer: asyncio.Task | None = None  # the task writing its stream
+        self.sending = False  # whether the writer waits in the server's send
 
     def add(self, prompt_ids: list[int], params) -> None:
         k = len(self.ids)
         rid = self.loop.submit(prompt_ids, params, f"{self.base_id}-{k}", self.event_loop,
-                               self.queue, k)  # fmt: skip
+                               self, k)  # fmt: skip
         self.ids.append(rid)
         self.open.add(rid)
+
+    def bound(self, max_backlog: int, on_drop) -> None:
+        """Drop the submission once more than ``max_backlog`` outputs per request wait to be
+        written; ``on_drop()`` is told."""
+        self.max_backlog, self.on_drop = max_backlog, on_drop
+
+    def put_nowait(self, item) -> None:
+        """An output from the engine loop (on the event loop's thread)."""
+        if self.dropped:
+            return
+        bound = None if self.max_backlog is None else self.max_backlog * len(self.ids)
+        if self.sending and bound is not None and self.queue.qsize() >= bound:
+            self.drop()
+            return
+        self.queue.put_nowait(item)
+
+    def drop(self) -> None:
+        """Abort the requests and end the stream's writer: its client fell too far behind."""
+        log.warning("selfattn.serving: dropped the stream of %s: its client has not read the "
+                    "last %d outputs", self.base_id, self.queue.qsize())  # fmt: skip
+        self.dropped = True
+        self.close()
+        if self.on_drop is not None:
+            self.on_drop()
+        if self.writer is not None:
+            self.writer.cancel()
 
     async def outputs(self):
         """``(k, output)`` as they come, until every request finished; a failed one raises."""
@@ -205,9 +251,26 @@ class EventStream(responses.StreamingResponse):
         self.sub = sub
 
     async def __call__(self, scope, receive, send):
+        self.sub.writer = asyncio.current_task()
+
+        async def sending(message):  # a client that does not read holds the writer here
+            self.sub.sending = True
+            try:
+                await send(message)
+            finally:
+                self.sub.sending = False
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not self.sub.dropped:
+                raise
+            # dropped (Submission.drop): the response ends unfinished and uvicorn closes the
+            # connection; from Python 3.11 the task counts cancellations, this one is handled
+            if hasattr(self.sub.writer, "uncancel"):
+                self.sub.writer.uncancel()
         finally:
+            self.sub.writer = None
             self.sub.close()
 
 
@@ -216,6 +279,8 @@ async def _events(sub: Submission, chunks):
         async for k, out in sub.outputs():
             for chunk in chunks(k, out):
                 yield sse(chunk)
+        if sub.dropped:  # its writer is being cancelled: no closing events
+            return
         for chunk in chunks(None, None):  # the closing events (usage)
             yield sse(chunk)
     except ModelFailure as e:
@@ -229,6 +294,8 @@ async def respond(request, sub: Submission, stream: bool, chunks, final):
     """Stream ``chunks(k, out)`` events, or await every output and answer ``final(outs)``
     (``outs[k]``: prompt k's last output); either way a client gone aborts the rest."""
     if stream:
+        s = state(request)
+        sub.bound(s.limits.max_stream_backlog, s.count_dropped)
         return EventStream(sub, chunks)
     done = asyncio.ensure_future(sub.collect())
     gone = asyncio.ensure_future(until_disconnect(request))

@@ -34,7 +34,10 @@ router = fastapi.APIRouter()
 async def completions(body: CompletionRequest, request: fastapi.Request):
     s = state(request)
     engine = s.engine_for(body)
-    prompts = completion_prompt_ids(body.prompt, engine.tokenizer)
+    # off the event loop: a long text's tokenisation would hold up every other request
+    prompts = await concurrency.run_in_threadpool(
+        completion_prompt_ids, body.prompt, engine.tokenizer, engine.max_model_len
+    )
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     for ids in prompts:
         max_tokens_within(ids, max_tokens, engine.max_model_len)

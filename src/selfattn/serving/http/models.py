@@ -43,7 +43,7 @@ async def metrics(request: fastapi.Request):
     s = state(request)
     registry = prom.CollectorRegistry()
     if s.engine is not None:
-        registry.register(_EngineCollector(s.engine, s.model_name))
+        registry.register(_EngineCollector(s.engine, s.model_name, s.streams_dropped))
     return responses.Response(prom.generate_latest(registry),
                               media_type=prom.CONTENT_TYPE_LATEST)  # fmt: skip
 
@@ -51,8 +51,8 @@ async def metrics(request: fastapi.Request):
 class _EngineCollector:
     """The engine's gauges, counters and histograms at scrape time (module docstring)."""
 
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model = engine, model_name
+    def __init__(self, engine, model_name: str, streams_dropped: int):
+        self.engine, self.model, self.streams_dropped = engine, model_name, streams_dropped
 
     def _family(self, kind, name: str, doc: str):
         return kind(f"selfattn_{name}", doc, labels=["model"])
@@ -108,6 +108,8 @@ class _EngineCollector:
         yield counter("preemptions", "Sequences preempted (recomputed later).", m.preemptions)
         yield counter("requests_finished", "Requests finished.", m.requests_finished)
         yield counter("requests_aborted", "Requests aborted.", m.requests_aborted)
+        yield counter("streams_dropped", "Streams dropped: their client stopped reading "
+                      "(ServerLimits.max_stream_backlog).", self.streams_dropped)  # fmt: skip
         # speculative decoding, under vLLM's names
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
                       m.spec_draft_tokens)  # fmt: skip
