@@ -741,3 +741,23 @@ def test_admission_windows_are_checked(model, tokenizer, bad):
         EngineLoop(engine, admit_quiet_s=bad)
     with pytest.raises(ValueError, match="admit_window_s must be seconds in"):
         EngineLoop(engine, admit_window_s=bad)
+
+
+def test_news_reports_a_finished_sample_once():
+    """A request's outputs list every sample at each step: a sample that finished first is in
+    the later ones too, and its finish must reach the client once (seen under load, where
+    preemption ends the samples of n > 1 at different steps)."""
+    from types import SimpleNamespace as NS
+
+    from selfattn.serving.http.common import news
+
+    def sample(i, new, finished):
+        return NS(index=i, delta_token_ids=[7] * new, delta_text="x" * new, logprobs=None,
+                  token_ids=[7], finished=finished)  # fmt: skip
+
+    steps = [[sample(0, 1, True), sample(1, 1, False)], [sample(0, 0, True), sample(1, 1, True)],
+             [sample(0, 0, True), sample(1, 0, True)]]  # fmt: skip
+    ended: set = set()
+    got = [[c.index for c, _ in news(NS(request_id="r", outputs=s), ended)] for s in steps]
+    assert got == [[0, 1], [1], []]
+    assert [c.index for c, _ in news(NS(request_id="q", outputs=steps[0]), ended)] == [0, 1]

@@ -40,7 +40,7 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
     head = {"id": sub.base_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": s.model_name}  # fmt: skip
     seen: dict = {}
-    ended: set = set()  # the samples whose finish_reason was sent
+    ended: set = set()  # the samples whose finish_reason was sent (news)
     readers: dict = {}  # sample index -> (its tools.CallStream, logprobs not yet sent)
 
     def choice(c, lps, finish_reason, **content):
@@ -72,11 +72,7 @@ async def chat(body: ChatCompletionRequest, request: fastapi.Request):
                            "logprobs": None, "finish_reason": None}  # fmt: skip
                 yield {**head, "choices": [opening]}
         seen[k] = out
-        for c, lps in news(out):
-            if c.index in ended:  # a finished sample is in every later output of its request
-                continue
-            if c.finished:
-                ended.add(c.index)
+        for c, lps in news(out, ended):
             if tools is not None:
                 yield from tool_chunks(c, lps)
                 continue

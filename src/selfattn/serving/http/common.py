@@ -341,9 +341,16 @@ def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
     return {key: a[key] + b[key] for key in a}
 
 
-def news(out):
-    """The samples of ``out`` with something to report, and the logprobs new in each."""
+def news(out, ended: set):
+    """The samples of ``out`` with something to report, and the logprobs new in each. A
+    finished sample is in every later output of its request: it is reported once, the
+    ``(request id, index)`` of those reported finished kept in ``ended``."""
     for c in out.outputs:
+        key = (out.request_id, c.index)
+        if key in ended:
+            continue
+        if c.finished:
+            ended.add(key)
         if c.delta_token_ids or c.delta_text or c.finished:
             new_lps = None
             if c.logprobs is not None:

@@ -79,6 +79,7 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
         return d
 
     seen: dict = {}  # the last output of each prompt, for the closing usage
+    ended: set = set()  # the samples whose finish_reason was sent (news)
 
     def chunks(k, out):
         if out is None:
@@ -91,7 +92,7 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
                            "finish_reason": None}  # fmt: skip
                 yield {**head, "choices": [opening]}
         seen[k] = out
-        for c, lps in news(out):
+        for c, lps in news(out, ended):
             offset = len(c.text or "") - len(c.delta_text or "")
             yield {**head, "choices": [choice(k, out, c, c.delta_text or "", lps, offset)]}
 
