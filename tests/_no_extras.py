@@ -35,6 +35,7 @@ EXTRAS = (
     "pydantic",
     "rich",
     "safetensors",
+    "schemathesis",
     "sentence_transformers",
     "starlette",
     "tokenizers",

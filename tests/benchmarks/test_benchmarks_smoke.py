@@ -447,6 +447,14 @@ def check_soak(report: dict) -> None:
         assert t["met"], t
 
 
+def check_schema_fuzz(report: dict) -> None:
+    """Every answer as documented, none a 5xx, and the server served an ordinary request
+    after."""
+    assert report["requests"] == sum(report["statuses"].values()) > 0
+    assert not any(code.startswith("5") for code in report["statuses"])
+    assert report["failures"] == [] and report["served_after"]
+
+
 def check_alternatives(report: dict) -> None:
     from selfattn.benchmarks import alternatives as alt
 
@@ -522,6 +530,9 @@ SMOKES = {
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
     "kv_compression": Smoke(packaged("kv_compression"), check_kv_compression, needs=("gguf",)),
     "kv_capacity": Smoke(packaged("kv_capacity"), check_kv_capacity, needs=("gguf",)),
+    "schema_fuzz": Smoke(
+        packaged("schema_fuzz", "--threads", "1"), check_schema_fuzz, needs=("schemathesis",)
+    ),
     "soak": Smoke(
         packaged("soak", "--threads", "1"),
         check_soak,

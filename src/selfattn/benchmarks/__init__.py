@@ -24,6 +24,7 @@ NAMES = (
     "models",
     "quant_matmul",
     "ring",
+    "schema_fuzz",
     "serving",
     "serving_http",
     "soak",

@@ -289,7 +289,9 @@ def start(folder: Path, args):
     proc = subprocess.Popen(argv, env=_util.child_env(args.threads), stdout=subprocess.DEVNULL)
     url = f"http://{DEFAULT_HOST}:{port}"
     try:
-        wait_until_healthy(url, 180, proc)
+        key = args.server_arg[args.server_arg.index("--api-key") + 1] if (
+            "--api-key" in args.server_arg) else None  # fmt: skip
+        wait_until_healthy(url, 180, proc, api_key=key)
     except RuntimeError:
         proc.kill()
         raise

@@ -13,7 +13,7 @@ import time
 from selfattn._optional import require
 from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, ServerLimits
 from selfattn.serving.engine import Engine
-from selfattn.serving.http import chat, completions, embeddings, models
+from selfattn.serving.http import chat, completions, embeddings, models, openapi
 from selfattn.serving.http.common import (
     RETRY_AFTER_S,
     ServerState,
@@ -27,6 +27,7 @@ from selfattn.serving.tools import PARSER_CHOICES
 fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
 exceptions = require("fastapi.exceptions", extra="serve")
 starlette_exc = require("starlette.exceptions", extra="serve")
+get_openapi = require("fastapi.openapi.utils", extra="serve").get_openapi
 
 ROUTERS = (completions.router, chat.router, embeddings.router, models.router)
 
@@ -100,6 +101,14 @@ def build_app(
         title="selfattn", lifespan=lifespan, dependencies=[fastapi.Depends(check_key)]
     )
     app.state.selfattn = state  # what the routes read (common.state)
+
+    def openapi_schema() -> dict:
+        if app.openapi_schema is None:
+            plain = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = openapi.document(plain, api_key=api_key is not None)
+        return app.openapi_schema
+
+    app.openapi = openapi_schema
     for error, handler in _ERROR_HANDLERS:
         app.add_exception_handler(error, handler)
     for router in ROUTERS:
@@ -185,10 +194,13 @@ def serve(
             signal.signal(signal.SIGTERM, previous)
 
 
-def wait_until_healthy(base_url: str, timeout_s: float = 60.0, process=None) -> None:
+def wait_until_healthy(
+    base_url: str, timeout_s: float = 60.0, process=None, api_key: str | None = None
+) -> None:
     """Poll ``GET {base_url}/health`` until it answers 200 (a server just started, e.g.
-    ``selfattn serve`` in a ``subprocess.Popen`` given as ``process``); RuntimeError when the
-    process exits first or ``timeout_s`` passes."""
+    ``selfattn serve`` in a ``subprocess.Popen`` given as ``process``; ``api_key``: the key a
+    server run with ``--api-key`` wants); RuntimeError when the process exits first or
+    ``timeout_s`` passes."""
     import urllib.error
     import urllib.request
 
@@ -197,7 +209,9 @@ def wait_until_healthy(base_url: str, timeout_s: float = 60.0, process=None) -> 
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the server process exited with code {process.returncode}")
         try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=1) as r:
+            auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+            probe = urllib.request.Request(f"{base_url}/health", headers=auth)
+            with urllib.request.urlopen(probe, timeout=1) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, OSError):
