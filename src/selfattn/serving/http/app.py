@@ -5,7 +5,6 @@
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import signal
 import threading
 import time
@@ -20,7 +19,7 @@ from selfattn.serving.http.common import (
     error_response,
     validation_message,
 )
-from selfattn.serving.http.limits import BodyLimit
+from selfattn.serving.http.limits import BodyLimit, KeyGuard
 from selfattn.serving.protocol import RequestError
 from selfattn.serving.tools import PARSER_CHOICES
 
@@ -51,7 +50,8 @@ def build_app(
     the engine's routes) and embedding requests wait for it (``selfattn serve`` without a model
     loads MiniLM so, beside the chat model).
 
-    ``api_key``: every route wants ``Authorization: Bearer <api_key>`` (401 otherwise).
+    ``api_key``: every route wants ``Authorization: Bearer <api_key>`` (401 otherwise, before
+    the body is read; the API's description, ``/openapi.json`` and ``/docs``, stays public).
     ``max_waiting``: requests waiting for admission at once before new ones get 429 (default,
     and at most, the engine's ``max_waiting``). ``on_startup()``: called once the app starts,
     just before the server takes connections (``selfattn serve`` starts loading MiniLM there,
@@ -85,21 +85,7 @@ def build_app(
             await asyncio.to_thread(state.loop.stop)
         pool.shutdown(wait=True)
 
-    # async: FastAPI runs a plain ``def`` dependency on its thread pool, a round trip through
-    # another thread (and the GIL, which the engine thread holds between its kernels) for
-    # every request
-    async def check_key(request: fastapi.Request) -> None:
-        if api_key is not None and not _key_matches(request, api_key):
-            raise RequestError(
-                "a missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                "with the key given to selfattn serve --api-key",
-                status=401,
-                code="invalid_api_key",
-            )
-
-    app = fastapi.FastAPI(
-        title="selfattn", lifespan=lifespan, dependencies=[fastapi.Depends(check_key)]
-    )
+    app = fastapi.FastAPI(title="selfattn", lifespan=lifespan)
     app.state.selfattn = state  # what the routes read (common.state)
 
     def openapi_schema() -> dict:
@@ -115,6 +101,8 @@ def build_app(
         app.include_router(router)
     max_model_len = None if engine is None else engine.max_model_len
     app.add_middleware(BodyLimit, max_bytes=limits.request_bytes(max_model_len))
+    if api_key is not None:  # added last: the outermost, before the body is read
+        app.add_middleware(KeyGuard, key=api_key)
     return app
 
 
@@ -128,11 +116,6 @@ def _check_app_args(engine, encoder, max_waiting) -> None:
         isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
     ):
         raise ValueError(f"max_waiting must be a positive int, got {max_waiting!r}")
-
-
-def _key_matches(request, api_key: str) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
 
 
 # -- errors: OpenAI's JSON ------------------------------------------------------------------------

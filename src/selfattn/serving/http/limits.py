@@ -1,6 +1,8 @@
-"""The request body's bound (:class:`BodyLimit`): a body over the limit is answered 413 before
-the rest of it is read, so no request can take the server's memory or hold up the event loop
-that parses every other request's JSON.
+"""The guards in front of the routes, as ASGI middleware: the API key (:class:`KeyGuard`: a
+request without it is answered 401 before its body is read or parsed) and the request body's
+bound (:class:`BodyLimit`: a body over the limit is answered 413 before the rest of it is read,
+so no request can take the server's memory or hold up the event loop that parses every other
+request's JSON).
 
 The server's other bounds live where they apply: the prompt's and sampling fields' in
 :mod:`selfattn.serving.protocol` (400s), the waiting queue's in
@@ -11,9 +13,42 @@ uvicorn (``limit_concurrency``: 503); their values in
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations as objects.
+import hmac
+
 from selfattn.serving.http.common import error_response
 
-__all__ = ["BodyLimit"]
+__all__ = ["PUBLIC_PATHS", "BodyLimit", "KeyGuard"]
+
+# what a server with a key answers without it: the API's description
+PUBLIC_PATHS = frozenset(("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"))
+
+
+class KeyGuard:
+    """ASGI middleware: an HTTP request to any path but :data:`PUBLIC_PATHS` without the header
+    ``Authorization: Bearer <key>`` is answered 401 (OpenAI's error JSON, ``code:
+    "invalid_api_key"``) before its body is read; the key is compared in constant time."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._matches(scope):
+            return await self.app(scope, receive, send)
+        response = error_response(
+            401,
+            "a missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+            "key given to selfattn serve --api-key",
+            code="invalid_api_key",
+            headers={"Connection": "close"},  # the body is never read
+        )
+        await response(scope, _no_receive, send)
+
+    def _matches(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
+        return False
 
 
 class BodyLimit:
