@@ -40,6 +40,9 @@ LIMIT_FLAGS = (
      "open connections at once; beyond them uvicorn answers 503"),
     ("--max-stream-backlog", "max_stream_backlog",
      "outputs a stream may hold for a client that stopped reading before it is dropped"),
+    ("--drain-timeout", "drain_timeout",
+     "seconds SIGTERM waits for running requests (new ones get 503; a second SIGTERM exits "
+     "at once)"),
 )  # fmt: skip
 
 

@@ -209,12 +209,16 @@ class ServerLimits:
     # requests aborted, their pages freed). A client reading at any pace drains one output per
     # step, so only one that stopped reading falls this far behind.
     max_stream_backlog: int = 256
+    # Seconds a SIGTERM (or Ctrl-C) waits for running requests to finish before cutting them;
+    # requests arriving meanwhile get 503, and a second signal exits at once.
+    drain_timeout: int = 30
 
     def __post_init__(self):
         if self.max_request_bytes is not None:
             _positive("max_request_bytes", self.max_request_bytes, "ServerLimits")
         _positive("max_connections", self.max_connections, "ServerLimits")
         _positive("max_stream_backlog", self.max_stream_backlog, "ServerLimits")
+        _positive("drain_timeout", self.drain_timeout, "ServerLimits")
 
     def request_bytes(self, max_model_len: int | None) -> int:
         """The body limit in bytes: ``max_request_bytes``, else derived from ``max_model_len``

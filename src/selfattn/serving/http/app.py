@@ -5,6 +5,7 @@
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import signal
 import threading
 import time
@@ -27,6 +28,8 @@ fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
 exceptions = require("fastapi.exceptions", extra="serve")
 starlette_exc = require("starlette.exceptions", extra="serve")
 get_openapi = require("fastapi.openapi.utils", extra="serve").get_openapi
+
+log = logging.getLogger("selfattn")
 
 ROUTERS = (completions.router, chat.router, embeddings.router, models.router)
 
@@ -136,10 +139,24 @@ async def _on_http(request, e):
     return error_response(e.status_code, str(e.detail), kind, headers=e.headers)
 
 
+async def _on_unexpected(request, e: Exception):
+    """Anything else a route raised (a tokenizer that failed on one prompt): logged with its
+    trace here, a 500 without it for the client (a message or trace may name the server's
+    files)."""
+    log.error("selfattn.serving: %s %s failed", request.method, request.url.path,
+              exc_info=(type(e), e, e.__traceback__))  # fmt: skip
+    return error_response(
+        500,
+        f"the server failed on this request ({type(e).__name__}); its log has the details",
+        "server_error",
+    )
+
+
 _ERROR_HANDLERS = (
     (RequestError, _on_request_error),
     (exceptions.RequestValidationError, _on_invalid),
     (starlette_exc.HTTPException, _on_http),
+    (Exception, _on_unexpected),
 )
 
 
@@ -157,15 +174,35 @@ def serve(
     **app_kw,
 ) -> None:
     """Run :func:`build_app` on uvicorn until SIGINT/SIGTERM, then drain: the listening socket
-    closes, running requests finish and get their answers, and this returns. Connections
-    beyond ``limits.max_connections`` are answered 503 by uvicorn."""
+    closes, requests arriving on open connections get 503, running ones finish and get their
+    answers within ``limits.drain_timeout`` seconds (then they are cut), and this returns; a
+    second signal returns at once. Connections beyond ``limits.max_connections`` are answered
+    503 by uvicorn."""
     uvicorn = require("uvicorn", extra="serve", purpose="selfattn serve")
     limits = ServerLimits() if limits is None else limits
     app = build_app(engine, encoder=encoder, limits=limits, **app_kw)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=None,
+                            timeout_graceful_shutdown=limits.drain_timeout,
                             limit_concurrency=limits.max_connections)  # fmt: skip
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # the second signal: stop waiting for anything
+                self.force_exit = True
+            app.state.selfattn.draining = True
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            # Still listening: new requests get 503 while the running ones finish (uvicorn's
+            # own shutdown then closes the socket and waits for the responses to be sent).
+            deadline = time.monotonic() + limits.drain_timeout
+            while engine is not None and engine.has_unfinished() and not self.force_exit:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            await super().shutdown(sockets)
+
+    server = Server(config)
     main = threading.current_thread() is threading.main_thread()
     # uvicorn re-raises the signal it shut down on, to let the previous handler act; this one
     # lets the drained process return normally (exit 0) instead of dying by SIGTERM.

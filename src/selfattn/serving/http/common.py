@@ -61,8 +61,13 @@ class ModelFailure(RuntimeError):
     """The engine ended a request with an error (the model raised on its batch)."""
 
 
-def failure_message(e: ModelFailure) -> str:
-    return f"the model failed on this request: {e.args[0]!r}"
+def failure_message(e: ModelFailure, request_id: str) -> str:
+    """What a client is told of an internal failure: its kind and where the server's log has
+    the rest (never the message or the trace, which may name the server's files)."""
+    return (
+        f"the model failed on this request ({type(e.args[0]).__name__}); the server's log has "
+        f"the details under request {request_id}"
+    )
 
 
 # -- the server's state ---------------------------------------------------------------------------
@@ -81,6 +86,7 @@ class ServerState:
         self.engine, self.encoder = engine, encoder
         self.limits = ServerLimits() if limits is None else limits
         self.streams_dropped = 0
+        self.draining = False  # a SIGTERM arrived: new requests get 503 (serve)
         self.tool_call_parser = tool_call_parser
         self.loop: EngineLoop | None = None if engine is None else engine.loop
         self.model_name, self.embedding_model_name = model_name, embedding_model_name
@@ -103,8 +109,16 @@ class ServerState:
         body.refuse_unsupported()
         return self.engine
 
+    def draining_error(self) -> RequestError:
+        return RequestError("the server is shutting down; send the request to another replica "
+                            "or retry when it is back", status=503, type="server_error",
+                            code="shutting_down")  # fmt: skip
+
     def submit(self, prompts: list[list[int]], params, prefix: str) -> "Submission":
-        """One engine request per prompt; 429 when the waiting queue has no room for them."""
+        """One engine request per prompt; 429 when the waiting queue has no room for them, 503
+        once the server drains (``draining``: a SIGTERM arrived)."""
+        if self.draining:
+            raise self.draining_error()
         engine = self.engine
         check_samples(params, engine.scheduler.max_num_seqs)
         waiting = engine.num_waiting()
@@ -131,8 +145,7 @@ class ServerState:
                                code="queue_full") from None  # fmt: skip
         except ShuttingDown:
             sub.close()
-            raise RequestError("the server is shutting down", status=503,
-                               type="server_error") from None  # fmt: skip
+            raise self.draining_error() from None
         except (ValueError, TypeError) as e:
             sub.close()
             if isinstance(e, RequestError):
@@ -285,7 +298,7 @@ async def _events(sub: Submission, chunks):
             yield sse(chunk)
     except ModelFailure as e:
         log.error("selfattn.serving: request %s failed: %r", sub.base_id, e.args[0])
-        yield sse({"error": {"message": failure_message(e), "type": "server_error",
+        yield sse({"error": {"message": failure_message(e, sub.base_id), "type": "server_error",
                              "param": None, "code": None}})  # fmt: skip
     yield "data: [DONE]\n\n"
 
@@ -312,7 +325,7 @@ async def respond(request, sub: Submission, stream: bool, chunks, final):
         outs = done.result()
     except ModelFailure as e:
         log.error("selfattn.serving: request %s failed: %r", sub.base_id, e.args[0])
-        return error_response(500, failure_message(e), "server_error")
+        return error_response(500, failure_message(e, sub.base_id), "server_error")
     return responses.JSONResponse(final(outs))
 
 

@@ -3,7 +3,7 @@
 FastAPI documents each route's body and a 200 of any JSON; this adds what the server really
 answers: OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``) under every
 status a route can send (400 for a body that does not validate, where FastAPI would say 422;
-401 when a key is required; 404 for another model's name; 413, 429, 503), the media types of
+401 when a key is required; 404 for another model's name; 413, 429, 500, 503), the media types of
 the answers that are not JSON (``/metrics``' Prometheus text; a stream's server-sent events),
 and the bearer key as a security scheme when the server requires one.
 """
@@ -34,13 +34,14 @@ WHY = {
     404: "The model named is not served here.",
     413: "The body is larger than the server takes.",
     429: "The waiting queue is full; retry after Retry-After seconds.",
+    500: "The model failed on this request (the server's log has the details).",
     503: "The engine is not running.",
 }
 # the statuses each route can answer besides 200 (401 only where a key is required)
 ROUTES = {
-    "/v1/completions": (400, 404, 413, 429, 503),
-    "/v1/chat/completions": (400, 404, 413, 429, 503),
-    "/v1/embeddings": (400, 404, 413, 429, 503),
+    "/v1/completions": (400, 404, 413, 429, 500, 503),
+    "/v1/chat/completions": (400, 404, 413, 429, 500, 503),
+    "/v1/embeddings": (400, 404, 413, 429, 500, 503),
     "/v1/models": (413,),
     "/metrics": (413,),
     "/health": (413, 503),
