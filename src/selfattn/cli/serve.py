@@ -84,6 +84,13 @@ def add_parser(subparsers):
         help=f"require 'Authorization: Bearer KEY' on every route (default ${API_KEY_ENV})",
     )
     p.add_argument(
+        "--allowed-origins",
+        metavar="ORIGIN[,ORIGIN]",
+        default="",
+        help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000; "
+        "'*' for any; none by default",
+    )
+    p.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the model's name in requests and /v1/models (default: the model's own name: a "
@@ -354,6 +361,7 @@ def run(args) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        allowed_origins=tuple(o for o in args.allowed_origins.split(",") if o),
         log_level=args.log_level,
         limits=limits,
         **app_kw,

@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -762,3 +763,25 @@ def test_news_reports_a_finished_sample_once():
     got = [[c.index for c, _ in news(NS(request_id="r", outputs=s), ended)] for s in steps]
     assert got == [[0, 1], [1], []]
     assert [c.index for c, _ in news(NS(request_id="q", outputs=steps[0]), ended)] == [0, 1]
+
+
+def test_cors_is_off_unless_origins_are_given_and_model_never_names_a_path(model, tokenizer):
+    origin = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    with served(model, tokenizer) as (_, url):
+        r = httpx.options(f"{url}/v1/completions", headers=origin, timeout=TIMEOUT_S)
+        assert "access-control-allow-origin" not in r.headers
+        for name in ("/etc/passwd", "../../tiny", str(Path.home())):
+            r = httpx.post(f"{url}/v1/completions", json={**OK, "model": name}, timeout=TIMEOUT_S)
+            assert r.status_code == 404 and r.json()["error"]["param"] == "model", name
+    ok = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
+    with served(model, tokenizer, api_key="k", allowed_origins=("http://localhost:3000",)) as (
+        _, url,
+    ):  # fmt: skip
+        r = httpx.options(f"{url}/v1/completions", headers=ok, timeout=TIMEOUT_S)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.options(f"{url}/v1/completions", headers=origin, timeout=TIMEOUT_S)
+        assert r.headers.get("access-control-allow-origin") != "http://evil.example"
+        r = httpx.post(f"{url}/v1/completions", json=OK, headers={"Origin": ok["Origin"]},
+                       timeout=TIMEOUT_S)  # fmt: skip
+        assert r.status_code == 401  # CORS lets the browser ask; the key still decides

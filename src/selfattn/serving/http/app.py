@@ -28,6 +28,7 @@ fastapi = require("fastapi", extra="serve", purpose="the OpenAI server")
 exceptions = require("fastapi.exceptions", extra="serve")
 starlette_exc = require("starlette.exceptions", extra="serve")
 get_openapi = require("fastapi.openapi.utils", extra="serve").get_openapi
+cors = require("starlette.middleware.cors", extra="serve")
 
 log = logging.getLogger("selfattn")
 
@@ -41,6 +42,7 @@ def build_app(
     model_name: str = "selfattn",
     embedding_model_name: str = embeddings.EMBEDDING_MODEL,
     api_key: str | None = None,
+    allowed_origins: tuple[str, ...] = (),
     max_waiting: int | None = None,
     on_startup=None,
     tool_call_parser: str = "auto",
@@ -55,6 +57,8 @@ def build_app(
 
     ``api_key``: every route wants ``Authorization: Bearer <api_key>`` (401 otherwise, before
     the body is read; the API's description, ``/openapi.json`` and ``/docs``, stays public).
+    ``allowed_origins``: browser origins the API answers across origins (CORS; ``"*"``: any);
+    none by default, so a web page elsewhere cannot call it from a user's browser.
     ``max_waiting``: requests waiting for admission at once before new ones get 429 (default,
     and at most, the engine's ``max_waiting``). ``on_startup()``: called once the app starts,
     just before the server takes connections (``selfattn serve`` starts loading MiniLM there,
@@ -104,8 +108,12 @@ def build_app(
         app.include_router(router)
     max_model_len = None if engine is None else engine.max_model_len
     app.add_middleware(BodyLimit, max_bytes=limits.request_bytes(max_model_len))
-    if api_key is not None:  # added last: the outermost, before the body is read
+    if api_key is not None:  # outside the body's bound: checked before the body is read
         app.add_middleware(KeyGuard, key=api_key)
+    if allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(cors.CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])  # fmt: skip
     return app
 
 
