@@ -128,6 +128,15 @@ def test_forward_matches_fp64_product(fmt, dtype, lead):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_rows_give_no_rows(fmt, dtype):
+    """A step whose prompt chunks keep no logits runs the LM head over zero rows."""
+    layer = QuantizedLinear.from_ggml(fmt, random_blocks(fmt, 40, 64, seed=3))
+    y = layer(torch.zeros(1, 0, 64, dtype=dtype))
+    assert y.shape == (1, 0, 40) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_chunked_rows_and_bias(fmt, monkeypatch):
     """More rows than one chunk holds: the parts line up, each with its slice of the bias."""
     monkeypatch.setattr(quant, "CHUNK_BYTES", 64 * 96 * 4)  # 64 rows a chunk
@@ -418,6 +427,10 @@ def test_engine_serves_a_quantised_model(monkeypatch):
     for prompt, out in zip(prompts, outs):
         want = generate(twin, torch.tensor([prompt]), 6, cache=None, ignore_eos=True)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    monkeypatch.delenv("SELFATTN_QUANT_KERNEL")  # the kernel, on a prompt of several steps
+    long = [torch.randint(0, 97, (23,)).tolist()]
+    engine = Engine(quantised, kv_cache_bytes=1 << 20, page_size=4, max_batch_tokens=8)
+    assert len(engine.generate(long, params)[0].outputs[0].token_ids) == 6
 
 
 # -- weight-only quantisation of any model (quantize_) --------------------------------------------
