@@ -253,3 +253,18 @@ def test_compact_moves_each_heads_tokens_and_never_writes_shared_pages():
         s = kv.add_sequence()
         kv.plan([s], 5)
         kv.compact(s, torch.tensor([[[3, 1]]]))
+
+
+def test_an_engine_that_refuses_compression_names_why(model):
+    """A tensor-parallel engine's ranks mirror rank 0's pages: it refuses every policy."""
+    from selfattn.serving.kv_compression import PromptCompression
+    from selfattn.serving.parallel import TensorParallelEngine
+
+    why = TensorParallelEngine.compression_refused
+    engine = engine_for(model, 20)
+    pc = PromptCompression(model, engine.kv, None, refused=why)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        pc.resolve(SamplingParams(kv_compression="knorm:0.5"))
+    assert pc.resolve(SamplingParams(kv_compression="none")) is None
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        PromptCompression(model, engine.kv, "knorm:0.5", refused=why)
