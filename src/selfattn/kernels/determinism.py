@@ -1,0 +1,101 @@
+"""Deterministic mode: every token's result the same whatever else runs in its call.
+
+Batched inference rounds a request differently alone and in a batch when a reduction's split
+depends on the batch ("Defeating Nondeterminism in LLM Inference", He et al., Thinking
+Machines, 2025; vLLM's batch-invariant mode). Inside :func:`deterministic` the kernels here
+reduce each row the same way whatever the other rows, the batch size and the thread count:
+
+- the C paged-decode kernel cuts a sequence's keys into splits of :data:`SPLIT_KEYS` keys
+  (:func:`split_pages`), not into as many splits as the threads and the batch size pay for;
+  its work items (row, split) run on any thread, and the splits merge in split order;
+- ``F.linear`` (torch's matmul) gets a multiple of :data:`ROW_TILE` rows
+  (:func:`invariant_linear`): MKL's fp32 GEMM rounds every row of an ``M``-row product alike
+  for ``M`` a multiple of 4 or ``M >= 12``, at any row position, but ``M = 1`` runs a GEMV and
+  ``M = 2, 3`` another kernel, each summing in its own order, and on two threads the last rows
+  of ``M = 5..7, 9..11`` differ too (measured with MKL 2024.2 on AVX-512, 1 and 2 threads,
+  ``M`` up to 519; its bf16 product was invariant at every ``M``: ``benchmarks/determinism.py``
+  checks a machine);
+- the quantised matmul runs its C kernel for every row count (``nn/quant.py``), never the
+  dequantising matmul it takes past ``KERNEL_ROWS`` rows;
+- a packed paged step attends every chunk's tokens as rows (``cache/paged/plan.py``), each over
+  its own keys, never a long chunk as one query block: so chunk boundaries, preemption's
+  recompute and prefix-cache hits cannot change a token's attention.
+
+The mode is a context variable (per thread and per asyncio task): an engine or ``generate``
+enters it around its own steps; nothing global changes, and other engines in the process keep
+their own mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "ROW_TILE", "SPLIT_KEYS", "deterministic", "invariant_linear", "is_deterministic",
+    "split_pages",
+]  # fmt: skip
+
+# Keys per split of the paged-decode kernel in deterministic mode: a split count that grows with
+# the sequence only (flash-decoding's split over the keys, of a fixed size).
+SPLIT_KEYS = 256
+# A deterministic linear hands torch's matmul a multiple of this many rows, the row counts whose
+# every row MKL's fp32 GEMM rounds alike (module docstring); padding adds at most 3 zero rows.
+ROW_TILE = 4
+
+_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "selfattn_deterministic", default=False
+)
+
+
+def is_deterministic() -> bool:
+    """Whether the calling thread (or task) runs inside :func:`deterministic`."""
+    return _MODE.get()
+
+
+def split_pages(page_size: int) -> int:
+    """Pages of ``page_size`` tokens per key split in deterministic mode (at least one)."""
+    return max(1, SPLIT_KEYS // page_size)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with every row of ``x (..., K)`` rounded as it is in any
+    other batch: the rows are padded with zeros to a multiple of :data:`ROW_TILE`."""
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    pad = -M % ROW_TILE
+    if pad == 0:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(M, x.shape[-1])  # (..., K) -> (M, K)
+    padded = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])  # (M + pad, K)
+    return F.linear(padded, weight, bias)[:M].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _InvariantLinear(TorchFunctionMode):
+    """Routes ``F.linear`` through :func:`invariant_linear` (the mode is off inside its own
+    handler, so the call it makes runs plain)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return invariant_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool = True) -> Iterator[None]:
+    """Run the block in deterministic mode (module docstring); ``enabled=False``: unchanged,
+    so that callers can pass their flag through."""
+    if not enabled or _MODE.get():
+        yield
+        return
+    token = _MODE.set(True)
+    try:
+        with _InvariantLinear():
+            yield
+    finally:
+        _MODE.reset(token)
