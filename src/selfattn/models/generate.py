@@ -361,24 +361,14 @@ def generate(
                             attention_mask, spec)  # fmt: skip
     if kv_press is not None:
         cache = "static"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if deterministic:
         cache = _deterministic_cache(cache, attention_mask)
     with determinism.deterministic(deterministic):
-        return _generate_checked(
-            model,
-            input_ids,
-            attention_mask,
-            cache,
-            max_new_tokens,
-            page_size,
-            eos,
-            pad_token_id,
-            pick,
-            put,
-            end,
-            spec,
-            (kv_press, kv_compression_context),
-        )
+        return _generate_checked(model, input_ids, attention_mask, cache, max_new_tokens,
+                                 page_size, eos, pad_token_id, pick, put, end, spec,
+                                 (kv_press, kv_compression_context))  # fmt: skip
 
 
 def _deterministic_cache(cache, attention_mask):
@@ -392,21 +382,8 @@ def _deterministic_cache(cache, attention_mask):
     return "paged" if cache == "auto" else cache
 
 
-def _generate_checked(
-    model,
-    input_ids,
-    attention_mask,
-    cache,
-    max_new_tokens,
-    page_size,
-    eos,
-    pad_token_id,
-    pick,
-    put,
-    end,
-    spec,
-    compression,
-):
+def _generate_checked(model, input_ids, attention_mask, cache, max_new_tokens, page_size, eos,
+                      pad_token_id, pick, put, end, spec, compression):  # fmt: skip
     """:func:`generate` once its arguments are checked: ``(B, S + n)`` token ids."""
     B = input_ids.shape[0]
     if spec is not None and max_new_tokens > 0:
