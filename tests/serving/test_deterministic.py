@@ -168,6 +168,23 @@ def test_invariant_linear_rows_match_in_any_batch(dtype):
     assert torch.equal(invariant_linear(x[None, :3], w, b)[0], alone[:3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [37, 48, 128])
+def test_invariant_rowwise_rows_match_in_any_batch(dtype, D, threads):
+    """SiLU through invariant_rowwise: each row of a 1 .. 41-row batch equals the row alone
+    (plain SiLU over a contiguous (M, 48) tensor rounds rows at its scalar tail differently);
+    the values are SiLU's."""
+    import torch.nn.functional as F
+
+    from selfattn.kernels.determinism import invariant_rowwise
+
+    x = torch.randn(41, D, generator=torch.Generator().manual_seed(D)).to(dtype)
+    alone = torch.cat([invariant_rowwise(F.silu, x[i : i + 1]) for i in range(41)])
+    for M in (1, 2, 7, 16, 41):
+        assert torch.equal(invariant_rowwise(F.silu, x[:M]), alone[:M]), f"M={M}"
+    torch.testing.assert_close(alone, F.silu(x))  # the same op: at most its lanes' rounding
+
+
 def test_engine_config_and_serve_flag():
     from selfattn.cli.main import build_parser
 

@@ -15,6 +15,7 @@ reduce each row the same way whatever the other rows, the batch size and the thr
   of ``M = 5..7, 9..11`` differ too (measured with MKL 2024.2 on AVX-512, 1 and 2 threads,
   ``M`` up to 519; its bf16 product was invariant at every ``M``: ``benchmarks/determinism.py``
   checks a machine);
+- SiLU and GELU see every row at the same vector lanes (:func:`invariant_rowwise`);
 - the quantised matmul runs its C kernel for every row count (``nn/quant.py``), never the
   dequantising matmul it takes past ``KERNEL_ROWS`` rows;
 - a packed paged step attends every chunk's tokens as rows (``cache/paged/plan.py``), each over
@@ -37,8 +38,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "ROW_TILE", "SPLIT_KEYS", "deterministic", "invariant_linear", "is_deterministic",
-    "split_pages",
+    "ROW_TILE", "SPLIT_KEYS", "deterministic", "invariant_linear", "invariant_rowwise",
+    "is_deterministic", "split_pages",
 ]  # fmt: skip
 
 # Keys per split of the paged-decode kernel in deterministic mode: a split count that grows with
@@ -75,14 +76,42 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.
     return F.linear(padded, weight, bias)[:M].reshape(*x.shape[:-1], weight.shape[0])
 
 
-class _InvariantLinear(TorchFunctionMode):
-    """Routes ``F.linear`` through :func:`invariant_linear` (the mode is off inside its own
-    handler, so the call it makes runs plain)."""
+def invariant_rowwise(op, x: torch.Tensor) -> torch.Tensor:
+    """``op(x)`` for an elementwise ``op`` (SiLU, GELU) with every row of ``x (..., D)``
+    computed as it is in any other batch. torch runs such an op over a contiguous tensor as one
+    flat loop: vector lanes from the start, scalar code for the tail (and each thread's chunk
+    starts where the split falls), and its vector and scalar ``exp`` round differently, so a
+    row's element rounds by where the row sits. Here each row starts at a multiple of
+    ``64 x threads`` elements (rows zero-padded to that width): every element then takes the
+    same lane, and no row reaches a tail or a thread boundary mid-vector."""
+    D = x.shape[-1]
+    unit = _LANES * torch.get_num_threads()
+    width = -(-D // unit) * unit
+    if width == D or x.numel() == 0:
+        return op(x.contiguous())
+    rows = x.reshape(-1, D)  # (..., D) -> (M, D)
+    padded = rows.new_zeros(rows.shape[0], width)  # (M, width)
+    padded[:, :D] = rows
+    return op(padded)[:, :D].reshape(x.shape)
+
+
+# Elements of the widest vector loop torch's CPU kernels run (two AVX-512 registers of bf16).
+_LANES = 64
+# The elementwise ops with transcendental functions that a decoder step runs per token.
+_ROWWISE = {F.silu, torch._C._nn.silu, F.gelu, torch._C._nn.gelu}
+
+
+class _Invariant(TorchFunctionMode):
+    """Routes ``F.linear`` through :func:`invariant_linear` and SiLU / GELU through
+    :func:`invariant_rowwise` (the mode is off inside its own handler, so the calls it makes
+    run plain)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             return invariant_linear(*args, **kwargs)
+        if func in _ROWWISE and not kwargs.get("inplace") and len(args) == 1:
+            return invariant_rowwise(lambda t: func(t, **kwargs), args[0])
         return func(*args, **kwargs)
 
 
@@ -95,7 +124,7 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
         return
     token = _MODE.set(True)
     try:
-        with _InvariantLinear():
+        with _Invariant():
             yield
     finally:
         _MODE.reset(token)
