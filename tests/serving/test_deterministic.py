@@ -13,7 +13,7 @@ import torch
 from selfattn import masks
 from selfattn.cache import kv_cache_bytes
 from selfattn.functional import paged_attention
-from selfattn.kernels import paged_decode
+from selfattn.kernels import paged_decode, quant_matmul
 from selfattn.kernels.determinism import (
     SPLIT_KEYS,
     deterministic,
@@ -22,6 +22,7 @@ from selfattn.kernels.determinism import (
 )
 from selfattn.models.decoder import DecoderConfig, Llama
 from selfattn.models.generate import generate
+from selfattn.nn.quant import quantize_
 from selfattn.serving import Engine, SamplingParams
 from selfattn.serving.config import EngineConfig
 from tests.cache.test_paged import check, make_paged
@@ -57,9 +58,16 @@ def tiny_model(dtype: torch.dtype, seed: int = 0, tie: float | None = None) -> L
     return model.to(dtype)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.fixture(scope="module", params=["fp32", "bf16", "q8_0"])
 def model(request):
-    return tiny_model(request.param, seed=1)
+    """The tiny model in fp32, bf16, and with q8_0 weights (the quantised matmul's C kernel;
+    its steps that keep no logits give the LM head zero rows)."""
+    if request.param != "q8_0":
+        return tiny_model(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[request.param]),
+                          seed=1)  # fmt: skip
+    if quant_matmul.library() is None:
+        pytest.skip("no C compiler here: the quantised kernel cannot be built")
+    return quantize_(tiny_model(torch.float32, seed=1), "q8_0")
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -74,7 +82,7 @@ def served(model, requests, *, pages: int = 200, **knobs) -> list[tuple]:
     """Each request's ``(token ids, logprobs)`` from one deterministic engine, all queued at
     once (a few per step, in order); its metrics too."""
     c = model.config
-    one = kv_cache_bytes(c.n_layers, c.n_kv_heads, c.head_dim, P, model.lm_head.weight.dtype)
+    one = kv_cache_bytes(c.n_layers, c.n_kv_heads, c.head_dim, P, model.norm.weight.dtype)
     knobs = {"deterministic": True, **knobs}
     engine = Engine(model, kv_cache_bytes=pages * one, page_size=P, **knobs)
     ids, finals, pending = [], {}, list(requests)
@@ -134,13 +142,19 @@ def test_generate_row_alone_equals_row_in_batch(dtype, threads):
     assert torch.equal(batch[0], alone) and torch.equal(swapped[2], alone)
 
 
-def test_generate_refuses_padded_rows():
+def test_generate_refuses_what_it_does_not_make_invariant():
     model = tiny_model(torch.float32)
     ids = torch.randint(2, VOCAB, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, :2] = 0
     with pytest.raises(ValueError, match=r"deterministic=True\) runs rows without padding"):
         generate(model, ids, 3, attention_mask=mask, deterministic=True)
+    with pytest.raises(ValueError, match="runs on the paged cache, got cache='static'"):
+        generate(model, ids, 3, cache="static", deterministic=True)
+    with pytest.raises(ValueError, match="does not run speculative decoding yet"):
+        generate(model, ids, 3, prompt_lookup_num_tokens=2, deterministic=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got 1"):
+        generate(model, ids, 3, deterministic=1)
 
 
 def test_the_mode_is_scoped():

@@ -285,9 +285,9 @@ def generate(
             and prefill the rest (its question) after them uncompressed; None: the whole prompt.
         deterministic: each row's tokens and logits bitwise the same whatever the other rows
             and the thread count (:mod:`selfattn.kernels.determinism`: fixed key splits,
-            batch-invariant linears; slower decode). ``cache="auto"`` then takes the paged
-            cache, and rows must be unpadded (prompts of one length): a padded row's keys and
-            positions shift with the batch's longest prompt.
+            batch-invariant linears; slower decode). It runs on the paged cache (``cache``
+            ``"auto"`` or ``"paged"``), rows unpadded (prompts of one length: a padded row's
+            keys and positions shift with the batch's longest prompt) and without speculation.
 
     Returns:
         ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
@@ -364,22 +364,32 @@ def generate(
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if deterministic:
-        cache = _deterministic_cache(cache, attention_mask)
+        cache = _deterministic_cache(cache, attention_mask, spec, kv_press)
     with determinism.deterministic(deterministic):
         return _generate_checked(model, input_ids, attention_mask, cache, max_new_tokens,
                                  page_size, eos, pad_token_id, pick, put, end, spec,
                                  (kv_press, kv_compression_context))  # fmt: skip
 
 
-def _deterministic_cache(cache, attention_mask):
-    """The cache of a deterministic generation (``"auto"``: paged); ValueError for padded rows,
-    whose results depend on the batch's longest prompt."""
+def _deterministic_cache(cache, attention_mask, speculation, press):
+    """The cache of a deterministic generation: the paged one (its kernel's key splits are the
+    ones deterministic mode fixes); ValueError for another cache, speculation or compression
+    (not made invariant yet) and for padded rows, whose results depend on the batch's longest
+    prompt."""
+    for what, given in (("speculative decoding", speculation), ("kv_compression", press)):
+        if given is not None:
+            raise ValueError(f"generate(deterministic=True) does not run {what} yet: drop it")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError(
             "generate(deterministic=True) runs rows without padding: pass prompts of one "
             "length (or serve them with Engine(..., deterministic=True), which takes any)"
         )
-    return "paged" if cache == "auto" else cache
+    if cache not in ("auto", "paged"):
+        raise ValueError(
+            f"generate(deterministic=True) runs on the paged cache, got cache={cache!r}: pass "
+            "cache='auto' or 'paged'"
+        )
+    return "paged"
 
 
 def _generate_checked(model, input_ids, attention_mask, cache, max_new_tokens, page_size, eos,
