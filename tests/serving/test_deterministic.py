@@ -13,7 +13,7 @@ import torch
 from selfattn import masks
 from selfattn.cache import kv_cache_bytes
 from selfattn.functional import paged_attention
-from selfattn.kernels import paged_decode, quant_matmul
+from selfattn.kernels import paged_decode, quant_matmul, rows_linear
 from selfattn.kernels.determinism import (
     SPLIT_KEYS,
     deterministic,
@@ -168,8 +168,38 @@ def test_the_mode_is_scoped():
     assert not is_deterministic()
 
 
+@pytest.fixture(params=["kernel", "padded matmul"])
+def linear_path(request, monkeypatch):
+    """invariant_linear's two paths: the C kernel, and torch's matmul over padded rows."""
+    if request.param == "kernel" and rows_linear.library() is None:
+        pytest.skip("no C compiler here: the rows kernel cannot be built")
+    if request.param != "kernel":
+        monkeypatch.setenv("SELFATTN_ROWS_KERNEL", "0")
+    return request.param
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_invariant_linear_rows_match_in_any_batch(dtype):
+@pytest.mark.parametrize(("N", "K"), [(97, 37), (64, 64), (130, 1025)])
+def test_rows_kernel_against_the_oracle_and_its_twin(dtype, N, K):
+    """rows_linear.linear with a bias against fp64 (ratio rule against torch's own product in
+    the dtype), and its float32 sum against the plain-PyTorch twin of its order."""
+    from selfattn.testing import assert_close_to_reference
+
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(9, K, generator=g).to(dtype)
+    w, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+    oracle = x.double() @ w.double().T + b.double()
+    got = rows_linear.linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (9, N)
+    assert_close_to_reference(got, oracle, torch.nn.functional.linear(x, w, b), what="linear")
+    twin = rows_linear.twin(x, w)
+    assert_close_to_reference(rows_linear.linear(x.float(), w.float()), oracle - b.double(),
+                              twin, what="against the twin")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_invariant_linear_rows_match_in_any_batch(dtype, linear_path):
     """Each row of invariant_linear over M rows equals the row alone, for M = 1 .. 40 (torch's
     own F.linear differs between these row counts on MKL: module docstring)."""
     g = torch.Generator().manual_seed(6)

@@ -8,13 +8,14 @@ reduce each row the same way whatever the other rows, the batch size and the thr
 - the C paged-decode kernel cuts a sequence's keys into splits of :data:`SPLIT_KEYS` keys
   (:func:`split_pages`), not into as many splits as the threads and the batch size pay for;
   its work items (row, split) run on any thread, and the splits merge in split order;
-- ``F.linear`` (torch's matmul) gets a multiple of :data:`ROW_TILE` rows
-  (:func:`invariant_linear`): MKL's fp32 GEMM rounds every row of an ``M``-row product alike
+- ``F.linear`` runs :func:`invariant_linear`: a C kernel whose every output sums in one order
+  fixed by the width (``csrc/rows_linear.c``), or, without it, torch's matmul over a multiple
+  of :data:`ROW_TILE` rows: MKL's fp32 GEMM rounds every row of an ``M``-row product alike
   for ``M`` a multiple of 4 or ``M >= 12``, at any row position, but ``M = 1`` runs a GEMV and
   ``M = 2, 3`` another kernel, each summing in its own order, and on two threads the last rows
   of ``M = 5..7, 9..11`` differ too (measured with MKL 2024.2 on AVX-512, 1 and 2 threads,
-  ``M`` up to 519; its bf16 product was invariant at every ``M``: ``benchmarks/determinism.py``
-  checks a machine);
+  ``M`` up to 519; in bf16 some rows differ from ``M = 7`` at ``K = 1,536``:
+  ``benchmarks/determinism.py`` checks a machine);
 - SiLU and GELU see every row at the same vector lanes (:func:`invariant_rowwise`);
 - the quantised matmul runs its C kernel for every row count (``nn/quant.py``), never the
   dequantising matmul it takes past ``KERNEL_ROWS`` rows;
@@ -37,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from selfattn.kernels import rows_linear
+
 __all__ = [
     "ROW_TILE", "SPLIT_KEYS", "deterministic", "invariant_linear", "invariant_rowwise",
     "is_deterministic", "split_pages",
@@ -45,8 +48,9 @@ __all__ = [
 # Keys per split of the paged-decode kernel in deterministic mode: a split count that grows with
 # the sequence only (flash-decoding's split over the keys, of a fixed size).
 SPLIT_KEYS = 256
-# A deterministic linear hands torch's matmul a multiple of this many rows, the row counts whose
-# every row MKL's fp32 GEMM rounds alike (module docstring); padding adds at most 3 zero rows.
+# Without the rows kernel a deterministic linear hands torch's matmul a multiple of this many
+# rows, the row counts whose every row MKL's fp32 GEMM rounds alike (module docstring); padding
+# adds at most 3 zero rows.
 ROW_TILE = 4
 
 _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -66,7 +70,12 @@ def split_pages(page_size: int) -> int:
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row of ``x (..., K)`` rounded as it is in any
-    other batch: the rows are padded with zeros to a multiple of :data:`ROW_TILE`."""
+    other batch: the C kernel of :mod:`~selfattn.kernels.rows_linear` (float32 or bfloat16 CPU
+    tensors of one dtype, no autograd: at a GEMV's speed on one row), else torch's matmul with
+    the rows padded with zeros to a multiple of :data:`ROW_TILE`. Which of the two runs depends
+    on the machine and the tensors' kind, never on the row count."""
+    if _rows_kernel_takes(x, weight, bias):
+        return rows_linear.linear(x, weight, bias)
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     pad = -M % ROW_TILE
     if pad == 0:
@@ -74,6 +83,17 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.
     rows = x.reshape(M, x.shape[-1])  # (..., K) -> (M, K)
     padded = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])  # (M + pad, K)
     return F.linear(padded, weight, bias)[:M].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rows_kernel_takes(x, weight, bias) -> bool:
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return (
+        x.dtype in (torch.float32, torch.bfloat16)
+        and all(t.device.type == "cpu" and t.dtype == x.dtype for t in tensors)
+        and weight.dim() == 2
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and rows_linear.library() is not None
+    )
 
 
 def invariant_rowwise(op, x: torch.Tensor) -> torch.Tensor:
