@@ -508,6 +508,22 @@ def check_quant_matmul(report: dict) -> None:
     assert base["ratio"] == pytest.approx(1.0)
 
 
+def check_determinism(report: dict) -> None:
+    """Every op measured at 1 and 2 threads; deterministic mode's rows (invariant_linear, the
+    quantised matmul and the paged kernel in deterministic mode) invariant; two cost rows."""
+    inv = [r for r in report["rows"] if r["kind"] == "invariance"]
+    ops = {r["op"] for r in inv}
+    assert {"torch x @ W.T", "invariant_linear", "QuantizedLinear q8_0"} <= ops, ops
+    assert {r["threads"] for r in inv} == {1, 2}
+    for r in inv:
+        if r["op"] == "invariant_linear" or r.get("deterministic"):
+            assert r["row0"] and r["all_rows"] is not False, r
+        if r["M"] == 1:  # one row is itself alone
+            assert r["row0"], r
+    cost = [r for r in report["rows"] if r["kind"] == "cost"]
+    assert [r["batch"] for r in cost] == [1, 16]
+
+
 SMOKES = {
     # trains four tiny models (seconds each; one thread: on tiny shapes threads cost more)
     "alternatives": Smoke(
@@ -528,6 +544,7 @@ SMOKES = {
         wrote=check_crossover_fits,
     ),
     "decode": Smoke(packaged("decode", "--repeat", "2"), check_decode),
+    "determinism": Smoke(packaged("determinism"), check_determinism),
     "kv_compression": Smoke(packaged("kv_compression"), check_kv_compression, needs=("gguf",)),
     "kv_capacity": Smoke(packaged("kv_capacity"), check_kv_capacity, needs=("gguf",)),
     "schema_fuzz": Smoke(

@@ -196,6 +196,17 @@ def test_engine_on_two_processes_equals_one_and_closes(folders, tp_engine):
     tp.close()  # idempotent
 
 
+def test_deterministic_engine_on_two_processes(folders, tp_engine):
+    """deterministic=True reaches the worker (its plans and kernels): a request's tokens and
+    logprobs alone and among others, chunked by a small budget, are the same."""
+    prompts = [p for p, _ in _requests(seed=5)]
+    params = SamplingParams(max_tokens=6, logprobs=2, **GREEDY)
+    tp = tp_engine(deterministic=True, max_batch_tokens=7, timeout_s=STEP_TIMEOUT_S)
+    alone = tp.generate([prompts[0]], params)[0].outputs[0]
+    batch = tp.generate(prompts, params)[0].outputs[0]
+    assert (alone.token_ids, alone.logprobs) == (batch.token_ids, batch.logprobs)
+
+
 def test_quantised_engine_speculates_on_two_processes(tmp_path, tp_engine):
     """A checkpoint kept quantised splits on its blocks, and speculative steps (drafts verified
     on every rank, rejected ones rolled back by the next step's lengths) give the greedy tokens

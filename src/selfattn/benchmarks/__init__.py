@@ -15,6 +15,7 @@ NAMES = (
     "crossover",
     "decode",
     "decode_step",
+    "determinism",
     "gguf_model",
     "gpu",
     "kv_capacity",

@@ -13,6 +13,7 @@ SIGTERM or Ctrl-C drains: no new connections, running requests finish, then the 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from pathlib import Path
@@ -131,6 +132,13 @@ def add_parser(subparsers):
         "llama3_json, mistral ([TOOL_CALLS]), none, or auto (by the markers the chat template "
         "writes; default)",
     )
+    p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.deterministic,
+        help="a request's tokens and logprobs bitwise the same alone or in any batch "
+        "(fixed key splits, batch-invariant matmuls; slower decode); off by default",
+    )
     _add_speculative(p)
     _common.add_dtype(p)
     _common.add_threads(p)
@@ -224,7 +232,8 @@ def _engine_config(args) -> EngineConfig:
     fields = {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS}
     fields |= {field: getattr(args, field) for field in SPECULATIVE_FIELDS}
     return EngineConfig(kv_cache_bytes=kv_bytes, kv_dtype=kv_dtype,
-                        kv_compression=args.kv_compression, **fields)  # fmt: skip
+                        kv_compression=args.kv_compression, deterministic=args.deterministic,
+                        **fields)  # fmt: skip
 
 
 def _tokenizer(model: str):

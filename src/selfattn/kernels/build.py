@@ -39,13 +39,14 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "CLibrary", "Function", "build_errors", "cache_dir", "compile_library", "compiler", "load",
+    "loader",
     "openmp_flags",
 ]  # fmt: skip
 
@@ -410,3 +411,15 @@ def _build_failure(flags: list[str], error: Exception) -> str:
     lines = stderr.decode(errors="replace").strip().splitlines() if stderr else []
     detail = [ln for ln in lines if "error" in ln][:1] or lines[-1:]
     return f"{' '.join(flags)}: {detail[0].strip() if detail else error}"
+
+
+def loader(spec: CLibrary, env_var: str) -> Callable[[], ctypes.CDLL | None]:
+    """A kernel module's ``library()``: ``spec``'s library, built and loaded on the first call
+    that wants it (:func:`load`, once), or None where it cannot be or ``env_var`` is ``"0"``
+    (read at every call: tests switch it)."""
+    once = functools.cache(lambda: load(spec))
+
+    def library() -> ctypes.CDLL | None:
+        return None if os.environ.get(env_var, "1") == "0" else once()
+
+    return library

@@ -47,6 +47,7 @@ import torch
 
 from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, load
+from selfattn.kernels.determinism import is_deterministic, split_pages
 from selfattn.kernels.markers import assume_constant_result
 
 __all__ = [
@@ -142,14 +143,21 @@ def _fp8_table() -> torch.Tensor:
 def key_splits(lo: torch.Tensor, hi: torch.Tensor, P: int) -> tuple[int, int]:
     """``(n_split, split_pages)``: each sequence's pages are cut into ``n_split`` work items of
     ``split_pages`` pages, enough items for ``ITEMS_PER_THREAD`` per thread (flash-decoding's
-    split over the keys, for a small batch)."""
+    split over the keys, for a small batch). In deterministic mode
+    (:mod:`~selfattn.kernels.determinism`) ``split_pages`` is fixed by the page size alone, so
+    a row's splits (from its sequence's first attended page) and their merge order depend on
+    its own keys only, not on the batch or the threads; the longest sequence sets the count,
+    and a shorter one's trailing splits are empty (a partial of no key merges exactly)."""
     B = lo.shape[0]
     lo, hi = lo.reshape(B, -1), hi.reshape(B, -1)  # (B, Sq) or (B, Sq, NI): every interval
     pages = (hi.amax(dim=1) + P - 1) // P - lo.amin(dim=1) // P  # (B,) logical pages to walk
     span = int(pages.clamp(min=0).max()) if B else 0
+    if is_deterministic():
+        per = split_pages(P)
+        return max(1, -(-span // per)), per
     n_split = max(1, min(span, -(-ITEMS_PER_THREAD * torch.get_num_threads() // max(B, 1))))
-    split_pages = max(1, -(-span // n_split))
-    return max(1, -(-span // split_pages)), split_pages
+    per = max(1, -(-span // n_split))
+    return max(1, -(-span // per)), per
 
 
 def decode(

@@ -208,7 +208,7 @@ class Weights:
         x = x.contiguous()
         M = x.shape[0]
         y = torch.empty(M, self._shape[0], dtype=x.dtype)
-        if M == 0:  # no rows (a step of prompt chunks whose logits nobody keeps)
+        if M == 0:  # no rows (an Engine step that keeps no logits): the kernel refuses M = 0
             return y
         status = lib.quant_matmul(
             self._args, M, x.data_ptr(), y.data_ptr(), DTYPE_CODES[x.dtype], isa_code(lib),

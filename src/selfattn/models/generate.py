@@ -53,6 +53,7 @@ import torch
 
 from selfattn._validate import int_at_least
 from selfattn.cache.base import ModelKVCache
+from selfattn.kernels import determinism
 from selfattn.models import speculative as spec
 from selfattn.models.decode_fast import plain_blocks
 from selfattn.models.decoder import DECODER_CACHE_KINDS, CausalLM
@@ -234,6 +235,7 @@ def generate(
     num_assistant_tokens: int | None = None,
     kv_compression=None,
     kv_compression_context: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids (B, S)`` by up to ``max_new_tokens`` tokens.
 
@@ -281,6 +283,11 @@ def generate(
             layer and rows without padding; None or ratio 0: exactly the uncompressed run.
         kv_compression_context: compress the first ``n`` prompt tokens only (kvpress's context)
             and prefill the rest (its question) after them uncompressed; None: the whole prompt.
+        deterministic: each row's tokens and logits bitwise the same whatever the other rows
+            and the thread count (:mod:`selfattn.kernels.determinism`: fixed key splits,
+            batch-invariant linears; slower decode). It runs on the paged cache (``cache``
+            ``"auto"`` or ``"paged"``), rows unpadded (prompts of one length: a padded row's
+            keys and positions shift with the batch's longest prompt) and without speculation.
 
     Returns:
         ``(B, S + n)`` token ids: the prompt, then ``n <= max_new_tokens`` new tokens (fewer when
@@ -299,7 +306,7 @@ def generate(
             prompt_lookup_num_tokens=prompt_lookup_num_tokens,
             max_matching_ngram_size=max_matching_ngram_size, assistant_model=assistant_model,
             num_assistant_tokens=num_assistant_tokens, kv_compression=kv_compression,
-            kv_compression_context=kv_compression_context,
+            kv_compression_context=kv_compression_context, deterministic=deterministic,
         )  # fmt: skip
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
@@ -354,6 +361,41 @@ def generate(
                             attention_mask, spec)  # fmt: skip
     if kv_press is not None:
         cache = "static"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if deterministic:
+        cache = _deterministic_cache(cache, attention_mask, spec, kv_press)
+    with determinism.deterministic(deterministic):
+        return _generate_checked(model, input_ids, attention_mask, cache, max_new_tokens,
+                                 page_size, eos, pad_token_id, pick, put, end, spec,
+                                 (kv_press, kv_compression_context))  # fmt: skip
+
+
+def _deterministic_cache(cache, attention_mask, speculation, press):
+    """The cache of a deterministic generation: the paged one (its kernel's key splits are the
+    ones deterministic mode fixes); ValueError for another cache, speculation or compression
+    (not made invariant yet) and for padded rows, whose results depend on the batch's longest
+    prompt."""
+    for what, given in (("speculative decoding", speculation), ("kv_compression", press)):
+        if given is not None:
+            raise ValueError(f"generate(deterministic=True) does not run {what} yet: drop it")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "generate(deterministic=True) runs rows without padding: pass prompts of one "
+            "length (or serve them with Engine(..., deterministic=True), which takes any)"
+        )
+    if cache not in ("auto", "paged"):
+        raise ValueError(
+            f"generate(deterministic=True) runs on the paged cache, got cache={cache!r}: pass "
+            "cache='auto' or 'paged'"
+        )
+    return "paged"
+
+
+def _generate_checked(model, input_ids, attention_mask, cache, max_new_tokens, page_size, eos,
+                      pad_token_id, pick, put, end, spec, compression):  # fmt: skip
+    """:func:`generate` once its arguments are checked: ``(B, S + n)`` token ids."""
+    B = input_ids.shape[0]
     if spec is not None and max_new_tokens > 0:
         if end is not None:
             put(input_ids.cpu())
@@ -370,9 +412,8 @@ def generate(
         )
     else:
         step, prefix = _decoder_steps(
-            model, input_ids, attention_mask, cache, max_new_tokens, page_size,
-            (kv_press, kv_compression_context),
-        )  # fmt: skip
+            model, input_ids, attention_mask, cache, max_new_tokens, page_size, compression
+        )
     out = prefix.new_empty(B, prefix.shape[1] + max_new_tokens)
     out[:, : prefix.shape[1]] = prefix
     n = prefix.shape[1]

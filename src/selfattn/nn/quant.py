@@ -51,6 +51,7 @@ from torch import nn
 
 from selfattn._log import log_once
 from selfattn.kernels import quant_matmul as qmm
+from selfattn.kernels.determinism import is_deterministic
 
 __all__ = [
     "CHUNK_BYTES",
@@ -152,9 +153,11 @@ def _kernel():
 
 def kernel_for(x: torch.Tensor):
     """The C kernel where it runs for inputs ``x (M, K)`` (CPU, float32 or bfloat16, ``M <=
-    KERNEL_ROWS``, no autograd), else None (its absence logged once)."""
+    KERNEL_ROWS`` or any ``M`` in deterministic mode, no autograd), else None (its absence
+    logged once). Deterministic mode takes the kernel at every ``M``: one path, so a row rounds
+    alike in any batch (:mod:`selfattn.kernels.determinism`)."""
     if (
-        x.shape[0] <= KERNEL_ROWS
+        (x.shape[0] <= KERNEL_ROWS or is_deterministic())
         and x.dtype in _KERNEL_DTYPES
         and x.device.type == "cpu"
         and not (x.requires_grad and torch.is_grad_enabled())

@@ -93,6 +93,11 @@ class EngineConfig:
     # KV compression of every prompt without its own kv_compression: "POLICY[:RATIO]"
     # ("snapkv:0.5"; selfattn.cache.compress.compression reads it) or None (off).
     kv_compression: str | None = None
+    # Deterministic mode (selfattn.kernels.determinism): a request's tokens and logprobs are
+    # bitwise the same alone or in any batch, whatever the chunking, preemption or prefix-cache
+    # hits: fixed key splits, batch-invariant linears, every prompt token attended as a row.
+    # Off by default: it costs decode speed (benchmarks/determinism.py measures how much).
+    deterministic: bool = False
 
     def __post_init__(self):
         for name in ("kv_cache_bytes", "page_size", "max_batch_tokens", "max_num_seqs",
@@ -100,10 +105,9 @@ class EngineConfig:
             _positive(name, getattr(self, name))
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        if not isinstance(self.prefix_caching, bool):
-            raise TypeError(
-                f"EngineConfig prefix_caching must be a bool, got {self.prefix_caching!r}"
-            )
+        for name in ("prefix_caching", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig {name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"EngineConfig seed must be an int, got {self.seed!r}")
         for name in ("admit_quiet_s", "admit_window_s"):

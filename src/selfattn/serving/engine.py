@@ -55,6 +55,7 @@ import torch
 
 from selfattn.cache import PagedKV
 from selfattn.cache.size import kv_cache_bytes as _kv_bytes
+from selfattn.kernels.determinism import deterministic
 from selfattn.models.decoder import CausalLM
 from selfattn.models.generate import stop_token_ids
 from selfattn.serving.config import (
@@ -318,7 +319,8 @@ class Engine:
                 self.metrics.cached_prompt_tokens += req.cached_tokens
             if batch.chunks:
                 try:
-                    self._run(batch, touched)
+                    with deterministic(self.config.deterministic):
+                        self._run(batch, touched)
                 except Exception as e:  # the batch fails, the engine goes on
                     log.exception("selfattn.serving: a step failed; its requests end with it")
                     for seq, _ in batch.chunks:

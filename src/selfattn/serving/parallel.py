@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from selfattn.cache import PagedKV
+from selfattn.kernels.determinism import deterministic
 from selfattn.models.decoder import CausalLM
 from selfattn.nn import MLP, DiffAttention, MultiHeadAttention, QuantizedLinear, SwiGLU
 from selfattn.nn.quant import column_groups
@@ -86,7 +87,9 @@ _POLL_S = 0.05  # rank 0 polls the workers' start at this interval
 # Step messages: a fixed header, then (for a step) one int64 payload.
 _STEP, _IDLE, _STOP = 1, 2, 3
 _HEADER = 6  # kind, T tokens, B sequences, R kept rows, pages listed, pages copied
-_GEOMETRY = 5  # rank 0's pool, sent once: ok, pages, page size, pages per sequence, dtype code
+# rank 0's pool, sent once: ok, pages, page size, pages per sequence, dtype code, and whether the
+# steps run in deterministic mode (every rank's shard then reduces as rank 0's does)
+_GEOMETRY = 6
 _KEY = "selfattn/tp"
 ROW_WISE = (
     "out_proj",
@@ -318,7 +321,8 @@ class TensorParallelEngine(Engine):
             _broadcast(torch.zeros(_GEOMETRY, dtype=torch.long, device=device))  # workers stop
             raise
         kv = self.kv
-        geometry = [1, kv.num_pages, kv.page_size, kv.max_pages_per_seq, _dtype_code(kv)]
+        geometry = [1, kv.num_pages, kv.page_size, kv.max_pages_per_seq, _dtype_code(kv),
+                    int(self.config.deterministic)]  # fmt: skip
         _broadcast(torch.tensor(geometry, device=device))
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, daemon=True,
@@ -457,7 +461,7 @@ def _serve_steps(model: CausalLM) -> None:
     device = _device(model)
     geometry = torch.zeros(_GEOMETRY, dtype=torch.long, device=device)
     _broadcast(geometry)
-    ok, num_pages, page_size, max_pages, code = geometry.tolist()
+    ok, num_pages, page_size, max_pages, code, exact = geometry.tolist()
     if not ok:
         return
     c = model.config
@@ -477,8 +481,8 @@ def _serve_steps(model: CausalLM) -> None:
         payload = torch.empty(T + R + 4 * B + n_pages + 2 * n_copies, dtype=torch.long,
                               device=device)  # fmt: skip
         _broadcast(payload)
-        x, step, rows = _apply_step(kv, h, payload)
-        with torch.no_grad():
+        with torch.no_grad(), deterministic(bool(exact)):  # the plan too: it reads the mode
+            x, step, rows = _apply_step(kv, h, payload)
             model(x, cache=step, logits_to_keep=rows)
 
 

@@ -18,7 +18,8 @@ Two kinds of step:
 
   Chunks of at most :data:`PACKED_ROWS_MAX` tokens are query rows of one ``paged_attention``
   call (causal order inside the chunk needs no mask); a longer chunk is a ``block``, attended
-  as one query block over its sequence's gathered K/V.
+  as one query block over its sequence's gathered K/V. In deterministic mode
+  (:mod:`selfattn.kernels.determinism`) every chunk's tokens are rows, whatever its length.
 
 Positions and slots: a sequence's tokens sit in slots ``0 .. length-1`` and its new token's
 RoPE position is its slot, unless a KV-compression policy compacted it
@@ -39,6 +40,7 @@ import torch
 
 from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.base import next_positions
+from selfattn.kernels.determinism import is_deterministic
 
 __all__ = ["PACKED_ROWS_MAX", "StepPlan", "build", "build_packed", "pair_slots"]
 
@@ -166,6 +168,8 @@ def build_packed(
     """The packed plan of ``counts[i]`` new tokens of sequence ``before[i]`` (module
     docstring); ``pages`` and ``offsets`` as :func:`build`'s."""
     P, M = page_size, max_pages
+    # deterministic mode: every token a row (each rounded as alone, whatever its chunk)
+    rows_max = max(counts, default=0) if is_deterministic() else PACKED_ROWS_MAX
     # One host list, one copy: slots (T), positions (T), table (B·M), for the row tokens their
     # index in T and their sequence's row of the table, then the pair slots.
     slots, pos, table, rows, row_of, spans = [], [], [], [], [], []
@@ -174,7 +178,7 @@ def build_packed(
         slots += [mine[t // P] * P + t % P for t in range(n, n + c)]
         pos += range(n, n + c)
         table += mine + [-1] * (M - len(mine))
-        if c <= PACKED_ROWS_MAX:
+        if c <= rows_max:
             rows += range(start, start + c)
             row_of += [b] * c
         else:
