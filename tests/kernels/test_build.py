@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import selfattn.kernels
-from selfattn.kernels import build, fused_attention, paged_decode, quant_matmul
+from selfattn.kernels import build, fused_attention, paged_decode, quant_matmul, rows_linear
 from tests._kernel_helpers import c_kernel
 
 # The modules whose library() a test may need: each has ENV_VAR, SPEC and library().
-KERNEL_MODULES = [paged_decode, quant_matmul, fused_attention]
+KERNEL_MODULES = [paged_decode, quant_matmul, fused_attention, rows_linear]
 
 
 def _specs() -> dict[str, build.CLibrary]:

@@ -25,13 +25,12 @@ from selfattn.models.generate import generate
 from selfattn.nn.quant import quantize_
 from selfattn.serving import Engine, SamplingParams
 from selfattn.serving.config import EngineConfig
+from tests._kernel_helpers import c_kernel
 from tests.cache.test_paged import check, make_paged
 
 VOCAB = 300
 P = 4  # tokens per page: every prompt spans several pages and key splits
-needs_kernel = pytest.mark.skipif(
-    paged_decode.library() is None, reason="no C compiler here: the kernel cannot be built"
-)
+needs_kernel = pytest.mark.c_kernel(paged_decode)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -65,8 +64,7 @@ def model(request):
     if request.param != "q8_0":
         return tiny_model(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[request.param]),
                           seed=1)  # fmt: skip
-    if quant_matmul.library() is None:
-        pytest.skip("no C compiler here: the quantised kernel cannot be built")
+    c_kernel(quant_matmul)
     return quantize_(tiny_model(torch.float32, seed=1), "q8_0")
 
 
@@ -171,8 +169,8 @@ def test_the_mode_is_scoped():
 @pytest.fixture(params=["kernel", "padded matmul"])
 def linear_path(request, monkeypatch):
     """invariant_linear's two paths: the C kernel, and torch's matmul over padded rows."""
-    if request.param == "kernel" and rows_linear.library() is None:
-        pytest.skip("no C compiler here: the rows kernel cannot be built")
+    if request.param == "kernel":
+        c_kernel(rows_linear)
     if request.param != "kernel":
         monkeypatch.setenv("SELFATTN_ROWS_KERNEL", "0")
     return request.param

@@ -18,7 +18,7 @@ import torch
 from selfattn.kernels import threads
 from selfattn.kernels.build import CLibrary, Function, loader
 
-__all__ = ["LANES", "SPEC", "library", "linear", "twin"]
+__all__ = ["ENV_VAR", "LANES", "SPEC", "library", "linear", "twin"]
 
 # rows_linear(x, w, out, M, N, K, wdt, n_threads) -> 0, or 1 when a participant failed
 _ARGS = (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3 + (ctypes.c_int,) * 2
@@ -37,7 +37,8 @@ _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}  # W_* of the C source
 
 
 # The compiled kernel, built on first use; None where it cannot be (or is switched off).
-library = loader(SPEC, "SELFATTN_ROWS_KERNEL")
+ENV_VAR = "SELFATTN_ROWS_KERNEL"
+library = loader(SPEC, ENV_VAR)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
