@@ -268,3 +268,15 @@ def test_an_engine_that_refuses_compression_names_why(model):
     assert pc.resolve(SamplingParams(kv_compression="none")) is None
     with pytest.raises(ValueError, match="tensor-parallel"):
         PromptCompression(model, engine.kv, "knorm:0.5", refused=why)
+
+
+def test_a_long_prompt_waits_for_room_for_all_of_it(model):
+    """Admission counts a prompt's every page, not its first chunk's: two prompts that do not
+    fit together run one after the other, without preempting and recomputing each other."""
+    prompts = prompts_for(11, 2, lo=30, hi=30)
+    engine = engine_for(model, 12, max_batch_tokens=8, prefix_caching=False)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == alone(model, prompt, 4, None)
+    assert engine.metrics.preemptions == 0
+    assert_drained(engine)

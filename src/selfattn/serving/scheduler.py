@@ -6,8 +6,9 @@ Every step has a budget of ``max_batch_tokens`` tokens and at most ``max_num_seq
 
     running, oldest first:  decoding sequences take 1 token each (always budgeted first),
                             prefilling ones the next chunk of their prompt within what is left
-    waiting, FIFO:          admitted while the budget, the sequence slots and the pool allow;
-                            the first that does not fit stops admission (no overtaking)
+    waiting, FIFO:          admitted while the budget, the sequence slots and the pool allow
+                            (pages for its whole prompt, not only its first chunk); the
+                            first that does not fit stops admission (no overtaking)
 
 A sequence admitted with prefix caching starts from the longest cached page-aligned prefix of
 its tokens (:meth:`PagedKV.add_sequence_from_prefix`) and computes only the rest; every page it
@@ -201,7 +202,10 @@ class Scheduler:
                 return
             n = min(seq.remaining, budget)
             need = self._pages_needed(seq, n)
-            if need > self._available() - reserved:
+            # the whole prompt must fit, not its first chunk only: a prompt longer than the
+            # budget admitted into too few pages would be preempted before its prefill ends,
+            # and recomputed, again and again
+            if self._pages_needed(seq, seq.remaining) > self._available() - reserved:
                 self._unadmit(seq)
                 return
             self.waiting.popleft()
