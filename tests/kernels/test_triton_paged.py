@@ -225,3 +225,25 @@ def test_split_table_fills_the_gpu_and_keeps_splits_long(kernel):
         for ctx in (64, 1000, 4096, 30000):
             n = split(programs, ctx, 64)
             assert n == 1 or ctx / n >= kernel.MIN_SPLIT_TILES * 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deterministic_mode_is_batch_invariant(kernel, dtype):
+    """In deterministic mode a sequence's rows are bitwise the same alone and beside longer
+    ones: its keys split at fixed boundaries (``SPLIT_KEYS``) and the splits merged in order.
+    By default the split count follows the batch (the programs a GPU needs)."""
+    from selfattn.kernels.determinism import SPLIT_KEYS, deterministic
+
+    lens = [
+        4 * SPLIT_KEYS - 24,
+        12 * SPLIT_KEYS - 72,
+        600,
+    ]  # default: 3 splits alone, 11 in the batch
+    q, kp, vp, table, lo, hi = _case(9, 3, 4, 2, 1, 16, 16, 16, lens, dtype)
+    with deterministic():
+        both = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25)
+        alone = kernel.paged_attention_triton(q[:1], kp, vp, table[:1], lo[:1], hi[:1], 0.25)
+    assert torch.equal(both[0][:1], alone[0]) and torch.equal(both[1][:1], alone[1])
+    want = paged_attention_twin(q.double(), kp.double(), vp.double(), table, lo, hi, 0.25)
+    naive, _ = _naive(q, kp, vp, table, lo, hi, 0.25)
+    assert_close_to_reference(both[0], want[0], naive, dtype=dtype)

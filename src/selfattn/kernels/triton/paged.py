@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from selfattn.kernels.determinism import SPLIT_KEYS, is_deterministic
+
 __all__ = [
     "interpreted",
     "merge_splits",
@@ -301,9 +303,13 @@ def paged_attention_triton(
         block_m = 64
     m_tiles = math.ceil(Sq * G / block_m)
     tile, page = _tile_keys(P)
-    if num_splits is None:
-        num_splits = _num_splits(B * Hkv * m_tiles, max_len, tile)
-    split_len = math.ceil(max(max_len, 1) / num_splits / tile) * tile
+    if num_splits is None and is_deterministic():  # fixed boundaries whatever the batch
+        split_len = math.ceil(SPLIT_KEYS / tile) * tile
+        num_splits = max(1, math.ceil(max_len / split_len))
+    else:
+        if num_splits is None:
+            num_splits = _num_splits(B * Hkv * m_tiles, max_len, tile)
+        split_len = math.ceil(max(max_len, 1) / num_splits / tile) * tile
     out = torch.empty(B, Hq, Sq, num_splits, Dv, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, Hq, Sq, num_splits, device=q.device, dtype=torch.float32)
     quant = k_pages.dtype not in (torch.float32, torch.float16, torch.bfloat16)
@@ -350,9 +356,26 @@ def merge_splits(
     if sinks is not None:  # (B, Hq, Sq, n) -> (B, Hq, Sq, n + 1)
         sink = sinks.detach().to(lse.device, lse.dtype).view(1, -1, 1, 1)
         parts = torch.cat([lse, sink.expand(*lse.shape[:3], 1)], dim=-1)
-    total = torch.logsumexp(parts, dim=-1)  # (B, Hq, Sq)
+    ordered = is_deterministic()  # splits summed one by one: trailing empty ones add exact 0
+    total = _in_order_logsumexp(parts) if ordered else torch.logsumexp(parts, dim=-1)
     finite = torch.isfinite(total)
     w = torch.exp(lse - torch.where(finite, total, 0.0).unsqueeze(-1))  # (B, Hq, Sq, n)
     w = torch.where(torch.isfinite(lse) | lse.isnan(), w, 0.0)  # a NaN split makes the row NaN
-    merged = (w.unsqueeze(-1) * out).sum(dim=-2)  # (B, Hq, Sq, n, Dv) -> (B, Hq, Sq, Dv)
+    terms = w.unsqueeze(-1) * out  # (B, Hq, Sq, n, Dv)
+    if ordered:
+        merged = terms[..., 0, :]
+        for i in range(1, terms.shape[-2]):
+            merged = merged + terms[..., i, :]
+    else:
+        merged = terms.sum(dim=-2)  # (B, Hq, Sq, n, Dv) -> (B, Hq, Sq, Dv)
     return merged.to(dtype), total
+
+
+def _in_order_logsumexp(parts: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the last dim with the exponentials summed first to last."""
+    top = parts.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    acc = torch.exp(parts[..., 0] - top[..., 0])
+    for i in range(1, parts.shape[-1]):
+        acc = acc + torch.exp(parts[..., i] - top[..., 0])
+    return torch.log(acc) + top[..., 0]
