@@ -98,9 +98,10 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     path = args.model or str(chat_model_path())
     tokenizer = load_tokenizer(path)
-    model = (
-        tiny_model(tokenizer.vocab_size) if args.quick else from_pretrained(path, progress=False)
-    )
+    if args.quick:
+        model = tiny_model(tokenizer.vocab_size)
+    else:  # as selfattn serve loads it: kept quantised, or dequantised with --dense
+        model = from_pretrained(path, progress=False, quantized=not args.dense)
     model.eval()
     samples = make_samples(tokenizer, "passkey", args.length, 4 * args.n, args.seed)
     prompts = [s.context + s.question for s in samples]
@@ -111,6 +112,7 @@ def run(args) -> dict:
     pool = args.n * pages * page_bytes
     report = {"machine": _util.machine(), "setup": {
         "model": "tiny random (--quick)" if args.quick else path, "n": args.n,
+        "weights": "dense" if args.dense else "kept quantised",
         "requests": len(prompts), "length": args.length, "max_tokens": args.max_tokens,
         "page_size": args.page_size, "kv_dtype": str(dtype), "pool_bytes": pool,
         "threads": args.threads}, "rows": []}  # fmt: skip
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="POLICY:RATIO,... run after the uncompressed one "
                         "(default snapkv:0.75)")  # fmt: skip
+    p.add_argument("--dense", action="store_true",
+                   help="dequantise the GGUF's weights (default: kept quantised, "
+                        "as served)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=default_threads())
     p.add_argument("--quick", action="store_true",
