@@ -193,6 +193,34 @@ def test_greedy_rows_ignore_filters_and_temperature_zero_is_argmax(models):
     assert list(engine_for(ours, 32).generate(prompt, params)[0].outputs[0].token_ids) == want
 
 
+def test_extreme_legal_sampling_values_draw_sensibly():
+    """A temperature below float32's range (0 there) is the most likely token, and a tiny
+    repetition_penalty (dividing a logit to +inf) makes the penalised tokens certain, not a
+    0 / 0: legal values the schema fuzzer sent (they once failed their whole step)."""
+    from types import SimpleNamespace as NS
+
+    from selfattn.serving.sampling import choose
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=g)
+    req = NS(prompt_ids=[7, 9], params=None)
+
+    def seq(**kw):
+        p = SamplingParams(**kw)
+        s = NS(params=p, request=NS(**{**vars(req), "params": p}), tokens=[7, 9],
+               generator=torch.Generator().manual_seed(1), matcher=None, num_prompt=2)  # fmt: skip
+        s.output_ids = []
+        return s
+
+    rows = [seq(temperature=1.2e-99), seq(temperature=1e-30, top_k=1),
+            seq(temperature=1.0, repetition_penalty=1e-300)]  # fmt: skip
+    x = logits.clone()
+    x[2, 7], x[2, 9] = 5.0, 6.0  # the prompt's tokens, positive: divided to +inf
+    got = [c.token for c in choose(x, rows)]
+    assert got[0] == int(x[0].argmax()) and got[1] == int(x[1].argmax())
+    assert got[2] in (7, 9)
+
+
 # -- prefix caching --------------------------------------------------------------------------------
 
 

@@ -290,11 +290,16 @@ def _sorted_probs(x: torch.Tensor, seqs) -> tuple[torch.Tensor, torch.Tensor]:
     R, V = x.shape
     dev = x.device
     temp = torch.tensor([s.params.temperature for s in seqs], device=dev).view(R, 1)
+    # a temperature below the dtype's smallest normal (1e-99 is 0 in float32) divides as that
+    # smallest one: the most likely token alone, never 0 / 0
+    temp = temp.to(x.dtype).clamp(min=torch.finfo(x.dtype).tiny)
     top_k = torch.tensor([s.params.top_k or V for s in seqs], device=dev).view(R, 1)
     top_p = torch.tensor([s.params.top_p for s in seqs], device=dev).view(R, 1)
     min_p = torch.tensor([s.params.min_p for s in seqs], device=dev).view(R, 1)
-    # Shifted by the row maximum first: a tiny temperature then gives -inf, never inf - inf.
-    scaled = (x - x.amax(-1, keepdim=True)) / temp
+    # Shifted by the row maximum first: a tiny temperature then gives -inf, never inf - inf;
+    # the maxima give 0, +inf logits too (a tiny repetition_penalty divides a logit to +inf)
+    top = x.amax(-1, keepdim=True)
+    scaled = torch.where(x == top, 0.0, (x - top) / temp)
     vals, order = scaled.sort(dim=-1, descending=True)  # (R, V) most likely first
     vals = vals.masked_fill(torch.arange(V, device=dev).view(1, V) >= top_k, -math.inf)
     probs = vals.softmax(-1)
@@ -323,7 +328,9 @@ def _draw(x: torch.Tensor, seqs) -> torch.Tensor:
     u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(dev)
     j = torch.searchsorted(cdf, (u * cdf[:, -1]).view(R, 1), right=True)  # (R, 1)
     kept = (probs > 0).sum(-1, keepdim=True)
-    j = torch.minimum(j, kept - 1)  # u · total rounding onto the last kept token's edge
+    # u · total rounding onto the last kept token's edge; a row of NaN logits (none kept)
+    # takes its first token rather than failing its batch
+    j = torch.minimum(j, kept - 1).clamp(min=0)
     return order.gather(1, j).view(R)
 
 
