@@ -420,7 +420,7 @@ def test_tools_and_tool_messages_reach_the_template_in_transformers_shape():
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    (text,) = chat_prompt_ids(request(messages=messages), TextTokenizer())
+    (text,) = chat_prompt_ids(request(messages=messages), TextTokenizer(), 4096)
     tools_line, *rest = text.split("|")
     assert json.loads(tools_line.removeprefix("TOOLS=")) == TOOLS  # the tools as given
     # arguments that are a JSON object reach the template as a dict, others as the text
@@ -438,7 +438,7 @@ def test_tools_and_tool_messages_reach_the_template_in_transformers_shape():
 )
 def test_misplaced_tool_fields_in_messages_are_400s(message, words):
     with pytest.raises(RequestError, match=words) as e:
-        chat_prompt_ids(request(messages=[message]), TextTokenizer())
+        chat_prompt_ids(request(messages=[message]), TextTokenizer(), 4096)
     assert e.value.param == "messages" and "messages[0]" in str(e.value)
 
 

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -220,6 +221,11 @@ def serve(
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+    if main and server.force_exit:
+        # The second signal: out now. The engine's thread may be inside a kernel, and an
+        # interpreter finalising around it can abort (SIGABRT) instead of exiting 0.
+        logging.shutdown()
+        os._exit(0)
 
 
 def wait_until_healthy(
