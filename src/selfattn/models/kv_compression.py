@@ -115,18 +115,23 @@ def check_compressible(model, cache_kind, attention_mask=None) -> None:
 
 
 @contextmanager
-def recorded_inputs(layers: list[MultiHeadAttention], rows: int):
-    """Within the block, each forward of ``layers[i]`` records ``(x[:, -rows:], positions of
-    those rows or None)`` into the yielded dict under ``i`` (the last call wins); the hooks are
-    removed on exit."""
+def recorded_inputs(layers: list[MultiHeadAttention], rows):
+    """Within the block, each forward of ``layers[i]`` records ``(x's rows, positions of those
+    rows or None)`` into the yielded dict under ``i`` (the last call wins); the hooks are
+    removed on exit. ``rows``: an int, the last ``rows`` tokens (``x[:, -rows:]``), or a 1-D
+    int64 tensor of token indices (a packed step's rows of several sequences)."""
     seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def pick(t: torch.Tensor, dim: int) -> torch.Tensor:
+        if isinstance(rows, int):
+            return t.narrow(dim, t.shape[dim] - rows, rows).clone()
+        return t.index_select(dim, rows.to(t.device))
 
     def hook(i):
         def record(module, args, kwargs):
             x = args[0] if args else kwargs["x"]
             pos = kwargs.get("positions")
-            pos = None if pos is None else pos[..., -rows:].clone()
-            seen[i] = (x[:, -rows:].clone(), pos)
+            seen[i] = (pick(x, 1), None if pos is None else pick(pos, pos.dim() - 1))
 
         return record
 

@@ -29,7 +29,11 @@ import torch
 
 from selfattn.cache import PagedKV
 from selfattn.cache.compress import KVCompression, PyramidKV, compression
-from selfattn.models.kv_compression import attention_layers, check_compressible
+from selfattn.models.kv_compression import (
+    attention_layers,
+    check_compressible,
+    recorded_inputs,
+)
 from selfattn.serving.request import Sequence
 from selfattn.serving.sampling import NO_COMPRESSION, SamplingParams
 
@@ -108,25 +112,11 @@ class PromptCompression:
             yield
             return
         at = torch.tensor([r for _, mine in rows for r in mine], dtype=torch.long)
-        seen: dict[int, torch.Tensor] = {}
-
-        def hook(i):
-            def record(module, args, kwargs):
-                x = args[0] if args else kwargs["x"]
-                seen[i] = x[0].index_select(0, at.to(x.device))  # (rows, d_model)
-
-            return record
-
-        handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True)
-                   for i, m in enumerate(self.layers)]  # fmt: skip
-        try:
+        with recorded_inputs(self.layers, at) as seen:
             yield
-        finally:
-            for h in handles:
-                h.remove()
-        start = 0
+        start = 0  # reached when the block succeeds: the rows go to their sequences
         for seq, mine in rows:
-            part = [seen[i][start : start + len(mine)] for i in range(len(self.layers))]
+            part = [seen[i][0][0, start : start + len(mine)] for i in range(len(self.layers))]
             seq.window = part if seq.window is None else [
                 torch.cat((a, b)) for a, b in zip(seq.window, part)
             ]  # fmt: skip
