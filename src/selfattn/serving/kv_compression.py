@@ -94,11 +94,10 @@ class PromptCompression:
         policy reads (the last ``query_rows``), where the chunk computes any."""
         found = []
         for seq, n, at in chunks:
-            spec = seq.request.compression
-            if spec is None or seq.compressed:
+            if not seq.compressing:
                 continue
             C, start = seq.num_prompt, seq.num_computed
-            lo = max(start, C - min(C, spec.press.query_rows(C)))
+            lo = max(start, C - min(C, seq.request.compression.press.query_rows(C)))
             hi = min(start + n, C)
             if lo < hi:
                 found.append((seq, list(range(at + lo - start, at + hi - start))))
@@ -125,11 +124,7 @@ class PromptCompression:
     # -- compaction -----------------------------------------------------------------------------
     def due(self, seq: Sequence) -> bool:
         """Whether ``seq`` has just computed its whole prompt, still to be compressed."""
-        return (
-            seq.request.compression is not None
-            and not seq.compressed
-            and seq.num_computed == seq.num_prompt
-        )
+        return seq.compressing and seq.num_computed == seq.num_prompt
 
     def compress(self, seq: Sequence) -> tuple[int, int] | None:
         """Compress ``seq``'s prompt KV (it is :meth:`due`): score each layer's tokens with its
@@ -154,6 +149,4 @@ class PromptCompression:
             scores = press.score(k[None], v[None], queries, layer=i, n_layers=L, rope=att.rope,
                                  positions=positions, scale=att.scale)  # fmt: skip
             kept.append(press.keep(scores, n)[0])  # (Hkv, n)
-        removed, freed = self.kv.compact(seq.kv_id, torch.stack(kept))
-        seq.evicted = removed
-        return removed, freed
+        return self.kv.compact(seq.kv_id, torch.stack(kept))

@@ -159,10 +159,9 @@ class Sequence:
     generator: torch.Generator = None
     matcher: object = None  # the guide's grammar state (structured output), or None
     # KV compression: whether the prompt's KV was compressed (or found too short) since the
-    # sequence was last admitted, the tokens its cache evicted, and the observation window's
-    # attention inputs recorded so far (per layer)
+    # sequence was last admitted, and the observation window's attention inputs recorded so
+    # far (per layer); the tokens evicted are its cache sequence's (PagedKV.evicted)
     compressed: bool = False
-    evicted: int = 0
     window: list | None = None
 
     def __post_init__(self):
@@ -190,14 +189,14 @@ class Sequence:
         """Tokens to compute before the next token can be chosen; a prompt to be compressed
         first stops at its end (the tokens after it attend the compressed prompt)."""
         end = len(self.tokens)
-        if self.request.compression is not None and not self.compressed:
+        if self.compressing:
             end = min(end, self.num_prompt)
         return end - self.num_computed
 
     @property
-    def cache_length(self) -> int:
-        """Tokens its cache sequence holds: those computed less those compression evicted."""
-        return self.num_computed - self.evicted
+    def compressing(self) -> bool:
+        """Whether its prompt's KV is still to be compressed (the request asks for it)."""
+        return self.request.compression is not None and not self.compressed
 
     @property
     def finished(self) -> bool:
@@ -210,7 +209,7 @@ class Sequence:
         the verdict does not apply them), none for a guided sequence (its mask of each drafted
         position would need the drafts consumed first)."""
         p = self.params
-        if self.request.compression is not None and not self.compressed:
+        if self.compressing:
             return 0  # its prompt ends the chunk (remaining), to be compressed first
         if self.matcher is not None:
             log_once("speculative-guided", logging.INFO, "speculative decoding: guided requests "
@@ -232,7 +231,7 @@ class Sequence:
         """Sample ``index`` of the same request, at this sequence's state (a new generator; a
         copy of the guide's state)."""
         child = Sequence(self.request, index, list(self.tokens), self.num_computed)
-        child.compressed, child.evicted = self.compressed, self.evicted
+        child.compressed = self.compressed
         if self.matcher is not None:
             child.matcher = self.matcher.deep_copy()
         return child

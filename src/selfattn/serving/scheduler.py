@@ -89,7 +89,7 @@ class Scheduler:
         """Pages ``n`` more tokens of ``seq`` take: new pages, plus one when its last page is
         shared and partly filled (copy-on-write; an upper bound when its sharers write too)."""
         P = self.kv.page_size
-        have = seq.cache_length
+        have = self.kv.length(seq.kv_id)
         need = -(-(have + n) // P) - -(-have // P)
         if have % P and self.kv.pool.refcount(self.kv.pages(seq.kv_id)[-1]) > 1:
             need += 1
@@ -108,9 +108,9 @@ class Scheduler:
         prompt to be compressed: its pages are about to be rewritten in place (a cached copy
         would hold them until evicted, the memory compression is there to free), nor after:
         they no longer hold its tokens in order."""
-        if self.kv.index is None or seq.kv_id is None or seq.evicted:
+        if self.kv.index is None or seq.kv_id is None or seq.compressing:
             return
-        if seq.request.compression is not None and not seq.compressed:
+        if self.kv.evicted(seq.kv_id):
             return
         full = seq.num_computed // self.kv.page_size
         if full > seq.cached_pages:
@@ -129,7 +129,7 @@ class Scheduler:
         """Back to the head of the waiting queue, its pages freed: recomputed when readmitted."""
         self.running.remove(seq)
         self.release(seq)
-        seq.num_computed = seq.cached_pages = seq.evicted = 0
+        seq.num_computed = seq.cached_pages = 0
         seq.compressed, seq.window = False, None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -255,7 +255,7 @@ class Scheduler:
         pages to the prefix cache (with the accepted tokens, before they are appended)."""
         self.computed_tokens += computed
         seq.num_computed += kept
-        self.kv.trim(seq.kv_id, seq.cache_length)
+        self.kv.trim(seq.kv_id, seq.num_computed - self.kv.evicted(seq.kv_id))
         if accepted and self.kv.index is not None:
             seq.tokens += accepted
             try:
@@ -272,10 +272,11 @@ class Scheduler:
         if live != mine:
             raise AssertionError(f"cache sequences {sorted(live)} but running {sorted(mine)}")
         for s in self.running:
-            if self.kv.length(s.kv_id) != s.cache_length or self.kv.evicted(s.kv_id) != s.evicted:
+            held, evicted = self.kv.length(s.kv_id), self.kv.evicted(s.kv_id)
+            if held + evicted != s.num_computed:
                 raise AssertionError(
-                    f"sequence {s.key}: cache length {self.kv.length(s.kv_id)} (evicted "
-                    f"{self.kv.evicted(s.kv_id)}), computed {s.num_computed} (evicted {s.evicted})"
+                    f"sequence {s.key}: cache length {held} + evicted {evicted}, computed "
+                    f"{s.num_computed}"
                 )
         if any(s.kv_id is not None for s in self.waiting):
             raise AssertionError("a waiting sequence holds cache pages")
@@ -284,8 +285,7 @@ class Scheduler:
 def _reusable(seq: Sequence) -> int:
     """How many of ``seq``'s tokens a prefix-cache hit may cover: all, except that a prompt to
     be compressed computes the rows its policy reads (their attention inputs are recorded)."""
-    spec = seq.request.compression
-    if spec is None or seq.compressed:
+    if not seq.compressing:
         return len(seq.tokens)
     C = seq.num_prompt
-    return C - min(C, spec.press.query_rows(C)) + 1
+    return C - min(C, seq.request.compression.press.query_rows(C)) + 1
