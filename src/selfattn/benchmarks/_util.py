@@ -252,6 +252,33 @@ def run_in_fresh_process(fn: Callable, *args, timeout_s: float = 900.0):
     raise RuntimeError(f"child process exited with code {proc.exitcode}{hint}")
 
 
+def start_server(folder, name: str, threads: int, args=(), *, api_key: str | None = None,
+                 timeout_s: float = 180.0):  # fmt: skip
+    """``selfattn serve`` of ``folder`` as ``name`` in a process of its own (``threads`` torch
+    threads, a free loopback port, ``args`` more flags; ``api_key``: served with that key, which
+    the health poll sends); returns ``(process, base URL)`` once ``/health`` answers."""
+    import socket
+    import subprocess
+
+    from selfattn.serving.server import DEFAULT_HOST, wait_until_healthy
+
+    with socket.socket() as s:
+        s.bind((DEFAULT_HOST, 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "selfattn", "serve", str(folder), "--port", str(port),
+            "--served-model-name", name, "--log-level", "warning", *args]  # fmt: skip
+    if api_key is not None:
+        argv += ["--api-key", api_key]
+    proc = subprocess.Popen(argv, env=child_env(threads), stdout=subprocess.DEVNULL)
+    url = f"http://{DEFAULT_HOST}:{port}"
+    try:
+        wait_until_healthy(url, timeout_s, proc, api_key=api_key)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url
+
+
 def stop_process(proc, grace_s: float = 30.0) -> None:
     """End a child process (a server): SIGTERM, then SIGKILL if it has not exited in
     ``grace_s`` seconds; returns once it has exited."""

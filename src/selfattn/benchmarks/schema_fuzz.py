@@ -93,10 +93,9 @@ def run(args) -> dict:
         folder = Path(args.model) if args.model else Path(tmp) / "model"
         if not args.model:
             soak.save_model(folder)
-        extra = ["--api-key", args.api_key] if args.api_key else []
-        server = argparse.Namespace(kv_cache_bytes=soak.DEFAULT_POOL * 4, threads=args.threads,
-                                    server_arg=extra)  # fmt: skip
-        proc, url = soak.start(folder, server)
+        flags = ["--dtype", "float32", "--kv-cache-bytes", str(soak.DEFAULT_POOL * 4)]
+        proc, url = _util.start_server(folder, soak.NAME, args.threads, flags,
+                                       api_key=args.api_key)  # fmt: skip
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         try:
             report = fuzz(url, args.examples, headers=headers, seed=args.seed, model=soak.NAME)

@@ -36,7 +36,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -204,22 +203,10 @@ def _result(texts, stamps, wall: float, tokens: int) -> dict:
 def start_server(folder: Path, spec: dict, threads: int):
     """``selfattn serve`` of ``folder`` in its own process with ``threads`` torch threads;
     returns (process, base URL of its API)."""
-    from selfattn.serving.server import DEFAULT_HOST, wait_until_healthy
-
-    with socket.socket() as s:
-        s.bind((DEFAULT_HOST, 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, *["-m", "selfattn", "serve"], str(folder), "--port", str(port),
-            *f"--served-model-name {NAME} --log-level warning --dtype float32".split()]  # fmt: skip
+    args = ["--dtype", "float32"]
     for k, v in engine_kwargs(spec).items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.Popen(argv, env=_util.child_env(threads), stdout=subprocess.DEVNULL)
-    url = f"http://{DEFAULT_HOST}:{port}"
-    try:
-        wait_until_healthy(url, START_TIMEOUT_S, proc)
-    except RuntimeError:
-        proc.kill()
-        raise
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    proc, url = _util.start_server(folder, NAME, threads, args, timeout_s=START_TIMEOUT_S)
     return proc, f"{url}/v1"
 
 

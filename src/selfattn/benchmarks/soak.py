@@ -37,7 +37,6 @@ import collections
 import itertools
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -274,28 +273,10 @@ def targets(result: dict) -> list[dict]:
 
 
 def start(folder: Path, args):
-    """``selfattn serve`` of ``folder``; returns (process, base URL)."""
-    import socket
-    import subprocess
-
-    from selfattn.serving.server import DEFAULT_HOST, wait_until_healthy
-
-    with socket.socket() as s:
-        s.bind((DEFAULT_HOST, 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "selfattn", "serve", str(folder), "--port", str(port),
-            "--served-model-name", NAME, "--log-level", "warning", "--dtype", "float32",
-            "--kv-cache-bytes", str(args.kv_cache_bytes), *args.server_arg]  # fmt: skip
-    proc = subprocess.Popen(argv, env=_util.child_env(args.threads), stdout=subprocess.DEVNULL)
-    url = f"http://{DEFAULT_HOST}:{port}"
-    try:
-        key = args.server_arg[args.server_arg.index("--api-key") + 1] if (
-            "--api-key" in args.server_arg) else None  # fmt: skip
-        wait_until_healthy(url, 180, proc, api_key=key)
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, url
+    """``selfattn serve`` of ``folder`` with the soak's pool and ``--server-arg`` flags;
+    returns (process, base URL)."""
+    flags = ["--dtype", "float32", "--kv-cache-bytes", str(args.kv_cache_bytes), *args.server_arg]
+    return _util.start_server(folder, NAME, args.threads, flags)
 
 
 def run(args) -> dict:

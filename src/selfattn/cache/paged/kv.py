@@ -211,8 +211,9 @@ class PagedKV:
         The kept tokens of layer ``l``, head ``h`` move to slots ``0 .. n-1`` (each head its
         own tokens in the same slots; quantised pages move with their scales); the sequence's
         length becomes ``n`` and its next tokens' positions continue after every token it has
-        seen (:meth:`evicted`), so RoPE and causal order hold. Pages others share (a cached
-        prefix, a fork) are never written: the sequence takes fresh pages in their place.
+        seen (:meth:`evicted`), so RoPE and causal order hold. The kept tokens go to pages the
+        sequence alone holds, fresh ones only where it holds too few: pages others share (a
+        cached prefix, a fork) are never written (:meth:`BlockTable.compact`).
         Returns ``(tokens removed, pages freed by the sequence)``.
         """
         if type(self) is not PagedKV:

@@ -205,9 +205,8 @@ def serve(
             # Still listening: new requests get 503 while the running ones finish (uvicorn's
             # own shutdown then closes the socket and waits for the responses to be sent).
             deadline = time.monotonic() + limits.drain_timeout
-            while engine is not None and engine.has_unfinished() and not self.force_exit:
-                if time.monotonic() > deadline:
-                    break
+            while (engine is not None and engine.has_unfinished() and not self.force_exit
+                   and time.monotonic() < deadline):  # fmt: skip
                 await asyncio.sleep(0.05)
             await super().shutdown(sockets)
 
