@@ -15,6 +15,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from selfattn.cache import kv_cache_bytes  # noqa: E402
 from selfattn.serving import Engine  # noqa: E402
 from selfattn.serving.server import build_app  # noqa: E402
 from tests._serving_helpers import running_server  # noqa: E402
@@ -102,10 +103,23 @@ def test_a_tokenizer_error_fails_that_request_only(model, tokenizer, monkeypatch
 def test_a_pool_smaller_than_the_requests_serves_them_all(model, tokenizer):
     """Eight requests whose pages together outgrow the pool: preemption and recompute, every
     answer whole and equal to its own greedy run, no page left behind."""
-    one_page = 2 * 2 * 2 * 16 * 4 * 16  # K/V x layers x KV heads x head dim x fp32 x tokens
-    engine = Engine(model, tokenizer, kv_cache_bytes=10 * one_page, page_size=16)
+    c = model.config
+    one_page = kv_cache_bytes(c.n_layers, c.n_kv_heads, c.head_dim, 16, "fp32")
+    # 8 pages: four 2-page prompts are admitted at once, and their 24 new tokens outgrow them
+    engine = Engine(model, tokenizer, kv_cache_bytes=8 * one_page, page_size=16)
     alone = Engine(model, tokenizer, kv_cache_bytes=2**21)
     prompts = [" ".join(f"w{3 + (i * 7 + j) % 50}" for j in range(20 + i)) for i in range(8)]
+    step, started = engine.step, []
+
+    def step_once_all_arrived():  # the first step waits for the eight (arrival is a race)
+        if not started:
+            until = time.monotonic() + TIMEOUT_S
+            while engine.num_waiting() < len(prompts) and time.monotonic() < until:
+                time.sleep(0.005)
+            started.append(True)
+        return step()
+
+    engine.step = step_once_all_arrived
     with running_server(build_app(engine, model_name=NAME)) as url:
         answers = [None] * len(prompts)
 
