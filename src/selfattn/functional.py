@@ -157,12 +157,15 @@ def attention_weights(
     scale: float | None = None,
     q_offset: int | None = None,
     sinks: torch.Tensor | None = None,
+    scores: bool = False,
 ) -> torch.Tensor:
     """The attention weights ``softmax(...)`` ``(B, Hq, Sq, Sk)`` of :func:`attention` (no dropout).
 
     Same arguments and semantics as :func:`attention`; each row sums to 1, or is all 0 when the
     mask allows no key; with ``sinks``, each row sums to 1 minus its sink's weight. Computed by
-    the reference backend (the weights are quadratic anyway).
+    the reference backend (the weights are quadratic anyway). ``scores=True`` returns what the
+    softmax reads instead: ``QKᵀ·scale`` with the score mod applied, ``-inf`` where the mask
+    hides a key (no sink term), in the accumulation dtype (fp32 for half inputs).
     """
     from selfattn.backends import reference
 
@@ -171,6 +174,8 @@ def attention_weights(
     )
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if scores:
+        return reference.scores_and_weights(q, k, v, call)[3]
     return reference.weights(q, k, v, call)
 
 

@@ -24,6 +24,17 @@ from selfattn.inspect.backend_matrix import (
     matrix_markdown,
 )
 from selfattn.inspect.capture import AttentionMaps, attention_layers, capture_attention
+from selfattn.inspect.hooks import (
+    ActivationCache,
+    HookPoint,
+    hook_points,
+    hooks,
+    mean_ablation,
+    patch,
+    resample_ablation,
+    steer,
+    zero_ablation,
+)
 from selfattn.inspect.mask_expr import MaskSyntaxError, parse_mask
 from selfattn.inspect.plot import plot_attention, plot_mask
 from selfattn.inspect.stats import head_stats, head_stats_table
@@ -31,7 +42,9 @@ from selfattn.inspect.view import view_section, write_view
 from selfattn.inspect.worked_example import worked_example
 
 __all__ = [
+    "ActivationCache",
     "AttentionMaps",
+    "HookPoint",
     "MaskSyntaxError",
     "attention_flow",
     "attention_gradients",
@@ -43,13 +56,20 @@ __all__ = [
     "head_importance",
     "head_stats",
     "head_stats_table",
+    "hook_points",
+    "hooks",
     "mask_heads",
     "matrix_markdown",
+    "mean_ablation",
     "parse_mask",
+    "patch",
     "plot_attention",
     "plot_mask",
+    "resample_ablation",
     "residual_attention",
+    "steer",
     "view_section",
     "worked_example",
     "write_view",
+    "zero_ablation",
 ]

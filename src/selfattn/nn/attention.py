@@ -202,6 +202,11 @@ class MultiHeadAttention(nn.Module):
         # projection: None, or (Hq,) / (B, Hq); 0 removes a head. Set by
         # selfattn.inspect.mask_heads; the forward's head_mask= argument takes precedence.
         self.head_mask = None
+        # Named hook points inside the layer (q, k, v, scores, pattern, z), set by
+        # selfattn.inspect.hooks for the duration of its block: None, or an object with
+        # ``qkv(q, k, v) -> (q, k, v)``, ``wants_pattern``, ``pattern(...) -> out``,
+        # ``weights(w)`` and ``z(out) -> out`` (see selfattn.inspect.hooks.LayerHooks).
+        self.hooks = None
         self.alibi = _scores.alibi(n_heads) if alibi else None
         fk = {"device": device, "dtype": dtype}
         # zeros: every row starts as if one extra key scored 0 (gpt-oss loads trained values)
@@ -365,6 +370,10 @@ class MultiHeadAttention(nn.Module):
             t = self.q_temperature(positions_after(cache, B, Sq, x.device))  # (Sq,) or (B, Sq)
             t = t.view(-1, 1, Sq, 1) if t.dim() == 2 else t.view(1, 1, Sq, 1)
             q = (q * t).to(q.dtype)
+        hooks = self.hooks
+        if hooks is not None:
+            q, k, v = hooks.qkv(q, k, v)
+        pattern = hooks is not None and hooks.wants_pattern
         mod = self.score_mod_for(score_mod)
         p = self.dropout if self.training else 0.0
         w, out_hook = None, None
@@ -381,11 +390,14 @@ class MultiHeadAttention(nn.Module):
                     "call model.eval() for cached inference"
                 )
             out = cache.attend(
-                q, k, v, mask=mask, score_mod=mod, scale=self.scale, return_weights=return_weights,
+                q, k, v, mask=mask, score_mod=mod, scale=self.scale,
+                return_weights=return_weights or pattern,
                 **({} if self.sinks is None else {"sinks": self.sinks}),
             )  # fmt: skip
-            if return_weights:
+            if return_weights or pattern:
                 out, w = out
+            if pattern:
+                hooks.weights(w)
         else:
             if cache is not None:
                 kv = cache.update(k, v)  # (B, Hkv, Sq, D) -> (B, Hkv, Sk, D)
@@ -409,6 +421,11 @@ class MultiHeadAttention(nn.Module):
                 backend=self.backend,
                 sinks=self.sinks,
             )
+            if pattern:  # the scores and weights this call's softmax read (hooks may edit them)
+                out = hooks.pattern(
+                    q, k, v, out, mask=mask, score_mod=mod, scale=self.scale,
+                    q_offset=q_offset, sinks=self.sinks,
+                )  # fmt: skip
             if return_weights:
                 w = attention_weights(
                     q, k, v, mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset,
@@ -416,6 +433,8 @@ class MultiHeadAttention(nn.Module):
                 )  # fmt: skip
         if out_hook is not None:
             out = out_hook(out)
+        if hooks is not None:
+            out = hooks.z(out)
         out = gate_heads(out, self.head_mask if head_mask is None else head_mask)
         out = self.project_out(self.merge_heads(out), x)
         return (out, w) if return_weights else out

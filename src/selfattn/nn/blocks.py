@@ -217,8 +217,8 @@ class RowsStep:
         or a head mask (:mod:`selfattn.inspect` sets those), query temperature, ALiBi or
         attention dropout."""
         att = self.att
-        if att.attention_observer is not None or att.head_mask is not None:
-            return "attention is being inspected (an observer or a head mask)"
+        if att.attention_observer is not None or att.head_mask is not None or att.hooks is not None:
+            return "attention is being inspected (an observer, hooks or a head mask)"
         if (
             att.q_temperature is not None
             or att.alibi is not None
