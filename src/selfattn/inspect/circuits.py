@@ -138,6 +138,11 @@ def logit_lens(
     if answer is not None:
         answer = torch.as_tensor(answer, device=x.device).long()
         answer = answer.view(-1, 1).expand(B, S) if answer.dim() <= 1 else answer
+        if answer.shape != (B, S):
+            raise ValueError(
+                f"answer must be a token id, (B={B},) ids or (B={B}, S={S}) ids, got shape "
+                f"{tuple(answer.shape)}"
+            )
     tops, probs, ranks, aprobs = [], [], [], []
     for name in names:
         logp = torch.log_softmax(unembed(cache[name]).float(), dim=-1)  # (B, S, V)
@@ -354,7 +359,8 @@ def activation_patching(
             return value.view(J * B, *value.shape[2:])
 
         with hooks(model, edit={name: edit}):
-            m = metric(model(corrupted.repeat(J, 1))).view(J, B).mean(1)
+            logits = model(corrupted.repeat(J, 1)).view(J, B, S, -1)
+            m = torch.stack([metric(part).mean() for part in logits])  # each copy's own rows
         patched[i, :J] = m.double().cpu()
     denom = m_clean - m_bad
     effect = (patched - m_bad) / (denom if denom != 0 else float("nan"))
