@@ -86,7 +86,8 @@ class PagedAttentionPlan:
         # can change the backend (the kernels have no backward)
         sink_kind = None if sinks is None else bool(torch.is_grad_enabled() and sinks.requires_grad)
         key = (
-            id(mask), id(score_mod), backend, grad, sink_kind, holes is None, q.shape, q.dtype, q.device,
+            id(mask), id(score_mod), backend, grad, sink_kind, holes is None,
+            q.shape, q.dtype, q.device,
             k_pages.shape, k_pages.dtype, k_pages.device, k_pages.stride(),
             v_pages.shape, v_pages.dtype, v_pages.device, v_pages.stride(),
         )  # fmt: skip
