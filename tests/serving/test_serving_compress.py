@@ -253,7 +253,7 @@ def test_adakv_on_the_kernel_equals_the_fallback_with_preemption_and_forks(model
         if pages == 24:
             assert engine.metrics.preemptions > 0
     assert runs[0] == runs[1] == runs[2]
-    assert all(a == b for samples in runs[0] for a, b in zip(samples, samples[1:]))
+    assert all(samples[0] == x for samples in runs[0] for x in samples)  # greedy forks agree
 
 
 def test_compact_moves_each_heads_tokens_and_never_writes_shared_pages():

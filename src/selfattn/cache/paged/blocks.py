@@ -24,14 +24,9 @@ page boundary is never copied: the next token opens a new page.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from selfattn._validate import checked_int, positive_int
 from selfattn.cache.pool import BlockPool
 from selfattn.cache.prefix import PrefixIndex
-
-if TYPE_CHECKING:
-    import torch  # the holes of a ragged compaction are kept as the cache made them
 
 __all__ = ["BlockTable"]
 
@@ -64,8 +59,9 @@ class BlockTable:
         # length plus these; absent for the others
         self._evicted: dict[int, int] = {}
         # a sequence compacted to ragged per-(layer, KV head) counts: (L, Hkv, 2) int64, each
-        # layer's and head's hole [start, end) of slots it skips (PagedKV.compact)
-        self._holes: dict[int, torch.Tensor] = {}
+        # layer's and head's hole [start, end) of slots it skips (PagedKV.compact: a tensor
+        # kept as the cache made it; this module imports no torch)
+        self._holes: dict[int, object] = {}
         self._next_id = 0
 
     # -- reads ----------------------------------------------------------------------------------
@@ -98,19 +94,19 @@ class BlockTable:
         found = [self._evicted.get(s, 0) for s in ids]
         return found if any(found) else None
 
-    def holes(self, seq_id: int) -> torch.Tensor | None:
+    def holes(self, seq_id: int):
         """``(L, Hkv, 2)`` int64: the slots ``[start, end)`` that layer ``l``, KV head ``h`` of
         ``seq_id`` skips (a ragged compaction's), or None where it has none."""
         return self._holes.get(self.check_id(seq_id))
 
-    def hole_lists(self, ids: list[int]) -> list[torch.Tensor | None] | None:
+    def hole_lists(self, ids: list[int]) -> list | None:
         """:meth:`holes` of each checked sequence, or None when none of them has any."""
         if not self._holes:
             return None
         found = [self._holes.get(s) for s in ids]
         return None if all(h is None for h in found) else found
 
-    def set_holes(self, seq_id: int, holes: torch.Tensor | None) -> None:
+    def set_holes(self, seq_id: int, holes) -> None:
         """Record ``seq_id``'s holes (:meth:`holes`; None: none)."""
         self.check_id(seq_id)
         if holes is None:
