@@ -195,6 +195,7 @@ def paged_attention(
     return_lse: bool = False,
     plan: _paged_plan.PagedAttentionPlan | None = None,
     sinks: torch.Tensor | None = None,
+    holes: torch.Tensor | None = None,
 ):
     """Attention of ``q (B, Hq, Sq, D)`` over a paged cache, returning ``out (B, Hq, Sq, Dv)``,
     reading the pages in place.
@@ -249,11 +250,16 @@ def paged_attention(
 
     ``sinks (Hq,)``: learned attention-sink logits, as in :func:`attention`; every paged backend
     runs them (its kernel's exact lse, the sink merged after it: ``backends._common.merge_sinks``).
+
+    ``holes (B, Hkv, 2)`` integer: the rows of sequence ``b`` whose kv head is ``h`` skip keys
+    ``holes[b, h, 0] <= t < holes[b, h, 1]`` besides the mask (a sequence compacted to ragged
+    per-head kept counts, :meth:`~selfattn.cache.PagedKV.compact`); the C kernel and the
+    PyTorch path run them, the Triton kernel declines the call.
     """
     args = (q, k_pages, v_pages, block_table, seq_lens)
     kwargs = dict(
         mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales, v_scales=v_scales,
-        return_lse=return_lse, sinks=sinks,
+        return_lse=return_lse, sinks=sinks, holes=holes,
     )  # fmt: skip
     if plan is not None and (plan.block_table is not block_table or plan.seq_lens is not seq_lens):
         raise ValueError(

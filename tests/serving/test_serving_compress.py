@@ -183,8 +183,6 @@ def test_quantised_pools_compress_and_account(model, kv_dtype):
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ("adakv_snapkv:0.5", "per KV head"),
-        ("pyramidkv:0.5", "per layer"),
         ("kivi2", "quantises"),
         ("snapkv:1.5", "compression_ratio"),
         ("snapkv:-0.1", "compression_ratio"),
@@ -205,12 +203,57 @@ def test_refusals_name_the_value_and_the_fix(model, spec, match):
 def test_refusals_of_the_engine_and_the_model(model):
     with pytest.raises(ValueError, match="EngineConfig kv_compression: unknown"):
         EngineConfig(kv_compression="nope:0.5")
-    with pytest.raises(ValueError, match="per layer"):
-        engine_for(model, 20, kv_compression="pyramidkv:0.5")
     windowed = tiny(dtype=torch.float32, sliding_window=8, layer_types=("sliding_attention",) * 3)
     engine = engine_for(windowed, 20)
     with pytest.raises(ValueError, match="sliding_attention"):
         engine.add_request([1, 2, 3], SamplingParams(kv_compression="knorm:0.5"))
+
+
+def test_pyramidkv_equals_generate_and_saves_by_its_largest_layer(model):
+    """Per-layer budgets on one page list: greedy tokens equal generate()'s on the static cache
+    (each layer its own count), prompts over several chunks; the sequence holds the pages of its
+    largest layer budget, the other layers' slots past their budgets a hole."""
+    p = press("pyramidkv", 0.5, window=4, beta=4)
+    prompts = prompts_for(12, 4, lo=30, hi=44)
+    engine = engine_for(model, 120, max_batch_tokens=12)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, kv_compression=p, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == alone(model, prompt, 6, p)
+    assert_drained(engine)
+    L, S = model.config.n_layers, len(prompts[0])
+    budgets = [p.budget(S, i, L) for i in range(L)]
+    assert len(set(budgets)) > 1  # the pyramid is ragged here
+    engine.add_request(prompts[0], SamplingParams(max_tokens=3, kv_compression=p, **GREEDY))
+    while not engine.scheduler.running or not engine.scheduler.running[0].compressed:
+        engine.step()  # the prompt's chunks, then its compaction
+    (seq,) = engine.scheduler.running
+    assert len(engine.kv.pages(seq.kv_id)) == -(-max(budgets) // P)
+    assert engine.kv.blocks.holes(seq.kv_id)[:, 0, 0].tolist() == budgets
+    while engine.has_unfinished():
+        engine.step()
+    assert_drained(engine)
+
+
+def test_adakv_on_the_kernel_equals_the_fallback_with_preemption_and_forks(model, monkeypatch):
+    """Per-head budgets (AdaKV over SnapKV): greedy tokens with the C kernel equal those of the
+    PyTorch path (each checked against attention over exactly the kept keys per head in
+    tests/cache/test_paged_holes.py), in a roomy pool and in one small enough to preempt and
+    recompute, with forked samples; pages saved, none leaked."""
+    p = press("adakv_snapkv", 0.5, window=4)
+    prompts = prompts_for(13, 6, lo=24, hi=40)
+    params = SamplingParams(max_tokens=8, n=2, kv_compression=p, **GREEDY)
+    runs = []
+    for kernel, pages in (("1", 120), ("1", 24), ("0", 120)):
+        monkeypatch.setenv("SELFATTN_DECODE_KERNEL", kernel)
+        engine = engine_for(model, pages, max_batch_tokens=16, max_num_seqs=6)
+        outs = engine.generate(prompts, params)
+        runs.append([[list(o.token_ids) for o in out.outputs] for out in outs])
+        assert engine.metrics.kv_pages_saved > 0
+        assert_drained(engine)
+        if pages == 24:
+            assert engine.metrics.preemptions > 0
+    assert runs[0] == runs[1] == runs[2]
+    assert all(samples[0] == x for samples in runs[0] for x in samples)  # greedy forks agree
 
 
 def test_compact_moves_each_heads_tokens_and_never_writes_shared_pages():

@@ -99,7 +99,7 @@ INT_ARGS = (
     "KSN", "KSP", "KSH", "VSN", "VSP", "VSH", "KDT", "VDT", "KSC", "VSC", "QDT", "ISA", "NI", "ODT",
 )  # fmt: skip
 PTR_ARGS = (
-    "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS",
+    "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS", "HOLES",
 )  # fmt: skip
 # The kernel's instruction-set paths (the ISA_* enum of csrc/paged_decode.c), lowest first: one
 # C source compiled for each; the kernel runs the best this CPU has unless SELFATTN_DECODE_ISA
@@ -172,6 +172,7 @@ def decode(
     v_scales: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
     splits: tuple[int, int] | None = None,
+    holes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over pages: ``out (B, Hq, Sq, Dv)`` in q's dtype (summed in float32),
     ``lse (B, Hq, Sq)`` float32.
@@ -186,7 +187,12 @@ def decode(
     bfloat16, fp8 ``(Hkv,)`` float32, or None for float pages. A row with no allowed key gets
     ``out = 0``, ``lse = -inf``. ``sinks (Hq,)``: learned attention-sink logits joining each
     row's softmax denominator once, where the splits merge (a row with no key then gets ``lse =
-    sink``). CPU tensors only; index tensors, scales and sinks are made contiguous here.
+    sink``). ``holes (B, Hkv, 2)`` integer: the rows of sequence ``b``, kv head ``h`` also
+    skip keys ``holes[b, h, 0] <= t < holes[b, h, 1]`` (a compacted sequence's ragged kept
+    counts, :meth:`~selfattn.cache.PagedKV.compact`; a page touching a hole takes the general
+    path, one inside every head's hole is skipped unread); the values there must be finite
+    (compaction zeroes them). CPU tensors only; index tensors, scales and sinks are made
+    contiguous here.
 
     Sequences are split over their keys into ``n_split`` work items when there are fewer than
     ``ITEMS_PER_THREAD`` per thread; the kernel merges the splits' softmax partials in float32.
@@ -194,7 +200,7 @@ def decode(
     planned step computes them once for every layer).
     """
     lib, args, out, lse, _ = _arguments(
-        q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits
+        q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits, holes
     )
     return _launch(lib, *args, scale, out, lse)
 
@@ -211,7 +217,7 @@ def _dtype_code(name: str, t: torch.Tensor) -> int:
     return code
 
 
-def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits):
+def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits, holes=None):
     """``(lib, (int args, pointer args), out, lse, tensors)`` of one :func:`decode` call, the
     arguments as ctypes arrays; ``tensors``: the (converted) ones the pointers point into."""
     lib = library()
@@ -250,7 +256,7 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     tensors = {
         "Q": q, "K": k_pages, "V": v_pages, "KSCALE": k_scales, "VSCALE": v_scales,
         "LUT": _fp8_table(), "TABLE": table, "LO": lo, "HI": hi, "OUT": out, "LSE": lse,
-        "SINKS": sinks,
+        "SINKS": sinks, "HOLES": _holes_i64(holes),
     }  # fmt: skip
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]
@@ -268,6 +274,13 @@ def _sinks_f32(sinks):
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
+def _holes_i64(holes):
+    """The holes as the kernel reads them: int64, contiguous (or None)."""
+    if holes is None:
+        return None
+    return (holes if holes.dtype == torch.int64 else holes.to(torch.int64)).contiguous()
+
+
 def _launch(lib, iargs, ptrs, n_threads, scale, out, lse):
     status = lib.paged_decode(iargs, ptrs, n_threads, ctypes.c_float(scale))
     if status:
@@ -275,7 +288,9 @@ def _launch(lib, iargs, ptrs, n_threads, scale, out, lse):
     return out, lse
 
 
-_Q, _K, _V, _OUT, _LSE, _SINKS = (PTR_ARGS.index(n) for n in ("Q", "K", "V", "OUT", "LSE", "SINKS"))
+_Q, _K, _V, _OUT, _LSE, _SINKS, _HOLES = (
+    PTR_ARGS.index(n) for n in ("Q", "K", "V", "OUT", "LSE", "SINKS", "HOLES")
+)
 
 
 class Launch:
@@ -312,9 +327,11 @@ class Launch:
         """Whether a call with these tensors has this launch's layout."""
         return self._layout_of(q, k_pages, v_pages) == self._layout
 
-    def __call__(self, q, k_pages, v_pages, scale: float, sinks=None, return_lse: bool = True):
+    def __call__(self, q, k_pages, v_pages, scale: float, sinks=None, return_lse: bool = True,
+                 holes=None):  # fmt: skip
         """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch; ``lse``
-        None unless ``return_lse`` (the kernel then writes it to a scratch tensor)."""
+        None unless ``return_lse`` (the kernel then writes it to a scratch tensor); ``holes``
+        as :func:`decode`'s (per layer: they differ between a step's layers)."""
         q = q.contiguous()
         out = torch.empty(self._shapes[0], dtype=q.dtype, device="cpu")
         lse = (
@@ -327,6 +344,8 @@ class Launch:
         ptrs[_Q], ptrs[_K], ptrs[_V] = q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr()
         ptrs[_OUT], ptrs[_LSE] = out.data_ptr(), lse.data_ptr()
         ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
+        holes = _holes_i64(holes)
+        ptrs[_HOLES] = 0 if holes is None else holes.data_ptr()
         out, lse = _launch(self._lib, self._iargs, ptrs, self._threads, scale, out, lse)
         return out, (lse if return_lse else None)
 

@@ -11,10 +11,11 @@ request is added, then runs it in three places of a step::
 
 The scheduler stops the prompt's prefill at its end (``Sequence.remaining``) so that what comes
 after it (on a preempted sequence's recompute, its earlier output) attends to the compressed
-prompt, as it did the first time. Compression keeps the same number of tokens in every layer and
-KV head (each head its own tokens, :meth:`~selfattn.cache.PagedKV.compact`): one page list per
-sequence serves every layer. Hence policies with per-layer or per-head budgets (PyramidKV,
-AdaKV) are refused here (``selfattn.models.generate`` runs PyramidKV on its static cache).
+prompt, as it did the first time. Each layer and KV head keeps its own tokens
+(:meth:`~selfattn.cache.PagedKV.compact`) in one page list per sequence that serves every layer:
+policies with per-layer or per-head budgets (PyramidKV, AdaKV) keep ragged counts, the slots
+past a layer's or head's count a hole its attention skips (:mod:`selfattn.cache.paged.holes`),
+so their pages saved are those past the largest count.
 
 A prompt too short for its policy (no more tokens than it always keeps, or a budget that cannot
 hold them) stays whole and counts as skipped. Ratio 0 never reaches this module: no hooks, no
@@ -28,7 +29,7 @@ import contextlib
 import torch
 
 from selfattn.cache import PagedKV
-from selfattn.cache.compress import KVCompression, PyramidKV, compression
+from selfattn.cache.compress import Kept, KVCompression, compression
 from selfattn.models.kv_compression import (
     attention_layers,
     check_compressible,
@@ -68,14 +69,6 @@ class PromptCompression:
             return None
         if self.refused is not None:
             raise ValueError(f"kv_compression {spec.name!r}: {self.refused}")
-        press = spec.press
-        if press.ragged or isinstance(press, PyramidKV):
-            what = "KV head" if press.ragged else "layer"
-            raise ValueError(
-                f"kv_compression {press.name!r} keeps a different number of tokens per {what}; "
-                "the engine's pages keep one count per sequence: use its scorer alone (e.g. "
-                "'snapkv'), or selfattn.models.generate for this policy"
-            )
         check_compressible(self.model, "static")
         if type(self.kv) is not PagedKV:
             raise ValueError(f"kv_compression needs a plain PagedKV pool, not {type(self.kv)}")
@@ -128,8 +121,9 @@ class PromptCompression:
 
     def compress(self, seq: Sequence) -> tuple[int, int] | None:
         """Compress ``seq``'s prompt KV (it is :meth:`due`): score each layer's tokens with its
-        policy, keep the best per KV head, compact them into fewer pages. Returns ``(tokens
-        evicted, pages freed)``, or None where the prompt stays whole (too short)."""
+        policy, keep the best per KV head (each layer its budget, each head its count where the
+        policy says), compact them into fewer pages. Returns ``(tokens evicted from the longest
+        head, pages freed)``, or None where the prompt stays whole (too short)."""
         spec, C = seq.request.compression, seq.num_prompt
         seq.compressed = True
         window, seq.window = seq.window, None
@@ -139,7 +133,8 @@ class PromptCompression:
         press, L = spec.press, len(self.layers)
         R = min(C, press.query_rows(C))
         positions = torch.arange(C, device=self.kv.k_store.device)
-        kept = []
+        cap = C if spec.budget is None else spec.budget
+        kept, counts = [], []
         for i, att in enumerate(self.layers):
             queries = None
             if R:
@@ -148,5 +143,14 @@ class PromptCompression:
             k, v = self.kv.gather(seq.kv_id, i)  # (Hkv, C, ·)
             scores = press.score(k[None], v[None], queries, layer=i, n_layers=L, rope=att.rope,
                                  positions=positions, scale=att.scale)  # fmt: skip
-            kept.append(press.keep(scores, n)[0])  # (Hkv, n)
-        return self.kv.compact(seq.kv_id, torch.stack(kept))
+            chosen = press.keep(scores, min(press.budget(C, i, L), cap))
+            ragged = isinstance(chosen, Kept)
+            kept.append((chosen.indices if ragged else chosen)[0])  # (Hkv, n_i)
+            counts.append(
+                chosen.counts[0] if ragged else torch.full_like(kept[-1][:, 0], kept[-1].shape[1])
+            )
+        n_max = max(k.shape[1] for k in kept)
+        if all(int(c.min()) == n_max for c in counts):  # one count: no holes
+            return self.kv.compact(seq.kv_id, torch.stack(kept))
+        padded = torch.stack([torch.nn.functional.pad(k, (0, n_max - k.shape[1])) for k in kept])
+        return self.kv.compact(seq.kv_id, padded, torch.stack(counts))  # (L, Hkv, n_max)

@@ -19,6 +19,7 @@ from selfattn.scores import ScoreMod, as_score_mod
 __all__ = [
     "QUANT_DTYPES",
     "PagedCall",
+    "check_holes",
     "check_shapes",
     "check_values",
     "layer_call",
@@ -40,7 +41,8 @@ class PagedCall:
     table, lengths and mask (key intervals, page ranges), computed once per step by a
     :class:`~selfattn.backends.paged.plan.PagedAttentionPlan` for every layer; None: the
     backend derives it in ``run``. ``sinks (Hq,)``: learned attention-sink logits
-    (:func:`selfattn.attention`).
+    (:func:`selfattn.attention`). ``holes (B, Hkv, 2)`` int64: each sequence's and kv head's
+    skipped keys ``[holes[b, h, 0], holes[b, h, 1])`` (:func:`~selfattn.paged_attention`).
     """
 
     mask: Mask | None = None
@@ -50,6 +52,7 @@ class PagedCall:
     v_scales: torch.Tensor | None = None
     return_lse: bool = False
     sinks: torch.Tensor | None = None
+    holes: torch.Tensor | None = None
     planned: object = field(default=None, compare=False)  # a per-step cache
 
 
@@ -58,7 +61,7 @@ call_fields(PagedCall)  # at import, not inside a cold torch.compile trace (see 
 
 def prepare(
     q, k_pages, v_pages, block_table, seq_lens, *, mask=None, score_mod=None, scale=None,
-    k_scales=None, v_scales=None, return_lse=False, sinks=None,
+    k_scales=None, v_scales=None, return_lse=False, sinks=None, holes=None,
 ) -> PagedCall:  # fmt: skip
     """Validate the arguments of ``paged_attention`` (TypeError / ValueError naming the
     offending values) and normalise them into a :class:`PagedCall`."""
@@ -66,13 +69,31 @@ def prepare(
     check_values(q, k_pages, block_table, seq_lens)
     mask, score_mod = bound_objects(mask, score_mod, q, seq_lens)
     return layer_call(
-        q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, sinks=sinks
+        q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, sinks=sinks,
+        holes=holes,
     )  # fmt: skip
+
+
+def check_holes(holes, q, k_pages) -> torch.Tensor | None:
+    """``holes`` as int64 ``(B, Hkv, 2)`` on q's device (None stays None); TypeError /
+    ValueError naming the offending shape or dtype."""
+    if holes is None:
+        return None
+    want = (q.shape[0], k_pages.shape[2], 2)
+    if not isinstance(holes, torch.Tensor) or holes.is_floating_point() or holes.is_complex():
+        got = holes.dtype if isinstance(holes, torch.Tensor) else type(holes).__name__
+        raise TypeError(f"holes must be an integer tensor (B, Hkv, 2)={want}, got {got}")
+    if tuple(holes.shape) != want or holes.dtype == torch.bool:
+        raise ValueError(
+            f"holes must be (B, Hkv, 2)={want}: each sequence's and kv head's skipped keys "
+            f"[start, end), got {tuple(holes.shape)} {holes.dtype}"
+        )
+    return holes.to(device=q.device, dtype=torch.int64)
 
 
 def layer_call(
     q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, return_lse, planned=None,
-    sinks=None,
+    sinks=None, holes=None,
 ) -> PagedCall:  # fmt: skip
     """The :class:`PagedCall` of tensors that passed the shape checks, with ``mask`` and
     ``score_mod`` already normalised and bound (:func:`bound_objects`): the scale and
@@ -92,6 +113,7 @@ def layer_call(
         v_scales=v_scales,
         return_lse=return_lse,
         sinks=check_sinks(sinks, q),
+        holes=check_holes(holes, q, k_pages),
         planned=planned,
     )
 

@@ -50,13 +50,14 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     args = (q, k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales, call.v_scales,
             call.sinks)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
-        out, lse = ops.paged_decode_cpu(*args)
+        out, lse = ops.paged_decode_cpu(*args, call.holes)
     elif launch is not None and call.k_scales is None and launch.fits(q, k_pages, v_pages):
         # a planned step's layer: only the pointers change (the table, intervals and splits
         # are the plan's, the tensors block_table and seq_lens it was made from)
-        out, lse = launch(q, k_pages, v_pages, call.scale, call.sinks, call.return_lse)
+        out, lse = launch(q, k_pages, v_pages, call.scale, call.sinks, call.return_lse,
+                          call.holes)  # fmt: skip
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call
-        out, lse = paged_decode.decode(*args, splits=splits)
+        out, lse = paged_decode.decode(*args, splits=splits, holes=call.holes)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse  # (B, Hq, Sq, Dv)
 
 
@@ -95,6 +96,6 @@ register(
         doc="C kernel: each page read in place, once (decode, Sq <= 16, CPU)",
         kind="paged",
         plan=plan,
-        supports=BASE_FIELDS["paged"] | {"sinks"},
+        supports=BASE_FIELDS["paged"] | {"sinks", "holes"},
     )
 )

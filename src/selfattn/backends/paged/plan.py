@@ -70,7 +70,7 @@ class PagedAttentionPlan:
 
     def prepare(
         self, q, k_pages, v_pages, *, mask=None, score_mod=None, scale=None, k_scales=None,
-        v_scales=None, backend: str = "auto", return_lse: bool = False, sinks=None,
+        v_scales=None, backend: str = "auto", return_lse: bool = False, sinks=None, holes=None,
     ):  # fmt: skip
         """``(backend, PagedCall)`` for one layer's call: checked and chosen at the first layer
         of each layout, then only the layer's scale and dequantisation scales."""
@@ -86,7 +86,8 @@ class PagedAttentionPlan:
         # can change the backend (the kernels have no backward)
         sink_kind = None if sinks is None else bool(torch.is_grad_enabled() and sinks.requires_grad)
         key = (
-            id(mask), id(score_mod), backend, grad, sink_kind, q.shape, q.dtype, q.device,
+            id(mask), id(score_mod), backend, grad, sink_kind, holes is None,
+            q.shape, q.dtype, q.device,
             k_pages.shape, k_pages.dtype, k_pages.device, k_pages.stride(),
             v_pages.shape, v_pages.dtype, v_pages.device, v_pages.stride(),
         )  # fmt: skip
@@ -99,12 +100,14 @@ class PagedAttentionPlan:
         # A scale of another type (a bool, a tensor) is never memoised: layer_call rejects it.
         plain = scale is None or type(scale) is float or type(scale) is int
         call_key = (
-            (key, scale, id(k_scales), id(v_scales), id(sinks), return_lse) if plain else None
+            (key, scale, id(k_scales), id(v_scales), id(sinks), id(holes), return_lse)
+            if plain
+            else None
         )
         hit = self._prepared.get(key)
         if hit is None:  # the layer's call comes with it, planned: not built a second time
             hit, call = self._prepare(q, k_pages, v_pages, mask, score_mod, scale, k_scales,
-                                      v_scales, backend, return_lse, sinks)  # fmt: skip
+                                      v_scales, backend, return_lse, sinks, holes)  # fmt: skip
             self._prepared[key] = hit
         else:
             call = self._calls.get(call_key) if plain else None
@@ -112,7 +115,7 @@ class PagedAttentionPlan:
                 return hit[2], call
             _, _, _, mask_obj, mod_obj, planned = hit
             call = layer_call(q, k_pages, v_pages, mask_obj, mod_obj, scale, k_scales, v_scales,
-                              return_lse, planned, sinks=sinks)  # fmt: skip
+                              return_lse, planned, sinks=sinks, holes=holes)  # fmt: skip
         if plain:
             self._calls[call_key] = call
         return hit[2], call
@@ -123,7 +126,7 @@ class PagedAttentionPlan:
         return self.block_table._version, self.seq_lens._version
 
     def _prepare(self, q, k_pages, v_pages, mask, score_mod, scale, k_scales, v_scales, backend,
-                 return_lse, sinks) -> tuple[tuple, PagedCall]:  # fmt: skip
+                 return_lse, sinks, holes=None) -> tuple[tuple, PagedCall]:  # fmt: skip
         """``(entry of _prepared, this layer's planned PagedCall)``."""
         args = (q, k_pages, v_pages, self.block_table, self.seq_lens)
         check_shapes(*args)
@@ -143,6 +146,7 @@ class PagedAttentionPlan:
             v_scales,
             return_lse,
             sinks=sinks,
+            holes=holes,
         )
         chosen, _ = registry("paged").select(*args, call, backend=backend)
         planned = None if chosen.plan is None else chosen.plan(*args, call)

@@ -95,6 +95,8 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     qg = (q.to(cd) * scale).reshape(B, Hkv, G * Sq, D)  # (B, Hq, Sq, D) -> (B, Hkv, G·Sq, D)
     qg = qg.transpose(0, 1).contiguous()  # (Hkv, B, G·Sq, D)
     min_len = int(seq_lens.min()) if B else 0
+    # (B, Hkv, 2) -> (Hkv, B, 1, 2): a kv head's [start, end) per sequence, as the state's order
+    holes = None if call.holes is None else call.holes.transpose(0, 1).unsqueeze(2)
 
     table = block_table.to(device=device, dtype=torch.long)
     first_t = torch.tensor(first, dtype=torch.long, device=device).view(B, 1)
@@ -168,9 +170,13 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
                     raise TypeError(f"mask_mod must return a bool tensor, got {mm.dtype}")
                 mm = (mm.to(device) & (kv_pos < ends.view(B, 1, 1, 1))).expand(B, Hq, Sq, L)
                 allowed = mm.reshape(B, Hkv, G * Sq, L).transpose(0, 1)  # (Hkv, B, G·Sq, L)
-            elif j1 * P > min_len:  # some sequence ends inside this group (first = 0 here)
+            elif j1 * P > min_len or holes is not None:  # a sequence ends here, or holes
                 allowed = kv_pos.view(1, B, 1, L) < ends.view(1, B, 1, 1)
                 allowed = allowed.expand(Hkv, B, G * Sq, L)
+            if holes is not None:  # each kv head's rows skip its hole's keys
+                at = kv_pos.view(1, B, 1, L)
+                hole = (at >= holes[..., :1]) & (at < holes[..., 1:])  # (Hkv, B, 1, L)
+                allowed = allowed & ~hole
             if allowed is not None:
                 # masked_fill (not an additive -inf): NaN scores from garbage K are replaced too.
                 s = s.masked_fill(~allowed, -math.inf)
@@ -221,6 +227,6 @@ register(
         doc="plain PyTorch: bounded groups of pages gathered, online softmax; every case",
         kind="paged",
         plan=plan,
-        supports=BASE_FIELDS["paged"] | {"sinks"},
+        supports=BASE_FIELDS["paged"] | {"sinks", "holes"},
     )
 )

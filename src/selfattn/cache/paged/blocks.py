@@ -58,6 +58,10 @@ class BlockTable:
         # tokens evicted from a compacted sequence (compact): its next token's position is its
         # length plus these; absent for the others
         self._evicted: dict[int, int] = {}
+        # a sequence compacted to ragged per-(layer, KV head) counts: (L, Hkv, 2) int64, each
+        # layer's and head's hole [start, end) of slots it skips (PagedKV.compact: a tensor
+        # kept as the cache made it; this module imports no torch)
+        self._holes: dict[int, object] = {}
         self._next_id = 0
 
     # -- reads ----------------------------------------------------------------------------------
@@ -89,6 +93,26 @@ class BlockTable:
             return None
         found = [self._evicted.get(s, 0) for s in ids]
         return found if any(found) else None
+
+    def holes(self, seq_id: int):
+        """``(L, Hkv, 2)`` int64: the slots ``[start, end)`` that layer ``l``, KV head ``h`` of
+        ``seq_id`` skips (a ragged compaction's), or None where it has none."""
+        return self._holes.get(self.check_id(seq_id))
+
+    def hole_lists(self, ids: list[int]) -> list | None:
+        """:meth:`holes` of each checked sequence, or None when none of them has any."""
+        if not self._holes:
+            return None
+        found = [self._holes.get(s) for s in ids]
+        return None if all(h is None for h in found) else found
+
+    def set_holes(self, seq_id: int, holes) -> None:
+        """Record ``seq_id``'s holes (:meth:`holes`; None: none)."""
+        self.check_id(seq_id)
+        if holes is None:
+            self._holes.pop(seq_id, None)
+        else:
+            self._holes[seq_id] = holes
 
     def page_lists(self, ids: list[int]) -> list[list[int]]:
         """The live page lists of checked ``ids`` (read them, never change them): what a
@@ -149,6 +173,8 @@ class BlockTable:
         self._lens[sid] = self._lens[seq_id]
         if seq_id in self._evicted:
             self._evicted[sid] = self._evicted[seq_id]
+        if seq_id in self._holes:  # never changed in place: shared
+            self._holes[sid] = self._holes[seq_id]
         return sid
 
     def add_from_prefix(self, tokens, index: PrefixIndex | None = None, salt=None):
@@ -207,12 +233,14 @@ class BlockTable:
         self.pool.free(self._pages[self.check_id(seq_id)])
         del self._pages[seq_id], self._lens[seq_id]
         self._evicted.pop(seq_id, None)
+        self._holes.pop(seq_id, None)
 
     def truncate(self, seq_id: int) -> None:
         """Empty ``seq_id`` (length 0, its references dropped) but keep it live."""
         self.pool.free(self._pages[self.check_id(seq_id)])
         self._pages[seq_id], self._lens[seq_id] = [], 0
         self._evicted.pop(seq_id, None)
+        self._holes.pop(seq_id, None)
 
     def trim(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens of ``seq_id``: its pages past them are dropped (a
@@ -231,6 +259,8 @@ class BlockTable:
         del pages[keep:]
         self.pool.decref(extra)
         self._lens[seq_id] = length
+        if seq_id in self._holes:  # holes past the new end shrink with it
+            self._holes[seq_id] = self._holes[seq_id].clamp(max=length)
         self.epoch += 1  # the plan before it can no longer be undone
 
     def drop_page(self, seq_id: int, at: int) -> None:
@@ -348,7 +378,7 @@ class BlockTable:
         drops nothing); advances :attr:`epoch`."""
         self._pages = {s: list(p) for s, p in zip(ids, page_lists)}
         self._lens = {s: n + c for s, n, c in zip(ids, lengths, counts)}
-        self._evicted = {}
+        self._evicted, self._holes = {}, {}
         self.epoch += 1
         return [(s, len(p), n) for s, p, n in zip(ids, page_lists, lengths)]
 

@@ -203,7 +203,7 @@ class PagedKV:
         """Tokens :meth:`compact` removed from ``seq_id`` (0 if never compacted)."""
         return self.blocks.evicted(seq_id)
 
-    def compact(self, seq_id: int, kept: torch.Tensor) -> tuple[int, int]:
+    def compact(self, seq_id: int, kept: torch.Tensor, counts=None) -> tuple[int, int]:
         """Keep, in each layer and KV head, the tokens ``kept (L, Hkv, n)`` of ``seq_id``
         (indices into its ``length`` tokens, ascending per head, as a KV-compression press
         chooses them) and free the pages the rest held.
@@ -214,7 +214,13 @@ class PagedKV:
         seen (:meth:`evicted`), so RoPE and causal order hold. The kept tokens go to pages the
         sequence alone holds, fresh ones only where it holds too few: pages others share (a
         cached prefix, a fork) are never written (:meth:`BlockTable.compact`).
-        Returns ``(tokens removed, pages freed by the sequence)``.
+
+        ``counts (L, Hkv)``: ragged kept counts (PyramidKV's per-layer budgets, AdaKV's per-head
+        ones): layer ``l``, head ``h`` keeps its first ``counts[l, h]`` entries of ``kept`` (the
+        rest is padding), and slots ``[counts[l, h], n)`` become its hole, zeroed and skipped
+        by its attention (:mod:`selfattn.cache.paged.holes`; the length is ``n``, so the pages
+        saved are those past the largest count). Returns ``(tokens removed from the longest
+        head, pages freed by the sequence)``.
         """
         if type(self) is not PagedKV:
             raise TypeError(
@@ -225,9 +231,19 @@ class PagedKV:
         if not isinstance(kept, torch.Tensor) or kept.dim() != 3 or kept.shape[:2] != (L, Hkv):
             got = tuple(kept.shape) if isinstance(kept, torch.Tensor) else type(kept).__name__
             raise ValueError(f"kept must be (L={L}, Hkv={Hkv}, n) token indices, got {got}")
+        if self.blocks.holes(seq_id) is not None:
+            raise ValueError(
+                f"sequence {seq_id} was compacted to ragged counts already; compact it once"
+            )
         n = kept.shape[2]
-        kept = kept.to(torch.long)
-        if n and (int(kept.min()) < 0 or int(kept.max()) >= have or bool((kept.diff() <= 0).any())):
+        kept = kept.to(torch.long).cpu()
+        real = None if counts is None else _real_entries(counts, L, Hkv, n)  # (L, Hkv, n)
+        if real is not None:  # padding copies each head's first kept token, then is zeroed
+            kept = torch.where(real, kept, kept[..., :1])
+        step = kept.diff()
+        if real is not None:
+            step = step.masked_fill(~real[..., 1:], 1)
+        if n and (int(kept.min()) < 0 or int(kept.max()) >= have or bool((step <= 0).any())):
             raise ValueError(
                 f"kept must hold ascending, distinct token indices in 0..{have - 1} per head "
                 f"(sequence {seq_id} holds {have} tokens)"
@@ -235,10 +251,16 @@ class PagedKV:
         old, new = self.blocks.compact(seq_id, n)
         device = self.k_store.device
         P = self.page_size
-        src_pages = torch.tensor(old, dtype=torch.long, device=device)[kept // P]  # (L, Hkv, n)
+        src_pages = torch.tensor(old, dtype=torch.long)[kept // P].to(device)  # (L, Hkv, n)
         dst = torch.arange(n, device=device)
         dst_pages = torch.tensor(new, dtype=torch.long, device=device)[dst // P]
         self.store.move_rows((src_pages, kept.to(device) % P), (dst_pages, dst % P))
+        if real is not None and not bool(real.all()):
+            layer, head, slot = (~real).nonzero(as_tuple=True)
+            slot = slot.to(device)
+            self.store.clear_rows(layer, dst_pages[slot], slot % P, head.to(device))
+            ends = torch.full((L, Hkv), n, dtype=torch.long)
+            self.blocks.set_holes(seq_id, torch.stack((real.sum(-1), ends), dim=-1))
         return have - n, len(old) - len(new)
 
     def trim(self, seq_id: int, length: int) -> None:
@@ -262,7 +284,8 @@ class PagedKV:
         before, copies = self._reserve(ids, [n_tokens] * len(ids))
         return planner.build(before, self.blocks.page_lists(ids), n_tokens,
                              num_pages=self.num_pages, epoch=self.blocks.epoch, copies=copies,
-                             offsets=self.blocks.offsets(ids), **self._shape)  # fmt: skip
+                             offsets=self.blocks.offsets(ids),
+                             holes=self.blocks.hole_lists(ids), **self._shape)  # fmt: skip
 
     def plan_packed(self, seq_ids, counts) -> Step:
         """Plan one step that appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` (a
@@ -308,6 +331,7 @@ class PagedKV:
         plan = planner.build_packed(before, self.blocks.page_lists(ids), counts,
                                     num_pages=self.num_pages, epoch=self.blocks.epoch,
                                     copies=copies, offsets=self.blocks.offsets(ids),
+                                    holes=self.blocks.hole_lists(ids),
                                     **self._shape)  # fmt: skip
         layers = [PagedLayer(self, plan, i) for i in range(self.n_layers)]
         return Step(layers, plan.positions.view(1, -1), None)
@@ -378,6 +402,20 @@ class PagedKV:
             f"{type(self).__name__}(n_layers={L}, num_pages={N}, page_size={P}, n_kv_heads={Hkv}, "
             f"head_dim={D}, seqs={len(self.seq_ids)}, free_pages={self.pool.num_free})"
         )
+
+
+def _real_entries(counts, L: int, Hkv: int, n: int) -> torch.Tensor:
+    """``(L, Hkv, n)`` bool: which entries of a ragged ``kept`` are real (the first
+    ``counts[l, h]`` of each head); ValueError naming bad counts."""
+    counts = torch.as_tensor(counts)
+    if counts.shape != (L, Hkv) or counts.is_floating_point() or counts.dtype == torch.bool:
+        raise ValueError(f"counts must be (L={L}, Hkv={Hkv}) integers, got {tuple(counts.shape)}")
+    counts = counts.to(torch.long).cpu()
+    if int(counts.min()) < 0 or int(counts.max()) > n:
+        raise ValueError(
+            f"counts must be in 0..{n} (kept holds {n} per head), got {counts.tolist()}"
+        )
+    return torch.arange(n) < counts.unsqueeze(-1)
 
 
 class PagedCache(PagedKV):

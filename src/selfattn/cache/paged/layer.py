@@ -16,13 +16,15 @@ was before the step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from selfattn.cache.base import Step
+from selfattn.cache.paged.holes import hole_mask
 from selfattn.cache.paged.plan import PACKED_ROWS_MAX, StepPlan
-from selfattn.cache.paged.store import check_new_kv
+from selfattn.cache.paged.store import check_attend, check_new_kv
 from selfattn.functional import attention, attention_weights, paged_attention
 from selfattn.masks import as_mask, from_tensor
 from selfattn.scores import as_score_mod
@@ -31,24 +33,6 @@ if TYPE_CHECKING:
     from selfattn.cache.paged.kv import PagedKV
 
 __all__ = ["PagedCacheView", "PagedLayer"]
-
-
-def _check_attend(kv: PagedKV, seq_ids: list[int], q, k, v) -> None:
-    """TypeError / ValueError naming the offending shapes unless ``q (B, Hq, Sq, D)`` and this
-    step's ``k``, ``v`` fit ``kv`` and the batch ``seq_ids``."""
-    B = len(seq_ids)
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
-        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-        raise ValueError(f"q must be (B={B}, Hq, Sq, D) for seq_ids {seq_ids}, got {got}")
-    if not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[2] != q.shape[2]:
-        got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
-        raise ValueError(f"k must hold one new token per query: q {tuple(q.shape)}, k {got}")
-    check_new_kv(kv.store, B, k, v)
-    if q.dtype != kv.k_store.dtype and kv.k_scales is None:
-        raise TypeError(
-            f"q is {q.dtype} but the cache stores {kv.k_store.dtype}; build the "
-            f"{type(kv).__name__} with the model's dtype"
-        )
 
 
 class PagedLayer:
@@ -109,7 +93,7 @@ class PagedLayer:
         """:meth:`attend`'s checks; ``(mask, score_mod)`` bound to each sequence's rows."""
         plan = self.plan
         try:
-            _check_attend(self.kv, plan.seq_ids, q, k, v)
+            check_attend(self.kv, plan.seq_ids, q, k, v)
             if q.shape[2] != plan.n_tokens:
                 raise ValueError(
                     f"this step was planned for {plan.n_tokens} new token(s) per sequence but q "
@@ -148,8 +132,9 @@ class PagedLayer:
             if out is not None:  # attend's path ran the call
                 return out
             hit = plan.fast[key]
-        chosen, call = hit[0], hit[1]
-        layer = self.layer
+        chosen, call, layer = hit[0], hit[1], self.layer
+        if plan.holes is not None:  # per layer (the memo's call holds its first layer's)
+            call = dataclasses.replace(call, holes=plan.holes[layer])
         B, S, Hq, D = q.shape
         # packed: every token a row of one query (T, Hq, 1, D), a view of the same memory
         qh = q.view(S, Hq, 1, D) if packed else q.transpose(1, 2)
@@ -179,7 +164,7 @@ class PagedLayer:
         plan, kv = self.plan, self.kv
         if kv.k_scales is not None or not kv.writes_rows or not (plan.packed or q_shape[1] == 1):
             return None
-        if plan.packed and plan.blocks:
+        if (plan.packed and plan.blocks) or plan.holes is not None:  # holes differ per layer
             return None
         key = (id(mask), id(score_mod), scale, id(sinks), q_shape, dtype, k_shape, dtype,
                v_shape, dtype)  # fmt: skip
@@ -231,7 +216,7 @@ class PagedLayer:
         try:
             hit = plan.attention.prepare(
                 qh, kv.k_layers[self.layer], kv.v_layers[self.layer], mask=mask_obj,
-                score_mod=mod_obj, scale=scale, sinks=sinks,
+                score_mod=mod_obj, scale=scale, sinks=sinks, holes=self._holes(),
             )  # fmt: skip
         except BaseException:
             kv.undo(plan)
@@ -258,7 +243,7 @@ class PagedLayer:
                 out = paged_attention(
                     q, kv.k_layers[layer], kv.v_layers[layer], plan.block_table, plan.seq_lens,
                     mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-                    v_scales=v_scales, plan=plan.attention, sinks=sinks,
+                    v_scales=v_scales, plan=plan.attention, sinks=sinks, holes=self._holes(),
                 )  # fmt: skip
         except BaseException:
             kv.undo(plan)
@@ -267,6 +252,10 @@ class PagedLayer:
             return out
         w = q.new_zeros(*q.shape[:3], plan.max_len)
         return out, self._per_sequence(attention_weights, w, q, mask, score_mod, scale, sinks)
+
+    def _holes(self) -> torch.Tensor | None:
+        """This layer's ``(rows, Hkv, 2)`` holes of the step, or None."""
+        return None if self.plan.holes is None else self.plan.holes[self.layer]
 
     def _blocks_serve(self) -> bool:
         """Whether a long step may attend as query blocks over gathered keys: a plain layer of
@@ -279,9 +268,11 @@ class PagedLayer:
         sequence ``b`` of the written step over its gathered keys, its mask and score mod
         shifted to its batch row; the default q_offset (bottom-right, ``n - Sq``) places its
         queries as :func:`paged_attention` does. Returns ``out``."""
+        holes = self._holes()
         for b, s in enumerate(self.plan.seq_ids):
             ks, vs = self.kv.gather(s, self.layer)
             mask_b = None if mask is None else as_mask(mask).shifted(batch=b)
+            mask_b = mask_b if holes is None else hole_mask(mask_b, holes[b], q.shape[1])
             mod_b = None if score_mod is None else as_score_mod(score_mod).shifted(batch=b)
             r = fn(q[b : b + 1], ks[None].to(q.dtype), vs[None].to(q.dtype), mask=mask_b,
                    score_mod=mod_b, scale=scale, sinks=sinks)  # fmt: skip
@@ -318,7 +309,7 @@ class PagedLayer:
         k_scales, v_scales = kv.layer_scales(layer)
         pages = (kv.k_layers[layer], kv.v_layers[layer])
         kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-                  v_scales=v_scales, sinks=sinks)  # fmt: skip
+                  v_scales=v_scales, sinks=sinks, holes=self._holes())  # fmt: skip
         try:
             kv.write(layer, plan, _token_rows(k), _token_rows(v))
             R = plan.rows.numel()
@@ -332,11 +323,13 @@ class PagedLayer:
                 o = paged_attention(qr, *pages, plan.block_table, plan.seq_lens,
                                     plan=plan.attention, **kw)  # fmt: skip
                 out.index_copy_(1, plan.rows, o.squeeze(2).transpose(0, 1))  # (Hq, R, Dv)
-            for start, n, ids, length in plan.blocks:  # a query block per long chunk
+            for i, (start, n, ids, length) in enumerate(plan.blocks):  # a query block a chunk
                 ks, vs = kv.gather_pages(ids, length, layer)  # (Hkv, length, ·)
                 qb = q[:, :, start : start + n]  # (1, Hq, n, D)
+                held = plan.block_holes[i] if plan.block_holes else None
+                mb = mask if held is None else hole_mask(mask, held[layer], Hq)
                 # keys from position 0, queries the last n: attention's default bottom-right
-                o = attention(qb, ks[None].to(qb.dtype), vs[None].to(qb.dtype), mask=mask,
+                o = attention(qb, ks[None].to(qb.dtype), vs[None].to(qb.dtype), mask=mb,
                               score_mod=score_mod, scale=scale, sinks=sinks)  # fmt: skip
                 out[:, start : start + n] = o[0]
             return out.unsqueeze(0)  # (Hq, T, Dv) -> (1, Hq, T, Dv)
@@ -468,7 +461,7 @@ class PagedCacheView:
         """Plan one step of a one-layer cache and run it (:meth:`PagedLayer.attend`); bad input
         is refused before anything changes."""
         self._one_layer("attend")
-        _check_attend(self.cache, self.seq_ids, q, k, v)
+        check_attend(self.cache, self.seq_ids, q, k, v)
         B, Hq, Sq, _ = q.shape
         # Validate before planning, so that bad input leaves the cache as it was.
         lengths = self.lengths

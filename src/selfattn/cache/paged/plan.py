@@ -40,6 +40,7 @@ import torch
 
 from selfattn.backends.paged.plan import PagedAttentionPlan
 from selfattn.cache.base import next_positions
+from selfattn.cache.paged.holes import step_holes
 from selfattn.kernels.determinism import is_deterministic
 
 __all__ = ["PACKED_ROWS_MAX", "StepPlan", "build", "build_packed", "pair_slots"]
@@ -95,6 +96,11 @@ class StepPlan:
     # packed: each long chunk as (start among the T tokens, n tokens, int64 page ids of its
     # sequence, its length after the step); its tokens are the sequence's last n
     blocks: tuple[tuple[int, int, torch.Tensor, int], ...] = ()
+    # (L, rows, Hkv, 2) int64: each layer's per-row KV-head holes (selfattn.cache.paged.holes),
+    # None where no sequence of the step has any; rows as block_table's
+    holes: torch.Tensor | None = None
+    # packed: each long chunk's (L, Hkv, 2) holes or None, as `blocks`
+    block_holes: tuple = ()
     # a per-step memo of PagedLayer.attend_rows: (mask, score mod, scale, sinks, shapes) -> its
     # checked call, filled by the first layer of each kind, read by the others
     fast: dict = dataclasses.field(default_factory=dict)
@@ -115,12 +121,13 @@ def pair_slots(slots: list[int], page_size: int) -> list[int]:
 
 def build(
     before, pages, n_tokens: int, *, page_size: int, max_pages: int, num_pages: int,
-    paired: bool, device, epoch: int, copies, offsets=None,
+    paired: bool, device, epoch: int, copies, offsets=None, holes=None,
 ) -> StepPlan:  # fmt: skip
     """The plan of ``n_tokens`` new tokens in each sequence of ``before`` (``(id, pages
     before, length before)``), whose pages after the reservation are ``pages``. ``paired``:
     the layers keep one K/V pool (``pair_slots``); ``offsets``: each sequence's evicted
-    tokens, or None (module docstring)."""
+    tokens, or None (module docstring); ``holes``: each sequence's ``(L, Hkv, 2)`` holes or
+    None, or None for none (:mod:`selfattn.cache.paged.holes`)."""
     S, P, M, B = n_tokens, page_size, max_pages, len(before)
     # One host list, one copy to the device: lengths (B), slots (B·S), table (B·M), pair slots.
     flat = [n for _, _, n in before]
@@ -158,15 +165,16 @@ def build(
         attention=PagedAttentionPlan(table, seq_lens, valid_for=(num_pages, P, S)),
         pair_slots=t[end:].view(2, B * S) if paired else None,
         copies=tuple(copies),
+        holes=None if holes is None else step_holes(holes, device=t.device),
     )
 
 
 def build_packed(
     before, pages, counts, *, page_size: int, max_pages: int, num_pages: int, paired: bool,
-    device, epoch: int, copies, offsets=None,
+    device, epoch: int, copies, offsets=None, holes=None,
 ) -> StepPlan:  # fmt: skip
     """The packed plan of ``counts[i]`` new tokens of sequence ``before[i]`` (module
-    docstring); ``pages`` and ``offsets`` as :func:`build`'s."""
+    docstring); ``pages``, ``offsets`` and ``holes`` as :func:`build`'s."""
     P, M = page_size, max_pages
     # deterministic mode: every token a row (each rounded as alone, whatever its chunk)
     rows_max = max(counts, default=0) if is_deterministic() else PACKED_ROWS_MAX
@@ -218,5 +226,11 @@ def build_packed(
         rows=rows_t,
         blocks=tuple(
             (start, c, pages_of[at : at + used], length) for start, c, at, used, length in spans
+        ),
+        holes=None if holes is None or not R else step_holes(holes, row_of, t.device),
+        block_holes=()
+        if holes is None
+        else tuple(
+            None if (h := holes[at // M]) is None else h.to(t.device) for _, _, at, _, _ in spans
         ),
     )

@@ -29,7 +29,7 @@ from selfattn.cache import memory
 from selfattn.cache.paged.plan import StepPlan
 from selfattn.cache.quant import FP8_MAX, INT8_SCALE_DTYPE, dequantize, quantize_fp8, quantize_int8
 
-__all__ = ["FP8_HEADROOM", "PageStore", "check_new_kv"]
+__all__ = ["FP8_HEADROOM", "PageStore", "check_attend", "check_new_kv"]
 
 # fp8 pages: the per-head scale leaves room for values this many times the first write's
 # largest before they saturate (e4m3 keeps 3 mantissa bits at any exponent, so the headroom
@@ -162,6 +162,20 @@ class PageStore:
             for t, rows in held:
                 t[dst] = rows
 
+    def clear_rows(self, layers, pages, slots, heads) -> None:
+        """Zero the key and value of ``(page, slot)`` ``(pages[i], slots[i])``, KV head
+        ``heads[i]`` in layer ``layers[i]`` (int64 tensors ``(n,)``): a ragged compaction's
+        holes (``0`` in every page dtype; int8 scales stay, scaling a zero)."""
+        for layer in layers.unique().tolist():
+            at = layers == layer
+            where = (
+                pages[at.to(pages.device)],
+                slots[at.to(slots.device)],
+                heads[at.to(heads.device)],
+            )
+            for t in self._token_tensors(layer, False):
+                t[where] = 0
+
     def _token_tensors(self, layer: int, scaled: bool) -> list[torch.Tensor]:
         """Layer ``layer``'s ``(N, P, Hkv, ...)`` tensors that hold something per token: its
         key and value pages (fp8 as bytes, which indexing moves) and int8 scales."""
@@ -203,3 +217,22 @@ def check_new_kv(store: PageStore, B: int, k, v) -> int:
     if tuple(v.shape) != (B, Hkv, S, Dv):
         raise ValueError(f"v must be (B={B}, Hkv={Hkv}, S={S}, Dv={Dv}), got {tuple(v.shape)}")
     return S
+
+
+def check_attend(kv, seq_ids: list[int], q, k, v) -> None:
+    """TypeError / ValueError naming the offending shapes unless ``q (B, Hq, Sq, D)`` and a
+    step's ``k``, ``v`` fit ``kv`` (a :class:`~selfattn.cache.PagedKV`) and the batch
+    ``seq_ids``."""
+    B = len(seq_ids)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be (B={B}, Hq, Sq, D) for seq_ids {seq_ids}, got {got}")
+    if not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[2] != q.shape[2]:
+        got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+        raise ValueError(f"k must hold one new token per query: q {tuple(q.shape)}, k {got}")
+    check_new_kv(kv.store, B, k, v)
+    if q.dtype != kv.k_store.dtype and kv.k_scales is None:
+        raise TypeError(
+            f"q is {q.dtype} but the cache stores {kv.k_store.dtype}; build the "
+            f"{type(kv).__name__} with the model's dtype"
+        )

@@ -62,7 +62,7 @@ enum {
   A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_ISA, A_NI, A_ODT, A_NARGS
 };
 /* ptrs, in order */
-enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_NPTRS };
+enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_HOLES, P_NPTRS };
 
 /* Widest vector of any pass, in floats: query rows are zero-padded to a multiple of it, so
    every block kernel loads whole vectors of q (and bf16 q pairs for vdpbf16ps: 2x as many). */
@@ -915,6 +915,9 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
   int64_t kmin = INT64_MAX, kmax = 0, r, i, g, h, s, e, j, d, k;
   const int64_t *lo = (const int64_t *)p[P_LO] + b * Sq * NI;
   const int64_t *hi = (const int64_t *)p[P_HI] + b * Sq * NI;
+  /* per kv head h, the slots [holes[2h], holes[2h + 1]) that its rows skip (a compacted
+     sequence's ragged kept counts), or NULL: none */
+  const int64_t *holes = p[P_HOLES] ? (const int64_t *)p[P_HOLES] + b * Hkv * 2 : NULL;
   const int32_t *table = (const int32_t *)p[P_TABLE] + b * a[A_MAXP];
   const void *ksc = p[P_KSCALE], *vsc = p[P_VSCALE];
   const float *lut = (const float *)p[P_LUT];
@@ -965,6 +968,15 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       used |= sb[i] > sa[i];
     }
     if (!used) continue;
+    /* holed: some kv head's hole meets this page's slots (the page leaves the fused step); a
+       page inside every head's hole is skipped unread */
+    int holed = 0, inside = holes != NULL;
+    for (h = 0; holes && h < Hkv; h++) {
+      const int64_t ha = holes[2 * h], hb = holes[2 * h + 1];
+      holed |= hb > ha && ha < t0 + ns && hb > t0;
+      inside &= ha <= t0 && hb >= t0 + ns;
+    }
+    if (inside) continue;
     const int64_t page = table[j];
     /* the used slots [0, n1) of the page AHEAD pages on (0: none in this item) */
     const int64_t jn = j + AHEAD;
@@ -994,7 +1006,7 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
     /* -- a page every row attends whole (in decode, every page: the first and last ones'
        used slots are [s0, s1)): the softmax and the V sum fused, kv head by kv head, PD_SLOTS
        slots at a time (a page of 32 slots in two steps, not the general path) */
-    int whole_all = 1;
+    int whole_all = !holed;
     for (i = 0; i < Sq; i++) {
       int whole = 0;
       for (k = 0; k < NI; k++) whole |= sa[i * NI + k] == 0 && sb[i * NI + k] == ns;
@@ -1038,6 +1050,13 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
           for (g = 0; g < Hq; g++) sc[(g * Sq + i) * P + s] = -INFINITY; /* all Hq heads */
       }
     }
+    /* -inf scores in each kv head's hole, for its G * Sq rows (its keys there are not its own) */
+    for (h = 0; holed && h < Hkv; h++) {
+      const int64_t ha = holes[2 * h] - t0, hb = holes[2 * h + 1] - t0;
+      const int64_t a0 = ha > 0 ? ha : 0, a1 = hb < ns ? hb : ns;
+      for (r = h * Rh; a1 > a0 && r < (h + 1) * Rh; r++)
+        for (s = a0; s < a1; s++) sc[r * P + s] = -INFINITY;
+    }
     /* -- online softmax: rescale each row's running sums to its new max; scores -> weights */
     for (r = 0; r < R; r++) {
       float *row = sc + r * P, mx = -INFINITY, sum = 0.0f;
@@ -1054,6 +1073,9 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       if (mx == -INFINITY) { /* no finite allowed score on this page: it adds nothing... */
         for (s = 0; s < ns; s++) /* ...unless one is NaN: then the row's sum is (see merge) */
           if (row[s] != row[s]) l[r] = NAN;
+        /* a row whose slots here are all in its hole: zero weights for the V sum, which reads
+           its allowed range (compact zeroes the hole's V rows: 0 · 0 adds nothing) */
+        if (holed) memset(row, 0, sizeof(float) * ns);
         continue;
       }
       if (mx > m[r]) {
