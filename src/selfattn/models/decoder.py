@@ -439,7 +439,12 @@ class CausalLM(nn.Module):
             h = h[:, logits_to_keep]  # (B, S, d_model) -> (B, n, d_model)
         elif logits_to_keep is not None:
             h = h[:, -logits_to_keep:]  # (B, S, d_model) -> (B, n, d_model)
-        logits = self.lm_head(self.norm(h))  # (B, S, d_model) -> (B, S, vocab)
+        return self.unembed(h)
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``h (..., d_model)`` read as logits ``(..., vocab)``: the final
+        norm, the LM head and the final soft-cap (the logit lens reads any layer's stream so)."""
+        logits = self.lm_head(self.norm(h))
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -243,7 +243,11 @@ class HybridLM(nn.Module):
             h = h[:, logits_to_keep]
         elif logits_to_keep is not None:
             h = h[:, -logits_to_keep:]
-        return self.lm_head(self.norm(h))  # (B, S, d_model) -> (B, S, vocab)
+        return self.unembed(h)
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``h (..., d_model)`` read as logits: final norm, LM head."""
+        return self.lm_head(self.norm(h))
 
     def make_cache(self, kind: str, batch: int, max_len: int | None = None, *, dtype=None,
                    page_size: int = 16, max_seqs: int | None = None) -> LayerCaches:  # fmt: skip
