@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import selfattn as sa
-from selfattn.benchmarks import NAMES
+from selfattn.benchmarks import NAMES, lens_parity
 from selfattn.benchmarks import attention as bench_attention
 from selfattn.cli import main
 from tests._no_extras import PYTHONPATH
@@ -524,21 +524,15 @@ def check_determinism(report: dict) -> None:
     assert [r["batch"] for r in cost] == [1, 16]
 
 
-# The points every tiny model shares with TransformerLens, one row each (every layer together).
-LENS_POINTS = ["hook_embed", *(f"blocks.{{i}}.{p}" for p in (
-    "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores",
-    "attn.hook_pattern", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out",
-    "hook_resid_post")), "ln_final.hook_normalized", "logits",
-    "logit lens: resid -> norm -> lm_head"]  # fmt: skip
-
-
 def check_lens_parity(report: dict) -> None:
     by_model: dict[str, list[dict]] = {}
     for r in report["rows"]:
         by_model.setdefault(r["model"], []).append(r)
     assert len(by_model) == 2, list(by_model)  # --quick: the tiny GPT-2 and Llama
     for model, rows in by_model.items():
-        assert [r["point"] for r in rows] == LENS_POINTS, model
+        assert [r["point"] for r in rows] == lens_parity.SHARED_POINTS + [
+            point for _, point, _ in lens_parity.WHOLE
+        ], model
         for r in rows:  # the verdict is the ratio rule on what was measured
             assert r["met"] == (r["why"] is None), r
             assert r["met"], (model, r)

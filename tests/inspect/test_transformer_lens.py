@@ -12,26 +12,26 @@ pytest.importorskip(
 )
 pytest.importorskip("tokenizers", reason="the tiny checkpoints' tokenizer needs tokenizers")
 
-from selfattn.benchmarks.lens_parity import NOTES, TINY, compare, tiny_checkpoint
-
-# Every point both sides have on a decoder, one row each, then the two whole-model rows.
-POINTS = ["hook_embed", *(f"blocks.{{i}}.{p}" for p in (
-    "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores",
-    "attn.hook_pattern", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out",
-    "hook_resid_post")), "ln_final.hook_normalized", "logits",
-    "logit lens: resid -> norm -> lm_head"]  # fmt: skip
+from selfattn.benchmarks.lens_parity import (
+    NOTES,
+    SHARED_POINTS,
+    TINY,
+    WHOLE,
+    compare,
+    tiny_checkpoint,
+)
 
 
 @pytest.mark.parametrize("family, seed", [("gpt2", 11), ("llama", 12)])
 def test_every_shared_point_matches_transformer_lens(family, seed, tmp_path):
     """TransformerLens's float32 error against our float64 run is within the ratio rule of our
-    own float32 error at every point of every layer (GQA 3:1 and RoPE in the Llama, biases and
-    random norm gains in both)."""
+    own float32 error at every point of every layer, on the logits, the logit lens and the
+    induction scores (GQA 3:1 and RoPE in the Llama, biases and random norm gains in both)."""
     folder = tiny_checkpoint(family, tmp_path, seed=seed)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, TINY[family]["vocab_size"], (2, 7), generator=g)
     rows = compare(folder, ids)
-    assert [r["point"] for r in rows] == POINTS
+    assert [r["point"] for r in rows] == SHARED_POINTS + [point for _, point, _ in WHOLE]
     for r in rows:
         assert r["met"], r["why"]
         assert r["ours_fp32_err"] > 0 or r["point"] == "hook_embed", r  # a real baseline

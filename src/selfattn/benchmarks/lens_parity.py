@@ -38,7 +38,17 @@ import torch
 from selfattn.benchmarks import _util
 from selfattn.testing import assert_close_to_reference
 
-__all__ = ["NOTES", "TINY", "compare", "load_transformer_lens", "main", "tiny_checkpoint"]
+__all__ = [
+    "NOTES",
+    "SHARED_POINTS",
+    "TINY",
+    "WHOLE",
+    "compare",
+    "load_transformer_lens",
+    "main",
+    "repeated_text_ids",
+    "tiny_checkpoint",
+]
 
 # Odd sizes on purpose: a 61-token vocabulary, 3 layers, GQA 3:1, head dims 9 and 6.
 TINY = {
@@ -48,6 +58,21 @@ TINY = {
                   num_key_value_heads=2, intermediate_size=44, max_position_embeddings=64,
                   rms_norm_eps=1e-4, bos_token_id=1, eos_token_id=2),
 }  # fmt: skip
+
+# Every point a decoder shares with TransformerLens, one row each (``blocks.{i}``: every layer).
+SHARED_POINTS = ["hook_embed", *(f"blocks.{{i}}.{p}" for p in (
+    "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores",
+    "attn.hook_pattern", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out",
+    "hook_resid_post")), "ln_final.hook_normalized"]  # fmt: skip
+TOP = 5  # the logit lens's top probabilities compared
+# The whole-model rows after the points: (side's key, our name, TransformerLens's)
+WHOLE = [
+    ("logits", "logits", "run_with_cache's logits"),
+    ("lens", "logit lens: unembed(resid)", "unembed(accumulated_resid(apply_ln=True))"),
+    ("lens_top", f"logit_lens(top={TOP}).top_probs", "softmax(that lens).topk"),
+    ("induction", "induction_heads().induction * T/(2T+1)",
+     "detect_head(induction_head)"),
+]  # fmt: skip
 
 # Where TransformerLens (4.x, no weight processing) and selfattn differ, and how a row compares.
 NOTES = {
@@ -62,16 +87,17 @@ NOTES = {
 
 
 def _tokenizer(vocab: int):
-    """A word-level tokenizer over ``t0 .. t{vocab-1}``: TransformerLens loads one from the
-    folder, and the random checkpoints have none of their own."""
+    """A word-level tokenizer over ``w00 .. w{vocab-1}`` (one width: reloaded, transformers
+    may match words by prefix): TransformerLens loads one from the folder, and the random
+    checkpoints have none of their own."""
     import tokenizers
     import transformers
 
-    model = tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")
+    model = tokenizers.models.WordLevel({f"w{i:02d}": i for i in range(vocab)}, unk_token="w00")
     tok = tokenizers.Tokenizer(model)
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t3"
+        tokenizer_object=tok, unk_token="w00", bos_token="w01", eos_token="w02", pad_token="w03"
     )
 
 
@@ -118,9 +144,13 @@ def load_transformer_lens(folder, dtype: torch.dtype):
     )
 
 
-def _ours(folder, dtype: torch.dtype, ids: torch.Tensor):
-    """Our model in ``dtype``: (every hook point's tensor, logits, logit lens (L+1, B, S, V))."""
+def _ours(folder, dtype: torch.dtype, ids: torch.Tensor, repeated: torch.Tensor | None) -> dict:
+    """Our model in ``dtype``: every hook point, the logits, the logit lens ``(L+1, B, S, V)``
+    (each layer's stream through :meth:`unembed`), :func:`~selfattn.inspect.logit_lens`'s top
+    probabilities, and the induction scores on ``repeated`` in TransformerLens's normalisation
+    (:func:`_induction_rows`)."""
     from selfattn.inspect import hooks
+    from selfattn.inspect.circuits import induction_heads, logit_lens
     from selfattn.models import from_pretrained
 
     model = from_pretrained(folder, dtype=dtype, progress=False)
@@ -130,18 +160,61 @@ def _ours(folder, dtype: torch.dtype, ids: torch.Tensor):
         n = sum(1 for k in cache if k.endswith(".hook_resid_pre"))
         stream = [cache[f"blocks.{i}.hook_resid_pre"] for i in range(n)]
         stream.append(cache[f"blocks.{n - 1}.hook_resid_post"])
-        lens = model.lm_head(model.norm(torch.stack(stream)))  # (L+1, B, S, V)
-    return {k: cache[k] for k in cache}, logits, lens
+        side = {"points": {k: cache[k] for k in cache}, "logits": logits,
+                "lens": model.unembed(torch.stack(stream)),
+                "lens_top": logit_lens(model, ids, top=TOP).top_probs}  # fmt: skip
+    if repeated is not None:
+        T = (repeated.shape[1] - 1) // 2
+        # TransformerLens divides by every query's weight (2T + 1 rows), we by the T repeated
+        side["induction"] = induction_heads(model, input_ids=repeated).induction * T / (2 * T + 1)
+    return side
 
 
-def _theirs(folder, dtype: torch.dtype, ids: torch.Tensor):
-    """TransformerLens in ``dtype``: (its cache as a dict, logits, logit lens (L+1, B, S, V):
-    ``accumulated_resid(apply_ln=True)`` through its unembed)."""
+def _theirs(folder, dtype: torch.dtype, ids: torch.Tensor, repeated: torch.Tensor | None) -> dict:
+    """TransformerLens in ``dtype``: its cache, logits, logit lens (``accumulated_resid(
+    apply_ln=True)`` through its unembed), that lens's top probabilities, and ``detect_head``'s
+    induction scores on ``repeated``."""
+    from transformer_lens.head_detector import detect_head
+
     tl = load_transformer_lens(folder, dtype)
     with torch.no_grad():
         logits, cache = tl.run_with_cache(ids)
         lens = tl.unembed(cache.accumulated_resid(apply_ln=True))
-    return dict(cache.cache_dict), logits, lens
+        side = {"points": dict(cache.cache_dict), "logits": logits, "lens": lens,
+                "lens_top": lens.float().softmax(-1).topk(TOP, dim=-1).values}  # fmt: skip
+        if repeated is not None:
+            texts = [tl.tokenizer.decode(row[1:].tolist()) for row in repeated]
+            side["induction"] = detect_head(tl, texts, "induction_head")
+    return side
+
+
+def repeated_text_ids(folder, length: int, batch: int, *, seed: int = 0) -> torch.Tensor | None:
+    """``(batch, 1 + 2·length)`` ids: the tokenizer's BOS, then ``length`` distinct tokens twice,
+    drawn from tokens that survive decode and encode (TransformerLens's ``detect_head`` reads
+    text); None where the tokenizer has too few."""
+    from selfattn._optional import require
+
+    tok = require("transformers", extra="interp").AutoTokenizer.from_pretrained(folder)
+    special = set(tok.all_special_ids)
+    words = []
+    for t in range(len(tok)):
+        text = tok.decode([t])
+        if t not in special and re.fullmatch(r" ?[A-Za-z0-9]+", text):
+            words.append((t, text.startswith(" ")))
+    if sum(spaced for _, spaced in words) >= length:  # BPE: words after a space stay whole
+        words = [w for w in words if w[1]]
+    if len(words) < length:
+        return None
+    pool = torch.tensor([t for t, _ in words])
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        half = pool[torch.randperm(len(pool), generator=g)[:length]]
+        text = tok.decode(half.tolist())
+        if tok(text, add_special_tokens=False)["input_ids"] != half.tolist():
+            return None
+        rows.append(torch.cat((torch.tensor([tok.bos_token_id]), half, half)))
+    return torch.stack(rows)
 
 
 def _match(name: str, cache: dict) -> tuple[str, torch.Tensor, list[str]]:
@@ -195,13 +268,14 @@ def _row(point, tl_point, layers, pairs, notes) -> dict:
     }  # fmt: skip
 
 
-def compare(folder, ids: torch.Tensor) -> list[dict]:
+def compare(folder, ids: torch.Tensor, *, repeat: int = 12) -> list[dict]:
     """Every hook point both sides have, the logits and the logit lens of the checkpoint in
-    ``folder`` on ``ids (B, S)``: rows as in the module docstring."""
-    o64, y64, lens64 = _ours(folder, torch.float64, ids)
-    o32, y32, lens32 = _ours(folder, torch.float32, ids)
-    t32, z32, tlens32 = _theirs(folder, torch.float32, ids)
-    t64, z64, tlens64 = _theirs(folder, torch.float64, ids)
+    ``folder`` on ``ids (B, S)``, and the induction scores on 2 sequences of ``repeat`` tokens
+    repeated: rows as in the module docstring."""
+    repeated = repeated_text_ids(folder, repeat, 2, seed=int(ids[0, 0]))
+    ours64, ours32 = (_ours(folder, dt, ids, repeated) for dt in (torch.float64, torch.float32))
+    tl32, tl64 = (_theirs(folder, dt, ids, repeated) for dt in (torch.float32, torch.float64))
+    o64, o32, t32, t64 = (side["points"] for side in (ours64, ours32, tl32, tl64))
     groups: dict[str, dict] = {}
     for name in o64:
         try:
@@ -224,9 +298,12 @@ def compare(folder, ids: torch.Tensor) -> list[dict]:
         g["pairs"].append((b64, b32, a32, a64))
         g["notes"] += notes
     rows = [_row(k, g["tl"], len(g["pairs"]), g["pairs"], g["notes"]) for k, g in groups.items()]
-    rows.append(_row("logits", "run_with_cache's logits", 1, [(y64, y32, z32, z64)], []))
-    rows.append(_row("logit lens: resid -> norm -> lm_head", "accumulated_resid(apply_ln=True) "
-                     "-> unembed", 1, [(lens64, lens32, tlens32, tlens64)], []))  # fmt: skip
+    for key, point, tl_point in WHOLE:
+        if key in tl32:
+            four = tuple(side[key] for side in (ours64, ours32, tl32, tl64))
+            rows.append(_row(point, tl_point, 1, [four], []))
+    if repeated is None:
+        rows.append({"point": WHOLE[-1][1], "skipped": "too few tokens survive decode+encode"})
     return rows
 
 
