@@ -248,6 +248,19 @@ def _load_chat_model(path: str, dtype: str, quantize: str | None = None):
     return lm, load_tokenizer(path), served_name(lm, path)
 
 
+def load_analysis_model(model: str | None, dtype: str = "float32"):
+    """``(model, tokenizer, name)`` of MODEL (None: the bundled chat model) for the analyses
+    (``heads``, ``lens``): dense weights (a GGUF's quantised blocks dequantised, so that every
+    projection is a matrix) in ``--dtype`` (float32 by default: attributions add up)."""
+    path = model_path(model)
+    label = CHAT_MODEL_NAME if model is None else path
+    with spinner(f"loading {label}"):
+        from selfattn.models import from_pretrained, load_tokenizer
+
+        lm = from_pretrained(path, dtype=model_dtype(dtype), progress=False, quantized=False)
+        return lm.eval(), load_tokenizer(path), served_name(lm, path)
+
+
 def served_name(model, path: str) -> str:
     """The model's own name (``model.name``: a GGUF's ``general.name``), else the name of the
     folder or file ``path`` (a Hub id as given)."""

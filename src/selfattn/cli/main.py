@@ -27,8 +27,10 @@ from selfattn.cli import (
     embed,
     explain,
     generate,
+    heads,
     info,
     kv_size,
+    lens,
     mask,
     serve,
     view,
@@ -39,8 +41,8 @@ __all__ = ["build_parser", "main"]
 
 # In the order `selfattn --help` lists them.
 SUBCOMMANDS = (
-    explain, backends, kv_size, info, map_, view, embed, generate, chat, serve, mask, bench,
-    compare, demo,
+    explain, backends, kv_size, info, map_, view, heads, lens, embed, generate, chat, serve,
+    mask, bench, compare, demo,
 )  # fmt: skip
 
 

@@ -96,8 +96,10 @@ _CAPITALS = {
     "Poland": "Warsaw", "Ireland": "Dublin", "Norway": "Oslo", "Kenya": "Nairobi",
 }  # fmt: skip
 
-_NAMES = ("Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "David", "Lisa", "Mark",
-          "Kate", "Peter", "Emma", "Jack", "Alice", "Bob", "Laura", "Mike", "Rose", "Sam")  # fmt: skip
+_NAMES = (
+    "Mary", "John", "Tom", "James", "Anna", "Paul", "Sarah", "David", "Lisa", "Mark",
+    "Kate", "Peter", "Emma", "Jack", "Alice", "Bob", "Laura", "Mike", "Rose", "Sam",
+)  # fmt: skip
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -218,7 +220,7 @@ def _scores(model, task: Task, heads, layers) -> dict[str, torch.Tensor]:
     pats = [kept[n].detach().double() for n in names]  # each (B, H, S, S)
     roll = attention_rollout(torch.stack(pats))  # (L, B, S, S): through block l
     out = {s: [] for s in SCORES}
-    for li, (name, i) in enumerate(names.items()):
+    for li, name in enumerate(names):
         p = pats[li][:, :, q]  # (B, H, Q, S)
         below = roll[li - 1] if li else torch.eye(p.shape[-1], dtype=p.dtype).expand_as(roll[0])
         relv = rel.unsqueeze(1)  # (B, 1, Q, S)
