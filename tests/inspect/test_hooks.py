@@ -59,7 +59,7 @@ def test_capture_is_the_forward(family):
         assert torch.equal(c[f"{b}.hook_resid_post"], mid + c[f"{b}.hook_mlp_out"])
         if i:
             assert torch.equal(c[f"{b}.hook_resid_pre"], c[f"blocks.{i - 1}.hook_resid_post"])
-    assert torch.equal(m.lm_head(c["ln_final.hook_normalized"]), base)
+    assert torch.equal(m.lm_head(c["ln_final.hook_out"]), base)
     assert torch.equal(m.lm_head(m.norm(c["blocks.2.hook_resid_post"])), base)
     z = c["blocks.1.attn.hook_z"]  # (B, Hq, S, Dv) -> the out projection's input
     attn_out = m.layers[1].self_attention.out_proj(z.transpose(1, 2).flatten(2))

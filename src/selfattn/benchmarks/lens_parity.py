@@ -63,7 +63,7 @@ TINY = {
 SHARED_POINTS = ["hook_embed", *(f"blocks.{{i}}.{p}" for p in (
     "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores",
     "attn.hook_pattern", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out",
-    "hook_resid_post")), "ln_final.hook_normalized"]  # fmt: skip
+    "hook_resid_post")), "ln_final.hook_out"]  # fmt: skip
 TOP = 5  # the logit lens's top probabilities compared
 # The whole-model rows after the points: (side's key, our name, TransformerLens's)
 WHOLE = [
@@ -78,8 +78,6 @@ WHOLE = [
 NOTES = {
     "rope": "TL's hook_q / hook_k are before RoPE; ours after: compared with TL's hook_rot_q / "
     "hook_rot_k",
-    "ln_final": "TL's ln_final.hook_normalized is before the norm's gain (and bias): ours is the "
-    "norm's output, compared with TL's ln_final.hook_out",
     "masked": "masked scores: TL {value}, ours -inf (compared where ours is finite)",
     "repeat": "TL repeats the {n} kv heads to {h} (GQA): ours repeated to compare",
     "layout": "TL (B, S, H, D) transposed to ours (B, H, S, D)",
@@ -226,9 +224,6 @@ def _match(name: str, cache: dict) -> tuple[str, torch.Tensor, list[str]]:
         if rotated in cache:
             tl_name = rotated
             notes.append(NOTES["rope"])
-    if name == "ln_final.hook_normalized":
-        tl_name = "ln_final.hook_out"
-        notes.append(NOTES["ln_final"])
     t = cache[tl_name]
     if name.endswith((".hook_q", ".hook_k", ".hook_v", ".hook_z")):
         t = t.transpose(1, 2)  # (B, S, H, D) -> (B, H, S, D)

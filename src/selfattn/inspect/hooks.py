@@ -16,7 +16,7 @@ The names follow TransformerLens where the idea is the same, so that recipes car
     blocks.{i}.hook_resid_mid         the stream between attention and MLP
     blocks.{i}.hook_mlp_out           what the MLP adds to the stream
     blocks.{i}.hook_resid_post        block output
-    ln_final.hook_normalized          the final norm's output (decoders)
+    ln_final.hook_out                 the final norm's output (decoders)
 
 Per-head tensors keep selfattn's ``(B, H, S, ·)`` layout (TransformerLens: ``(B, S, H, ·)``).
 A block is named by its path with ``layers.{i}`` read as ``blocks.{i}`` (``blocks.3``;
@@ -134,7 +134,7 @@ def hook_points(model: nn.Module) -> dict[str, HookPoint]:
         points.append(HookPoint(f"{b}.hook_resid_post", m, "output"))
     norm = getattr(model, "norm", None)
     if isinstance(norm, nn.Module) and hasattr(model, "lm_head"):
-        points.append(HookPoint("ln_final.hook_normalized", norm, "output"))
+        points.append(HookPoint("ln_final.hook_out", norm, "output"))
     if not points:
         raise ValueError(
             f"{type(model).__name__} has no hook points: selfattn.inspect.hooks works on models "
