@@ -323,12 +323,17 @@ def activation_patching(
     metric: Callable[[torch.Tensor], torch.Tensor],
     *,
     over: str = "heads",
+    logits_to_keep=None,
     progress: bool = False,
 ) -> Patching:
     """Patch each head's output ``z`` (``over="heads"``) or the residual stream entering each
     block at each position (``"positions"``) from the clean run into the corrupted run, and
     measure ``metric(logits) -> (B,)`` (e.g. :func:`logit_difference`). One forward per block:
-    the corrupted batch repeated once per head or position, each copy with its own patch."""
+    the corrupted batch repeated once per head or position, each copy with its own patch.
+    ``logits_to_keep`` (the model's argument: ``1`` for the last position, or positions) limits
+    the logits computed to those ``metric`` reads: the LM head over every position dominates
+    the cost of a short prompt with a large vocabulary."""
+    keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
     clean, corrupted = _ids(clean_ids), _ids(corrupted_ids)
     if clean.shape != corrupted.shape:
         raise ValueError(
@@ -340,8 +345,8 @@ def activation_patching(
     n, (B, S) = _n_blocks(model), clean.shape
     point = "attn.hook_z" if over == "heads" else "hook_resid_pre"
     with hooks(model, capture=f"blocks.*.{point}") as cache:
-        m_clean = metric(model(clean)).mean().item()
-    m_bad = metric(model(corrupted)).mean().item()
+        m_clean = metric(model(clean, **keep)).mean().item()
+    m_bad = metric(model(corrupted, **keep)).mean().item()
     heads_of = dict(attention_heads(model))
     width = max(heads_of.values()) if over == "heads" else S
     patched = torch.full((n, width), float("nan"), dtype=torch.float64)
@@ -359,7 +364,8 @@ def activation_patching(
             return value.view(J * B, *value.shape[2:])
 
         with hooks(model, edit={name: edit}):
-            logits = model(corrupted.repeat(J, 1)).view(J, B, S, -1)
+            logits = model(corrupted.repeat(J, 1), **keep)
+            logits = logits.view(J, B, *logits.shape[1:])
             m = torch.stack([metric(part).mean() for part in logits])  # each copy's own rows
         patched[i, :J] = m.double().cpu()
     denom = m_clean - m_bad

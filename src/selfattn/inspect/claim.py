@@ -52,8 +52,9 @@ SCORES = ("attention", "rollout", "attention_x_gradient")
 @dataclass
 class Task:
     """``ids (B, S)``; ``queries (Q,)`` the answering rows; ``relevant (B, Q, S)`` bool, the
-    keys each row's answer depends on; ``metric(logits) -> (B,)``; ``corrupted`` prompts of
-    the same shape for patching (optional)."""
+    keys each row's answer depends on; ``metric(logits) -> (B,)`` of the logits at the query
+    rows ``(B, Q, vocab)`` (the model computes no others); ``corrupted`` prompts of the same
+    shape for patching (optional)."""
 
     name: str
     ids: torch.Tensor
@@ -72,8 +73,8 @@ def induction_task(model: nn.Module, *, length: int = 20, batch: int = 8, seed: 
     rel = torch.zeros(batch, len(q), x.shape[1], dtype=torch.bool)
     rel[:, torch.arange(len(q)), q - T + 1] = True
 
-    def metric(logits):
-        logp = torch.log_softmax(logits[:, q].double(), -1)
+    def metric(logits):  # (B, Q, V) at the rows q
+        logp = torch.log_softmax(logits.double(), -1)
         return logp.gather(-1, x[:, q + 1].unsqueeze(-1)).squeeze(-1).mean(-1)
 
     return Task("induction", x, q, rel, metric)
@@ -213,7 +214,7 @@ def _scores(model, task: Task, heads, layers) -> dict[str, torch.Tensor]:
 
     names = {f"blocks.{i}.attn.hook_pattern": i for i in layers}
     with torch.enable_grad(), hooks(model, edit=dict.fromkeys(names, grab)):
-        m = task.metric(model(task.ids)).mean()
+        m = task.metric(model(task.ids, logits_to_keep=task.queries)).mean()
         got = torch.autograd.grad(m, [kept[n] for n in names])
     grads = dict(zip(names, got))
     q, rel = task.queries, task.relevant.double()  # (Q,), (B, Q, S)
@@ -236,8 +237,9 @@ def _scores(model, task: Task, heads, layers) -> dict[str, torch.Tensor]:
 def _ablation_effect(model, task: Task, heads_of: dict[int, int]) -> torch.Tensor:
     """Each head's effect: the clean metric minus the metric with the head's ``z`` at its mean
     (over the batch and positions), one forward per block (the batch once per head)."""
+    keep = task.queries
     with hooks(model, capture="blocks.*.attn.hook_z") as c:
-        clean = task.metric(model(task.ids)).mean().item()
+        clean = task.metric(model(task.ids, logits_to_keep=keep)).mean().item()
     B, out = task.ids.shape[0], []
     for i, H in heads_of.items():
         mean = c[f"blocks.{i}.attn.hook_z"].mean((0, 2))  # (H, Dv)
@@ -249,7 +251,8 @@ def _ablation_effect(model, task: Task, heads_of: dict[int, int]) -> torch.Tenso
             return value.view(H * B, *value.shape[2:])
 
         with hooks(model, edit={f"blocks.{i}.attn.hook_z": edit}):
-            logits = model(task.ids.repeat(H, 1)).view(H, B, *task.ids.shape[1:], -1)
+            logits = model(task.ids.repeat(H, 1), logits_to_keep=keep)
+            logits = logits.view(H, B, *logits.shape[1:])
             m = torch.stack([task.metric(part).mean() for part in logits])
         out.append(clean - m)
     return torch.cat(out).double()
@@ -264,10 +267,11 @@ def attention_vs_effect(model: nn.Module, tasks: list[Task]) -> ClaimReport:
         scores = _scores(model, task, heads, list(heads_of))
         effects = {"ablation": _ablation_effect(model, task, heads_of)}
         if task.corrupted is not None:
-            r = activation_patching(model, task.ids, task.corrupted, task.metric)
+            r = activation_patching(model, task.ids, task.corrupted, task.metric,
+                                    logits_to_keep=task.queries)  # fmt: skip
             effects["patching"] = torch.cat([r.effect[i, :H] for i, H in heads_of.items()])
         with torch.no_grad():
-            clean = task.metric(model(task.ids)).mean().item()
+            clean = task.metric(model(task.ids, logits_to_keep=task.queries)).mean().item()
         rho = {(s, e): spearman(scores[s], effects[e].abs()) for s in scores for e in effects}
         report.tasks[task.name] = {"scores": scores, "effects": effects, "metric": clean,
                                    "spearman": rho, "examples": task.ids.shape[0]}  # fmt: skip
