@@ -221,33 +221,44 @@ def circuits_data(
 
     ids = torch.tensor([tok.encode(text)])
     names = [tok.decode([i]) for i in ids[0].tolist()]
+    bad = patching = metric = None
+    if corrupt is not None:  # its errors come before the long steps
+        bad, a, w = _patching_prompt(model, tok, ids, corrupt, answer, wrong)
+        metric = f"logit[{tok.decode([a])!r}] - logit[{tok.decode([w])!r}] at the last position"
     with _common.spinner(f"induction heads on {repeat} random tokens repeated twice"):
         report = induction_heads(model, length=repeat, batch=INDUCTION_BATCH, ablate=ablate)
     with _common.spinner("the logit lens of TEXT"):
         lens = logit_lens(model, ids)
-    patching = metric = None
-    if corrupt is not None:
-        bad = torch.tensor([tok.encode(corrupt)])
-        if bad.shape != ids.shape:
-            raise ValueError(
-                f"--corrupt {corrupt!r} is {bad.shape[1]} tokens but TEXT is {ids.shape[1]}; "
-                "patching pairs positions: change words for words of the same token count"
-            )
-        with torch.no_grad():
-            clean_next, bad_next = model(ids)[0, -1], model(bad)[0, -1]  # (V,) logits
-        a = one_token(tok, answer, "--answer") if answer else int(clean_next.argmax())
-        if wrong:
-            w = one_token(tok, wrong, "--wrong")
-        else:  # the corrupted text's prediction, or the clean runner-up where both agree
-            w = int(bad_next.argmax())
-            w = w if w != a else int(clean_next.topk(2).indices[1])
-        metric = f"logit[{tok.decode([a])!r}] - logit[{tok.decode([w])!r}] at the last position"
+    if bad is not None:
         with _common.spinner(f"patching every head of {len(report.induction)} blocks"):
             patching = activation_patching(model, ids, bad, logit_difference(a, w))
     return circuits_section(
         report, patching, lens, tokens=names, tokenizer=tok, clean=text, corrupted=corrupt,
         metric=metric, decimals=decimals,
     )  # fmt: skip
+
+
+def _patching_prompt(model, tok, ids, corrupt: str, answer, wrong):
+    """``(corrupted ids, answer id, wrong id)``: ``answer`` defaults to the model's next token
+    after TEXT, ``wrong`` to its next token after ``corrupt`` (its runner-up after TEXT where
+    both agree)."""
+    import torch
+
+    bad = torch.tensor([tok.encode(corrupt)])
+    if bad.shape != ids.shape:
+        raise ValueError(
+            f"--corrupt {corrupt!r} is {bad.shape[1]} tokens but TEXT is {ids.shape[1]}; "
+            "patching pairs positions: change words for words of the same token count"
+        )
+    a = one_token(tok, answer, "--answer") if answer else None
+    w = one_token(tok, wrong, "--wrong") if wrong else None
+    with torch.no_grad():
+        clean_next, bad_next = model(ids)[0, -1], model(bad)[0, -1]  # (V,) logits
+    a = int(clean_next.argmax()) if a is None else a
+    if w is None:
+        w = int(bad_next.argmax())
+        w = w if w != a else int(clean_next.topk(2).indices[1])
+    return bad, a, w
 
 
 def image_sections(path: str, image: str, *, max_bytes: int, decimals: int = 3) -> list[dict]:
