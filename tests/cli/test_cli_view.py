@@ -50,6 +50,83 @@ def llama(tmp_path_factory):
     return path
 
 
+def test_view_circuits_of_a_causal_lm_folder(llama, tmp_path):
+    out = tmp_path / "circuits.html"
+    argv = ["view", "w3 w4 w5 w6", "--model", str(llama), "--circuits", "--out", str(out)]
+    patch = ["--corrupt", "w3 w4 w9 w6", "--answer", "w7", "--wrong", "w8"]
+    result = run_json([*argv, *patch, "--ablate", "2", "--repeat", "6"])
+    c = result["circuits"]
+    assert c["heads"] == 2 * 4 and c["lens_layers"] == 3
+    assert c["patching"]["metric"] == "logit['w7'] - logit['w8'] at the last position"
+    assert len(c["ablation"]["heads"]) == 2
+    data = page_data(out)["circuits"]
+    assert len(data["heads"]["rows"]) == 8 and data["lens"]["tokens"] == ["w3", "w4", "w5", "w6"]
+    assert len(data["patching"]["effect"]) == 2 and data["patching"]["columns"] == [
+        "h0", "h1", "h2", "h3",
+    ]  # fmt: skip
+    assert data["patching"]["clean_text"] == "w3 w4 w5 w6"
+    # the oracle: transformers' own model of the folder in float64; the naive error is its
+    # float32 run's, and the page rounds to 3 decimals (half a unit: 5e-4)
+    hf32 = transformers.LlamaForCausalLM.from_pretrained(llama).eval()
+    hf64 = transformers.LlamaForCausalLM.from_pretrained(llama).double().eval()
+    for text, key in (("w3 w4 w5 w6", "clean"), ("w3 w4 w9 w6", "corrupted")):
+        x = torch.tensor([[int(w[1:]) for w in text.split()]])
+        with torch.no_grad():
+            exact, naive = hf64(x).logits[0, -1], hf32(x).logits[0, -1].double()
+        diff = lambda logits: float(logits[7] - logits[8])  # noqa: E731
+        close_rounded(data["patching"][key], diff(exact), abs(diff(naive) - diff(exact)))
+        if key == "clean":  # the lens' last layer is the model's own next-token distribution
+            p64, p32 = exact.softmax(-1), naive.softmax(-1)
+            lens_top = data["lens"]["layers"][-1]["positions"][-1]["top"]
+            assert [t for t, _ in lens_top] == [f"w{i}" for i in p64.topk(5).indices.tolist()]
+            for t, p in lens_top:
+                i = int(t[1:])
+                close_rounded(p, float(p64[i]), float((p32[i] - p64[i]).abs()))
+
+
+def close_rounded(shown: float, exact: float, naive: float) -> None:
+    """``shown`` (our float32 model's value, rounded to 3 decimals) against the float64 oracle
+    ``exact``: within half a unit of the last decimal plus twice the naive float32 error and a
+    few float32 ulps."""
+    bound = 5e-4 + 2 * naive + 4 * torch.finfo(torch.float32).eps * max(1.0, abs(exact))
+    assert abs(shown - exact) <= bound, f"shown {shown}, exact {exact}, bound {bound}"
+
+
+def test_view_circuits_defaults(llama, tmp_path):
+    out = tmp_path / "circuits.html"
+    argv = ["view", "w3 w4 w5 w6", "--model", str(llama), "--circuits", "--repeat", "6"]
+    result = run_json([*argv, "--ablate", "0", "--out", str(out)])
+    assert result["circuits"]["patching"] is None and result["circuits"]["ablation"] is None
+    assert page_data(out)["circuits"]["patching"] is None
+    # without --answer / --wrong: the model's next token after each text
+    result = run_json([*argv, "--corrupt", "w3 w4 w9 w6", "--out", str(out)])
+    hf = transformers.LlamaForCausalLM.from_pretrained(llama).eval()
+    with torch.no_grad():
+        clean = hf(torch.tensor([[3, 4, 5, 6]])).logits[0, -1]
+        bad = hf(torch.tensor([[3, 4, 9, 6]])).logits[0, -1]
+    answer, wrong = int(clean.argmax()), int(bad.argmax())
+    wrong = wrong if wrong != answer else int(clean.topk(2).indices[1])
+    metric = result["circuits"]["patching"]["metric"]
+    assert metric == f"logit['w{answer}'] - logit['w{wrong}'] at the last position"
+
+
+@pytest.mark.parametrize(
+    "extra, code, words",
+    [
+        (["--circuits", "--corrupt", "w3 w4 w9"], 1, "--corrupt 'w3 w4 w9' is 3 tokens"),
+        (["--circuits", "--corrupt", "w3 w4 w9 w6", "--answer", "w7 w8"], 1,
+         "--answer 'w7 w8' is 2 tokens"),
+        (["--corrupt", "w3 w4 w9 w6"], 2, "--corrupt needs --circuits"),
+        (["--circuits", "--answer", "w7"], 2, "pass --corrupt TEXT2"),
+        (["--circuits", "--ablate", "-1"], 2, "--ablate -1"),
+    ],
+)  # fmt: skip
+def test_view_circuits_bad_input(llama, tmp_path, capsys, extra, code, words):
+    argv = ["view", "w3 w4 w5 w6", "--model", str(llama), "--repeat", "4"]
+    assert main([*argv, *extra, "--out", str(tmp_path / "x.html")]) == code
+    assert words in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def bart(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-bart")

@@ -15,6 +15,7 @@ from selfattn.inspect import (
     attention_gradients,
     attention_rollout,
     capture_attention,
+    circuits_section,
     view_section,
     write_view,
 )
@@ -226,4 +227,137 @@ def test_minilm_page_from_a_real_capture(browser, tmp_path):
     page.wait_for_function(READY)
     assert page.input_value("#layer") == "4"
     assert hover_value(page, 2, 5) == f"{maps[4][0, 7, 2, 5].item():.3f}"
+    page.close()
+
+
+# -- the circuits tab -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def circuits():
+    """A tiny random Llama's circuit analyses: ``(model, ids, report, patching, lens, tokens)``."""
+    from selfattn.inspect.circuits import (
+        activation_patching,
+        induction_heads,
+        logit_difference,
+        logit_lens,
+    )
+    from selfattn.models.decoder import DecoderConfig, Llama
+
+    torch.manual_seed(7)
+    config = DecoderConfig(vocab_size=53, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=40)
+    model = Llama(config).double().eval()
+    g = gen(41)
+    clean = torch.randint(0, 53, (1, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[0, 2] = (clean[0, 2] + 1) % 53
+    report = induction_heads(model, length=8, batch=2, ablate=2, random_seeds=3)
+    patching = activation_patching(model, clean, corrupted, logit_difference(5, 9))
+    lens = logit_lens(model, clean)
+    return model, clean, report, patching, lens, [f"t{i}" for i in range(6)]
+
+
+def rounded(x: float) -> float | None:
+    return None if x != x else round(x, 3)
+
+
+def test_circuits_json_holds_the_reports_numbers_rounded(circuits, tmp_path):
+    from selfattn.inspect.circuits import Patching
+
+    _, _, report, patching, lens, tokens = circuits
+    threshold = float(report.induction.median())
+    c = circuits_section(report, patching, lens, tokens=tokens, threshold=threshold,
+                         clean="a b", corrupted="a c", metric="logit diff")  # fmt: skip
+    path = write_view(
+        torch.rand(1, 1, 2, 6, 6).softmax(-1), tokens, tmp_path / "c.html", circuits=c
+    )
+    data = page_data(path)["circuits"]
+    assert data == c and data["decimals"] == 3
+    rows = data["heads"]["rows"]
+    assert len(rows) == 3 * 4 and len({(r[0], r[1]) for r in rows}) == 12
+    assert [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
+    for layer, head, ind, prev, copy, passes in rows:
+        assert ind == rounded(float(report.induction[layer, head]))
+        assert prev == rounded(float(report.prev_token[layer, head]))
+        assert copy == rounded(float(report.copying[layer, head]))
+        assert passes == (float(report.induction[layer, head]) >= threshold)
+    assert data["heads"]["loss_repeated"] == rounded(report.loss_repeated)
+    a = data["ablation"]
+    assert a["heads"] == [list(h) for h in report.ablation["heads"]] and a["k"] == 2
+    for key in ("loss_top_ablated", "loss_random_ablated_mean", "loss_random_ablated_std"):
+        assert a[key] == rounded(report.ablation[key])
+    p = data["patching"]
+    assert p["columns"] == ["h0", "h1", "h2", "h3"] and p["metric"] == "logit diff"
+    assert p["effect"] == [[rounded(float(e)) for e in row] for row in patching.effect]
+    assert (p["clean"], p["corrupted"]) == (rounded(patching.clean), rounded(patching.corrupted))
+    layers = data["lens"]["layers"]
+    assert [x["layer"] for x in layers] == ["embed", "0", "1", "2"]
+    for i, x in enumerate(layers):
+        for s, pos in enumerate(x["positions"]):
+            assert [t for t, _ in pos["top"]] == lens.top_ids[i, 0, s].tolist()
+            assert [q for _, q in pos["top"]] == [
+                rounded(q) for q in lens.top_probs[i, 0, s].tolist()
+            ]
+    # NaN (a block without such a head) is null in the page, never the invalid JSON NaN
+    gap = patching.effect.clone()
+    gap[1, 3] = float("nan")
+    odd = Patching("positions", gap, gap, 1.0, 0.0)
+    c = circuits_section(patching=odd, tokens=tokens[:4], decimals=2)
+    assert c["patching"]["effect"][1][3] is None and c["patching"]["columns"] == tokens[:4]
+    assert c["heads"] is None and c["lens"] is None
+    assert c["patching"]["effect"][0][0] == round(float(gap[0, 0]), 2)
+
+
+def test_circuits_errors(circuits):
+    *_, patching, lens, tokens = circuits
+    with pytest.raises(ValueError, match="at least one of report, patching and lens"):
+        circuits_section()
+    with pytest.raises(ValueError, match=r"5 token\(s\) for a logit lens of 6 positions"):
+        circuits_section(lens=lens, tokens=tokens[:5])
+    with pytest.raises(ValueError, match=r"decimals must be 1\.\.4, got 0"):
+        circuits_section(patching=patching, decimals=0)
+
+
+def test_circuits_tab_table_heatmap_and_lens_in_the_browser(browser, circuits, tmp_path):
+    model, ids, report, patching, lens, tokens = circuits
+    with torch.no_grad(), capture_attention(model) as maps:
+        model(ids)
+    threshold = float(report.induction.median())
+    c = circuits_section(report, patching, lens, tokens=tokens, threshold=threshold,
+                         clean="clean text", corrupted="corrupted text", metric="m")  # fmt: skip
+    page = open_page(browser, write_view(maps, tokens, tmp_path / "circuits.html", circuits=c))
+    assert page.is_visible("#maps-tab") and page.is_hidden("#circuits-tab")
+    page.click('#tabs button[data-tab="circuits"]')
+    assert page.is_hidden("#maps-tab") and page.is_visible("#circuits-tab")
+    assert page.get_attribute("body", "data-circuits") == "done"
+    rows = page.locator("#head-table tbody tr")
+    assert rows.count() == 3 * 4  # one row per head
+    best = report.induction.flatten().argmax().item()
+    assert rows.nth(0).get_attribute("data-layer") == str(best // 4)
+    assert rows.nth(0).get_attribute("data-head") == str(best % 4)
+    assert page.locator("#head-table tbody tr.pass").count() == int(
+        (report.induction >= threshold).sum()
+    )
+    page.click('#head-table th[data-col="3"] button')  # sort by previous-token score
+    prev = report.prev_token.flatten().argmax().item()
+    assert rows.nth(0).get_attribute("data-layer") == str(prev // 4)
+    assert rows.nth(0).get_attribute("data-head") == str(prev % 4)
+    assert page.locator("#patching-map rect.cell").count() == 3 * 4  # blocks x heads
+    for i, j in ((0, 0), (2, 3), (1, 2)):
+        page.hover(f'#patching-map rect.cell[data-block="{i}"][data-col="{j}"]')
+        assert page.get_attribute("#patching-hover", "data-value") == f"{patching.effect[i, j]:.3f}"
+    assert "clean text" in page.inner_text("#patching-note")
+    assert page.locator("#ablation tbody tr").count() == 3
+    page.hover('#lens-table td[data-layer="2"][data-pos="4"]')
+    assert page.get_attribute("#lens-hover", "data-value") == f"{lens.top_probs[2, 0, 4, 0]:.3f}"
+    for t in lens.top_ids[2, 0, 4].tolist():
+        assert f"“{t}”" in page.inner_text("#lens-hover")
+    page.screenshot(path=str(tmp_path / "circuits.png"), full_page=True)
+    page.click('#tabs button[data-tab="maps"]')
+    assert page.is_visible("#maps-tab") and page.is_hidden("#circuits-tab")
+    page.close()
+
+
+def test_page_without_circuits_has_no_tabs(browser, captured, tmp_path):
+    maps, tokens = captured
+    page = open_page(browser, write_view(maps, tokens, tmp_path / "plain.html"))
+    assert page.is_hidden("#tabs") and page.is_hidden("#circuits-tab")
     page.close()

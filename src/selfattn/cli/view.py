@@ -4,7 +4,9 @@ The bundled all-MiniLM-L6-v2 (or any sentence-transformers folder) shows its sel
 transformers checkpoint folder (config.json, safetensors, tokenizer.json) shows a causal LM's
 self-attention, or an encoder-decoder's encoder, decoder and cross-attention (one section each).
 Every page has raw weights, rollout and attention x gradient (see ``--help`` for the output
-that the gradient explains).
+that the gradient explains). ``--circuits`` adds a causal LM's circuits tab: induction heads on
+repeated random tokens with their ablation, activation patching from TEXT into ``--corrupt``'s
+text, and the logit lens of TEXT (:mod:`selfattn.inspect.circuits`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ _GRADIENT_HELP = (
     "language model, the logit of the token it predicts after TEXT (after --target for an "
     "encoder-decoder); for a ViT, the class token's final state along its own direction"
 )
+
+
+INDUCTION_BATCH = 4  # sequences of repeated random tokens the head scores average over
 
 
 def add_parser(subparsers):
@@ -61,6 +66,38 @@ def add_parser(subparsers):
         help="round the embedded values to N decimals, 1-4 (default 3; 4 for long texts whose "
         "heads spread thinly, at about twice the page size)",
     )
+    c = p.add_argument_group(
+        "circuits (a causal LM: --model a checkpoint folder or .gguf file, default the bundled "
+        "SmolLM2-135M-Instruct)"
+    )
+    c.add_argument(
+        "--circuits",
+        action="store_true",
+        help="add a circuits tab: induction / previous-token / copying scores of every head, "
+        "their ablation, activation patching (with --corrupt) and the logit lens of TEXT",
+    )
+    c.add_argument(
+        "--ablate", type=int, default=5, metavar="K",
+        help="mean-ablate the top K induction heads against K random heads (default 5; 0: none)",
+    )  # fmt: skip
+    c.add_argument(
+        "--repeat", type=_common.positive_int, default=20, metavar="N",
+        help="induction heads are scored on N random tokens repeated twice (default 20)",
+    )  # fmt: skip
+    c.add_argument(
+        "--corrupt", metavar="TEXT2",
+        help="patch each head from TEXT's run into TEXT2's (as many tokens as TEXT; without it "
+        "the tab has no patching heatmap)",
+    )  # fmt: skip
+    c.add_argument(
+        "--answer", metavar="TOKEN",
+        help="patching's metric is logit[ANSWER] - logit[WRONG] at the last position (default: "
+        "the model's next token after TEXT)",
+    )  # fmt: skip
+    c.add_argument(
+        "--wrong", metavar="TOKEN",
+        help="(default: the model's next token after TEXT2, else its runner-up after TEXT)",
+    )  # fmt: skip
     _common.add_max_bytes(p, "when the captured maps would exceed")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     _common.add_threads(p)
@@ -97,16 +134,22 @@ def encoder_sections(encoder, text: str, *, compare=None, max_bytes: int, decima
     return [view_section(maps, tokens, name="self-attention", decimals=decimals)]
 
 
-def checkpoint_sections(path: str, text: str, *, target=None, max_bytes: int, decimals: int = 3):
-    """The page of a transformers checkpoint folder: a causal LM's self-attention, or an
+def load_checkpoint(path: str):
+    """``(model, tokenizer)`` of a checkpoint folder or .gguf file, the model in eval mode."""
+    from selfattn.models import from_pretrained, load_tokenizer
+
+    return from_pretrained(path).eval(), load_tokenizer(path)
+
+
+def checkpoint_sections(
+    model, tok, text: str, *, target=None, max_bytes: int, decimals: int = 3
+) -> list[dict]:
+    """The page of a checkpoint (:func:`load_checkpoint`): a causal LM's self-attention, or an
     encoder-decoder's encoder, decoder and cross-attention sections."""
     import torch
 
     from selfattn.inspect import attention_gradients, attention_layers, view_section
-    from selfattn.models import from_pretrained, load_tokenizer
 
-    model = from_pretrained(path).eval()
-    tok = load_tokenizer(path)
     ids = torch.tensor([tok.encode(text)])
     names = [tok.decode([i]) for i in ids[0].tolist()]
     if not getattr(model, "is_encoder_decoder", False):
@@ -144,6 +187,78 @@ def checkpoint_sections(path: str, text: str, *, target=None, max_bytes: int, de
         for g, ls in groups.items()
         if ls and g in token_sides
     ]
+
+
+def one_token(tok, text: str, flag: str) -> int:
+    """The id of ``text``, which must be one token (``--answer`` / ``--wrong``)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(
+            f"{flag} {text!r} is {len(ids)} tokens {[tok.decode([i]) for i in ids]}; pass one "
+            "token (mind a leading space: ' Paris')"
+        )
+    return ids[0]
+
+
+def circuits_data(
+    model, tok, text: str, *, corrupt=None, answer=None, wrong=None, ablate: int = 5,
+    repeat: int = 20, decimals: int = 3,
+) -> dict:  # fmt: skip
+    """The circuits tab of a causal LM on ``text`` (:func:`selfattn.inspect.circuits_section`):
+    induction heads on ``repeat`` random tokens repeated twice (``ablate`` top heads against as
+    many random ones), the logit lens of ``text``, and, with ``corrupt``, each head patched from
+    ``text``'s run into ``corrupt``'s, measured by the logit difference of ``answer`` over
+    ``wrong`` (default: the model's next token after each text)."""
+    import torch
+
+    from selfattn.inspect import circuits_section
+    from selfattn.inspect.circuits import (
+        activation_patching,
+        induction_heads,
+        logit_difference,
+        logit_lens,
+    )
+
+    ids = torch.tensor([tok.encode(text)])
+    names = [tok.decode([i]) for i in ids[0].tolist()]
+    bad = patching = metric = None
+    if corrupt is not None:  # its errors come before the long steps
+        bad, a, w = _patching_prompt(model, tok, ids, corrupt, answer, wrong)
+        metric = f"logit[{tok.decode([a])!r}] - logit[{tok.decode([w])!r}] at the last position"
+    with _common.spinner(f"induction heads on {repeat} random tokens repeated twice"):
+        report = induction_heads(model, length=repeat, batch=INDUCTION_BATCH, ablate=ablate)
+    with _common.spinner("the logit lens of TEXT"):
+        lens = logit_lens(model, ids)
+    if bad is not None:
+        with _common.spinner(f"patching every head of {len(report.induction)} blocks"):
+            patching = activation_patching(model, ids, bad, logit_difference(a, w))
+    return circuits_section(
+        report, patching, lens, tokens=names, tokenizer=tok, clean=text, corrupted=corrupt,
+        metric=metric, decimals=decimals,
+    )  # fmt: skip
+
+
+def _patching_prompt(model, tok, ids, corrupt: str, answer, wrong):
+    """``(corrupted ids, answer id, wrong id)``: ``answer`` defaults to the model's next token
+    after TEXT, ``wrong`` to its next token after ``corrupt`` (its runner-up after TEXT where
+    both agree)."""
+    import torch
+
+    bad = torch.tensor([tok.encode(corrupt)])
+    if bad.shape != ids.shape:
+        raise ValueError(
+            f"--corrupt {corrupt!r} is {bad.shape[1]} tokens but TEXT is {ids.shape[1]}; "
+            "patching pairs positions: change words for words of the same token count"
+        )
+    a = one_token(tok, answer, "--answer") if answer else None
+    w = one_token(tok, wrong, "--wrong") if wrong else None
+    with torch.no_grad():
+        clean_next, bad_next = model(ids)[0, -1], model(bad)[0, -1]  # (V,) logits
+    a = int(clean_next.argmax()) if a is None else a
+    if w is None:
+        w = int(bad_next.argmax())
+        w = w if w != a else int(clean_next.topk(2).indices[1])
+    return bad, a, w
 
 
 def image_sections(path: str, image: str, *, max_bytes: int, decimals: int = 3) -> list[dict]:
@@ -193,6 +308,7 @@ def image_sections(path: str, image: str, *, max_bytes: int, decimals: int = 3) 
 
 def run(args) -> int:
     _common.apply_threads(args)
+    _check_circuit_flags(args)
     if args.image is None and not (args.text or "").strip():
         args.subparser.error("TEXT is empty; pass a sentence, e.g. 'The cat sat on the mat.'")
     if args.image is not None and args.model is None:
@@ -207,7 +323,7 @@ def run(args) -> int:
                 args.model, args.image, max_bytes=args.max_bytes, decimals=args.decimals
             )
             model_name = Path(args.model).name
-        elif _is_sentence_transformers(args.model):
+        elif not args.circuits and _is_sentence_transformers(args.model):
             encoder = _common.load_encoder(args.model)
             sections = encoder_sections(
                 encoder, args.text, compare=args.compare, max_bytes=args.max_bytes,
@@ -215,13 +331,23 @@ def run(args) -> int:
             )  # fmt: skip
             model_name = args.model or "all-MiniLM-L6-v2"
         else:
+            path = _common.model_path(args.model)
+            model, tok = load_checkpoint(path)
+            if args.circuits and getattr(model, "is_encoder_decoder", False):
+                args.subparser.error(f"--circuits needs a causal LM; {path!r} is encoder-decoder")
             sections = checkpoint_sections(
-                args.model, args.text, target=args.target, max_bytes=args.max_bytes,
+                model, tok, args.text, target=args.target, max_bytes=args.max_bytes,
                 decimals=args.decimals,
             )  # fmt: skip
-            model_name = Path(args.model).name
+            model_name = _common.CHAT_MODEL_NAME if args.model is None else Path(path).name
+    circuits = None
+    if args.circuits:
+        circuits = circuits_data(
+            model, tok, args.text, corrupt=args.corrupt, answer=args.answer, wrong=args.wrong,
+            ablate=args.ablate, repeat=args.repeat, decimals=args.decimals,
+        )  # fmt: skip
     title = args.title or f"{model_name}: {args.text or Path(args.image).name}"
-    path = write_view(sections, None, args.out, title=title)
+    path = write_view(sections, None, args.out, title=title, circuits=circuits)
     summary = {
         "out": str(path),
         "bytes": path.stat().st_size,
@@ -229,6 +355,7 @@ def run(args) -> int:
             {"name": s["name"], "layers": len(s["layers"]), "queries": s["queries"]}
             for s in sections
         ],
+        "circuits": None if circuits is None else _circuits_summary(circuits),
     }
     if args.json:
         _common.print_json(summary)
@@ -238,5 +365,46 @@ def run(args) -> int:
     out = _common.Printer()
     for s in summary["sections"]:
         out.line(f"{s['name']}: {s['layers']} layers, tokens: {' '.join(s['queries'])}")
+    c = summary["circuits"]
+    if c is not None:
+        out.line(
+            f"circuits: {c['heads']} heads, {len(c['induction_heads'])} induction head(s)"
+            + ("" if c["patching"] else "; no patching (pass --corrupt TEXT2)")
+        )
     out.line(f"wrote {path} ({format_bytes(summary['bytes'])}); open it in a browser")
     return _common.EXIT_OK
+
+
+def _check_circuit_flags(args) -> None:
+    """Usage errors of the circuits flags, before any model loads."""
+    if not args.circuits:
+        for flag in ("corrupt", "answer", "wrong"):
+            if getattr(args, flag) is not None:
+                args.subparser.error(f"--{flag} needs --circuits")
+        return
+    if args.image is not None:
+        args.subparser.error("--circuits needs a causal LM; drop --image")
+    if args.model is not None and _is_sentence_transformers(args.model):
+        args.subparser.error(
+            f"--circuits needs a causal LM, but {args.model!r} is a sentence encoder; pass a "
+            "checkpoint folder or .gguf file (or no --model: the bundled SmolLM2-135M-Instruct)"
+        )
+    if args.ablate < 0:
+        args.subparser.error(f"--ablate {args.ablate}: pass 0 (no ablation) or more heads")
+    if (args.answer or args.wrong) and args.corrupt is None:
+        args.subparser.error("--answer and --wrong name patching's metric: pass --corrupt TEXT2")
+
+
+def _circuits_summary(circuits: dict) -> dict:
+    """What ``--json`` reports of the circuits tab."""
+    heads = circuits["heads"]
+    patching = circuits["patching"]
+    return {
+        "heads": len(heads["rows"]),
+        "induction_heads": [[r[0], r[1]] for r in heads["rows"] if r[5]],
+        "ablation": circuits["ablation"],
+        "patching": None
+        if patching is None
+        else {k: patching[k] for k in ("metric", "clean", "corrupted")},
+        "lens_layers": len(circuits["lens"]["layers"]),
+    }

@@ -38,7 +38,7 @@ from selfattn.inspect.hooks import (
 from selfattn.inspect.mask_expr import MaskSyntaxError, parse_mask
 from selfattn.inspect.plot import plot_attention, plot_mask
 from selfattn.inspect.stats import head_stats, head_stats_table
-from selfattn.inspect.view import view_section, write_view
+from selfattn.inspect.view import circuits_section, view_section, write_view
 from selfattn.inspect.worked_example import worked_example
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "backend_availability",
     "capability_matrix",
     "capture_attention",
+    "circuits_section",
     "head_importance",
     "head_stats",
     "head_stats_table",

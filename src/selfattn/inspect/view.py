@@ -5,7 +5,10 @@ network, works from ``file://``) holds a head view (tokens on both sides, one li
 above a threshold, heads selectable by colour), a model view (layers x heads thumbnails; a click
 opens one), a matrix view with the value under the pointer and, beside it, the picture of what
 the call's mask allowed, a switch between raw weights, rollout and attention x gradient, a patch
-grid for vision models and one section per kind of attention (encoder, decoder, cross).
+grid for vision models and one section per kind of attention (encoder, decoder, cross). A
+causal LM's page may add a "circuits" tab (:func:`circuits_section`): the heads' induction,
+previous-token and copying scores, the activation-patching heatmap, the ablation of the top
+induction heads against random heads, and the logit lens of the page's text.
 
 Data is embedded as JSON: each map rounded to ``decimals`` (3 by default) as int16 codes
 ``round(x · 10^decimals)``, zigzag-coded, split into a low-byte and a high-byte plane (the high
@@ -22,16 +25,21 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import math
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfattn.inspect.attribution import attention_rollout
 from selfattn.inspect.capture import AttentionMaps
 
-__all__ = ["view_section", "write_view"]
+if TYPE_CHECKING:
+    from selfattn.inspect.circuits import InductionReport, LogitLens, Patching
+
+__all__ = ["circuits_section", "view_section", "write_view"]
 
 TEMPLATE = "view.html"
 _DATA_MARK = "/*__SELFATTN_DATA__*/null"
@@ -175,10 +183,104 @@ def view_section(
     }
 
 
-def write_view(maps, tokens, path, *, title: str = "selfattn: attention", **section) -> Path:
+def _rounded(x, decimals: int):
+    """Numbers (a tensor, float or nested list) rounded to ``decimals``; NaN and inf -> None."""
+    if isinstance(x, torch.Tensor):
+        x = x.tolist()
+    if isinstance(x, dict):
+        return {k: _rounded(v, decimals) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v, decimals) for v in x]
+    if isinstance(x, bool) or not isinstance(x, float):
+        return x
+    return round(x, decimals) if math.isfinite(x) else None
+
+
+def circuits_section(
+    report: InductionReport | None = None,
+    patching: Patching | None = None,
+    lens: LogitLens | None = None,
+    *,
+    tokens: Sequence[str] | None = None,
+    tokenizer=None,
+    clean: str | None = None,
+    corrupted: str | None = None,
+    metric: str | None = None,
+    threshold: float = 0.3,
+    batch: int = 0,
+    decimals: int = 3,
+) -> dict:
+    """The page's "circuits" tab (``write_view(..., circuits=...)``) from the analyses of
+    :mod:`selfattn.inspect.circuits`, each optional, every number rounded to ``decimals``.
+
+    Args:
+        report: :func:`~selfattn.inspect.circuits.induction_heads`: the table of heads by
+            induction score (those ``>= threshold`` marked) and, with ``ablate=k``, the
+            repeated-half loss with the top-k heads against ``k`` random heads ablated.
+        patching: :func:`~selfattn.inspect.circuits.activation_patching`: the heatmap of
+            restored shares (blocks x heads, or blocks x positions labelled by ``tokens``);
+            ``clean``, ``corrupted`` and ``metric`` name its prompts and metric above it.
+        lens: :func:`~selfattn.inspect.circuits.logit_lens` of sequence ``batch``: layers x
+            positions (``tokens``), each cell its top tokens (decoded by ``tokenizer``, else ids)
+            and their probabilities.
+    """
+    if report is None and patching is None and lens is None:
+        raise ValueError("circuits_section needs at least one of report, patching and lens")
+    if not 1 <= decimals <= MAX_DECIMALS:
+        raise ValueError(f"decimals must be 1..{MAX_DECIMALS}, got {decimals}")
+    spans = []  # (what, positions) that ``tokens`` labels
+    if patching is not None and patching.over == "positions":
+        spans.append(("patching over positions", patching.effect.shape[1]))
+    if lens is not None:
+        spans.append(("logit lens", lens.top_ids.shape[2]))
+    for what, n in spans:
+        if tokens is not None and len(tokens) != n:
+            raise ValueError(
+                f"{len(tokens)} token(s) for a {what} of {n} positions; pass the tokens of the "
+                "analysed text"
+            )
+    out: dict = {"decimals": decimals, "heads": None, "ablation": None, "patching": None,
+                 "lens": None}  # fmt: skip
+    if report is not None:
+        keys = ("layer", "head", "induction", "prev_token", "copying", "is_induction")
+        out["heads"] = {
+            "threshold": threshold,
+            "rows": [[r[k] for k in keys] for r in report.table(threshold=threshold)],
+            "loss_first": report.loss_first,
+            "loss_repeated": report.loss_repeated,
+        }
+        out["ablation"] = report.ablation or None
+    if patching is not None:
+        labels = [f"h{j}" for j in range(patching.effect.shape[1])]
+        if patching.over == "positions" and tokens is not None:
+            labels = [str(t) for t in tokens]
+        out["patching"] = {
+            "over": patching.over,
+            "columns": labels,
+            "effect": patching.effect,
+            "patched": patching.patched,
+            "clean": patching.clean,
+            "corrupted": patching.corrupted,
+            "clean_text": clean,
+            "corrupted_text": corrupted,
+            "metric": metric,
+        }
+    if lens is not None:
+        out["lens"] = {
+            "tokens": None if tokens is None else [str(t) for t in tokens],
+            "layers": lens.as_json(tokenizer, batch=batch),
+        }
+    return _rounded(out, decimals)
+
+
+def write_view(
+    maps, tokens, path, *, title: str = "selfattn: attention", circuits: dict | None = None,
+    **section,
+) -> Path:  # fmt: skip
     """Write the page for ``maps`` over ``tokens`` to ``path`` (keywords: :func:`view_section`),
     or, with ``maps`` a list of :func:`view_section` dicts and ``tokens=None``, a page with one
-    selectable section each (e.g. encoder, decoder and cross-attention of a seq2seq model)."""
+    selectable section each (e.g. encoder, decoder and cross-attention of a seq2seq model).
+    ``circuits``: a :func:`circuits_section` dict, shown in a tab of its own."""
     if isinstance(maps, list) and all(isinstance(s, dict) for s in maps):
         if tokens is not None or section:
             raise ValueError("with a list of sections, pass tokens=None and no section keywords")
@@ -186,7 +288,8 @@ def write_view(maps, tokens, path, *, title: str = "selfattn: attention", **sect
     else:
         sections = [view_section(maps, tokens, **section)]
     template = resources.files("selfattn.inspect").joinpath(TEMPLATE).read_text("utf-8")
-    data = json.dumps({"title": title, "sections": sections}, separators=(",", ":"))
+    page = {"title": title, "sections": sections, "circuits": circuits}
+    data = json.dumps(page, separators=(",", ":"), allow_nan=False)
     # inside <script>: "</script>" or "<!--" in a token must not end the script
     data = data.replace("<", "\\u003c")
     path = Path(path)
