@@ -539,6 +539,14 @@ def check_lens_parity(report: dict) -> None:
             assert r["layers"] == (3 if r["point"].startswith("blocks") else 1), r
 
 
+def check_attention_claim(report: dict) -> None:
+    rows = report["rows"]
+    assert {r["task"] for r in rows} == {"induction"}  # --quick: no tokenizer, no text tasks
+    assert {r["score"] for r in rows} == {"attention", "rollout", "attention_x_gradient"}
+    assert all(-1 <= r["spearman"] <= 1 for r in rows)
+    assert report["setup"]["ablation"]["k"] == 5
+
+
 SMOKES = {
     # trains four tiny models (seconds each; one thread: on tiny shapes threads cost more)
     "alternatives": Smoke(
@@ -552,6 +560,7 @@ SMOKES = {
         ),
         marks=pytest.mark.slow,
     ),
+    "attention_claim": Smoke(packaged("attention_claim", "--threads", "1"), check_attention_claim),
     "cpu_llm": Smoke(packaged("cpu_llm"), check_cpu_llm, needs=("gguf", "httpx"), timeout_s=600),
     "crossover": Smoke(
         packaged("crossover", "--threads", "1", "--write", "fits.json"),

@@ -11,10 +11,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from selfattn.cli import main  # noqa: E402
-from selfattn.inspect.circuits import induction_heads, logit_lens  # noqa: E402
-from selfattn.models import from_pretrained, load_tokenizer  # noqa: E402
-from tests._serving_helpers import save_tiny_llama  # noqa: E402
+from selfattn.cli import main
+from selfattn.inspect.circuits import induction_heads, logit_lens
+from selfattn.models import from_pretrained, load_tokenizer
+from tests._serving_helpers import save_tiny_llama
 
 
 @pytest.fixture(scope="module")

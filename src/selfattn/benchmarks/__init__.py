@@ -11,6 +11,7 @@ imports no benchmark.
 NAMES = (
     "alternatives",
     "attention",
+    "attention_claim",
     "cpu_llm",
     "crossover",
     "decode",
