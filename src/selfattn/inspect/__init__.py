@@ -27,6 +27,7 @@ from selfattn.inspect.capture import AttentionMaps, attention_layers, capture_at
 from selfattn.inspect.hooks import (
     ActivationCache,
     HookPoint,
+    RequestHooks,
     hook_points,
     hooks,
     mean_ablation,
@@ -46,6 +47,7 @@ __all__ = [
     "AttentionMaps",
     "HookPoint",
     "MaskSyntaxError",
+    "RequestHooks",
     "attention_flow",
     "attention_gradients",
     "attention_layers",

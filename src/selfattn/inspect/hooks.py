@@ -42,7 +42,7 @@ import contextlib
 import fnmatch
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -56,6 +56,7 @@ from selfattn.nn import MultiHeadAttention
 __all__ = [
     "ActivationCache",
     "HookPoint",
+    "RequestHooks",
     "hook_points",
     "hooks",
     "mean_ablation",
@@ -213,12 +214,26 @@ class ActivationCache(Mapping):
 
 
 class _Point:
-    """One point's work at a call: record it, then apply the edits in order."""
+    """One point's work at a call: apply the edits in order, then record; with ``rows`` (a
+    slice of the position axis: one request's tokens of a packed step) on those rows only."""
 
-    def __init__(self, point: HookPoint, cache: ActivationCache | None, edits: list[Edit]):
-        self.point, self.cache, self.edits = point, cache, edits
+    def __init__(self, point: HookPoint, cache: ActivationCache | None, edits: list[Edit],
+                 rows: slice | None = None):  # fmt: skip
+        self.point, self.cache, self.edits, self.rows = point, cache, edits, rows
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return self._apply(value)
+        index = (slice(None),) * self.point.pos_dim + (self.rows,)
+        part = value[index]
+        new = self._apply(part)
+        if new is part:
+            return value
+        value = value.clone()
+        value[index] = new
+        return value
+
+    def _apply(self, value: torch.Tensor) -> torch.Tensor:
         for fn in self.edits:
             new = fn(value, self.point)
             if new is None:
@@ -316,6 +331,8 @@ def hooks(
     *,
     positions=None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    rows: slice | None = None,
+    cache: ActivationCache | None = None,
 ) -> Iterator[ActivationCache]:
     """Capture and edit ``model``'s activations at named points while the block runs.
 
@@ -329,6 +346,10 @@ def hooks(
         positions: record only these positions of the sequence axis (a slice or indices of
             each call's tokens; the query axis of patterns); edits see every position.
         max_bytes: refuse (ValueError) when the captured tensors would exceed this.
+        rows: capture and edit only this slice of the sequence axis (one sequence's tokens of
+            a packed step, as the Engine runs :class:`RequestHooks`).
+        cache: record into this :class:`ActivationCache` (from an earlier block with the same
+            ``capture``), not a new one.
 
     Blocks nest: an inner block's edits run after the outer's at the same point.
     """
@@ -341,13 +362,14 @@ def hooks(
             raise TypeError(f"edit[{pat!r}] must be callable as fn(value, point), got {fn!r}")
         for n in _matching(pat, points, "edit"):
             edits.setdefault(n, []).append(fn)
-    cache = ActivationCache(points, names, positions, max_bytes)
+    if cache is None:
+        cache = ActivationCache(points, names, positions, max_bytes)
     used = [n for n in points if n in edits or n in names]
     handles, layers = [], {}
     try:
         for n in used:
             pt = points[n]
-            work = _Point(pt, cache, edits.get(n, []))
+            work = _Point(pt, cache, edits.get(n, []), rows)
             if pt.kind == "attn":
                 layers.setdefault(pt.module, {})[pt.part] = work
             elif pt.kind == "input":
@@ -379,6 +401,54 @@ def _output_hook(work: _Point):
         return work(output)
 
     return hook
+
+
+@dataclass
+class RequestHooks:
+    """What one :class:`~selfattn.serving.Engine` request captures and edits (``capture`` and
+    ``edit`` as :func:`hooks` takes them): ``Engine.add_request(..., hooks=RequestHooks(...))``.
+
+    The engine applies them to the request's own rows of each packed step, so its neighbours in
+    a batch are untouched; ``cache`` then holds, call by call, the prompt's chunks and each
+    generated token (``cache.stacked(name)``: the whole sequence). The request computes its
+    prompt itself (no prefix-cache hit), and a request that edits offers no pages to the prefix
+    cache. A packed step computes no attention weights: patterns and scores are refused here
+    (``generate`` captures them).
+    """
+
+    capture: object = None
+    edit: Mapping[str, Edit] | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+    cache: ActivationCache | None = field(default=None, init=False)
+
+    def bind(self, model: nn.Module) -> RequestHooks:
+        """Check the names against ``model`` and start an empty cache; returns ``self``."""
+        points = hook_points(model)
+        names = _matching(self.capture, points, "capture") if self.capture is not None else []
+        edited = [n for pat in (self.edit or {}) for n in _matching(pat, points, "edit")]
+        weights = [n for n in names + edited if n.endswith(("hook_pattern", "hook_attn_scores"))]
+        if weights:
+            raise ValueError(
+                f"{weights[0]}: an Engine step attends over pages in place and computes no "
+                "attention weights; capture patterns with selfattn.models.generate, or hook "
+                "hook_q / hook_k / hook_z here"
+            )
+        self.cache = ActivationCache(points, names, None, positive_int(self.max_bytes, "max_bytes"))
+        return self
+
+    @property
+    def edits(self) -> bool:
+        return bool(self.edit)
+
+    def on_rows(self, model: nn.Module, rows: slice, *, restart: bool):
+        """:func:`hooks` for one step over ``rows`` of the packed tokens, into :attr:`cache`
+        (emptied first with ``restart``: a preempted request computes its prompt again)."""
+        if restart:
+            for calls in self.cache.calls.values():
+                calls.clear()
+            self.cache.nbytes = 0
+        return hooks(model, self.capture, self.edit, max_bytes=self.max_bytes, rows=rows,
+                     cache=self.cache)  # fmt: skip
 
 
 # -- edits ----------------------------------------------------------------------------------------

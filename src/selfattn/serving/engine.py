@@ -198,6 +198,7 @@ class Engine:
         request_id: str | None = None,
         *,
         sink: Callable[[RequestOutput], None] | None = None,
+        hooks=None,
     ) -> str:
         """Queue a request; returns its id (``request_id`` or a fresh one).
 
@@ -206,7 +207,8 @@ class Engine:
         vocabulary, prompt + ``max_tokens`` beyond ``max_model_len``, stop strings without a
         tokenizer, a repeated id) and :class:`QueueFull` when ``max_waiting`` requests wait.
         ``sink(output)`` receives each of its outputs as :meth:`step` makes them (on the
-        stepping thread).
+        stepping thread). ``hooks``: a :class:`selfattn.inspect.RequestHooks` capturing and
+        editing this request's activations (one sample; its ``cache`` fills as it runs).
         """
         arrival = time.perf_counter()  # a guide's compile counts in its time to first token
         params = SamplingParams() if params is None else params
@@ -244,15 +246,43 @@ class Engine:
                 f"{waiting} requests are waiting (max_waiting={self.max_waiting}); retry when "
                 "running requests finish, or build the Engine with a larger max_waiting"
             )
+        if hooks is not None:
+            self._check_hooks(hooks, params)
         compression = self.compression.resolve(params)
         matcher = None if params.guide is None else self._matcher(params.guide)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, text, ids, params, next(self._order), arrival, seed,
                       sink=sink, compression=compression)  # fmt: skip
         req.seqs[0].matcher = matcher
+        req.hooks = hooks
         self._requests[request_id] = req
         self._inbox.append(req)
         return request_id
+
+    def _check_hooks(self, hooks, params: SamplingParams) -> None:
+        from selfattn.inspect import RequestHooks
+
+        if not isinstance(hooks, RequestHooks):
+            raise TypeError(f"hooks must be a selfattn.inspect.RequestHooks, got {hooks!r}")
+        if params.samples > 1:
+            raise ValueError(
+                f"hooks follow one sequence; this request samples {params.samples} (n / best_of)"
+                ": ask for one, or add one request per sample"
+            )
+        if self.speculator is not None:
+            raise ValueError(
+                "hooks see each step's rows, and a speculative engine's steps verify drafts "
+                "that may be rolled back: use an Engine without speculation"
+            )
+        if params.kv_compression is not None or self.compression.default is not None:
+            spec = self.compression.resolve(params)
+            if spec is not None:
+                raise ValueError(
+                    f"hooks and kv_compression {spec.name!r} on one request: compression "
+                    "records the prompt's attention inputs with hooks of its own; pass "
+                    'kv_compression="none"'
+                )
+        hooks.bind(self.model)
 
     def _matcher(self, guide):
         """A matcher at the start of ``guide`` (structured output); a guide the grammar engine
@@ -395,7 +425,7 @@ class Engine:
         try:
             x = torch.tensor(flat, dtype=torch.long, device=device).view(1, -1)  # (1, T)
             rows = torch.tensor(keep + spec_keep + prompt_keep, dtype=torch.long, device=device)
-            with self.compression.recording(self.compression.window_rows(at)):
+            with self.compression.recording(self.compression.window_rows(at)), self._hooked(at):
                 logits = self._forward(x, step, rows)
         except BaseException:
             self._undo(step)
@@ -437,6 +467,17 @@ class Engine:
             self._append(seq, choice, now)
             touched[id(seq.request)] = seq.request
         self.metrics.record_tokens(len(choices), now)
+
+    @contextlib.contextmanager
+    def _hooked(self, at: list):
+        """The hooks of the step's requests that have them, each on its own rows."""
+        with contextlib.ExitStack() as stack:
+            for seq, n, start in at:
+                h = seq.request.hooks
+                if h is not None:
+                    stack.enter_context(h.on_rows(self.model, slice(start, start + n),
+                                                  restart=seq.num_computed == 0))  # fmt: skip
+            yield
 
     def _compress(self, seq: Sequence) -> None:
         """Compress ``seq``'s prompt KV (:mod:`selfattn.serving.kv_compression`) and count it;

@@ -112,6 +112,8 @@ class Request:
     sink: object = None  # where outputs go (an async stream's queue), or None
     # the KV compression its prompt gets (the params' or the engine's default), or None
     compression: object = None
+    # selfattn.inspect.RequestHooks bound to the model (capture / edit on its rows), or None
+    hooks: object = None
     # prompt logprobs scored so far (None first: the first token has none); a tuple once whole
     prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None = None
 
@@ -119,6 +121,12 @@ class Request:
         self.seqs = [Sequence(self, 0, list(self.prompt_ids))]
         if self.params.prompt_logprobs is not None:  # a one-token prompt is scored already
             self.prompt_logprobs = [None] if len(self.prompt_ids) > 1 else (None,)
+
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether its prompt must be computed, not read from the prefix cache: prompt
+        logprobs need its logits, hooks its activations."""
+        return self.scoring_prompt or self.hooks is not None
 
     @property
     def scoring_prompt(self) -> bool:

@@ -107,10 +107,12 @@ class Scheduler:
         """Give the prefix cache the full pages ``seq`` computed since it last did. None of a
         prompt to be compressed: its pages are about to be rewritten in place (a cached copy
         would hold them until evicted, the memory compression is there to free), nor after:
-        they no longer hold its tokens in order."""
+        they no longer hold its tokens in order; none of a request whose hooks edit activations
+        (its K/V are no other prompt's)."""
+        hooks = seq.request.hooks
         if self.kv.index is None or seq.kv_id is None or seq.compressing:
             return
-        if self.kv.evicted(seq.kv_id):
+        if (hooks is not None and hooks.edits) or self.kv.evicted(seq.kv_id):
             return
         full = seq.num_computed // self.kv.page_size
         if full > seq.cached_pages:
@@ -192,7 +194,7 @@ class Scheduler:
             seq = self.waiting[0]
             if slots + seq.request.slots > self.max_num_seqs:
                 return
-            if kv.index is not None and not seq.request.scoring_prompt:
+            if kv.index is not None and not seq.request.computes_prompt:
                 kv_id, cached = kv.add_sequence_from_prefix(seq.tokens[: _reusable(seq)])
             else:
                 kv_id, cached = kv.add_sequence(), 0
