@@ -176,3 +176,18 @@ def test_patching_restores_itself_and_localises():
     torch.testing.assert_close(h.patched[1, 3].item(), one, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="same shape"):
         activation_patching(m, clean, corrupt[:, :-1], metric)
+
+
+def test_patching_heatmap(tmp_path):
+    pytest.importorskip("matplotlib")
+    from selfattn.inspect import plot_patching
+
+    m = tiny()
+    clean, corrupt = ids(B=1, S=6, seed=5), ids(B=1, S=6, seed=6)
+    r = activation_patching(m, clean, corrupt, logit_difference(1, 2), over="positions")
+    fig = plot_patching(r, tokens=[f"t{i}" for i in range(6)], out=tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    (image,) = fig.axes[0].get_images()
+    torch.testing.assert_close(torch.as_tensor(image.get_array()), r.effect, equal_nan=True)
+    with pytest.raises(ValueError, match="5 position labels for 6"):
+        plot_patching(r, tokens=["a"] * 5)

@@ -37,7 +37,7 @@ from selfattn.inspect.hooks import (
     zero_ablation,
 )
 from selfattn.inspect.mask_expr import MaskSyntaxError, parse_mask
-from selfattn.inspect.plot import plot_attention, plot_mask
+from selfattn.inspect.plot import plot_attention, plot_mask, plot_patching
 from selfattn.inspect.stats import head_stats, head_stats_table
 from selfattn.inspect.view import circuits_section, view_section, write_view
 from selfattn.inspect.worked_example import worked_example
@@ -68,6 +68,7 @@ __all__ = [
     "patch",
     "plot_attention",
     "plot_mask",
+    "plot_patching",
     "resample_ablation",
     "residual_attention",
     "steer",

@@ -22,6 +22,7 @@ __all__ = [
     "mask_figure_bytes",
     "plot_attention",
     "plot_mask",
+    "plot_patching",
 ]
 
 _FORMATS = (".png", ".svg")
@@ -253,5 +254,35 @@ def plot_mask(
     allowed = int(dense.sum())
     heading = title or expr or repr(m)
     ax.set_title(f"{heading}\n{allowed} of {Sq * Sk} pairs attend", fontsize=10)
+    _save(fig, out)
+    return fig
+
+
+def plot_patching(patching, *, tokens: Sequence[str] | None = None, title: str | None = None,
+                  out=None):  # fmt: skip
+    """Heatmap of an activation-patching result (:class:`~selfattn.inspect.circuits.Patching`):
+    blocks down, heads (or positions, labelled by ``tokens``) across, colour the restored share
+    of the clean metric (1: the patch restores it, 0: no effect; red above 0, blue below).
+
+    Returns:
+        the ``matplotlib.figure.Figure``; ``out`` a ``.png`` or ``.svg`` path to write.
+    """
+    effect = patching.effect.detach().double().cpu()
+    L, J = effect.shape
+    fig = _figure(1, 1, 1.0, figsize=(max(4.0, 0.45 * J + 2.0), max(3.0, 0.3 * L + 1.5)),
+                  layout="constrained")  # fmt: skip
+    ax = fig.subplots()
+    lim = max(1.0, float(effect.nan_to_num(0).abs().max()))
+    cmap = require("matplotlib", purpose="plotting").colormaps["RdBu_r"].with_extremes(bad=_MASKED)
+    image = ax.imshow(effect.numpy(), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto")
+    over = "head" if patching.over == "heads" else "position"
+    ax.set_xlabel(over)
+    ax.set_ylabel("block")
+    if tokens is not None and patching.over == "positions":
+        ax.set_xticks(range(J), _labels(tokens, J, "position"), rotation=90, fontsize=8)
+    fig.colorbar(image, ax=ax, label="restored share of the clean metric")
+    head = title or f"activation patching by {over}"
+    ax.set_title(f"{head}\nclean {patching.clean:.3g}, corrupted {patching.corrupted:.3g}",
+                 fontsize=10)  # fmt: skip
     _save(fig, out)
     return fig
