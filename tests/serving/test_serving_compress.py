@@ -1,12 +1,12 @@
 """KV compression in the Engine (selfattn.serving.kv_compression) against generate()'s.
 
 Oracle: ``selfattn.models.generate(..., kv_compression=press)`` of each request alone, on the
-static cache (itself checked against a direct attention over the kept keys in
-tests/models/test_generate_compress.py). The engine runs the same press on its paged pool, with
-prompts split over several prefill chunks (the observation window spans chunks), prefixes shared
-through the prefix cache, samples forked after the prompt, and a pool small enough to preempt
-and recompute: every greedy output must equal the oracle's, no page may leak, and ratio 0 must
-be bit-identical to no policy.
+static cache (itself checked against a direct attention over each head's kept keys in
+tests/models/test_generate_compress.py, AdaKV's per-head budgets included). The engine runs
+the same press on its paged pool, with prompts split over several prefill chunks (the
+observation window spans chunks), prefixes shared through the prefix cache, samples forked
+after the prompt, and a pool small enough to preempt and recompute: every greedy output must
+equal the oracle's, no page may leak, and ratio 0 must be bit-identical to no policy.
 """
 
 from __future__ import annotations
@@ -232,6 +232,23 @@ def test_pyramidkv_equals_generate_and_saves_by_its_largest_layer(model):
     while engine.has_unfinished():
         engine.step()
     assert_drained(engine)
+
+
+def test_adakv_equals_generate_on_the_kernel_and_the_fallback(model, monkeypatch):
+    """Per-head budgets: the engine's greedy tokens (holes in its paged pool, prompts over
+    several chunks, shared prefixes) equal generate()'s on the static cache (each head its
+    own count, its hole masked; checked against a direct softmax over each head's kept K/V in
+    tests/models/test_generate_compress.py), with the C kernel and with the PyTorch path."""
+    p = press("adakv_snapkv", 0.5, window=4)
+    prompts = prompts_for(14, 6, lo=24, hi=40)
+    want = [alone(model, prompt, 12, p) for prompt in prompts]
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("SELFATTN_DECODE_KERNEL", kernel)
+        engine = engine_for(model, 120, max_batch_tokens=12)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=12, kv_compression=p, **GREEDY))
+        assert [list(out.outputs[0].token_ids) for out in outs] == want
+        assert engine.metrics.kv_compressed_prompts == len(prompts)
+        assert_drained(engine)
 
 
 def test_adakv_on_the_kernel_equals_the_fallback_with_preemption_and_forks(model, monkeypatch):

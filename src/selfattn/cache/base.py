@@ -39,7 +39,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from selfattn.masks import as_mask
+from selfattn.masks import CallableMask, as_mask
 from selfattn.scores import as_score_mod
 
 __all__ = [
@@ -48,18 +48,26 @@ __all__ = [
     "KVCache",
     "ModelKVCache",
     "Step",
+    "hole_mask",
     "next_position",
     "next_positions",
+    "real_entries",
 ]
 
 
 class KV(tuple):
     """``(k, v)`` returned by :meth:`KVCache.update`, with ``start``, the absolute position of
-    key 0 (keys are consecutive: key ``j`` at ``start + j``)."""
+    key 0 (keys are consecutive: key ``j`` at ``start + j``), and ``holes``: None, or
+    ``(B, Hkv, 2)`` int64 ``[lo, hi)`` key ranges that sequence ``b``'s KV head ``h`` skips
+    (a :class:`StaticCache` compacted to ragged per-head counts, AdaKV's)."""
 
-    def __new__(cls, k: torch.Tensor, v: torch.Tensor, start: int = 0):
+    holes: torch.Tensor | None = None
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, start: int = 0, holes=None):
         self = super().__new__(cls, (k, v))
         self.start = start
+        if holes is not None:
+            self.holes = holes
         return self
 
     @property
@@ -72,25 +80,61 @@ class KV(tuple):
         """``(mask, score_mod, q_offset)`` for ``attention(q, k, v, ...)`` over these keys such
         that masks and score mods see absolute positions: key ``j`` at ``start + j``, query row
         ``i`` at ``q_offset + i`` (default bottom-right: the queries, ``q (B, Hq, Sq, D)``, are
-        the last ``Sq`` keys). Unchanged when ``start`` is 0.
+        the last ``Sq`` keys), and every head skips its ``holes``. Unchanged when ``start`` is 0
+        and there are no holes.
 
         The mask and score mod are checked here for the whole key range ``0 .. start + Sk - 1``
         (a shifted mask cannot know where its keys end), then shifted
         (:meth:`selfattn.masks.Mask.shifted`)."""
-        if not self.start:
-            return mask, score_mod, q_offset
-        B, Hq, Sq, _ = q.shape
-        n = self.start + self[0].shape[2]  # keys 0 .. n - 1; these are the last ones
-        q_offset = n - Sq if q_offset is None else q_offset
-        if mask is not None:
-            mask = as_mask(mask)
-            mask.validate(B, Hq, Sq, n, q_offset)
-            mask = mask.shifted(self.start)
-        if score_mod is not None:
-            score_mod = as_score_mod(score_mod)
-            score_mod.validate(B, Hq, Sq, n, q_offset)
-            score_mod = score_mod.shifted(self.start)
+        if self.start:
+            B, Hq, Sq, _ = q.shape
+            n = self.start + self[0].shape[2]  # keys 0 .. n - 1; these are the last ones
+            q_offset = n - Sq if q_offset is None else q_offset
+            if mask is not None:
+                mask = as_mask(mask)
+                mask.validate(B, Hq, Sq, n, q_offset)
+                mask = mask.shifted(self.start)
+            if score_mod is not None:
+                score_mod = as_score_mod(score_mod)
+                score_mod.validate(B, Hq, Sq, n, q_offset)
+                score_mod = score_mod.shifted(self.start)
+        if self.holes is not None:
+            mask = hole_mask(mask, self.holes, q.shape[1])
         return mask, score_mod, q_offset
+
+
+def real_entries(counts, dims: dict[str, int], n: int, device=None) -> torch.Tensor:
+    """``(*dims, n)`` bool on ``device``: which of ``n`` ragged rows per head are real (the
+    first ``counts[..., h]``); ``counts``: integers of shape ``dims`` (named sizes, for the
+    error), each in ``0..n``. ValueError naming bad counts."""
+    shape = tuple(dims.values())
+    counts = torch.as_tensor(counts)
+    if counts.shape != shape or counts.is_floating_point() or counts.dtype == torch.bool:
+        named = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise ValueError(f"counts must be ({named}) integers, got {tuple(counts.shape)}")
+    counts = counts.to(device=device, dtype=torch.long)
+    if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > n):
+        raise ValueError(f"counts must be in 0..{n} ({n} rows per head), got {counts.tolist()}")
+    return torch.arange(n, device=counts.device) < counts.unsqueeze(-1)
+
+
+def hole_mask(mask, holes: torch.Tensor, n_q_heads: int):
+    """``mask`` (any accepted form, or None) and not in query head ``h``'s KV head's hole:
+    ``holes (Hkv, 2)`` (one sequence's layer, every batch row alike) or ``(B, Hkv, 2)`` (per
+    sequence), ``[lo, hi)`` key indices of the call. Query head ``h`` reads KV head
+    ``h // (n_q_heads // Hkv)``."""
+    holes = holes if holes.dim() == 3 else holes.unsqueeze(0)  # (B or 1, Hkv, 2)
+    G = n_q_heads // holes.shape[1]
+    lo, hi = holes[..., 0].repeat_interleave(G, 1), holes[..., 1].repeat_interleave(G, 1)
+    per_row = lo.shape[0] > 1  # (B or 1, Hq) each
+
+    def outside_hole(b, h, q_idx, kv_idx):
+        h = torch.as_tensor(h, device=lo.device)
+        b = torch.as_tensor(b, device=lo.device) if per_row else torch.zeros_like(h)
+        return (kv_idx < lo[b, h]) | (kv_idx >= hi[b, h])
+
+    kept = CallableMask(outside_hole)
+    return kept if mask is None else as_mask(mask) & kept
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from selfattn._validate import positive_int
-from selfattn.cache.base import KV
+from selfattn.cache.base import KV, real_entries
 
 __all__ = ["StaticCache"]
 
@@ -46,8 +46,10 @@ class StaticCache:
     given slots and returns the filled prefix ``[:length]`` (key ``j`` at position ``j``), which
     is what attention reads; the queries of that step are its last ``Sq`` rows (bottom-right
     alignment). Exactly ``max_len`` tokens fit; a write past them raises ``ValueError`` naming
-    the slots and ``max_len``. The storage never reallocates, so its addresses stay fixed
-    across steps. ``selfattn.nn.ContiguousCache`` is this class under the layer's old name.
+    the slots and ``max_len``. After a ragged :meth:`compact` the returned keys carry each
+    head's hole (``KV.holes``), which attention skips. The storage never reallocates, so its
+    addresses stay fixed across steps. ``selfattn.nn.ContiguousCache`` is this class under the
+    layer's old name.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class StaticCache:
         )  # fmt: skip
         self.length = 0
         self.evicted = 0  # tokens removed by compact(): positions run ahead of slots by this
+        self.holes = None  # (B, Hkv, 2) [lo, hi) slots each head skips after a ragged compact
 
     @property
     def position(self) -> int:
@@ -84,21 +87,36 @@ class StaticCache:
     def reset(self) -> None:
         """Forget every token (the storage is kept and overwritten by later updates)."""
         self.length = self.evicted = 0
+        self.holes = None
 
-    def compact(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def compact(self, k: torch.Tensor, v: torch.Tensor, counts=None) -> None:
         """Keep only ``k (B, Hkv, n, D)``, ``v (B, Hkv, n, Dv)`` (a subset of the cached tokens,
         oldest first) in slots ``0 .. n - 1``; ``position`` stays, so later tokens continue
-        at their true positions in the slots after ``n``."""
+        at their true positions in the slots after ``n``.
+
+        ``counts (B, Hkv)``: ragged per-head counts (AdaKV's budgets): sequence ``b``'s head
+        ``h`` keeps its first ``counts[b, h]`` rows, and slots ``[counts[b, h], n)`` become
+        its hole, zeroed and skipped by attention (``update`` returns them as ``KV.holes``).
+        A cache compacts once; :meth:`reset` clears the holes."""
         n = check_new_kv(self.k, self.v, k, v)
         if n > self.length:
             raise ValueError(
                 f"compact keeps a subset of the {self.length} cached tokens, got {n}; pass at "
                 "most the cached tokens"
             )
+        if self.holes is not None:
+            raise ValueError("this cache was compacted to ragged counts already; compact it once")
+        B, Hkv = self.k.shape[:2]
+        real = None
+        if counts is not None:
+            real = real_entries(counts, {"B": B, "Hkv": Hkv}, n, self.k.device)  # (B, Hkv, n)
         position = self.position
-        self.k[:, :, :n] = k
-        self.v[:, :, :n] = v
+        self.k[:, :, :n] = k if real is None else k.masked_fill(~real[..., None], 0)
+        self.v[:, :, :n] = v if real is None else v.masked_fill(~real[..., None], 0)
         self.length, self.evicted = n, position - n
+        if real is not None and not bool(real.all()):
+            counts = real.sum(-1)
+            self.holes = torch.stack((counts, torch.full_like(counts, n)), dim=-1)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, positions=None) -> KV:
         """Store ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)`` at slots ``positions`` ``(S,)``.
@@ -114,7 +132,7 @@ class StaticCache:
             self.k[:, :, first:end] = k
             self.v[:, :, first:end] = v
             self.length = end
-            return KV(self.k[:, :, :end], self.v[:, :, :end])
+            return KV(self.k[:, :, :end], self.v[:, :, :end], holes=self.holes)
         positions = torch.as_tensor(positions, device=self.k.device)
         if positions.dim() != 1 or positions.shape[0] != S or positions.is_floating_point():
             raise ValueError(
@@ -122,14 +140,14 @@ class StaticCache:
                 f"{positions.dtype} {tuple(positions.shape)}"
             )
         if S == 0:
-            return KV(self.k[:, :, : self.length], self.v[:, :, : self.length])
+            return KV(self.k[:, :, : self.length], self.v[:, :, : self.length], holes=self.holes)
         end = int(positions.max()) + 1
         self._check_slots(int(positions.min()), end)
         positions = positions.long()  # index_copy_ takes int64 slots only
         self.k.index_copy_(2, positions, k.to(self.k.dtype))
         self.v.index_copy_(2, positions, v.to(self.v.dtype))
         self.length = max(self.length, end)
-        return KV(self.k[:, :, : self.length], self.v[:, :, : self.length])
+        return KV(self.k[:, :, : self.length], self.v[:, :, : self.length], holes=self.holes)
 
     def _check_slots(self, first: int, end: int) -> None:
         if first < 0 or end > self.max_len:

@@ -22,7 +22,12 @@ Positions are decoupled from slots (``StaticCache.position``): a kept token keep
 rotation, new tokens continue at ``S + t`` in the slots after the kept ones, and a decode query
 attends every kept slot (causal over slots holds: every kept token is in its past). Hence the
 refusals: layers whose masks read absolute key positions (sliding-window and chunked layers,
-ALiBi, left-padded batches), per-head budgets (AdaKV's ragged counts) and the paged cache.
+ALiBi, left-padded batches) and the paged cache.
+
+Per-head budgets (AdaKV's ragged counts ``n[b, h]``) compact each KV head's kept tokens into
+slots ``0 .. n[b, h] - 1`` of a layer holding ``n_max = max n`` slots; slots
+``[n[b, h], n_max)`` are that head's hole, which every later attention of the layer skips
+(``StaticCache.compact(..., counts)``, ``KV.holes``), as the Engine's paged holes do.
 """
 
 from __future__ import annotations
@@ -56,11 +61,6 @@ def as_press(spec) -> Press | None:
     found = compression(spec)
     if found is None:
         return None
-    if found.press.ragged:
-        raise ValueError(
-            f"kv_compression={found.name!r} keeps a different number of tokens per head, which "
-            "the static cache cannot hold yet; use its scorer without adakv_ (e.g. 'snapkv')"
-        )
     return found.press
 
 
@@ -180,7 +180,7 @@ def compress_prefill(
             layer.k[:, :, :C], layer.v[:, :, :C], queries, layer=i, n_layers=len(layers),
             rope=att.rope, positions=positions, scale=att.scale,
         )  # fmt: skip
-        layer.compact(kept.keys, kept.values)
+        layer.compact(kept.keys, kept.values, kept.counts)
     if C < S:
         logits = model(input_ids[:, C:], cache=cache, logits_to_keep=1)
     return logits

@@ -16,16 +16,14 @@ by its largest layer budget, AdaKV (whose layer total is the uniform one) by its
 The hole's rows are zeroed (the C kernel's V sum then adds ``0 · 0`` where it reads them).
 A step carries each layer's holes per attention row (:func:`step_holes`), which the paged
 backends skip (``paged_attention(holes=)``); a long chunk's dense attention masks them
-(:func:`hole_mask`).
+(:func:`selfattn.cache.base.hole_mask`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from selfattn.masks import CallableMask, as_mask
-
-__all__ = ["hole_mask", "step_holes"]
+__all__ = ["step_holes"]
 
 
 def step_holes(found: list[torch.Tensor | None], rows=None, device=None) -> torch.Tensor:
@@ -38,17 +36,3 @@ def step_holes(found: list[torch.Tensor | None], rows=None, device=None) -> torc
     if rows is not None:
         stacked = stacked[torch.as_tensor(rows, dtype=torch.long)]  # (R, L, Hkv, 2)
     return stacked.transpose(0, 1).contiguous().to(device)  # (L, R, Hkv, 2)
-
-
-def hole_mask(mask, holes: torch.Tensor, n_q_heads: int):
-    """``mask`` (any accepted form, or None) and not in query head ``h``'s kv head's hole, for
-    a dense call over one sequence's gathered keys: ``holes (Hkv, 2)`` of its layer."""
-    G = n_q_heads // holes.shape[0]
-    lo, hi = holes[:, 0].repeat_interleave(G), holes[:, 1].repeat_interleave(G)  # (Hq,) each
-
-    def outside_hole(b, h, q_idx, kv_idx):
-        h = torch.as_tensor(h, device=lo.device)
-        return (kv_idx < lo[h]) | (kv_idx >= hi[h])
-
-    kept = CallableMask(outside_hole)
-    return kept if mask is None else as_mask(mask) & kept

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from selfattn._validate import int_at_least, positive_int
-from selfattn.cache.base import Step
+from selfattn.cache.base import Step, real_entries
 from selfattn.cache.paged import plan as planner
 from selfattn.cache.paged.blocks import BlockTable
 from selfattn.cache.paged.layer import PagedCacheView, PagedLayer
@@ -237,7 +237,9 @@ class PagedKV:
             )
         n = kept.shape[2]
         kept = kept.to(torch.long).cpu()
-        real = None if counts is None else _real_entries(counts, L, Hkv, n)  # (L, Hkv, n)
+        real = None  # (L, Hkv, n): which entries of kept are real
+        if counts is not None:
+            real = real_entries(counts, {"L": L, "Hkv": Hkv}, n, "cpu")
         if real is not None:  # padding copies each head's first kept token, then is zeroed
             kept = torch.where(real, kept, kept[..., :1])
         step = kept.diff()
@@ -402,20 +404,6 @@ class PagedKV:
             f"{type(self).__name__}(n_layers={L}, num_pages={N}, page_size={P}, n_kv_heads={Hkv}, "
             f"head_dim={D}, seqs={len(self.seq_ids)}, free_pages={self.pool.num_free})"
         )
-
-
-def _real_entries(counts, L: int, Hkv: int, n: int) -> torch.Tensor:
-    """``(L, Hkv, n)`` bool: which entries of a ragged ``kept`` are real (the first
-    ``counts[l, h]`` of each head); ValueError naming bad counts."""
-    counts = torch.as_tensor(counts)
-    if counts.shape != (L, Hkv) or counts.is_floating_point() or counts.dtype == torch.bool:
-        raise ValueError(f"counts must be (L={L}, Hkv={Hkv}) integers, got {tuple(counts.shape)}")
-    counts = counts.to(torch.long).cpu()
-    if int(counts.min()) < 0 or int(counts.max()) > n:
-        raise ValueError(
-            f"counts must be in 0..{n} (kept holds {n} per head), got {counts.tolist()}"
-        )
-    return torch.arange(n) < counts.unsqueeze(-1)
 
 
 class PagedCache(PagedKV):

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfattn.cache.base import Step
-from selfattn.cache.paged.holes import hole_mask
+from selfattn.cache.base import Step, hole_mask
 from selfattn.cache.paged.plan import PACKED_ROWS_MAX, StepPlan
 from selfattn.cache.paged.store import check_attend, check_new_kv
 from selfattn.functional import attention, attention_weights, paged_attention
