@@ -167,12 +167,7 @@ class EngineConfig:
             return
         import torch
 
-        if isinstance(self.kv_dtype, str):
-            if self.kv_dtype not in ("kivi2", "kivi4"):
-                raise ValueError(
-                    f"EngineConfig kv_dtype names KIVI pages 'kivi2' or 'kivi4' (else a "
-                    f"torch.dtype), got {self.kv_dtype!r}"
-                )
+        if self.kv_dtype in ("kivi2", "kivi4"):  # KIVI pages
             return
         if not isinstance(self.kv_dtype, torch.dtype):
             raise TypeError(
