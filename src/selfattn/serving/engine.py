@@ -809,10 +809,15 @@ class Engine:
             if self.speculator is not None:
                 self.speculator.check(self.scheduler.running)
 
+    def _kv_dtype_name(self):
+        """The pool's storage as configured: a KIVI name, else the pages' dtype."""
+        kind = self.config.kv_dtype
+        return kind if isinstance(kind, str) else self.kv.k_store.dtype
+
     def __repr__(self) -> str:
         return (
             f"Engine({type(self.model).__name__}, pages={self.kv.num_pages}x"
-            f"{self.kv.page_size}, kv_dtype={self.kv.k_store.dtype}, "
+            f"{self.kv.page_size}, kv_dtype={self._kv_dtype_name()}, "
             f"max_batch_tokens={self.scheduler.max_batch_tokens}, "
             f"max_num_seqs={self.scheduler.max_num_seqs})"
         )
