@@ -21,7 +21,7 @@ from pathlib import Path
 from selfattn.cli import _common
 from selfattn.serving.config import DEFAULT_HOST, DEFAULT_PORT, EngineConfig, ServerLimits
 
-KV_DTYPES = ("auto", "int8", "fp8")
+KV_DTYPES = ("auto", "int8", "fp8", "kivi2", "kivi4")
 # selfattn.serving.tools.PARSER_CHOICES, spelled here: --help imports no serving module
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
 API_KEY_ENV = "SELFATTN_API_KEY"  # the key without putting it on the command line (ps shows it)
@@ -109,7 +109,8 @@ def add_parser(subparsers):
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
-        help="KV pool storage: the model's dtype (auto), int8 or fp8",
+        help="KV pool storage: the model's dtype (auto), int8, fp8, or KIVI pages of 2 or 4 "
+        "bits (kivi2, kivi4: full pages quantised, the filling page in the model's dtype)",
     )
     p.add_argument(
         "--kv-compression",
@@ -223,7 +224,9 @@ def _engine_config(args) -> EngineConfig:
 
     from selfattn.serving.config import kv_cache_bytes_from_memory
 
-    kv_dtype = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[args.kv_dtype]
+    kv_dtype = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(
+        args.kv_dtype, args.kv_dtype
+    )
     kv_bytes = args.kv_cache_bytes or kv_cache_bytes_from_memory()
     how = "--kv-cache-bytes" if args.kv_cache_bytes else "a quarter of MemAvailable, capped"
     logging.getLogger("selfattn").info(

@@ -52,8 +52,9 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 2**20
     # Tokens per KV page.
     page_size: int = 16
-    # The pool's storage: None (the model's dtype), torch.int8 or torch.float8_e4m3fn.
-    kv_dtype: torch.dtype | None = None
+    # The pool's storage: None (the model's dtype), torch.int8, torch.float8_e4m3fn, or
+    # "kivi2" / "kivi4" (KIVI pages: selfattn.cache.paged.kivi).
+    kv_dtype: torch.dtype | str | None = None
     # Tokens one step computes at most (decode tokens and prefill chunks); the serving
     # benchmark's fastest budget.
     max_batch_tokens: int = 1024
@@ -166,10 +167,12 @@ class EngineConfig:
             return
         import torch
 
+        if self.kv_dtype in ("kivi2", "kivi4"):  # KIVI pages
+            return
         if not isinstance(self.kv_dtype, torch.dtype):
             raise TypeError(
-                f"EngineConfig kv_dtype must be None, a float torch.dtype, torch.int8 or "
-                f"torch.float8_e4m3fn, got {self.kv_dtype!r}"
+                f"EngineConfig kv_dtype must be None, a float torch.dtype, torch.int8, "
+                f"torch.float8_e4m3fn, 'kivi2' or 'kivi4', got {self.kv_dtype!r}"
             )
 
     def replace(self, **changes) -> EngineConfig:

@@ -54,6 +54,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from selfattn.cache import PagedKV
+from selfattn.cache.paged.kivi import KIVIPagedKV, kivi_bits, kivi_page_bytes
 from selfattn.cache.size import kv_cache_bytes as _kv_bytes
 from selfattn.kernels.determinism import deterministic
 from selfattn.models.decoder import CausalLM
@@ -138,9 +139,14 @@ class Engine:
         self.config = cfg = (config or EngineConfig()).replace(**knobs)
         c = model.config
         w = model.norm.weight  # dense in every model (a quantised LM head has no .weight)
-        kv_dtype = w.dtype if cfg.kv_dtype is None else cfg.kv_dtype
+        kivi = cfg.kv_dtype if isinstance(cfg.kv_dtype, str) else None
+        kv_dtype = w.dtype if cfg.kv_dtype is None or kivi else cfg.kv_dtype
         page_size = cfg.page_size
-        page_bytes = _kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, page_size, kv_dtype)
+        if kivi:
+            page_bytes = kivi_page_bytes(c.n_layers, c.n_kv_heads, c.head_dim, page_size, kivi,
+                                         kv_dtype)  # fmt: skip
+        else:
+            page_bytes = _kv_bytes(c.n_layers, c.n_kv_heads, c.head_dim, page_size, kv_dtype)
         num_pages = cfg.kv_cache_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(
@@ -152,11 +158,19 @@ class Engine:
             limit = min(limit, cfg.max_model_len)
         self.max_model_len = limit
         self.model, self.tokenizer = model, tokenizer
-        self.kv = PagedKV(
-            c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim,
-            max_seqs=cfg.max_num_seqs, max_pages_per_seq=-(-limit // page_size),
-            prefix_caching=cfg.prefix_caching, dtype=kv_dtype, device=w.device,
-        )  # fmt: skip
+        pool = {
+            "max_seqs": cfg.max_num_seqs,
+            "max_pages_per_seq": -(-limit // page_size),
+            "prefix_caching": cfg.prefix_caching,
+            "dtype": kv_dtype,
+            "device": w.device,
+        }
+        if kivi:
+            self.kv = KIVIPagedKV(c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim,
+                                  bits=kivi_bits(kivi), **pool)  # fmt: skip
+        else:
+            self.kv = PagedKV(c.n_layers, num_pages, page_size, c.n_kv_heads, c.head_dim,
+                              **pool)  # fmt: skip
         self.scheduler = Scheduler(
             self.kv, max_batch_tokens=cfg.max_batch_tokens, max_num_seqs=cfg.max_num_seqs,
             lookahead=cfg.num_speculative_tokens if cfg.speculative else 0,
@@ -178,8 +192,15 @@ class Engine:
         self._aborts: collections.deque[str] = collections.deque()
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
+        refused = self.compression_refused
+        if kivi and refused is None:
+            refused = (
+                f"this engine's pool is kv_dtype={kivi!r}: its pages are KIVI-quantised "
+                "already, and presses evict tokens from plain pages; serve with a float "
+                "--kv-dtype to run presses"
+            )
         self.compression = PromptCompression(model, self.kv, cfg.kv_compression,
-                                             refused=self.compression_refused)  # fmt: skip
+                                             refused=refused)  # fmt: skip
         self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
         self.loop = EngineLoop(self)  # steps this engine for generate, stream and a server
 
@@ -788,10 +809,15 @@ class Engine:
             if self.speculator is not None:
                 self.speculator.check(self.scheduler.running)
 
+    def _kv_dtype_name(self):
+        """The pool's storage as configured: a KIVI name, else the pages' dtype."""
+        kind = self.config.kv_dtype
+        return kind if isinstance(kind, str) else self.kv.k_store.dtype
+
     def __repr__(self) -> str:
         return (
             f"Engine({type(self.model).__name__}, pages={self.kv.num_pages}x"
-            f"{self.kv.page_size}, kv_dtype={self.kv.k_store.dtype}, "
+            f"{self.kv.page_size}, kv_dtype={self._kv_dtype_name()}, "
             f"max_batch_tokens={self.scheduler.max_batch_tokens}, "
             f"max_num_seqs={self.scheduler.max_num_seqs})"
         )

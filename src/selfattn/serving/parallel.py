@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from selfattn.cache import PagedKV
+from selfattn.cache.paged.kivi import KIVIPagedKV
 from selfattn.kernels.determinism import deterministic
 from selfattn.models.decoder import CausalLM
 from selfattn.nn import MLP, DiffAttention, MultiHeadAttention, QuantizedLinear, SwiGLU
@@ -317,6 +318,12 @@ class TensorParallelEngine(Engine):
             # Speculative steps need nothing more: each step's message carries every sequence's
             # length and pages, so the ranks follow rank 0's rollback of rejected drafts.
             super().__init__(model, **kw)
+            if isinstance(self.kv, KIVIPagedKV):
+                raise ValueError(
+                    "a tensor-parallel engine shards float or int8/fp8 pages; kv_dtype "
+                    f"{self.config.kv_dtype!r} (KIVI pages) runs on one device: drop it or "
+                    "world_size"
+                )
         except BaseException:
             _broadcast(torch.zeros(_GEOMETRY, dtype=torch.long, device=device))  # workers stop
             raise

@@ -198,7 +198,8 @@ def _build(name: str, ratio: float | None, knobs: dict) -> KVCompression:
     if isinstance(made, Quantized):
         raise ValueError(
             f"kv_compression={name!r} quantises the cache's pages instead of evicting tokens; "
-            "it is a cache kind (make_cache('kivi', bits=...)), not a per-request policy: use "
+            f"it is the pool's dtype, not a per-request policy: serve with --kv-dtype {name} "
+            f"(EngineConfig(kv_dtype={name!r})), build make_cache('kivi', bits=...), or use "
             "an eviction policy such as 'snapkv:0.5'"
         )
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):

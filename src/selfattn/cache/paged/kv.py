@@ -87,8 +87,9 @@ class PagedKV:
         ):
             positive_int(x, f"{owner} {name}")
         value_dim = head_dim if value_dim is None else positive_int(value_dim, f"{owner} value_dim")
-        self.store = PageStore(n_layers, num_pages, page_size, n_kv_heads, head_dim, value_dim,
-                               dtype=dtype, device=device)  # fmt: skip
+        self.store = self._make_store(n_layers, num_pages, page_size, n_kv_heads, head_dim,
+                                      value_dim, dtype=dtype, device=device,
+                                      max_seqs=max_seqs)  # fmt: skip
         self.blocks = BlockTable(num_pages, page_size, max_seqs=max_seqs,
                                  max_pages_per_seq=max_pages_per_seq,
                                  prefix_caching=prefix_caching)  # fmt: skip
@@ -96,6 +97,12 @@ class PagedKV:
         self._shape = {"page_size": page_size, "max_pages": max_pages_per_seq,
                        "paired": self.store.kv_store is not None,
                        "device": self.store.k_store.device}  # fmt: skip
+
+    def _make_store(self, n_layers, num_pages, page_size, n_kv_heads, head_dim, value_dim, *,
+                    dtype, device, max_seqs):  # fmt: skip
+        """The pages' store (a subclass storing pages otherwise returns its own)."""
+        return PageStore(n_layers, num_pages, page_size, n_kv_heads, head_dim, value_dim,
+                         dtype=dtype, device=device)  # fmt: skip
 
     # -- the rooms' public state ------------------------------------------------------------------
     k_store = property(lambda self: self.store.k_store, doc="``(L, N, P, Hkv, D)`` keys")
@@ -141,6 +148,13 @@ class PagedKV:
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(k_scales, v_scales)`` of ``layer`` for ``paged_attention`` (None for float pages)."""
         return self.store.layer_scales(layer)
+
+    def attention_pages(self, layer: int, plan: StepPlan):
+        """What layer ``layer`` of ``plan``'s step attends over: ``(k_pages, v_pages,
+        block_table, attention plan, k_scales, v_scales)`` for ``paged_attention`` (the
+        stored pages; a pool storing them otherwise returns float copies)."""
+        return (self.k_layers[layer], self.v_layers[layer], plan.block_table, plan.attention,
+                *self.layer_scales(layer))  # fmt: skip
 
     def pages(self, seq_id: int) -> list[int]:
         """The page ids of ``seq_id`` in token order (a copy)."""

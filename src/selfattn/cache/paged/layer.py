@@ -238,11 +238,11 @@ class PagedLayer:
                 out = q.new_empty(*q.shape[:3], kv.v_layers[layer].shape[-1])
                 out = self._per_sequence(attention, out, q, mask, score_mod, scale, sinks)
             else:
-                k_scales, v_scales = kv.layer_scales(layer)
+                kp, vp, table, attn, k_scales, v_scales = kv.attention_pages(layer, plan)
                 out = paged_attention(
-                    q, kv.k_layers[layer], kv.v_layers[layer], plan.block_table, plan.seq_lens,
-                    mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-                    v_scales=v_scales, plan=plan.attention, sinks=sinks, holes=self._holes(),
+                    q, kp, vp, table, plan.seq_lens, mask=mask, score_mod=score_mod,
+                    scale=scale, k_scales=k_scales, v_scales=v_scales, plan=attn, sinks=sinks,
+                    holes=self._holes(),
                 )  # fmt: skip
         except BaseException:
             kv.undo(plan)
@@ -305,22 +305,21 @@ class PagedLayer:
         """:meth:`attend` over a packed plan once its inputs are checked."""
         kv, plan, layer = self.kv, self.plan, self.layer
         T, Hq, Dv = q.shape[2], q.shape[1], v.shape[3]
-        k_scales, v_scales = kv.layer_scales(layer)
-        pages = (kv.k_layers[layer], kv.v_layers[layer])
-        kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
-                  v_scales=v_scales, sinks=sinks, holes=self._holes())  # fmt: skip
         try:
             kv.write(layer, plan, _token_rows(k), _token_rows(v))
             R = plan.rows.numel()
+            if R:
+                kp, vp, table, attn, k_scales, v_scales = kv.attention_pages(layer, plan)
+                kw = dict(mask=mask, score_mod=score_mod, scale=scale, k_scales=k_scales,
+                          v_scales=v_scales, sinks=sinks, holes=self._holes(),
+                          plan=attn)  # fmt: skip
             if R == T:  # no long chunk: the whole step is one call
-                out = paged_attention(_token_rows(q), *pages, plan.block_table, plan.seq_lens,
-                                      plan=plan.attention, **kw)  # fmt: skip
+                out = paged_attention(_token_rows(q), kp, vp, table, plan.seq_lens, **kw)
                 return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # (T, Hq, 1, Dv) -> (1, ·)
             out = q.new_empty(Hq, T, Dv)
             if R:
                 qr = q[0].index_select(1, plan.rows).transpose(0, 1).unsqueeze(2)  # (R, Hq, 1, D)
-                o = paged_attention(qr, *pages, plan.block_table, plan.seq_lens,
-                                    plan=plan.attention, **kw)  # fmt: skip
+                o = paged_attention(qr, kp, vp, table, plan.seq_lens, **kw)
                 out.index_copy_(1, plan.rows, o.squeeze(2).transpose(0, 1))  # (Hq, R, Dv)
             for i, (start, n, ids, length) in enumerate(plan.blocks):  # a query block a chunk
                 ks, vs = kv.gather_pages(ids, length, layer)  # (Hkv, length, ·)
