@@ -129,6 +129,8 @@ COMMANDS = [
     "info",
     "map",
     "view",
+    "heads",
+    "lens",
     "embed",
     "generate",
     "chat",

@@ -39,7 +39,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from selfattn.masks import CallableMask, as_mask
+from selfattn.masks import as_mask
 from selfattn.scores import as_score_mod
 
 __all__ = [
@@ -133,7 +133,7 @@ def hole_mask(mask, holes: torch.Tensor, n_q_heads: int):
         b = torch.as_tensor(b, device=lo.device) if per_row else torch.zeros_like(h)
         return (kv_idx < lo[b, h]) | (kv_idx >= hi[b, h])
 
-    kept = CallableMask(outside_hole)
+    kept = as_mask(outside_hole)  # a mask_mod callable
     return kept if mask is None else as_mask(mask) & kept
 
 

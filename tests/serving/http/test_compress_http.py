@@ -75,7 +75,7 @@ def test_the_field_and_the_default_run_the_policy(served):
     [
         ("nope:0.5", "unknown KV-compression policy"),
         ({"policy": "snapkv", "ratio": 1.5}, "compression_ratio"),
-        ("adakv_snapkv:0.5", "per KV head"),
+        ("kivi4", "--kv-dtype kivi4"),
         ({"policy": "snapkv", "budget": 2}, "budget 2 is below"),
         (7, "kv_compression"),
     ],
