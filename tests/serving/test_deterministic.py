@@ -26,6 +26,7 @@ from selfattn.nn.quant import quantize_
 from selfattn.serving import Engine, SamplingParams
 from selfattn.serving.config import EngineConfig
 from tests._kernel_helpers import c_kernel
+from tests._speculative import tiny_llama
 from tests.cache.test_paged import check, make_paged
 
 VOCAB = 300
@@ -76,9 +77,9 @@ def prompts(seed: int, count: int, longest: int = 45) -> list[list[int]]:
     return [[g.randrange(2, VOCAB) for _ in range(g.randint(2, longest))] for _ in range(count)]
 
 
-def served(model, requests, *, pages: int = 200, **knobs) -> list[tuple]:
-    """Each request's ``(token ids, logprobs)`` from one deterministic engine, all queued at
-    once (a few per step, in order); its metrics too."""
+def served(model, requests, *, pages: int = 200, params=GREEDY, **knobs) -> list[tuple]:
+    """Each request's ``(token ids, logprobs)`` under ``params`` from one deterministic engine,
+    all queued at once (a few per step, in order); its metrics too."""
     c = model.config
     one = kv_cache_bytes(c.n_layers, c.n_kv_heads, c.head_dim, P, model.norm.weight.dtype)
     knobs = {"deterministic": True, **knobs}
@@ -86,7 +87,7 @@ def served(model, requests, *, pages: int = 200, **knobs) -> list[tuple]:
     ids, finals, pending = [], {}, list(requests)
     while pending or engine.has_unfinished():
         for prompt in pending[:3]:
-            ids.append(engine.add_request(prompt, GREEDY))
+            ids.append(engine.add_request(prompt, params))
         pending = pending[3:]
         for out in engine.step():
             if out.finished:
@@ -251,3 +252,42 @@ def test_kernel_fixed_splits_are_exact_and_batch_invariant(threads, monkeypatch)
             alone = paged_attention(q[:1], kp, vp, table[:1], sl[:1], mask=masks.causal())
         assert torch.equal(out[:1], alone)
     assert SPLIT_KEYS >= P
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"kv_dtype": torch.int8}, {"kv_compression": "snapkv:0.5"}, {"speculative": "ngram"}],
+    ids=["int8 pages", "snapkv", "ngram speculation"],
+)
+def test_alone_and_in_batches_with_int8_pages_compression_and_speculation(knobs):
+    """The same invariance with int8 pages (a scale per token), a compressed prompt and n-gram
+    speculation (its verify rows are rows like any other; requests asking for logprobs decode
+    without drafts, so its requests ask for tokens only)."""
+    model, params = tiny_model(torch.float32, seed=1), GREEDY
+    target = prompts(100, 1, longest=45)[0] + [7] * 5
+    if "kv_compression" in knobs:  # past SnapKV's 64-token window, so that it compresses
+        target = prompts(101, 1, longest=45)[0] * 4
+    if "speculative" in knobs:  # a small vocabulary repeats itself: n-gram drafts
+        model, params = (
+            tiny_llama(0),
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        )
+        g = random.Random(102)
+        target = [g.randrange(model.config.vocab_size) for _ in range(8)] * 4
+    alone, metrics = served(model, [target], params=params, **knobs)
+    if "kv_compression" in knobs:
+        assert metrics.kv_evicted_tokens > 0, "the prompt was meant to be compressed"
+    if "speculative" in knobs:
+        assert metrics.spec_draft_tokens > 0, "drafts were meant to be verified"
+    others = [[t % model.config.vocab_size for t in p] for p in prompts(3, 7)]
+    for budget, at in ((1024, 0), (7, 3), (33, 7)):
+        mix = [*others[:at], target, *others[at:]]
+        got, _ = served(model, mix, max_batch_tokens=budget, params=params, **knobs)
+        assert got[at] == alone[0], f"budget {budget}, position {at}"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, "kivi2", "kivi4"], ids=str)
+def test_refuses_pages_whose_rounding_depends_on_others(kv_dtype):
+    with pytest.raises(ValueError, match=r"deterministic=True cannot run kv_dtype=.*int8 pages"):
+        EngineConfig(deterministic=True, kv_dtype=kv_dtype)
+    EngineConfig(deterministic=False, kv_dtype=kv_dtype)  # the default mode runs them

@@ -223,20 +223,29 @@ def our_answers(model, tokenizer, samples: list[Sample], new: int, press=None) -
 # -- kvpress's side --------------------------------------------------------------------------------
 
 
-def run_peer(python: str, job: dict, timeout_s: float) -> tuple[list[dict], str]:
-    """kvpress's rows for one job (one line per config, as many as finished) and why not all
-    finished ("" when they did)."""
+def start_peer(python: str, job: dict) -> subprocess.Popen:
+    """kvpress's run of one job, started in its own process so that it runs beside ours (each
+    on ``job["threads"]`` threads); :func:`finish_peer` collects it."""
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "TQDM_DISABLE": "1"}
     env.pop("PYTHONPATH", None)  # kvpress's own environment, not ours
+    proc = subprocess.Popen([python, str(PEER_SCRIPT)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    return proc
+
+
+def finish_peer(proc: subprocess.Popen, deadline: float) -> tuple[list[dict], str]:
+    """kvpress's rows (one line per config, as many as finished by ``deadline``, a
+    ``time.monotonic()`` value) and why not all finished ("" when they did)."""
     try:
-        done = subprocess.run([python, str(PEER_SCRIPT)], input=json.dumps(job), text=True,
-                              stdout=subprocess.PIPE, timeout=timeout_s, env=env)  # fmt: skip
-        out, why = done.stdout, f"exit {done.returncode}" if done.returncode else ""
-    except subprocess.TimeoutExpired as e:
-        out, why = e.stdout or "", f"stopped at --peer-timeout {timeout_s:g} s"
-    if isinstance(out, bytes):
-        out = out.decode()
-    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        why = f"exit {proc.returncode}" if proc.returncode else ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        why = "stopped at --peer-timeout"
+    lines = [json.loads(x) for x in (out or "").splitlines() if x.startswith("{")]
     end = lines.pop() if lines and lines[-1].get("done") else None
     return lines, why if end is None else ""
 
@@ -329,6 +338,12 @@ def run(args) -> dict:
     for length in lengths:
         samples = {t: make_samples(tokenizer, t, length, args.samples, args.seed) for t in TASKS}
         flat = [s for t in TASKS for s in samples[t]]
+        peer = None
+        if kvpress:  # kvpress runs beside ours: a length takes the longer of the two
+            job = {"model": folder, "threads": args.threads, "new": args.new,
+                   "samples": [dataclasses.asdict(s) for s in flat],
+                   "configs": configs}  # fmt: skip
+            peer, deadline = start_peer(kvpress, job), time.monotonic() + args.peer_timeout
         t0 = time.perf_counter()
         answers = our_answers(model, tokenizer, flat, args.new)
         rows += split_rows(length, "none", 0.0, "ours", answers, samples, full_bytes)
@@ -339,15 +354,13 @@ def run(args) -> dict:
             if policy != "none":
                 try:
                     answers = our_answers(model, tokenizer, flat, args.new, press(policy, ratio))
-                except ValueError as e:  # refused here (AdaKV on this path, a budget too small)
+                except ValueError as e:  # refused here (a budget too small for the prompt)
                     print(f"{length}: ours {policy} at {ratio}: not run ({e})", file=sys.stderr)
                     continue
                 rows += split_rows(length, policy, ratio, "ours", answers, samples, full_bytes)
-        if kvpress:
-            job = {"model": folder, "threads": args.threads, "new": args.new,
-                   "samples": [dataclasses.asdict(s) for s in flat],
-                   "configs": configs}  # fmt: skip
-            lines, why = run_peer(kvpress, job, args.peer_timeout)
+        print(f"{length}: ours done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        if peer is not None:
+            lines, why = finish_peer(peer, deadline)
             if why:
                 skipped.append(f"kvpress at {length}: {len(lines)} of {len(configs)} done ({why})")
             for line in lines:

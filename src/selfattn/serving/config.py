@@ -122,6 +122,7 @@ class EngineConfig:
                     f"EngineConfig {name} must be seconds in [0, {MAX_ADMIT_S}), got {v!r}"
                 )
         self._check_kv_dtype()
+        self._check_deterministic_pages()
         self._check_speculative()
         if self.kv_compression is not None:
             if not isinstance(self.kv_compression, str):
@@ -135,6 +136,26 @@ class EngineConfig:
                 compression(self.kv_compression)
             except ValueError as e:
                 raise ValueError(f"EngineConfig kv_compression: {e}") from None
+
+    def _check_deterministic_pages(self) -> None:
+        """Deterministic mode refuses page formats whose rounding depends on other requests
+        or on where a prompt's chunks end."""
+        if not self.deterministic or self.kv_dtype is None:
+            return
+        import torch
+
+        why = None
+        if self.kv_dtype == torch.float8_e4m3fn:
+            why = ("fp8 pages share one scale per layer and head, set by the first request "
+                   "that writes the pool, so a request rounds by what ran before it")  # fmt: skip
+        elif self.kv_dtype in ("kivi2", "kivi4"):
+            why = (f"{self.kv_dtype} pages are quantised when they fill, so a prompt token "
+                   "reads its earlier pages quantised or not by where its chunk ends")  # fmt: skip
+        if why is not None:
+            raise ValueError(
+                f"EngineConfig deterministic=True cannot run kv_dtype={self.kv_dtype}: {why}; "
+                "use int8 pages (a scale per token) or the model's dtype"
+            )
 
     def _check_speculative(self) -> None:
         if self.speculative is None and self.speculative_model is not None:
