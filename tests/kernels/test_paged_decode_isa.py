@@ -581,8 +581,12 @@ def _finite_parts(actual, oracle, naive):
 
 @pytest.mark.parametrize(
     "storage, qdtype",
-    [("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.bfloat16),
-     ("fp8", torch.float32)],  # fmt: skip
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("int8", torch.bfloat16),
+        ("fp8", torch.float32),
+    ],
     ids=["fp32", "bf16", "int8", "fp8"],
 )
 @pytest.mark.parametrize("case", ["p16-odd-window", "p32-general", "sq3-rows-over-groups",

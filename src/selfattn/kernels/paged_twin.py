@@ -56,8 +56,8 @@ def paged_attention_twin(
         lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
     if return_scores:
-        out, lse = paged_attention_twin(q, k_pages, v_pages, block_table, lo, hi, scale,
-                                        k_scales, v_scales, compute_dtype, sinks, holes)  # fmt: skip
+        args = (k_scales, v_scales, compute_dtype, sinks, holes)
+        out, lse = paged_attention_twin(q, k_pages, v_pages, block_table, lo, hi, scale, *args)
         return out, lse, s
     if bool(torch.isfinite(v).all()):
         return (p @ v).to(q.dtype), lse
