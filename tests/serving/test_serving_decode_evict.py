@@ -166,3 +166,33 @@ def test_a_speculative_engine_refuses_decode_eviction(model):
     spec = {"policy": "tova", "decode_budget": 8}
     with pytest.raises(ValueError, match=r"decode_budget.*speculative"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, kv_compression=spec))
+
+
+def test_an_engine_default_with_a_decode_budget_evicts_every_request(model):
+    """``EngineConfig.kv_compression`` in the string form with decode keys: requests naming no
+    policy evict during decoding; a speculative engine refuses such a default when built."""
+    engine = engine_for(
+        model, 64, kv_compression="streaming_llm:0,decode_budget=8,decode_interval=4"
+    )
+    outs = engine.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=20, **GREEDY))
+    assert len(outs[0].outputs[0].token_ids) == 20
+    assert engine.metrics.kv_decode_eviction_by_policy["streaming_llm"][0] >= 3
+    assert_drained(engine)
+    with pytest.raises(ValueError, match=r"decode_budget \(tova\).*speculative"):
+        engine_for(model, 32, speculative="ngram", num_speculative_tokens=2,
+                   kv_compression="tova,decode_budget=8")  # fmt: skip
+
+
+def test_preempted_evicting_sequences_resume_and_free_their_pages(model):
+    """A pool too small for every evicting request at once: some are preempted, recomputed
+    whole when readmitted (their statistic started again) and cut back to the budget; every
+    request generates all its tokens, the budget holds after the cut, no page leaks."""
+    g = random.Random(11)
+    prompts = [[g.randrange(VOCAB) for _ in range(g.randint(9, 14))] for _ in range(5)]
+    spec = {"policy": "observed_attention", "decode_budget": 8, "decode_interval": 4}
+    engine = engine_for(model, 16)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=30, kv_compression=spec, **GREEDY))
+    assert engine.metrics.preemptions > 0
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    assert engine.metrics.kv_decode_evictions >= 5 * 3
+    assert_drained(engine)

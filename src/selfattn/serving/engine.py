@@ -205,6 +205,7 @@ class Engine:
         if refused is None and self.speculator is not None:
             refused = "a speculative engine verifies several rows a sequence; serve without it"
         self.eviction = DecodeEviction(self.kv, refused)
+        self.eviction.check(self.compression.default)
         self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
         self.loop = EngineLoop(self)  # steps this engine for generate, stream and a server
 
