@@ -890,6 +890,19 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) static int quantise_query(
 }
 #endif
 
+/* Slots [a, b) of one row's scores x into o (times their key scales where ksc is set). */
+static inline void record_run(float *o, const float *x, int64_t a, int64_t b, const void *ksc,
+                              int64_t mode, int64_t page, int64_t s0, int64_t P, int64_t Hkv,
+                              int64_t h) {
+  if (b <= a) return;
+  if (!ksc) {
+    memcpy(o + a, x + a, sizeof(float) * (b - a));
+    return;
+  }
+  for (int64_t s = a; s < b; s++)
+    o[s] = KEY_SCALE(x[s], dequant_scale(ksc, mode, page, s0 + s, P, Hkv, h));
+}
+
 /* Each attended key's score, as the softmax of this call reads it (the scaled q . k, times the
    key's dequantisation scale), at the key's slot of its row: out[r * L + t0 + s] for the R rows
    of one sequence (row order as run_item's), L = MAXP * P keys a row. Slots a row does not attend
@@ -902,14 +915,15 @@ static void record_scores(float *out, const float *sc, int64_t R, int64_t Sq, in
                           int64_t mode, int64_t page, int64_t s0, int64_t Hkv) {
   for (int64_t r = 0; r < R; r++) {
     const int64_t h = r / Rh, i = r % Sq;
-    const int64_t ha = holes ? holes[2 * h] - t0 : 0, hb = holes ? holes[2 * h + 1] - t0 : 0;
+    /* the row's allowed runs less its kv head's hole [ha, hb): [a, min(b, ha)) and
+       [max(a, hb), b) (an empty hole writes a run twice, the same values) */
+    const int64_t ha = holes ? holes[2 * h] - t0 : ns, hb = holes ? holes[2 * h + 1] - t0 : ns;
     float *o = out + r * L + t0;
-    for (int64_t k = 0; k < NI; k++)
-      for (int64_t s = sa[i * NI + k]; s < sb[i * NI + k] && s < ns; s++) {
-        if (s >= ha && s < hb) continue;
-        const float x = sc[r * P + s];
-        o[s] = ksc ? KEY_SCALE(x, dequant_scale(ksc, mode, page, s0 + s, P, Hkv, h)) : x;
-      }
+    for (int64_t k = 0; k < NI; k++) {
+      const int64_t a = sa[i * NI + k], b = sb[i * NI + k] < ns ? sb[i * NI + k] : ns;
+      record_run(o, sc + r * P, a, b < ha ? b : ha, ksc, mode, page, s0, P, Hkv, h);
+      record_run(o, sc + r * P, a > hb ? a : hb, b, ksc, mode, page, s0, P, Hkv, h);
+    }
   }
 }
 
