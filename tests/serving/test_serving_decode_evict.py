@@ -196,3 +196,10 @@ def test_preempted_evicting_sequences_resume_and_free_their_pages(model):
     assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
     assert engine.metrics.kv_decode_evictions >= 5 * 3
     assert_drained(engine)
+
+
+def test_generate_refuses_a_decode_budget(model):
+    from selfattn.models import generate
+
+    with pytest.raises(ValueError, match=r"decode_budget.*runs in the Engine"):
+        generate(model, torch.tensor([[1, 2, 3]]), 2, kv_compression="tova,decode_budget=8")
