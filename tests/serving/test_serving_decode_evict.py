@@ -203,3 +203,16 @@ def test_generate_refuses_a_decode_budget(model):
 
     with pytest.raises(ValueError, match=r"decode_budget.*runs in the Engine"):
         generate(model, torch.tensor([[1, 2, 3]]), 2, kv_compression="tova,decode_budget=8")
+
+
+def test_forked_samples_over_a_shared_prefix_evict_each_their_own(model):
+    """n = 3 samples of two requests sharing a cached prefix: each sample cuts its own cache
+    (shared pages are copied, never written), all finish, no page leaks."""
+    engine = engine_for(model, 40, prefix_caching=True)
+    spec = {"policy": "tova", "decode_budget": 8, "decode_interval": 4}
+    params = SamplingParams(max_tokens=30, n=3, temperature=1.0, ignore_eos=True,
+                            kv_compression=spec)  # fmt: skip
+    outs = engine.generate([list(range(13)), [*range(13), 5, 6]], params)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [30] * 6
+    assert engine.metrics.kv_decode_evictions >= 6 * 4
+    assert_drained(engine)
