@@ -569,3 +569,75 @@ def test_per_head_holes_match_the_fp64_oracle(isa, storage, qdtype, lens, Hq, Hk
     # the holes change the answer (the test can fail): without them the rows differ
     plain, _ = paged_decode.decode(q, kp, vp, *args, splits=splits)
     assert not torch.equal(plain, out)
+
+
+def _finite_parts(actual, oracle, naive):
+    """The three score tensors at the slots the oracle attends, after checking that the kernel
+    attends (writes) exactly those: every other slot keeps the caller's -inf."""
+    attended = torch.isfinite(oracle)
+    assert torch.equal(torch.isfinite(actual), attended), "scores written at unattended slots"
+    return actual[attended].double(), oracle[attended], naive[attended].double()
+
+
+@pytest.mark.parametrize(
+    "storage, qdtype",
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("int8", torch.bfloat16),
+        ("fp8", torch.float32),
+    ],
+    ids=["fp32", "bf16", "int8", "fp8"],
+)
+@pytest.mark.parametrize("case", ["p16-odd-window", "p32-general", "sq3-rows-over-groups",
+                                  "four-intervals", "holes"])  # fmt: skip
+def test_key_scores_match_the_fp64_twin(isa, storage, qdtype, case):
+    """The kernel's per-key scores (H2O / TOVA's statistic: weights are exp(score - lse)) on
+    every path and page dtype, fused and general pages, split items, windows, 4 disjoint key
+    intervals and per-kv-head holes: written exactly at the attended slots, each within the
+    ratio rule of the fp64 twin's, the weights too; out and lse unchanged by recording."""
+    name = "p16-odd-window" if case == "holes" else case
+    lens, Hq, Hkv, D, Dv, P, Sq, window, n_int = _MIXED[name]
+    seed = hash((isa, storage, case, "scores")) % 2**31
+    q, kp, vp, table, sl = make_paged(lens, Hq, Hkv, D=D, P=P, Sq=Sq, Dv=Dv, seed=seed)
+    kp, vp, ks, vs = _pages(storage, kp, vp)
+    q = q.to(qdtype)
+    pos = sl.long().view(-1, 1) - Sq + torch.arange(Sq)  # (B, Sq) absolute positions
+    if n_int == 1:
+        lo, hi = (pos - window).clamp(min=0), pos + 1
+    else:  # disjoint intervals, the last up to the row's own position
+        cuts = torch.tensor([0, 3, 11, 20, 29, 45, 52, 70])
+        lo = torch.minimum(cuts[0::2].expand(*pos.shape, n_int), pos.unsqueeze(-1) + 1)
+        hi = torch.minimum(cuts[1::2].expand(*pos.shape, n_int), pos.unsqueeze(-1) + 1)
+        hi[..., -1] = pos + 1
+        lo[..., -1] = torch.minimum(lo[..., -1], hi[..., -1])
+    holes = None
+    if case == "holes":  # kv head 0 skips [40, 60) of sequence 0, head 1 [30, 35) of sequence 2
+        holes = torch.zeros(len(lens), Hkv, 2, dtype=torch.long)
+        holes[0, 0] = torch.tensor([40, 60])
+        holes[2, 1] = torch.tensor([30, 35])
+    pages = int(((hi.amax() + P - 1) // P).item())
+    args = (table, lo, hi, D**-0.5, ks, vs)
+    scores = torch.full((*q.shape[:3], table.shape[1] * P), float("-inf"))
+    out, lse = paged_decode.decode(q, kp, vp, *args, splits=((pages + 1) // 2, 2), holes=holes,
+                                   scores=scores)  # fmt: skip
+    plain, plain_lse = paged_decode.decode(q, kp, vp, *args, splits=((pages + 1) // 2, 2),
+                                           holes=holes)  # fmt: skip
+    assert torch.equal(out, plain) and torch.equal(lse, plain_lse)
+    _, l64, s64 = paged_attention_twin(q.double(), kp, vp, *args, compute_dtype=torch.float64,
+                                       holes=holes, return_scores=True)  # fmt: skip
+    _, _, naive = paged_attention_twin(q, kp, vp, *args, compute_dtype=qdtype, holes=holes,
+                                       return_scores=True)  # fmt: skip
+    got, want, low = _finite_parts(scores, s64, naive)
+    assert_close_to_reference(got, want, low, dtype=qdtype, what="scores")
+    w, w64 = paged_decode.key_weights(scores, lse), torch.exp(s64 - l64.unsqueeze(-1))
+    w_naive = torch.exp(naive - torch.logsumexp(naive.float(), -1, keepdim=True))
+    assert_close_to_reference(w.double(), w64, w_naive.double(), dtype=qdtype, what="weights")
+
+
+def test_a_score_buffer_of_the_wrong_shape_is_refused():
+    q, kp, vp, table, lens = make_paged([9, 4], 4, 2, D=16, P=4, Sq=1, seed=7)
+    lo, hi = torch.zeros_like(lens).long().view(-1, 1), lens.long().view(-1, 1)
+    bad = torch.full((2, 4, 1, 5), float("-inf"))
+    with pytest.raises(ValueError, match=r"max_pages \* P\)=\(2, 4, 1, "):
+        paged_decode.decode(q, kp, vp, table, lo, hi, 0.25, None, None, scores=bad)

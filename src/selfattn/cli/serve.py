@@ -114,11 +114,13 @@ def add_parser(subparsers):
     )
     p.add_argument(
         "--kv-compression",
-        metavar="POLICY[:RATIO]",
+        metavar="POLICY[:RATIO][,KEY=INT]",
         default=EngineConfig.kv_compression,
         help="compress every prompt's KV after its prefill unless the request names its own "
         "kv_compression: snapkv, knorm, tova, observed_attention, expected_attention or "
-        "streaming_llm, RATIO the fraction removed (default 0.5), e.g. snapkv:0.5; off by default",
+        "streaming_llm, RATIO the fraction removed (default 0.5), e.g. snapkv:0.5; off by "
+        "default. KEY=INT: budget, or decode_budget and decode_interval (evict while "
+        "generating: tova, observed_attention, streaming_llm), e.g. tova:0,decode_budget=512",
     )
     for flag, field, text in ENGINE_FLAGS:
         default = getattr(EngineConfig, field)

@@ -51,7 +51,7 @@ from selfattn.kernels.determinism import is_deterministic, split_pages
 from selfattn.kernels.markers import assume_constant_result
 
 __all__ = [
-    "ENV_VAR", "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "library",
+    "ENV_VAR", "ISAS", "SPEC", "Launch", "decode", "isa", "key_splits", "key_weights", "library",
     "supported_dtypes",
 ]  # fmt: skip
 
@@ -100,6 +100,7 @@ INT_ARGS = (
 )  # fmt: skip
 PTR_ARGS = (
     "Q", "K", "V", "KSCALE", "VSCALE", "LUT", "TABLE", "LO", "HI", "OUT", "LSE", "SINKS", "HOLES",
+    "SCORES",
 )  # fmt: skip
 # The kernel's instruction-set paths (the ISA_* enum of csrc/paged_decode.c), lowest first: one
 # C source compiled for each; the kernel runs the best this CPU has unless SELFATTN_DECODE_ISA
@@ -173,6 +174,7 @@ def decode(
     sinks: torch.Tensor | None = None,
     splits: tuple[int, int] | None = None,
     holes: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over pages: ``out (B, Hq, Sq, Dv)`` in q's dtype (summed in float32),
     ``lse (B, Hq, Sq)`` float32.
@@ -192,7 +194,11 @@ def decode(
     counts, :meth:`~selfattn.cache.PagedKV.compact`; a page touching a hole takes the general
     path, one inside every head's hole is skipped unread); the values there must be finite
     (compaction zeroes them). CPU tensors only; index tensors, scales and sinks are made
-    contiguous here.
+    contiguous here. ``scores (B, Hq, Sq, max_pages * P)`` float32, contiguous (filled by the
+    caller, e.g. with -inf): each attended key's score is written at its slot, in the units of
+    ``lse`` (``scale * q . k``, times int8/fp8 key scales), so that a row's attention weights
+    are ``exp(scores - lse)`` (:func:`key_weights`); slots a row does not attend keep the
+    caller's value. None costs nothing.
 
     Sequences are split over their keys into ``n_split`` work items when there are fewer than
     ``ITEMS_PER_THREAD`` per thread; the kernel merges the splits' softmax partials in float32.
@@ -202,7 +208,34 @@ def decode(
     lib, args, out, lse, _ = _arguments(
         q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, splits, holes
     )
+    args[1][_SCORES] = _scores_ptr(scores, q, table, v_pages)
     return _launch(lib, *args, scale, out, lse)
+
+
+def key_weights(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The attention weights ``(..., L)`` of a call's rows from the ``scores (..., L)`` the
+    kernel wrote and its ``lse (...)``: ``exp(scores - lse)``, 0 at unattended (-inf) slots."""
+    return torch.exp(scores - lse.unsqueeze(-1))
+
+
+def _scores_ptr(scores, q, table, v_pages) -> int:
+    """The address of a score buffer (0 for None), checked against the call's shapes."""
+    if scores is None:
+        return 0
+    want = (*q.shape[:3], table.shape[1] * v_pages.shape[1])
+    if (
+        not isinstance(scores, torch.Tensor)
+        or tuple(scores.shape) != want
+        or scores.dtype != torch.float32
+        or not scores.is_contiguous()
+        or scores.device.type != "cpu"
+    ):
+        got = (tuple(scores.shape), scores.dtype) if isinstance(scores, torch.Tensor) else scores
+        raise ValueError(
+            f"scores must be a contiguous float32 CPU tensor (B, Hq, Sq, max_pages * P)={want}, "
+            f"got {got}"
+        )
+    return scores.data_ptr()
 
 
 def _dtype_code(name: str, t: torch.Tensor) -> int:
@@ -256,7 +289,7 @@ def _arguments(q, k_pages, v_pages, table, lo, hi, k_scales, v_scales, sinks, sp
     tensors = {
         "Q": q, "K": k_pages, "V": v_pages, "KSCALE": k_scales, "VSCALE": v_scales,
         "LUT": _fp8_table(), "TABLE": table, "LO": lo, "HI": hi, "OUT": out, "LSE": lse,
-        "SINKS": sinks, "HOLES": _holes_i64(holes),
+        "SINKS": sinks, "HOLES": _holes_i64(holes), "SCORES": None,
     }  # fmt: skip
     iargs = [ints[name] for name in INT_ARGS]
     ptrs = [0 if (t := tensors[name]) is None else t.data_ptr() for name in PTR_ARGS]
@@ -288,8 +321,8 @@ def _launch(lib, iargs, ptrs, n_threads, scale, out, lse):
     return out, lse
 
 
-_Q, _K, _V, _OUT, _LSE, _SINKS, _HOLES = (
-    PTR_ARGS.index(n) for n in ("Q", "K", "V", "OUT", "LSE", "SINKS", "HOLES")
+_Q, _K, _V, _OUT, _LSE, _SINKS, _HOLES, _SCORES = (
+    PTR_ARGS.index(n) for n in ("Q", "K", "V", "OUT", "LSE", "SINKS", "HOLES", "SCORES")
 )
 
 
@@ -314,6 +347,7 @@ class Launch:
         thread count, the indices in ``ptrs`` of ``"Q"``, ``"K"``, ``"V"``, ``"OUT"``, ``"LSE"``
         and ``"SINKS"``, and an lse scratch tensor. The caller sets those pointers (q
         contiguous in the launch's shape, out of its shape in q's dtype) before each call."""
+        self._ptrs[_SCORES] = 0  # the caller's calls record no scores
         entry = ctypes.cast(self._lib.paged_decode, ctypes.c_void_p).value
         slots = {"Q": _Q, "K": _K, "V": _V, "OUT": _OUT, "LSE": _LSE, "SINKS": _SINKS}
         return entry, self._iargs, self._ptrs, self._threads, slots, self._scratch
@@ -328,10 +362,10 @@ class Launch:
         return self._layout_of(q, k_pages, v_pages) == self._layout
 
     def __call__(self, q, k_pages, v_pages, scale: float, sinks=None, return_lse: bool = True,
-                 holes=None):  # fmt: skip
+                 holes=None, scores=None):  # fmt: skip
         """``(out, lse)`` of :func:`decode` for tensors that :meth:`fits` this launch; ``lse``
         None unless ``return_lse`` (the kernel then writes it to a scratch tensor); ``holes``
-        as :func:`decode`'s (per layer: they differ between a step's layers)."""
+        and ``scores`` as :func:`decode`'s (per layer: they differ between a step's layers)."""
         q = q.contiguous()
         out = torch.empty(self._shapes[0], dtype=q.dtype, device="cpu")
         lse = (
@@ -346,6 +380,7 @@ class Launch:
         ptrs[_SINKS] = 0 if sinks is None else sinks.data_ptr()
         holes = _holes_i64(holes)
         ptrs[_HOLES] = 0 if holes is None else holes.data_ptr()
+        ptrs[_SCORES] = _scores_ptr(scores, q, self._tensors["TABLE"], v_pages)
         out, lse = _launch(self._lib, self._iargs, ptrs, self._threads, scale, out, lse)
         return out, (lse if return_lse else None)
 

@@ -13,9 +13,11 @@ __all__ = ["paged_attention_twin"]
 
 def paged_attention_twin(
     q, k_pages, v_pages, block_table, lo, hi, scale, k_scales=None, v_scales=None,
-    compute_dtype=None, sinks=None, holes=None,
+    compute_dtype=None, sinks=None, holes=None, return_scores=False,
 ):  # fmt: skip
-    """The kernels' computation in plain PyTorch: ``(out in q.dtype, lse)``.
+    """The kernels' computation in plain PyTorch: ``(out in q.dtype, lse)``, and with
+    ``return_scores`` the scores ``(B, Hq, Sq, max_pages * P)`` too (-inf where a row attends
+    no key), as the C kernel's ``scores`` buffer holds them.
 
     Computes in ``compute_dtype`` (default float32, float64 for fp64 queries). ``sinks (Hq,)``:
     one more score per row, of its head's sink logit, with no value (a softmax column dropped
@@ -53,6 +55,10 @@ def paged_attention_twin(
     else:
         lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    if return_scores:
+        args = (k_scales, v_scales, compute_dtype, sinks, holes)
+        out, lse = paged_attention_twin(q, k_pages, v_pages, block_table, lo, hi, scale, *args)
+        return out, lse, s
     if bool(torch.isfinite(v).all()):
         return (p @ v).to(q.dtype), lse
     # NaN/inf in V: the sum over each row's allowed keys alone (0 · NaN would poison the rest),

@@ -61,6 +61,11 @@ def as_press(spec) -> Press | None:
     found = compression(spec)
     if found is None:
         return None
+    if found.decode_budget is not None:
+        raise ValueError(
+            f"kv_compression {spec!r}: generate compresses the prompt only; decode_budget "
+            "(eviction while generating) runs in the Engine (selfattn.serving)"
+        )
     return found.press
 
 

@@ -91,8 +91,9 @@ class EngineConfig:
     # (vLLM's names; the longest match first).
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
-    # KV compression of every prompt without its own kv_compression: "POLICY[:RATIO]"
-    # ("snapkv:0.5"; selfattn.cache.compress.compression reads it) or None (off).
+    # KV compression of every prompt without its own kv_compression: "POLICY[:RATIO][,KEY=INT]"
+    # ("snapkv:0.5", "tova:0,decode_budget=512": evict while generating;
+    # selfattn.cache.compress.compression reads it) or None (off).
     kv_compression: str | None = None
     # Deterministic mode (selfattn.kernels.determinism): a request's tokens and logprobs are
     # bitwise the same alone or in any batch, whatever the chunking, preemption or prefix-cache

@@ -69,6 +69,7 @@ from selfattn.serving.config import (
     kv_cache_bytes_from_memory,
 )
 from selfattn.serving.kv_compression import PromptCompression
+from selfattn.serving.kv_eviction import DecodeEviction
 from selfattn.serving.loop import EngineLoop
 from selfattn.serving.metrics import EngineMetrics
 from selfattn.serving.request import (
@@ -201,6 +202,10 @@ class Engine:
             )
         self.compression = PromptCompression(model, self.kv, cfg.kv_compression,
                                              refused=refused)  # fmt: skip
+        if refused is None and self.speculator is not None:
+            refused = "a speculative engine verifies several rows a sequence; serve without it"
+        self.eviction = DecodeEviction(self.kv, refused)
+        self.eviction.check(self.compression.default)
         self.metrics = EngineMetrics(pool_bytes=self.kv.nbytes, pages_free=num_pages)
         self.loop = EngineLoop(self)  # steps this engine for generate, stream and a server
 
@@ -270,6 +275,7 @@ class Engine:
         if hooks is not None:
             self._check_hooks(hooks, params)
         compression = self.compression.resolve(params)
+        self.eviction.check(compression)
         matcher = None if params.guide is None else self._matcher(params.guide)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, text, ids, params, next(self._order), arrival, seed,
@@ -441,6 +447,8 @@ class Engine:
         device = self.kv.k_store.device
         masks = self._start_masks(samplers)
         step = self.kv.plan_packed(ids, counts)
+        evicting = self.eviction.rows(at)
+        self.eviction.ask(step.layers[0].plan, evicting)
         m = self.metrics
         m.peak_pages_used = max(m.peak_pages_used, self.kv.pool.num_used)  # pages are taken now
         try:
@@ -462,6 +470,8 @@ class Engine:
         for seq, _, _ in at:  # a prompt just computed: compressed before its samples fork
             if self.compression.due(seq):
                 self._compress(seq)
+        for policy, done in self.eviction.update(evicting, step.layers[0].plan):
+            self.metrics.record_decode_eviction(policy, done)
         # The prompt's last logits choose the first token of every sample: fork the rest now.
         seqs, rows = [], []
         for r, seq in enumerate(samplers):

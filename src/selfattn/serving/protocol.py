@@ -51,6 +51,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "EmbeddingRequest",
+    "KVCompressionSpec",
     "RequestError",
     "ToolDefinition",
     "chat_prompt_ids",
@@ -87,6 +88,20 @@ class RequestError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class KVCompressionSpec(BaseModel):
+    """``kv_compression`` as an object: the policy, its ratio and budgets, decode-time eviction
+    (``decode_budget``, ``decode_interval``); other keys are the policy's knobs (``window``,
+    ``n_sink``, ...), checked by :func:`selfattn.cache.compress.compression`."""
+
+    model_config = ConfigDict(extra="allow")
+    policy: str | None = None
+    ratio: float | None = None
+    window: int | None = None
+    budget: int | None = None
+    decode_budget: int | None = None
+    decode_interval: int | None = None
 
 
 class StreamOptions(_Strict):
@@ -149,8 +164,9 @@ class _Sampled(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    # KV compression of the prompt: "POLICY[:RATIO]" or {"policy", "ratio", "window", "budget"}
-    kv_compression: str | dict | None = None
+    # KV compression: "POLICY[:RATIO][,decode_budget=N]" or {"policy", "ratio", "window",
+    # "budget", "decode_budget", "decode_interval", ...}
+    kv_compression: str | KVCompressionSpec | None = None
 
     def refuse_unsupported(self) -> None:
         if self.prompt_logprobs is not None and self.stream:
@@ -302,7 +318,11 @@ def sampling_params(req: _Sampled, max_tokens: int, logprobs: int | None) -> Sam
             logit_bias=bias,
             best_of=getattr(req, "best_of", None),
             guide=(request_guide(req) or (None, None))[1],
-            kv_compression=req.kv_compression,
+            kv_compression=(
+                req.kv_compression.model_dump(exclude_none=True)
+                if isinstance(req.kv_compression, KVCompressionSpec)
+                else req.kv_compression
+            ),
         )
     except RequestError:
         raise

@@ -171,6 +171,9 @@ class Sequence:
     # far (per layer); the tokens evicted are its cache sequence's (PagedKV.evicted)
     compressed: bool = False
     window: list | None = None
+    # decode-time eviction's statistic, one DecodeScores a layer (selfattn.serving.kv_eviction),
+    # from its first decode step since it was last admitted; None before
+    evicting: list | None = None
 
     def __post_init__(self):
         r = self.request
@@ -204,7 +207,8 @@ class Sequence:
     @property
     def compressing(self) -> bool:
         """Whether its prompt's KV is still to be compressed (the request asks for it)."""
-        return self.request.compression is not None and not self.compressed
+        spec = self.request.compression
+        return spec is not None and spec.prompt and not self.compressed
 
     @property
     def finished(self) -> bool:

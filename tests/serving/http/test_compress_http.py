@@ -78,6 +78,10 @@ def test_the_field_and_the_default_run_the_policy(served):
         ("kivi4", "--kv-dtype kivi4"),
         ({"policy": "snapkv", "budget": 2}, "budget 2 is below"),
         (7, "kv_compression"),
+        ({"policy": "knorm", "decode_budget": 16}, "'knorm' scores the prompt only"),
+        ({"policy": "tova", "decode_budget": 0}, "decode_budget"),
+        ({"policy": "tova", "decode_budget": 16, "decode_interval": -1}, "decode_interval"),
+        ("tova,decode_budget=many", "'decode_budget=many' must be KEY=INT"),
     ],
 )
 def test_bad_policies_are_400s_naming_the_field(served, spec, match):
@@ -86,3 +90,23 @@ def test_bad_policies_are_400s_naming_the_field(served, spec, match):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert match in error["message"]
+
+
+def test_decode_budget_evicts_while_generating_and_is_counted(served):
+    """``decode_budget`` over HTTP (object and string forms): the request generates, its cache
+    is cut back during decoding, counted per policy on /metrics; the schema lists the keys."""
+    client, engine, *_ = served
+    for spec in ({"policy": "tova", "decode_budget": 16, "decode_interval": 8},
+                 "streaming_llm,decode_budget=16,decode_interval=8"):  # fmt: skip
+        body = greedy(prompt=TEXT, kv_compression=spec, max_tokens=40)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 40
+    by = engine.metrics.kv_decode_eviction_by_policy
+    assert by["tova"][0] >= 1 and by["streaming_llm"][0] >= 1
+    metrics = client.get("/metrics").text
+    assert f'selfattn_kv_decode_evictions_total{{model="{NAME}",policy="tova"}}' in metrics
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["KVCompressionSpec"]
+    assert {"policy", "ratio", "budget", "decode_budget", "decode_interval"} <= set(
+        schema["properties"]
+    )

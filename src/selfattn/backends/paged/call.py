@@ -54,6 +54,9 @@ class PagedCall:
     sinks: torch.Tensor | None = None
     holes: torch.Tensor | None = None
     planned: object = field(default=None, compare=False)  # a per-step cache
+    # (B, Hq, Sq, max_pages * P) float32 -inf: an output the C kernel fills with each attended
+    # key's score (selfattn.cache.paged.scores); other backends leave it
+    key_scores: torch.Tensor | None = field(default=None, compare=False)
 
 
 call_fields(PagedCall)  # at import, not inside a cold torch.compile trace (see base.call_fields)

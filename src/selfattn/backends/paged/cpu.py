@@ -55,9 +55,10 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
         # a planned step's layer: only the pointers change (the table, intervals and splits
         # are the plan's, the tensors block_table and seq_lens it was made from)
         out, lse = launch(q, k_pages, v_pages, call.scale, call.sinks, call.return_lse,
-                          call.holes)  # fmt: skip
+                          call.holes, call.key_scores)  # fmt: skip
     else:  # the op's implementation itself: the dispatcher costs ~14 µs a call
-        out, lse = paged_decode.decode(*args, splits=splits, holes=call.holes)
+        out, lse = paged_decode.decode(*args, splits=splits, holes=call.holes,
+                                       scores=call.key_scores)  # fmt: skip
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse  # (B, Hq, Sq, Dv)
 
 

@@ -17,6 +17,10 @@ the most recent tokens). Each step::
 
 Ties evict the most recent of the tied tokens first (the lowest index is kept, as in
 :meth:`Press.keep`).
+
+The Engine runs one a layer for each generating sequence whose request has a ``decode_budget``
+(:mod:`selfattn.serving.kv_eviction`), fed each step's weights from the C paged kernel's key
+scores (``exp(score - lse)``), and compacts the pages to :meth:`DecodeScores.evict`'s ``keep``.
 """
 
 from __future__ import annotations

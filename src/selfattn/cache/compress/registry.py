@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, fields
 
 from selfattn.cache.compress.base import Press, check_count
+from selfattn.cache.compress.decode import DECODE_POLICIES
 from selfattn.cache.compress.policies import (
     TOVA,
     AdaKV,
@@ -23,7 +24,9 @@ from selfattn.cache.compress.policies import (
 )
 
 __all__ = [
+    "DECODE_INTERVAL",
     "DEFAULT_RATIO",
+    "INT_KEYS",
     "POLICIES",
     "QUANTIZED",
     "KVCompression",
@@ -41,6 +44,11 @@ QUANTIZED = {"kivi2": 2, "kivi4": 4}
 _ADAKV = "adakv_"
 # the ratio of a policy named without one ("snapkv"): half the prompt's KV removed
 DEFAULT_RATIO = 0.5
+# decode-time eviction's default: tokens generated between two cuts back to decode_budget
+# (kvpress's DecodingPress compression_interval)
+DECODE_INTERVAL = 64
+# the integer knobs a string spec takes after its policy: "tova:0,decode_budget=256"
+INT_KEYS = ("budget", "decode_budget", "decode_interval")
 
 
 @dataclass(frozen=True)
@@ -104,12 +112,21 @@ def press(name: str, ratio: float = 0.0, **knobs) -> Press | Quantized:
 class KVCompression:
     """One request's KV compression: its ``press`` and optionally ``budget``, the most prompt
     tokens kept per head (kept = ``min(press's budget, budget)``). Built by :func:`compression`
-    from what users write."""
+    from what users write.
+
+    ``decode_budget``: tokens kept per KV head during generation, for presses that evict while
+    decoding (``observed_attention``, ``tova``, ``streaming_llm``: :class:`DecodeScores`): once
+    a sequence caches ``decode_budget + decode_interval`` tokens it is cut back to
+    ``decode_budget``; None: the prompt alone is compressed."""
 
     press: Press
     budget: int | None = None
+    decode_budget: int | None = None
+    decode_interval: int = DECODE_INTERVAL
 
     def __post_init__(self):
+        if self.decode_budget is not None:
+            self._check_decoding()
         if self.budget is not None:
             check_count(self.budget, "kv_compression budget", 1)
             need = self.press.sinks + self.press.window
@@ -120,9 +137,30 @@ class KVCompression:
                     f"{self.press.window}); raise the budget or lower the window"
                 )
 
+    def _check_decoding(self) -> None:
+        p = self.press
+        if not p.decodes:
+            raise ValueError(
+                f"kv_compression decode_budget: {p.name!r} scores the prompt only; decode-time "
+                f"eviction supports {list(DECODE_POLICIES)}"
+            )
+        check_count(self.decode_budget, "kv_compression decode_budget", 1)
+        check_count(self.decode_interval, "kv_compression decode_interval", 1)
+        if self.decode_budget < p.sinks + p.window:
+            raise ValueError(
+                f"kv_compression decode_budget {self.decode_budget} is below the "
+                f"{p.sinks + p.window} tokens {p.name} always keeps (sinks {p.sinks} + window "
+                f"{p.window}); raise decode_budget or lower the window"
+            )
+
     @property
     def name(self) -> str:
         return self.press.name
+
+    @property
+    def prompt(self) -> bool:
+        """Whether the prompt is compressed (a ratio or a budget), not only the generation."""
+        return self.press.compression_ratio > 0 or self.budget is not None
 
     def kept(self, seq_len: int) -> int | None:
         """Tokens per head a ``seq_len``-token prompt keeps, or None where it stays whole:
@@ -138,6 +176,8 @@ class KVCompression:
 
     def __str__(self) -> str:
         cap = "" if self.budget is None else f", budget {self.budget}"
+        if self.decode_budget is not None:
+            cap += f", decode_budget {self.decode_budget} every {self.decode_interval}"
         return f"{self.name}:{self.press.compression_ratio:g}{cap}"
 
 
@@ -167,9 +207,11 @@ def compression(spec) -> KVCompression | None:
         found = spec
     elif isinstance(spec, Press):
         found = KVCompression(spec)
-    elif isinstance(spec, str):
-        name, _, ratio = spec.partition(":")
-        found = _build(name, _ratio(ratio, f"kv_compression {spec!r}") if ratio else None, {})
+    elif isinstance(spec, str):  # "POLICY[:RATIO][,KEY=INT...]"
+        head, *extra = spec.split(",")
+        name, _, ratio = head.partition(":")
+        knobs = _int_knobs(extra, spec)
+        found = _build(name, _ratio(ratio, f"kv_compression {spec!r}") if ratio else None, knobs)
     elif isinstance(spec, dict):
         knobs = dict(spec)
         name = knobs.pop("policy", None)
@@ -185,15 +227,35 @@ def compression(spec) -> KVCompression | None:
             "kv_compression must be 'POLICY:RATIO', a dict {'policy', 'ratio', 'window', "
             f"'budget'}} or a press, got {type(spec).__name__}"
         )
-    if found is None or (found.press.compression_ratio == 0 and found.budget is None):
+    if found is None or (not found.prompt and found.decode_budget is None):
         return None
     return found
 
 
+def _int_knobs(extra: list[str], spec: str) -> dict:
+    """``["decode_budget=256", ...]`` of a string spec as ``{name: int}``."""
+    knobs = {}
+    for item in extra:
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in INT_KEYS or not value.strip().lstrip("-").isdigit():
+            raise ValueError(
+                f"kv_compression {spec!r}: {item!r} must be KEY=INT with KEY one of "
+                f"{list(INT_KEYS)} (e.g. 'tova:0,decode_budget=256')"
+            )
+        knobs[key.strip()] = int(value)
+    return knobs
+
+
 def _build(name: str, ratio: float | None, knobs: dict) -> KVCompression:
     budget = knobs.pop("budget", None)
-    if ratio is None:  # a policy named alone removes DEFAULT_RATIO; with a budget, the budget
-        ratio = 0.0 if budget is not None or name in QUANTIZED else DEFAULT_RATIO
+    decoding = {k: knobs.pop(k) for k in ("decode_budget", "decode_interval") if k in knobs}
+    for key, value in decoding.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"kv_compression {key} must be an int >= 1, got {value!r}")
+    if ratio is None:  # a policy named alone removes DEFAULT_RATIO; with a budget, the budget;
+        # with a decode_budget alone, nothing of the prompt (decode-time eviction only)
+        alone = budget is None and "decode_budget" not in decoding and name not in QUANTIZED
+        ratio = DEFAULT_RATIO if alone else 0.0
     made = press(name, ratio, **knobs)
     if isinstance(made, Quantized):
         raise ValueError(
@@ -204,4 +266,4 @@ def _build(name: str, ratio: float | None, knobs: dict) -> KVCompression:
         )
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
         raise ValueError(f"kv_compression budget must be an int >= 1, got {budget!r}")
-    return KVCompression(made, budget)
+    return KVCompression(made, budget, **decoding)

@@ -23,6 +23,7 @@ import torch
 
 from selfattn.cache.base import Step, hole_mask
 from selfattn.cache.paged.plan import PACKED_ROWS_MAX, StepPlan
+from selfattn.cache.paged.scores import record_from_pages, score_call, store_kernel_scores
 from selfattn.cache.paged.store import check_attend, check_new_kv
 from selfattn.functional import attention, attention_weights, paged_attention
 from selfattn.masks import as_mask, from_tensor
@@ -84,7 +85,9 @@ class PagedLayer:
         """
         if self.plan.packed:
             self._check_packed(q, k, v, mask, score_mod, return_weights)
-            return self._run_packed(q, k, v, mask, score_mod, scale, sinks)
+            out = self._run_packed(q, k, v, mask, score_mod, scale, sinks)
+            record_from_pages(self.kv, self.plan, self.layer, _token_rows(q), scale)
+            return out
         mask, score_mod = self._checked(q, k, v, mask, score_mod)
         return self._run(q, k, v, mask, score_mod, scale, return_weights, sinks)
 
@@ -137,10 +140,13 @@ class PagedLayer:
         B, S, Hq, D = q.shape
         # packed: every token a row of one query (T, Hq, 1, D), a view of the same memory
         qh = q.view(S, Hq, 1, D) if packed else q.transpose(1, 2)
+        call = score_call(kv, plan, call, qh, chosen.name) if plan.scores else call
         try:
             kv.write_rows(layer, plan, k_rows, v_rows)
-            out, _ = chosen.run(qh, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
-                                plan.seq_lens, call)  # fmt: skip
+            out, lse = chosen.run(qh, kv.k_layers[layer], kv.v_layers[layer], plan.block_table,
+                                  plan.seq_lens, call)  # fmt: skip
+            if plan.scores and not store_kernel_scores(plan, layer, call, lse):
+                record_from_pages(kv, plan, layer, qh, call.scale)
         except BaseException:
             kv.undo(plan)
             raise
@@ -163,7 +169,7 @@ class PagedLayer:
         plan, kv = self.plan, self.kv
         if kv.k_scales is not None or not kv.writes_rows or not (plan.packed or q_shape[1] == 1):
             return None
-        if (plan.packed and plan.blocks) or plan.holes is not None:  # holes differ per layer
+        if (plan.packed and plan.blocks) or plan.holes is not None or plan.scores:
             return None
         key = (id(mask), id(score_mod), scale, id(sinks), q_shape, dtype, k_shape, dtype,
                v_shape, dtype)  # fmt: skip

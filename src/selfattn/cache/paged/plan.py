@@ -104,6 +104,9 @@ class StepPlan:
     # a per-step memo of PagedLayer.attend_rows: (mask, score mod, scale, sinks, shapes) -> its
     # checked call, filled by the first layer of each kind, read by the others
     fast: dict = dataclasses.field(default_factory=dict)
+    # key scores asked of the layers (selfattn.cache.paged.scores): "rows" -> the rows, then
+    # layer -> (scores, lse) as each layer runs
+    scores: dict = dataclasses.field(default_factory=dict)
 
     @property
     def packed(self) -> bool:

@@ -62,7 +62,7 @@ enum {
   A_KSN, A_KSP, A_KSH, A_VSN, A_VSP, A_VSH, A_KDT, A_VDT, A_KSC, A_VSC, A_QDT, A_ISA, A_NI, A_ODT, A_NARGS
 };
 /* ptrs, in order */
-enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_HOLES, P_NPTRS };
+enum { P_Q, P_K, P_V, P_KSCALE, P_VSCALE, P_LUT, P_TABLE, P_LO, P_HI, P_OUT, P_LSE, P_SINKS, P_HOLES, P_SCORES, P_NPTRS };
 
 /* Widest vector of any pass, in floats: query rows are zero-padded to a multiple of it, so
    every block kernel loads whole vectors of q (and bf16 q pairs for vdpbf16ps: 2x as many). */
@@ -890,6 +890,43 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) static int quantise_query(
 }
 #endif
 
+/* Slots [a, b) of one row's scores x into o (times their key scales where ksc is set). */
+static inline void record_run(float *o, const float *x, int64_t a, int64_t b, const void *ksc,
+                              int64_t mode, int64_t page, int64_t s0, int64_t P, int64_t Hkv,
+                              int64_t h) {
+  if (b <= a) return;
+  if (!ksc) {
+    memcpy(o + a, x + a, sizeof(float) * (b - a));
+    return;
+  }
+  for (int64_t s = a; s < b; s++)
+    o[s] = KEY_SCALE(x[s], dequant_scale(ksc, mode, page, s0 + s, P, Hkv, h));
+}
+
+/* Each attended key's score, as the softmax of this call reads it (the scaled q . k, times the
+   key's dequantisation scale), at the key's slot of its row: out[r * L + t0 + s] for the R rows
+   of one sequence (row order as run_item's), L = MAXP * P keys a row. Slots a row does not attend
+   (outside its intervals, inside its kv head's hole) are left as the caller filled them. Runs
+   once a page, on the raw scores, only when the caller passed a score buffer (P_SCORES): H2O and
+   TOVA read each step's attention weights as exp(score - lse) from it. */
+static void record_scores(float *out, const float *sc, int64_t R, int64_t Sq, int64_t Rh,
+                          int64_t P, int64_t L, int64_t t0, int64_t ns, const int64_t *sa,
+                          const int64_t *sb, int64_t NI, const int64_t *holes, const void *ksc,
+                          int64_t mode, int64_t page, int64_t s0, int64_t Hkv) {
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t h = r / Rh, i = r % Sq;
+    /* the row's allowed runs less its kv head's hole [ha, hb): [a, min(b, ha)) and
+       [max(a, hb), b) (an empty hole writes a run twice, the same values) */
+    const int64_t ha = holes ? holes[2 * h] - t0 : ns, hb = holes ? holes[2 * h + 1] - t0 : ns;
+    float *o = out + r * L + t0;
+    for (int64_t k = 0; k < NI; k++) {
+      const int64_t a = sa[i * NI + k], b = sb[i * NI + k] < ns ? sb[i * NI + k] : ns;
+      record_run(o, sc + r * P, a, b < ha ? b : ha, ksc, mode, page, s0, P, Hkv, h);
+      record_run(o, sc + r * P, a > hb ? a : hb, b, ksc, mode, page, s0, P, Hkv, h);
+    }
+  }
+}
+
 /* Work item (b, split): the rows of sequence b (all Hq heads, all Sq queries) against the keys of
    one split of its pages; writes the partial max m, sum l and weighted V sum acc. Rows are
    (Hq, Sq)-ordered: row (h * G + g) * Sq + i, so the G * Sq rows of kv head h are contiguous.
@@ -1003,6 +1040,9 @@ static void run_item(const Job *job, int64_t item, float *qbuf, uint16_t *qbh, f
       job->scores(qbuf + h * Rh * Dp, Rh, Dp, D, k0, a[A_KSP] * kesz, ns, kdt, lut,
                   sc + h * Rh * P, P, pfk);
     }
+    if (p[P_SCORES])
+      record_scores((float *)p[P_SCORES] + b * R * a[A_MAXP] * P, sc, R, Sq, Rh, P,
+                    a[A_MAXP] * P, t0, ns, sa, sb, NI, holes, ksc, a[A_KSC], page, s0, Hkv);
     /* -- a page every row attends whole (in decode, every page: the first and last ones'
        used slots are [s0, s1)): the softmax and the V sum fused, kv head by kv head, PD_SLOTS
        slots at a time (a page of 32 slots in two steps, not the general path) */

@@ -86,6 +86,16 @@ class _EngineCollector:
             for policy, counts in sorted(m.kv_compression_by_policy.items()):
                 c.add_metric([self.model, policy], counts[i])
             yield c
+        kinds = (
+            ("kv_decode_evictions", "Cuts of generating sequences back to a decode_budget.", 0),
+            ("kv_decode_evicted_tokens", "Tokens evicted from the KV cache during decoding.", 1),
+            ("kv_decode_pages_freed", "KV pages decode-time eviction gave back.", 2),
+        )
+        for name, doc, i in kinds:
+            c = prom_core.CounterMetricFamily(f"selfattn_{name}", doc, labels=["model", "policy"])
+            for policy, counts in sorted(m.kv_decode_eviction_by_policy.items()):
+                c.add_metric([self.model, policy], counts[i])
+            yield c
 
     def collect(self):
         m, gauge, counter = self.engine.metrics, self.gauge, self.counter
