@@ -221,6 +221,25 @@ class Press:
         """How many tokens are always kept (they score +inf): the sinks and the window."""
         return min(self.sinks + self.window, seq_len)
 
+    def statistic(self):
+        """A fresh accumulator of what :meth:`score` reads, fed chunk by chunk during a
+        prefill (:mod:`selfattn.cache.compress.statistics`), for a policy that reads (nearly)
+        every prompt query; None for one that reads a few rows (pass those as ``queries``)."""
+        return None
+
+    def _check_statistic(self, statistic, queries, attention) -> None:
+        fresh = self.statistic()
+        if fresh is None or type(statistic) is not type(fresh):
+            want = "queries=" if fresh is None else type(fresh).__name__
+            raise ValueError(
+                f"{self.name} scores from {want}, got statistic={type(statistic).__name__}"
+            )
+        if queries is not None or attention is not None:
+            raise ValueError(
+                f"{self.name}: pass statistic= or queries=/attention=, not both (the statistic "
+                "already holds the prefill's rows)"
+            )
+
     # -- the budget
     def layer_budget(self, seq_len: int, layer: int, n_layers: int) -> int:
         """The policy's budget before the checks of :meth:`budget`."""
@@ -259,17 +278,22 @@ class Press:
         positions: torch.Tensor | None = None,
         rope=None,
         scale: float | None = None,
+        statistic=None,
     ) -> torch.Tensor:
         """Importance ``(B, Hkv, S)`` of each token, higher kept first, protected ones +inf.
 
         ``queries (B, Hq, R, D)``: the last ``R >= query_rows(S)`` tokens' queries, rotated
         (pre-RoPE where ``rotated_queries`` is False); ``attention (B, Hq, R, S)``: their
         softmax weights over all keys, used instead of recomputing them where the policy
-        scores from attention. ``positions (S,)``: the keys' absolute positions (default
-        ``0 .. S-1``); ``rope``: a callable ``rope(x (B, H, S, D), positions (S,))`` such as
-        :class:`selfattn.positions.RoPE`; ``scale``: the softmax scale (default 1/sqrt(D)).
+        scores from attention; ``statistic``: instead of either, what :meth:`statistic`
+        gathered over the prefill's chunks. ``positions (S,)``: the keys' absolute positions
+        (default ``0 .. S-1``); ``rope``: a callable ``rope(x (B, H, S, D), positions (S,))``
+        such as :class:`selfattn.positions.RoPE`; ``scale``: the softmax scale (default
+        1/sqrt(D)).
         """
         s = check_kv(keys, values)[2]
+        if statistic is not None:
+            self._check_statistic(statistic, queries, attention)
         if s <= self.protected(s):
             raise ValueError(
                 f"{self.name} scores past its {self.sinks} sinks and window {self.window}: "
@@ -285,6 +309,7 @@ class Press:
             positions=positions,
             rope=rope,
             scale=scale,
+            **({} if statistic is None else {"statistic": statistic}),
         )
         scores = scores.clone()
         scores[..., : self.sinks] = math.inf
