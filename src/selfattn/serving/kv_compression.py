@@ -9,6 +9,18 @@ request is added, then runs it in three places of a step::
     with pc.recording(rows): forward()     # their attention inputs, per layer (pre-hooks)
     pc.compress(seq)                       # the prompt computed: score, keep, compact pages
 
+What a sequence keeps between its chunks (``Sequence.observed``, per layer) depends on what its
+policy reads. A policy reading a few rows (SnapKV's and PyramidKV's window, TOVA's last row)
+keeps those rows' attention inputs; their queries and softmax are computed at compression.
+A policy reading every row (observed attention, expected attention, and AdaKV over either:
+``press.statistic()`` is not None) keeps a statistic instead (:meth:`PromptCompression.observe`):
+after each chunk's forward, the chunk's queries are projected from its recorded inputs and folded
+in with the keys up to the chunk's end read from the pool (observed attention: each key's
+attention summed over the rows that see it, ``(Hq, C)``; expected attention: the pre-RoPE
+queries' mean and covariance, ``(Hq, D, D)``), and the inputs are dropped: no ``C x d_model``
+rows per layer, no second ``(Hq, C, C)`` attention at compression. A preempted sequence's
+``observed`` is reset with its pages, so its recompute starts the statistic afresh.
+
 The scheduler stops the prompt's prefill at its end (``Sequence.remaining``) so that what comes
 after it (on a preempted sequence's recompute, its earlier output) attends to the compressed
 prompt, as it did the first time. Each layer and KV head keeps its own tokens
