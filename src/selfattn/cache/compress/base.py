@@ -309,7 +309,7 @@ class Press:
             positions=positions,
             rope=rope,
             scale=scale,
-            **({} if statistic is None else {"statistic": statistic}),
+            statistic=statistic,
         )
         scores = scores.clone()
         scores[..., : self.sinks] = math.inf
