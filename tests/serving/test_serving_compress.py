@@ -343,7 +343,13 @@ def test_a_long_prompt_waits_for_room_for_all_of_it(model):
 
 
 @pytest.mark.parametrize(
-    "name", ["observed_attention", "expected_attention", "adakv_observed_attention"]
+    "name",
+    [
+        "observed_attention",
+        "expected_attention",
+        "adakv_observed_attention",
+        "adakv_expected_attention",
+    ],
 )
 def test_streamed_policies_hold_a_statistic_not_the_prompts_rows(model, name):
     """Policies that read every prompt query keep, per sequence and layer during the prefill,
