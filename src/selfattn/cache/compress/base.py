@@ -101,10 +101,11 @@ def window_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = queries.to(work).view(b, hkv, hq // hkv, w, d)
     k = keys.to(work).unsqueeze(2)  # (B, Hkv, S, D) -> (B, Hkv, 1, S, D)
-    logits = (q @ k.transpose(-1, -2)).view(b, hq, w, s) * scale
+    logits = (q @ k.transpose(-1, -2)).view(b, hq, w, s)  # (B, Hkv, g, W, S) -> (B, Hq, W, S)
     rows = torch.arange(w, device=keys.device).unsqueeze(1) + (s - w)
     future = torch.arange(s, device=keys.device) > rows  # (W, S)
-    return logits.masked_fill(future, -math.inf).softmax(-1)
+    # in place: one (B, Hq, W, S) tensor besides the result, however long the rows
+    return logits.mul_(scale).masked_fill_(future, -math.inf).softmax(-1)
 
 
 def attention_rows(
