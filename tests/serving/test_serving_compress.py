@@ -340,3 +340,47 @@ def test_a_long_prompt_waits_for_room_for_all_of_it(model):
         assert list(out.outputs[0].token_ids) == alone(model, prompt, 4, None)
     assert engine.metrics.preemptions == 0
     assert_drained(engine)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "observed_attention",
+        "expected_attention",
+        "adakv_observed_attention",
+        "adakv_expected_attention",
+    ],
+)
+def test_streamed_policies_hold_a_statistic_not_the_prompts_rows(model, name):
+    """Policies that read every prompt query keep, per sequence and layer during the prefill,
+    a statistic of O(Hq x C + Hq x D^2) floats (attention sums, query moments), never the
+    prompt's C x d_model attention inputs; greedy tokens still equal generate()'s."""
+    knobs = {"n_future_positions": 8} if "expected" in name else {}
+    p = press(name, 0.5, **knobs)
+    prompt = prompts_for(21, 1, lo=60, hi=60)[0]
+    C, c = len(prompt), model.config
+    Hq, D = c.n_heads, c.head_dim
+    bound = Hq * C * 4 + Hq * (D + D * D) * 8  # float32 sums; float64 mean and moment
+    assert bound < C * c.d_model * 4  # what recording the rows would hold
+    engine = engine_for(model, 64, max_batch_tokens=9, prefix_caching=False)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, kv_compression=p, **GREEDY))
+    checked, out = 0, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o if o.request_id == rid else out
+        for seq in engine.scheduler.running:
+            if not seq.compressing:
+                continue
+            assert len(seq.observed) == c.n_layers
+            for stat in seq.observed:
+                if "observed" in name:
+                    assert stat.sums.shape == (1, Hq, seq.num_computed)
+                else:
+                    assert stat.mean.shape == (1, Hq, D) and stat.m2.shape == (1, Hq, D, D)
+                held = [t.nbytes for t in vars(stat).values() if isinstance(t, torch.Tensor)]
+                assert sum(held) <= bound
+            checked += 1
+    assert checked >= 5  # several chunks before the prompt's end
+    assert list(out.outputs[0].token_ids) == alone(model, prompt, 6, p)
+    assert engine.metrics.kv_compressed_prompts == 1
+    assert_drained(engine)

@@ -55,6 +55,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -228,11 +229,11 @@ def start_peer(python: str, job: dict) -> subprocess.Popen:
     on ``job["threads"]`` threads); :func:`finish_peer` collects it."""
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "TQDM_DISABLE": "1"}
     env.pop("PYTHONPATH", None)  # kvpress's own environment, not ours
-    proc = subprocess.Popen([python, str(PEER_SCRIPT)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
-    proc.stdin.write(json.dumps(job))
-    proc.stdin.close()
-    return proc
+    with tempfile.TemporaryFile("w+") as f:  # the job as stdin: nothing left to write later
+        json.dump(job, f)
+        f.seek(0)
+        return subprocess.Popen([python, str(PEER_SCRIPT)], stdin=f, stdout=subprocess.PIPE,
+                                text=True, env=env)  # fmt: skip
 
 
 def finish_peer(proc: subprocess.Popen, deadline: float) -> tuple[list[dict], str]:

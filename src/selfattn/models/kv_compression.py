@@ -15,8 +15,10 @@ question) after them uncompressed, as kvpress's pipeline does with its ``questio
 The presses read each layer's last ``press.query_rows(S)`` queries: a forward pre-hook on each
 :class:`~selfattn.nn.MultiHeadAttention` records its input's last rows (and their positions)
 during the prefill and :meth:`~selfattn.nn.MultiHeadAttention.queries` projects them after, so
-the prompt is run once. Decode-time policies (H2O's ``observed_attention``, TOVA) score at the
-prefill only, as kvpress does.
+the prompt is run once. A press reading every row (``press.statistic()`` not None: observed and
+expected attention) folds them into its statistic as each layer's forward ends (its keys are
+in the cache then) and drops them, so one layer's rows are held at a time. Decode-time
+policies (H2O's ``observed_attention``, TOVA) score at the prefill only, as kvpress does.
 
 Positions are decoupled from slots (``StaticCache.position``): a kept token keeps its RoPE
 rotation, new tokens continue at ``S + t`` in the slots after the kept ones, and a decode query
@@ -41,7 +43,7 @@ from selfattn.cache import StaticCache
 from selfattn.cache.compress import Press, Quantized, compression
 from selfattn.nn import MultiHeadAttention
 
-__all__ = ["as_press", "check_compressible", "compress_prefill", "recorded_inputs"]
+__all__ = ["after_each", "as_press", "check_compressible", "compress_prefill", "recorded_inputs"]
 
 
 def as_press(spec) -> Press | None:
@@ -148,6 +150,25 @@ def recorded_inputs(layers: list[MultiHeadAttention], rows):
             h.remove()
 
 
+@contextmanager
+def after_each(layers: list[MultiHeadAttention], fn):
+    """Within the block, ``fn(i)`` runs after each forward of ``layers[i]`` (its output
+    unchanged); the hooks are removed on exit."""
+
+    def hook(i):
+        def run(module, args, output):
+            fn(i)
+
+        return run
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def compress_prefill(
     model, input_ids: torch.Tensor, cache, kv_compression, context_len: int | None = None
 ) -> torch.Tensor:
@@ -171,19 +192,31 @@ def compress_prefill(
     if press_ is None:
         return model(input_ids, cache=cache, logits_to_keep=1)
     rows = max(0, min(C, press_.query_rows(C)))
-    context = input_ids[:, :C]
-    with recorded_inputs(layers if rows else [], rows) as seen:
-        logits = model(context, cache=cache, logits_to_keep=1)
+    stats = [press_.statistic() for _ in layers] if rows else []
+    streamed = bool(stats) and stats[0] is not None
     positions = torch.arange(C, device=input_ids.device)
+
+    def queries_of(i: int) -> torch.Tensor:
+        x, pos = seen.pop(i)
+        pos = positions[-rows:] if pos is None else pos
+        return layers[i].queries(x, pos, rotate=press_.rotated_queries)
+
+    def fold(i: int) -> None:  # layer i's keys are in its cache: its rows fold in and go
+        stats[i].update(queries_of(i), caches[i].k[:, :, :C], C - rows, layers[i].scale)
+
+    with (
+        recorded_inputs(layers if rows else [], rows) as seen,
+        after_each(layers if streamed else [], fold),
+    ):
+        logits = model(input_ids[:, :C], cache=cache, logits_to_keep=1)
     for i, (att, layer) in enumerate(zip(layers, caches)):
-        queries = None
-        if rows:
-            x, pos = seen[i]
-            pos = positions[-rows:] if pos is None else pos
-            queries = att.queries(x, pos, rotate=press_.rotated_queries)
+        if streamed:
+            given = {"statistic": stats[i]}
+        else:
+            given = {"queries": queries_of(i) if rows else None}
         kept = press_.apply(
-            layer.k[:, :, :C], layer.v[:, :, :C], queries, layer=i, n_layers=len(layers),
-            rope=att.rope, positions=positions, scale=att.scale,
+            layer.k[:, :, :C], layer.v[:, :, :C], layer=i, n_layers=len(layers),
+            rope=att.rope, positions=positions, scale=att.scale, **given,
         )  # fmt: skip
         layer.compact(kept.keys, kept.values, kept.counts)
     if C < S:

@@ -9,6 +9,18 @@ request is added, then runs it in three places of a step::
     with pc.recording(rows): forward()     # their attention inputs, per layer (pre-hooks)
     pc.compress(seq)                       # the prompt computed: score, keep, compact pages
 
+What a sequence keeps between its chunks (``Sequence.observed``, per layer) depends on what its
+policy reads. A policy reading a few rows (SnapKV's and PyramidKV's window, TOVA's last row)
+keeps those rows' attention inputs; their queries and softmax are computed at compression.
+A policy reading every row (observed attention, expected attention, and AdaKV over either:
+``press.statistic()`` is not None) keeps a statistic instead (:meth:`PromptCompression.observe`):
+after each chunk's forward, the chunk's queries are projected from its recorded inputs and folded
+in with the keys up to the chunk's end read from the pool (observed attention: each key's
+attention summed over the rows that see it, ``(Hq, C)``; expected attention: the pre-RoPE
+queries' mean and covariance, ``(Hq, D, D)``), and the inputs are dropped: no ``C x d_model``
+rows per layer, no second ``(Hq, C, C)`` attention at compression. A preempted sequence's
+``observed`` is reset with its pages, so its recompute starts the statistic afresh.
+
 The scheduler stops the prompt's prefill at its end (``Sequence.remaining``) so that what comes
 after it (on a preempted sequence's recompute, its earlier output) attends to the compressed
 prompt, as it did the first time. Each layer and KV head keeps its own tokens
@@ -80,11 +92,12 @@ class PromptCompression:
             self._layers = attention_layers(self.model)
         return self._layers
 
-    # -- the observation window ---------------------------------------------------------------
-    def window_rows(self, chunks) -> list[tuple[Sequence, list[int]]]:
+    # -- the observation ---------------------------------------------------------------------
+    def window_rows(self, chunks) -> list[tuple[Sequence, list[int], int]]:
         """For each ``(sequence, n tokens, first row of the chunk in the step)`` of ``chunks``
         whose prompt is still to be compressed: the step's rows of the prompt tokens its
-        policy reads (the last ``query_rows``), where the chunk computes any."""
+        policy reads (the last ``query_rows``), where the chunk computes any, and the first
+        of those tokens' index in the prompt."""
         found = []
         for seq, n, at in chunks:
             if not seq.compressing:
@@ -93,26 +106,46 @@ class PromptCompression:
             lo = max(start, C - min(C, seq.request.compression.press.query_rows(C)))
             hi = min(start + n, C)
             if lo < hi:
-                found.append((seq, list(range(at + lo - start, at + hi - start))))
+                found.append((seq, list(range(at + lo - start, at + hi - start)), lo))
         return found
 
     @contextlib.contextmanager
-    def recording(self, rows: list[tuple[Sequence, list[int]]]):
+    def recording(self, rows: list[tuple[Sequence, list[int], int]]):
         """Within the block (the step's forward), each attention layer's input at ``rows``
-        (:meth:`window_rows`) is recorded; kept in the sequences when the block succeeds."""
+        (:meth:`window_rows`) is recorded; when the block succeeds each sequence keeps them,
+        or folds them into its policy's streamed statistic (:meth:`observe`)."""
         if not rows:
             yield
             return
-        at = torch.tensor([r for _, mine in rows for r in mine], dtype=torch.long)
+        at = torch.tensor([r for _, mine, _ in rows for r in mine], dtype=torch.long)
         with recorded_inputs(self.layers, at) as seen:
             yield
         start = 0  # reached when the block succeeds: the rows go to their sequences
-        for seq, mine in rows:
+        for seq, mine, first in rows:
             part = [seen[i][0][0, start : start + len(mine)] for i in range(len(self.layers))]
-            seq.window = part if seq.window is None else [
-                torch.cat((a, b)) for a, b in zip(seq.window, part)
-            ]  # fmt: skip
             start += len(mine)
+            if seq.request.compression.press.statistic() is not None:
+                self.observe(seq, part, first)
+            elif seq.observed is None:
+                seq.observed = part
+            else:
+                seq.observed = [torch.cat((a, b)) for a, b in zip(seq.observed, part)]
+
+    def observe(self, seq: Sequence, inputs: list[torch.Tensor], first: int) -> None:
+        """Fold the prompt rows ``first ..`` of ``seq`` (each layer's attention ``inputs (n,
+        d_model)``, their K/V already in the pool) into its policy's per-layer statistic:
+        the rows' queries and (where it reads them) the keys up to the last row, chunk-sized
+        transients; the rows are not kept."""
+        press = seq.request.compression.press
+        if seq.observed is None:
+            seq.observed = [press.statistic() for _ in self.layers]
+        end = first + inputs[0].shape[0]
+        positions = torch.arange(first, end, device=self.kv.k_store.device)
+        for i, att in enumerate(self.layers):
+            stat = seq.observed[i]
+            q = att.queries(inputs[i][None], positions, rotate=press.rotated_queries)
+            keys = self.kv.gather(seq.kv_id, i)[0][None, :, :end] if stat.needs_keys else None
+            stat.update(q, keys, first, att.scale)  # q: (1, Hq, n, D), keys: (1, Hkv, end, D)
 
     # -- compaction -----------------------------------------------------------------------------
     def due(self, seq: Sequence) -> bool:
@@ -126,23 +159,27 @@ class PromptCompression:
         head, pages freed)``, or None where the prompt stays whole (too short)."""
         spec, C = seq.request.compression, seq.num_prompt
         seq.compressed = True
-        window, seq.window = seq.window, None
+        observed, seq.observed = seq.observed, None
         n = spec.kept(C)
         if n is None:
             return None
         press, L = spec.press, len(self.layers)
         R = min(C, press.query_rows(C))
+        streamed = press.statistic() is not None
         positions = torch.arange(C, device=self.kv.k_store.device)
         cap = C if spec.budget is None else spec.budget
         kept, counts = [], []
         for i, att in enumerate(self.layers):
-            queries = None
-            if R:
-                x = window[i][None]  # (1, R, d_model)
+            queries = statistic = None
+            if streamed:
+                statistic = observed[i]
+            elif R:
+                x = observed[i][None]  # (1, R, d_model)
                 queries = att.queries(x, positions[C - R :], rotate=press.rotated_queries)
             k, v = self.kv.gather(seq.kv_id, i)  # (Hkv, C, ·)
             scores = press.score(k[None], v[None], queries, layer=i, n_layers=L, rope=att.rope,
-                                 positions=positions, scale=att.scale)  # fmt: skip
+                                 positions=positions, scale=att.scale,
+                                 statistic=statistic)  # fmt: skip
             chosen = press.keep(scores, min(press.budget(C, i, L), cap))
             ragged = isinstance(chosen, Kept)
             kept.append((chosen.indices if ragged else chosen)[0])  # (Hkv, n_i)

@@ -167,10 +167,11 @@ class Sequence:
     generator: torch.Generator = None
     matcher: object = None  # the guide's grammar state (structured output), or None
     # KV compression: whether the prompt's KV was compressed (or found too short) since the
-    # sequence was last admitted, and the observation window's attention inputs recorded so
-    # far (per layer); the tokens evicted are its cache sequence's (PagedKV.evicted)
+    # sequence was last admitted, and what its policy observed of the prompt so far, per layer
+    # (the window's attention inputs, or a statistic streamed per chunk); the tokens evicted
+    # are its cache sequence's (PagedKV.evicted)
     compressed: bool = False
-    window: list | None = None
+    observed: list | None = None
     # decode-time eviction's statistic, one DecodeScores a layer (selfattn.serving.kv_eviction),
     # from its first decode step since it was last admitted; None before
     evicting: list | None = None

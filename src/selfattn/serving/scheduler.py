@@ -132,7 +132,7 @@ class Scheduler:
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed = seq.cached_pages = 0
-        seq.compressed, seq.window, seq.evicting = False, None, None
+        seq.compressed, seq.observed, seq.evicting = False, None, None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -2,7 +2,9 @@
 
 Prefill: ``press(name, ratio).apply(keys, values, queries, ...)`` scores the prompt's tokens,
 sizes the layer's budget and gathers the kept K/V per head (:mod:`.base` for the contract).
-Decode: :class:`DecodeScores` evicts from per-step attention (H2O, TOVA, StreamingLLM).
+Streamed: ``press.statistic()`` gathers what a press reading every prompt query needs, chunk by
+chunk (:mod:`.statistics`). Decode: :class:`DecodeScores` evicts from per-step attention (H2O,
+TOVA, StreamingLLM).
 """
 
 from selfattn.cache.compress.base import Compressed, Kept, Press, compress_kv, window_attention
@@ -26,12 +28,14 @@ from selfattn.cache.compress.registry import (
     names,
     press,
 )
+from selfattn.cache.compress.statistics import AttentionSums, QueryMoments
 
 __all__ = [
     "POLICIES",
     "QUANTIZED",
     "TOVA",
     "AdaKV",
+    "AttentionSums",
     "Compressed",
     "DecodeScores",
     "Eviction",
@@ -43,6 +47,7 @@ __all__ = [
     "Press",
     "PyramidKV",
     "Quantized",
+    "QueryMoments",
     "SnapKV",
     "StreamingLLM",
     "compress_kv",

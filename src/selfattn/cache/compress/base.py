@@ -101,10 +101,11 @@ def window_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = queries.to(work).view(b, hkv, hq // hkv, w, d)
     k = keys.to(work).unsqueeze(2)  # (B, Hkv, S, D) -> (B, Hkv, 1, S, D)
-    logits = (q @ k.transpose(-1, -2)).view(b, hq, w, s) * scale
+    logits = (q @ k.transpose(-1, -2)).view(b, hq, w, s)  # (B, Hkv, g, W, S) -> (B, Hq, W, S)
     rows = torch.arange(w, device=keys.device).unsqueeze(1) + (s - w)
     future = torch.arange(s, device=keys.device) > rows  # (W, S)
-    return logits.masked_fill(future, -math.inf).softmax(-1)
+    # in place: one (B, Hq, W, S) tensor besides the result, however long the rows
+    return logits.mul_(scale).masked_fill_(future, -math.inf).softmax(-1)
 
 
 def attention_rows(
@@ -221,6 +222,25 @@ class Press:
         """How many tokens are always kept (they score +inf): the sinks and the window."""
         return min(self.sinks + self.window, seq_len)
 
+    def statistic(self):
+        """A fresh accumulator of what :meth:`score` reads, fed chunk by chunk during a
+        prefill (:mod:`selfattn.cache.compress.statistics`), for a policy that reads (nearly)
+        every prompt query; None for one that reads a few rows (pass those as ``queries``)."""
+        return None
+
+    def _check_statistic(self, statistic, queries, attention) -> None:
+        fresh = self.statistic()
+        if fresh is None or type(statistic) is not type(fresh):
+            want = "queries=" if fresh is None else type(fresh).__name__
+            raise ValueError(
+                f"{self.name} scores from {want}, got statistic={type(statistic).__name__}"
+            )
+        if queries is not None or attention is not None:
+            raise ValueError(
+                f"{self.name}: pass statistic= or queries=/attention=, not both (the statistic "
+                "already holds the prefill's rows)"
+            )
+
     # -- the budget
     def layer_budget(self, seq_len: int, layer: int, n_layers: int) -> int:
         """The policy's budget before the checks of :meth:`budget`."""
@@ -259,17 +279,22 @@ class Press:
         positions: torch.Tensor | None = None,
         rope=None,
         scale: float | None = None,
+        statistic=None,
     ) -> torch.Tensor:
         """Importance ``(B, Hkv, S)`` of each token, higher kept first, protected ones +inf.
 
         ``queries (B, Hq, R, D)``: the last ``R >= query_rows(S)`` tokens' queries, rotated
         (pre-RoPE where ``rotated_queries`` is False); ``attention (B, Hq, R, S)``: their
         softmax weights over all keys, used instead of recomputing them where the policy
-        scores from attention. ``positions (S,)``: the keys' absolute positions (default
-        ``0 .. S-1``); ``rope``: a callable ``rope(x (B, H, S, D), positions (S,))`` such as
-        :class:`selfattn.positions.RoPE`; ``scale``: the softmax scale (default 1/sqrt(D)).
+        scores from attention; ``statistic``: instead of either, what :meth:`statistic`
+        gathered over the prefill's chunks. ``positions (S,)``: the keys' absolute positions
+        (default ``0 .. S-1``); ``rope``: a callable ``rope(x (B, H, S, D), positions (S,))``
+        such as :class:`selfattn.positions.RoPE`; ``scale``: the softmax scale (default
+        1/sqrt(D)).
         """
         s = check_kv(keys, values)[2]
+        if statistic is not None:
+            self._check_statistic(statistic, queries, attention)
         if s <= self.protected(s):
             raise ValueError(
                 f"{self.name} scores past its {self.sinks} sinks and window {self.window}: "
@@ -285,6 +310,7 @@ class Press:
             positions=positions,
             rope=rope,
             scale=scale,
+            statistic=statistic,
         )
         scores = scores.clone()
         scores[..., : self.sinks] = math.inf

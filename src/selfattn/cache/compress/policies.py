@@ -22,6 +22,7 @@ from selfattn.cache.compress.base import (
     top_indices,
     work_dtype,
 )
+from selfattn.cache.compress.statistics import AttentionSums, QueryMoments, moments_of, sums_of
 
 __all__ = [
     "TOVA",
@@ -178,13 +179,21 @@ class ObservedAttention(Press):
     def query_rows(self, seq_len: int) -> int:
         return seq_len
 
-    def raw_score(self, keys, values, queries, attention, *, scale=None, **kwargs):
+    def statistic(self) -> AttentionSums:
+        return AttentionSums()
+
+    def raw_score(self, keys, values, queries, attention, *, scale=None, statistic=None, **kw):
         s = keys.shape[2]
-        given = queries if attention is None else attention
-        r = max(1, min(given.shape[2], s)) if given is not None and given.dim() == 4 else s
-        weights = attention_rows(queries, attention, keys, r, scale, self.name)
-        seen = torch.arange(s, 0, -1, device=keys.device).clamp(max=r)  # rows seeing key j
-        return group_mean(weights.sum(2) / seen, keys.shape[1])
+        if statistic is None:
+            given = queries if attention is None else attention
+            r = max(1, min(given.shape[2], s)) if given is not None and given.dim() == 4 else s
+            statistic = sums_of(attention_rows(queries, attention, keys, r, scale, self.name))
+        elif statistic.end != s:
+            raise ValueError(
+                f"{self.name}'s statistic holds rows up to {statistic.end}, the keys are {s}: "
+                "feed it every chunk of the prompt before scoring"
+            )
+        return statistic.score(keys.shape[1])
 
 
 @dataclass(frozen=True)
@@ -222,28 +231,43 @@ class ExpectedAttention(Press):
     def query_rows(self, seq_len: int) -> int:
         return seq_len - self.n_sink
 
-    def raw_score(
-        self, keys, values, queries, attention, *, positions=None, rope=None, scale=None, **kw
-    ):
-        b, hkv, s, d = keys.shape
-        if queries is None or rope is None:
+    def statistic(self) -> QueryMoments:
+        return QueryMoments(self.n_sink)
+
+    def raw_score(self, keys, values, queries, attention, *, rope=None, statistic=None, **kw):
+        s = keys.shape[2]
+        if (queries is None and statistic is None) or rope is None:
             raise ValueError(
-                "expected_attention needs queries= (pre-RoPE, the prompt's past the sinks) and "
-                "rope= (e.g. selfattn.positions.RoPE(head_dim)) to predict future queries"
+                "expected_attention needs queries= (pre-RoPE, the prompt's past the sinks) or "
+                "their statistic=, and rope= (e.g. selfattn.positions.RoPE(head_dim)) to "
+                "predict future queries"
             )
+        if statistic is None:
+            statistic = moments_of(queries[:, :, -self.query_rows(s) :])
+        if statistic.count == 0:
+            raise ValueError(
+                f"expected_attention's statistic holds no query past the {self.n_sink} sinks: "
+                "feed it the prompt's rows before scoring"
+            )
+        cov = statistic.covariance() if self.use_covariance else None
+        return self.from_moments(keys, values, statistic.mean, cov, rope=rope, **kw)
+
+    def from_moments(
+        self, keys, values, mean, covariance=None, *, rope, positions=None, scale=None, **kw
+    ) -> torch.Tensor:
+        """The raw scores ``(B, Hkv, S)`` (sinks 0) from the pre-RoPE queries' ``mean (B, Hq,
+        D)`` and ``covariance (B, Hq, D, D)`` (None: the mean alone); the one scoring code of
+        both the query rows and a prefill's streamed :class:`QueryMoments`."""
+        b, hkv, s, d = keys.shape
         work = work_dtype(keys)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        q = queries[:, :, -self.query_rows(s) :].to(work)
-        mu = q.mean(2)  # (B, Hq, R, D) -> (B, Hq, D)
         nxt = s if positions is None else int(positions[-1]) + 1
         rot_t = self.mean_rotation(rope, nxt, d, work, keys.device)  # R̄ᵀ
-        mu = (mu @ rot_t).view(b, hkv, -1, d)
+        mu = (mean.to(work) @ rot_t).view(b, hkv, -1, d)  # (B, Hq, D) -> (B, Hkv, g, D)
         k = keys[:, :, self.n_sink :].to(work)  # (B, Hkv, S', D)
         logits = torch.einsum("bhgd,bhsd->bhgs", mu, k) * scale
-        if self.use_covariance:
-            centred = q - q.mean(2, keepdim=True)
-            cov = centred.transpose(-1, -2) @ centred / q.shape[2]  # (B, Hq, D, D)
-            cov = (rot_t.T @ cov @ rot_t).view(b, hkv, -1, d, d)
+        if covariance is not None:
+            cov = (rot_t.T @ covariance.to(work) @ rot_t).view(b, hkv, -1, d, d)
             logits = logits + torch.einsum("bhsd,bhgde,bhse->bhgs", k, cov, k) * scale**2 / 2
         scores = logits.softmax(-1).mean(2)  # (B, Hkv, g, S') -> (B, Hkv, S')
         if self.use_vnorm:
@@ -302,6 +326,9 @@ class AdaKV(Press):
 
     def query_rows(self, seq_len: int) -> int:
         return self.scorer.query_rows(seq_len)
+
+    def statistic(self):
+        return self.scorer.statistic()
 
     def layer_budget(self, seq_len: int, layer: int, n_layers: int) -> int:
         return self.scorer.layer_budget(seq_len, layer, n_layers)
