@@ -416,6 +416,17 @@ def check_kv_compression(report: dict) -> None:
     assert report["targets"] == []
 
 
+def check_kv_prefill(report: dict) -> None:
+    """Every policy measured; the streamed policies hold less than the prompt's rows would."""
+    rows = {r["policy"]: r for r in report["rows"]}
+    assert set(rows) == {"none", "observed_attention:0.5", "expected_attention:0.5"}
+    assert rows["none"]["held_bytes"] == 0
+    for name in ("observed_attention:0.5", "expected_attention:0.5"):
+        assert 0 < rows[name]["held_bytes"] < rows[name]["prompt_x_d_model_bytes"], rows[name]
+    for r in rows.values():
+        assert 0 < r["cpu_s"] and 0 < r["wall_s"], r
+
+
 def check_kv_capacity(report: dict) -> None:
     """Both runs served every request; the compressed one saved pages and its verdict follows
     from its numbers."""
@@ -571,6 +582,7 @@ SMOKES = {
     "determinism": Smoke(packaged("determinism"), check_determinism),
     "kv_compression": Smoke(packaged("kv_compression"), check_kv_compression, needs=("gguf",)),
     "kv_capacity": Smoke(packaged("kv_capacity"), check_kv_capacity, needs=("gguf",)),
+    "kv_prefill": Smoke(packaged("kv_prefill"), check_kv_prefill, needs=("gguf",)),
     "schema_fuzz": Smoke(
         packaged("schema_fuzz", "--threads", "1"), check_schema_fuzz, needs=("schemathesis",)
     ),

@@ -21,6 +21,7 @@ NAMES = (
     "gpu",
     "kv_capacity",
     "kv_compression",
+    "kv_prefill",
     "layers",
     "lens_parity",
     "mla",
