@@ -86,11 +86,11 @@ def measure(policy: str, args) -> dict:
     compressed = engine.metrics.kv_compressed_prompts - before
     if policy != "none" and compressed != args.repeat:
         raise RuntimeError(f"{policy}: {compressed} of {args.repeat} prompts compressed")
-    c = model.config
+    c, dtype = model.config, model.norm.weight.dtype  # the dtype of the layers' inputs
     return {"policy": policy, "held_bytes": seen[-1] if seen else 0,
-            "prompt_x_d_model_bytes": args.tokens * c.d_model * c.n_layers * 4,
+            "prompt_x_d_model_bytes": args.tokens * c.d_model * c.n_layers * dtype.itemsize,
             "wall_s": min(walls), "cpu_s": min(cpus), "rss_growth_mib": max(0.0, peak - base),
-            "dtype": str(next(model.parameters()).dtype)}  # fmt: skip
+            "dtype": str(dtype)}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -116,7 +116,7 @@ def table(report: dict) -> list[list[str]]:
              f"{r['rss_growth_mib']:+.0f} MiB"] for r in report["rows"]]  # fmt: skip
 
 
-COLUMNS = ["policy", "held at compression", "prompt rows x d_model (fp32)", "wall", "CPU",
+COLUMNS = ["policy", "held at compression", "every prompt row's layer inputs", "wall", "CPU",
            "CPU vs none", "peak RSS growth"]  # fmt: skip
 
 
