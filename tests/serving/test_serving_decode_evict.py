@@ -38,11 +38,14 @@ def reference(model, prompt: list[int], n: int, spec):
     layers = attention_layers(model)
     cache = model.make_cache("static", 1, len(prompt) + n)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt]), cache=cache, logits_to_keep=1)
+        with recorded_inputs(layers, len(prompt)) as rows:
+            logits = model(torch.tensor([prompt]), cache=cache, logits_to_keep=1)
         tokens = [int(logits[0, -1].argmax())]
         Hkv = cache.layers[0].k.shape[1]
         stats = [DecodeScores(spec.press, N, Hkv) for _ in layers]
         positions = torch.arange(len(prompt)).expand(len(layers), Hkv, -1)
+        if spec.press.compression_ratio > 0:
+            stats, positions = compressed_prompt(layers, cache, rows, spec)
         for step in range(n - 1):
             pos = len(prompt) + step
             with recorded_inputs(layers, 1) as seen:
@@ -69,9 +72,38 @@ def reference(model, prompt: list[int], n: int, spec):
     return tokens, positions
 
 
+def compressed_prompt(layers, cache, rows, spec):
+    """H2O's prompt compression in the oracle: each layer's prompt rows' causal softmax in
+    float64, each key's weight summed over the rows (divided by the rows seeing it for the
+    prompt's choice, as kvpress), the press's budget kept per KV head and the cache compacted to
+    it; the decode statistic starts from the kept tokens' sums (their accumulated attention)."""
+    stats, kept = [], []
+    for i, (att, c) in enumerate(zip(layers, cache.layers)):
+        C, (Hkv, D) = c.length, c.k.shape[1::2]
+        q = att.queries(rows[i][0], torch.arange(C), rotate=True)[0].double()  # (Hq, C, D)
+        k = c.k[0, :, :C].double().repeat_interleave(q.shape[0] // Hkv, 0)  # (Hq, C, D)
+        s = q @ k.transpose(1, 2) * (att.scale or D**-0.5)
+        s = s.masked_fill(torch.ones(C, C, dtype=torch.bool).triu(1), -math.inf)
+        sums = torch.softmax(s, dim=-1).sum(1)  # (Hq, C)
+        group = sums.view(Hkv, -1, C).mean(1)  # (Hkv, C)
+        score = group / torch.arange(C, 0, -1)
+        keep = spec.press.keep(score[None], spec.press.budget(C, i, len(layers)))[0]
+        keep = keep.sort(-1).values  # (Hkv, n)
+        idx = keep[None, ..., None]
+        k_all, v_all = (t[:, :, :C] for t in (c.k, c.v))
+        c.compact(k_all.gather(2, idx.expand(-1, -1, -1, D)),
+                  v_all.gather(2, idx.expand(-1, -1, -1, v_all.shape[-1])))  # fmt: skip
+        stats.append(DecodeScores(spec.press, spec.decode_budget, Hkv,
+                                  scores=group.gather(-1, keep)[None]))  # fmt: skip
+        kept.append(keep)
+    return stats, torch.stack(kept)
+
+
 SPECS = {  # (policy, knobs): small budgets and intervals, several cuts in 30 tokens
     "observed_attention": {"policy": "observed_attention", "decode_budget": 12,
                            "decode_interval": 4},
+    "observed_attention after its prompt": {"policy": "observed_attention", "ratio": 0.5,
+                                            "decode_budget": 12, "decode_interval": 4},
     "tova": {"policy": "tova", "decode_budget": 10, "decode_interval": 5},
     "streaming_llm": {"policy": "streaming_llm", "n_sink": 2, "decode_budget": 9,
                       "decode_interval": 3},
@@ -86,7 +118,8 @@ def test_engine_evicts_the_tokens_an_independent_loop_evicts(model, name, kernel
     monkeypatch.setenv("SELFATTN_DECODE_KERNEL", kernel)
     spec = compression(SPECS[name])
     g = random.Random(len(name))
-    prompt = [g.randrange(VOCAB) for _ in range(11)]
+    # compressed to 20, past N + K: the first decode step cuts by the prompt's own sums
+    prompt = [g.randrange(VOCAB) for _ in range(40 if "prompt" in name else 11)]
     n = 30
     want, kept = reference(model, prompt, n, spec)
     engine = engine_for(model, 64, max_batch_tokens=8)
@@ -101,7 +134,7 @@ def test_engine_evicts_the_tokens_an_independent_loop_evicts(model, name, kernel
     assert got == want
     assert positions is not None and torch.equal(positions, kept)
     m = engine.metrics
-    cuts = m.kv_decode_eviction_by_policy[name]
+    cuts = m.kv_decode_eviction_by_policy[SPECS[name]["policy"]]
     assert cuts[0] == m.kv_decode_evictions >= 2 and m.kv_decode_evicted_tokens == cuts[1] > 0
     assert_drained(engine)
 

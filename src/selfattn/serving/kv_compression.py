@@ -47,6 +47,7 @@ from selfattn.models.kv_compression import (
     check_compressible,
     recorded_inputs,
 )
+from selfattn.serving.kv_eviction import after_prompt
 from selfattn.serving.request import Sequence
 from selfattn.serving.sampling import NO_COMPRESSION, SamplingParams
 
@@ -188,6 +189,9 @@ class PromptCompression:
             )
         n_max = max(k.shape[1] for k in kept)
         if all(int(c.min()) == n_max for c in counts):  # one count: no holes
-            return self.kv.compact(seq.kv_id, torch.stack(kept))
+            done = self.kv.compact(seq.kv_id, torch.stack(kept))
+            if spec.decode_budget is not None:  # generation evicts on from these tokens
+                seq.evicting = after_prompt(spec, torch.stack(kept), observed if streamed else None)
+            return done
         padded = torch.stack([torch.nn.functional.pad(k, (0, n_max - k.shape[1])) for k in kept])
         return self.kv.compact(seq.kv_id, padded, torch.stack(counts))  # (L, Hkv, n_max)

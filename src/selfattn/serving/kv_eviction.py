@@ -14,9 +14,11 @@ The weights are the step's own: the C paged kernel writes each attended key's sc
 computes the row (``exp(score - lse)`` is the weight; no second attention pass), the PyTorch
 path computes the rows' scores from their gathered keys. Only steps with such a row ask.
 
-The statistic (one :class:`~selfattn.cache.compress.DecodeScores` a layer) starts at the
-sequence's first decode step, zeros for the tokens then cached (H2O's accumulated attention
-counts generation steps; a compressed prompt's own scores are not carried over). The cuts keep
+The statistic (one :class:`~selfattn.cache.compress.DecodeScores` a layer) starts when the
+prompt is compressed (:func:`after_prompt`): H2O's from the attention each kept token received
+from the prompt's rows (its accumulated attention, as in the paper, which the prompt's streamed
+statistic holds), the other policies' from zeros; where the prompt stays whole (ratio 0, or too
+short to compress), at the sequence's first decode step from zeros. The cuts keep
 slot order (the cache's last slots stay the newest tokens) and positions stay the original
 ones (:meth:`~selfattn.cache.PagedKV.evicted`); a sequence holds at most ``ceil((N + K) / P)
 + 1`` pages. The policies with ragged kept counts (PyramidKV, AdaKV) do not decode, so a
@@ -38,11 +40,12 @@ import torch
 
 from selfattn.cache import PagedKV
 from selfattn.cache.compress import DecodeScores
+from selfattn.cache.compress.base import group_mean
 from selfattn.cache.paged.scores import want_scores
 from selfattn.kernels.paged_decode import key_weights
 from selfattn.serving.request import Sequence
 
-__all__ = ["DecodeEviction", "Evicting"]
+__all__ = ["DecodeEviction", "Evicting", "after_prompt"]
 
 log = logging.getLogger("selfattn")
 
@@ -55,6 +58,21 @@ class Evicting:
 
     scores: list
     positions: torch.Tensor | None
+
+
+def after_prompt(spec, kept: torch.Tensor, sums: list | None) -> Evicting:
+    """The statistic of a sequence whose prompt was just compressed to ``kept (L, Hkv, n)``
+    (the prompt positions each layer and KV head keeps, ascending): H2O (``observed_attention``)
+    starts from ``sums``, each layer's :class:`~selfattn.cache.compress.AttentionSums` of the
+    prompt (every prompt row's weight on each key, averaged over the group: the attention the
+    kept tokens accumulated in the prefill), the others from zeros."""
+    L, Hkv, _ = kept.shape
+    seeds = [None] * L
+    if sums is not None and spec.press.name == "observed_attention":
+        seeds = [group_mean(s.sums, Hkv).gather(-1, k[None].to(s.sums.device))
+                 for s, k in zip(sums, kept)]  # fmt: skip
+    scores = [DecodeScores(spec.press, spec.decode_budget, Hkv, scores=x) for x in seeds]
+    return Evicting(scores, kept.cpu().clone())
 
 
 class DecodeEviction:
