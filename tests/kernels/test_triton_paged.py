@@ -247,3 +247,37 @@ def test_deterministic_mode_is_batch_invariant(kernel, dtype):
     want = paged_attention_twin(q.double(), kp.double(), vp.double(), table, lo, hi, 0.25)
     naive, _ = _naive(q, kp, vp, table, lo, hi, 0.25)
     assert_close_to_reference(both[0], want[0], naive, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_head_holes_match_the_fp64_twin(kernel, dtype, monkeypatch):
+    """``holes (B, Hkv, 2)``: each kv head skips its own keys (a compacted sequence's ragged
+    kept counts): a hole mid-page, one over whole pages and past a split boundary, one empty;
+    against the float64 twin with the same holes; ``paged_attention`` sends such a call to the
+    kernel (it no longer declines holes)."""
+    import selfattn as sa
+    from selfattn import masks
+    from selfattn.cache import paged_attention
+
+    q, kp, vp, table, lo, hi = _case(9, 3, 4, 2, 2, 16, 16, 8, [45, 30, 61], dtype)
+    holes = torch.zeros(3, 2, 2, dtype=torch.long)
+    holes[0, 0] = torch.tensor([3, 6])
+    holes[0, 1] = torch.tensor([9, 33])
+    holes[2, 1] = torch.tensor([16, 40])
+    scale = 16**-0.5
+    out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, scale, num_splits=3,
+                                             holes=holes)  # fmt: skip
+    args = (table, lo, hi, scale)
+    o64, l64 = paged_attention_twin(q.double(), kp.double(), vp.double(), *args, holes=holes)
+    naive, naive_lse = paged_attention_twin(q, kp, vp, *args, compute_dtype=dtype, holes=holes)
+    assert_close_to_reference(out, o64, naive, dtype=dtype)
+    assert_close_to_reference(lse, l64, naive_lse, dtype=torch.float32, what="lse")
+    plain, _ = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, scale, num_splits=3)
+    assert not torch.equal(plain[0], out[0]) and torch.equal(plain[1], out[1])
+    lens = torch.tensor([45, 30, 61])
+    monkeypatch.setenv("SELFATTN_PAGED_TRITON", "1")
+    call = dict(mask=masks.causal(), holes=holes)
+    explained = sa.backends.explain_paged(q, kp, vp, table, lens, print_table=False, **call)
+    assert explained.chosen == "triton"
+    via = paged_attention(q, kp, vp, table, lens, **call)
+    assert_close_to_reference(via, o64, naive, dtype=dtype)

@@ -26,8 +26,8 @@ op                                     kernel                              outpu
 Both take ``q (B, Hq, Sq, D)``, pages ``(N, P, Hkv, D|Dv)``, ``block_table (B, max_pages)``,
 ``lo, hi (B, Sq)`` (row ``i`` of sequence ``b`` attends keys ``lo <= t < hi``), the softmax
 scale and the dequantisation scales of int8/fp8 pages (None for float pages), learned
-attention-sink logits ``sinks (Hq,)`` (None: none; the Triton op after ``num_splits``; the C op
-then ``holes (B, Hkv, 2)``, each kv head's skipped keys, :func:`~selfattn.kernels.paged_decode.
+attention-sink logits ``sinks (Hq,)`` (None: none; the Triton op after ``num_splits``), then
+``holes (B, Hkv, 2)``, each kv head's skipped keys (:func:`~selfattn.kernels.paged_decode.
 decode`), and return
 ``out (B, Hq, Sq, Dv)`` and ``lse (B, Hq, Sq)``. Neither has an autograd formula: they are
 decode kernels, and the paged backends send calls that need gradients to PyTorch.
@@ -94,18 +94,20 @@ def paged_decode_triton(
     v_scales: torch.Tensor | None,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    holes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from selfattn.kernels.triton import paged  # imports Triton (seconds, once)
 
     return paged.paged_attention_triton(
-        q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits, sinks
-    )
+        q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits, sinks,
+        holes,
+    )  # fmt: skip
 
 
 @paged_decode_triton.register_fake
 def _(
     q, k_pages, v_pages, block_table, lo, hi, scale, k_scales, v_scales, num_splits=None,
-    sinks=None,
+    sinks=None, holes=None,
 ):  # fmt: skip
     (B, Hq, Sq, _), Dv = q.shape, v_pages.shape[3]
     out = q.new_empty((B, Hq, Sq, Dv))  # q's dtype and device

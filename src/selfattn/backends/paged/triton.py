@@ -29,7 +29,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     """``(out in q.dtype, lse float32)``."""
     lo, hi = call.planned or plan(q, k_pages, v_pages, block_table, seq_lens, call)  # (B, Sq)
     args = (q.contiguous(), k_pages, v_pages, block_table, lo, hi, call.scale, call.k_scales,
-            call.v_scales, None, call.sinks)  # fmt: skip
+            call.v_scales, None, call.sinks, call.holes)  # fmt: skip
     if torch.compiler.is_compiling():  # the op: traced through its fake, run by the graph
         return ops.paged_decode_triton(*args)
     # The op's implementation itself, as the cpu backend does (the dispatcher's cost per call).
@@ -91,6 +91,6 @@ register(
         doc="Triton kernel: pages read in place, flash-decoding key splits (CUDA)",
         kind="paged",
         plan=plan,
-        supports=BASE_FIELDS["paged"] | {"sinks"},
+        supports=BASE_FIELDS["paged"] | {"sinks", "holes"},
     )
 )

@@ -113,7 +113,7 @@ def online_softmax_step(m_i, l_i, s):
 
 @triton.jit
 def _attend_keys(
-    q, lo, hi, start, stop, b, kvh,
+    q, lo, hi, h_lo, h_hi, start, stop, b, kvh,
     K, V, BT, KS, VS,
     s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp,
     qk_scale, P,
@@ -121,7 +121,8 @@ def _attend_keys(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
     IEEE: tl.constexpr, EXACT: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of the tile's rows over keys ``[start, stop)``: ``(m, l, acc)``, base 2.
+    """Online softmax of the tile's rows over keys ``[start, stop)``, less the kv head's hole
+    ``[h_lo, h_hi)``: ``(m, l, acc)``, base 2.
 
     ``EXACT`` (the second walk, run only when the first left a non-finite value in a row)
     sums V through :func:`_weighted_sum_attended`, so NaN/inf at a key a row does not attend
@@ -166,6 +167,7 @@ def _attend_keys(
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
+        allowed = allowed & ((n[None, :] < h_lo) | (n[None, :] >= h_hi))
         s = tl.where(allowed, s, float("-inf"))
         m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s)
         # -- weighted V rows
@@ -182,7 +184,7 @@ def _attend_keys(
 
 @triton.jit
 def _paged_fwd(
-    Q, K, V, BT, LO, HI, KS, VS, O, LSE,
+    Q, K, V, BT, LO, HI, HOLES, KS, VS, O, LSE,
     s_qb, s_qh, s_qs,
     s_kn, s_kp, s_kh,
     s_vn, s_vp, s_vh,
@@ -193,7 +195,7 @@ def _paged_fwd(
     qk_scale, Hkv, G, Sq, P, split_len,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
-    IEEE: tl.constexpr, PAGE: tl.constexpr,
+    IEEE: tl.constexpr, PAGE: tl.constexpr, HAS_HOLES: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -213,13 +215,19 @@ def _paged_fwd(
         q = q.to(tl.float32)
     lo = tl.load(LO + b * s_lo + i, mask=row_ok, other=0)
     hi = tl.load(HI + b * s_lo + i, mask=row_ok, other=0)
+    # -- this kv head's hole [h_lo, h_hi) (a compacted sequence's ragged kept count); none: 0, 0
+    h_lo = 0
+    h_hi = 0
+    if HAS_HOLES:
+        h_lo = tl.load(HOLES + pid_bh * 2)
+        h_hi = tl.load(HOLES + pid_bh * 2 + 1)
     # -- this program's keys: its split, cut to the union of the rows' intervals
     start = tl.maximum(split * split_len, tl.min(tl.where(row_ok, lo, 2147483647), axis=0))
     if PAGE > 0:  # tiles start on page boundaries (splits do: split_len is whole tiles)
         start = start // BLOCK_N * BLOCK_N
     stop = tl.minimum(split * split_len + split_len, tl.max(hi, axis=0))
     m_i, l_i, acc = _attend_keys(
-        q, lo, hi, start, stop, b, kvh, K, V, BT, KS, VS,
+        q, lo, hi, h_lo, h_hi, start, stop, b, kvh, K, V, BT, KS, VS,
         s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
         D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, False, PAGE,
     )  # fmt: skip
@@ -227,7 +235,7 @@ def _paged_fwd(
     # attend it (one check per program: the fast walk pays nothing per tile for it)
     if tl.max(tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1), axis=0) > 0:
         m_i, l_i, acc = _attend_keys(
-            q, lo, hi, start, stop, b, kvh, K, V, BT, KS, VS,
+            q, lo, hi, h_lo, h_hi, start, stop, b, kvh, K, V, BT, KS, VS,
             s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
             D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True, PAGE,
         )  # fmt: skip
@@ -279,6 +287,7 @@ def paged_attention_triton(
     v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    holes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hq, Sq, Dv), lse (B, Hq, Sq) float32)`` of the queries over their pages.
 
@@ -291,6 +300,8 @@ def paged_attention_triton(
         lo, hi: ``(B, Sq)`` int: row ``i`` of sequence ``b`` attends keys ``lo <= t < hi``.
         num_splits: key-axis splits (default: enough programs for the GPU).
         sinks: ``(Hq,)`` learned attention-sink logits, joining where the splits merge.
+        holes: ``(B, Hkv, 2)`` int: each sequence's and kv head's skipped keys ``[start,
+            end)`` (a compacted sequence's ragged kept counts); None: none.
     """
     B, Hq, Sq, D = q.shape
     Hkv, Dv, P = k_pages.shape[2], v_pages.shape[3], k_pages.shape[1]
@@ -324,9 +335,10 @@ def paged_attention_triton(
     s_ksn, s_ksp = (ks.stride(0), ks.stride(1)) if mode == SCALES_PER_TOKEN else (0, 0)
     table = block_table.to(q.device, torch.int32).contiguous()
     lo32, hi32 = (t.to(q.device, torch.int32).contiguous() for t in (lo, hi))
+    holes32 = table if holes is None else holes.to(q.device, torch.int32).contiguous()
     grid = (B * Hkv, num_splits, m_tiles)
     _paged_fwd[grid](
-        q, k_pages, v_pages, table, lo32, hi32, ks, vs, out, lse,
+        q, k_pages, v_pages, table, lo32, hi32, holes32, ks, vs, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
@@ -337,7 +349,7 @@ def paged_attention_triton(
         float(scale) * LOG2E, Hkv, G, Sq, P, split_len,
         D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=tile,
         BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), SCALES=mode,
-        IEEE=q.dtype == torch.float32 or interpreted(), PAGE=page,
+        IEEE=q.dtype == torch.float32 or interpreted(), PAGE=page, HAS_HOLES=holes is not None,
     )  # fmt: skip
     return merge_splits(out, lse / LOG2E, q.dtype, sinks)  # base-2 lse -> natural log
 
