@@ -182,3 +182,33 @@ def test_engine_greedy_equals_generate_with_the_static_kivi_cache(tmp_path):
         eng.generate([prompts[0]], SamplingParams(max_tokens=1, kv_compression="kivi4"))
     eng.kv.check()  # the pages left are the prefix index's alone
     assert not eng.kv.seq_ids and eng.kv.pool.num_free < eng.kv.num_pages
+
+
+def test_engine_preemption_over_kivi_pages_finishes_everything_and_balances(tmp_path):
+    """A pool too small for the batch preempts and recomputes over KIVI pages: every request
+    gets its tokens, the fill buffers and pages balance after each step and at the end; the
+    greedy tokens of a request the pool never preempted equal the large pool's."""
+    from tests.models.test_models_decoder import VOCAB, tiny_pair
+
+    _, model = tiny_pair("llama", tmp_path, seed=4)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (9, 14, 11, 17, 6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    c = model.config
+    page = kivi_page_bytes(c.n_layers, c.n_kv_heads, c.head_dim, 4, "kivi4", torch.float32)
+    small = Engine(model, kv_cache_bytes=14 * page, page_size=4, kv_dtype="kivi4",
+                   max_batch_tokens=16, prefix_caching=False)  # fmt: skip
+    ids = [small.add_request(p, params) for p in prompts]
+    finals = {}
+    while small.has_unfinished():
+        for out in small.step():
+            if out.finished:
+                finals[out.request_id] = out
+        small.kv.check()
+    assert small.metrics.preemptions > 0, "the pool was meant to force preemption"
+    assert all(len(finals[r].outputs[0].token_ids) == 10 for r in ids)
+    assert not small.kv.seq_ids and small.kv.pool.num_used == 0
+    large = Engine(model, kv_cache_bytes=2**20, page_size=4, kv_dtype="kivi4",
+                   max_batch_tokens=16, prefix_caching=False)  # fmt: skip
+    first = large.generate(prompts[:1], params)[0].outputs[0].token_ids
+    assert finals[ids[0]].outputs[0].token_ids == first  # the oldest request is never preempted
