@@ -421,8 +421,9 @@ def plot(report: dict, file: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = report["rows"]
-    for side, style in (("kvpress", "--"), ("ours", "-")):
-        for policy in report["setup"]["policies"]:
+    colors = plt.get_cmap("tab10")  # one color per policy, ours solid, kvpress dashed
+    for side, style, marker in (("kvpress", "--", "x"), ("ours", "-", "o")):
+        for i, policy in enumerate(report["setup"]["policies"]):
             pts = []
             for ratio in report["setup"]["ratios"]:
                 name = "none" if ratio == 0 else policy
@@ -432,7 +433,8 @@ def plot(report: dict, file: str) -> None:
                     acc = 100 * sum(r["correct"] for r in got) / sum(r["total"] for r in got)
                     pts.append((got[0]["kv_bytes_per_token"] / 1024, acc))
             if len(pts) > 1:
-                ax.plot(*zip(*pts), style, marker="o", label=f"{policy} ({side})")
+                ax.plot(*zip(*pts), style, marker=marker, color=colors(i % 10),
+                        label=f"{policy} ({side})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("K/V KiB per context token kept (float32)")
     ax.set_ylabel("accuracy, % (all tasks and lengths)")
