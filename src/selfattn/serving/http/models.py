@@ -75,27 +75,26 @@ class _EngineCollector:
 
     def compression(self, m):
         """KV compression's counters, labelled by policy as well as model."""
-        kinds = (
+        prompt = (
             ("kv_compression_prompts", "Prompts whose KV was compressed.", 0),
             ("kv_compression_skipped", "Prompts too short for their policy, left whole.", 1),
             ("kv_compression_evicted_tokens", "Prompt tokens evicted from the KV cache.", 2),
             ("kv_compression_pages_saved", "KV pages compressed prompts gave back.", 3),
         )
-        for name, doc, i in kinds:
-            c = prom_core.CounterMetricFamily(f"selfattn_{name}", doc, labels=["model", "policy"])
-            for policy, counts in sorted(m.kv_compression_by_policy.items()):
-                c.add_metric([self.model, policy], counts[i])
-            yield c
-        kinds = (
+        decode = (
             ("kv_decode_evictions", "Cuts of generating sequences back to a decode_budget.", 0),
             ("kv_decode_evicted_tokens", "Tokens evicted from the KV cache during decoding.", 1),
             ("kv_decode_pages_freed", "KV pages decode-time eviction gave back.", 2),
         )
-        for name, doc, i in kinds:
-            c = prom_core.CounterMetricFamily(f"selfattn_{name}", doc, labels=["model", "policy"])
-            for policy, counts in sorted(m.kv_decode_eviction_by_policy.items()):
-                c.add_metric([self.model, policy], counts[i])
-            yield c
+        for by_policy, kinds in ((m.kv_compression_by_policy, prompt),
+                                 (m.kv_decode_eviction_by_policy, decode)):  # fmt: skip
+            for name, doc, i in kinds:
+                c = prom_core.CounterMetricFamily(
+                    f"selfattn_{name}", doc, labels=["model", "policy"]
+                )
+                for policy, counts in sorted(by_policy.items()):
+                    c.add_metric([self.model, policy], counts[i])
+                yield c
 
     def collect(self):
         m, gauge, counter = self.engine.metrics, self.gauge, self.counter
