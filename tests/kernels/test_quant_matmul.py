@@ -96,6 +96,43 @@ def test_threads_do_not_change_the_result():
     assert torch.equal(one, two)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kind", "group", "M", "N", "K"), CASES)
+def test_dequantised_rows_are_the_references_bit_for_bit(isa, kind, group, M, N, K, dtype):
+    """The kernel's dequantiser (the many-row path's weights) gives :func:`dequantize`'s values
+    in fp32 and their bf16 rounding, bit for bit (signed zeros and subnormal scales included),
+    for the whole weight and for row ranges that start and end anywhere."""
+    g = torch.Generator().manual_seed(hash((isa, kind, group, N, K, str(dtype))) % 2**31)
+    qs, d, m = random_weights(kind, N, K, group, g)
+    ref = qmm.dequantize(qs, d, m, kind, group).to(dtype)
+    w, lib = qmm.Weights(qs, d, m, kind, group), qmm.library()
+    for lo, hi in {(0, N), (N // 3, N - N // 4), (N - 1, N)}:
+        got = w.dequantize(lo, hi, dtype, lib)
+        assert got.dtype == dtype and got.shape == (hi - lo, K)
+        assert torch.equal(_bits(got), _bits(ref[lo:hi])), (lo, hi)
+
+
+def test_dequantised_rows_do_not_depend_on_threads(every_thread, two_threads):
+    g = torch.Generator().manual_seed(5)
+    qs, d, m = random_weights("u4_min", 1031, 192, 64, g)
+    w, lib = qmm.Weights(qs, d, m, "u4_min", 64), qmm.library()
+    two = w.dequantize(0, 1031, torch.bfloat16, lib)
+    torch.set_num_threads(1)
+    assert torch.equal(_bits(two), _bits(w.dequantize(0, 1031, torch.bfloat16, lib)))
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(-1, 3), (2, 2), (5, 4), (0, 41)])
+def test_dequantised_rows_outside_the_weight_are_refused(lo, hi):
+    g = torch.Generator().manual_seed(6)
+    w = qmm.Weights(*random_weights("s8", 40, 64, 32, g), "s8", 32)
+    with pytest.raises(ValueError, match=rf"rows {lo}:{hi} of a weight of 40 rows"):
+        w.dequantize(lo, hi, torch.float32, qmm.library())
+
+
 def test_quantised_activations_are_the_twins():
     """The twin's rounding: int8 codes within +-127, scale max|x| / 127, zero blocks zero."""
     g = torch.Generator().manual_seed(1)

@@ -102,6 +102,12 @@ SPEC = CLibrary(
             "quant_block_steps",
             (ctypes.POINTER(_I64), _I64, ctypes.POINTER(_I64), _P, ctypes.c_int, ctypes.c_int),
         ),
+        # quant_dequantize(weights' args, n0, n1, out, odt, isa, n_threads) -> 0, 1 (out of
+        # memory) or 2 (bad sizes or rows)
+        Function(
+            "quant_dequantize",
+            (ctypes.POINTER(_I64), _I64, _I64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int),
+        ),
         Function("qmm_supports", (ctypes.c_int,), ctypes.c_int),
         *threads.POOL_FUNCTIONS,
     ),
@@ -217,6 +223,22 @@ class Weights:
         if status:
             _failed("quant_matmul", status, x, self._shape)
         return y
+
+    def dequantize(self, lo: int, hi: int, dtype: torch.dtype, lib: ctypes.CDLL) -> torch.Tensor:
+        """Rows ``lo:hi`` of the weight ``(hi - lo, K)`` in ``dtype`` (float32 or bfloat16):
+        :func:`dequantize`'s values, bit for bit, computed by the kernel's threads (a matmul
+        of many rows multiplies them densely)."""
+        N, K = self._shape
+        if not 0 <= lo < hi <= N:
+            raise ValueError(f"rows {lo}:{hi} of a weight of {N} rows")
+        out = torch.empty(hi - lo, K, dtype=dtype)
+        status = lib.quant_dequantize(
+            self._args, lo, hi, out.data_ptr(), DTYPE_CODES[dtype], isa_code(lib),
+            _threads(lib, out.numel() * out.element_size()),
+        )  # fmt: skip
+        if status:
+            _failed("quant_dequantize", status, out, self._shape)
+        return out
 
 
 def _failed(name: str, status: int, x: torch.Tensor, shape: tuple):

@@ -33,12 +33,14 @@ Which path a forward runs (``M`` = rows of the input):
   activations (per 32-block, as llama.cpp's Q8 activations): the error of that rounding is
   about that of a bf16 input. BENCHMARKS.md has the speeds against PyTorch's int4/int8 ops and
   dense matmuls.
-- everything else (prefill, autograd, other devices or dtypes, no C compiler): rows are
-  dequantised in fp32 (exact: ``d · q`` of an fp16 scale and a small integer is exact in fp32,
-  and q4_1 adds ``m`` with one rounding, as ggml's reference does) a chunk of at most
-  ``CHUNK_BYTES`` at a time and multiplied by a matmul. bf16 with ``M < FEW_ROWS`` multiplies in
-  fp32 and rounds once (casting a chunk to bf16 costs more than the product); more rows cast the
-  chunk to bf16 for the bf16 matmul.
+- everything else (prefill, batches of more rows, autograd, other devices or dtypes, no C
+  compiler): rows are dequantised in fp32 (exact: ``d · q`` of an fp16 scale and a small
+  integer is exact in fp32, and q4_1 adds ``m`` with one rounding, as ggml's reference does) a
+  chunk of at most ``CHUNK_BYTES`` at a time and multiplied by a matmul. bf16 with ``M <
+  FEW_ROWS`` multiplies in fp32 and rounds once; more rows round the chunk to bf16 for the bf16
+  matmul. On CPU in fp32 or bf16 the C kernel's dequantiser writes the chunk (the same values,
+  4-5x faster than tensor ops: past ``KERNEL_ROWS`` rows the dense matmul then beats the
+  integer dot products, whose time grows with every row).
 """
 
 from __future__ import annotations
@@ -491,18 +493,30 @@ class QuantizedLinear(_Blocks):
         return w
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (M, K) · Wᵀ`` dequantising at most ``CHUNK_BYTES`` of fp32 rows at a time."""
+        """``x (M, K) · Wᵀ`` dequantising at most ``CHUNK_BYTES`` of rows at a time."""
         K, N, bias = self.in_features, self.out_features, self.bias
         step = max(1, CHUNK_BYTES // (4 * K))
         wide = x.dtype == torch.bfloat16 and x.shape[0] < FEW_ROWS  # decode: one fp32 product
         xc = x.float() if wide else x
+        rows = self._dequantizer(xc.dtype)
         parts = []
         for lo in range(0, N, step):
             hi = min(N, lo + step)
             b = None if bias is None else bias[lo:hi].to(xc.dtype)
-            parts.append(F.linear(xc, self._rows(slice(lo, hi)).to(xc.dtype), b))
+            parts.append(F.linear(xc, rows(lo, hi), b))
         y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         return y.to(x.dtype)
+
+    def _dequantizer(self, dtype: torch.dtype):
+        """``rows(lo, hi)``: the weight's rows ``lo:hi`` in ``dtype``, by the C kernel's
+        dequantiser where it runs (CPU weights, float32 or bfloat16: the same values, several
+        times faster than the tensor ops), else by :meth:`_rows`."""
+        cpu = self._store().qs.device.type == "cpu"
+        lib = _kernel() if cpu and dtype in _KERNEL_DTYPES else None
+        if lib is None:
+            return lambda lo, hi: self._rows(slice(lo, hi)).to(dtype)
+        w = self._weights()
+        return lambda lo, hi: w.dequantize(lo, hi, dtype, lib)
 
     def extra_repr(self) -> str:
         group = "" if self.fmt in FORMATS else f", group={self.group}"

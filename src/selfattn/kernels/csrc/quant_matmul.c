@@ -552,6 +552,143 @@ int quant_matmul(const int64_t *w, int64_t M, const void *x, void *y, int xdt, i
   return run_rows(&c, y, xdt, c.N, n_threads);
 }
 
+/* -- dequantisation: rows of W as floats, for a matmul of many rows ------------------------- */
+/* Past a few input rows a dense matmul (oneDNN's, AMX's) beats the integer dot products, but
+   only if the weights become floats cheaply: the host dequantises a chunk of rows here, once
+   per call, straight into the matmul's dtype. Each weight is the layout reference's value
+   (quant_matmul.py's dequantize): d . q (or d . (q - 8)) is exact in fp32, q4_1 adds m with one
+   rounding (a fused multiply-add of an exact product rounds the same); bf16 rounds that to
+   nearest even, as a tensor's .to(bfloat16) does. */
+typedef struct {
+  Call c;
+  int64_t n0, n1, chunk, next;
+  void *out;
+  int odt;
+} Deq;
+
+/* Row n of W: K floats into row (generic C). */
+static void deq_row_generic(const Call *c, int64_t n, float *row) {
+  const int64_t G = c->nb / c->gb, per = 32 * c->gb;
+  const uint16_t *d = c->d + n * G, *mn = c->zp == Z_MIN ? c->mn + n * G : NULL;
+  if (c->wt == W_S8) {
+    const int8_t *q = (const int8_t *)c->qs + n * c->K;
+    for (int64_t k = 0; k < c->K; k++) row[k] = (float)q[k] * half_to_float(d[k / per]);
+    return;
+  }
+  const uint8_t *q = c->qs + n * (c->K / 2);
+  for (int64_t b = 0; b < c->nb; b++) {
+    const float ds = half_to_float(d[b / c->gb]);
+    const float ms = mn ? half_to_float(mn[b / c->gb]) : 0.0f;
+    float *r = row + b * 32;
+    for (int j = 0; j < 16; j++) {
+      const uint8_t v = q[b * 16 + j];
+      if (mn) {
+        r[j] = (float)(v & 15) * ds + ms, r[j + 16] = (float)(v >> 4) * ds + ms;
+      } else { /* no "+ 0": Q4_0's product at q = 8 keeps its sign (-0 for d < 0) */
+        r[j] = ((float)(v & 15) - 8.0f) * ds, r[j + 16] = ((float)(v >> 4) - 8.0f) * ds;
+      }
+    }
+  }
+}
+
+#ifdef HAVE_X86_PATHS
+/* 16 floats -> 16 bf16, rounded to nearest even; a NaN stays a (quiet) NaN: float_to_bf16. */
+T_AVX512 static inline __m256i bf16_of512(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits,
+                           _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+T_AVX512 static inline void deq_store512(void *dst, int64_t i, __m512 v, int odt) {
+  if (odt == D_F32)
+    _mm512_storeu_ps((float *)dst + i, v);
+  else
+    _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), bf16_of512(v));
+}
+
+/* Row n of W into dst (dtype odt), a 32-block at a time; dw, mw: the row's scales and
+   minimums per block (expand_f16c). */
+T_AVX512 static void deq_row512(const Call *c, int64_t n, const float *dw, const float *mw,
+                                void *dst, int odt) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t b = 0; b < c->nb; b++) {
+    const __m512 ds = _mm512_set1_ps(dw[b]);
+    __m512 lo, hi;
+    if (c->wt == W_S8) {
+      const int8_t *q = (const int8_t *)c->qs + n * c->K + b * 32;
+      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), ds);
+      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), ds);
+    } else {
+      const __m128i v = _mm_loadu_si128((const __m128i *)(c->qs + n * (c->K / 2) + b * 16));
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+      if (c->zp == Z_MIN) {
+        const __m512 ms = _mm512_set1_ps(mw[b]);
+        lo = _mm512_fmadd_ps(lo, ds, ms), hi = _mm512_fmadd_ps(hi, ds, ms);
+      } else {
+        lo = _mm512_mul_ps(_mm512_sub_ps(lo, eight), ds);
+        hi = _mm512_mul_ps(_mm512_sub_ps(hi, eight), ds);
+      }
+    }
+    deq_store512(dst, b * 32, lo, odt);
+    deq_store512(dst, b * 32 + 16, hi, odt);
+  }
+}
+#endif
+
+/* One participant: chunks of rows from the counter; scratch holds a row of floats (K >= 2 nb:
+   also a row's scales and minimums). */
+static int deq_task(void *ctx, void *scratch) {
+  Deq *q = (Deq *)ctx;
+  const Call *c = &q->c;
+  const int64_t esize = q->odt == D_F32 ? 4 : 2, span = q->n1 - q->n0;
+  for (;;) {
+    const int64_t k = __atomic_fetch_add(&q->next, 1, __ATOMIC_RELAXED);
+    if (k * q->chunk >= span) break;
+    const int64_t r0 = q->n0 + k * q->chunk;
+    const int64_t r1 = r0 + q->chunk < q->n1 ? r0 + q->chunk : q->n1;
+    for (int64_t n = r0; n < r1; n++) {
+      char *dst = (char *)q->out + (n - q->n0) * c->K * esize;
+#ifdef HAVE_X86_PATHS
+      if (c->isa == ISA_AVX512VNNI) {
+        float *dw = (float *)scratch, *mw = dw + c->nb;
+        const int64_t G = c->nb / c->gb;
+        expand_f16c(c->d + n * G, G, c->gb, dw);
+        if (c->zp == Z_MIN) expand_f16c(c->mn + n * G, G, c->gb, mw);
+        deq_row512(c, n, dw, mw, dst, q->odt);
+        continue;
+      }
+#endif
+      float *row = q->odt == D_F32 ? (float *)dst : (float *)scratch;
+      deq_row_generic(c, n, row);
+      if (q->odt == D_BF16)
+        for (int64_t i = 0; i < c->K; i++) ((uint16_t *)dst)[i] = float_to_bf16(row[i]);
+    }
+  }
+  return 0;
+}
+
+/* out (n1 - n0, K), contiguous, dtype odt = rows n0..n1 of W dequantised (above). Returns 0,
+   1 when memory ran out, 2 on bad sizes or rows. */
+int quant_dequantize(const int64_t *w, int64_t n0, int64_t n1, void *out, int odt, int isa,
+                     int n_threads) {
+  Deq q = {.n0 = n0, .n1 = n1, .out = out, .odt = odt, .next = 0};
+  int status = call_of(&q.c, w, 1, isa);
+  if (status) return status;
+  if (n0 < 0 || n1 > q.c.N || n0 >= n1 || (odt != D_F32 && odt != D_BF16)) return 2;
+  if (n_threads < 1) n_threads = 1;
+  const int64_t span = n1 - n0;
+  int64_t chunk = span / (4 * (int64_t)n_threads);
+  q.chunk = chunk < 8 ? 8 : chunk;
+  const int64_t n_chunks = (span + q.chunk - 1) / q.chunk;
+  if (n_chunks < n_threads) n_threads = (int)n_chunks;
+  return pool_run(deq_task, &q, n_threads, (size_t)q.c.K * sizeof(float));
+}
+
 /* -- a fused step: a linear layer with its neighbours in a decoder block ---------------------- */
 /* The values round as the same ops in PyTorch round them (the host's module path: rms_norm,
    the product rounded to the dtype, then RoPE, the SwiGLU product or the residual sum each
