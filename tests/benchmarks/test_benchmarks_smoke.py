@@ -438,6 +438,10 @@ def check_kv_capacity(report: dict) -> None:
         assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["seconds"])
         assert 1 <= r["mean_running"] <= r["peak_running"] <= r["requests"], r
     assert rows[0]["pages_saved"] == 0 and all(r["pages_saved"] > 0 for r in rows[1:])
+    most = -(-(setup["length"] + setup["max_tokens"]) // setup["page_size"])
+    assert 0 < rows[0]["peak_pages_per_request"] <= most
+    assert all(0 < r["peak_pages_per_request"] < rows[0]["peak_pages_per_request"]
+               for r in rows[1:])  # fmt: skip
     for t in report["targets"]:
         row = next(r for r in rows if r["policy"] == t["policy"])
         assert t["speedup"] == pytest.approx(row["tokens_per_s"] / rows[0]["tokens_per_s"])
@@ -766,3 +770,14 @@ def test_interleaved_timing_runs_short_calls_for_min_s():
     assert a.runs == b.runs == 3
     a, b = _util.time_interleaved((fast, slow), repeat=3, budget_s=0.1, clock=clock, min_s=10)
     assert a.runs < 50  # the budget still stops it
+
+
+def test_kv_capacity_policies_keep_each_specs_knobs():
+    from selfattn.benchmarks.kv_capacity import policies
+
+    assert policies("snapkv:0.75,knorm:0.5") == ["snapkv:0.75", "knorm:0.5"]
+    assert policies("tova:0.75,decode_budget=448,decode_interval=32;knorm:0.5") == [
+        "tova:0.75,decode_budget=448,decode_interval=32",
+        "knorm:0.5",
+    ]
+    assert policies("h2o,decode_budget=9, snapkv:0.5") == ["h2o,decode_budget=9", "snapkv:0.5"]

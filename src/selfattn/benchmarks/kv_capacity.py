@@ -4,17 +4,21 @@ sized for ``N`` uncompressed long requests, without compression and with it.
     python -m selfattn.benchmarks.kv_capacity                      # SmolLM2, 2k prompts, N = 8
     python -m selfattn.benchmarks.kv_capacity --policies snapkv:0.75,knorm:0.75 --n 4
     python -m selfattn.benchmarks.kv_capacity --quick --json       # tiny model: a smoke run
+    python -m selfattn.benchmarks.kv_capacity --length 512 --max-tokens 1536 \
+        --policies "tova:0.75,decode_budget=448;observed_attention:0.75,decode_budget=448"
 
 Workload: ``4N`` pass-key prompts of ``--length`` tokens (:mod:`selfattn.benchmarks.
 kv_compression`'s task: context and question in one prompt, which is what a server's policy
 compresses), ``--max-tokens`` greedy tokens each (``ignore_eos``), all queued at once. Pool:
 exactly ``N`` requests' pages, ``N × ceil((length + max_tokens) / page_size)`` pages; prefix
 caching off (the prompts share a template head and filler, whose sharing would add capacity
-that is not compression's). Each configuration runs in a fresh Engine over the same model:
+that is not compression's). Long outputs (the third command) are decode-time eviction's case:
+a 512-token prompt kept at a quarter, then cut back to 448 tokens each 64 generated, so a
+request never holds more than a quarter of its 2,048 tokens' pages. Each configuration runs in a fresh Engine over the same model:
 ``none`` first, then each ``POLICY:RATIO``.
 
 Per configuration: the peak and the mean number of requests running at once (sampled each
-step), the generated tokens per second of wall time (prefill included: on a CPU the 4N prompts'
+step), the most pages one request held (against the uncompressed request's), the generated tokens per second of wall time (prefill included: on a CPU the 4N prompts'
 prefill, the same work in both runs, is most of it), the same over the steps that ran decode
 tokens only (where the larger batch pays), preemptions, pages saved, and the pass-key accuracy
 (whether the compressed answers still find the key). Targets, at 4x compression (ratio 0.75):
@@ -47,7 +51,7 @@ def run_config(model, tokenizer, prompts, answers, spec, pool_bytes, args) -> di
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             kv_compression=spec or "none")  # fmt: skip
     ids = [engine.add_request(p, params) for p in prompts]
-    finals, running, t0 = {}, [], time.perf_counter()
+    finals, running, held, t0 = {}, [], 0, time.perf_counter()
     m = engine.metrics
     decode_s = decode_tokens = 0.0  # steps that ran decode tokens only
     while engine.has_unfinished():
@@ -59,6 +63,8 @@ def run_config(model, tokenizer, prompts, answers, spec, pool_bytes, args) -> di
             decode_s += time.perf_counter() - s0
             decode_tokens += m.generated_tokens - made
         running.append(len(engine.scheduler.running))
+        kv_ids = [q.kv_id for q in engine.scheduler.running if q.kv_id is not None]
+        held = max([held, *(len(engine.kv.pages(i)) for i in kv_ids)])
     wall = time.perf_counter() - t0
     texts = [finals[r].outputs[0].text for r in ids]
     right = sum(a in t for a, t in zip(answers, texts))
@@ -66,11 +72,25 @@ def run_config(model, tokenizer, prompts, answers, spec, pool_bytes, args) -> di
     return {"policy": spec or "none", "requests": len(prompts),
             "pool_pages": engine.kv.num_pages, "peak_running": max(running, default=0),
             "mean_running": sum(busy) / max(1, len(busy)), "steps": len(running),
+            "peak_pages_per_request": held,
             "seconds": wall, "generated_tokens": m.generated_tokens,
             "tokens_per_s": m.generated_tokens / wall, "preemptions": m.preemptions,
             "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
-            "pages_saved": m.kv_pages_saved, "evicted_tokens": m.kv_evicted_tokens,
+            "pages_saved": m.kv_pages_saved + m.kv_decode_pages_freed,
+            "evicted_tokens": m.kv_evicted_tokens + m.kv_decode_evicted_tokens,
             "passkey_correct": right}  # fmt: skip
+
+
+def policies(text: str) -> list[str]:
+    """``--policies``' specs: separated by ``;``, or by ``,`` where a piece is no ``key=value``
+    knob of the spec before it (``"snapkv:0.75,knorm:0.75"``, ``"tova:0.75,decode_budget=448"``)."""
+    out: list[str] = []
+    for part in (p.strip() for chunk in text.split(";") for p in chunk.split(",")):
+        if "=" in part and out:
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
 
 
 def targets(rows: list[dict], n: int) -> list[dict]:
@@ -133,14 +153,14 @@ def table(report: dict) -> list[list[str]]:
     met = {t["policy"]: _util.verdict(t) for t in report["targets"]}
     return [[r["policy"], str(r["peak_running"]), f"{r['mean_running']:.1f}",
              f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / base:.2f}x" if base else "-",
-             f"{r['decode_tokens_per_s']:.1f}",
+             f"{r['decode_tokens_per_s']:.1f}", str(r["peak_pages_per_request"]),
              str(r["preemptions"]), str(r["pages_saved"]),
              f"{r['passkey_correct']}/{r['requests']}", met.get(r["policy"], "-")]
             for r in report["rows"]]  # fmt: skip
 
 
 COLUMNS = ["policy", "peak running", "mean running", "tok/s", "vs none", "decode-step tok/s",
-           "preemptions",
+           "pages a request held", "preemptions",
            "pages saved", "passkey", "target"]  # fmt: skip
 
 
@@ -156,8 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated each (256)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--policies", default=",".join(POLICIES),
-                   help="POLICY:RATIO,... run after the uncompressed one "
-                        "(default snapkv:0.75)")  # fmt: skip
+                   help="POLICY:RATIO[,decode_budget=N],... run after the uncompressed "
+                        "one, ';' between specs with knobs (default snapkv:0.75)")  # fmt: skip
     p.add_argument("--dense", action="store_true",
                    help="dequantise the GGUF's weights (default: kept quantised, "
                         "as served)")  # fmt: skip
@@ -167,7 +187,7 @@ def main(argv=None) -> int:
                    help="a tiny random model, N = 2, 256-token prompts: a smoke run")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    args.policies = [x for x in args.policies.split(",") if x]
+    args.policies = policies(args.policies)
     if args.quick:
         args.n, args.length, args.max_tokens, args.threads = 2, 256, 8, 1
         args.policies = ["knorm:0.75"]
