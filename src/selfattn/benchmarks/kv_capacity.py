@@ -14,11 +14,12 @@ exactly ``N`` requests' pages, ``N × ceil((length + max_tokens) / page_size)`` 
 caching off (the prompts share a template head and filler, whose sharing would add capacity
 that is not compression's). Long outputs (the third command) are decode-time eviction's case:
 a 512-token prompt kept at a quarter, then cut back to 448 tokens each 64 generated, so a
-request never holds more than a quarter of its 2,048 tokens' pages. Each configuration runs in a fresh Engine over the same model:
-``none`` first, then each ``POLICY:RATIO``.
+request never holds more than a quarter of its 2,048 tokens' pages. Each configuration runs in
+a fresh Engine over the same model: ``none`` first, then each ``POLICY:RATIO``.
 
 Per configuration: the peak and the mean number of requests running at once (sampled each
-step), the most pages one request held (against the uncompressed request's), the generated tokens per second of wall time (prefill included: on a CPU the 4N prompts'
+step), the most pages one request held (against the uncompressed request's), the generated
+tokens per second of wall time (prefill included: with 2k prompts on a CPU the 4N prompts'
 prefill, the same work in both runs, is most of it), the same over the steps that ran decode
 tokens only (where the larger batch pays), preemptions, pages saved, and the pass-key accuracy
 (whether the compressed answers still find the key). Targets, at 4x compression (ratio 0.75):
