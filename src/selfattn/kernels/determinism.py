@@ -9,13 +9,14 @@ reduce each row the same way whatever the other rows, the batch size and the thr
   (:func:`split_pages`), not into as many splits as the threads and the batch size pay for;
   its work items (row, split) run on any thread, and the splits merge in split order;
 - ``F.linear`` runs :func:`invariant_linear`: a C kernel whose every output sums in one order
-  fixed by the width (``csrc/rows_linear.c``), or, without it, torch's matmul over a multiple
-  of :data:`ROW_TILE` rows: MKL's fp32 GEMM rounds every row of an ``M``-row product alike
-  for ``M`` a multiple of 4 or ``M >= 12``, at any row position, but ``M = 1`` runs a GEMV and
-  ``M = 2, 3`` another kernel, each summing in its own order, and on two threads the last rows
-  of ``M = 5..7, 9..11`` differ too (measured with MKL 2024.2 on AVX-512, 1 and 2 threads,
-  ``M`` up to 519; in bf16 some rows differ from ``M = 7`` at ``K = 1,536``:
-  ``benchmarks/determinism.py`` checks a machine);
+  fixed by the width (``csrc/rows_linear.c``), or, without it, torch's matmul over tiles of
+  :data:`ROW_TILE` rows, one call a tile (the last zero-padded): which rows an ``M``-row
+  product rounds alike depends on the CPU (MKL 2024.2 on AMD AVX-512: ``M`` a multiple of 4,
+  but ``M = 1`` runs a GEMV and ``M = 2, 3`` another kernel, and on two threads the last rows
+  of ``M = 5..7, 9..11`` differ; on an Intel AMX Xeon rows of 4- and 5-row products differ,
+  and at SmolLM2's widths fp32 rows differ from ``M = 9`` on, bf16 from ``M = 33``), while
+  every row of an 8-row product rounds alike on both, at any position, 1 or 2 threads
+  (``benchmarks/determinism.py`` checks a machine);
 - SiLU and GELU see every row at the same vector lanes (:func:`invariant_rowwise`);
 - the quantised matmul runs its C kernel for every row count (``nn/quant.py``), never the
   dequantising matmul it takes past ``KERNEL_ROWS`` rows;
@@ -48,10 +49,10 @@ __all__ = [
 # Keys per split of the paged-decode kernel in deterministic mode: a split count that grows with
 # the sequence only (flash-decoding's split over the keys, of a fixed size).
 SPLIT_KEYS = 256
-# Without the rows kernel a deterministic linear hands torch's matmul a multiple of this many
-# rows, the row counts whose every row MKL's fp32 GEMM rounds alike (module docstring); padding
-# adds at most 3 zero rows.
-ROW_TILE = 4
+# Without the rows kernel a deterministic linear hands torch's matmul tiles of this many rows,
+# one call each: a product whose every row MKL's GEMM rounds alike on the CPUs measured (module
+# docstring); padding adds at most 7 zero rows.
+ROW_TILE = 8
 
 _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "selfattn_deterministic", default=False
@@ -71,18 +72,20 @@ def split_pages(page_size: int) -> int:
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row of ``x (..., K)`` rounded as it is in any
     other batch: the C kernel of :mod:`~selfattn.kernels.rows_linear` (float32 or bfloat16 CPU
-    tensors of one dtype, no autograd: at a GEMV's speed on one row), else torch's matmul with
-    the rows padded with zeros to a multiple of :data:`ROW_TILE`. Which of the two runs depends
-    on the machine and the tensors' kind, never on the row count."""
+    tensors of one dtype, no autograd: at a GEMV's speed on one row), else torch's matmul on
+    tiles of :data:`ROW_TILE` rows, one call a tile, the last padded with zeros. Which of the
+    two runs depends on the machine and the tensors' kind, never on the row count."""
     if _rows_kernel_takes(x, weight, bias):
         return rows_linear.linear(x, weight, bias)
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    pad = -M % ROW_TILE
-    if pad == 0:
+    if M == 0:
         return F.linear(x, weight, bias)
     rows = x.reshape(M, x.shape[-1])  # (..., K) -> (M, K)
-    padded = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])  # (M + pad, K)
-    return F.linear(padded, weight, bias)[:M].reshape(*x.shape[:-1], weight.shape[0])
+    pad = -M % ROW_TILE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])  # (M + pad, K)
+    out = torch.cat([F.linear(t, weight, bias) for t in rows.split(ROW_TILE)])
+    return out[:M].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _rows_kernel_takes(x, weight, bias) -> bool:

@@ -24,11 +24,13 @@ ones (:meth:`~selfattn.cache.PagedKV.evicted`); a sequence holds at most ``ceil(
 + 1`` pages. The policies with ragged kept counts (PyramidKV, AdaKV) do not decode, so a
 sequence here is never ragged and compacts any number of times.
 
-Preemption: a preempted sequence is recomputed whole when readmitted (its prompt, compressed
-again if asked, then every output token in one go), its statistic dropped; its next decode
-step starts a new statistic and cuts the cache back to N. Its tokens after the preemption
-differ from an uninterrupted run's (its cache held tokens that run had evicted). Speculative
-engines refuse decode-time eviction (a verify chunk is several rows of a sequence).
+Preemption: a preempted sequence's statistic is dropped and its pages freed; when readmitted
+its prompt is recomputed (and compressed again if asked), then its output tokens one a step
+(``Sequence.remaining``), each a decode row as when it first ran: the statistic is rebuilt row
+by row and the cuts fall at the same lengths, so the cache it resumes with is the one it had
+(bit for bit in deterministic mode, where a row's values do not depend on its batch). The
+replay costs a step per output token so far, a row in each. Speculative engines refuse
+decode-time eviction (a verify chunk is several rows of a sequence).
 """
 
 from __future__ import annotations

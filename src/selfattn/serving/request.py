@@ -199,9 +199,15 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Tokens to compute before the next token can be chosen; a prompt to be compressed
-        first stops at its end (the tokens after it attend the compressed prompt)."""
+        first stops at its end (the tokens after it attend the compressed prompt). A sequence
+        that evicts while decoding and is recomputed after a preemption goes on one output
+        token a step, as it first ran them: each row's attention feeds its statistic and the
+        cuts fall at the same lengths, so it resumes with the cache it had."""
         end = len(self.tokens)
-        if self.compressing:
+        spec = self.request.compression
+        if spec is not None and spec.decode_budget is not None:
+            end = min(end, max(self.num_prompt, self.num_computed + 1))
+        elif self.compressing:
             end = min(end, self.num_prompt)
         return end - self.num_computed
 
