@@ -281,3 +281,50 @@ def test_per_head_holes_match_the_fp64_twin(kernel, dtype, monkeypatch):
     assert explained.chosen == "triton"
     via = paged_attention(q, kp, vp, table, lens, **call)
     assert_close_to_reference(via, o64, naive, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["whole-pages", "page-size-5-window", "holes"])
+def test_key_scores_match_the_fp64_twin(kernel, case, dtype):
+    """Each attended key's score (decode-time eviction's statistic: the weights are exp(score -
+    lse)), written as the kernel computes it across splits: exactly at the attended slots (the
+    caller's -inf elsewhere), within the ratio rule of the fp64 twin's, the weights too; out
+    and lse unchanged by recording."""
+    from selfattn.kernels.paged_decode import key_weights
+
+    if case == "page-size-5-window":
+        q, kp, vp, table, lo, hi = _case(3, 2, 6, 2, 2, 16, 32, 5, [23, 12], dtype, window=4)
+    else:
+        q, kp, vp, table, lo, hi = _case(9, 3, 4, 2, 1, 16, 16, 16, [45, 30, 61], dtype)
+    holes = None
+    if case == "holes":
+        holes = torch.zeros(3, 2, 2, dtype=torch.long)
+        holes[0, 1] = torch.tensor([9, 33])
+        holes[2, 0] = torch.tensor([16, 40])
+    scale = q.shape[-1] ** -0.5
+    P = kp.shape[1]
+    scores = torch.full((*q.shape[:3], table.shape[1] * P), float("-inf"))
+    run = dict(num_splits=3, holes=holes)
+    out, lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, scale, **run,
+                                             scores=scores)  # fmt: skip
+    plain, plain_lse = kernel.paged_attention_triton(q, kp, vp, table, lo, hi, scale, **run)
+    assert torch.equal(out, plain) and torch.equal(lse, plain_lse)
+    args = (table, lo, hi, scale)
+    _, l64, s64 = paged_attention_twin(q.double(), kp.double(), vp.double(), *args, holes=holes,
+                                       return_scores=True)  # fmt: skip
+    _, _, naive = paged_attention_twin(q, kp, vp, *args, compute_dtype=dtype, holes=holes,
+                                       return_scores=True)  # fmt: skip
+    attended = torch.isfinite(s64)
+    assert torch.equal(torch.isfinite(scores), attended), "scores written at unattended slots"
+    assert_close_to_reference(scores[attended].double(), s64[attended],
+                              naive[attended].double(), dtype=dtype, what="scores")  # fmt: skip
+    w, w64 = key_weights(scores, lse), torch.exp(s64 - l64.unsqueeze(-1))
+    w_naive = torch.exp(naive - torch.logsumexp(naive.float(), -1, keepdim=True))
+    assert_close_to_reference(w.double(), w64, w_naive.double(), dtype=dtype, what="weights")
+
+
+def test_a_triton_score_buffer_of_the_wrong_shape_is_refused(kernel):
+    q, kp, vp, table, lo, hi = _case(1, 2, 4, 2, 1, 16, 16, 16, [20, 9], torch.float32)
+    bad = torch.full((2, 4, 1, 5), float("-inf"))
+    with pytest.raises(ValueError, match=r"\(B, Hq, Sq, >= max_pages \* P\)=\(2, 4, 1, >= 32\)"):
+        kernel.paged_attention_triton(q, kp, vp, table, lo, hi, 0.25, scores=bad)

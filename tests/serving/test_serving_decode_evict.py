@@ -110,12 +110,25 @@ SPECS = {  # (policy, knobs): small budgets and intervals, several cuts in 30 to
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["1", "0"], ids=["c-kernel", "pytorch"])
+@pytest.mark.parametrize("kernel", ["1", "0", "triton"], ids=["c-kernel", "pytorch", "triton"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_engine_evicts_the_tokens_an_independent_loop_evicts(model, name, kernel, monkeypatch):
     """Same tokens and, per layer and KV head, the same kept original positions as the float64
-    oracle loop; the kernel's scores and the PyTorch path's alike."""
-    monkeypatch.setenv("SELFATTN_DECODE_KERNEL", kernel)
+    oracle loop; the C kernel's scores, the Triton kernel's (in its interpreter) and the
+    PyTorch path's alike."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        import selfattn.cache.paged.layer as paged_layer
+
+        def not_from_pages(kv, plan, *args):
+            if plan.scores.get("rows") is not None:  # a decode step asked for scores
+                raise AssertionError("the Triton kernel's step recorded no key scores")
+
+        monkeypatch.setenv("SELFATTN_PAGED_TRITON", "1")
+        monkeypatch.setenv("SELFATTN_DECODE_KERNEL", "0")  # scores from Triton's kernel or none
+        monkeypatch.setattr(paged_layer, "record_from_pages", not_from_pages)
+    else:
+        monkeypatch.setenv("SELFATTN_DECODE_KERNEL", kernel)
     spec = compression(SPECS[name])
     g = random.Random(len(name))
     # compressed to 20, past N + K: the first decode step cuts by the prompt's own sums

@@ -54,8 +54,8 @@ class PagedCall:
     sinks: torch.Tensor | None = None
     holes: torch.Tensor | None = None
     planned: object = field(default=None, compare=False)  # a per-step cache
-    # (B, Hq, Sq, max_pages * P) float32 -inf: an output the C kernel fills with each attended
-    # key's score (selfattn.cache.paged.scores); other backends leave it
+    # (B, Hq, Sq, max_pages * P) float32 -inf: an output the C and Triton kernels fill with each
+    # attended key's score (selfattn.cache.paged.scores); other backends leave it
     key_scores: torch.Tensor | None = field(default=None, compare=False)
 
 

@@ -35,7 +35,7 @@ def run(q, k_pages, v_pages, block_table, seq_lens, call: PagedCall):
     # The op's implementation itself, as the cpu backend does (the dispatcher's cost per call).
     from selfattn.kernels.triton import paged  # imports Triton (seconds, once)
 
-    return paged.paged_attention_triton(*args)
+    return paged.paged_attention_triton(*args, scores=call.key_scores)
 
 
 def _reject(q, k_pages, v_pages, block_table, seq_lens, call):

@@ -9,10 +9,12 @@ row does not attend), so that the weights are ``exp(scores - lse)``.
 
 Where the C kernel runs the step's rows (:mod:`selfattn.backends.paged.cpu`) it writes the
 scores as it computes them (:func:`~selfattn.kernels.paged_decode.decode`'s ``scores``: a buffer
-the size of the call's rows, no second pass); elsewhere (another backend, a step with a long
-chunk, the modules' path) :func:`record_from_pages` computes the rows' scores from their
-gathered keys in PyTorch. Both read the keys as the attention does: causal over the slots, no
-window, soft-cap or bias (the engine offers decode-time eviction on models without them).
+the size of the call's rows, no second pass), and so does the Triton kernel on a GPU
+(:func:`~selfattn.kernels.triton.paged.paged_attention_triton`'s ``scores``); elsewhere
+(another backend, a step with a long chunk, the modules' path, a compiled step)
+:func:`record_from_pages` computes the rows' scores from their gathered keys in PyTorch. All
+read the keys as the attention does: causal over the slots, no window, soft-cap or bias (the
+engine offers decode-time eviction on models without them).
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ def want_scores(plan, rows: torch.Tensor) -> None:
 
 
 def score_call(kv, plan, call, q_rows: torch.Tensor, backend: str):
-    """``call`` with a -inf score buffer ``(B, Hq, 1, L)`` for the C kernel to fill where the
-    step asks for scores and ``backend`` is ``"cpu"``, else ``call`` itself."""
-    if ROWS not in plan.scores or backend != "cpu":
+    """``call`` with a -inf score buffer ``(B, Hq, 1, L)`` for the kernel to fill where the
+    step asks for scores and ``backend`` is a kernel that writes them (``"cpu"``, ``"triton"``),
+    else ``call`` itself."""
+    if ROWS not in plan.scores or backend not in ("cpu", "triton"):
+        return call
+    if torch.compiler.is_compiling():  # the kernels' custom ops take no buffer: from the pages
         return call
     L = plan.block_table.shape[1] * kv.page_size
     buf = torch.full((*q_rows.shape[:3], L), float("-inf"), device=q_rows.device)

@@ -114,15 +114,16 @@ def online_softmax_step(m_i, l_i, s):
 @triton.jit
 def _attend_keys(
     q, lo, hi, h_lo, h_hi, start, stop, b, kvh,
-    K, V, BT, KS, VS,
+    K, V, BT, KS, VS, sc_rows,
     s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp,
     qk_scale, P,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
-    IEEE: tl.constexpr, EXACT: tl.constexpr, PAGE: tl.constexpr,
+    IEEE: tl.constexpr, EXACT: tl.constexpr, PAGE: tl.constexpr, SCORES: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the tile's rows over keys ``[start, stop)``, less the kv head's hole
-    ``[h_lo, h_hi)``: ``(m, l, acc)``, base 2.
+    ``[h_lo, h_hi)``: ``(m, l, acc)``, base 2. ``SCORES``: each attended key's score (natural
+    base, ``scale · q · k``) is also stored at ``sc_rows + key`` (a pointer per row).
 
     ``EXACT`` (the second walk, run only when the first left a non-finite value in a row)
     sums V through :func:`_weighted_sum_attended`, so NaN/inf at a key a row does not attend
@@ -169,6 +170,8 @@ def _attend_keys(
         allowed = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & n_ok[None, :]
         allowed = allowed & ((n[None, :] < h_lo) | (n[None, :] >= h_hi))
         s = tl.where(allowed, s, float("-inf"))
+        if SCORES:
+            tl.store(sc_rows[:, None] + n[None, :], s * 0.6931471805599453, mask=allowed)  # ln 2
         m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s)
         # -- weighted V rows
         if EXACT:
@@ -184,7 +187,7 @@ def _attend_keys(
 
 @triton.jit
 def _paged_fwd(
-    Q, K, V, BT, LO, HI, HOLES, KS, VS, O, LSE,
+    Q, K, V, BT, LO, HI, HOLES, KS, VS, O, LSE, SC,
     s_qb, s_qh, s_qs,
     s_kn, s_kp, s_kh,
     s_vn, s_vp, s_vh,
@@ -192,10 +195,11 @@ def _paged_fwd(
     s_ksn, s_ksp,
     s_ob, s_oh, s_os, s_osp,
     s_lb, s_lh, s_ls,
+    s_scb, s_sch, s_scs,
     qk_scale, Hkv, G, Sq, P, split_len,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SCALES: tl.constexpr,
-    IEEE: tl.constexpr, PAGE: tl.constexpr, HAS_HOLES: tl.constexpr,
+    IEEE: tl.constexpr, PAGE: tl.constexpr, HAS_HOLES: tl.constexpr, SCORES: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -226,18 +230,19 @@ def _paged_fwd(
     if PAGE > 0:  # tiles start on page boundaries (splits do: split_len is whole tiles)
         start = start // BLOCK_N * BLOCK_N
     stop = tl.minimum(split * split_len + split_len, tl.max(hi, axis=0))
+    sc_rows = SC + b * s_scb + h * s_sch + i * s_scs  # each row's score buffer (SCORES)
     m_i, l_i, acc = _attend_keys(
-        q, lo, hi, h_lo, h_hi, start, stop, b, kvh, K, V, BT, KS, VS,
+        q, lo, hi, h_lo, h_hi, start, stop, b, kvh, K, V, BT, KS, VS, sc_rows,
         s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
-        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, False, PAGE,
+        D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, False, PAGE, SCORES,
     )  # fmt: skip
     # -- rare: a NaN/inf reached the sums; walk the keys again, keeping it to the rows that
     # attend it (one check per program: the fast walk pays nothing per tile for it)
     if tl.max(tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1), axis=0) > 0:
         m_i, l_i, acc = _attend_keys(
-            q, lo, hi, h_lo, h_hi, start, stop, b, kvh, K, V, BT, KS, VS,
+            q, lo, hi, h_lo, h_hi, start, stop, b, kvh, K, V, BT, KS, VS, sc_rows,
             s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_bt, s_ksn, s_ksp, qk_scale, P,
-            D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True, PAGE,
+            D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALES, IEEE, True, PAGE, SCORES,
         )  # fmt: skip
     # -- this split's normalised output and base-2 lse (-inf: no allowed key; NaN, from a NaN
     # score of an attended key, stays NaN: `l_i > 0` alone took such a row for an empty one)
@@ -288,6 +293,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
     holes: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hq, Sq, Dv), lse (B, Hq, Sq) float32)`` of the queries over their pages.
 
@@ -302,6 +308,10 @@ def paged_attention_triton(
         sinks: ``(Hq,)`` learned attention-sink logits, joining where the splits merge.
         holes: ``(B, Hkv, 2)`` int: each sequence's and kv head's skipped keys ``[start,
             end)`` (a compacted sequence's ragged kept counts); None: none.
+        scores: ``(B, Hq, Sq, L)`` float32, ``L >= max_pages * P``, last dim contiguous, or
+            None: each attended key's score ``scale · q · k`` is written at its slot as the
+            kernel computes it (decode-time eviction's statistic: the weights are ``exp(score
+            - lse)``); slots a row does not attend are left as they are (the caller's -inf).
     """
     B, Hq, Sq, D = q.shape
     Hkv, Dv, P = k_pages.shape[2], v_pages.shape[3], k_pages.shape[1]
@@ -336,9 +346,10 @@ def paged_attention_triton(
     table = block_table.to(q.device, torch.int32).contiguous()
     lo32, hi32 = (t.to(q.device, torch.int32).contiguous() for t in (lo, hi))
     holes32 = table if holes is None else holes.to(q.device, torch.int32).contiguous()
+    sc = _score_buffer(scores, q, table.shape[1] * P)
     grid = (B * Hkv, num_splits, m_tiles)
     _paged_fwd[grid](
-        q, k_pages, v_pages, table, lo32, hi32, holes32, ks, vs, out, lse,
+        q, k_pages, v_pages, table, lo32, hi32, holes32, ks, vs, out, lse, sc,
         q.stride(0), q.stride(1), q.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
@@ -346,12 +357,36 @@ def paged_attention_triton(
         s_ksn, s_ksp,
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
+        sc.stride(0), sc.stride(1), sc.stride(2),
         float(scale) * LOG2E, Hkv, G, Sq, P, split_len,
         D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=tile,
         BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), SCALES=mode,
         IEEE=q.dtype == torch.float32 or interpreted(), PAGE=page, HAS_HOLES=holes is not None,
+        SCORES=scores is not None,
     )  # fmt: skip
     return merge_splits(out, lse / LOG2E, q.dtype, sinks)  # base-2 lse -> natural log
+
+
+def _score_buffer(scores: torch.Tensor | None, q: torch.Tensor, slots: int) -> torch.Tensor:
+    """``scores`` checked (ValueError naming the shape, dtype or layout wanted), or, where
+    None, an unused float32 tensor of q's first three dims for the kernel's strides."""
+    B, Hq, Sq = q.shape[:3]
+    if scores is None:
+        return torch.empty(B, Hq, Sq, 1, device=q.device, dtype=torch.float32)
+    if (
+        scores.dtype != torch.float32
+        or scores.device != q.device
+        or scores.dim() != 4
+        or tuple(scores.shape[:3]) != (B, Hq, Sq)
+        or scores.shape[3] < slots
+        or scores.stride(3) != 1
+    ):
+        raise ValueError(
+            f"scores {tuple(scores.shape)} {scores.dtype} on {scores.device}: the key-score "
+            f"buffer must be float32 (B, Hq, Sq, >= max_pages * P)=({B}, {Hq}, {Sq}, >= "
+            f"{slots}) on {q.device}, its last dim contiguous"
+        )
+    return scores
 
 
 def merge_splits(
