@@ -137,7 +137,8 @@ def test_paged_attention_dispatches_to_the_kernel(kernel, monkeypatch, Sq, mask_
     monkeypatch.setenv("SELFATTN_PAGED_TRITON", "1")
     calls = []
     real = kernel.paged_attention_triton
-    monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
+    spy = lambda *a, **kw: calls.append(1) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(kernel, "paged_attention_triton", spy)
     explained = sa.backends.explain_paged(q, kp, vp, table, lens, mask=mask, print_table=False)
     assert explained.chosen == "triton"
     out, lse = paged_attention(q, kp, vp, table, lens, mask=mask, return_lse=True)

@@ -99,7 +99,7 @@ def targets(rows: list[dict], n: int) -> list[dict]:
     base = next((r for r in rows if r["policy"] == "none"), None)
     out = []
     for r in rows:
-        ratio = r["policy"].partition(":")[2]
+        ratio = r["policy"].partition(":")[2].partition(",")[0]  # "tova:0.75,decode_budget=N"
         if base is None or r is base or not ratio or float(ratio) != 0.75:
             continue
         speedup = r["tokens_per_s"] / base["tokens_per_s"]

@@ -217,7 +217,7 @@ def our_answers(model, tokenizer, samples: list[Sample], new: int, press=None) -
             extra = {} if press is None else {"kv_compression": press,
                                               "kv_compression_context": len(s.context)}  # fmt: skip
             tokens = generate(model, torch.tensor([ids]), new, **extra)[0, len(ids) :]
-            out.append(tokenizer.decode(tokens.tolist()))
+            out.append(tokenizer.decode(tokens.tolist(), skip_special_tokens=True))  # as kvpress
     return out
 
 
