@@ -114,14 +114,21 @@ class DecodeEviction:
         budget plus interval back to the budget; ``(policy, (tokens evicted per head, pages
         freed))`` of each cut."""
         cuts = []
-        for i, (seq, _) in enumerate(found):
-            spec, n = seq.request.compression, self.kv.length(seq.kv_id)
+        if not found:
+            return cuts
+        lengths = [self.kv.length(seq.kv_id) for seq, _ in found]
+        # each layer's weights for every found row at once, over the longest one's keys
+        weights = []
+        for layer in range(self.kv.n_layers):
+            scores, lse = plan.scores[layer]
+            weights.append(key_weights(scores[..., : max(lengths)], lse))  # (R, Hq, n)
+        for i, ((seq, _), n) in enumerate(zip(found, lengths)):
+            spec = seq.request.compression
             state = seq.evicting
             if state is None:
                 state = seq.evicting = self._start(seq, spec, n)
-            for layer, ds in enumerate(state.scores):
-                scores, lse = plan.scores[layer]
-                ds.update(key_weights(scores[i, :, :n], lse[i])[None])  # (1, Hq, n)
+            for ds, w in zip(state.scores, weights):
+                ds.update(w[i : i + 1, :, :n])  # (1, Hq, n)
             if state.positions is not None:
                 new = torch.full((*state.positions.shape[:2], 1), self.kv.evicted(seq.kv_id) + n
                                  - 1, dtype=torch.long)  # fmt: skip

@@ -91,10 +91,10 @@ class DecodeScores:
         b, _, n = weights.shape
         w = weights.to(torch.float64 if weights.dtype == torch.float64 else torch.float32)
         if isinstance(self.press, ObservedAttention):
-            old = torch.zeros(b, self.n_kv_heads, n, dtype=w.dtype, device=w.device)
+            new = group_mean(w, self.n_kv_heads)  # a new tensor: the new keys start from it
             if self.scores is not None:
-                old[..., : self.length] = self.scores
-            self.scores = old + group_mean(w, self.n_kv_heads)
+                new[..., : self.length] += self.scores
+            self.scores = new
         elif isinstance(self.press, TOVA):
             self.scores = self.press.heads_mean(w, self.n_kv_heads)
         else:

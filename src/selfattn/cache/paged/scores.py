@@ -26,12 +26,15 @@ import torch
 __all__ = ["record_from_pages", "score_call", "store_kernel_scores", "want_scores"]
 
 ROWS = "rows"  # plan.scores' key of the rows asked for
+EVERY_ROW = "every row"  # whether they are all the step's rows, in order
 
 
 def want_scores(plan, rows: torch.Tensor) -> None:
     """Ask each layer of ``plan`` (a :class:`~selfattn.cache.paged.StepPlan`) for the key scores
     of the step's ``rows`` ``(R,)`` int64 (module docstring)."""
     plan.scores[ROWS] = rows
+    n = len(rows)
+    plan.scores[EVERY_ROW] = n == len(plan.seq_ids) and bool((rows == torch.arange(n)).all())
 
 
 def score_call(kv, plan, call, q_rows: torch.Tensor, backend: str):
@@ -52,8 +55,11 @@ def store_kernel_scores(plan, layer: int, call, lse) -> bool:
     call recorded none (the caller then records from the pages)."""
     if call.key_scores is None:
         return False
-    rows = plan.scores[ROWS]
-    plan.scores[layer] = (call.key_scores[rows, :, 0], lse[rows, :, 0])
+    rows, buf = plan.scores[ROWS], call.key_scores
+    if plan.scores.get(EVERY_ROW):  # every row of the call, in order: views, no copy
+        plan.scores[layer] = (buf[:, :, 0], lse[:, :, 0])
+    else:
+        plan.scores[layer] = (buf[rows, :, 0], lse[rows, :, 0])
     return True
 
 
