@@ -39,7 +39,7 @@ Which path a forward runs (``M`` = rows of the input):
   chunk of at most ``CHUNK_BYTES`` at a time and multiplied by a matmul. bf16 with ``M <
   FEW_ROWS`` multiplies in fp32 and rounds once; more rows round the chunk to bf16 for the bf16
   matmul. On CPU in fp32 or bf16 the C kernel's dequantiser writes the chunk (the same values,
-  4-5x faster than tensor ops: past ``KERNEL_ROWS`` rows the dense matmul then beats the
+  about 6x faster than tensor ops: past ``KERNEL_ROWS`` rows the dense matmul then beats the
   integer dot products, whose time grows with every row).
 """
 
