@@ -11,11 +11,11 @@ reduce each row the same way whatever the other rows, the batch size and the thr
 - ``F.linear`` runs :func:`invariant_linear`: a C kernel whose every output sums in one order
   fixed by the width (``csrc/rows_linear.c``), or, without it, torch's matmul over tiles of
   :data:`ROW_TILE` rows, one call a tile (the last zero-padded): which rows an ``M``-row
-  product rounds alike depends on the CPU (MKL 2024.2 on AMD AVX-512: ``M`` a multiple of 4,
-  but ``M = 1`` runs a GEMV and ``M = 2, 3`` another kernel, and on two threads the last rows
-  of ``M = 5..7, 9..11`` differ; on an Intel AMX Xeon rows of 4- and 5-row products differ,
-  and at SmolLM2's widths fp32 rows differ from ``M = 9`` on, bf16 from ``M = 33``), while
-  every row of an 8-row product rounds alike on both, at any position, 1 or 2 threads
+  product rounds alike depends on the CPU (MKL 2024.2 on AVX-512 without AMX: ``M`` a
+  multiple of 4, but ``M = 1`` runs a GEMV and ``M = 2, 3`` another kernel, and on two
+  threads the last rows of ``M = 5..7, 9..11`` differ; with AMX, rows of 4- and 5-row products
+  differ, and at SmolLM2's widths fp32 rows differ from ``M = 9`` on, bf16 from ``M = 33``),
+  while every row of an 8-row product rounds alike on both, at any position, 1 or 2 threads
   (``benchmarks/determinism.py`` checks a machine);
 - SiLU and GELU see every row at the same vector lanes (:func:`invariant_rowwise`);
 - the quantised matmul runs its C kernel for every row count (``nn/quant.py``), never the
