@@ -117,11 +117,12 @@ class DecodeEviction:
         if not found:
             return cuts
         lengths = [self.kv.length(seq.kv_id) for seq, _ in found]
+        longest = max(lengths)
         # each layer's weights for every found row at once, over the longest one's keys
         weights = []
         for layer in range(self.kv.n_layers):
             scores, lse = plan.scores[layer]
-            weights.append(key_weights(scores[..., : max(lengths)], lse))  # (R, Hq, n)
+            weights.append(key_weights(scores[..., :longest], lse))  # (R, Hq, longest)
         for i, ((seq, _), n) in enumerate(zip(found, lengths)):
             spec = seq.request.compression
             state = seq.evicting
