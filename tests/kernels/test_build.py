@@ -10,6 +10,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +71,85 @@ def test_every_c_kernel_builds_and_loads(name):
     errors = "\n\n".join(build.build_errors(spec)) if lib is None else ""
     assert lib is not None, f"the {name} C kernel did not build or load:\n{errors}"
     assert all(hasattr(lib, f.name) for f in spec.functions)
+
+
+def _load_time_functions(lib: Path) -> dict[str, str]:
+    """The disassembly of each function ``lib``'s ``.init_array`` runs when it is loaded, by
+    name (the constructors; objdump's AT&T syntax)."""
+    sections = subprocess.run(["readelf", "-SW", str(lib)], capture_output=True, text=True)
+    row = r"\.init_array\s+\S+\s+([0-9a-f]+)\s+[0-9a-f]+\s+([0-9a-f]+)"  # name type addr off size
+    found = re.search(row, sections.stdout)
+    assert found, f"no .init_array in {lib}"
+    start, size = int(found[1], 16), int(found[2], 16)
+    relocs = subprocess.run(["readelf", "-rW", str(lib)], capture_output=True, text=True).stdout
+    entries = set()
+    for line in relocs.splitlines():  # offset info type [symbol] addend: relative relocations
+        fields = line.split()
+        at = int(fields[0], 16) if fields and re.fullmatch(r"[0-9a-f]{8,16}", fields[0]) else -1
+        if start <= at < start + size and len(fields) >= 4 and "RELATIVE" in fields[2]:
+            entries.add(int(fields[-1], 16))
+    dis = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+    functions = {}  # address -> (name, disassembly), one per "<name>:" header
+    for block in re.split(r"\n(?=[0-9a-f]+ <[^>]+>:\n)", dis):
+        head = re.match(r"([0-9a-f]+) <([^>]+)>:\n", block)
+        if head:
+            functions[int(head[1], 16)] = (head[2], block)
+    missing = entries - functions.keys()
+    assert not missing, f"constructors at {sorted(missing)} have no symbol in {lib}"
+    out = dict(functions[a] for a in entries)
+    return out
+
+
+def _constructors_in_widened_code(text: str) -> list[int]:
+    """Line numbers of ``__attribute__((constructor))`` functions that a ``#pragma GCC target``
+    region (between push_options and pop_options) or their own target attribute widens."""
+    widened, bad = [False], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if re.match(r"\s*#\s*pragma GCC push_options", line):
+            widened.append(widened[-1])
+        elif re.match(r"\s*#\s*pragma GCC pop_options", line):
+            widened.pop()
+        elif re.match(r"\s*#\s*pragma GCC target", line):
+            widened[-1] = True
+        elif re.search(r"__attribute__\(\(.*constructor", line):
+            bad += [number] if widened[-1] or "target(" in line else []
+    return bad
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in build.CSRC.glob("*.[ch]")))
+def test_no_constructor_is_compiled_for_a_wider_instruction_set(source):
+    """Code that runs when a library loads runs on every CPU that loads it, before any dispatch
+    chooses a path: a constructor inside a region a ``#pragma GCC target`` widens may be
+    vectorised with AVX-512, and a CPU without it then faults as the library loads."""
+    assert not _constructors_in_widened_code((build.CSRC / source).read_text()), source
+
+
+def test_the_lint_finds_a_constructor_in_a_widened_region():
+    text = (build.CSRC / "paged_decode.c").read_text()
+    planted = text.replace(
+        '#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")\n',
+        '#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")\n'
+        "__attribute__((constructor)) static void planted(void) {}\n",
+    )
+    assert planted != text and len(_constructors_in_widened_code(planted)) == 1
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_code_that_runs_at_load_has_no_avx512_where_the_cpu_lacks_it(name):
+    """The cached library this CPU loads: its constructors (the functions ``.init_array``
+    lists) use no AVX-512 register where the CPU has no AVX-512."""
+    _needs_compiler()
+    if platform.machine() != "x86_64" or "avx512f" in build.cpu_flags():
+        pytest.skip("an x86-64 CPU without AVX-512 only: elsewhere the source check covers it")
+    if not all(shutil.which(t) for t in ("readelf", "objdump")):
+        pytest.skip("needs binutils (readelf, objdump)")
+    lib = build.load(SPECS[name])
+    if lib is None:
+        pytest.skip(f"{name} did not build here (test_every_c_kernel_builds_and_loads says why)")
+    wide = re.compile(r"%[xy]mm(1[6-9]|2\d|3[01])\b|%zmm|%k[0-7]\b")
+    for function, text in _load_time_functions(Path(lib._name)).items():
+        bad = [ln.strip() for ln in text.splitlines() if wide.search(ln)]
+        assert not bad, f"{name}: {function} runs at load with {bad[:3]}"
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])

@@ -194,6 +194,53 @@ typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float 
 #undef PD_X86
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* The AVX-512 paths' tables, and the constructors that fill them at load time, compiled for
+   the baseline target: code inside the AVX-512 region below may be vectorised with its
+   instructions, and a constructor there runs on every CPU that loads the library. */
+/* The bf16 bits of the fp8 e4m3fn magnitudes 0..127 (exponent 0: m 2^-9; 127: NaN) */
+static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {
+    0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60,
+    0x3C80, 0x3C90, 0x3CA0, 0x3CB0, 0x3CC0, 0x3CD0, 0x3CE0, 0x3CF0,
+    0x3D00, 0x3D10, 0x3D20, 0x3D30, 0x3D40, 0x3D50, 0x3D60, 0x3D70,
+    0x3D80, 0x3D90, 0x3DA0, 0x3DB0, 0x3DC0, 0x3DD0, 0x3DE0, 0x3DF0,
+    0x3E00, 0x3E10, 0x3E20, 0x3E30, 0x3E40, 0x3E50, 0x3E60, 0x3E70,
+    0x3E80, 0x3E90, 0x3EA0, 0x3EB0, 0x3EC0, 0x3ED0, 0x3EE0, 0x3EF0,
+    0x3F00, 0x3F10, 0x3F20, 0x3F30, 0x3F40, 0x3F50, 0x3F60, 0x3F70,
+    0x3F80, 0x3F90, 0x3FA0, 0x3FB0, 0x3FC0, 0x3FD0, 0x3FE0, 0x3FF0,
+    0x4000, 0x4010, 0x4020, 0x4030, 0x4040, 0x4050, 0x4060, 0x4070,
+    0x4080, 0x4090, 0x40A0, 0x40B0, 0x40C0, 0x40D0, 0x40E0, 0x40F0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x4180, 0x4190, 0x41A0, 0x41B0, 0x41C0, 0x41D0, 0x41E0, 0x41F0,
+    0x4200, 0x4210, 0x4220, 0x4230, 0x4240, 0x4250, 0x4260, 0x4270,
+    0x4280, 0x4290, 0x42A0, 0x42B0, 0x42C0, 0x42D0, 0x42E0, 0x42F0,
+    0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370,
+    0x4380, 0x4390, 0x43A0, 0x43B0, 0x43C0, 0x43D0, 0x43E0, 0x7FC0,
+};
+/* E4M3_BF16's low and high bytes: the lookup tables of the AVX512_VBMI path (e4m3_lookup) */
+static uint8_t E4M3_BF16_BYTES[2][128] __attribute__((aligned(64))); /* [0] low, [1] high */
+__attribute__((constructor)) static void fill_e4m3_bf16_bytes(void) {
+  for (int i = 0; i < 128; i++) {
+    E4M3_BF16_BYTES[0][i] = (uint8_t)(E4M3_BF16[i] & 0xFF);
+    E4M3_BF16_BYTES[1][i] = (uint8_t)(E4M3_BF16[i] >> 8);
+  }
+}
+/* vpermt2b indexes of the AVX512_VBMI path (PD_INTERLEAVE_IDX) */
+static uint8_t PD_INTERLEAVE[4][64] __attribute__((aligned(64)));
+__attribute__((constructor)) static void fill_interleave(void) {
+  for (int k = 0; k < 32; k++) {
+    PD_INTERLEAVE[0][2 * k] = (uint8_t)k, PD_INTERLEAVE[0][2 * k + 1] = (uint8_t)(64 + k);
+    PD_INTERLEAVE[1][2 * k] = (uint8_t)(32 + k), PD_INTERLEAVE[1][2 * k + 1] = (uint8_t)(96 + k);
+  }
+  for (int k = 0; k < 16; k++)
+    for (int half = 0; half < 2; half++) {
+      uint8_t *x = PD_INTERLEAVE[2 + half] + 4 * k;
+      const int e = 16 * half + k;
+      x[0] = (uint8_t)e, x[1] = (uint8_t)(64 + e), x[2] = (uint8_t)(32 + e), x[3] = (uint8_t)(96 + e);
+    }
+}
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -215,25 +262,6 @@ typedef void (*page_fn)(float *acc, int64_t Dv, float *m, float *l, const float 
 #undef ISA
 #undef VW
 #undef PD_X86
-/* The bf16 bits of the fp8 e4m3fn magnitudes 0..127 (exponent 0: m 2^-9; 127: NaN) */
-static const uint16_t E4M3_BF16[128] __attribute__((aligned(64))) = {
-    0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60,
-    0x3C80, 0x3C90, 0x3CA0, 0x3CB0, 0x3CC0, 0x3CD0, 0x3CE0, 0x3CF0,
-    0x3D00, 0x3D10, 0x3D20, 0x3D30, 0x3D40, 0x3D50, 0x3D60, 0x3D70,
-    0x3D80, 0x3D90, 0x3DA0, 0x3DB0, 0x3DC0, 0x3DD0, 0x3DE0, 0x3DF0,
-    0x3E00, 0x3E10, 0x3E20, 0x3E30, 0x3E40, 0x3E50, 0x3E60, 0x3E70,
-    0x3E80, 0x3E90, 0x3EA0, 0x3EB0, 0x3EC0, 0x3ED0, 0x3EE0, 0x3EF0,
-    0x3F00, 0x3F10, 0x3F20, 0x3F30, 0x3F40, 0x3F50, 0x3F60, 0x3F70,
-    0x3F80, 0x3F90, 0x3FA0, 0x3FB0, 0x3FC0, 0x3FD0, 0x3FE0, 0x3FF0,
-    0x4000, 0x4010, 0x4020, 0x4030, 0x4040, 0x4050, 0x4060, 0x4070,
-    0x4080, 0x4090, 0x40A0, 0x40B0, 0x40C0, 0x40D0, 0x40E0, 0x40F0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-    0x4180, 0x4190, 0x41A0, 0x41B0, 0x41C0, 0x41D0, 0x41E0, 0x41F0,
-    0x4200, 0x4210, 0x4220, 0x4230, 0x4240, 0x4250, 0x4260, 0x4270,
-    0x4280, 0x4290, 0x42A0, 0x42B0, 0x42C0, 0x42D0, 0x42E0, 0x42F0,
-    0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370,
-    0x4380, 0x4390, 0x43A0, 0x43B0, 0x43C0, 0x43D0, 0x43E0, 0x7FC0,
-};
 /* 32 elements of a key (or value) row from d as bf16 pairs; past D: 0 (q is 0 there too, but a
    key's bytes past its row may be NaN). int8 keys are integers of at most 8 bits, exact in bf16:
    widened, converted to fp32 and packed to bf16 (vcvtne2ps2bf16) without rounding. */
@@ -271,13 +299,6 @@ __attribute__((target("avx512bf16"), always_inline)) static inline __m512i key_p
    into words is two more vpermt2b). vpermt2b by inline asm: an intrinsic would need the
    avx512vbmi target on every function it is inlined into, and those run on CPUs without it
    too; the dispatch (paged_decode_isa) takes these instructions only where the CPU has them. */
-static uint8_t E4M3_BF16_BYTES[2][128] __attribute__((aligned(64))); /* [0] low, [1] high */
-__attribute__((constructor)) static void fill_e4m3_bf16_bytes(void) {
-  for (int i = 0; i < 128; i++) {
-    E4M3_BF16_BYTES[0][i] = (uint8_t)(E4M3_BF16[i] & 0xFF);
-    E4M3_BF16_BYTES[1][i] = (uint8_t)(E4M3_BF16[i] >> 8);
-  }
-}
 /* out = the bytes of (a:b) (128 bytes) at idx's low 7 bits, byte by byte */
 #define PD_PERMT2B(out, a, idx, b)                                                                \
   do {                                                                                            \
@@ -312,19 +333,6 @@ __attribute__((always_inline)) static inline void e4m3_lookup(const E4M3Bytes *t
 /* vpermt2b indexes that interleave looked-up bytes (lo in 0-63, hi in 64-127) into bf16 words:
    row a's 32 words (PD_ROW_A), row b's (PD_ROW_B); or the two rows' words of dims 0-15
    (PD_PAIRS_LO) and 16-31 (PD_PAIRS_HI) as pairs (a, b), vdpbf16ps's operand over two slots. */
-static uint8_t PD_INTERLEAVE[4][64] __attribute__((aligned(64)));
-__attribute__((constructor)) static void fill_interleave(void) {
-  for (int k = 0; k < 32; k++) {
-    PD_INTERLEAVE[0][2 * k] = (uint8_t)k, PD_INTERLEAVE[0][2 * k + 1] = (uint8_t)(64 + k);
-    PD_INTERLEAVE[1][2 * k] = (uint8_t)(32 + k), PD_INTERLEAVE[1][2 * k + 1] = (uint8_t)(96 + k);
-  }
-  for (int k = 0; k < 16; k++)
-    for (int half = 0; half < 2; half++) {
-      uint8_t *x = PD_INTERLEAVE[2 + half] + 4 * k;
-      const int e = 16 * half + k;
-      x[0] = (uint8_t)e, x[1] = (uint8_t)(64 + e), x[2] = (uint8_t)(32 + e), x[3] = (uint8_t)(96 + e);
-    }
-}
 enum { PD_ROW_A, PD_ROW_B, PD_PAIRS_LO, PD_PAIRS_HI };
 #define PD_INTERLEAVE_IDX(which) _mm512_load_si512((const __m512i *)PD_INTERLEAVE[which])
 
