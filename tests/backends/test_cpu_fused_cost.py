@@ -82,7 +82,17 @@ def test_auto_follows_the_measured_crossover(case, mask, threads, torch_threads)
     torch_threads(threads)
     (B, Hq, Hkv, Sq, Sk, D, dtype, grad), chosen = CASES[case]
     if not _measured(dtype) and chosen == "cpu_fused":
-        chosen = "sdpa"  # unmeasured build: sdpa's equal, and ties go to sdpa
+        # unmeasured build: sdpa's equal, and ties go to sdpa; but where sdpa runs the mask
+        # dense (causal with Sq < Sk: its is_causal aligns top-left), cpu_fused skips the empty
+        # tiles and wins once its set-up is paid
+        pairs = B * Hq * Sq * Sk
+        seen = Sq * Sk - Sq * (Sq - 1) // 2  # bottom-right causal: row i sees Sk - Sq + i + 1
+        skips = (
+            mask is not None
+            and Sq < Sk
+            and seen / (Sq * Sk) + cpu_fused.UNMEASURED.fixed / pairs < 1
+        )
+        chosen = "cpu_fused" if skips else "sdpa"
     ex = _choice(B, Hq, Hkv, Sq, Sk, D, dtype, grad=grad, mask=mask)
     assert ex.chosen == chosen, str(ex)
 

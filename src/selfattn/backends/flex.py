@@ -558,11 +558,16 @@ _CUDA_MASK = Cost(0.5, "mask: compiled FlexAttention skips empty blocks", sparse
 _CUDA_SCORE_MOD = Cost(1.5, "score mod: compiled FlexAttention fuses it", sparse=True)
 _CUDA_PLAIN = Cost(20.0, "no mask or score mod to fuse: a compile for nothing")
 _CPU = Cost(100.0, "on CPU a last resort: compiles per shape (4-10 s cold), no backward")
+# The cold compile as set-up, in sdpa-pairs (sdpa runs ~1e9 pairs a second on one core): without
+# it a small call's per-pair price alone would rank flex above backends whose set-up is fixed
+# in pairs (chunked, cpu_fused) and compile for seconds to save microseconds.
+_CPU_COMPILE_PAIRS = 1e9
 
 
 def _cost(q, k, v, call: AttentionCall) -> Cost:
     if q.device.type != "cuda":
-        return _CPU
+        pairs = max(1, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return dataclasses.replace(_CPU, fixed=_CPU_COMPILE_PAIRS / pairs)
     if not causal_as_flag(k, call):
         return _CUDA_MASK
     return _CUDA_PLAIN if call.score_mod is None else _CUDA_SCORE_MOD
