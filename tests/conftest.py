@@ -11,6 +11,10 @@ import torch
 # before triton is first imported, so it is set here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor compiles (FlexAttention on CPU, torch.compile tests) in this process: its default pool
+# of compile workers, each importing torch, costs more than it saves on the suite's small graphs
+# (a CPU flex test: 28 s with the pool, 16 s without), and the benchmarks' subprocesses inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -18,11 +18,10 @@ from tests._gguf_helpers import smollm2_path
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 
+# a short answer that ends at the end of turn, prose, and code
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Translate 'good morning' into Spanish.",
     "def fib(n):  # complete this Python function",
 ]
 NEW = 40

@@ -896,7 +896,8 @@ def part_d(ctx: Context) -> list[dict]:
     w, n, t, q1 = ctx.workload, ctx.sizes.new, max(ctx.threads), ctx.shipped
     prompts = list(w["spec"].values())
     ours, missing = [], []
-    for api in ("generate", "engine"):
+    # --quick: the Engine's drafting alone (the served path; generate's is the same proposer)
+    for api in ("engine",) if ctx.quick else ("generate", "engine"):
         why = speculation_missing(api)
         if why is None:
             args = (ctx.files[q1], "bfloat16", api, prompts, w["warm"], n, t, SPEC_TOKENS)
