@@ -248,7 +248,8 @@ def test_part_d_pairs_the_peer_without_and_with_drafting(monkeypatch):
     monkeypatch.setattr(cpu_llm, "_peer", peer)
     ctx = SimpleNamespace(workload={"spec": {"edit": [1, 2], "extract": [3]}, "warm": [4]},
                           sizes=cpu_llm.Sizes(new=3), threads=[1], shipped="Q4_1",
-                          files={"Q4_1": "model.gguf"}, llama="python", repeat=2)  # fmt: skip
+                          files={"Q4_1": "model.gguf"}, llama="python", repeat=2,
+                          quick=False)  # fmt: skip
     ours_gen, ours_engine, llama = cpu_llm.part_d(ctx)
     assert ours_gen["skipped"] == "generate: none here" and "speedup" not in ours_gen
     assert ours_engine["skipped"] == "engine: none here"
