@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
 # of compile workers, each importing torch, costs more than it saves on the suite's small graphs
 # (a CPU flex test: 28 s with the pool, 16 s without), and the benchmarks' subprocesses inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Under pytest-xdist every worker is a process of its own on the same cores: intra-op threads
+# beyond one per worker oversubscribe them (OpenMP's spinning waiters then burn the other
+# worker's time). Tests about threads set their own count (the two_threads fixture).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
