@@ -41,6 +41,7 @@ __all__ = [
     "needs_grad",
     "nonfinite_v_part",
     "run_with_sinks",
+    "setup_per_pair",
     "sinkless",
     "sinks_merged",
     "unattended_columns_zeroed",
@@ -149,6 +150,12 @@ def sinks_merged(run):
         return run(*args) if args[-1].sinks is None else run_with_sinks(run, *args)
 
     return wrapped
+
+
+def setup_per_pair(setup_pairs: float, q, k) -> float:
+    """A per-call set-up worth ``setup_pairs`` yardstick pairs, spread over the call's
+    ``B·Hq·Sq·Sk`` (query, key) pairs: a :class:`~selfattn.backends.base.Cost`'s ``fixed``."""
+    return setup_pairs / max(1, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
 
 
 def needs_grad(tensors) -> bool:

@@ -48,6 +48,7 @@ from selfattn.backends._common import (
     grad_needed,
     nonfinite_v_part,
     run_with_sinks,
+    setup_per_pair,
     unattended_columns_zeroed,
 )
 from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
@@ -964,8 +965,7 @@ def cost(q, k, v, call: AttentionCall) -> Cost:
         return _TRACED
     if q.shape[2] == 1 and q.device.type == "cpu" and grad_needed(q, k, v, call):
         return _DECODE_BACKWARD
-    pairs = max(1, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
-    return dataclasses.replace(_COST, fixed=_OVERHEAD_PAIRS / pairs)
+    return dataclasses.replace(_COST, fixed=setup_per_pair(_OVERHEAD_PAIRS, q, k))
 
 
 register(

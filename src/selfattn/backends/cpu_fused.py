@@ -50,6 +50,7 @@ from selfattn.backends._common import (
     learned_bias,
     run_with_sinks,
     score_terms,
+    setup_per_pair,
 )
 from selfattn.backends.base import BASE_FIELDS, Backend, Cost, register
 from selfattn.backends.exact import fused_or_exact
@@ -292,8 +293,6 @@ def fit(q, k, v, call: AttentionCall) -> Fit:
 
 
 def cost(q, k, v, call: AttentionCall) -> Cost:
-    B, Hq, Sq, _ = q.shape
-    pairs = max(1, B * Hq * Sq * k.shape[2])
     f = fit(q, k, v, call)
     per_pair, what = f.per_pair, f.what
     terms = score_terms(q, k, call)  # a reason string where reject() declines the call
@@ -304,7 +303,7 @@ def cost(q, k, v, call: AttentionCall) -> Cost:
         f"fused C kernel over the mask's tiles, skipping empty ones ({what}: "
         f"{per_pair:g} x sdpa per pair + {f.fixed:.0e} pairs of set-up)",
         sparse=True,
-        fixed=f.fixed / pairs,
+        fixed=setup_per_pair(f.fixed, q, k),
     )
 
 

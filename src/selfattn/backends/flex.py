@@ -54,6 +54,7 @@ from selfattn.backends._common import (
     grad_needed,
     needs_grad,
     run_with_sinks,
+    setup_per_pair,
     sinkless,
 )
 from selfattn.backends.base import BASE_FIELDS, Backend, BackendCompileError, Cost, register
@@ -566,8 +567,7 @@ _CPU_COMPILE_PAIRS = 1e9
 
 def _cost(q, k, v, call: AttentionCall) -> Cost:
     if q.device.type != "cuda":
-        pairs = max(1, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
-        return dataclasses.replace(_CPU, fixed=_CPU_COMPILE_PAIRS / pairs)
+        return dataclasses.replace(_CPU, fixed=setup_per_pair(_CPU_COMPILE_PAIRS, q, k))
     if not causal_as_flag(k, call):
         return _CUDA_MASK
     return _CUDA_PLAIN if call.score_mod is None else _CUDA_SCORE_MOD
